@@ -1,0 +1,32 @@
+"""fxamp: ahead-of-time automatic mixed precision for PyTorch, as a torch.fx graph rewrite.
+
+``fxamp.convert(model, policy="O1")`` traces the model, classifies every op (safe / neutral /
+conditional / unsafe), and returns a ``GraphModule`` with explicit casts: no autocast, nothing
+patched.
+"""
+
+from .classify import Decision, classify
+from .convert import clear_cast_cache, convert, policy_of
+from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
+from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
+from .policy import Policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "convert",
+    "policy_of",
+    "clear_cast_cache",
+    "classify",
+    "Decision",
+    "Policy",
+    "Category",
+    "OpEntry",
+    "OpLists",
+    "DEFAULT_OP_LISTS",
+    "FxampError",
+    "TraceError",
+    "ConversionError",
+    "LossScaleError",
+    "OptimizerStateError",
+]

@@ -1,0 +1,222 @@
+"""Decide, for every node of a captured graph, its category, the reason, and the dtype it computes in.
+
+``classify`` is a pure pass: it reads the graph, the policy and the op lists and returns one
+:class:`Decision` per node (``annotate`` also records it as ``node.meta["fxamp"]``).  The rewrite
+and the report both read these records, so they can never disagree.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .errors import ConversionError
+from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists, _as_entry, op_key, op_name
+from .policy import Policy
+from .trace import module_path_of
+
+__all__ = ["Decision", "classify", "annotate", "ModuleOverrides"]
+
+ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
+META_KEY = "fxamp"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What fxamp does with one node.
+
+    op:       qualified op name (``torch.nn.functional.linear``, ``Tensor.sum``, ``torch.nn.LayerNorm``).
+    category: where the op sits (a conditional op keeps CONDITIONAL; ``compute`` says how it resolved).
+    reason:   the rule that decided, in words.
+    compute:  the dtype its floating inputs are cast to before it runs; None: as they arrive.
+    norm:     a normalisation op (its parameters follow ``Policy.norms``).
+    source:   where the rule came from: "op list", "override", "module override", "default", "graph".
+    module:   the module path the node belongs to ("" for the root).
+    """
+
+    op: str
+    category: Category
+    reason: str
+    compute: Optional[torch.dtype]
+    norm: bool = False
+    source: str = "op list"
+    module: str = ""
+
+
+def annotate(
+    gm: fx.GraphModule,
+    policy: Policy,
+    op_lists: OpLists = DEFAULT_OP_LISTS,
+    module_overrides: Optional[ModuleOverrides] = None,
+) -> Dict[fx.Node, Decision]:
+    """:func:`classify`, and record each decision in ``node.meta["fxamp"]``."""
+    decisions = classify(gm, policy, op_lists, module_overrides)
+    for node, decision in decisions.items():
+        node.meta[META_KEY] = decision
+    return decisions
+
+
+def classify(
+    gm: fx.GraphModule,
+    policy: Policy,
+    op_lists: OpLists = DEFAULT_OP_LISTS,
+    module_overrides: Optional[ModuleOverrides] = None,
+) -> Dict[fx.Node, Decision]:
+    """One :class:`Decision` per node, in graph order."""
+    overrides = _check_module_overrides(gm, module_overrides or {})
+    modules = dict(gm.named_modules())
+    decisions: Dict[fx.Node, Decision] = {}
+    for node in gm.graph.nodes:
+        decisions[node] = _decide(node, policy, op_lists, overrides, modules, decisions)
+    return decisions
+
+
+def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> Dict[str, OpEntry]:
+    paths = {name for name, _ in gm.named_modules()}
+    checked: Dict[str, OpEntry] = {}
+    for path, value in overrides.items():
+        if not isinstance(path, str):
+            raise TypeError(f"module_overrides keys are module paths such as 'encoder.layers.3', not {path!r}")
+        if path not in paths:
+            close = sorted(p for p in paths if p and (p.startswith(path) or path.startswith(p)))[:5]
+            raise ValueError(
+                f"module_overrides: {path!r} is not a submodule of the model"
+                + (f"; did you mean one of {close}?" if close else "")
+            )
+        checked[path] = _as_entry(value, f"module {path!r} overridden by the user")
+    return checked
+
+
+def _covering_override(path: str, overrides: Dict[str, OpEntry]) -> Optional[Tuple[str, OpEntry]]:
+    best = None
+    for prefix, entry in overrides.items():
+        if path == prefix or path.startswith(prefix + ".") or prefix == "":
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, entry)
+    return best
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):
+            return node.target._schema.is_mutable
+        return node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                               operator.setitem)
+    return False
+
+
+def _compute_for(category: Category, entry: OpEntry, policy: Policy) -> Optional[torch.dtype]:
+    if category is Category.SAFE:
+        return policy.compute
+    if category is Category.UNSAFE:
+        return policy.norms if entry.norm else policy.unsafe
+    return None
+
+
+def _decide(
+    node: fx.Node,
+    policy: Policy,
+    op_lists: OpLists,
+    overrides: Dict[str, OpEntry],
+    modules: Dict[str, nn.Module],
+    done: Mapping[fx.Node, Decision],
+) -> Decision:
+    path = module_path_of(node)
+    if node.op == "placeholder":
+        return Decision("input", Category.NEUTRAL, "model input: used as given", None, source="graph")
+    if node.op == "get_attr":
+        return Decision("get_attr", Category.NEUTRAL,
+                        "parameter, buffer or constant: cast at each use as that use needs", None,
+                        source="graph", module=path)
+    if node.op == "output":
+        if policy.output is None:
+            return Decision("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
+                            "(Policy.output=None)", None, source="graph")
+        return Decision("output", Category.NEUTRAL,
+                        f"floating outputs come back in {_short(policy.output)} (Policy.output), so a loss "
+                        "computed outside the model runs in float32" if policy.output == torch.float32 else
+                        f"floating outputs come back in {_short(policy.output)} (Policy.output)",
+                        policy.output, source="graph")
+
+    if node.op == "call_module":
+        target: Any = type(modules[str(node.target)])
+        name = f"{op_name(target)}"
+    else:
+        target = node.target
+        name = op_name(op_key(target))
+
+    if _is_inplace(node):
+        return Decision(name, Category.NEUTRAL,
+                        "in-place op: runs in the dtype of the tensor it writes into (a cast would write "
+                        "into a copy)", None, source="graph", module=path)
+
+    covering = _covering_override(path, overrides)
+    if covering is not None:
+        prefix, entry = covering
+        source = "module override"
+    else:
+        entry = op_lists.lookup(target)
+        source = "op list"
+        if entry is not None and entry.reason.startswith("overridden by the user"):
+            source = "override"
+    if entry is None:
+        if node.op == "call_module":
+            return Decision(name, Category.UNLISTED,
+                            "unlisted leaf module: runs in float32 with float32 parameters (its weights "
+                            "cannot be cast from outside); override its class or path to change that",
+                            torch.float32, source="default", module=path)
+        return Decision(name, Category.UNLISTED,
+                        "on no list: runs in the dtype of its inputs, as autocast does for unlisted ops; "
+                        "add it with overrides= to change that", None, source="default", module=path)
+
+    category = entry.category
+    reason = entry.reason
+    if category is Category.CONDITIONAL:
+        resolved, why = _resolve_condition(entry, node, done)
+        compute = _compute_for(resolved, entry, policy)
+        return Decision(name, Category.CONDITIONAL, f"{why} [{resolved.value}]", compute,
+                        norm=entry.norm, source=source, module=path)
+    return Decision(name, category, reason, _compute_for(category, entry, policy), norm=entry.norm,
+                    source=source, module=path)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Decision]) -> Tuple[Category, str]:
+    cond = entry.condition
+    if cond == "dtype_arg":
+        dtype = node.kwargs.get("dtype")
+        if dtype is None:
+            dtype = next((a for a in node.args if isinstance(a, torch.dtype)), None)
+        if dtype is not None:
+            return Category.NEUTRAL, (f"dtype={_short(dtype)} passed: the kernel reads its input as it "
+                                      f"comes and accumulates in {_short(dtype)}")
+        return Category.UNSAFE, "no dtype= passed: exp/sum family runs in float32"
+    if cond == "truediv":
+        args = node.args
+        if len(args) >= 2 and not isinstance(args[0], fx.Node) and isinstance(args[1], fx.Node):
+            return Category.UNSAFE, "scalar / tensor is a reciprocal: float32"
+        return Category.NEUTRAL, "tensor / tensor or tensor / scalar: follows its inputs"
+    if cond == "follow_producer":
+        producer = next((a for a in node.all_input_nodes), None)
+        if producer is None or producer not in done:
+            return entry.fallback, "smooth activation: follows its inputs"
+        p = done[producer]
+        how = _short(p.compute) if p.compute is not None else "the dtype it receives"
+        return Category.NEUTRAL, f"smooth activation: follows its producer {producer.name} ({p.category.value}, {how})"
+    if cond == "need_weights":
+        if node.kwargs.get("need_weights") is False:
+            return Category.SAFE, "need_weights=False: projections + scaled_dot_product_attention"
+        return entry.fallback, ("need_weights=True (the default): the attention softmax runs in low precision "
+                                "too; pass need_weights=False or override to 'unsafe'")
+    raise ConversionError(f"unknown condition {cond!r} in an op list entry")  # pragma: no cover

@@ -1,0 +1,248 @@
+"""Apply the decisions: store parameters in their dtype (O2/O3) and insert the casts.
+
+Both passes read ``node.meta["fxamp"]`` (see ``classify.py``) and change only the graph module
+they are given.  Before and after, for ``y = exp(linear(x))`` under O1/float16::
+
+    linear = F.linear(x, fc_weight, fc_bias)          cast_weight = cast_weight(cache, fc_weight, f16, 'fc.weight')
+    exp = torch.exp(linear)                  ==>      cast_bias = cast_weight(cache, fc_bias, f16, 'fc.bias')
+    return exp                                        cast_x = cast(x, f16)
+                                                      linear = F.linear(cast_x, cast_weight, cast_bias)
+                                                      cast_linear = cast(linear, f32)
+                                                      exp = torch.exp(cast_linear)
+                                                      return cast(exp, f32)   # elided when known float32
+
+One cast per (value, dtype): a weight or activation used by several nodes is cast once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .classify import Decision
+from .op_lists import NON_FLOAT_OPS, SINGLE_TENSOR_OPS, op_key
+from .policy import Policy
+from .runtime import WeightCastCache, call_module_cast, cast, cast_weight
+
+__all__ = ["store_params", "insert_casts", "CACHE_NAME"]
+
+CACHE_NAME = "_fxamp_weight_cache"
+_LOW = (torch.float16, torch.bfloat16)
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fetch(module: nn.Module, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
+    """The dtype a tensor consumed by this decision wants to be stored in."""
+    if decision.norm:
+        return policy.norms
+    if decision.compute is None or decision.compute in _LOW:
+        return policy.params
+    return torch.float32
+
+
+def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Policy) -> Dict[str, torch.dtype]:
+    """Re-bind float32 parameters and float buffers to the dtype their consumers run in (O2/O3).
+
+    A tensor is stored low only when every consumer runs in low precision (or follows its
+    inputs); one float32 consumer (a norm, an unsafe op) keeps it float32.  Tied parameters stay
+    tied.  Returns ``{name: new dtype}`` for the tensors that changed.
+    """
+    if policy.params == torch.float32 and policy.norms == torch.float32:
+        return {}
+    modules = dict(gm.named_modules())
+    wants: Dict[int, set] = defaultdict(set)
+    tensors: Dict[int, torch.Tensor] = {}
+
+    def want(t: Any, dtype: torch.dtype) -> None:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            wants[id(t)].add(dtype)
+            tensors[id(t)] = t
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _fetch(gm, node.target)
+            for user in node.users:
+                d = decisions.get(user)
+                want(value, torch.float32 if d is None or user.op == "output" else _storage_for(d, policy))
+        elif node.op == "call_module":
+            d = decisions[node]
+            m = modules[node.target]
+            dtype = _storage_for(d, policy)
+            for t in list(m.parameters()) + list(m.buffers()):
+                want(t, dtype)
+
+    target: Dict[int, torch.dtype] = {}
+    for key, dtypes in wants.items():
+        dtype = torch.float32 if torch.float32 in dtypes else dtypes.pop()
+        if dtype != torch.float32:
+            target[key] = dtype
+    if not target:
+        return {}
+
+    changed: Dict[str, torch.dtype] = {}
+    replaced: Dict[int, torch.Tensor] = {}
+    for mod_name, mod in gm.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in list(getattr(mod, kind).items()):
+                if t is None or id(t) not in target:
+                    continue
+                new = replaced.get(id(t))
+                if new is None:
+                    data = t.detach().to(target[id(t)])
+                    new = nn.Parameter(data, requires_grad=t.requires_grad) if kind == "_parameters" else data
+                    replaced[id(t)] = new
+                setattr(mod, name, new)  # setattr, so RNNs refresh their flat weights
+                changed[f"{mod_name}.{name}" if mod_name else name] = target[id(t)]
+    return changed
+
+
+#: marks a value known not to be a float tensor (an int, a shape, a bool mask)
+NOT_FLOAT = "not float"
+_EXPLICIT = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad")
+
+
+class DtypeInference:
+    """What dtype each value certainly has: a dtype, ``NOT_FLOAT``, or None (unknown until run time).
+
+    Used only to drop casts that would do nothing and to emit plain ``x.to(dtype)`` where the
+    value is known to be a float tensor; unknown values keep the run-time checked ``cast``.
+    """
+
+    def __init__(self, gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
+        self.gm, self.modules, self.decisions = gm, modules, decisions
+        self.known: Dict[fx.Node, Any] = {}
+
+    def __call__(self, node: fx.Node) -> Any:
+        if node not in self.known:
+            self.known[node] = self._infer(node)
+        return self.known[node]
+
+    def _infer(self, node: fx.Node) -> Any:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            return NOT_FLOAT
+        if isinstance(val, (int, bool, torch.SymInt, torch.SymBool)):
+            return NOT_FLOAT
+        if node.op == "get_attr":
+            t = _fetch(self.gm, node.target)
+            return t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else NOT_FLOAT
+        if "fxamp_cast" in node.meta:
+            src, dtype = node.meta["fxamp_cast"]
+            return dtype if self(src) in _CASTABLE else (self(src) if self(src) is NOT_FLOAT else None)
+        if node.op == "call_method" and node.target in _EXPLICIT:
+            return _EXPLICIT[node.target]
+        if node.op == "call_method" and node.target == "to":
+            dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
+            return dtype
+        if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+            return NOT_FLOAT if node.args[1] in _META_ATTRS else None
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return None
+        key = type(self.modules[node.target]) if node.op == "call_module" else op_key(node.target)
+        if key in NON_FLOAT_OPS:
+            return NOT_FLOAT
+        if key not in SINGLE_TENSOR_OPS or node.kwargs.get("return_indices"):
+            return None
+        dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
+        if dtype is not None:
+            return dtype
+        decision = self.decisions.get(node)
+        if decision is not None and decision.compute is not None:
+            return decision.compute  # its float inputs were all cast to compute, so is its result
+        inputs = [self(n) for n in node.all_input_nodes]
+        if any(i is None for i in inputs):
+            return None
+        floats = [i for i in inputs if i is not NOT_FLOAT]
+        if not floats:
+            return None  # e.g. arange-like ops on ints: leave undecided
+        out = floats[0]
+        for f in floats[1:]:
+            out = torch.promote_types(out, f)
+        return out
+
+
+class _Casts:
+    """Creates cast nodes, one per (value, dtype), placed before the first node that needs it."""
+
+    def __init__(self, gm: fx.GraphModule, weight_cache: bool, dtypes: DtypeInference):
+        self.gm = gm
+        self.dtypes = dtypes
+        self.graph = gm.graph
+        self.made: Dict[Tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.count = 0
+        self.weight_cache = weight_cache
+        self._cache_node: Optional[fx.Node] = None
+
+    def _cache(self) -> fx.Node:
+        if self._cache_node is None:
+            if not hasattr(self.gm, CACHE_NAME):
+                self.gm.add_module(CACHE_NAME, WeightCastCache())
+            first = next(n for n in self.graph.nodes if n.op != "placeholder")
+            with self.graph.inserting_before(first):
+                self._cache_node = self.graph.get_attr(CACHE_NAME)
+        return self._cache_node
+
+    def to(self, value: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
+        known = self.dtypes(value)
+        if known is NOT_FLOAT or known == dtype or (known is not None and known not in _CASTABLE):
+            return value  # nothing to cast: not a float, already there, or float64
+        key = (value, dtype)
+        if key in self.made:
+            return self.made[key]
+        with self.graph.inserting_before(before):
+            if value.op == "get_attr" and self.weight_cache and dtype in _LOW:
+                node = self.graph.call_function(cast_weight, (self._cache(), value, dtype, value.target))
+            elif known is not None:
+                node = self.graph.call_method("to", (value, dtype))
+            else:
+                node = self.graph.call_function(cast, (value, dtype))
+        node.meta["fxamp_cast"] = (value, dtype)
+        self.made[key] = node
+        self.count += 1
+        return node
+
+
+def insert_casts(
+    gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Policy, *, weight_cache: bool = True
+) -> int:
+    """Insert a cast before each node whose decision has a ``compute`` dtype; returns how many were made."""
+    graph = gm.graph
+    modules = dict(gm.named_modules())
+    casts = _Casts(gm, weight_cache, DtypeInference(gm, modules, decisions))
+    for node in list(graph.nodes):
+        d = decisions.get(node)
+        if d is None or d.compute is None:
+            continue
+        dtype = d.compute
+        if node.op == "call_module" and _needs_param_cast(modules[node.target], dtype):
+            _run_module_cast(graph, node, dtype)
+            continue
+        node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
+        node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
+    return casts.count
+
+
+def _needs_param_cast(m: nn.Module, dtype: torch.dtype) -> bool:
+    return any(p.dtype in _CASTABLE and p.dtype != dtype for p in m.parameters())
+
+
+def _run_module_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
+    """A leaf module whose float32 weights must run in low precision: ``call_module_cast(m, dtype, ...)``."""
+    with graph.inserting_before(node):
+        module = graph.get_attr(node.target)
+        new = graph.call_function(call_module_cast, (module, dtype, *node.args), dict(node.kwargs))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)

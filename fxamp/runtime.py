@@ -1,0 +1,105 @@
+"""The few functions a converted module's generated forward calls (the casts fxamp inserts).
+
+They are plain functions over tensors: no global state, nothing patched, traceable by
+``torch.compile``.  ``cast`` decides at run time, like autocast's own cast, whether a value is a
+tensor it may cast, so conversion works without example inputs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Tuple
+
+import torch
+import torch.nn as nn
+
+__all__ = ["cast", "cast_weight", "call_module_cast", "WeightCastCache"]
+
+#: only these are cast: integer, bool and complex tensors carry ids, masks and indices, and
+#: float64 is never cast down.
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cast(x: Any, dtype: torch.dtype) -> Any:
+    """``x.to(dtype)`` if ``x`` is a float16/bfloat16/float32 tensor of another dtype, else ``x`` unchanged.
+
+    Lists and tuples (``torch.cat``'s argument) are cast element by element.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.dtype != dtype and x.dtype in _CASTABLE:
+            return x.to(dtype)
+        return x
+    if type(x) in (list, tuple):
+        return type(x)(cast(v, dtype) for v in x)
+    return x
+
+
+class WeightCastCache(nn.Module):
+    """Low-precision copies of float32 weights, reused while the weight is unchanged.
+
+    Used only where no autograd graph is needed (``no_grad``/``inference_mode``, or a weight that
+    does not require grad); training casts every forward, as autocast does.  An entry is reused
+    only while the weight is the same object with the same storage and version counter, so an
+    optimizer step, ``load_state_dict`` or any in-place write invalidates it.  (Writes through
+    ``.data`` bypass the version counter: call :meth:`clear` after those.)
+
+    It holds no parameters or buffers, so it adds nothing to ``state_dict``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._entries: Dict[Tuple[str, torch.dtype], Tuple[Any, int, int, torch.Tensor]] = {}
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+        entry = self._entries.get((key, dtype))
+        if entry is not None:
+            ref, version, ptr, value = entry
+            if ref() is weight and version == weight._version and ptr == weight.data_ptr():
+                return value
+        value = weight.detach().to(dtype)
+        self._entries[(key, dtype)] = (weakref.ref(weight), weight._version, weight.data_ptr(), value)
+        return value
+
+    def clear(self) -> None:
+        """Forget every cached copy (after writing weights through ``.data``)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # the cache is derived data: copies and pickles start empty
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state["_entries"] = {}
+        return state
+
+    def __deepcopy__(self, memo):
+        new = WeightCastCache()
+        new.training = self.training
+        return new
+
+    def extra_repr(self) -> str:
+        return f"entries={len(self._entries)}"
+
+
+def cast_weight(cache: WeightCastCache, weight: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+    """Cast a parameter or buffer for a low-precision op; reuse the cached copy when no gradient is needed."""
+    if weight.dtype == dtype or weight.dtype not in _CASTABLE:
+        return weight
+    if (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
+        return weight.to(dtype)
+    return cache.get(weight, dtype, key)
+
+
+def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    """Run a leaf module with its float parameters and buffers (and float inputs) cast to ``dtype``.
+
+    For leaf modules whose weights stay float32 (O1) but that run in low precision (RNNs,
+    MultiheadAttention): the cast copies are differentiable, so gradients reach the float32
+    parameters.
+    """
+    tensors = {name: cast(t, dtype) for name, t in module.named_parameters()}
+    tensors.update({name: cast(t, dtype) for name, t in module.named_buffers()})
+    args = tuple(cast(a, dtype) for a in args)
+    kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+    return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
