@@ -1,0 +1,41 @@
+"""Record the dtype every aten op actually ran in, with a TorchDispatchMode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class Call:
+    op: str                      # aten packet name, e.g. "addmm"
+    inputs: Tuple[torch.dtype, ...]   # dtypes of floating tensor inputs
+    outputs: Tuple[torch.dtype, ...]  # dtypes of floating tensor outputs
+    kwargs: dict
+
+
+class OpDtypes(TorchDispatchMode):
+    """``with OpDtypes() as rec: model(x)``, then ``rec.calls``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: List[Call] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        floats = lambda tree: tuple(t.dtype for t in tree_leaves(tree)
+                                    if isinstance(t, torch.Tensor) and t.is_floating_point())
+        self.calls.append(Call(func.overloadpacket.__name__, floats((args, kwargs)), floats(out), kwargs))
+        return out
+
+    def of(self, *ops: str) -> List[Call]:
+        return [c for c in self.calls if c.op in ops]
+
+    def casts(self) -> List[Call]:
+        """Calls that changed a float dtype (the cast kernels)."""
+        return [c for c in self.calls if c.op in ("_to_copy", "to", "copy_") and c.inputs[:1] != c.outputs[:1]]

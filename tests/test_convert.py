@@ -1,0 +1,367 @@
+"""convert() on a zoo of models, for O0–O3 × float16/bfloat16: the dtype every aten op ran in,
+numerics against float32 and torch.autocast, backward, modes, state_dict, save/load, copies."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from dtype_observer import OpDtypes
+from zoo import ZOO, build, inputs_for
+
+LOW = (torch.float16, torch.bfloat16)
+POLICIES = ("O1", "O2", "O3")
+#: SQNR floors (dB) against float32: float16 keeps 11 significant bits (~66 dB at best), bfloat16 8 (~48 dB).
+SQNR_FLOOR = {torch.float16: 45.0, torch.bfloat16: 30.0}
+
+# aten ops that must run in the low dtype (safe) or in float32 (unsafe under O1/O2).
+SAFE_ATEN = {"addmm", "mm", "bmm", "convolution", "baddbmm"}
+UNSAFE_ATEN = {"_softmax", "_log_softmax", "native_layer_norm", "exp", "pow", "reciprocal", "nll_loss_forward"}
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean().clamp_min(1e-30))).item()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_zoo_dtypes_and_numerics(name, dtype, policy):
+    model = build(name).eval()
+    x = inputs_for(name)
+    with torch.no_grad():
+        ref = model(*x)
+        amp = fxamp.convert(model, policy, dtype=dtype)
+        with OpDtypes() as rec:
+            out = amp(*x)
+
+    # every floating output comes back in float32, integer outputs untouched
+    for o, r in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert o.dtype == r.dtype == torch.float32
+    assert sqnr(first(ref), first(out)) > SQNR_FLOOR[dtype]
+
+    for call in rec.of(*SAFE_ATEN):
+        assert set(call.inputs) == {dtype}, (call.op, call.inputs)
+    unsafe_dtype = dtype if policy == "O3" else torch.float32
+    for call in rec.of(*UNSAFE_ATEN):
+        if call.op == "native_layer_norm":
+            # input is cast; weight/bias follow Policy.norms (float32 in O1/O2, low in O3)
+            assert call.inputs[0] == unsafe_dtype, call
+            assert set(call.inputs[1:]) <= {unsafe_dtype}, call
+        else:
+            assert set(call.inputs) == {unsafe_dtype}, (call.op, call.inputs)
+    for call in rec.of("native_batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit"):
+        assert call.inputs[0] == dtype  # batch norm takes the low-precision activation as it comes ...
+        expected_params = dtype if policy == "O3" else torch.float32
+        assert set(call.inputs[1:]) == {expected_params}  # ... with float32 weight and statistics (O1/O2)
+    assert rec.of(*SAFE_ATEN), "the model has no safe op? the zoo is wrong"
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_o0_is_bitwise_identity(name):
+    model = build(name)
+    x = inputs_for(name)
+    amp = fxamp.convert(model, "O0")
+    torch.manual_seed(1)
+    ref = model(*x)
+    torch.manual_seed(1)
+    out = amp(*x)
+    for r, o in zip(ref if isinstance(ref, tuple) else (ref,), out if isinstance(out, tuple) else (out,)):
+        assert torch.equal(r, o)
+    assert "cast" not in amp.code
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_o1_matches_autocast_bitwise_on_linear_layers(dtype):
+    # Both cast input, weight and bias to the low dtype and run addmm there: identical bits.
+    model = build("MLP")
+    x = inputs_for("MLP")[0]
+    amp = fxamp.convert(model, "O1", dtype=dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        ref = model(x)
+    assert ref.dtype == dtype
+    assert torch.equal(amp(x), ref.float())
+
+
+def test_o1_keeps_softmax_in_float32_where_cpu_autocast_does_not():
+    model = build("Attention")
+    x = inputs_for("Attention")[0]
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    with OpDtypes() as rec:
+        amp(x)
+    assert {c.inputs for c in rec.of("_softmax")} == {(torch.float32,)}
+    with OpDtypes() as rec, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert {c.inputs for c in rec.of("_softmax")} == {(torch.bfloat16,)}  # CPU autocast leaves it low
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("name", ["MLP", "ConvBN", "Attention", "TokenModel", "TiedLM"])
+def test_backward_reaches_parameters(name, policy):
+    model = build(name)
+    amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
+    out = first(amp(*inputs_for(name)))
+    out.float().pow(2).mean().backward()
+    for pname, p in amp.named_parameters():
+        assert p.grad is not None, pname
+        assert p.grad.dtype == p.dtype
+        assert torch.isfinite(p.grad).all()
+    if policy == "O1":
+        # O1 shares the original's float32 parameters: their .grad is float32
+        for pname, p in model.named_parameters():
+            assert p.grad is not None and p.grad.dtype == torch.float32, pname
+
+
+def test_o1_gradients_match_autocast():
+    model = build("MLP")
+    x = inputs_for("MLP")[0]
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    amp(x).sum().backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().sum()
+    loss.backward()
+    for a, b in zip(ours, (p.grad for p in model.parameters())):
+        assert torch.equal(a, b)
+
+
+def test_o2_stores_safe_weights_low_and_norms_float32():
+    model = build("ConvBN")
+    amp = fxamp.convert(model, "O2", dtype=torch.float16)
+    dtypes = {k: v.dtype for k, v in amp.state_dict().items()}
+    assert dtypes["conv1.weight"] == dtypes["conv2.weight"] == dtypes["fc.weight"] == torch.float16
+    assert dtypes["bn1.weight"] == dtypes["bn1.running_mean"] == dtypes["bn1.running_var"] == torch.float32
+    assert dtypes["bn1.num_batches_tracked"] == torch.int64
+    # the original is untouched
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_o2_layernorm_params_float32_embedding_low():
+    amp = fxamp.convert(build("TokenModel"), "O2", dtype=torch.bfloat16)
+    sd = amp.state_dict()
+    assert sd["ln.weight"].dtype == torch.float32
+    assert sd["tok.weight"].dtype == sd["fc.weight"].dtype == sd["head.weight"].dtype == torch.bfloat16
+
+
+def test_o3_keep_norms_fp32():
+    amp = fxamp.convert(build("ConvBN"), "O3", dtype=torch.float16, keep_norms_fp32=True)
+    sd = amp.state_dict()
+    assert sd["bn1.weight"].dtype == torch.float32 and sd["conv1.weight"].dtype == torch.float16
+    amp3 = fxamp.convert(build("ConvBN"), "O3", dtype=torch.float16)
+    assert amp3.state_dict()["bn1.weight"].dtype == torch.float16
+
+
+def test_tied_weights_stay_tied_and_cast_once():
+    model = build("TiedLM")
+    amp = fxamp.convert(model, "O2", dtype=torch.float16)
+    assert amp.head.weight is amp.emb.weight
+    assert amp.head.weight.dtype == torch.float16
+    o1 = fxamp.convert(model, "O1", dtype=torch.float16)
+    weight_casts = [n for n in o1.graph.nodes if "fxamp_cast" in n.meta and n.meta["fxamp_cast"][0].op == "get_attr"
+                    and n.meta["fxamp_cast"][0].target == "emb.weight"]
+    assert len(weight_casts) == 1  # one cast serves the embedding-side and the head-side use
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_train_eval_dropout_and_batchnorm(policy):
+    model = build("ConvBN")
+    amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
+    x = inputs_for("ConvBN")[0]
+    amp.train()
+    before = amp.bn1.running_mean.clone()
+    amp(x)
+    assert not torch.equal(before, amp.bn1.running_mean), "running statistics must update in train()"
+    assert amp.bn1.running_mean.dtype == torch.float32
+    amp.eval()
+    frozen = amp.bn1.running_mean.clone()
+    a, b = amp(x), amp(x)
+    assert torch.equal(a, b) and torch.equal(frozen, amp.bn1.running_mean)
+
+    att = fxamp.convert(fxamp_attention_with_dropout(), policy, dtype=torch.bfloat16)
+    y = inputs_for("Attention")[0]
+    att.train()
+    assert not torch.equal(att(y), att(y))
+    att.eval()
+    assert torch.equal(att(y), att(y))
+
+
+def fxamp_attention_with_dropout():
+    from zoo import Attention
+
+    torch.manual_seed(0)
+    return Attention(p=0.5)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+def test_state_dict_keys_and_fp32_loading(policy):
+    model = build("TokenModel")
+    amp = fxamp.convert(model, policy, dtype=torch.float16)
+    assert list(amp.state_dict().keys()) == list(model.state_dict().keys())
+    other = build("TokenModel", seed=3)
+    amp.load_state_dict(other.state_dict())  # a float32 checkpoint loads (copy_ casts)
+    ids = inputs_for("TokenModel")[0]
+    expected = fxamp.convert(other, policy, dtype=torch.float16)(ids)
+    assert torch.equal(amp(ids), expected)
+    if policy == "O1":
+        fresh = build("TokenModel", seed=5)
+        fresh.load_state_dict(amp.state_dict())
+        assert torch.equal(fresh(ids), other(ids))
+
+
+def test_unused_parameters_and_buffers_keep_their_keys():
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.spare = nn.Linear(4, 4)
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            return self.fc(x)
+
+    m = WithUnused()
+    amp = fxamp.convert(m, "O2")
+    assert list(amp.state_dict()) == list(m.state_dict())
+    assert isinstance(amp.fc, nn.Linear) and isinstance(amp.spare, nn.Linear)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_save_load_and_deepcopy(policy, tmp_path):
+    model = build("ConvBN").eval()
+    amp = fxamp.convert(model, policy, dtype=torch.bfloat16).eval()
+    x = inputs_for("ConvBN")[0]
+    expected = amp(x)
+    path = tmp_path / "amp.pt"
+    torch.save(amp, path)
+    loaded = torch.load(path, weights_only=False)
+    assert torch.equal(loaded(x), expected)
+    assert fxamp.policy_of(loaded) == fxamp.policy_of(amp)
+    clone = copy.deepcopy(amp)
+    assert torch.equal(clone(x), expected)
+    assert clone.conv1.weight is not amp.conv1.weight
+    buf = io.BytesIO()
+    torch.save(amp.state_dict(), buf)
+    buf.seek(0)
+    clone.load_state_dict(torch.load(buf))
+    assert torch.equal(clone(x), expected)
+
+
+def test_torch_compile():
+    model = build("MLP")
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    x = inputs_for("MLP")[0]
+    compiled = torch.compile(amp)
+    torch.testing.assert_close(compiled(x), amp(x), rtol=2e-2, atol=2e-2)
+    compiled(x).sum().backward()
+    assert model.fc1.weight.grad is not None
+
+
+def test_model_passed_in_is_not_mutated():
+    model = build("ConvBN")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attrs = set(vars(model))
+    for policy in ("O0", "O1", "O2", "O3"):
+        amp = fxamp.convert(model, policy, dtype=torch.float16)
+        amp(inputs_for("ConvBN")[0])  # train mode: updates *amp's* statistics in O2/O3
+    assert set(vars(model)) == attrs
+    for k, v in model.state_dict().items():
+        if "running" not in k and "num_batches" not in k:  # O0/O1 share buffers by design
+            assert torch.equal(v, before[k]) and v.dtype == before[k].dtype, k
+
+
+def test_integer_and_float64_tensors_are_never_cast():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, ids, d):
+            return self.fc(x), torch.exp(ids.float()) + ids.sum(), torch.exp(d), ids * 2
+
+    amp = fxamp.convert(Mixed(), "O1")
+    x, ids, d = torch.randn(2, 4), torch.arange(4), torch.randn(3, dtype=torch.float64)
+    with OpDtypes() as rec:
+        a, b, c, e = amp(x, ids, d)
+    assert e.dtype == torch.int64 and torch.equal(e, ids * 2)
+    assert c.dtype == torch.float64  # outputs: float64 not cast down either
+    assert torch.equal(c, torch.exp(d))
+    assert not [k for k in rec.casts() if torch.float64 in k.inputs]
+
+
+def test_mixed_cat_promotes_to_widest():
+    amp = fxamp.convert(build("MixedCat"), "O1", dtype=torch.float16)
+    with OpDtypes() as rec:
+        amp(inputs_for("MixedCat")[0])
+    (cat,) = rec.of("cat")
+    assert cat.outputs == (torch.float32,)
+
+
+def test_explicit_sum_dtype_is_respected():
+    amp = fxamp.convert(build("ExplicitSum"), "O1", dtype=torch.float16)
+    node = next(n for n in amp.graph.nodes if n.op == "call_method" and n.target == "sum")
+    assert node.meta["fxamp"].category is fxamp.Category.CONDITIONAL
+    assert "dtype=float32" in node.meta["fxamp"].reason
+    with OpDtypes() as rec:
+        amp(inputs_for("ExplicitSum")[0])
+    (s,) = [c for c in rec.of("sum") if c.kwargs.get("dtype") == torch.float32]
+    assert s.inputs == (torch.float16,) and s.outputs == (torch.float32,)  # read low, accumulate fp32
+    (p,) = rec.of("pow")
+    assert p.inputs == (torch.float32,)
+    (r,) = rec.of("reciprocal")
+    assert r.inputs == (torch.float32,)
+
+
+def test_loss_inside_forward_runs_in_float32():
+    amp = fxamp.convert(build("LossInside"), "O2", dtype=torch.bfloat16)
+    x, y = inputs_for("LossInside")
+    with OpDtypes() as rec:
+        loss, logits = amp(x, y)
+    assert loss.dtype == torch.float32
+    assert {c.inputs for c in rec.of("_log_softmax", "nll_loss_forward")} == {(torch.float32,)}
+    loss.backward()
+
+
+def test_shape_arithmetic_is_left_alone():
+    amp = fxamp.convert(build("ShapeArith"), "O1", dtype=torch.bfloat16)
+    x = inputs_for("ShapeArith")[0]
+    out = amp(x)
+    assert out.shape == (4, 10)
+    out2 = amp(torch.randn(7, 3, 6, 6))  # another batch size: nothing was frozen
+    assert out2.shape == (7, 10)
+
+
+def test_inference_weight_cache_is_never_stale():
+    model = build("MLP")
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    x = inputs_for("MLP")[0]
+    with torch.no_grad():
+        a = amp(x)
+        assert len(amp._fxamp_weight_cache) == 6
+        with OpDtypes() as rec:
+            b = amp(x)
+        assert torch.equal(a, b)
+        weight_casts = [c for c in rec.casts() if c.inputs and c.inputs[0] == torch.float32 and c.outputs == (torch.bfloat16,)]
+        assert len(weight_casts) == 1  # only the input: the 6 weight copies were reused
+        model.fc1.weight.mul_(2)  # an in-place change bumps the version: the copy is refreshed
+        c = amp(x)
+    assert not torch.equal(a, c)
+    fresh = fxamp.convert(model, "O1", dtype=torch.bfloat16, weight_cache=False)
+    with torch.no_grad():
+        assert torch.equal(c, fresh(x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # an optimizer step also invalidates
+    amp(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        assert torch.equal(amp(x), fresh(x))
