@@ -238,7 +238,7 @@ _GROUPS = [
      "torch.linalg.vecdot operator.matmul Tensor.__matmul__ aten._addmm_activation",
      OpEntry(S, "matrix multiply: every AMP (autocast CUDA/CPU, apex, TF, MXNet 2) runs it in low "
                 "precision with float32 accumulation inside the kernel")),
-    ("linear F.bilinear aten.linear nn.Linear",
+    ("linear aten.linear nn.Linear",
      OpEntry(S, "linear layer (a matmul): low precision, float32 accumulation in the kernel")),
     ("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d aten.convolution "
      "aten._convolution aten.conv_tbc nn.Conv1d nn.Conv2d nn.Conv3d nn.ConvTranspose1d nn.ConvTranspose2d "
@@ -261,7 +261,8 @@ _GROUPS = [
      "cosh aten.special_erfcx polygamma mvlgamma",
      OpEntry(U, "exp/log/reciprocal family: overflows or loses precision in float16 (autocast, apex, "
                 "MXNet force float32)")),
-    ("pow float_power square operator.pow Tensor.__pow__ Tensor.__rpow__ aten.square",
+    ("pow float_power square operator.pow Tensor.__pow__ Tensor.__rpow__ aten.square F.lp_pool1d F.lp_pool2d "
+     "F.lp_pool3d nn.LPPool1d nn.LPPool2d nn.LPPool3d",
      OpEntry(U, "pow in every form (x ** 2 and torch.square too): overflows in float16; all anchors "
                 "force float32 and none exempts small exponents")),
     ("mean std var var_mean std_mean nanmean logsumexp logcumsumexp aten.mean aten.std aten.var",
@@ -361,7 +362,7 @@ _GROUPS = [
                 "MXNet agree); its parameters and running statistics stay float32 (norms rule)",
              norm=True)),
     ("add sub mul rsub addcmul addcdiv lerp where maximum minimum fmax fmin atan2 remainder fmod hypot "
-     "dot vdot inner outer ger tensordot cross torch.linalg.cross kron cat concat concatenate stack "
+     "dot vdot inner outer ger tensordot cross F.bilinear nn.Bilinear torch.linalg.cross kron cat concat concatenate stack "
      "hstack vstack dstack index_put index_copy index_add scatter_add scatter_reduce masked_scatter "
      "operator.add operator.sub operator.mul operator.iadd operator.isub operator.imul operator.itruediv "
      "Tensor.__add__ Tensor.__radd__ Tensor.__sub__ Tensor.__rsub__ Tensor.__mul__ Tensor.__rmul__ "
@@ -487,3 +488,6 @@ NON_FLOAT_OPS = _keys(
     "logical_not operator.eq operator.ne operator.lt operator.le operator.gt operator.ge operator.floordiv "
     "operator.mod aten.sym_size aten.sym_numel"
 )
+
+#: ops returning a tuple of tensors in their input's dtype (``getitem`` of them keeps that dtype)
+SPLIT_OPS = _keys("chunk split tensor_split unbind aten.split aten.split_with_sizes aten.chunk aten.unbind")

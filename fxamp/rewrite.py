@@ -24,7 +24,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .classify import Decision
-from .op_lists import NON_FLOAT_OPS, SINGLE_TENSOR_OPS, op_key
+import operator
+
+from .op_lists import NON_FLOAT_OPS, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weight
 
@@ -146,10 +148,19 @@ class DtypeInference:
         if node.op == "call_method" and node.target == "to":
             dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
             return dtype
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if self(src) is NOT_FLOAT:
+                return NOT_FLOAT
+            if src.op in ("call_function", "call_method") and op_key(src.target) in SPLIT_OPS:
+                return self(src.args[0]) if isinstance(src.args[0], fx.Node) else None
+            return None
         if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
             return NOT_FLOAT if node.args[1] in _META_ATTRS else None
         if node.op not in ("call_function", "call_method", "call_module"):
             return None
+        if node.op == "call_function" and getattr(node.target, "__module__", None) == "math":
+            return NOT_FLOAT  # math.sqrt(d) on a traced int: a Python number
         key = type(self.modules[node.target]) if node.op == "call_module" else op_key(node.target)
         if key in NON_FLOAT_OPS:
             return NOT_FLOAT

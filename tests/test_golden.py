@@ -1,0 +1,87 @@
+"""Golden graphs: how many casts convert() inserts, and where (source → dtype → consumer)."""
+
+import pytest
+import torch
+
+import fxamp
+from fxamp.runtime import cast, cast_weight
+from zoo import build
+
+
+def casts(gm):
+    return [(n.meta["fxamp_cast"][0].name, str(n.meta["fxamp_cast"][1]).removeprefix("torch."),
+             next(iter(n.users)).name) for n in gm.graph.nodes if "fxamp_cast" in n.meta]
+
+
+def count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.target is target or n.target == target)
+
+
+GOLDEN = {
+    ("MLP", "O1"): [
+        ("x", "float16", "linear"),
+        ("fc1_weight", "float16", "linear"), ("fc1_bias", "float16", "linear"),
+        ("fc2_weight", "float16", "linear_1"), ("fc2_bias", "float16", "linear_1"),
+        ("fc3_weight", "float16", "linear_2"), ("fc3_bias", "float16", "linear_2"),
+        ("linear_2", "float32", "output"),
+    ],
+    ("MLP", "O2"): [("x", "float16", "linear"), ("linear_2", "float32", "output")],
+    ("MLP", "O3"): [("x", "float16", "linear"), ("linear_2", "float32", "output")],
+    ("Attention", "O1"): [
+        ("x", "float16", "linear"), ("qkv_weight", "float16", "linear"), ("qkv_bias", "float16", "linear"),
+        ("truediv", "float32", "softmax"),          # scores up for the softmax ...
+        ("drop", "float16", "matmul_1"),             # ... and back down for att @ v
+        ("proj_weight", "float16", "linear_1"), ("proj_bias", "float16", "linear_1"),
+        ("add", "float32", "ln"),                    # residual into the float32 LayerNorm
+    ],
+    ("ConvBN", "O2"): [("x", "float16", "conv2d"), ("linear", "float32", "output")],  # BN takes fp16 as is
+    ("TokenModel", "O2"): [
+        ("add", "float32", "ln"), ("ln", "float16", "linear"), ("add_1", "float16", "linear_1"),
+        ("linear_1", "float32", "output"),
+    ],
+    ("TiedLM", "O1"): [
+        ("embedding", "float16", "linear"), ("fc_weight", "float16", "linear"), ("fc_bias", "float16", "linear"),
+        ("emb_weight", "float16", "linear_1"),       # the tied matrix: cast once, for the head
+        ("linear_1", "float32", "output"),
+    ],
+    ("ExplicitSum", "O1"): [
+        ("x", "float16", "linear"), ("fc_weight", "float16", "linear"), ("fc_bias", "float16", "linear"),
+        ("linear", "float32", "pow_1"),              # one float32 copy serves pow; sum(dtype=) reads fp16
+    ],
+}
+
+
+@pytest.mark.parametrize("name,policy", sorted(GOLDEN))
+def test_golden_casts(name, policy):
+    gm = fxamp.convert(build(name), policy, dtype=torch.float16)
+    assert casts(gm) == GOLDEN[(name, policy)]
+
+
+def test_o0_inserts_nothing():
+    for name in ("MLP", "Attention", "ConvBN"):
+        gm = fxamp.convert(build(name), "O0")
+        assert casts(gm) == [] and count(gm, cast) == 0
+
+
+def test_known_dtypes_use_plain_to_and_unknown_use_checked_cast():
+    gm = fxamp.convert(build("MLP"), "O1")
+    kinds = {n.meta["fxamp_cast"][0].name: (n.op, n.target) for n in gm.graph.nodes if "fxamp_cast" in n.meta}
+    assert kinds["x"] == ("call_function", cast)                # an input: checked at run time
+    assert kinds["fc1_weight"] == ("call_function", cast_weight)  # a weight: cached copy when no grad
+    assert kinds["linear_2"] == ("call_method", "to")            # known float16: a plain .to()
+
+
+def test_one_cast_per_value_and_dtype():
+    class TwoUses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x) + torch.exp(x) + torch.log(x.abs())
+
+    gm = fxamp.convert(TwoUses(), "O1")
+    sources = [(s, d) for s, d, _ in casts(gm)]
+    assert len(sources) == len(set(sources))
+    assert sources.count(("x", "float16")) == 1
