@@ -118,13 +118,16 @@ def op_name(key: Any) -> str:
         if mod.startswith("torch.nn.modules"):
             mod = "torch.nn"
         return f"{mod}.{key.__qualname__}"
-    mod = getattr(key, "__module__", None)
-    name = getattr(key, "__qualname__", None) or getattr(key, "__name__", None) or repr(key)
-    if mod in (None, "torch._C._VariableFunctions", "torch._C._nn") or (mod or "").startswith("torch._C"):
-        mod = "torch"
+    name = getattr(key, "__name__", None) or repr(key)
+    for prefix, namespace in (("torch.nn.functional", F), ("torch", torch), ("torch.special", torch.special),
+                              ("torch.linalg", torch.linalg), ("torch.fft", torch.fft)):
+        if getattr(namespace, name, None) is key:
+            return f"{prefix}.{name}"
+    mod = getattr(key, "__module__", None) or ""
     if mod == "_operator":
         mod = "operator"
-    return f"{mod}.{name}"
+    qual = getattr(key, "__qualname__", name)
+    return f"{mod}.{qual}" if mod else qual
 
 
 class OpLists(Mapping):
