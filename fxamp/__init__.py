@@ -8,7 +8,9 @@ patched.
 from .classify import Decision, classify
 from .convert import clear_cast_cache, convert, policy_of
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
+from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
+from .optim import MixedPrecisionOptimizer, initialize
 from .policy import Policy
 
 __version__ = "0.1.0"
@@ -29,4 +31,9 @@ __all__ = [
     "ConversionError",
     "LossScaleError",
     "OptimizerStateError",
+    "MixedPrecisionOptimizer",
+    "initialize",
+    "LossScaler",
+    "LossScaleConfig",
+    "ScaleKind",
 ]

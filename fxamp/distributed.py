@@ -1,0 +1,44 @@
+"""Agreeing on overflows across ranks: one all-reduce of a flag per step.
+
+Under ``DistributedDataParallel`` gradients are already averaged, so an inf on one rank reaches
+every rank; but an inf injected after the all-reduce, or gradients that each rank holds only a
+shard of (FSDP, ZeRO, tensor parallelism), would let one rank step while another skips and the
+replicas drift apart.  :class:`fxamp.MixedPrecisionOptimizer` therefore takes the maximum of the
+overflow flag over the process group before deciding.
+
+FSDP: keep float32 parameters in the model (fxamp O1, or FSDP's own
+``MixedPrecision(param_dtype=...)`` / ``MixedPrecisionPolicy``) so FSDP shards hold float32
+values, and wrap the optimizer built on the sharded parameters: every parameter is then stepped
+directly (no master copies), each rank checks its own shard, and this all-reduce makes the skip
+decision global.  O2-style low-precision storage under FSDP is not tested.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_overflow", "is_distributed"]
+
+
+def is_distributed(group: Optional[Any] = None) -> bool:
+    """True when torch.distributed is initialized and ``group`` (default: the world) has several ranks."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def all_reduce_overflow(found_inf: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """Max of a 0-dim float overflow flag over the ranks of ``group`` (the flag itself when not distributed).
+
+    The flag travels on the backend's device (CUDA for NCCL, CPU otherwise) and comes back on CPU.
+    """
+    if not is_distributed(group):
+        return found_inf
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    flag = found_inf.detach().to(device=device, dtype=torch.float32).clone()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag.to("cpu")

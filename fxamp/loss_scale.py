@@ -1,0 +1,321 @@
+"""Loss scaling: a frozen :class:`LossScaleConfig` and the :class:`LossScaler` state machine.
+
+Float16 gradients underflow: backpropagating ``loss * scale`` keeps them representable, and the
+gradients are divided by ``scale`` (in float32) before the optimizer sees them.  Three kinds:
+
+* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`LossScaler`.
+* ``"static"``: a fixed scale.
+* ``"none"`` (the default for bfloat16 and float32): the scale is 1.
+
+Whatever the kind, a step whose gradients hold an inf or NaN is skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import LossScaleError, OptimizerStateError
+
+__all__ = ["ScaleKind", "LossScaleConfig", "LossScaler", "unscale_and_check_"]
+
+
+class ScaleKind(str, enum.Enum):
+    """How the loss scale behaves; a ``str`` so ``"dynamic"`` and ``ScaleKind.DYNAMIC`` are interchangeable."""
+
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_KINDS = ", ".join(repr(k.value) for k in ScaleKind)
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """How to scale the loss; validated at construction.
+
+    ``LossScaleConfig()`` is dynamic scaling with the defaults of ``torch.amp.GradScaler`` plus a
+    floor, a ceiling and DeepSpeed's hysteresis.  The fields other than ``kind`` and
+    ``init_scale`` matter only to dynamic scaling.
+    """
+
+    kind: ScaleKind = ScaleKind.DYNAMIC
+    #: the first scale; None picks 2**16 (dynamic) or 1 (none); required for static
+    init_scale: Optional[float] = None
+    #: multiply the scale by this after ``growth_interval`` clean steps in a row
+    growth_factor: float = 2.0
+    #: multiply the scale by this on an overflow (once ``hysteresis`` overflows are used up)
+    backoff_factor: float = 0.5
+    #: clean steps in a row before the scale grows
+    growth_interval: int = 2000
+    #: an overflow at this scale raises LossScaleError: the model is diverging (0: never)
+    min_scale: float = 1.0
+    #: the scale never grows past this
+    max_scale: float = 2.0**24
+    #: overflows tolerated (skipped, scale kept) before backing off; refilled when the scale grows
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        try:
+            kind = ScaleKind(self.kind)
+        except ValueError:
+            raise ValueError(f"kind={self.kind!r} is not a loss scale kind; use one of {_KINDS}") from None
+        object.__setattr__(self, "kind", kind)
+        init = self.init_scale
+        if init is None:
+            if kind is ScaleKind.STATIC:
+                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
+            init = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
+        if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init) or init <= 0:
+            raise ValueError(f"init_scale={init!r} must be a finite number > 0")
+        if kind is ScaleKind.NONE and init != 1.0:
+            raise ValueError(f"init_scale={init!r} with kind='none'; the 'none' scale is 1 (use kind='static')")
+        object.__setattr__(self, "init_scale", float(init))
+        if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
+            raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be in (0, 1)")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not 0.0 <= self.min_scale <= self.max_scale:
+            raise ValueError(f"min_scale={self.min_scale!r} and max_scale={self.max_scale!r} need 0 <= min_scale <= max_scale")
+        if kind is ScaleKind.DYNAMIC and not self.min_scale <= init <= self.max_scale:
+            raise ValueError(
+                f"init_scale={init!r} is outside [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]"
+            )
+
+    @classmethod
+    def dynamic(cls, **fields: Any) -> "LossScaleConfig":
+        """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
+        return cls(kind=ScaleKind.DYNAMIC, **fields)
+
+    @classmethod
+    def static(cls, scale: float) -> "LossScaleConfig":
+        """A fixed scale."""
+        return cls(kind=ScaleKind.STATIC, init_scale=scale)
+
+    @classmethod
+    def none(cls) -> "LossScaleConfig":
+        """No scaling (scale 1); non-finite gradients still skip the step."""
+        return cls(kind=ScaleKind.NONE)
+
+    def __str__(self) -> str:
+        if self.kind is not ScaleKind.DYNAMIC:
+            return f"{self.kind}" if self.kind is ScaleKind.NONE else f"static({self.init_scale:g})"
+        return (f"dynamic(init_scale={self.init_scale:.8g}, growth_factor={self.growth_factor:g}, "
+                f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
+                f"min_scale={self.min_scale:.8g}, max_scale={self.max_scale:.8g}, hysteresis={self.hysteresis})")
+
+
+def unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply ``grads`` in place by ``inv_scale``; return a float32 0-dim CPU tensor, 1.0 if any was inf/NaN.
+
+    One fused ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype).
+    Sparse gradients are checked and unscaled through their values.
+    """
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        t = g._values() if g.is_sparse else g
+        groups[(t.device, t.dtype)].append(t)
+    found = torch.zeros((), dtype=torch.float32)
+    per_device: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for (device, _), tensors in groups.items():
+        if device not in per_device:
+            per_device[device] = (torch.zeros((), dtype=torch.float32, device=device),
+                                  inv_scale.to(device=device, dtype=torch.float32))
+        flag, inv = per_device[device]
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)
+    for flag, _ in per_device.values():
+        found += flag.to("cpu")
+    return found
+
+
+class LossScaler:
+    """The loss scale and its update rule, shared by one or several optimizers.
+
+    Dynamic scaling, per optimizer step (``hysteresis=1`` is exactly ``torch.amp.GradScaler``)::
+
+        scale, good, tolerance = init_scale, 0, hysteresis
+        on each step:
+            found_inf = any gradient is inf/NaN   (all-reduced across ranks)
+            if found_inf:
+                skip the step                      # no weight, master or optimizer state changes
+                good = 0
+                tolerance = max(tolerance - 1, 0)
+                if tolerance == 0:                 # hysteresis used up: back off
+                    if scale <= min_scale:
+                        raise LossScaleError       # an overflow storm: the model is diverging
+                    scale = max(scale * backoff_factor, min_scale)
+            else:
+                step
+                good += 1
+                if good == growth_interval:
+                    scale = min(scale * growth_factor, max_scale)   # kept if not finite
+                    good = 0
+                    tolerance = hysteresis         # as DeepSpeed: refilled only when the scale grows
+
+    ``scale`` is a float32 value and is updated by ``torch._amp_update_scale_``, so it moves
+    bit for bit like GradScaler's.  Static and ``none`` scales never change; they still skip
+    steps with non-finite gradients.
+
+    An optimizer that owns its scaler calls :meth:`update` at the end of its ``step()``.  When
+    several optimizers share one scaler (``loss_scale=scaler``), each ``step()`` records its
+    overflow flag and the caller calls :meth:`update` once per iteration, after every step, as
+    with GradScaler::
+
+        scaler = fxamp.LossScaler()
+        opt_a = fxamp.MixedPrecisionOptimizer(adam, loss_scale=scaler)
+        opt_b = fxamp.MixedPrecisionOptimizer(sgd, loss_scale=scaler)
+        opt_a.backward(loss_a + loss_b)
+        opt_a.step(); opt_b.step()
+        scaler.update()        # backs off if either overflowed
+    """
+
+    def __init__(self, config: Optional[LossScaleConfig] = None) -> None:
+        if config is None:
+            config = LossScaleConfig()
+        if not isinstance(config, LossScaleConfig):
+            raise TypeError(f"config must be a LossScaleConfig, not {type(config).__name__}; "
+                            f"e.g. LossScaler(LossScaleConfig.static(128.0))")
+        self.config = config
+        self._scale = torch.full((), config.init_scale, dtype=torch.float32)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32)
+        self._tolerance = config.hysteresis
+        self._scale_value = float(self._scale)
+        #: overflowed updates so far (iterations whose steps were skipped)
+        self.overflows = 0
+        #: update() calls so far (one per training iteration)
+        self.updates = 0
+        # per iteration: bumped by update(); scale() calls since; the steps' records
+        self._generation = 0
+        self._scaled = 0
+        self._records: List[Tuple[bool, Callable[[], Sequence[str]]]] = []
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def kind(self) -> ScaleKind:
+        return self.config.kind
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale."""
+        return self._scale_value
+
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` as a float32 0-dim CPU tensor, computed in float64 as GradScaler does."""
+        return self._scale.double().reciprocal().float()
+
+    # -- the iteration ---------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (``loss`` itself when the scale is 1); marks that scaled gradients exist."""
+        self._scaled += 1
+        if self._scale_value == 1.0 and self.kind is not ScaleKind.DYNAMIC:
+            return loss
+        return loss * self._scale.to(device=loss.device)
+
+    def record(self, found_inf: bool, blame: Callable[[], Sequence[str]] = tuple) -> None:
+        """Report one optimizer's overflow decision for this iteration; ``blame()`` names the culprits."""
+        self._records.append((bool(found_inf), blame))
+
+    def update(self) -> bool:
+        """Move the scale by this iteration's records (see the class docstring); return True on overflow.
+
+        Raises LossScaleError when the dynamic scale would fall below ``min_scale``.
+        """
+        if not self._records:
+            raise OptimizerStateError(
+                "LossScaler.update() called but no optimizer stepped since the last update(); "
+                "call opt.step() on every optimizer that shares this scaler first"
+            )
+        found = any(f for f, _ in self._records)
+        blames = [b for f, b in self._records if f]
+        self._records = []
+        self._scaled = 0
+        self._generation += 1
+        self.updates += 1
+        if found:
+            self.overflows += 1
+        cfg = self.config
+        if cfg.kind is not ScaleKind.DYNAMIC:
+            return found
+        backoff = 1.0
+        if found:
+            self._tolerance = max(self._tolerance - 1, 0)
+            if self._tolerance == 0:
+                if self._scale_value <= cfg.min_scale:
+                    names = [n for b in blames for n in b()]
+                    raise LossScaleError(
+                        f"dynamic loss scaling gave up: an overflow at scale {self._scale_value:g}, which is "
+                        f"already min_scale={cfg.min_scale:g}, after {self.overflows} overflowed step(s) in "
+                        f"{self.updates}: the model is diverging (or its loss is not finite). Non-finite "
+                        f"gradients in: {_list_names(names)}. Lower the learning rate, check the data and "
+                        f"the loss for inf/NaN, keep the offending layers in float32 (fxamp.convert(..., "
+                        f"overrides=...)), or use bfloat16; min_scale=0 never gives up."
+                    )
+                backoff = cfg.backoff_factor
+        was_growing = int(self._growth_tracker) + 1 == cfg.growth_interval and not found
+        torch._amp_update_scale_(
+            self._scale, self._growth_tracker, torch.full((), float(found)),
+            cfg.growth_factor, backoff, cfg.growth_interval,
+        )
+        self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+        if was_growing:
+            self._tolerance = cfg.hysteresis
+        self._scale_value = float(self._scale)
+        return found
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The scaler's state, every key plain Python:
+
+        kind:           "dynamic", "static" or "none" (checked on load)
+        scale:          the current loss scale (float)
+        growth_tracker: clean steps in a row since the last overflow or growth
+        tolerance:      overflows still tolerated before backing off (hysteresis)
+        overflows:      overflowed iterations so far
+        updates:        iterations so far
+        """
+        return {
+            "kind": self.kind.value,
+            "scale": self._scale_value,
+            "growth_tracker": int(self._growth_tracker),
+            "tolerance": self._tolerance,
+            "overflows": self.overflows,
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the config (factors, interval…) stays the one this scaler was built with."""
+        missing = {"kind", "scale", "growth_tracker", "tolerance", "overflows", "updates"} - set(state)
+        if missing:
+            raise KeyError(f"loss scaler state_dict lacks {sorted(missing)}; pass what LossScaler.state_dict() returned")
+        if state["kind"] != self.kind.value:
+            raise ValueError(f"the checkpoint's loss scale is {state['kind']!r} but this scaler's is "
+                             f"{self.kind.value!r}; build the scaler with the same kind")
+        self._scale.fill_(state["scale"])
+        self._scale_value = float(self._scale)
+        self._growth_tracker.fill_(state["growth_tracker"])
+        self._tolerance = int(state["tolerance"])
+        self.overflows = int(state["overflows"])
+        self.updates = int(state["updates"])
+
+    def __repr__(self) -> str:
+        return f"LossScaler({self.config}, scale={self._scale_value:g}, overflows={self.overflows})"
+
+
+def _list_names(names: Sequence[str], limit: int = 20) -> str:
+    if not names:
+        return "(none on this rank: another rank overflowed)"
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,148 @@
+"""LossScaleConfig validation and exact LossScaler trajectories."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxamp
+from fxamp import LossScaleConfig, LossScaleError, LossScaler, OptimizerStateError, ScaleKind
+from fxamp.loss_scale import unscale_and_check_
+
+
+def run(scaler, flags, blame=("w",)):
+    """Feed overflow flags one iteration each; return the scale after each update."""
+    scales = []
+    for f in flags:
+        scaler.record(bool(f), lambda: list(blame))
+        scaler.update()
+        scales.append(scaler.scale)
+    return scales
+
+
+def test_defaults_are_gradscalers_plus_floor_and_ceiling():
+    cfg = LossScaleConfig()
+    assert cfg.kind is ScaleKind.DYNAMIC and cfg.kind == "dynamic"
+    assert (cfg.init_scale, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval) == (2.0**16, 2.0, 0.5, 2000)
+    assert (cfg.min_scale, cfg.max_scale, cfg.hysteresis) == (1.0, 2.0**24, 1)
+    assert LossScaleConfig.static(128).init_scale == 128.0
+    assert LossScaleConfig.none().init_scale == 1.0
+    assert LossScaleConfig(kind="none") == LossScaleConfig.none()
+    assert str(LossScaleConfig.static(128)) == "static(128)"
+    assert "max_scale=16777216" in str(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.init_scale = 2.0
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(kind="adaptive"), "kind='adaptive' is not a loss scale kind; use one of 'dynamic', 'static', 'none'"),
+    (dict(init_scale=0.0), r"init_scale=0.0 must be a finite number > 0"),
+    (dict(init_scale=float("inf")), r"init_scale=inf must be a finite number > 0"),
+    (dict(kind="static"), r"a static loss scale needs init_scale=<the scale>"),
+    (dict(kind="none", init_scale=4.0), r"the 'none' scale is 1"),
+    (dict(growth_factor=1.0), r"growth_factor=1.0 must be a finite number > 1"),
+    (dict(backoff_factor=1.5), r"backoff_factor=1.5 must be in \(0, 1\)"),
+    (dict(growth_interval=0), r"growth_interval=0 must be an int >= 1"),
+    (dict(growth_interval=2.5), r"growth_interval=2.5 must be an int >= 1"),
+    (dict(hysteresis=0), r"hysteresis=0 must be an int >= 1"),
+    (dict(min_scale=4.0, max_scale=2.0), r"need 0 <= min_scale <= max_scale"),
+    (dict(init_scale=2.0**30), r"init_scale=1073741824.0 is outside \[min_scale, max_scale\]"),
+])
+def test_bad_config_names_value_and_valid_ones(fields, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaleConfig(**fields)
+
+
+def test_scaler_takes_a_config_only():
+    with pytest.raises(TypeError, match="config must be a LossScaleConfig, not str"):
+        LossScaler("dynamic")
+
+
+def test_dynamic_trajectory_growth_backoff_and_ceiling():
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=8.0, growth_interval=3, max_scale=64.0))
+    flags = [0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert run(s, flags) == [8, 8, 16, 16, 16, 32, 16, 16, 16, 8, 8, 8, 16,
+                             16, 16, 32, 32, 32, 64, 64, 64, 64, 32]
+    assert s.overflows == 3 and s.updates == len(flags)
+
+
+def test_hysteresis_tolerates_then_backs_off_until_the_scale_grows():
+    # as DeepSpeed's delayed_shift: the tolerance is refilled only when the scale grows
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=8.0, growth_interval=3, hysteresis=2))
+    flags = [1, 1, 1, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1, 1]
+    assert run(s, flags) == [8, 4, 2, 2, 2, 4, 4, 4, 4, 2, 2, 2, 4, 4, 2]
+
+
+def test_overflow_resets_growth_count():
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=4.0, growth_interval=3))
+    assert run(s, [0, 0, 1, 0, 0, 0]) == [4, 4, 2, 2, 2, 4]
+
+
+def test_odd_factors_follow_float32_like_gradscaler():
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=1000.0, growth_factor=3.0, backoff_factor=0.7,
+                                           growth_interval=2, min_scale=0.0))
+    got = run(s, [1, 0, 0, 1, 1])
+    want, x = [], torch.tensor(1000.0)
+    for f, mult in [(1, 0.7), (0, 1), (0, 3.0), (1, 0.7), (1, 0.7)]:
+        x = x * mult
+        want.append(float(x))
+    assert got == want
+
+
+def test_min_scale_raises_naming_the_overflowing_parameters():
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=3.0, min_scale=1.0))
+    assert run(s, [1, 1], blame=("fc.weight",)) == [1.5, 1.0]  # clamped to the floor, as DeepSpeed
+    with pytest.raises(LossScaleError, match=r"gave up: an overflow at scale 1, which is already min_scale=1.*"
+                                             r"diverging.*Non-finite gradients in: fc.weight, fc.bias"):
+        run(s, [1], blame=("fc.weight", "fc.bias"))
+    assert s.scale == 1.0 and s.overflows == 3
+    never = LossScaler(LossScaleConfig.dynamic(init_scale=1.0, min_scale=0.0))
+    assert run(never, [1, 1]) == [0.5, 0.25]
+
+
+def test_static_and_none_never_move_but_count_overflows():
+    static = LossScaler(LossScaleConfig.static(128.0))
+    assert run(static, [1, 0, 1]) == [128.0] * 3 and static.overflows == 2
+    none = LossScaler(LossScaleConfig.none())
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert none.scale_loss(loss) is loss  # no multiply: bitwise the plain backward
+    assert run(none, [1, 1, 1]) == [1.0] * 3
+    assert static.scale_loss(loss).item() == 256.0
+
+
+def test_update_without_a_step_is_refused():
+    with pytest.raises(OptimizerStateError, match=r"no optimizer stepped since the last update\(\)"):
+        LossScaler().update()
+
+
+def test_state_dict_resumes_mid_interval():
+    cfg = LossScaleConfig.dynamic(init_scale=16.0, growth_interval=4, hysteresis=2)
+    a = LossScaler(cfg)
+    run(a, [0, 0, 1, 0])
+    state = a.state_dict()
+    assert state == {"kind": "dynamic", "scale": 16.0, "growth_tracker": 1, "tolerance": 1,
+                     "overflows": 1, "updates": 4}
+    b = LossScaler(cfg)
+    b.load_state_dict(state)
+    rest = [0, 0, 0, 1, 1, 0]
+    assert run(a, rest) == run(b, rest)
+    with pytest.raises(ValueError, match="the checkpoint's loss scale is 'dynamic' but this scaler's is 'static'"):
+        LossScaler(LossScaleConfig.static(2.0)).load_state_dict(state)
+    with pytest.raises(KeyError, match="lacks"):
+        b.load_state_dict({"scale": 1.0})
+
+
+def test_unscale_and_check_all_dtypes_one_kernel_each():
+    grads = [torch.full((3,), 4.0), torch.full((2,), 4.0, dtype=torch.float16),
+             torch.full((2,), 4.0, dtype=torch.bfloat16)]
+    found = unscale_and_check_(grads, torch.tensor(0.25))
+    assert float(found) == 0.0 and all(float(g[0]) == 1.0 for g in grads)
+    grads[1][0] = float("inf")
+    assert float(unscale_and_check_(grads, torch.tensor(1.0))) == 1.0
+    sparse = torch.sparse_coo_tensor([[0, 2]], [float("nan"), 1.0], (4,), check_invariants=True)
+    assert float(unscale_and_check_([sparse], torch.tensor(1.0))) == 1.0
+
+
+def test_public_names():
+    for name in ("LossScaleConfig", "LossScaler", "ScaleKind", "MixedPrecisionOptimizer", "initialize"):
+        assert name in fxamp.__all__ and hasattr(fxamp, name)
