@@ -3,15 +3,15 @@
 Both passes read ``node.meta["fxamp"]`` (see ``classify.py``) and change only the graph module
 they are given.  Before and after, for ``y = exp(linear(x))`` under O1/float16::
 
-    linear = F.linear(x, fc_weight, fc_bias)          cast_weight = cast_weight(cache, fc_weight, f16, 'fc.weight')
-    exp = torch.exp(linear)                  ==>      cast_bias = cast_weight(cache, fc_bias, f16, 'fc.bias')
-    return exp                                        cast_x = cast(x, f16)
-                                                      linear = F.linear(cast_x, cast_weight, cast_bias)
+    linear = F.linear(x, fc_weight, fc_bias)          weights = cast_weights(cache, (fc_weight, fc_bias), f16, keys)
+    exp = torch.exp(linear)                  ==>      cast_x = cast(x, f16)
+    return exp                                        linear = F.linear(cast_x, weights[0], weights[1])
                                                       cast_linear = cast(linear, f32)
                                                       exp = torch.exp(cast_linear)
                                                       return cast(exp, f32)   # elided when known float32
 
-One cast per (value, dtype): a weight or activation used by several nodes is cast once.
+One cast per (value, dtype): a weight or activation used by several nodes is cast once.  All of a
+forward's weight casts go through one ``cast_weights`` call (one Python call, one cache check).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import operator
 
 from .op_lists import NON_FLOAT_OPS, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 from .policy import Policy
-from .runtime import WeightCastCache, call_module_cast, cast, cast_weight
+from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
 __all__ = ["store_params", "insert_casts", "CACHE_NAME"]
 
@@ -135,7 +135,7 @@ class DtypeInference:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             return NOT_FLOAT
-        if isinstance(val, (int, bool, torch.SymInt, torch.SymBool)):
+        if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):  # Python scalars
             return NOT_FLOAT
         if node.op == "get_attr":
             t = _fetch(self.gm, node.target)
@@ -195,6 +195,8 @@ class _Casts:
         self.count = 0
         self.weight_cache = weight_cache
         self._cache_node: Optional[fx.Node] = None
+        # dtype -> (the one cast_weights node of that dtype, its weights, their names)
+        self._batches: Dict[torch.dtype, Tuple[fx.Node, List[fx.Node], List[str]]] = {}
 
     def _cache(self) -> fx.Node:
         if self._cache_node is None:
@@ -205,6 +207,21 @@ class _Casts:
                 self._cache_node = self.graph.get_attr(CACHE_NAME)
         return self._cache_node
 
+    def _weight(self, value: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
+        """A weight's low-precision copy: an item of the forward's single ``cast_weights`` call."""
+        if dtype not in self._batches:
+            cache = self._cache()
+            with self.graph.inserting_after(cache):
+                batch = self.graph.call_function(cast_weights, (cache, (), dtype, ()))
+            self._batches[dtype] = (batch, [], [])
+        batch, weights, keys = self._batches[dtype]
+        batch.prepend(value)  # get_attr has no inputs: moving it up is always valid
+        weights.append(value)
+        keys.append(str(value.target))
+        batch.args = (batch.args[0], tuple(weights), dtype, tuple(keys))
+        with self.graph.inserting_before(before):
+            return self.graph.call_function(operator.getitem, (batch, len(weights) - 1))
+
     def to(self, value: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
         known = self.dtypes(value)
         if known is NOT_FLOAT or known == dtype or (known is not None and known not in _CASTABLE):
@@ -214,7 +231,7 @@ class _Casts:
             return self.made[key]
         with self.graph.inserting_before(before):
             if value.op == "get_attr" and self.weight_cache and dtype in _LOW:
-                node = self.graph.call_function(cast_weight, (self._cache(), value, dtype, value.target))
+                node = self._weight(value, dtype, before)
             elif known is not None:
                 node = self.graph.call_method("to", (value, dtype))
             else:

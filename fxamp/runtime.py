@@ -13,7 +13,7 @@ from typing import Any, Dict, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["cast", "cast_weight", "call_module_cast", "WeightCastCache"]
+__all__ = ["cast", "cast_weights", "call_module_cast", "WeightCastCache"]
 
 #: only these are cast: integer, bool and complex tensors carry ids, masks and indices, and
 #: float64 is never cast down.
@@ -49,6 +49,7 @@ class WeightCastCache(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._entries: Dict[Tuple[str, torch.dtype], Tuple[Any, int, int, torch.Tensor]] = {}
+        self._batches: Dict[Tuple[Tuple[str, ...], torch.dtype], Tuple[Any, ...]] = {}
 
     def get(self, weight: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
         entry = self._entries.get((key, dtype))
@@ -60,9 +61,24 @@ class WeightCastCache(nn.Module):
         self._entries[(key, dtype)] = (weakref.ref(weight), weight._version, weight.data_ptr(), value)
         return value
 
+    def get_all(self, weights: Tuple[torch.Tensor, ...], dtype: torch.dtype, keys: Tuple[str, ...]) -> Tuple[torch.Tensor, ...]:
+        """``get`` for a whole forward's weights at once: one validity check pass, one lookup."""
+        entry = self._batches.get((keys, dtype))
+        if entry is not None:
+            refs, versions, ptrs, values = entry
+            if (all(r() is w for r, w in zip(refs, weights))
+                    and versions == tuple(w._version for w in weights)
+                    and ptrs == tuple(w.data_ptr() for w in weights)):
+                return values
+        values = tuple(self.get(w, dtype, k) for w, k in zip(weights, keys))
+        self._batches[(keys, dtype)] = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights),
+                                        tuple(w.data_ptr() for w in weights), values)
+        return values
+
     def clear(self) -> None:
         """Forget every cached copy (after writing weights through ``.data``)."""
         self._entries.clear()
+        self._batches.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,6 +87,7 @@ class WeightCastCache(nn.Module):
     def __getstate__(self):
         state = super().__getstate__().copy()
         state["_entries"] = {}
+        state["_batches"] = {}
         return state
 
     def __deepcopy__(self, memo):
@@ -82,13 +99,19 @@ class WeightCastCache(nn.Module):
         return f"entries={len(self._entries)}"
 
 
-def cast_weight(cache: WeightCastCache, weight: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
-    """Cast a parameter or buffer for a low-precision op; reuse the cached copy when no gradient is needed."""
-    if weight.dtype == dtype or weight.dtype not in _CASTABLE:
-        return weight
-    if (torch.is_grad_enabled() and weight.requires_grad) or torch.compiler.is_compiling():
-        return weight.to(dtype)
-    return cache.get(weight, dtype, key)
+def cast_weights(
+    cache: WeightCastCache, weights: Tuple[torch.Tensor, ...], dtype: torch.dtype, keys: Tuple[str, ...]
+) -> Tuple[torch.Tensor, ...]:
+    """Cast a forward's float32 weights for low-precision ops, all in one call.
+
+    With autograd recording (training) a weight that requires grad is cast afresh, as autocast
+    does; otherwise (``no_grad``, frozen weights) the cached copy is reused until the weight changes.
+    """
+    if torch.compiler.is_compiling():
+        return tuple(w.to(dtype) for w in weights)
+    if torch.is_grad_enabled():
+        return tuple(w.to(dtype) if w.requires_grad else cache.get(w, dtype, k) for w, k in zip(weights, keys))
+    return cache.get_all(weights, dtype, keys)
 
 
 def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import TraceError
-from .runtime import call_module_cast, cast, cast_weight
+from .runtime import call_module_cast, cast, cast_weights
 
 __all__ = ["Captured", "capture", "module_path_of"]
 
@@ -90,7 +90,7 @@ class _Tracer(fx.Tracer):
     # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
-        super().__init__(autowrap_functions=(cast, cast_weight, call_module_cast))
+        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
 

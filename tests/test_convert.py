@@ -365,3 +365,13 @@ def test_inference_weight_cache_is_never_stale():
     opt.step()
     with torch.no_grad():
         assert torch.equal(amp(x), fresh(x))
+
+
+def test_output_dtype_is_configurable():
+    model = build("MLP")
+    x = inputs_for("MLP")[0]
+    keep = fxamp.convert(model, "params=float32,compute=bfloat16,output=keep")
+    assert keep(x).dtype == torch.bfloat16
+    low = fxamp.convert(model, fxamp.Policy.parse("compute=bfloat16,output=bfloat16"))
+    assert low(x).dtype == torch.bfloat16
+    assert torch.equal(low(x), keep(x))

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import fxamp
-from fxamp.runtime import cast, cast_weight
+import operator
+
+from fxamp.runtime import cast, cast_weights
 from zoo import build
 
 
@@ -67,7 +69,9 @@ def test_known_dtypes_use_plain_to_and_unknown_use_checked_cast():
     gm = fxamp.convert(build("MLP"), "O1")
     kinds = {n.meta["fxamp_cast"][0].name: (n.op, n.target) for n in gm.graph.nodes if "fxamp_cast" in n.meta}
     assert kinds["x"] == ("call_function", cast)                # an input: checked at run time
-    assert kinds["fc1_weight"] == ("call_function", cast_weight)  # a weight: cached copy when no grad
+    assert kinds["fc1_weight"] == ("call_function", operator.getitem)  # an item of the one cast_weights call
+    (batch,) = [n for n in gm.graph.nodes if n.target is cast_weights]
+    assert [w.name for w in batch.args[1]] == ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "fc3_weight", "fc3_bias"]
     assert kinds["linear_2"] == ("call_method", "to")            # known float16: a plain .to()
 
 
