@@ -109,9 +109,32 @@ def cast_weights(
     """
     if torch.compiler.is_compiling():
         return tuple(w.to(dtype) for w in weights)
-    if torch.is_grad_enabled():
-        return tuple(w.to(dtype) if w.requires_grad else cache.get(w, dtype, k) for w, k in zip(weights, keys))
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        trained = [i for i, w in enumerate(weights) if w.requires_grad]
+        if len(trained) == len(weights):
+            return _CastWeights.apply(dtype, *weights)
+        out = [cache.get(w, dtype, k) for w, k in zip(weights, keys)]
+        for i, low in zip(trained, _CastWeights.apply(dtype, *(weights[i] for i in trained))):
+            out[i] = low
+        return tuple(out)
     return cache.get_all(weights, dtype, keys)
+
+
+class _CastWeights(torch.autograd.Function):
+    """All of a forward's weight casts as one autograd node.
+
+    One node instead of one ``ToCopyBackward`` per weight: the backward hands the low-precision
+    gradients back and the autograd engine casts each to its weight's dtype (float32) in C++.
+    """
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *weights: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # unused weights keep grad None
+        return tuple(w.to(dtype) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
 
 
 def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
