@@ -1,0 +1,551 @@
+"""MixedPrecisionOptimizer: equivalence, GradScaler parity, skips, misuse, checkpoints, initialize."""
+
+import copy
+import io
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from fxamp import LossScaleConfig, LossScaleError, LossScaler, MixedPrecisionOptimizer, OptimizerStateError
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+INF, NAN = float("inf"), float("nan")
+
+
+class Net(nn.Module):
+    """Tiny: a low-precision pair of linears around an fp32 norm (BatchNorm, so there are buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def data(step, n=16):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def loss_of(model, step):
+    x, y = data(step)
+    return F.cross_entropy(model(x), y)
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def poison(model, name, value, index=1):
+    dict(model.named_parameters())[name].grad.view(-1)[index] = value
+
+
+def train_step(model, opt, step, inject=None):
+    opt.zero_grad()
+    opt.backward(loss_of(model, step))
+    if inject is not None:
+        poison(model, *inject)
+    return opt.step()
+
+
+def snapshot(model, opt):
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "masters": [m.detach().clone() for m in opt.master_params()],
+        "state": copy.deepcopy(opt.optimizer.state_dict()["state"]),
+    }
+
+
+def assert_bitwise(a, b, path="x"):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_bitwise(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_bitwise(u, v, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def refreshed(opt):
+    """Every low-precision parameter equals its master rounded."""
+    return all(torch.equal(low, m.to(low.dtype)) for low, m in zip(opt._lows, opt._masters))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+}
+
+
+# -- equivalence ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["sgd", "adamw", "adamw-foreach", "adamw-fused"])
+@pytest.mark.parametrize("loss_scale", [1.0, None])
+def test_o0_with_scale_one_is_bitwise_the_plain_optimizer(name, loss_scale):
+    ref = net()
+    model = fxamp.convert(copy.deepcopy(ref), "O0")
+    plain = OPTIMIZERS[name](ref.parameters())
+    opt = MixedPrecisionOptimizer(OPTIMIZERS[name](model.parameters()), loss_scale=loss_scale, model=model)
+    for step in range(6):
+        plain.zero_grad()
+        loss_of(ref, step).backward()
+        plain.step()
+        assert train_step(model, opt, step)
+    assert_bitwise(dict(ref.named_parameters()), dict(model.named_parameters()))
+    assert_bitwise(plain.state_dict()["state"], opt.optimizer.state_dict()["state"])
+
+
+@pytest.mark.parametrize("growth,backoff", [(2.0, 0.5), (3.0, 0.7)])
+def test_fp32_dynamic_matches_gradscaler_skips_scales_and_weights(growth, backoff):
+    ref, mine = net(), net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_factor=growth, backoff_factor=backoff,
+                                  growth_interval=3)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_factor=growth, backoff_factor=backoff,
+                                  growth_interval=3, min_scale=0.0, max_scale=math.inf)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9), loss_scale=cfg)
+    rng = random.Random(0)
+    names = [n for n, _ in ref.named_parameters()]
+    skips = 0
+    for step in range(40):
+        inject = (rng.choice(names), rng.choice([INF, -INF, NAN])) if rng.random() < 0.3 else None
+        plain.zero_grad()
+        scaler.scale(loss_of(ref, step)).backward()
+        if inject:
+            poison(ref, *inject)
+        before = scaler.get_scale()
+        scaler.step(plain)
+        scaler.update()
+        ref_skipped = scaler.get_scale() < before
+        stepped = train_step(mine, opt, step, inject)
+        assert (not stepped) == ref_skipped == (inject is not None), step
+        assert opt.current_scale == scaler.get_scale(), step
+        skips += not stepped
+    assert opt.skipped_steps == skips > 5
+    assert_bitwise(dict(ref.named_parameters()), dict(mine.named_parameters()))
+
+
+# -- skipping ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "adamw-foreach", "adam-fused"])
+@pytest.mark.parametrize("bad", [INF, NAN])
+def test_nonfinite_gradient_skips_and_changes_nothing(dtype, name, bad):
+    model = fxamp.convert(net(), "O2", dtype=dtype)
+    opt = MixedPrecisionOptimizer(OPTIMIZERS[name](model.parameters()), model=model)
+    for step in range(2):
+        assert train_step(model, opt, step)
+    assert opt.optimizer.state  # so there is optimizer state to protect
+    for i, target in enumerate(["fc1.weight", "bn.bias"]):  # a float16/bfloat16 and a float32 parameter
+        scale = opt.current_scale
+        with torch.no_grad():
+            before = snapshot(model, opt)
+        assert train_step(model, opt, 10 + i, inject=(target, bad)) is False
+        after = snapshot(model, opt)
+        after["buffers"] = before["buffers"]  # the forward pass moved BatchNorm's running stats, as it should
+        assert_bitwise(before, after)
+        assert opt.overflowed_params() == [target]
+        assert opt.current_scale == (scale / 2 if dtype == F16 else 1.0)
+    assert opt.skipped_steps == 2 and opt.scaler.overflows == 2
+    assert train_step(model, opt, 20) and opt.overflowed_params() == []
+
+
+def test_random_injection_never_corrupts_a_weight():
+    model = fxamp.convert(net(), "O2")
+    cfg = LossScaleConfig.dynamic(init_scale=2.0**12, growth_interval=3)
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3), loss_scale=cfg, model=model)
+    rng = random.Random(1)
+    names = [n for n, _ in model.named_parameters()]
+    injected = stepped = 0
+    first = loss_of(model, 0).item()
+    scales = set()
+    for step in range(200):
+        inject = None
+        if rng.random() < 0.15:
+            inject = (rng.choice(names), rng.choice([INF, -INF, NAN]), rng.randrange(4))
+            injected += 1
+        opt.zero_grad()
+        opt.backward(loss_of(model, step % 8))
+        if inject:
+            poison(model, *inject)
+        if rng.random() < 0.5:
+            opt.unscale_()
+            torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)  # spreads NaN over every grad: still skipped
+        ok = opt.step()
+        assert not (inject and ok)
+        stepped += ok
+        scales.add(opt.current_scale)
+        assert all(torch.isfinite(p).all() for p in opt.master_params())
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert refreshed(opt)
+    assert opt.skipped_steps == 200 - stepped >= injected > 20
+    assert len(scales) > 3
+    assert loss_of(model, 0).item() < first
+
+
+def test_overflow_storm_raises_naming_the_parameters():
+    model = fxamp.convert(net(), "O2")
+    cfg = LossScaleConfig.dynamic(init_scale=2.0, min_scale=1.0)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=cfg, model=model)
+    assert train_step(model, opt, 0, inject=("fc2.bias", INF)) is False
+    assert opt.current_scale == 1.0
+    before = snapshot(model, opt)
+    with pytest.raises(LossScaleError, match=r"gave up.*already min_scale=1.*diverging.*Non-finite gradients in: fc2.bias"):
+        train_step(model, opt, 1, inject=("fc2.bias", NAN))
+    after = snapshot(model, opt)
+    after["buffers"] = before["buffers"]
+    assert_bitwise(before, after)
+    assert opt.overflowed_params() == ["fc2.bias"] and opt.skipped_steps == 2
+
+
+def test_names_fall_back_to_group_and_index():
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([{"params": model.fc1.parameters()},
+                                                   {"params": model.fc2.parameters()}], lr=0.1))
+    train_step(model, opt, 0, inject=("fc2.weight", INF))
+    assert opt.overflowed_params() == ["group 1, param 0"]
+
+
+# -- accumulation, several losses / optimizers, zero_grad --------------------------------------
+def test_gradient_accumulation_unscales_the_sum():
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    opt.zero_grad()
+    opt.backward(loss_of(model, 0))
+    opt.backward(loss_of(model, 1))  # a second micro-batch, or a second loss
+    assert opt.stage == "scaled"
+    low = [p.grad.clone() for p in opt._lows]
+    opt.unscale_()
+    inv = 1.0 / opt.current_scale
+    for g, m in zip(low, opt._masters):
+        assert torch.equal(m.grad, g.float() * inv)
+    assert opt.step() and refreshed(opt)
+
+
+def test_accumulation_matches_one_batch_in_fp32():
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))  # no BatchNorm: halves add up
+
+    ref, mine = mlp(), mlp()
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(mine.parameters(), lr=0.1), loss_scale="dynamic")
+    x, y = data(0)
+    plain.zero_grad()
+    F.cross_entropy(ref(x), y).backward()
+    plain.step()
+    opt.zero_grad()
+    for half in (slice(0, 8), slice(8, 16)):
+        opt.backward(F.cross_entropy(mine(x[half]), y[half]) / 2)
+    assert opt.step()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_two_optimizers_share_one_scaler_like_gradscaler():
+    model = fxamp.convert(net(), "O2")
+    scaler = LossScaler(LossScaleConfig.dynamic(init_scale=2.0**8, growth_interval=2))
+    a = MixedPrecisionOptimizer(torch.optim.Adam(model.fc1.parameters(), lr=1e-3), loss_scale=scaler, model=model)
+    b = MixedPrecisionOptimizer(torch.optim.SGD([*model.bn.parameters(), *model.fc2.parameters()], lr=0.1),
+                                loss_scale=scaler, model=model)
+
+    def iteration(step, inject=None):
+        a.zero_grad()
+        b.zero_grad()
+        a.backward(loss_of(model, step))
+        b.backward(loss_of(model, step + 100))  # two losses, either wrapper can scale them
+        if inject:
+            poison(model, *inject)
+        return a.step(), b.step()
+
+    assert iteration(0) == (True, True)
+    assert a.stage == b.stage == "stepped"
+    with pytest.raises(OptimizerStateError, match=r"step\(\) was already called since the shared scaler's last update"):
+        b.step()
+    with pytest.raises(OptimizerStateError, match=r"backward\(\) after step\(\) but before the shared scaler's update"):
+        a.backward(loss_of(model, 0))
+    scaler.update()
+    assert scaler.scale == 2.0**8
+    iteration(1)
+    scaler.update()
+    assert scaler.scale == 2.0**9
+    assert iteration(2, inject=("fc2.weight", INF)) == (True, False)  # each optimizer judges its own gradients
+    assert scaler.update() is True and scaler.scale == 2.0**8
+    assert (a.skipped_steps, b.skipped_steps, scaler.overflows) == (0, 1, 1)
+    assert b.overflowed_params() == ["fc2.weight"]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(set_to_none):
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    train_step(model, opt, 0)
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in [*model.parameters(), *opt.master_params()]:
+        assert (p.grad is None) if set_to_none else (p.grad is not None and not p.grad.any())
+    opt.backward(loss_of(model, 1))
+    opt.zero_grad(set_to_none=set_to_none)  # discards the iteration
+    with pytest.raises(OptimizerStateError, match="without a backward pass"):
+        opt.step()
+
+
+def test_unused_parameters_are_not_stepped():
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    fc1 = model.fc1.weight.detach().clone()
+    opt.zero_grad()
+    model.fc1.weight.requires_grad_(False)
+    opt.backward(loss_of(model, 0))
+    model.fc1.weight.requires_grad_(True)
+    assert opt.step()
+    assert torch.equal(model.fc1.weight, fc1) and model.fc1.weight not in opt.optimizer.state
+
+
+# -- misuse -----------------------------------------------------------------------------------
+@pytest.fixture
+def o2():
+    model = fxamp.convert(net(), "O2")
+    return model, MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+
+
+def test_step_without_backward(o2):
+    model, opt = o2
+    with pytest.raises(OptimizerStateError, match=r"step\(\) without a backward pass since the last step; "
+                                                  r"call opt.backward\(loss\)"):
+        opt.step()
+    train_step(model, opt, 0)
+    with pytest.raises(OptimizerStateError, match="without a backward pass"):
+        opt.step()
+
+
+def test_unscale_twice_and_out_of_order(o2):
+    model, opt = o2
+    with pytest.raises(OptimizerStateError, match=r"unscale_\(\) before any backward\(\)"):
+        opt.unscale_()
+    opt.backward(loss_of(model, 0))
+    opt.unscale_()
+    with pytest.raises(OptimizerStateError, match=r"unscale_\(\) has already been called since the last step\(\); "
+                                                  r"call it at most once per step"):
+        opt.unscale_()
+    with pytest.raises(OptimizerStateError, match=r"backward\(\) after unscale_\(\)"):
+        opt.backward(loss_of(model, 1))
+    assert opt.step()
+    opt.backward(loss_of(model, 1))
+    opt.unscale_()  # allowed again in the next iteration
+
+
+def test_bad_losses(o2):
+    model, opt = o2
+    x, y = data(0)
+    with pytest.raises(ValueError, match=r"the loss must be a scalar, got a tensor of shape \(16,\); reduce it first"):
+        opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+    with pytest.raises(ValueError, match="does not require grad"):
+        with torch.no_grad():
+            opt.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(TypeError, match="the loss must be a tensor, not float"):
+        opt.backward(1.0)
+    with pytest.raises(OptimizerStateError, match=r"step\(closure\) is not supported"):
+        opt.step(lambda: 0.0)
+
+
+def test_backward_through_another_model(o2):
+    model, opt = o2
+    opt.backward(loss_of(net(), 0))
+    with pytest.raises(OptimizerStateError, match="no parameter of this optimizer has a gradient.*fxamp.initialize"):
+        opt.step()
+
+
+def test_param_group_added_behind_the_wrappers_back(o2):
+    model, opt = o2
+    extra = nn.Parameter(torch.zeros(3, dtype=F16))
+    opt.optimizer.add_param_group({"params": [extra]})
+    opt.backward(loss_of(model, 0))
+    with pytest.raises(OptimizerStateError, match=r"a param group was added to it directly; use opt.add_param_group"):
+        opt.step()
+    model2 = fxamp.convert(net(), "O2")
+    opt2 = MixedPrecisionOptimizer(torch.optim.SGD(model2.fc1.parameters(), lr=0.1), model=model2)
+    opt2.add_param_group({"params": list(model2.fc2.parameters()), "lr": 0.01})
+    assert len(opt2._masters) == 4 and all(p.dtype == F32 for p in opt2.master_params())
+    assert train_step(model2, opt2, 0) and refreshed(opt2)
+
+
+def test_bad_arguments():
+    model = fxamp.convert(net(), "O2")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"loss_scale='fast' is not understood; use 'auto', 'dynamic', a number"):
+        MixedPrecisionOptimizer(sgd, loss_scale="fast")
+    opt = MixedPrecisionOptimizer(sgd)
+    with pytest.raises(TypeError, match="already a MixedPrecisionOptimizer"):
+        MixedPrecisionOptimizer(opt)
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer, not list"):
+        MixedPrecisionOptimizer([1])
+    with pytest.raises(ValueError, match=r"fp32_state_dict\(\) needs the model"):
+        opt.fp32_state_dict()
+
+
+def test_initialize_refuses_a_parameter_not_in_the_model():
+    orig = net()
+    stray = nn.Parameter(torch.zeros(3))
+    adam = torch.optim.Adam([*orig.parameters(), stray])
+    with pytest.raises(ValueError, match=r"group 0, param 6 \(shape \(3,\), torch.float32\) is not a parameter of "
+                                         r"the model; build the optimizer on model.parameters\(\)"):
+        fxamp.initialize(orig, adam, "O2")
+
+
+# -- the auto loss scale ----------------------------------------------------------------------
+@pytest.mark.parametrize("policy,dtype,kind", [
+    ("O2", F16, "dynamic"), ("O2", BF16, "none"), ("O1", F16, "dynamic"), ("O1", BF16, "none"),
+    ("O0", F16, "none"), ("O3", F16, "dynamic"),
+])
+def test_auto_loss_scale_follows_the_policy(policy, dtype, kind):
+    model = fxamp.convert(net(), policy, dtype=dtype)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    assert opt.scaler.kind == kind
+    no_model = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if policy in ("O2", "O3"):  # without the model, the parameters' dtype decides
+        assert no_model.scaler.kind == kind
+
+
+# -- masters, existing state, checkpoints ------------------------------------------------------
+def test_existing_state_moves_to_float32_masters():
+    model = fxamp.convert(net(), "O2", dtype=BF16)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_of(model, 0).backward()
+    adam.step()  # a plain bfloat16 step before wrapping
+    old = {id(p): {k: v.clone() for k, v in s.items()} for p, s in adam.state.items()}
+    lows = [p for p in model.parameters() if p.dtype == BF16]
+    opt = MixedPrecisionOptimizer(adam, model=model)
+    assert len(opt._masters) == len(lows) == 4
+    for low, master in zip(opt._lows, opt._masters):
+        state = adam.state[master]
+        assert low not in adam.state and state["exp_avg"].dtype == F32
+        assert torch.equal(state["exp_avg"], old[id(low)]["exp_avg"].float())
+        assert torch.equal(master, low.float())
+    train_step(model, opt, 1)
+    assert refreshed(opt)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_resume_mid_training_is_bitwise(dtype):
+    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_interval=3) if dtype == F16 else None
+
+    def make(seed):
+        model = fxamp.convert(net(seed), "O2", dtype=dtype)
+        opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), loss_scale=cfg, model=model)
+        return model, opt
+
+    def train(model, opt, steps):
+        for s in steps:
+            train_step(model, opt, s, inject=("fc1.bias", NAN) if s in (4, 9) else None)
+
+    model, opt = make(0)
+    train(model, opt, range(0, 7))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    train(model, opt, range(7, 15))
+    model2, opt2 = make(1)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    train(model2, opt2, range(7, 15))
+    assert_bitwise(snapshot(model, opt), snapshot(model2, opt2))
+    assert opt.scaler.state_dict() == opt2.scaler.state_dict()
+    assert opt.skipped_steps == opt2.skipped_steps == 2
+
+
+def test_load_state_dict_checks_the_layout(o2):
+    model, opt = o2
+    state = opt.state_dict()
+    small = fxamp.convert(net(), "O2")
+    other = MixedPrecisionOptimizer(torch.optim.SGD(small.fc1.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="the checkpoint has 4 float32 masters, this optimizer 2"):
+        other.load_state_dict(state)
+    with pytest.raises(KeyError, match="lacks"):
+        opt.load_state_dict({"optimizer": {}})
+
+
+def test_fp32_state_dict_loads_into_the_original_model():
+    orig = net()
+    model = fxamp.convert(orig, "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    for step in range(3):
+        train_step(model, opt, step)
+    sd = opt.fp32_state_dict()
+    assert list(sd) == list(orig.state_dict())
+    assert all(v.dtype in (F32, torch.int64) for v in sd.values())
+    for low, master in zip(opt._lows, opt._masters):
+        key = next(k for k, p in model.named_parameters() if p is low)
+        assert torch.equal(sd[key], master)
+    fresh = Net()
+    fresh.load_state_dict(sd)  # strict
+    model.eval(), fresh.eval()
+    x, _ = data(0)
+    torch.testing.assert_close(fresh(x), model(x), atol=2e-2, rtol=2e-2)
+
+
+# -- initialize -------------------------------------------------------------------------------
+def test_initialize_o2_makes_the_original_parameters_the_masters(capsys):
+    orig = net()
+    adam = torch.optim.AdamW(orig.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)
+    params = list(orig.parameters())
+    model, opt = fxamp.initialize(orig, adam, "O2", verbose=True)
+    out = capsys.readouterr().out
+    assert "policy        : params=float16,compute=float16" in out and "dynamic(init_scale=65536" in out
+    assert opt.optimizer is adam and list(opt.master_params()) == params
+    assert model.fc1.weight.dtype == F16 and model.bn.weight is orig.bn.weight  # float32 ones are shared
+    for step in range(4):
+        train_step(model, opt, step)
+        sched.step()
+    assert adam.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+    assert torch.equal(model.fc1.weight, orig.fc1.weight.to(F16)) and refreshed(opt)
+    sd = opt.fp32_state_dict()
+    sd = {k: v for k, v in sd.items() if not k.startswith("bn.running") and k != "bn.num_batches_tracked"}
+    assert_bitwise(sd, {k: v.detach() for k, v in orig.state_dict().items() if k in sd})
+
+
+@pytest.mark.parametrize("dtype,kind", [(F16, "dynamic"), (BF16, "none")])
+def test_initialize_o1_shares_everything(dtype, kind):
+    orig = net()
+    sgd = torch.optim.SGD(orig.parameters(), lr=0.1)
+    model, opt = fxamp.initialize(orig, sgd, "O1", dtype=dtype)
+    assert all(a is b for a, b in zip(model.parameters(), orig.parameters()))
+    assert opt._masters == [] and opt.scaler.kind == kind
+    assert train_step(model, opt, 0)
+
+
+def test_initialize_then_resume_into_a_fresh_initialize():
+    def make(seed):
+        orig = net(seed)
+        return fxamp.initialize(orig, torch.optim.Adam(orig.parameters(), lr=1e-2), "O2")
+
+    model, opt = make(0)
+    for s in range(3):
+        train_step(model, opt, s)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    for s in range(3, 6):
+        train_step(model, opt, s)
+    model2, opt2 = make(1)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    for s in range(3, 6):
+        train_step(model2, opt2, s)
+    assert_bitwise(snapshot(model, opt), snapshot(model2, opt2))
