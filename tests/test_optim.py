@@ -87,6 +87,15 @@ def refreshed(opt):
     return all(torch.equal(low, m.to(low.dtype)) for low, m in zip(opt._lows, opt._masters))
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and far faster on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
@@ -176,7 +185,7 @@ def test_random_injection_never_corrupts_a_weight():
     injected = stepped = 0
     first = loss_of(model, 0).item()
     scales = set()
-    for step in range(200):
+    for step in range(300):
         inject = None
         if rng.random() < 0.15:
             inject = (rng.choice(names), rng.choice([INF, -INF, NAN]), rng.randrange(4))
@@ -195,7 +204,7 @@ def test_random_injection_never_corrupts_a_weight():
         assert all(torch.isfinite(p).all() for p in opt.master_params())
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert refreshed(opt)
-    assert opt.skipped_steps == 200 - stepped >= injected > 20
+    assert opt.skipped_steps == 300 - stepped >= injected > 30
     assert len(scales) > 3
     assert loss_of(model, 0).item() < first
 
