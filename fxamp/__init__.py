@@ -12,6 +12,7 @@ from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .optim import MixedPrecisionOptimizer, initialize
 from .policy import Policy
+from .report import PolicyDiff, Report, Row, compare, report
 
 __version__ = "0.1.0"
 
@@ -36,4 +37,9 @@ __all__ = [
     "LossScaler",
     "LossScaleConfig",
     "ScaleKind",
+    "report",
+    "compare",
+    "Report",
+    "Row",
+    "PolicyDiff",
 ]

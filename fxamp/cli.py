@@ -1,0 +1,357 @@
+"""The ``fxamp`` command line: ``fxamp report MODEL [--input SHAPE[:DTYPE] ...] [--policy O1] ...``.
+
+Exit codes: 0 success; 2 the command line is wrong (a bad shape, policy, dtype, format or MODEL
+spelling); 1 the model could not be loaded, built, traced, converted or run.  Errors are one line,
+``fxamp: error: ...``; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import io
+import logging
+import os
+import sys
+import traceback
+from typing import Any, Iterator, List, NoReturn, Optional, Sequence, Tuple
+
+__all__ = ["main", "load_model", "parse_input"]
+
+_DESCRIPTION = "fxamp: ahead-of-time mixed precision for PyTorch, as a torch.fx graph rewrite."
+_REPORT_HELP = "show what each op of a model runs in (safe/neutral/conditional/unsafe), why, and where casts go"
+_REPORT_EPILOG = """\
+examples:
+  fxamp report examples/models.py:TinyTransformerBlock --input 2,8,32
+  fxamp report examples/models.py:TinyLM --input 2,16:int64 --policy O2 --dtype bfloat16
+  fxamp report mypkg.models:build_model --input 8,3,32,32 --format json --output report.json
+  fxamp report examples/models.py:TinyCNN --input 2,3,16,16 --compare O2
+
+MODEL is path/to/file.py:Name or package.module:Name, where Name is an nn.Module subclass
+(built with no arguments), a function returning a module, or a module instance.
+--input gives one example input per flag: comma-separated sizes, float32 unless :DTYPE
+follows; integer inputs (token ids, indices) are filled with the values 0 and 1.
+Without --input, dtypes that depend on the inputs show as 'runtime' and FLOPs are not estimated.
+
+exit codes: 0 success, 2 bad command line, 1 the model could not be loaded, traced or run.
+"""
+
+_INPUT_DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float64": "float64", "double": "float64", "fp64": "float64",
+    "int64": "int64", "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "int8": "int8",
+    "uint8": "uint8", "bool": "bool",
+}
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit code 2)."""
+
+
+class ModelError(Exception):
+    """The model could not be loaded, built, traced, converted or run (exit code 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line and raise instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fxamp", description=_DESCRIPTION,
+                     epilog="run 'fxamp report --help' for the report's options")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser("report", help=_REPORT_HELP, description=_REPORT_HELP[0].upper() + _REPORT_HELP[1:] + ".",
+                       epilog=_REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="path/to/file.py:Name or package.module:Name")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help="an example input, e.g. 8,3,32,32 or 2,16:int64; repeat for each forward argument")
+    p.add_argument("--policy", "-p", default="O1",
+                   help="O0, O1, O2, O3 or a string such as 'params=float32,compute=bfloat16' (default: O1)")
+    p.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
+    p.add_argument("--keep-norms-fp32", action="store_true", help="O3 only: keep normalisation layers in float32")
+    p.add_argument("--format", "-f", default="table", choices=("table", "json", "csv"), help="output format")
+    p.add_argument("--only", default=None, metavar="CATEGORIES",
+                   help="show only these categories, comma-separated (safe,neutral,conditional,unsafe,unlisted)")
+    p.add_argument("--compare", default=None, metavar="POLICY",
+                   help="instead, list the nodes whose category or dtype change from --policy to this policy")
+    p.add_argument("--output", "-o", default=None, metavar="FILE", help="write to FILE instead of standard output")
+    p.add_argument("--wide", action="store_true", help="table: show reasons in full")
+    p.add_argument("--leaf-module", action="append", default=[], metavar="PATH",
+                   help="a submodule path torch.fx must not trace into (repeatable)")
+    p.add_argument("--frontend", default="auto", choices=("auto", "fx", "export"),
+                   help="graph capture: fx, export (needs --input) or auto (fx, then export if --input given)")
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    parser = _build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help
+            return int(e.code or 0)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return _report(args)
+    except UsageError as e:
+        return _fail(e, 2, debug)
+    except ModelError as e:
+        return _fail(e, 1, debug)
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
+    except Exception as e:  # a bug in fxamp: still one line, unless --debug
+        return _fail(ModelError(f"{type(e).__name__}: {_one_line(str(e))} (rerun with --debug for the traceback)"),
+                     1, debug, cause=e)
+
+
+def _fail(e: Exception, code: int, debug: bool, cause: Optional[BaseException] = None) -> int:
+    if debug:
+        traceback.print_exception(cause or e.__cause__ or e, file=sys.stderr)
+    print(f"fxamp: error: {_one_line(str(e))}", file=sys.stderr)
+    return code
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
+
+
+# ---------------------------------------------------------------------------------------------
+# fxamp report
+# ---------------------------------------------------------------------------------------------
+
+
+def _report(args: argparse.Namespace) -> int:
+    import torch
+
+    from .policy import resolve_policy
+    from .report import report
+
+    # validate everything on the command line before loading the model
+    shapes = [parse_input(text) for text in args.input]
+    for policy in [args.policy] + ([args.compare] if args.compare else []):
+        try:
+            resolve_policy(policy, args.dtype, keep_norms_fp32=args.keep_norms_fp32)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--policy/--dtype: {e}") from e
+    only = _parse_only(args.only)
+    if only and args.compare:
+        raise UsageError("--only filters a report's rows; it does not apply to --compare")
+    if args.frontend == "export" and not shapes:
+        raise UsageError("--frontend export needs example inputs: pass --input SHAPE[:DTYPE]")
+
+    model, name = load_model(args.model)
+    inputs = tuple(_make_input(shape, dtype) for shape, dtype in shapes) or None
+    options = dict(dtype=args.dtype, keep_norms_fp32=args.keep_norms_fp32, leaf_modules=tuple(args.leaf_module),
+                   frontend=args.frontend)
+
+    def run(policy: str):
+        try:
+            with _quiet(not args.debug):
+                return report(model, inputs, policy, **options)
+        except Exception as e:
+            raise ModelError(_explain(e, name, has_inputs=inputs is not None)) from e
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        first = run(args.policy)
+        if args.compare:
+            result: Any = first.diff(run(args.compare))
+        else:
+            result = first.only(*only) if only else first
+    if args.format == "json":
+        text = result.to_json()
+    elif args.format == "csv":
+        text = result.to_csv()
+    else:
+        text = result.to_table(wide=args.wide) if hasattr(result, "to_table") else str(result)
+    _write(text, args.output)
+    return 0
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """Keep torch's own chatter (torch.export prints partial graphs when it fails) out of a one-line error.
+
+    What was written is shown again if the command succeeds; ``--debug`` turns this off.
+    """
+    if not enabled:
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split(".")[0] == "torch"]
+    levels = [lg.level for lg in loggers]
+    buffer = io.StringIO()
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    sys.stderr.write(buffer.getvalue())  # only reached on success
+
+
+def _write(text: str, path: Optional[str]) -> None:
+    if not text.endswith("\n"):
+        text += "\n"
+    if path is None:
+        sys.stdout.write(text)
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise ModelError(f"cannot write {path!r}: {e.strerror or e}") from e
+
+
+def _parse_only(text: Optional[str]) -> Tuple[str, ...]:
+    from .op_lists import Category
+
+    if text is None:
+        return ()
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    valid = [c.value for c in Category]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise UsageError(f"--only {text!r}: {', '.join(map(repr, bad)) or 'nothing'} is not a category; "
+                         f"use a comma-separated list of {', '.join(valid)}")
+    return names
+
+
+def parse_input(text: str) -> Tuple[Tuple[int, ...], str]:
+    """``"8,3,32,32"`` → ``((8, 3, 32, 32), "float32")``; ``"2,16:int64"`` → ``((2, 16), "int64")``."""
+    shape_text, sep, dtype_text = text.strip().partition(":")
+    dtype = "float32"
+    if sep:
+        key = dtype_text.strip().lower().removeprefix("torch.")
+        if key not in _INPUT_DTYPES:
+            raise UsageError(f"--input {text!r}: unknown dtype {dtype_text!r}; use one of "
+                             f"{', '.join(sorted(set(_INPUT_DTYPES.values())))}")
+        dtype = _INPUT_DTYPES[key]
+    parts = [p.strip() for p in shape_text.replace("x", ",").split(",")] if shape_text.strip() else []
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise UsageError(f"--input {text!r}: a shape is comma-separated positive sizes, optionally followed by "
+                         f":DTYPE, e.g. 8,3,32,32 or 2,16:int64")
+    return tuple(int(p) for p in parts), dtype
+
+
+def _make_input(shape: Tuple[int, ...], dtype: str) -> Any:
+    import torch
+
+    dt = getattr(torch, dtype)
+    if dt.is_floating_point:
+        return torch.randn(shape).to(dt)
+    if dt == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    return torch.randint(0, 2, shape, dtype=dt)  # small values: valid token ids and indices
+
+
+# ---------------------------------------------------------------------------------------------
+# loading MODEL
+# ---------------------------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> Tuple[Any, str]:
+    """Load ``path/to/file.py:Name`` or ``package.module:Name`` and return ``(module instance, Name)``."""
+    import torch.nn as nn
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise UsageError(f"MODEL {spec!r} must be path/to/file.py:Name or package.module:Name")
+    if where.endswith(".py") or "/" in where or os.sep in where:
+        namespace = _load_file(where)
+    else:
+        namespace = _import(where)
+    obj: Any = namespace
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            candidates = _candidates(namespace)
+            hint = f"; it defines {', '.join(candidates)}" if candidates else ""
+            raise ModelError(f"{where} has no attribute {name!r}{hint}")
+        obj = getattr(obj, part)
+    if isinstance(obj, nn.Module):
+        return obj, name
+    if isinstance(obj, type) and issubclass(obj, nn.Module) or callable(obj) and not isinstance(obj, type):
+        try:
+            built = obj()
+        except Exception as e:
+            raise ModelError(f"could not build {name}(): {type(e).__name__}: {_one_line(str(e))}; MODEL must build "
+                             f"with no arguments: point at a function that builds it") from e
+        if not isinstance(built, nn.Module):
+            raise ModelError(f"{name}() returned an object of type {type(built).__name__}, not an nn.Module")
+        return built, name
+    raise ModelError(f"{name!r} in {where} is an object of type {type(obj).__name__}, not an nn.Module subclass, a module instance "
+                     f"or a function returning a module")
+
+
+def _load_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise ModelError(f"no such file: {path!r}")
+    directory = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = f"_fxamp_model_{stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelError(f"cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # so dataclasses, pickling and torch.fx find the module
+    sys.path.insert(0, directory)  # the file may import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ModelError(f"error while running {path}: {type(e).__name__}: {_one_line(str(e))}") from e
+    finally:
+        if sys.path and sys.path[0] == directory:
+            sys.path.pop(0)
+    return module
+
+
+def _import(name: str) -> Any:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            raise ModelError(f"no module named {e.name!r} (MODEL {name}:...; for a file, write path/to/file.py:Name)") from e
+        raise ModelError(f"error while importing {name}: {type(e).__name__}: {_one_line(str(e))}") from e
+    except Exception as e:
+        raise ModelError(f"error while importing {name}: {type(e).__name__}: {_one_line(str(e))}") from e
+
+
+def _candidates(namespace: Any) -> List[str]:
+    import torch.nn as nn
+
+    own = getattr(namespace, "__name__", None)
+    found = []
+    for key, value in vars(namespace).items():
+        if key.startswith("_"):
+            continue
+        if isinstance(value, type) and issubclass(value, nn.Module) and value.__module__ == own:
+            found.append(key)
+    return found[:10]
+
+
+def _explain(e: Exception, name: str, *, has_inputs: bool) -> str:
+    from .errors import FxampError, TraceError
+
+    text = _one_line(str(e))
+    if isinstance(e, TraceError):
+        hint = " On the command line: --leaf-module PATH keeps a submodule opaque"
+        return text + hint + ("." if has_inputs else "; --input SHAPE lets fxamp fall back to torch.export.")
+    if isinstance(e, (FxampError, ValueError, TypeError)):
+        return f"{name}: {text}"
+    return f"{name}: {type(e).__name__}: {text}"

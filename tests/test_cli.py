@@ -1,0 +1,233 @@
+"""The ``fxamp`` command line: each documented error path as a subprocess, the rest in process."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fxamp import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples", "models.py")
+
+BAD_MODELS = textwrap.dedent("""
+    import torch.nn as nn
+
+    class NeedsArgs(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.fc = nn.Linear(n, n)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    class Untraceable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.fc(x)
+            return x
+
+    class Good(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    def build():
+        return Good()
+
+    def not_a_module():
+        return 3
+
+    instance = Good()
+    NUMBER = 3
+""")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "bad.py").write_text(BAD_MODELS)
+    (d / "broken.py").write_text("import this_module_does_not_exist\n")
+    pkg = d / "clipkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text(BAD_MODELS)
+    return d
+
+
+# name: (arguments, exit code, pattern the one-line error (or stdout, when 0) must match)
+SUBPROCESS_CASES = {
+    "help": (["--help"], 0, r"usage: fxamp .*report"),
+    "report_help": (["report", "--help"], 0, r"--input SHAPE\[:DTYPE\].*--policy.*--format \{table,json,csv\}"),
+    "table": (["report", "clipkg.models:build", "--input", "2,4"], 0, r"fxamp report: Good"),
+    "missing_file": (["report", "nowhere/model.py:Net"], 1, r"no such file: 'nowhere/model.py'"),
+    "missing_module": (["report", "no_such_pkg.models:Net"], 1, r"no module named 'no_such_pkg'"),
+    "not_a_module": (["report", "bad.py:NUMBER"], 1,
+                     r"'NUMBER' in bad.py is an object of type int, not an nn.Module subclass"),
+    "bad_shape": (["report", "bad.py:Good", "--input", "2,x"], 2,
+                  r"--input '2,x': a shape is comma-separated positive sizes"),
+    "untraceable": (["report", "bad.py:Untraceable"], 1,
+                    r"torch.fx could not trace Untraceable .*control flow.*--leaf-module PATH"),
+    "unknown_policy": (["report", "bad.py:Good", "--policy", "O7"], 2, r"unknown policy 'O7'; use one of O0, O1"),
+    "unknown_dtype": (["report", "bad.py:Good", "--dtype", "float8"], 2, r"dtype='float8' is not a dtype"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    """Start every command at once (each pays for importing torch), then collect them."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    procs = {name: subprocess.Popen([sys.executable, "-m", "fxamp", *args], cwd=workdir, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (args, _, _) in SUBPROCESS_CASES.items()}
+    results = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        results[name] = (p.returncode, out, err)
+    return results
+
+
+@pytest.mark.parametrize("name", list(SUBPROCESS_CASES))
+def test_subprocess(runs, name):
+    _, code, pattern = SUBPROCESS_CASES[name]
+    rc, out, err = runs[name]
+    assert rc == code, (out, err)
+    if code == 0:
+        assert re.search(pattern, out, re.S), out
+        assert err == ""
+        return
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("fxamp: error: ")
+    assert re.search(pattern, lines[-1]), lines[-1]
+    assert len(lines) == 1, err  # one line, no traceback
+
+
+def test_subprocess_table(runs):
+    _, out, _ = runs["table"]
+    header = next(line for line in out.splitlines() if line.startswith("node "))
+    assert header.split() == ["node", "op", "category", "reason", "in", "dtypes", "compute", "out", "dtype", "casts",
+                              "inserted", "before"]
+    assert re.search(r"^linear +fc: F.linear +safe .* fp32 +fp16 +fp16 +x→fp16, fc.weight→fp16, fc.bias→fp16$",
+                     out, re.M)
+    assert "inputs: 2,4:float32" in out and "low-precision FLOPs: 100.0%" in out
+
+
+def test_debug_shows_the_traceback(in_workdir, capsys):
+    rc, out, err = _run(capsys, "report", "bad.py:Untraceable", "--debug")
+    assert rc == 1 and out == ""
+    assert "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1].startswith("fxamp: error: torch.fx could not trace Untraceable")
+
+
+# ---------------------------------------------------------------------------------------------
+# in process: the remaining paths and formats
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_workdir(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    return workdir
+
+
+def _run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv, code, pattern", [
+    (["report", "bad.py:Missing"], 1, r"bad.py has no attribute 'Missing'; it defines NeedsArgs, Untraceable, Good"),
+    (["report", "bad.py:NeedsArgs"], 1, r"could not build NeedsArgs\(\): TypeError: .*missing 1 required"),
+    (["report", "bad.py:not_a_module"], 1, r"not_a_module\(\) returned an object of type int"),
+    (["report", "broken.py:Net"], 1, r"error while running broken.py: ModuleNotFoundError"),
+    (["report", "bad.py:Good", "--input", "2,5"], 1, r"failed at node linear .*mat1 and mat2 shapes"),
+    (["report", "bad.py:Good", "--input", "2,4", "--input", "3"], 1, r"forward takes 1 input \(x\); 2 example"),
+    (["report", "bad.py:Good", "--output", "no/such/dir/r.txt"], 1, r"cannot write 'no/such/dir/r.txt'"),
+    (["report", "bad.py:Good", "--input", "2,0"], 2, r"--input '2,0': a shape"),
+    (["report", "bad.py:Good", "--input", "2,4:complex"], 2, r"unknown dtype 'complex'; use one of"),
+    (["report", "bad.py:Good", "--dtype", "float32"], 2, r"dtype=float32 is not a low-precision dtype"),
+    (["report", "bad.py:Good", "--policy", "compute=int8"], 2, r"compute='int8' is not a dtype"),
+    (["report", "bad.py:Good", "--only", "risky"], 2, r"--only 'risky': 'risky' is not a category"),
+    (["report", "bad.py:Good", "--format", "xml"], 2, r"invalid choice: 'xml'"),
+    (["report", "bad.py:Good", "--compare", "O2", "--only", "safe"], 2, r"does not apply to --compare"),
+    (["report", "bad.py:Good", "--frontend", "export"], 2, r"--frontend export needs example inputs"),
+    (["report", "bad.py"], 2, r"MODEL 'bad.py' must be path/to/file.py:Name or package.module:Name"),
+    (["report"], 2, r"the following arguments are required: MODEL"),
+    (["frobnicate"], 2, r"invalid choice: 'frobnicate'"),
+])
+def test_errors_in_process(in_workdir, capsys, argv, code, pattern):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == code
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("fxamp: error: "), err
+    assert re.search(pattern, err), err
+
+
+def test_no_command_prints_help(capsys):
+    rc, out, err = _run(capsys)
+    assert rc == 2 and "usage: fxamp" in err
+
+
+def test_formats_and_output_file(in_workdir, capsys):
+    rc, out, _ = _run(capsys, "report", "bad.py:instance", "--format", "csv", "--only", "safe")
+    assert rc == 0
+    records = list(csv.DictReader(io.StringIO(out)))
+    assert [r["node"] for r in records if r["record"] == "node"] == ["linear"]
+    assert records[0]["output_dtype"] == "float16" and records[0]["input_dtypes"] == "runtime float32 float32"
+    rc, out, _ = _run(capsys, "report", "clipkg.models:build", "--input", "2,4", "--format", "json")
+    data = json.loads(out)
+    assert rc == 0 and data["model"] == "Good" and data["inputs"] == ["2,4:float32"]
+    assert data["rows"][-1]["node"] == "output"
+    target = in_workdir / "report.json"
+    rc, out, err = _run(capsys, "report", "bad.py:build", "-i", "2,4", "-p", "O2", "-d", "bf16", "-f", "json",
+                        "-o", str(target))
+    assert (rc, out, err) == (0, "", "")
+    data = json.loads(target.read_text())
+    assert data["policy"].startswith("O2 (params=bfloat16")
+    assert next(r for r in data["rows"] if r["node"] == "linear")["compute"] == "bfloat16"
+
+
+def test_integer_inputs_and_compare(capsys):
+    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyLM", "--input", "2,6:int64", "--only", "neutral")
+    assert rc == 0
+    assert re.search(r"^ids +input .* i64", out, re.M)
+    assert re.search(r"^embedding +embed: F.embedding +neutral .* i64, fp32 +fp32 +fp32", out, re.M)
+    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--input", "2,64", "--compare", "O2")
+    assert rc == 0
+    assert "fxamp compare: TinyMLP" in out and re.search(r"^fc1_weight .* fp32 → fp16", out, re.M)
+
+
+def test_wide_keeps_reasons(capsys):
+    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--wide")
+    assert rc == 0 and "float32 accumulation in the kernel" in out and "…" not in out
+
+
+def test_parse_input():
+    assert cli.parse_input("8,3,32,32") == ((8, 3, 32, 32), "float32")
+    assert cli.parse_input("2,16:int64") == ((2, 16), "int64")
+    assert cli.parse_input(" 4 : bf16") == ((4,), "bfloat16")
+    for bad in ("", ":int64", "2,-1", "2.5", "a"):
+        with pytest.raises(cli.UsageError):
+            cli.parse_input(bad)
+
+
+def test_console_script_is_declared():
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    assert 'fxamp = "fxamp.cli:main"' in text
