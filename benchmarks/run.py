@@ -1,0 +1,856 @@
+"""fxamp against ``torch.autocast``, side by side, in one process: ``python -m benchmarks [--quick]``.
+
+Every timing is the median over rounds that interleave the variants (the order rotates each
+round), after warm-up rounds, taken with ``time.perf_counter`` (``torch.cuda.synchronize()``
+around each timed block on CUDA).  Ratios are against float32 eager (``vs_fp32``) and
+``torch.autocast`` with the same dtype (``vs_autocast``) measured in the same rounds.
+
+Benchmarks (``--only`` picks some):
+
+  train      forward + backward + optimizer step: fp32, autocast (+GradScaler for float16),
+             fxamp O1, fxamp O2 + MixedPrecisionOptimizer
+  inference  eval() + no_grad forward, same variants; also checks O1 never serves a stale weight
+  memory     bytes saved for backward (saved_tensors_hooks, unique storages): activations only,
+             and everything saved (parameters and their cast copies too)
+  optimizer  the optimizer step alone for 10 M parameters in 200 tensors: plain, GradScaler +
+             optimizer, MixedPrecisionOptimizer over bfloat16 (O2) and float32 (O1) parameters
+  convert    fxamp.convert() wall time for synthetic graphs of 500..4000 fx nodes
+  casts      dtype-changing kernels (``_to_copy``/``copy_``) per forward, counted by a dispatch mode
+  throughput (``--device cuda`` only) GPT-2-small and ResNet-50 sized training throughput
+
+Writes ``benchmarks/results.json`` (or ``--json PATH``) and prints the same records as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # ``python benchmarks/run.py``
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxamp
+from benchmarks.models import GPT, LinearChain, ResNet50, SmallCNN, SyntheticGraph, TransformerBlock
+
+try:  # the optimizer wrapper: used for the O2 variants (and O1 under float16)
+    from fxamp import LossScaleConfig, MixedPrecisionOptimizer
+except ImportError:  # pragma: no cover - only while the wrapper was being written
+    MixedPrecisionOptimizer = None
+    LossScaleConfig = None
+
+__all__ = ["main", "Record", "BENCHMARKS"]
+
+BENCHMARKS = ("train", "inference", "memory", "optimizer", "convert", "casts", "throughput")
+DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json")
+aten = torch.ops.aten
+
+FP32, AUTOCAST, O1, O2 = "fp32", "autocast", "fxamp O1", "fxamp O2"
+NO_WRAPPER = "skipped: optimizer wrapper not available"
+
+
+# --------------------------------------------------------------------------------------------
+# records and targets
+
+
+@dataclass
+class Record:
+    """One measurement: a row of the table and a record of results.json."""
+
+    benchmark: str
+    model: str
+    variant: str
+    median: Optional[float]
+    unit: str
+    vs_fp32: Optional[float] = None
+    vs_autocast: Optional[float] = None
+    target: str = ""  # e.g. "<= 1.0x autocast"
+    met: Optional[bool] = None  # None: no target for this row
+    note: str = ""
+    extra: Dict[str, Any] = field(default_factory=dict)  # rounds, spread, raw counts...
+
+    def as_json(self) -> Dict[str, Any]:
+        d = {k: getattr(self, k) for k in ("benchmark", "model", "variant", "median", "unit", "vs_fp32",
+                                           "vs_autocast", "target", "met", "note")}
+        d.update(self.extra)
+        return d
+
+
+def _check(record: Record, **limits: float) -> Record:
+    """Attach targets: ``vs_autocast=1.0`` means ``record.vs_autocast <= 1.0``; several must all hold.
+
+    A ratio is judged as the table prints it, to two decimals (0.5009x meets "<= 0.50x").
+    """
+    parts, ok = [], True
+    for key, limit in limits.items():
+        value = getattr(record, key)
+        parts.append(f"<= {limit:.2f}x {key.removeprefix('vs_')}")
+        ok = ok and value is not None and round(value, 2) <= limit
+    record.target = ", ".join(parts)
+    record.met = ok
+    return record
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# --------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    dtype: torch.dtype
+    quick: bool
+    tiny: bool
+    rounds: int
+    warmup: int
+    threads: int
+    clock: str = "wall"
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def fp16(self) -> bool:
+        return self.dtype == torch.float16
+
+
+def _models(s: Settings) -> List[Tuple[str, Callable[[], nn.Module], Callable[[], torch.Tensor]]]:
+    """(name, build, make input) for the train / inference / memory / casts benchmarks."""
+    dev = s.device
+    if s.tiny:
+        chain, tb, cnn = (20, 8, 2), dict(d=16, heads=2, ff=32, seq=8, batch=2), dict(c=4, hw=8, batch=2)
+    elif s.cuda:
+        chain, tb, cnn = (200, 16, 4), dict(d=512, heads=8, ff=2048, seq=256, batch=16), dict(c=64, hw=64, batch=32)
+    else:
+        chain, tb, cnn = (200, 16, 4), dict(d=64, heads=4, ff=256, seq=32, batch=4), dict(c=16, hw=16, batch=4)
+    n, d, b = chain
+    return [
+        (f"linear-chain {n}x{d}, b{b}", lambda: LinearChain(n, d), lambda: torch.randn(b, d, device=dev)),
+        (f"transformer d{tb['d']} s{tb['seq']} b{tb['batch']}",
+         lambda: TransformerBlock(tb["d"], tb["heads"], tb["ff"], dropout=0.1),
+         lambda: torch.randn(tb["batch"], tb["seq"], tb["d"], device=dev)),
+        (f"cnn 4x conv{cnn['c']} {cnn['hw']}px b{cnn['batch']}", lambda: SmallCNN(cnn["c"]),
+         lambda: torch.randn(cnn["batch"], 3, cnn["hw"], cnn["hw"], device=dev)),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def _sync(s: Settings) -> None:
+    if s.cuda:
+        torch.cuda.synchronize(s.device)
+
+
+@dataclass
+class Timings:
+    """Seconds per call, one value per round: wall clock (``perf_counter``) and this process's CPU time.
+
+    The figures are wall-clock medians (``--clock wall``, the default) or, on a CPU shared with
+    other work, medians of this process's CPU time (``--clock cpu``: time the process spent
+    descheduled is left out); results.json keeps both.
+    """
+
+    wall: Dict[Any, List[float]]
+    cpu: Dict[Any, List[float]]
+    clock: str = "wall"  # which of the two the figures use
+
+    def median(self, key: Any) -> float:
+        return statistics.median((self.cpu if self.clock == "cpu" else self.wall)[key])
+
+    def extra(self, key: Any, scale: float) -> Dict[str, Any]:
+        v = (self.cpu if self.clock == "cpu" else self.wall)[key]
+        q = statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0]] * 3
+        return {"rounds": len(v), "q1": q[0] * scale, "q3": q[2] * scale, "min": min(v) * scale,
+                "wall_median": statistics.median(self.wall[key]) * scale,
+                "cpu_median": statistics.median(self.cpu[key]) * scale}
+
+
+def _interleaved(fns: Dict[Any, Callable[[], Any]], s: Settings, inner: int = 1,
+                 rounds: Optional[int] = None, warmup: Optional[int] = None) -> Timings:
+    """Seconds per call of each function: ``rounds`` rounds after ``warmup``, variants interleaved.
+
+    Each round runs every variant ``inner`` times in a row; the order rotates from round to round
+    so no variant always runs first (after the others' garbage) or last.
+    """
+    rounds = s.rounds if rounds is None else rounds
+    warmup = s.warmup if warmup is None else warmup
+    names = list(fns)
+    times: Dict[str, List[float]] = {k: [] for k in names}
+    cpu: Dict[str, List[float]] = {k: [] for k in names}
+    gc.collect()
+    # What exists now (models, optimizers, the benchmark itself) is never scanned again: the garbage
+    # collector stays on in the timed blocks but costs only what the variant itself allocates.
+    gc.freeze()
+    try:
+        for r in range(warmup + rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                fn = fns[name]
+                gc.collect()  # each block starts from the same state, not with the previous one's garbage
+                _sync(s)
+                c0, t0 = time.process_time(), time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                _sync(s)
+                dt = (time.perf_counter() - t0) / inner
+                dc = (time.process_time() - c0) / inner
+                if r >= warmup:
+                    times[name].append(dt)
+                    cpu[name].append(dc)
+    finally:
+        gc.unfreeze()
+    return Timings(times, cpu, s.clock)
+
+
+def _timing_records(benchmark: str, model: str, t: Timings, scale: float, unit: str,
+                    note: Dict[str, str]) -> Dict[str, Record]:
+    med = {k: t.median(k) for k in t.wall}
+    base, ac = med.get(FP32), med.get(AUTOCAST)
+    return {name: Record(benchmark, model, name, m * scale, unit, _ratio(m, base), _ratio(m, ac),
+                         note=note.get(name, ""), extra=t.extra(name, scale))
+            for name, m in med.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# the variants of one model
+
+
+def _autocast(s: Settings):
+    return torch.autocast(s.device.type, dtype=s.dtype)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+
+
+def _train_steps(build: Callable[[], nn.Module], x: torch.Tensor, s: Settings,
+                 make_opt: Callable = _sgd) -> Tuple[Dict[str, Callable[[], None]], Dict[str, str]]:
+    """One training step per variant, each on its own copy of the same initial model."""
+    torch.manual_seed(0)
+    base = build().to(s.device).train()
+    steps: Dict[str, Callable[[], None]] = {}
+    notes: Dict[str, str] = {}
+
+    m0 = copy.deepcopy(base)
+    opt0 = make_opt(m0.parameters())
+
+    def fp32_step():
+        opt0.zero_grad(set_to_none=True)
+        _loss(m0(x)).backward()
+        opt0.step()
+
+    steps[FP32] = fp32_step
+
+    m1 = copy.deepcopy(base)
+    opt1 = make_opt(m1.parameters())
+    if s.fp16:
+        scaler = torch.amp.GradScaler(s.device.type)
+        notes[AUTOCAST] = "+GradScaler"
+
+        def autocast_step():
+            opt1.zero_grad(set_to_none=True)
+            with _autocast(s):
+                out = m1(x)
+            scaler.scale(_loss(out)).backward()
+            scaler.step(opt1)
+            scaler.update()
+    else:
+        def autocast_step():
+            opt1.zero_grad(set_to_none=True)
+            with _autocast(s):
+                out = m1(x)
+            _loss(out).backward()
+            opt1.step()
+
+    steps[AUTOCAST] = autocast_step
+
+    g1 = fxamp.convert(copy.deepcopy(base), "O1", dtype=s.dtype)
+    if s.fp16:  # float16 needs loss scaling, as autocast needs GradScaler
+        if MixedPrecisionOptimizer is not None:
+            w1 = MixedPrecisionOptimizer(make_opt(g1.parameters()), model=g1)
+            notes[O1] = "+MixedPrecisionOptimizer"
+
+            def o1_step():
+                w1.zero_grad(set_to_none=True)
+                w1.backward(_loss(g1(x)))
+                w1.step()
+
+            steps[O1] = o1_step
+        else:
+            notes[O1] = NO_WRAPPER
+    else:
+        opt2 = make_opt(g1.parameters())
+
+        def o1_step():
+            opt2.zero_grad(set_to_none=True)
+            _loss(g1(x)).backward()
+            opt2.step()
+
+        steps[O1] = o1_step
+
+    if MixedPrecisionOptimizer is not None:
+        g2 = fxamp.convert(copy.deepcopy(base), "O2", dtype=s.dtype)
+        w2 = MixedPrecisionOptimizer(make_opt(g2.parameters()), model=g2)
+        notes[O2] = "+MixedPrecisionOptimizer"
+
+        def o2_step():
+            w2.zero_grad(set_to_none=True)
+            w2.backward(_loss(g2(x)))
+            w2.step()
+
+        steps[O2] = o2_step
+    else:
+        notes[O2] = NO_WRAPPER
+    return steps, notes
+
+
+def _forwards(build: Callable[[], nn.Module], s: Settings, train: bool) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """A float32-output forward per variant (autocast's output is cast with ``.float()``, as a loss would)."""
+    torch.manual_seed(0)
+    base = build().to(s.device).train(train)
+    m0, m1 = copy.deepcopy(base), copy.deepcopy(base)
+    g1 = fxamp.convert(copy.deepcopy(base), "O1", dtype=s.dtype).train(train)
+    g2 = fxamp.convert(copy.deepcopy(base), "O2", dtype=s.dtype).train(train)
+
+    def autocast_forward(x):
+        with _autocast(s):
+            out = m1(x)
+        return out.float()
+
+    return {FP32: lambda x: m0(x), AUTOCAST: autocast_forward, O1: lambda x: g1(x).float(),
+            O2: lambda x: g2(x).float(), "_models": (m0, m1, g1, g2)}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. training step overhead
+
+
+def bench_train(s: Settings) -> List[Record]:
+    records = []
+    for name, build, make_x in _models(s):
+        x = make_x()
+        steps, notes = _train_steps(build, x, s)
+        inner = 1 if s.tiny else (5 if "chain" in name else 3)
+        times = _interleaved(steps, s, inner=inner)
+        recs = _timing_records("train step", name, times, 1e3, "ms", notes)
+        for v in (O1, O2):
+            if v not in recs:
+                recs[v] = Record("train step", name, v, None, "ms", note=notes.get(v, ""))
+        _check(recs[O1], vs_autocast=1.0)
+        _check(recs[O2], vs_autocast=0.75, vs_fp32=1.10)
+        records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# 2. inference
+
+
+def _stale_check(g1: nn.Module, build: Callable[[], nn.Module], x: torch.Tensor, s: Settings) -> bool:
+    """O1 under no_grad, after an in-place weight update, must equal a fresh O1 conversion without cache."""
+    with torch.no_grad():
+        g1(x)  # fills the cache
+        for p in g1.parameters():
+            p.mul_(0.5)  # as an optimizer step would
+        served = g1(x)
+        fresh = build().to(s.device).eval()
+        fresh.load_state_dict(g1.state_dict())
+        reference = fxamp.convert(fresh, "O1", dtype=s.dtype, weight_cache=False).eval()
+        return torch.equal(served, reference(x))
+
+
+def bench_inference(s: Settings) -> List[Record]:
+    records = []
+    for name, build, make_x in _models(s):
+        x = make_x()
+        fwd = _forwards(build, s, train=False)
+        models = fwd.pop("_models")
+
+        def run(f):
+            def call():
+                with torch.no_grad():
+                    f(x)
+            return call
+
+        inner = 1 if s.tiny else (10 if "chain" in name else 5)
+        times = _interleaved({k: run(f) for k, f in fwd.items()}, s, inner=inner)
+        fresh = _stale_check(models[2], build, x, s)
+        notes = {O1: "fresh after in-place update" if fresh else "STALE weight served"}
+        recs = _timing_records("inference", name, times, 1e3, "ms", notes)
+        _check(recs[O1], vs_autocast=0.6)
+        if not fresh:
+            recs[O1].met = False
+        recs[O1].extra["fresh_after_update"] = fresh
+        records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# 3. activation memory
+
+
+class _ParamCopies(TorchDispatchMode):
+    """Follows dtype casts of parameters: storages of cast copies (and casts of those) join ``storages``.
+
+    Keeps the copies alive, so their addresses are not reused by activations during the forward.
+    """
+
+    def __init__(self, storages: set):
+        super().__init__()
+        self.storages = storages
+        self.keep: List[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten._to_copy.default and isinstance(out, torch.Tensor):
+            src = args[0]
+            if src.untyped_storage().data_ptr() in self.storages:
+                self.storages.add(out.untyped_storage().data_ptr())
+                self.keep.append(out)
+        return out
+
+
+def saved_bytes(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Tuple[int, int]:
+    """(activation bytes, all bytes) that one forward saves for backward: unique storages' sizes.
+
+    Activations exclude storages of the model's parameters and buffers and of their cast copies.
+    """
+    params = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    saved: Dict[int, int] = {}
+    keep: List[torch.Tensor] = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.nbytes():
+            saved[st.data_ptr()] = st.nbytes()
+        keep.append(t)
+        return t
+
+    mode = _ParamCopies(params)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        out = forward(x)
+    del out, keep
+    total = sum(saved.values())
+    acts = sum(n for ptr, n in saved.items() if ptr not in mode.storages)
+    return acts, total
+
+
+def bench_memory(s: Settings) -> List[Record]:
+    records = []
+    models = _models(s)[1:]  # the transformer block and the CNN
+    if s.tiny:
+        extra_tb = []
+    else:
+        name, build, make_x = models[0]
+        tb = build()
+        d, heads, ff = tb.fc1.in_features, tb.attn.heads, tb.fc1.out_features
+        extra_tb = [(name.replace("transformer", "transformer (dropout 0)"),
+                     lambda: TransformerBlock(d, heads, ff, dropout=0.0), make_x)]
+    for name, build, make_x in [models[0]] + extra_tb + models[1:]:
+        x = make_x()
+        fwd = _forwards(build, s, train=True)
+        m0, m1, g1, g2 = fwd.pop("_models")
+        owner = {FP32: m0, AUTOCAST: m1, O1: g1, O2: g2}
+        acts, total = {}, {}
+        for v, f in fwd.items():
+            torch.manual_seed(0)
+            acts[v], total[v] = saved_bytes(owner[v], f, x)
+        for bench, values in (("activation memory", acts), ("saved memory (all)", total)):
+            recs = {}
+            for v, n in values.items():
+                recs[v] = Record(bench, name, v, n / 1024, "KiB", _ratio(n, values[FP32]), _ratio(n, values[AUTOCAST]),
+                                 extra={"bytes": n})
+            if bench == "activation memory":
+                _check(recs[O1], vs_autocast=1.0)
+                _check(recs[O2], vs_fp32=0.50 if "cnn" in name else 0.60)
+            else:
+                for r in recs.values():
+                    r.note = "incl. parameters and their cast copies"
+            records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# 4. optimizer step
+
+
+def bench_optimizer(s: Settings) -> List[Record]:
+    count, numel = (20, 1000) if s.tiny else (200, 50_000)
+    label = f"{count * numel / 1e6:g}M params / {count} tensors"
+    makers = {
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9, foreach=True),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+    }
+    records = []
+    # scale 1 and no growth: unscaling keeps the gradients as they are, round after round
+    dyn = dict(init_scale=1.0, growth_interval=2**30)
+    for opt_name, make in makers.items():
+        torch.manual_seed(0)
+        params0 = [torch.randn(numel, device=s.device) for _ in range(count)]
+        grads0 = [torch.randn(numel, device=s.device) * 1e-3 for _ in range(count)]
+
+        def fresh(dtype):
+            ps = [nn.Parameter(p.to(dtype)) for p in params0]
+            for p, g in zip(ps, grads0):
+                p.grad = g.to(dtype)
+            return ps
+
+        fns: Dict[str, Callable[[], None]] = {}
+        notes: Dict[str, str] = {}
+        opt_plain = make(fresh(torch.float32))
+        fns["plain (fp32)"] = opt_plain.step
+
+        opt_gs = make(fresh(torch.float32))
+        scaler = torch.amp.GradScaler(s.device.type, **dyn)
+        scaler.scale(torch.ones((), device=s.device))  # creates the scale tensor
+
+        def gradscaler_step():
+            scaler.step(opt_gs)
+            scaler.update()
+
+        fns["GradScaler + opt"] = gradscaler_step
+        if MixedPrecisionOptimizer is not None:
+            for tag, dtype in ((f"fxamp wrapper ({_short(s.dtype)} params, O2)", s.dtype),
+                               ("fxamp wrapper (fp32 params, O1)", torch.float32)):
+                w = MixedPrecisionOptimizer(make(fresh(dtype)), loss_scale=LossScaleConfig.dynamic(**dyn))
+                token = torch.zeros((), device=s.device, requires_grad=True)
+
+                def wrapper_step(w=w, token=token):
+                    w.scale_loss(token)  # marks "scaled gradients exist" (the gradients are already set)
+                    w.step()
+
+                fns[tag] = wrapper_step
+        else:
+            notes["fxamp wrapper"] = NO_WRAPPER
+        inner = 1 if s.quick else 3
+        times = _interleaved(fns, s, inner=inner)
+        med = {k: times.median(k) for k in times.wall}
+        for k, v in med.items():
+            extra = times.extra(k, 1e3)
+            r = Record("optimizer step", f"{label}, {opt_name}", k, v * 1e3, "ms", _ratio(v, med["plain (fp32)"]),
+                       _ratio(v, med["GradScaler + opt"]), extra=extra)
+            r.note = {"plain (fp32)": "vs_fp32 = vs this", "GradScaler + opt": "vs_autocast = vs this"}.get(k, "")
+            if k.endswith("O2)"):
+                _check(r, vs_fp32=1.3)
+            records.append(r)
+        for k, n in notes.items():
+            records.append(Record("optimizer step", f"{label}, {opt_name}", k, None, "ms", note=n))
+        del opt_plain, opt_gs, fns
+        gc.collect()
+    return records
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# 5. convert() time
+
+
+def bench_convert(s: Settings) -> List[Record]:
+    sizes = (100, 200) if s.tiny else (500, 1000, 2000, 4000)
+    policies = ("O1", "O2")
+    models = {}
+    for n in sizes:
+        m = SyntheticGraph(n)
+        models[n] = (m, len(fx.symbolic_trace(m).graph.nodes))
+        assert models[n][1] == n, (n, models[n][1])
+    fns = {(n, p): (lambda m=m, p=p: fxamp.convert(m, p, dtype=s.dtype)) for n, (m, _) in models.items() for p in policies}
+    for p in policies:  # warm-up: first-call imports and caches, on the smallest graph
+        fns[(sizes[0], p)]()
+    rounds = 1 if s.tiny else (2 if s.quick else 7)
+    times = _interleaved(fns, s, rounds=rounds, warmup=0)
+    records = []
+    for p in policies:
+        first = None
+        for n in sizes:
+            m, nodes = models[n]
+            t = times.median((n, p))
+            per = t / nodes
+            first = per if first is None else first
+            r = Record("convert", f"synthetic {nodes} nodes", f"fxamp {p}", t, "s",
+                       extra={"nodes": nodes, "per_node_us": per * 1e6, "per_node_vs_smallest": per / first,
+                              **times.extra((n, p), 1.0)})
+            r.note = f"{per * 1e6:.0f} us/node = {per / first:.2f}x the {models[sizes[0]][1]}-node rate"
+            parts, ok = [], True
+            if n == 1000:
+                ok = t <= 0.5
+                parts.append("<= 0.5 s")
+            if n != sizes[0]:
+                ok = ok and round(per / first, 2) <= 1.2
+                parts.append("per node <= 1.20x smallest")
+            if parts:
+                r.target, r.met = ", ".join(parts), ok
+            records.append(r)
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# 6. casts per forward
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts kernels that change a tensor's dtype: ``_to_copy`` to another dtype, ``copy_`` across dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten._to_copy.default:
+            if isinstance(out, torch.Tensor) and out.dtype != args[0].dtype:
+                self.count += 1
+                self.bytes += out.numel() * out.element_size()
+        elif func is aten.copy_.default:
+            if args[0].dtype != args[1].dtype:
+                self.count += 1
+                self.bytes += args[0].numel() * args[0].element_size()
+        return out
+
+
+def count_casts(forward: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Tuple[int, int]:
+    with CastCounter() as c:
+        forward(x)
+    return c.count, c.bytes
+
+
+def bench_casts(s: Settings) -> List[Record]:
+    records = []
+    for name, build, make_x in _models(s):
+        x = make_x()
+        for mode in ("train", "no_grad"):
+            fwd = _forwards(build, s, train=(mode == "train"))
+            fwd.pop("_models")
+            counts = {}
+            for v, f in fwd.items():
+                with torch.set_grad_enabled(mode == "train"):
+                    f(x)  # warm: fills any cache
+                    counts[v] = count_casts(f, x)
+            recs = {}
+            for v, (n, nbytes) in counts.items():
+                recs[v] = Record(f"casts/forward ({mode})", name, v, float(n), "casts", None,
+                                 _ratio(n, counts[AUTOCAST][0]), note=f"{nbytes / 1024:.1f} KiB cast",
+                                 extra={"bytes_cast": nbytes})
+            _check(recs[O1], vs_autocast=1.0)
+            _check(recs[O2], vs_autocast=1.0)
+            records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# 7. GPU throughput (GPT-2 small, ResNet-50)
+
+
+def _throughput_cases(s: Settings):
+    """(name, build, make input, items per step, unit) for the throughput benchmark."""
+    dev = s.device
+    if s.tiny:  # exercises the code path on any device (the smoke test)
+        return [("GPT (tiny), b2 s16", lambda: GPT(vocab=64, seq=16, d=16, layers=2, heads=2),
+                 lambda: torch.randint(0, 64, (2, 16), device=dev), 2 * 16, "tokens/s"),
+                ("ResNet-50 layout (tiny), b2 32px", lambda: ResNet50(classes=10, width=4, blocks=(1, 1, 1, 1)),
+                 lambda: torch.randn(2, 3, 32, 32, device=dev), 2, "images/s")]
+    b, seq, images = (4, 512, 32) if s.quick else (8, 1024, 64)
+    return [(f"GPT-2 small (124M), b{b} s{seq}", lambda: GPT(),
+             lambda: torch.randint(0, 50257, (b, seq), device=dev), b * seq, "tokens/s"),
+            (f"ResNet-50 (25.6M), b{images} 224px", lambda: ResNet50(),
+             lambda: torch.randn(images, 3, 224, 224, device=dev), images, "images/s")]
+
+
+def bench_throughput(s: Settings) -> List[Record]:
+    """Training throughput (AdamW) of GPT-2-small and ResNet-50 sized models: GPU only, except --tiny."""
+    if not (s.cuda or s.tiny):
+        print("note: throughput (GPT-2 small, ResNet-50) runs only with --device cuda", file=sys.stderr)
+        return []
+    records = []
+    for name, build, make_x, per_step, unit in _throughput_cases(s):
+        x = make_x()
+        steps, notes = _train_steps(build, x, s, make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True))
+        rounds = 1 if s.tiny else max(3, s.rounds // 2)
+        times = _interleaved(steps, s, inner=1, rounds=rounds, warmup=1 if s.tiny else 2)
+        med = {k: times.median(k) for k in times.wall}
+        for k in (FP32, AUTOCAST, O1, O2):
+            if k not in med:
+                records.append(Record("throughput", name, k, None, unit, note=notes.get(k, "")))
+                continue
+            # ratios of throughput: higher is better
+            records.append(Record("throughput", name, k, per_step / med[k], unit, med[FP32] / med[k],
+                                  med[AUTOCAST] / med[k], note=(notes.get(k, "") + " (higher is better)").strip(),
+                                  extra={"step_ms": med[k] * 1e3, "higher_is_better": True}))
+        del steps, x
+        gc.collect()
+        if s.cuda:
+            torch.cuda.empty_cache()
+    return records
+
+
+_RUNNERS = {"train": bench_train, "inference": bench_inference, "memory": bench_memory,
+            "optimizer": bench_optimizer, "convert": bench_convert, "casts": bench_casts,
+            "throughput": bench_throughput}
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def _fmt(v: Optional[float], digits: int = 3) -> str:
+    if v is None:
+        return ""
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def table(records: Sequence[Record], fmt: str = "github") -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for r in records:
+        met = "" if r.met is None else ("yes" if r.met else "NO")
+        rows.append([r.benchmark, r.model, r.variant, _fmt(r.median), r.unit,
+                     "" if r.vs_fp32 is None else f"{r.vs_fp32:.2f}x",
+                     "" if r.vs_autocast is None else f"{r.vs_autocast:.2f}x", r.target, met, r.note])
+    headers = ["benchmark", "model", "variant", "median", "unit", "vs fp32", "vs autocast", "target", "met", "note"]
+    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+
+
+def _meta(s: Settings, args: argparse.Namespace, wall: float, load_start: List[float]) -> Dict[str, Any]:
+    if s.cuda:
+        device_name = torch.cuda.get_device_name(s.device)
+    else:
+        device_name = _cpu_name()
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": str(s.device),
+        "device_name": device_name,
+        "dtype": str(s.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "fxamp": fxamp.__version__,
+        "commit": _git_commit(),
+        "python": platform.python_version(),
+        "threads": s.threads,
+        "clock": s.clock,
+        "quick": s.quick,
+        "tiny": s.tiny,
+        "rounds": s.rounds,
+        "warmup_rounds": s.warmup,
+        "benchmarks": list(args.only),
+        "wall_s": round(wall, 1),
+        "loadavg_start": load_start,  # other processes on the machine skew timings: how busy it was
+        "loadavg_end": list(os.getloadavg()),
+    }
+
+
+def _git_commit() -> str:
+    """The checkout's commit, with "+dirty" when fxamp/ has uncommitted changes ("" outside git)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fxamp"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:  # pragma: no cover
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds (under a minute on a 2-core CPU)")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes and single rounds: checks that it runs (tests)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU; default 1)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="wall: time.perf_counter (default); cpu: time.process_time, for a CPU shared with other "
+                        "processes (single thread; not with --device cuda)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 25, --quick 7)")
+    p.add_argument("--only", nargs="+", default=list(BENCHMARKS), choices=BENCHMARKS, metavar="NAME",
+                   help=f"run only these: {', '.join(BENCHMARKS)}")
+    p.add_argument("--json", default=DEFAULT_JSON, help="where to write the records (default benchmarks/results.json)")
+    p.add_argument("--no-json", action="store_true", help="print only")
+    args = p.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda needs CUDA, and torch.cuda.is_available() is False on this machine", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(1, args.threads))
+    dtype = getattr(torch, args.dtype)
+    quick = args.quick or args.tiny
+    rounds = args.rounds if args.rounds is not None else (1 if args.tiny else 7 if quick else 25)
+    warmup = 1 if args.tiny else (2 if quick else 4)
+    if args.clock == "cpu" and args.device == "cuda":
+        print("error: --clock cpu measures host CPU time; GPU work needs --clock wall", file=sys.stderr)
+        return 2
+    s = Settings(torch.device(args.device), dtype, quick, args.tiny, rounds, warmup, torch.get_num_threads(),
+                 args.clock)
+
+    load_start = list(os.getloadavg())
+    if s.clock == "wall" and not s.cuda and load_start[0] > (os.cpu_count() or 1):
+        print(f"note: load average {load_start[0]:.1f} on {os.cpu_count()} cores: other processes will skew wall-clock "
+              f"timings; --clock cpu leaves them out", file=sys.stderr)
+    t0 = time.perf_counter()
+    records: List[Record] = []
+    for name in args.only:
+        t = time.perf_counter()
+        records += _RUNNERS[name](s)
+        print(f"[{name}: {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t0
+    meta = _meta(s, args, wall, load_start)
+    print(f"fxamp benchmarks: {meta['device_name']}, torch {meta['torch']}, fxamp {meta['commit'] or meta['fxamp']}, "
+          f"{meta['dtype']}, {meta['threads']} thread(s), {s.clock} clock, {meta['date']}, {'quick' if quick else 'full'} ({wall:.0f} s)")
+    print(table(records))
+    missed = [r for r in records if r.met is False]
+    print(f"\ntargets: {sum(r.met is True for r in records)} met, {len(missed)} missed")
+    if not args.no_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "records": [r.as_json() for r in records]}, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
