@@ -6,7 +6,7 @@ patched.
 """
 
 from .classify import Decision, classify
-from .convert import clear_cast_cache, convert, policy_of
+from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
@@ -19,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "convert",
     "policy_of",
+    "conversion_info",
+    "ConversionInfo",
     "clear_cast_cache",
     "classify",
     "Decision",

@@ -31,12 +31,14 @@ class Decision:
     """What fxamp does with one node.
 
     op:       qualified op name (``torch.nn.functional.linear``, ``Tensor.sum``, ``torch.nn.LayerNorm``).
-    category: where the op sits (a conditional op keeps CONDITIONAL; ``compute`` says how it resolved).
+    category: where the op sits (a conditional op keeps CONDITIONAL).
     reason:   the rule that decided, in words.
     compute:  the dtype its floating inputs are cast to before it runs; None: as they arrive.
     norm:     a normalisation op (its parameters follow ``Policy.norms``).
     source:   where the rule came from: "op list", "override", "module override", "default", "graph".
     module:   the module path the node belongs to ("" for the root).
+    resolved: what the node behaves as: its category, or for a conditional op the category its
+              condition chose (safe, neutral or unsafe).
     """
 
     op: str
@@ -46,6 +48,11 @@ class Decision:
     norm: bool = False
     source: str = "op list"
     module: str = ""
+    resolved: Optional[Category] = None
+
+    def __post_init__(self) -> None:
+        if self.resolved is None:
+            object.__setattr__(self, "resolved", self.category)
 
 
 def annotate(
@@ -182,8 +189,8 @@ def _decide(
     if category is Category.CONDITIONAL:
         resolved, why = _resolve_condition(entry, node, done)
         compute = _compute_for(resolved, entry, policy)
-        return Decision(name, Category.CONDITIONAL, f"{why} [{resolved.value}]", compute,
-                        norm=entry.norm, source=source, module=path)
+        return Decision(name, Category.CONDITIONAL, why, compute, norm=entry.norm, source=source, module=path,
+                        resolved=resolved)
     return Decision(name, category, reason, _compute_for(category, entry, policy), norm=entry.norm,
                     source=source, module=path)
 

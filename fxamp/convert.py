@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -15,7 +16,16 @@ from .policy import Policy, resolve_policy
 from .rewrite import CACHE_NAME, insert_casts, store_params
 from .trace import LeafSpec, capture
 
-__all__ = ["convert", "policy_of", "clear_cast_cache"]
+__all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
+
+
+@dataclass(frozen=True)
+class ConversionInfo:
+    """What ``convert`` did; kept on the converted module (through deepcopy and pickling)."""
+
+    policy: Policy
+    frontend: str  # "fx" or "export"
+    notes: Tuple[str, ...] = ()
 
 
 def convert(
@@ -69,15 +79,26 @@ def convert(
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
-    gm._fxamp_policy = pol
-    gm._fxamp_frontend = captured.frontend
-    gm._fxamp_notes = list(captured.notes)
+    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))
+    # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
+    setattr(gm, INFO_ATTR, info)
+    gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
     return gm
+
+
+INFO_ATTR = "_fxamp_info"
+
+
+def conversion_info(module: nn.Module) -> Optional[ConversionInfo]:
+    """How fxamp converted ``module`` (policy, front end, notes), or None if it did not."""
+    info = getattr(module, INFO_ATTR, None)
+    return info if isinstance(info, ConversionInfo) else None
 
 
 def policy_of(module: nn.Module) -> Optional[Policy]:
     """The policy a module was converted with, or None if fxamp did not convert it."""
-    return getattr(module, "_fxamp_policy", None)
+    info = conversion_info(module)
+    return None if info is None else info.policy
 
 
 def clear_cast_cache(module: nn.Module) -> None:

@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .classify import META_KEY, Decision
-from .convert import convert, policy_of
+from .convert import conversion_info, convert, policy_of
 from .errors import FxampError
 from .op_lists import Category
 from .policy import PRESETS, Policy
@@ -448,9 +448,6 @@ def report(
         gm = model
         if inputs is not None or example_kwargs:
             gm = copy.deepcopy(model)
-            for attr in ("_fxamp_policy", "_fxamp_frontend", "_fxamp_notes"):  # deepcopy drops them
-                if hasattr(model, attr):
-                    setattr(gm, attr, getattr(model, attr))
     else:
         if not isinstance(model, nn.Module):
             raise TypeError(f"fxamp.report takes an nn.Module, not {type(model).__name__}")
@@ -585,8 +582,8 @@ def _build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs:
     )
     lints = tuple(_lints(gm, decisions, view, params, buffers))
     described = tuple(_describe_input(v) for v in inputs) + tuple(f"{k}={_describe_input(v)}" for k, v in kwargs.items())
-    return Report(model_name, _policy_label(pol), getattr(gm, "_fxamp_frontend", "fx"), described, tuple(rows), summary, lints,
-                  tuple(getattr(gm, "_fxamp_notes", ())))
+    info = conversion_info(gm)
+    return Report(model_name, _policy_label(pol), info.frontend, described, tuple(rows), summary, lints, info.notes)
 
 
 class _View:
@@ -708,16 +705,7 @@ def _observed_compute(node: fx.Node, rec: _Recorder) -> Optional[str]:
 
 
 def _resolved(d: Decision) -> Category:
-    if d.category is not Category.CONDITIONAL:
-        return d.category
-    m = re.search(r"\[(\w+)\]\s*$", d.reason)
-    if m:
-        try:
-            return Category(m.group(1))
-        except ValueError:
-            pass
-    return Category.NEUTRAL if d.compute is None else Category.SAFE if d.compute in (torch.float16, torch.bfloat16) \
-        else Category.UNSAFE
+    return d.resolved
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def capture(
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
     if frontend not in ("auto", "fx", "export"):
         raise ValueError(f"frontend={frontend!r} is not one of 'auto', 'fx', 'export'")
-    if isinstance(model, fx.GraphModule) and getattr(model, "_fxamp_policy", None) is not None:
+    if isinstance(model, fx.GraphModule) and hasattr(model, "_fxamp_info"):
         raise ValueError("this module was already converted by fxamp; convert the original model instead")
     has_inputs = example_inputs is not None or example_kwargs is not None
     if frontend == "export" or (frontend == "auto" and has_inputs and _prefers_export(model)):

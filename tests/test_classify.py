@@ -85,7 +85,9 @@ def test_conditional_truediv():
 
     d = decisions(fxamp.convert(M(), "O1"))
     assert d["truediv"].compute == torch.float32 and "reciprocal" in d["truediv"].reason
+    assert d["truediv"].resolved is Category.UNSAFE
     assert d["truediv_1"].compute is None and d["truediv_2"].compute is None
+    assert d["truediv_1"].resolved is Category.NEUTRAL and d["truediv_1"].category is Category.CONDITIONAL
 
 
 def test_follow_producer_reason_names_the_producer():

@@ -250,6 +250,7 @@ def test_save_load_and_deepcopy(policy, tmp_path):
     assert fxamp.policy_of(loaded) == fxamp.policy_of(amp)
     clone = copy.deepcopy(amp)
     assert torch.equal(clone(x), expected)
+    assert fxamp.conversion_info(clone) == fxamp.conversion_info(amp)
     assert clone.conv1.weight is not amp.conv1.weight
     buf = io.BytesIO()
     torch.save(amp.state_dict(), buf)
