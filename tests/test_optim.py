@@ -427,6 +427,7 @@ def test_auto_loss_scale_follows_the_policy(policy, dtype, kind):
     model = fxamp.convert(net(), policy, dtype=dtype)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     assert opt.scaler.kind == kind
+    assert train_step(model, opt, 0) and refreshed(opt)
     no_model = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     if policy in ("O2", "O3"):  # without the model, the parameters' dtype decides
         assert no_model.scaler.kind == kind
@@ -527,6 +528,8 @@ def test_initialize_o2_makes_the_original_parameters_the_masters(capsys):
     assert adam.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
     assert torch.equal(model.fc1.weight, orig.fc1.weight.to(F16)) and refreshed(opt)
     sd = opt.fp32_state_dict()
+    assert torch.equal(sd["bn.running_mean"], model.bn.running_mean)  # buffers: the trained module's
+    assert not torch.equal(sd["bn.running_mean"], orig.bn.running_mean)
     sd = {k: v for k, v in sd.items() if not k.startswith("bn.running") and k != "bn.num_batches_tracked"}
     assert_bitwise(sd, {k: v.detach() for k, v in orig.state_dict().items() if k in sd})
 
@@ -558,3 +561,30 @@ def test_initialize_then_resume_into_a_fresh_initialize():
     for s in range(3, 6):
         train_step(model2, opt2, s)
     assert_bitwise(snapshot(model, opt), snapshot(model2, opt2))
+
+
+def test_initialize_keeps_tied_weights_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.ln = nn.LayerNorm(8)
+            self.out = nn.Linear(8, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, i):
+            return self.out(self.ln(self.emb(i)))
+
+    torch.manual_seed(0)
+    orig = Tied()
+    model, opt = fxamp.initialize(orig, torch.optim.AdamW(orig.parameters(), lr=1e-2), "O2")
+    assert model.emb.weight is model.out.weight and model.emb.weight.dtype == F16
+    assert len(opt._masters) == 1
+    i = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(F.cross_entropy(model(i).reshape(-1, 10), i.reshape(-1)))
+        assert opt.step()
+    sd = opt.fp32_state_dict()
+    assert torch.equal(sd["emb.weight"], orig.emb.weight) and torch.equal(sd["out.weight"], orig.emb.weight)
+    Tied().load_state_dict(sd)
