@@ -74,12 +74,8 @@ class Result:
     fxamp: bool = False
 
 
-# One step of each kind: (model, optimizer state) -> step(x, y) -> loss
-Stepper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def variants(lr: float):
-    """name -> builds (model, step function, stats function) from a fresh float32 MLP."""
+    """name -> a builder: fresh float32 MLP -> (model, step(x, y) -> loss, stats() -> (skipped, scale), forward)."""
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)

@@ -37,7 +37,7 @@ import torch.nn as nn
 from .convert import convert, policy_of
 from .distributed import all_reduce_overflow
 from .errors import OptimizerStateError
-from .loss_scale import LossScaleConfig, LossScaler, ScaleKind, unscale_and_check_
+from .loss_scale import LossScaleConfig, LossScaler, unscale_and_check_
 from .policy import Policy
 
 __all__ = ["MixedPrecisionOptimizer", "initialize"]
