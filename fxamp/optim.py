@@ -108,7 +108,6 @@ class MixedPrecisionOptimizer:
         self._unscaled_gen = -1
         self._stepped_gen = -1
         self._found = False
-        self._checked: List[torch.Tensor] = []
         self._overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
 
     # -- parameters ------------------------------------------------------------------------
@@ -254,6 +253,8 @@ class MixedPrecisionOptimizer:
         """Put true float32 gradients in the masters (and float32 parameters); decide whether this step overflowed.
 
         Optional: step() calls it when you did not.  At most once per step, after the last backward().
+        The model's float16/bfloat16 parameters keep their scaled gradients; clip and inspect
+        :meth:`master_params`, whose gradients are the true ones.
         """
         self._check_params()
         stage = self._stage()
@@ -301,8 +302,8 @@ class MixedPrecisionOptimizer:
                 dense = [g._values() if g.is_sparse else g for g in grads]
                 maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
                 self._overflow = (checked, ~torch.isfinite(maxabs))
-            elif self._found:
-                self._overflow = ([], torch.zeros(0, dtype=torch.bool))
+            else:  # clean here; on another rank, perhaps
+                self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if self._found else None
         self._unscaled_gen = self.scaler._generation
 
     def step(self, closure: None = None) -> bool:
@@ -334,7 +335,6 @@ class MixedPrecisionOptimizer:
             self.skipped_steps += 1
             blame = self.overflowed_params
         else:
-            self._overflow = None
             self.optimizer.step()
             self._refresh()
             blame = tuple
