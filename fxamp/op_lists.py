@@ -369,7 +369,7 @@ _GROUPS = [
      "hstack vstack dstack index_put index_copy index_add scatter_add scatter_reduce masked_scatter "
      "operator.add operator.sub operator.mul operator.iadd operator.isub operator.imul operator.itruediv "
      "Tensor.__add__ Tensor.__radd__ Tensor.__sub__ Tensor.__rsub__ Tensor.__mul__ Tensor.__rmul__ "
-     "Tensor.__iadd__ Tensor.__imul__ aten.copy",
+     "Tensor.__iadd__ Tensor.__imul__ aten.copy diff",
      OpEntry(N, "several float inputs: torch's type promotion already computes in the widest input "
                 "dtype, so no cast is needed (apex and MXNet insert widest-type casts by hand; "
                 "torch does it natively)")),
@@ -377,7 +377,8 @@ _GROUPS = [
      "logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor operator.eq "
      "operator.ne operator.lt operator.le operator.gt operator.ge operator.and_ operator.or_ "
      "operator.invert operator.not_ operator.xor operator.floordiv operator.mod operator.lshift "
-     "operator.rshift floor_divide",
+     "operator.rshift floor_divide aten.__and__ aten.__or__ aten.__xor__ aten.__invert__ aten.__lshift__ "
+     "aten.__rshift__",
      OpEntry(N, "comparison / logic / integer math: returns bool or int, nothing to cast")),
     ("relu relu_ relu6 F.relu6 F.leaky_relu leaky_relu hardtanh F.hardtanh threshold F.threshold "
      "softshrink hardshrink F.softshrink F.hardshrink F.glu glu rrelu F.rrelu "
@@ -414,6 +415,7 @@ _GROUPS = [
      "aten.mul aten.rsub aten.relu aten.neg aten.abs aten.sqrt aten.sin aten.cos aten.eq aten.ne aten.lt "
      "aten.le aten.gt aten.ge aten.logical_not aten.logical_and aten.logical_or aten.bitwise_not "
      "aten.embedding aten.unfold aten.new_zeros aten.new_ones aten.new_empty aten.expand_as "
+     "aten.sym_stride aten.sym_storage_offset aten._local_scalar_dense aten.new_full aten.empty "
      "aten.view_as aten.masked_fill_ aten.fill_ aten.zero_ aten.index_put aten.index_put_ aten.erf "
      "aten.floor_divide aten.remainder aten.maximum aten.minimum aten.any aten.all aten.clamp",
      OpEntry(N, "data movement, shape or metadata: no arithmetic, keeps the dtype it gets")),

@@ -1,0 +1,638 @@
+"""The ``torch.export`` front end: capture a model with ``torch.export`` and make the result look like the original.
+
+``torch.export.export(model, args, kwargs).module()`` captures models ``torch.fx.symbolic_trace``
+cannot (Hugging Face transformers, ``nn.TransformerEncoderLayer``…) as a graph of ATen ops
+(``aten.linear.default``, ``aten.scaled_dot_product_attention.default``…).  Its module differs
+from the original in five ways; :func:`capture_export` undoes each one, so the later stages (and
+the user) see the same module they would get from the fx front end:
+
+1. **Module tree and names.**  The exported module holds the original parameter objects under
+   names of its own choosing (a tied weight gets one of its names).  fxamp mirrors the original's
+   children, parameters and buffers (``state_dict`` keys are the original's) and points every
+   ``get_attr`` at the original name of the tensor it reads, found by identity.  Tensor constants
+   created in ``forward`` become non-persistent buffers ``_fxamp_constant_<i>``; higher-order-op
+   bodies (``torch.no_grad`` regions…) stay child graph modules under their export names.
+
+2. **train() / eval().**  Export raises ``NotImplementedError`` from both and bakes the mode into
+   node arguments.  fxamp captures with every module in training mode (restoring the modes
+   afterwards), so dropout and batch-norm updates are in the graph, then makes each baked flag a
+   read of the owning module's ``training`` attribute at run time::
+
+       dropout = aten.dropout(x, 0.1, True)                 training = getattr(self.drop, "training")
+                                                    ==>     dropout = aten.dropout(x, 0.1, training)
+       attn = aten.scaled_dot_product_attention(            training_1 = getattr(self.attn, "training")
+           q, k, v, None, 0.1)                              p = 0.1 * training_1       # 0.0 in eval mode
+                                                            attn = aten.scaled_dot_product_attention(q, k, v, None, p)
+       add_ = aten.add_(bn_num_batches_tracked, 1)  ==>     batch_norm = self.bn(x)       # the original module
+       batch_norm = aten.batch_norm(x, bn_weight, …, True, 0.1, 1e-05, False)
+
+   The flags are plain ``getattr``/``*`` nodes (neutral, no helper functions in the graph).  The
+   owner is the innermost module the node was traced in (``nn_module_stack``; a ``ModeFlag`` child
+   named ``_fxamp_mode`` stands for the root, which a graph cannot name), so
+   ``model.encoder.eval()`` on one submodule works as it does on the original.  A batch norm
+   whose ``aten.batch_norm`` reads exactly its module's tensors becomes a ``call_module`` of the
+   original ``BatchNorm`` (its statistics update, momentum and ``num_batches_tracked`` then behave
+   as the original's in both modes).  Limitation: a ``training=True`` written literally in a
+   ``dropout`` call also follows the module's mode; other Python branches on ``self.training``
+   are captured as in training mode.
+
+3. **Shapes.**  Every dimension of every tensor input is ``Dim.AUTO`` (``dynamic=True``): export
+   keeps it symbolic unless the model forces it (a channel count, an image size); sizes of 1 in
+   the example are specialised by export, so use examples with batch and length ≥ 2.  The note in
+   ``Captured.notes`` says which dimensions stayed dynamic.
+
+4. **Inputs and outputs.**  The module is called with the original ``forward``'s signature
+   (positional or keyword, as the original allows); non-tensor inputs given at capture
+   (``use_cache=False``) are filled in when omitted.  Outputs come back in the original structure
+   (``ModelOutput``, tuples, dicts) through export's output spec; the graph's ``output`` node holds
+   the flat leaves, which is where the output casts go.  Output values of types ``torch.export``
+   cannot return (a Hugging Face ``DynamicCache``) come back as ``None``, with a note.
+
+5. **Run-time checks.**  Export's input checks (the ``_in_spec`` match and shape ranges, run by a
+   forward pre-hook) stay.  ``aten._assert_tensor_metadata`` nodes that assert a *floating* dtype
+   lose that dtype (mixed precision changes float dtypes on purpose); shape, device and integer
+   dtype checks stay.
+
+Models neither front end can capture (data-dependent control flow such as ``if x.sum() > 0:``)
+raise :class:`~fxamp.errors.TraceError` naming the source line and the module, and suggesting
+``leaf_modules=`` or converting submodules separately.
+
+Like ``ExportedProgram.module()`` itself, the result deep-copies but does not pickle (FX re-traces
+a pickled graph module, which an exported graph does not survive): save its ``state_dict`` and
+convert again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import operator
+import os
+import re
+import traceback
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .errors import TraceError
+from .trace import Captured, _canonical_names, _dedupe_get_attrs, _fetch, _mirror_module_tree, module_path_of
+
+__all__ = ["capture_export", "ModeFlag"]
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+class ModeFlag(nn.Module):
+    """A parameterless child that follows the root's ``train()``/``eval()``: the owner of root-level dropouts."""
+
+    def forward(self) -> bool:  # pragma: no cover - never called, only read
+        return self.training
+
+
+
+def capture_export(
+    model: nn.Module,
+    example_inputs: Optional[Tuple[Any, ...]],
+    example_kwargs: Optional[Dict[str, Any]],
+    *,
+    dynamic: bool = True,
+    leaf_modules: Sequence[Any] = (),
+    note: Optional[str] = None,
+) -> Captured:
+    """Capture ``model`` with ``torch.export`` as a graph module with the original's names, modes and I/O.
+
+    note: why export was chosen (set by ``capture`` when torch.fx failed first), kept in the notes.
+    """
+    args, kwargs = _check_inputs(example_inputs, example_kwargs)
+    if leaf_modules:
+        raise _leaf_modules_error(leaf_modules, note)
+    signature = _signature(model)
+    dynamic_shapes = _dynamic_shapes(signature, args, kwargs) if dynamic else None
+
+    dropped: List[str] = []
+    root = _export_root(model, dropped)
+    from torch.export import export
+
+    try:
+        with _all_training(model):
+            program = export(root, args, kwargs, dynamic_shapes=dynamic_shapes)
+    except Exception as e:  # torch.export raises many types; all mean "could not capture"
+        raise _export_error(model, e, note) from e
+
+    gm = program.module(check_guards=False)
+    notes = [note] if note else []
+    notes.append("captured with torch.export" + ("" if note else " (frontend='export')"))
+    _restore_train_eval(gm)
+    _adopt_module_tree(gm, model)
+    modes = _make_modes_switchable(gm)
+    relaxed = _relax_dtype_asserts(gm)
+    _dedupe_get_attrs(gm.graph)
+    _bind_inputs_as_original(gm, signature, args, kwargs)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+    notes.append(_shape_note(gm, dynamic))
+    if modes:
+        notes.append("train/eval: " + ", ".join(f"{n} {what}" for what, n in sorted(modes.items())) +
+                     " read the owning module's training flag at run time")
+    if relaxed:
+        notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
+    regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
+                      if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    if regions:
+        notes.append("higher-order op regions (" + ", ".join(regions) + ") run as captured: the ops inside "
+                     "keep the dtypes they receive")
+    if dropped:
+        notes.append("outputs of type " + ", ".join(sorted(set(dropped))) + " cannot be returned by "
+                     "torch.export: they come back as None")
+    return Captured(gm, "export", notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Before export: inputs, dynamic shapes, the traced root, training mode
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(example_inputs: Any, example_kwargs: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    if example_inputs is None and example_kwargs is None:
+        raise ValueError("the torch.export front end needs example_inputs=(...) and/or example_kwargs={...}")
+    if example_inputs is None:
+        args: Tuple[Any, ...] = ()
+    elif isinstance(example_inputs, (tuple, list)):
+        args = tuple(example_inputs)
+    else:
+        raise TypeError(f"example_inputs must be a tuple of positional inputs such as (x,), not "
+                        f"{type(example_inputs).__name__}")
+    if example_kwargs is None:
+        kwargs: Dict[str, Any] = {}
+    elif isinstance(example_kwargs, dict) and all(isinstance(k, str) for k in example_kwargs):
+        kwargs = dict(example_kwargs)
+    else:
+        raise TypeError(f"example_kwargs must be a dict of keyword inputs such as {{'labels': y}}, not "
+                        f"{type(example_kwargs).__name__}")
+    return args, kwargs
+
+
+def _signature(model: nn.Module) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
+        return None
+
+
+def _dims(value: Any) -> Any:
+    """``{dim: Dim.AUTO}`` for every dim of every tensor in ``value`` (same structure), None elsewhere."""
+    from torch.export import Dim
+
+    def spec(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return {i: Dim.AUTO for i in range(leaf.dim())}
+        return None
+
+    return pytree.tree_map(spec, value)
+
+
+def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    if signature is None:  # pragma: no cover
+        return None
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"example inputs do not fit the model's forward{signature}: {e}") from None
+    shapes: Dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            shapes[name] = {k: _dims(v) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(_dims(v) for v in value)
+        else:
+            shapes[name] = _dims(value)
+    return shapes
+
+
+_RETURNABLE = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
+    """A shallow copy of ``model`` (same submodules and tensors) whose forward drops unreturnable outputs.
+
+    torch.export can only return pytrees of tensors and scalars; a value of another type (a cache
+    object) is replaced by None, its type name recorded in ``dropped``.  The user's model is not
+    touched: the copy has its own ``__dict__``.
+    """
+    root = copy.copy(model)
+    root.__dict__ = dict(model.__dict__)
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_returning_pytree(*args: Any, **kwargs: Any) -> Any:
+        def keep(leaf: Any) -> Any:
+            if isinstance(leaf, _RETURNABLE):
+                return leaf
+            dropped.append(type(leaf).__name__)
+            return None
+
+        return pytree.tree_map(keep, forward(*args, **kwargs))
+
+    root.forward = forward_returning_pytree
+    return root
+
+
+@contextlib.contextmanager
+def _all_training(model: nn.Module) -> Iterator[None]:
+    """Put every module in training mode for the capture (dropout and statistics updates are then in the
+    graph, and made switchable afterwards); restore each module's own mode on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in modes:
+            m.training = True
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+# ---------------------------------------------------------------------------------------------
+# After export: module tree, modes, checks, calling convention
+# ---------------------------------------------------------------------------------------------
+
+
+def _restore_train_eval(gm: fx.GraphModule) -> None:
+    # ExportedProgram.module() sets instance attributes train/eval that raise NotImplementedError;
+    # dropping them brings back nn.Module's own, which the rewritten graph honours.
+    for name in ("train", "eval"):
+        gm.__dict__.pop(name, None)
+
+
+def _fresh_name(gm: nn.Module, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Give ``gm`` the original's module tree and point every ``get_attr`` at the original name of its value."""
+    getattrs = list(gm.graph.find_nodes(op="get_attr"))
+    values = {node: _fetch(gm, str(node.target)) for node in getattrs}
+    old_targets = {str(node.target) for node in getattrs}
+    for name in old_targets:  # export's own copies of constants and subgraphs, about to be renamed
+        if "." not in name and name in gm.__dict__:
+            delattr(gm, name)
+    _mirror_module_tree(gm, model)
+
+    canonical = _canonical_names(model)
+    module_names = {id(m): name for name, m in model.named_modules() if name}
+    renamed: Dict[int, str] = {}
+    for node in getattrs:
+        value = values[node]
+        key = id(value)
+        if isinstance(value, torch.Tensor) and key in canonical:
+            node.target = canonical[key]
+        elif isinstance(value, nn.Module) and key in module_names:
+            node.target = module_names[key]
+        elif key in renamed:
+            node.target = renamed[key]
+        else:  # a constant made in forward, or a higher-order op's body: a new attribute of gm
+            if isinstance(value, nn.Module):
+                name = _fresh_name(gm, str(node.target).replace(".", "_"))
+                gm.add_module(name, value)
+            elif isinstance(value, torch.Tensor):
+                name = _fresh_name(gm, f"_fxamp_constant_{len(renamed)}")
+                gm.register_buffer(name, value, persistent=False)
+            else:
+                name = _fresh_name(gm, f"_fxamp_constant_{len(renamed)}")
+                setattr(gm, name, value)
+            renamed[key] = name
+            node.target = name
+    _dedupe_get_attrs(gm.graph)
+
+
+_DROPOUTS = {aten.dropout.default: 2, aten.feature_dropout.default: 2, aten.alpha_dropout.default: 2,
+             aten.feature_alpha_dropout.default: 2, aten.native_dropout.default: 2}
+
+
+def _owner(gm: fx.GraphModule, modules: Dict[str, nn.Module], node: fx.Node) -> fx.Node:
+    """A ``get_attr`` of the module that owns ``node`` (the root's ``ModeFlag`` for root-level ops)."""
+    path = module_path_of(node)
+    if path not in modules or path == "":
+        path = "_fxamp_mode"
+        if path not in modules:
+            gm.add_module(path, ModeFlag())
+            modules[path] = gm._fxamp_mode
+            modules[path].training = gm.training
+    with gm.graph.inserting_before(node):
+        owner = gm.graph.get_attr(path)
+    return owner
+
+
+def _replace_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
+    if len(node.args) > index:
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+    else:
+        kwargs = dict(node.kwargs)
+        kwargs[name] = value
+        node.kwargs = kwargs
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _make_modes_switchable(gm: fx.GraphModule) -> Dict[str, int]:
+    """Rewrite the training flags export baked in (see the module docstring); returns counts by kind."""
+    graph = gm.graph
+    modules = dict(gm.named_modules())
+    counts: Dict[str, int] = {}
+
+    def count(kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _DROPOUTS and _arg(node, 2, "train", None) is True:
+            _replace_arg(node, 2, "train", _flag_node(gm, modules, node))
+            count("dropout")
+        elif node.target is aten.scaled_dot_product_attention.default:
+            p = _arg(node, 4, "dropout_p", 0.0)
+            if isinstance(p, (int, float)) and p > 0:
+                flag = _flag_node(gm, modules, node)
+                with graph.inserting_before(node):
+                    p_node = graph.call_function(operator.mul, (float(p), flag))  # p if training else 0.0
+                p_node.meta["val"] = float(p)
+                _replace_arg(node, 4, "dropout_p", p_node)
+                count("attention dropout")
+        elif node.target is aten.batch_norm.default and _arg(node, 5, "training", None) is True:
+            if _batch_norm_to_module(gm, modules, node):
+                count("batch norm")
+            else:
+                _replace_arg(node, 5, "training", _flag_node(gm, modules, node))
+                count("functional batch norm")
+        elif node.target is aten.instance_norm.default and _arg(node, 5, "use_input_stats", None) is True:
+            m = modules.get(module_path_of(node))
+            if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
+                _replace_arg(node, 5, "use_input_stats", _flag_node(gm, modules, node))
+                count("instance norm")
+    return counts
+
+
+def _flag_node(gm: fx.GraphModule, modules: Dict[str, nn.Module], node: fx.Node) -> fx.Node:
+    """``getattr(owner, "training")`` before ``node``: plain attribute access, classified neutral."""
+    owner = _owner(gm, modules, node)
+    with gm.graph.inserting_before(node):
+        flag = gm.graph.call_function(getattr, (owner, "training"))
+    flag.meta["val"] = True
+    return flag
+
+
+def _batch_norm_to_module(gm: fx.GraphModule, modules: Dict[str, nn.Module], node: fx.Node) -> bool:
+    """Replace ``aten.batch_norm`` (and its ``num_batches_tracked += 1``) by a call of the original BatchNorm."""
+    path = module_path_of(node)
+    m = modules.get(path)
+    if not isinstance(m, nn.modules.batchnorm._BatchNorm) or node.kwargs:
+        return False
+    tensors = node.args[1:5]
+    expected = (m.weight, m.bias, m.running_mean, m.running_var)
+    for arg, want in zip(tensors, expected):
+        if want is None:
+            if arg is not None:
+                return False
+        elif not (isinstance(arg, fx.Node) and arg.op == "get_attr" and _fetch(gm, str(arg.target)) is want):
+            return False
+    counters = []
+    if m.num_batches_tracked is not None:
+        for user in gm.graph.find_nodes(op="call_function", target=aten.add_.Tensor):
+            target = user.args[0]
+            if (isinstance(target, fx.Node) and target.op == "get_attr"
+                    and _fetch(gm, str(target.target)) is m.num_batches_tracked and not user.users):
+                counters.append(user)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(path, (node.args[0],))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for c in counters:
+        gm.graph.erase_node(c)
+    return True
+
+
+def _relax_dtype_asserts(gm: fx.GraphModule) -> int:
+    """Drop float ``dtype=`` from ``aten._assert_tensor_metadata`` (in the graph and its subgraphs)."""
+    relaxed = 0
+    graphs = [gm] + [m for m in gm.children() if isinstance(m, fx.GraphModule)]
+    for g in graphs:
+        for node in g.graph.find_nodes(op="call_function", target=aten._assert_tensor_metadata.default):
+            dtype = _arg(node, 3, "dtype", None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                _replace_arg(node, 3, "dtype", None)
+                relaxed += 1
+        if g is not gm and relaxed:
+            g.recompile()
+    return relaxed
+
+
+class _BindInputs:
+    """Forward pre-hook: accept the original forward's calling convention, hand export its captured layout.
+
+    ``positional`` / ``keywords`` are the names captured positionally / by keyword; ``constants``
+    the non-tensor values given at capture (filled in when a call omits them).
+    """
+
+    def __init__(self, signature: inspect.Signature, positional: Tuple[str, ...], keywords: Tuple[str, ...],
+                 constants: Dict[str, Any]):
+        self.signature = signature
+        self.positional = positional
+        self.keywords = keywords
+        self.constants = constants
+
+    def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{e} (the converted module takes the original forward's arguments: "
+                            f"{self.signature})") from None
+        given: Dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                given.update(value)
+            else:
+                given[name] = value
+        captured = self.positional + self.keywords
+        extra = [n for n in given if n not in captured and not self._is_default(n, given[n])]
+        for name in captured:
+            if name not in given and name in self.constants:
+                given[name] = self.constants[name]
+        missing = [n for n in captured if n not in given]
+        if extra or missing:
+            problem = []
+            if extra:
+                problem.append(f"got {', '.join(extra)}, which the capture did not see")
+            if missing:
+                problem.append(f"{', '.join(missing)} missing")
+            raise TypeError(
+                f"this module was captured by torch.export for the inputs ({', '.join(captured)}): "
+                f"{'; '.join(problem)}. A graph from torch.export has a fixed set of inputs: convert "
+                f"with example_inputs/example_kwargs that include exactly the inputs you will pass "
+                f"(e.g. one module with labels= for training, one without for inference)"
+            )
+        return tuple(given[n] for n in self.positional), {n: given[n] for n in self.keywords}
+
+    def _is_default(self, name: str, value: Any) -> bool:
+        if value is None:
+            return True
+        param = self.signature.parameters.get(name)
+        if param is None or param.default is inspect.Parameter.empty or isinstance(value, torch.Tensor):
+            return False
+        try:
+            return bool(value == param.default)
+        except Exception:  # pragma: no cover - exotic __eq__
+            return False
+
+
+def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Signature],
+                             args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    if signature is None:  # pragma: no cover
+        return
+    params = list(signature.parameters.values())
+    named = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                              inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(named) or any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params):
+        return  # *args or positional-only parameters: keep export's own (strict) convention
+    positional = tuple(p.name for p in named[:len(args)])
+    constants = {}
+    for name, value in list(zip(positional, args)) + list(kwargs.items()):
+        leaves = pytree.tree_leaves(value)
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            constants[name] = value
+    hook = _BindInputs(signature, positional, tuple(kwargs), constants)
+    gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def _shape_note(gm: fx.GraphModule, dynamic: bool) -> str:
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    parts = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = ", ".join(str(d) if is_concrete_int(d) else "*" for d in val.shape)
+            parts.append(f"{node.name} ({dims})")
+    if not parts:
+        return "no tensor inputs"
+    how = "dynamic shapes (Dim.AUTO)" if dynamic else "static shapes (dynamic=False)"
+    return f"{how}; input sizes, * = dynamic: " + ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaf_modules_error(leaf_modules: Sequence[Any], note: Optional[str]) -> TraceError:
+    names = ", ".join(repr(m) if isinstance(m, str) else getattr(m, "__name__", repr(m)) for m in leaf_modules)
+    head = (note.split("; captured with torch.export")[0] + ", and the torch.export fallback"
+            if note else "the torch.export front end")
+    err = TraceError(
+        f"{head} cannot keep leaf_modules=[{names}] opaque: torch.export traces every module.\n"
+        f"What to do: make torch.fx succeed (add the module it failed in to leaf_modules), convert "
+        f"that part of the model separately (fxamp.convert(model.<submodule>, ...)), or drop "
+        f"leaf_modules and keep a module in float32 under torch.export with "
+        f"module_overrides={{'<path>': 'unsafe'}}."
+    )
+    err.short = "leaf_modules given to the torch.export front end"
+    err.module_path = ""
+    return err
+
+
+_CALL_RE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
+
+
+def _source_line(e: BaseException) -> Optional[Tuple[str, int, str]]:
+    """(file, line, code) of the user code export blamed: from its message, else the traceback."""
+    text = str(e)
+    marker = text.find("The following call raised this error")
+    if marker >= 0:
+        m = _CALL_RE.search(text, marker)
+        if m:
+            return m.group(1), int(m.group(2)), m.group(4).strip()
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith((torch_dir, here)) and f.filename != __file__]
+    if frames:
+        f = frames[-1]
+        return f.filename, f.lineno or 0, (f.line or "").strip()
+    return None
+
+
+def _owner_of_line(model: nn.Module, filename: str, lineno: int) -> Tuple[str, nn.Module]:
+    """The innermost module whose ``forward`` contains ``filename:lineno`` ('' and the model if none)."""
+    best: Tuple[str, nn.Module] = ("", model)
+    for path, m in model.named_modules():
+        fwd = getattr(type(m), "forward", None)
+        try:
+            src = inspect.getsourcefile(fwd)
+            lines, start = inspect.getsourcelines(fwd)
+        except (TypeError, OSError):
+            continue
+        if src and os.path.abspath(src) == os.path.abspath(filename) and start <= lineno < start + len(lines):
+            if len(path) >= len(best[0]):
+                best = (path, m)
+    return best
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    text = str(e)
+    return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text or "data dependent" in text
+
+
+def _export_error(model: nn.Module, e: BaseException, note: Optional[str]) -> TraceError:
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    short = f"{type(e).__name__}: {first}"
+    where = _source_line(e)
+    path, owner = _owner_of_line(model, where[0], where[1]) if where else ("", model)
+    at = f"{where[0]}:{where[1]}" + (f": `{where[2]}`" if where[2] else "") if where else ""
+    module = f"{type(owner).__name__} (module {('at ' + repr(path)) if path else 'at the root'})"
+    prefix = (note.split("; captured with torch.export")[0] + ", and torch.export" if note else "torch.export")
+    hint_path = repr(path) if path else "'<submodule>'"
+    if _is_data_dependent(e):
+        text = (
+            f"{prefix} could not capture {module}: data-dependent control flow at {at or 'an unknown line'}.\n"
+            f"    The branch depends on tensor values, which neither torch.fx nor torch.export can "
+            f"record in one graph ({short}).\n"
+            f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end; it then "
+            f"runs whole, in float32), convert its submodules separately "
+            f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), or write the branch with "
+            f"torch.where / torch.cond."
+        )
+    else:
+        text = (
+            f"{prefix} could not capture {module}{(', ' + at) if at else ''}:\n    {short}\n"
+            f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end), convert "
+            f"its submodules separately, or check that example_inputs/example_kwargs are what forward "
+            f"expects."
+        )
+    err = TraceError(text)
+    err.short = short
+    err.module_path = path
+    return err
