@@ -92,14 +92,6 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------------------------
 
 
-class ModeFlag(nn.Module):
-    """A parameterless child that follows the root's ``train()``/``eval()``: the owner of root-level dropouts."""
-
-    def forward(self) -> bool:  # pragma: no cover - never called, only read
-        return self.training
-
-
-
 def capture_export(
     model: nn.Module,
     example_inputs: Optional[Tuple[Any, ...]],
@@ -130,12 +122,11 @@ def capture_export(
         raise _export_error(model, e, note) from e
 
     gm = program.module(check_guards=False)
-    notes = [note] if note else []
-    notes.append("captured with torch.export" + ("" if note else " (frontend='export')"))
+    notes = [note or "captured with torch.export (frontend='export')"]
     _restore_train_eval(gm)
-    _adopt_module_tree(gm, model)
+    subgraphs = _adopt_module_tree(gm, model)
     modes = _make_modes_switchable(gm)
-    relaxed = _relax_dtype_asserts(gm)
+    relaxed = _relax_dtype_asserts(gm, subgraphs)
     _dedupe_get_attrs(gm.graph)
     _bind_inputs_as_original(gm, signature, args, kwargs)
     gm.graph.eliminate_dead_code()
@@ -284,8 +275,11 @@ def _fresh_name(gm: nn.Module, base: str) -> str:
     return name
 
 
-def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Give ``gm`` the original's module tree and point every ``get_attr`` at the original name of its value."""
+def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> List[nn.Module]:
+    """Give ``gm`` the original's module tree and point every ``get_attr`` at the original name of its value.
+
+    Returns the modules export added (higher-order ops' bodies), now children of ``gm``.
+    """
     getattrs = list(gm.graph.find_nodes(op="get_attr"))
     values = {node: _fetch(gm, str(node.target)) for node in getattrs}
     old_targets = {str(node.target) for node in getattrs}
@@ -297,6 +291,8 @@ def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> None:
     canonical = _canonical_names(model)
     module_names = {id(m): name for name, m in model.named_modules() if name}
     renamed: Dict[int, str] = {}
+    added: List[nn.Module] = []
+    constants = 0
     for node in getattrs:
         value = values[node]
         key = id(value)
@@ -310,15 +306,25 @@ def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> None:
             if isinstance(value, nn.Module):
                 name = _fresh_name(gm, str(node.target).replace(".", "_"))
                 gm.add_module(name, value)
-            elif isinstance(value, torch.Tensor):
-                name = _fresh_name(gm, f"_fxamp_constant_{len(renamed)}")
-                gm.register_buffer(name, value, persistent=False)
+                added.append(value)
             else:
-                name = _fresh_name(gm, f"_fxamp_constant_{len(renamed)}")
-                setattr(gm, name, value)
+                name = _fresh_name(gm, f"_fxamp_constant_{constants}")
+                constants += 1
+                if isinstance(value, torch.Tensor):
+                    gm.register_buffer(name, value, persistent=False)
+                else:
+                    setattr(gm, name, value)
             renamed[key] = name
             node.target = name
     _dedupe_get_attrs(gm.graph)
+    return added
+
+
+class ModeFlag(nn.Module):
+    """A parameterless child that follows the root's ``train()``/``eval()``: the owner of root-level dropouts."""
+
+    def forward(self) -> bool:  # pragma: no cover - never called, only read
+        return self.training
 
 
 _DROPOUTS = {aten.dropout.default: 2, aten.feature_dropout.default: 2, aten.alpha_dropout.default: 2,
@@ -434,17 +440,18 @@ def _batch_norm_to_module(gm: fx.GraphModule, modules: Dict[str, nn.Module], nod
     return True
 
 
-def _relax_dtype_asserts(gm: fx.GraphModule) -> int:
-    """Drop float ``dtype=`` from ``aten._assert_tensor_metadata`` (in the graph and its subgraphs)."""
+def _relax_dtype_asserts(gm: fx.GraphModule, subgraphs: Sequence[nn.Module]) -> int:
+    """Drop float ``dtype=`` from ``aten._assert_tensor_metadata`` (in the graph and export's subgraphs)."""
     relaxed = 0
-    graphs = [gm] + [m for m in gm.children() if isinstance(m, fx.GraphModule)]
+    graphs = [gm] + [m for m in subgraphs if isinstance(m, fx.GraphModule)]
     for g in graphs:
+        before = relaxed
         for node in g.graph.find_nodes(op="call_function", target=aten._assert_tensor_metadata.default):
             dtype = _arg(node, 3, "dtype", None)
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                 _replace_arg(node, 3, "dtype", None)
                 relaxed += 1
-        if g is not gm and relaxed:
+        if g is not gm and relaxed > before:
             g.recompile()
     return relaxed
 

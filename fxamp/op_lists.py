@@ -238,7 +238,8 @@ def _build(groups: Iterable[Tuple[str, OpEntry]]) -> Dict[OpKey, OpEntry]:
 _GROUPS = [
     # ---- safe: the tensor-core ops -----------------------------------------------------------
     ("matmul mm bmm baddbmm addmm addbmm addmv addr mv einsum chain_matmul torch.linalg.multi_dot "
-     "torch.linalg.vecdot operator.matmul Tensor.__matmul__ aten._addmm_activation",
+     "torch.linalg.vecdot operator.matmul Tensor.__matmul__ aten._addmm_activation aten.linalg_multi_dot "
+     "aten.linalg_vecdot",
      OpEntry(S, "matrix multiply: every AMP (autocast CUDA/CPU, apex, TF, MXNet 2) runs it in low "
                 "precision with float32 accumulation inside the kernel")),
     ("linear aten.linear nn.Linear",
@@ -283,7 +284,8 @@ _GROUPS = [
     ("F.local_response_norm nn.LocalResponseNorm",
      OpEntry(U, "local response norm sums squares: float32 (autocast, apex)")),
     ("F.normalize F.cosine_similarity F.pairwise_distance F.pdist cdist dist renorm nn.CosineSimilarity "
-     "nn.PairwiseDistance aten._cdist_forward aten._pdist_forward aten.cosine_similarity",
+     "nn.PairwiseDistance aten._cdist_forward aten._pdist_forward aten.cosine_similarity aten.pairwise_distance "
+     "aten.pdist",
      OpEntry(U, "vector norms and distances square and sum: float32 (autocast, apex)")),
     ("F.interpolate F.upsample F.upsample_nearest F.upsample_bilinear F.grid_sample nn.Upsample "
      "nn.UpsamplingNearest2d nn.UpsamplingBilinear2d aten.upsample_nearest1d aten.upsample_nearest2d "
@@ -297,12 +299,16 @@ _GROUPS = [
      "torch.linalg.eig torch.linalg.cholesky torch.linalg.det torch.linalg.slogdet torch.linalg.lstsq "
      "torch.linalg.pinv torch.linalg.matrix_exp inverse det logdet slogdet cholesky svd qr "
      "aten.linalg_inv_ex aten.linalg_solve aten._linalg_svd aten.linalg_qr aten._linalg_eigh "
-     "aten.linalg_cholesky_ex aten._linalg_det aten._linalg_slogdet",
+     "aten.linalg_cholesky_ex aten._linalg_det aten._linalg_slogdet aten.linalg_inv aten.linalg_svd aten.linalg_eig "
+     "aten.linalg_eigh aten.linalg_cholesky aten.linalg_det aten.linalg_slogdet aten.linalg_lstsq aten.linalg_pinv "
+     "aten.linalg_matrix_exp",
      OpEntry(U, "linear algebra decompositions: ill-conditioned in low precision and mostly without "
                 "float16 kernels (autocast CPU, MXNet)")),
     ("torch.fft.fft torch.fft.ifft torch.fft.rfft torch.fft.irfft torch.fft.fft2 torch.fft.ifft2 "
      "torch.fft.rfft2 torch.fft.irfft2 torch.fft.fftn torch.fft.ifftn torch.fft.rfftn torch.fft.irfftn "
-     "stft istft aten._fft_r2c aten._fft_c2r aten._fft_c2c",
+     "stft istft aten._fft_r2c aten._fft_c2r aten._fft_c2c aten.fft_fft aten.fft_ifft aten.fft_rfft aten.fft_irfft "
+     "aten.fft_fft2 aten.fft_ifft2 aten.fft_rfft2 aten.fft_irfft2 aten.fft_fftn aten.fft_ifftn aten.fft_rfftn "
+     "aten.fft_irfftn",
      OpEntry(U, "FFTs accumulate over the whole signal and need power-of-two sizes in float16: float32")),
     ("F.cross_entropy F.nll_loss F.binary_cross_entropy F.binary_cross_entropy_with_logits F.mse_loss "
      "F.l1_loss F.smooth_l1_loss F.huber_loss F.kl_div F.poisson_nll_loss F.gaussian_nll_loss "
@@ -317,7 +323,7 @@ _GROUPS = [
      "aten.l1_loss aten.smooth_l1_loss aten.huber_loss aten.kl_div aten.binary_cross_entropy "
      "aten.binary_cross_entropy_with_logits aten.soft_margin_loss aten.multilabel_margin_loss_forward "
      "aten.multi_margin_loss aten.ctc_loss aten._ctc_loss aten.poisson_nll_loss aten.margin_ranking_loss "
-     "aten.hinge_embedding_loss aten.cosine_embedding_loss aten.triplet_margin_loss",
+     "aten.hinge_embedding_loss aten.cosine_embedding_loss aten.triplet_margin_loss aten.multilabel_margin_loss",
      OpEntry(U, "loss function: logs, exps and a mean over the batch; every AMP runs losses in float32 "
                 "(binary_cross_entropy is even banned from float16 by autocast and apex)")),
     ("nn.Softmax nn.LogSoftmax nn.Softmin nn.Softmax2d aten._softmax aten._log_softmax",
@@ -343,7 +349,7 @@ _GROUPS = [
      "F.selu F.celu F.logsigmoid F.softsign F.tanhshrink nn.GELU nn.Sigmoid nn.Tanh nn.SiLU nn.Mish "
      "nn.Hardswish nn.Hardsigmoid nn.ELU nn.SELU nn.CELU nn.LogSigmoid nn.Softsign nn.Tanhshrink "
      "aten.gelu aten.sigmoid aten.tanh aten.silu aten.mish aten.elu aten.hardswish aten.hardsigmoid "
-     "aten.log_sigmoid_forward",
+     "aten.log_sigmoid_forward aten.selu aten.celu aten.log_sigmoid",
      OpEntry(C, "smooth activation, bounded or linear at the tails: safe in low precision, so it "
                 "follows its producer (low after a linear, float32 after a norm); only apex forced gelu "
                 "to float32",
@@ -369,7 +375,7 @@ _GROUPS = [
      "hstack vstack dstack index_put index_copy index_add scatter_add scatter_reduce masked_scatter "
      "operator.add operator.sub operator.mul operator.iadd operator.isub operator.imul operator.itruediv "
      "Tensor.__add__ Tensor.__radd__ Tensor.__sub__ Tensor.__rsub__ Tensor.__mul__ Tensor.__rmul__ "
-     "Tensor.__iadd__ Tensor.__imul__ aten.copy diff",
+     "Tensor.__iadd__ Tensor.__imul__ aten.copy diff aten.bilinear aten.linalg_cross",
      OpEntry(N, "several float inputs: torch's type promotion already computes in the widest input "
                 "dtype, so no cast is needed (apex and MXNet insert widest-type casts by hand; "
                 "torch does it natively)")),
@@ -377,7 +383,7 @@ _GROUPS = [
      "logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor operator.eq "
      "operator.ne operator.lt operator.le operator.gt operator.ge operator.and_ operator.or_ "
      "operator.invert operator.not_ operator.xor operator.floordiv operator.mod operator.lshift "
-     "operator.rshift floor_divide aten.__and__ aten.__or__ aten.__xor__ aten.__invert__ aten.__lshift__ "
+     "operator.rshift floor_divide aten.floordiv aten.__and__ aten.__or__ aten.__xor__ aten.__invert__ aten.__lshift__ "
      "aten.__rshift__",
      OpEntry(N, "comparison / logic / integer math: returns bool or int, nothing to cast")),
     ("relu relu_ relu6 F.relu6 F.leaky_relu leaky_relu hardtanh F.hardtanh threshold F.threshold "
@@ -402,7 +408,7 @@ _GROUPS = [
      "diag_embed roll flip fliplr flipud rot90 clone detach detach_ zero_ fill_ zeros_like ones_like "
      "full_like empty_like rand_like randn_like new_zeros new_ones new_full new_empty new_tensor "
      "as_strided unfold F.unfold F.fold F.pad pad constant_pad_nd F.pixel_shuffle F.pixel_unshuffle "
-     "pixel_shuffle pixel_unshuffle channel_shuffle F.one_hot size dim numel nelement shape dtype device "
+     "pixel_shuffle pixel_unshuffle channel_shuffle F.one_hot aten.one_hot size dim numel nelement shape dtype device "
      "is_floating_point is_contiguous stride storage_offset item tolist element_size "
      "operator.getitem operator.setitem builtins.getattr getattr "
      "aten.view aten._unsafe_view aten.reshape aten.permute aten.transpose aten.t aten.expand "
@@ -414,7 +420,7 @@ _GROUPS = [
      "aten.triu aten.flip aten.roll aten.diagonal aten.cat aten.stack aten.where aten.add aten.sub "
      "aten.mul aten.rsub aten.relu aten.neg aten.abs aten.sqrt aten.sin aten.cos aten.eq aten.ne aten.lt "
      "aten.le aten.gt aten.ge aten.logical_not aten.logical_and aten.logical_or aten.bitwise_not "
-     "aten.embedding aten.unfold aten.new_zeros aten.new_ones aten.new_empty aten.expand_as "
+     "aten.unfold aten.new_zeros aten.new_ones aten.new_empty aten.expand_as "
      "aten.sym_stride aten.sym_storage_offset aten._local_scalar_dense aten.new_full aten.empty "
      "aten.view_as aten.masked_fill_ aten.fill_ aten.zero_ aten.index_put aten.index_put_ aten.erf "
      "aten.floor_divide aten.remainder aten.maximum aten.minimum aten.any aten.all aten.clamp",
@@ -422,11 +428,11 @@ _GROUPS = [
     ("Tensor.float Tensor.half Tensor.bfloat16 Tensor.double Tensor.to Tensor.type Tensor.type_as "
      "Tensor.cpu Tensor.cuda aten._to_copy aten.to",
      OpEntry(N, "an explicit cast or move written by the user: respected as written")),
-    ("F.embedding F.embedding_bag embedding_bag nn.Embedding nn.EmbeddingBag aten._embedding_bag",
+    ("F.embedding F.embedding_bag embedding_bag nn.Embedding nn.EmbeddingBag aten._embedding_bag aten.embedding",
      OpEntry(N, "embedding lookup is a gather: the output has the table's dtype (low precision when O2 "
                 "stores the table low)")),
     ("F.dropout F.dropout1d F.dropout2d F.dropout3d F.alpha_dropout F.feature_alpha_dropout dropout "
-     "alpha_dropout feature_alpha_dropout aten.dropout aten.native_dropout aten.bernoulli "
+     "alpha_dropout feature_alpha_dropout aten.dropout aten.native_dropout aten.bernoulli aten.feature_dropout "
      "nn.Dropout nn.Dropout1d nn.Dropout2d nn.Dropout3d nn.AlphaDropout nn.FeatureAlphaDropout",
      OpEntry(N, "dropout: a mask and a scale, exact enough in any dtype")),
     ("F.max_pool1d F.max_pool2d F.max_pool3d F.max_pool1d_with_indices F.max_pool2d_with_indices "
@@ -435,7 +441,7 @@ _GROUPS = [
      "max_pool1d max_pool2d max_pool3d avg_pool1d adaptive_avg_pool1d adaptive_max_pool1d "
      "aten.max_pool2d_with_indices aten.max_pool3d_with_indices aten.avg_pool2d aten.avg_pool3d "
      "aten._adaptive_avg_pool2d aten._adaptive_avg_pool3d aten.adaptive_max_pool2d aten.max_pool2d "
-     "aten.adaptive_avg_pool2d "
+     "aten.adaptive_avg_pool2d aten.adaptive_avg_pool3d aten.adaptive_max_pool3d aten.max_pool1d_with_indices "
      "nn.MaxPool1d nn.MaxPool2d nn.MaxPool3d nn.AvgPool1d nn.AvgPool2d nn.AvgPool3d nn.AdaptiveAvgPool1d "
      "nn.AdaptiveAvgPool2d nn.AdaptiveAvgPool3d nn.AdaptiveMaxPool1d nn.AdaptiveMaxPool2d nn.AdaptiveMaxPool3d",
      OpEntry(N, "pooling over a small window (kernels accumulate averages in float32): neutral on CUDA, "

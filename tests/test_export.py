@@ -23,6 +23,15 @@ import fxamp
 from export_helpers import check_converted, unlisted_aten_ops
 
 aten = torch.ops.aten
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and steadier on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 DTYPES = [torch.float16, torch.bfloat16]
 POLICIES = ["O1", "O2"]
 
@@ -332,6 +341,9 @@ def test_calling_convention_follows_the_original_signature():
         amp(y, mask, scale=3.0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         amp(y, mask, bogus=1)
+    # captured from keywords only: positional calls work too
+    amp = fxamp.convert(model, "O1", example_kwargs={"x": x}, frontend="export")
+    torch.testing.assert_close(amp(y)["out"], model(y)["out"], atol=1e-2, rtol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,3 +396,28 @@ def test_the_suggested_leaf_module_works():
 def test_leaf_modules_cannot_be_kept_by_export():
     with pytest.raises(fxamp.TraceError, match=r"cannot keep leaf_modules=\['gate'\] opaque"):
         fxamp.convert(Gated(), example_inputs=(torch.randn(2, 8),), leaf_modules=["gate"], frontend="export")
+
+
+# ---------------------------------------------------------------------------------------------
+# Op lists
+# ---------------------------------------------------------------------------------------------
+
+
+def test_aten_ops_share_their_torch_functions_entries():
+    """Every listed torch / F function with an aten op of the same name: the aten op has the same entry."""
+    lists = fxamp.DEFAULT_OP_LISTS
+    checked, differ = 0, []
+    for key, entry in lists.items():
+        if isinstance(key, (type, str, torch._ops.OpOverloadPacket)):
+            continue
+        name = getattr(key, "__name__", None)
+        if isinstance(name, str) and hasattr(aten, name):
+            checked += 1
+            if lists.lookup(getattr(aten, name)) != entry:
+                differ.append(name)
+    assert checked > 150 and not differ
+    for fn, op in [(F.linear, aten.linear.default), (F.layer_norm, aten.layer_norm.default),
+                   (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
+                   (F.cross_entropy, aten.cross_entropy_loss.default), (F.dropout, aten.dropout.default),
+                   (F.dropout2d, aten.feature_dropout.default), (F.batch_norm, aten.batch_norm.default)]:
+        assert lists.lookup(fn).category == lists.lookup(op).category, fn.__name__

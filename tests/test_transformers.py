@@ -18,6 +18,15 @@ from export_helpers import check_converted, unlisted_aten_ops
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and steadier on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 DTYPES = [torch.float16, torch.bfloat16]
 POLICIES = ["O1", "O2"]
 V = 96  # vocabulary
@@ -96,7 +105,7 @@ def test_issue_example():
     info = fxamp.conversion_info(amp)
     assert info.frontend == "export"
     assert "co_varnames is too small" in info.notes[0]
-    assert "input_ids (*, *)" in info.notes[2]
+    assert any("input sizes, * = dynamic: input_ids (*, *)" in n for n in info.notes)
     # the cache object GPT-2 returns by default is no tensor pytree: it comes back as None, with a note
     assert out.past_key_values is None
     assert any("DynamicCache" in n and "come back as None" in n for n in info.notes)
