@@ -218,7 +218,6 @@ class _Casts:
         batch.prepend(value)  # get_attr has no inputs: moving it up is always valid
         weights.append(value)
         keys.append(str(value.target))
-        batch.args = (batch.args[0], tuple(weights), dtype, tuple(keys))
         with self.graph.inserting_before(before):
             return self.graph.call_function(operator.getitem, (batch, len(weights) - 1))
 
@@ -241,6 +240,11 @@ class _Casts:
         self.count += 1
         return node
 
+    def finish(self) -> None:
+        """Give each ``cast_weights`` call its weights (set once: rebuilding per weight is quadratic)."""
+        for dtype, (batch, weights, keys) in self._batches.items():
+            batch.args = (batch.args[0], tuple(weights), dtype, tuple(keys))
+
 
 def insert_casts(
     gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Policy, *, weight_cache: bool = True
@@ -259,6 +263,7 @@ def insert_casts(
             continue
         node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
+    casts.finish()
     return casts.count
 
 
