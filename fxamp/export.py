@@ -14,27 +14,11 @@ the user) see the same module they would get from the fx front end:
    bodies (``torch.no_grad`` regions…) stay child graph modules under their export names.
 
 2. **train() / eval().**  Export raises ``NotImplementedError`` from both and bakes the mode into
-   node arguments.  fxamp captures with every module in training mode (restoring the modes
-   afterwards), so dropout and batch-norm updates are in the graph, then makes each baked flag a
-   read of the owning module's ``training`` attribute at run time::
-
-       dropout = aten.dropout(x, 0.1, True)                 training = getattr(self.drop, "training")
-                                                    ==>     dropout = aten.dropout(x, 0.1, training)
-       attn = aten.scaled_dot_product_attention(            training_1 = getattr(self.attn, "training")
-           q, k, v, None, 0.1)                              p = 0.1 * training_1       # 0.0 in eval mode
-                                                            attn = aten.scaled_dot_product_attention(q, k, v, None, p)
-       add_ = aten.add_(bn_num_batches_tracked, 1)  ==>     batch_norm = self.bn(x)       # the original module
-       batch_norm = aten.batch_norm(x, bn_weight, …, True, 0.1, 1e-05, False)
-
-   The flags are plain ``getattr``/``*`` nodes (neutral, no helper functions in the graph).  The
-   owner is the innermost module the node was traced in (``nn_module_stack``; a ``ModeFlag`` child
-   named ``_fxamp_mode`` stands for the root, which a graph cannot name), so
-   ``model.encoder.eval()`` on one submodule works as it does on the original.  A batch norm
-   whose ``aten.batch_norm`` reads exactly its module's tensors becomes a ``call_module`` of the
-   original ``BatchNorm`` (its statistics update, momentum and ``num_batches_tracked`` then behave
-   as the original's in both modes).  Limitation: a ``training=True`` written literally in a
-   ``dropout`` call also follows the module's mode; other Python branches on ``self.training``
-   are captured as in training mode.
+   node arguments.  fxamp captures in training and in eval mode (restoring every module's mode
+   afterwards) and, when the graphs agree, keeps the training one with each dropout, attention
+   dropout and batch norm reading its module's ``training`` flag at run time; see
+   ``fxamp/modes.py``, shared with the fx front end, for the rewrite and what happens when the
+   modes capture different graphs.
 
 3. **Shapes.**  Every dimension of every tensor input is ``Dim.AUTO`` (``dynamic=True``): export
    keeps it symbolic unless the model forces it (a channel count, an image size); sizes of 1 in
@@ -64,15 +48,13 @@ convert again.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
-import operator
 import os
 import re
 import traceback
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -80,9 +62,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .errors import TraceError
-from .trace import Captured, _canonical_names, _dedupe_get_attrs, _fetch, _mirror_module_tree, module_path_of
+from .modes import _arg, _replace_arg, capture_in_both_modes, make_modes_switchable
+from .trace import Captured, _canonical_names, _dedupe_get_attrs, _fetch, _mirror_module_tree
 
-__all__ = ["capture_export", "ModeFlag"]
+__all__ = ["capture_export"]
 
 aten = torch.ops.aten
 
@@ -112,20 +95,21 @@ def capture_export(
     dynamic_shapes = _dynamic_shapes(signature, args, kwargs) if dynamic else None
 
     dropped: List[str] = []
-    root = _export_root(model, dropped)
     from torch.export import export
 
+    def capture() -> fx.GraphModule:
+        root = _export_root(model, dropped)  # copied per capture: it carries the mode being captured
+        return export(root, args, kwargs, dynamic_shapes=dynamic_shapes).module(check_guards=False)
+
     try:
-        with _all_training(model):
-            program = export(root, args, kwargs, dynamic_shapes=dynamic_shapes)
+        gm, mode, mode_notes = capture_in_both_modes(model, capture)
     except Exception as e:  # torch.export raises many types; all mean "could not capture"
         raise _export_error(model, e, note) from e
 
-    gm = program.module(check_guards=False)
     notes = [note or "captured with torch.export (frontend='export')"]
     _restore_train_eval(gm)
     subgraphs = _adopt_module_tree(gm, model)
-    modes = _make_modes_switchable(gm)
+    mode_notes += make_modes_switchable(gm, mode)
     relaxed = _relax_dtype_asserts(gm, subgraphs)
     _dedupe_get_attrs(gm.graph)
     _bind_inputs_as_original(gm, signature, args, kwargs)
@@ -134,9 +118,7 @@ def capture_export(
     gm.recompile()
 
     notes.append(_shape_note(gm, dynamic))
-    if modes:
-        notes.append("train/eval: " + ", ".join(f"{n} {what}" for what, n in sorted(modes.items())) +
-                     " read the owning module's training flag at run time")
+    notes.extend(mode_notes)
     if relaxed:
         notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
     regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
@@ -241,20 +223,6 @@ def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
     return root
 
 
-@contextlib.contextmanager
-def _all_training(model: nn.Module) -> Iterator[None]:
-    """Put every module in training mode for the capture (dropout and statistics updates are then in the
-    graph, and made switchable afterwards); restore each module's own mode on exit."""
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        for m, _ in modes:
-            m.training = True
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-
-
 # ---------------------------------------------------------------------------------------------
 # After export: module tree, modes, checks, calling convention
 # ---------------------------------------------------------------------------------------------
@@ -318,126 +286,6 @@ def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> List[nn.Module]:
             node.target = name
     _dedupe_get_attrs(gm.graph)
     return added
-
-
-class ModeFlag(nn.Module):
-    """A parameterless child that follows the root's ``train()``/``eval()``: the owner of root-level dropouts."""
-
-    def forward(self) -> bool:  # pragma: no cover - never called, only read
-        return self.training
-
-
-_DROPOUTS = {aten.dropout.default: 2, aten.feature_dropout.default: 2, aten.alpha_dropout.default: 2,
-             aten.feature_alpha_dropout.default: 2, aten.native_dropout.default: 2}
-
-
-def _owner(gm: fx.GraphModule, modules: Dict[str, nn.Module], node: fx.Node) -> fx.Node:
-    """A ``get_attr`` of the module that owns ``node`` (the root's ``ModeFlag`` for root-level ops)."""
-    path = module_path_of(node)
-    if path not in modules or path == "":
-        path = "_fxamp_mode"
-        if path not in modules:
-            gm.add_module(path, ModeFlag())
-            modules[path] = gm._fxamp_mode
-            modules[path].training = gm.training
-    with gm.graph.inserting_before(node):
-        owner = gm.graph.get_attr(path)
-    return owner
-
-
-def _replace_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
-    if len(node.args) > index:
-        args = list(node.args)
-        args[index] = value
-        node.args = tuple(args)
-    else:
-        kwargs = dict(node.kwargs)
-        kwargs[name] = value
-        node.kwargs = kwargs
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _make_modes_switchable(gm: fx.GraphModule) -> Dict[str, int]:
-    """Rewrite the training flags export baked in (see the module docstring); returns counts by kind."""
-    graph = gm.graph
-    modules = dict(gm.named_modules())
-    counts: Dict[str, int] = {}
-
-    def count(kind: str) -> None:
-        counts[kind] = counts.get(kind, 0) + 1
-
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in _DROPOUTS and _arg(node, 2, "train", None) is True:
-            _replace_arg(node, 2, "train", _flag_node(gm, modules, node))
-            count("dropout")
-        elif node.target is aten.scaled_dot_product_attention.default:
-            p = _arg(node, 4, "dropout_p", 0.0)
-            if isinstance(p, (int, float)) and p > 0:
-                flag = _flag_node(gm, modules, node)
-                with graph.inserting_before(node):
-                    p_node = graph.call_function(operator.mul, (float(p), flag))  # p if training else 0.0
-                p_node.meta["val"] = float(p)
-                _replace_arg(node, 4, "dropout_p", p_node)
-                count("attention dropout")
-        elif node.target is aten.batch_norm.default and _arg(node, 5, "training", None) is True:
-            if _batch_norm_to_module(gm, modules, node):
-                count("batch norm")
-            else:
-                _replace_arg(node, 5, "training", _flag_node(gm, modules, node))
-                count("functional batch norm")
-        elif node.target is aten.instance_norm.default and _arg(node, 5, "use_input_stats", None) is True:
-            m = modules.get(module_path_of(node))
-            if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
-                _replace_arg(node, 5, "use_input_stats", _flag_node(gm, modules, node))
-                count("instance norm")
-    return counts
-
-
-def _flag_node(gm: fx.GraphModule, modules: Dict[str, nn.Module], node: fx.Node) -> fx.Node:
-    """``getattr(owner, "training")`` before ``node``: plain attribute access, classified neutral."""
-    owner = _owner(gm, modules, node)
-    with gm.graph.inserting_before(node):
-        flag = gm.graph.call_function(getattr, (owner, "training"))
-    flag.meta["val"] = True
-    return flag
-
-
-def _batch_norm_to_module(gm: fx.GraphModule, modules: Dict[str, nn.Module], node: fx.Node) -> bool:
-    """Replace ``aten.batch_norm`` (and its ``num_batches_tracked += 1``) by a call of the original BatchNorm."""
-    path = module_path_of(node)
-    m = modules.get(path)
-    if not isinstance(m, nn.modules.batchnorm._BatchNorm) or node.kwargs:
-        return False
-    tensors = node.args[1:5]
-    expected = (m.weight, m.bias, m.running_mean, m.running_var)
-    for arg, want in zip(tensors, expected):
-        if want is None:
-            if arg is not None:
-                return False
-        elif not (isinstance(arg, fx.Node) and arg.op == "get_attr" and _fetch(gm, str(arg.target)) is want):
-            return False
-    counters = []
-    if m.num_batches_tracked is not None:
-        for user in gm.graph.find_nodes(op="call_function", target=aten.add_.Tensor):
-            target = user.args[0]
-            if (isinstance(target, fx.Node) and target.op == "get_attr"
-                    and _fetch(gm, str(target.target)) is m.num_batches_tracked and not user.users):
-                counters.append(user)
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_module(path, (node.args[0],))
-    new.meta = dict(node.meta)
-    node.replace_all_uses_with(new)
-    gm.graph.erase_node(node)
-    for c in counters:
-        gm.graph.erase_node(c)
-    return True
 
 
 def _relax_dtype_asserts(gm: fx.GraphModule, subgraphs: Sequence[nn.Module]) -> int:

@@ -119,23 +119,32 @@ def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[T
 
 
 def _capture_fx(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Captured:
+    from .modes import capture_in_both_modes, make_modes_switchable
+
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
-    tracer = _Tracer(leaf_types, leaf_paths)
-    # Trace a shallow copy: the tracer stores tensor constants as attributes of the root, and
-    # the user's model must not change.
-    root = copy.copy(model)
-    root.__dict__ = dict(model.__dict__)
-    try:
-        graph = tracer.trace(root)
-    except Exception as e:  # anything torch.fx raises while running forward on proxies
-        raise _trace_error(model, tracer, e) from e
-    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+
+    def trace() -> fx.GraphModule:
+        tracer = _Tracer(leaf_types, leaf_paths)
+        # Trace a shallow copy: the tracer stores tensor constants as attributes of the root, and
+        # the user's model must not change.
+        root = copy.copy(model)
+        root.__dict__ = dict(model.__dict__)
+        try:
+            graph = tracer.trace(root)
+        except Exception as e:  # anything torch.fx raises while running forward on proxies
+            raise _trace_error(model, tracer, e) from e
+        return fx.GraphModule(root, graph, class_name=type(model).__name__)
+
+    # traced in both modes: functional dropout flags (F.dropout(x, p, self.training)) become
+    # switchable again when the modes trace the same ops (fxamp/modes.py)
+    gm, mode, notes = capture_in_both_modes(model, trace)
     _mirror_module_tree(gm, model)
     _canonicalize_get_attrs(gm, model)
     _inline_simple_modules(gm)
+    notes += make_modes_switchable(gm, mode)
     gm.graph.lint()
     gm.recompile()
-    return Captured(gm, "fx")
+    return Captured(gm, "fx", notes)
 
 
 def _trace_error(model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:

@@ -198,6 +198,66 @@ def test_dropout_flags_are_read_from_the_owning_module():
     torch.testing.assert_close(amp(x), ref)  # the same dropout draws
 
 
+class FunctionalDrops(nn.Module):
+    """Dropout written as calls that read ``self.training``: torch.fx bakes the flag like export does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = F.dropout(self.fc(x), 0.5, self.training)
+        q = x[:, None]
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5 if self.training else 0.0)[:, 0]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_functional_dropout_switches_in_either_front_end(frontend, captured_in):
+    model = getattr(FunctionalDrops(), captured_in)()
+    amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(2, 8),), frontend=frontend)
+    assert fxamp.conversion_info(amp).frontend == frontend
+    assert any(n.startswith("train()/eval() reach attention dropout x1, dropout x1") for n in
+               fxamp.conversion_info(amp).notes)
+    x = torch.randn(4, 8)
+    amp.eval()
+    model.eval()
+    assert torch.equal(amp(x), amp(x))
+    torch.testing.assert_close(amp(x), model(x), atol=1e-2, rtol=1e-2)
+    amp.train()
+    assert not torch.equal(amp(x), amp(x))
+
+
+class StochasticDepth(nn.Module):
+    """A branch on ``self.training`` that is not a dropout call: the two modes capture different graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.drop(self.fc(x))
+        if self.training:
+            y = y * torch.empty_like(y[:, :1]).bernoulli_(0.5) / 0.5
+        return x + y
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_mode_dependent_branches_follow_the_mode_at_capture(frontend):
+    model = StochasticDepth().eval()
+    amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(2, 8),), frontend=frontend).eval()
+    notes = " ".join(fxamp.conversion_info(amp).notes)
+    assert "training and eval mode capture different graphs" in notes
+    assert "the graph follows eval mode, the mode at capture" in notes
+    if frontend == "export":  # export records source lines
+        assert "`y = y * torch.empty_like(y[:, :1]).bernoulli_(0.5) / 0.5`" in notes
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(amp(x), model(x), atol=1e-2, rtol=1e-2)  # right for the mode it was captured in
+    amp.train()
+    assert not torch.equal(amp(x), amp(x))  # its dropout still switches
+
+
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_o0_export_matches_the_original_bitwise(mode):
     """Capture alone changes nothing: same outputs (same dropout draws), same statistics updates."""

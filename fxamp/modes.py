@@ -1,0 +1,302 @@
+"""train() / eval() on captured graphs: the mode a front end bakes in, made switchable again.
+
+Both front ends run ``forward`` once to capture it, so every ``self.training`` it reads becomes a
+constant: ``F.dropout(x, 0.1, training=True)`` (fx), ``aten.dropout(x, 0.1, True)`` and
+``aten.batch_norm(..., True, ...)`` (export), ``dropout_p=0.1`` passed to attention.
+:func:`capture_in_both_modes` captures in training mode and in eval mode; when the two graphs run
+the same ops (dropout, batch-norm counters and layout no-ops aside), the training capture is kept
+and :func:`make_modes_switchable` turns each baked flag into a read of the owning module's
+``training`` attribute at run time::
+
+    dropout = aten.dropout(x, 0.1, True)                 training = getattr(self.drop, "training")
+                                                 ==>     dropout = aten.dropout(x, 0.1, training)
+    attn = aten.scaled_dot_product_attention(            training_1 = getattr(self.attn, "training")
+        q, k, v, None, 0.1)                              p = 0.1 * training_1      # 0.0 in eval mode
+                                                         attn = aten.scaled_dot_product_attention(q, k, v, None, p)
+    add_ = aten.add_(bn_num_batches_tracked, 1)  ==>     batch_norm = self.bn(x)      # the original module
+    batch_norm = aten.batch_norm(x, bn_weight, …, True, 0.1, 1e-05, False)
+
+The flags are plain ``getattr``/``*`` nodes (neutral ops, no helper functions in the graph).  The
+owner is the innermost module the node was traced in (``nn_module_stack``), so
+``model.encoder.eval()`` on one submodule works as on the original; a :class:`ModeFlag` child
+named ``_fxamp_mode`` stands for the root, which a graph cannot name.  An ``aten.batch_norm`` that
+reads exactly its module's tensors becomes a ``call_module`` of the original ``BatchNorm``
+(statistics, momentum and ``num_batches_tracked`` then behave as the original's in both modes).
+
+When the two captures differ (a ``DropPath`` that returns its input unless ``self.training``, any
+other branch on the mode), no single graph is right in both modes: the capture of the model's
+current mode is kept, its dropout and batch-norm flags still switch, and a note names the first
+op that differs.  Convert in the mode you will use the result in.  Limitation: a dropout written
+with a literal ``training=True`` (or ``False`` in an eval-mode capture) follows the module's mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ModeFlag", "training_mode", "capture_in_both_modes", "make_modes_switchable"]
+
+aten = torch.ops.aten
+
+
+class ModeFlag(nn.Module):
+    """A parameterless child that follows the root's ``train()``/``eval()``: the owner of root-level dropouts."""
+
+    def forward(self) -> bool:  # pragma: no cover - never called, only read
+        return self.training
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, mode: bool) -> Iterator[None]:
+    """Set every module's ``training`` to ``mode`` (the attribute, not ``train()``, which classes may
+    override); restore each module's own flag on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in modes:
+            m.training = mode
+        yield
+    finally:
+        for m, old in modes:
+            m.training = old
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing in both modes
+# ---------------------------------------------------------------------------------------------
+
+#: (target, index, name) of each mode flag: dropouts and batch norms, torch-level and aten
+_DROPOUT_FLAGS = {
+    F.dropout: (2, "training"), F.dropout1d: (2, "training"), F.dropout2d: (2, "training"),
+    F.dropout3d: (2, "training"), F.alpha_dropout: (2, "training"), F.feature_alpha_dropout: (2, "training"),
+    torch.dropout: (2, "train"), torch.alpha_dropout: (2, "train"), torch.feature_alpha_dropout: (2, "train"),
+    torch.feature_dropout: (2, "train"),
+    aten.dropout.default: (2, "train"), aten.feature_dropout.default: (2, "train"),
+    aten.alpha_dropout.default: (2, "train"), aten.feature_alpha_dropout.default: (2, "train"),
+    aten.native_dropout.default: (2, "train"),
+}
+_ATTENTION = {F.scaled_dot_product_attention: (4, "dropout_p"),
+              aten.scaled_dot_product_attention.default: (4, "dropout_p")}
+_BATCH_NORM_FLAGS = {F.batch_norm: (5, "training"), torch.batch_norm: (5, "training"),
+                     aten.batch_norm.default: (5, "training")}
+#: ops a mode may add or drop without changing what the graph computes
+_MODE_NOISE = {aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+               aten.detach_.default, aten.lift_fresh_copy.default, aten._assert_tensor_metadata.default}
+_MODE_NOISE_METHODS = {"contiguous", "clone", "detach"}
+
+
+def _is_counter_update(node: fx.Node) -> bool:
+    """``num_batches_tracked += 1`` (batch norm in training mode)."""
+    if node.target in (aten.add_.Tensor, "add_", operator.iadd) and node.args:
+        first = node.args[0]
+        return isinstance(first, fx.Node) and str(first.target).endswith("num_batches_tracked")
+    return False
+
+
+def _ops(gm: fx.GraphModule) -> List[Tuple[str, Any]]:
+    """The ops a graph runs, minus those a mode may change without changing the computation."""
+    ops = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if node.target in _DROPOUT_FLAGS or node.target in _MODE_NOISE or _is_counter_update(node):
+            continue
+        if node.op == "call_method" and node.target in _MODE_NOISE_METHODS:
+            continue
+        ops.append((node.op, node.target))
+    return ops
+
+
+def _first_difference(a: fx.GraphModule, b: fx.GraphModule) -> Optional[fx.Node]:
+    """The first node of ``a`` (or ``b``) whose op the other graph does not run at that point."""
+    ops_a, ops_b = _ops(a), _ops(b)
+    if ops_a == ops_b:
+        return None
+    i = next((i for i, (x, y) in enumerate(zip(ops_a, ops_b)) if x != y), min(len(ops_a), len(ops_b)))
+    for gm, ops in ((a, ops_a), (b, ops_b)):
+        if i < len(ops):
+            nodes = [n for n in gm.graph.nodes if (n.op, n.target) == ops[i]]
+            if nodes:
+                return nodes[0]
+    return None  # pragma: no cover
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    if len(lines) >= 2 and lines[-2].startswith("File "):
+        return f" ({lines[-2]}: `{lines[-1]}`)"
+    return ""
+
+
+def capture_in_both_modes(
+    model: nn.Module, capture: Callable[[], fx.GraphModule]
+) -> Tuple[fx.GraphModule, bool, List[str]]:
+    """Run ``capture`` in the model's current mode and in the other; returns (graph, the mode it was
+    captured in, notes).  The training-mode graph when the two agree, else the current mode's."""
+    current = model.training
+    with training_mode(model, current):
+        first = capture()  # errors here are the front end's errors
+    try:
+        with training_mode(model, not current):
+            second = capture()
+    except Exception as e:  # the other mode fails: keep the capture that worked
+        return first, current, [f"captured in {_mode(current)} mode only ({_mode(not current)} mode failed: "
+                                f"{type(e).__name__}); train()/eval() switch its dropout and batch norms"]
+    train_gm, eval_gm = (first, second) if current else (second, first)
+    diff = _first_difference(train_gm, eval_gm)
+    if diff is None:
+        return train_gm, True, []
+    op = diff.target if isinstance(diff.target, str) else getattr(diff.target, "__name__", str(diff.target))
+    return first, current, [
+        f"training and eval mode capture different graphs (first at {op}{_where(diff)}): the graph follows "
+        f"{_mode(current)} mode, the mode at capture; train()/eval() switch only its dropout and batch "
+        f"norms. Convert in the mode you will run it in."
+    ]
+
+
+def _mode(training: bool) -> str:
+    return "training" if training else "eval"
+
+
+# ---------------------------------------------------------------------------------------------
+# Making the baked flags switchable
+# ---------------------------------------------------------------------------------------------
+
+
+def _module_path(node: fx.Node) -> str:
+    from .trace import module_path_of  # trace imports this module
+
+    return module_path_of(node)
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _replace_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
+    if len(node.args) > index:
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+class _Owners:
+    """``getattr(owner, "training")`` nodes: the owner is the innermost module a node was traced in."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.modules = dict(gm.named_modules())
+        self.flags: Dict[str, fx.Node] = {}  # one flag per owner, made before its first use
+
+    def module(self, node: fx.Node) -> Optional[nn.Module]:
+        path = _module_path(node)
+        return self.modules.get(path) if path else None
+
+    def flag(self, node: fx.Node) -> fx.Node:
+        path = _module_path(node)
+        if not path or path not in self.modules:
+            path = "_fxamp_mode"
+            if path not in self.modules:
+                self.gm.add_module(path, ModeFlag())
+                self.modules[path] = self.gm.get_submodule(path)
+                self.modules[path].training = self.gm.training
+        if path not in self.flags:
+            graph = self.gm.graph
+            with graph.inserting_before(node):
+                owner = graph.get_attr(path)
+                flag = graph.call_function(getattr, (owner, "training"))
+            flag.meta["val"] = True
+            self.flags[path] = flag
+        return self.flags[path]
+
+
+def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
+    """Rewrite the flags ``gm`` was captured with (``captured_in``: training mode?); returns notes."""
+    owners = _Owners(gm)
+    graph = gm.graph
+    counts: Dict[str, int] = {}
+
+    def count(kind: str) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+
+    lost = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target in _DROPOUT_FLAGS:
+            index, name = _DROPOUT_FLAGS[target]
+            default = True if target in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d) else None
+            if _arg(node, index, name, default) is captured_in:
+                _replace_arg(node, index, name, owners.flag(node))
+                count("dropout")
+        elif target in _ATTENTION:
+            index, name = _ATTENTION[target]
+            p = _arg(node, index, name, 0.0)
+            if captured_in and isinstance(p, (int, float)) and p > 0:
+                flag = owners.flag(node)
+                with graph.inserting_before(node):
+                    p_node = graph.call_function(operator.mul, (float(p), flag))  # p if training else 0.0
+                p_node.meta["val"] = float(p)
+                _replace_arg(node, index, name, p_node)
+                count("attention dropout")
+            elif not captured_in and isinstance(p, (int, float)) and p == 0:
+                lost += 1
+        elif target in _BATCH_NORM_FLAGS:
+            index, name = _BATCH_NORM_FLAGS[target]
+            if target is aten.batch_norm.default and _batch_norm_to_module(gm, owners, node):
+                count("batch norm")
+            elif _arg(node, index, name, False) is captured_in:
+                _replace_arg(node, index, name, owners.flag(node))
+                count("functional batch norm")
+    notes = []
+    if counts:
+        notes.append("train()/eval() reach " + ", ".join(f"{what} x{n}" for what, n in sorted(counts.items())) +
+                     ": each reads its module's training flag at run time")
+    if lost:
+        notes.append(f"captured in eval mode: {lost} attention call(s) have dropout_p=0 baked in, in train() too")
+    return notes
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) -> bool:
+    """Replace ``aten.batch_norm`` (and its ``num_batches_tracked += 1``) by a call of the original BatchNorm."""
+    m = owners.module(node)
+    if not isinstance(m, nn.modules.batchnorm._BatchNorm) or node.kwargs:
+        return False
+    expected = (m.weight, m.bias, m.running_mean, m.running_var)
+    for arg, want in zip(node.args[1:5], expected):
+        if want is None:
+            if arg is not None:
+                return False
+        elif not (isinstance(arg, fx.Node) and arg.op == "get_attr" and _fetch(gm, str(arg.target)) is want):
+            return False
+    counters = [n for n in gm.graph.find_nodes(op="call_function", target=aten.add_.Tensor)
+                if m.num_batches_tracked is not None and isinstance(n.args[0], fx.Node)
+                and n.args[0].op == "get_attr" and _fetch(gm, str(n.args[0].target)) is m.num_batches_tracked
+                and not n.users]
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(_module_path(node), (node.args[0],))
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for c in counters:
+        gm.graph.erase_node(c)
+    return True
