@@ -13,7 +13,7 @@ import torch.nn as nn
 from .classify import ModuleOverrides, annotate
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
 from .policy import Policy, resolve_policy
-from .rewrite import CACHE_NAME, insert_casts, store_params
+from .rewrite import CACHE_NAME, insert_casts, lower_attribute_reads, store_params
 from .trace import LeafSpec, capture
 
 __all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
@@ -77,6 +77,7 @@ def convert(
     if pol.enabled:
         store_params(gm, decisions, pol)
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
+        lower_attribute_reads(gm)
         gm.graph.lint()
         gm.recompile()
     info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))

@@ -36,7 +36,7 @@ from .convert import conversion_info, convert, policy_of
 from .errors import FxampError
 from .op_lists import Category
 from .policy import PRESETS, Policy
-from .rewrite import NOT_FLOAT, DtypeInference
+from .rewrite import NOT_FLOAT, DtypeInference, attr_target
 from .runtime import call_module_cast
 
 __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "PolicyDiff", "DiffRow", "report", "compare"]
@@ -577,7 +577,7 @@ def _build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs:
     noop = None if observed is None else sum(view.cast_effective(n) is False for n in cast_nodes)
     summary = Summary(
         ops=len(ops), categories=categories, resolved=dict(sorted(resolved.items())), casts=len(cast_nodes),
-        weight_casts=sum(n.meta[CAST_KEY][0].op == "get_attr" for n in cast_nodes), noop_casts=noop,
+        weight_casts=sum(_is_attr(n.meta[CAST_KEY][0]) for n in cast_nodes), noop_casts=noop,
         flops=flops, low_flops=low,
     )
     lints = tuple(_lints(gm, decisions, view, params, buffers))
@@ -596,8 +596,8 @@ class _View:
         """The dtype name of a node's value; ``runtime`` if unknown; None if it is not a float or int tensor."""
         if self.observed is not None:
             return _dtype_of_meta(self.observed.results.get(node))
-        if node.op == "get_attr":
-            value = _fetch(self.gm, node.target)
+        if _is_attr(node):
+            value = _fetch(self.gm, attr_target(node))
             return _name(value.dtype) if isinstance(value, torch.Tensor) else None
         known = self.static(node)
         if known is NOT_FLOAT:
@@ -621,7 +621,7 @@ class _View:
 def _row(node: fx.Node, d: Decision, view: _View, modules: Dict[str, nn.Module], params: set, buffers: set) -> Row:
     observed = view.observed
     resolved = _resolved(d)
-    inputs = [n for n in node.all_input_nodes if META_KEY in view.source(n).meta or n.op == "get_attr"]
+    inputs = [n for n in node.all_input_nodes if META_KEY in view.source(n).meta or _is_attr(n)]
     inputs = [n for n in inputs if not isinstance(_maybe_fetch(view.gm, n), nn.Module)]
     input_dtypes = tuple(dt for dt in (view.dtype(view.source(n)) for n in inputs) if dt is not None)
     casts = tuple(CastIn(n.name, _label(n.meta[CAST_KEY][0]), _name(n.meta[CAST_KEY][1]), view.cast_effective(n))
@@ -635,7 +635,7 @@ def _row(node: fx.Node, d: Decision, view: _View, modules: Dict[str, nn.Module],
 
     if d.compute is not None:
         compute = _name(d.compute)
-    elif node.op in ("placeholder", "get_attr"):
+    elif node.op == "placeholder" or _is_attr(node):
         compute = "-"
     elif out in (None, "-") or (out != RUNTIME and not _is_float(out)):
         compute = "-"  # it makes no float tensor (a shape, an int, a mask)
@@ -646,19 +646,20 @@ def _row(node: fx.Node, d: Decision, view: _View, modules: Dict[str, nn.Module],
 
     shape = None
     flops = None
-    if node.op == "get_attr":
+    if _is_attr(node):
         value = _maybe_fetch(view.gm, node)
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
     if observed is not None:
         res = observed.results.get(node)
         shape = res.shape if isinstance(res, _Meta) else shape
-        if node.op.startswith("call_"):
+        if node.op.startswith("call_") and not _is_attr(node):
             flops = _flops(node, d, observed, modules)
 
-    kind = "call_module" if node.op == "call_function" and node.target is call_module_cast else node.op
+    kind = "call_module" if node.op == "call_function" and node.target is call_module_cast else \
+        "get_attr" if _is_attr(node) else node.op
     module = d.module
-    if node.op == "get_attr":
-        module = str(node.target)
+    if _is_attr(node):
+        module = attr_target(node)
         what = "parameter" if module in params else "buffer" if module in buffers else "constant"
         op = what
     else:
@@ -724,15 +725,15 @@ def _lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: _View, 
     """
     for node in gm.graph.nodes:
         d = decisions.get(node)
-        if d is None or not node.op.startswith("call_") or d.compute is not None:
+        if d is None or not node.op.startswith("call_") or _is_attr(node) or d.compute is not None:
             continue
         sources = [view.source(n) for n in node.all_input_nodes]
         dts = {s: view.dtype(s) for s in sources}
         low = [s for s, dt in dts.items() if dt in _LOW]
-        attrs = [s for s, dt in dts.items() if dt == "float32" and s.op == "get_attr"]
+        attrs = [s for s, dt in dts.items() if dt == "float32" and _is_attr(s)]
         if low and attrs:
-            names = ", ".join(str(a.target) for a in attrs)
-            kinds = "parameter" if all(str(a.target) in params for a in attrs) else "parameter/buffer"
+            names = ", ".join(attr_target(a) for a in attrs)
+            kinds = "parameter" if all(attr_target(a) in params for a in attrs) else "parameter/buffer"
             plural = "s" if len(attrs) > 1 else ""
             yield Lint("param-promotion", node.name,
                        f"float32 {kinds}{plural} {names} meet{'' if plural else 's'} {dts[low[0]]} {_label(low[0])} "
@@ -743,7 +744,7 @@ def _lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: _View, 
         if CAST_KEY not in cast.meta:
             continue
         src, dtype = cast.meta[CAST_KEY]
-        if _name(dtype) not in _LOW or src.op in ("placeholder", "get_attr"):
+        if _name(dtype) not in _LOW or src.op == "placeholder" or _is_attr(src):
             continue
         if view.dtype(src) != "float32" or view.cast_effective(cast) is False:
             continue
@@ -907,8 +908,13 @@ def _dtype_of_meta(meta: Any) -> Optional[str]:
     return "|".join(_unique(_name(m.dtype) for m in leaves))
 
 
+def _is_attr(node: fx.Node) -> bool:
+    """A read of a parameter, buffer or constant (a get_attr, or one convert lowered to a dict lookup)."""
+    return attr_target(node) is not None
+
+
 def _label(node: fx.Node) -> str:
-    return str(node.target) if node.op == "get_attr" else node.name
+    return attr_target(node) or node.name
 
 
 def _op_label(row: Row) -> str:
@@ -959,10 +965,10 @@ def _fetch(module: nn.Module, target: str) -> Any:
 
 
 def _maybe_fetch(gm: fx.GraphModule, node: fx.Node) -> Any:
-    if node.op != "get_attr":
+    if not _is_attr(node):
         return None
     try:
-        return _fetch(gm, node.target)
+        return _fetch(gm, attr_target(node))
     except AttributeError:
         return None
 

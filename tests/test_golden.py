@@ -6,12 +6,19 @@ import torch
 import fxamp
 import operator
 
+from fxamp.rewrite import attr_target
 from fxamp.runtime import cast, cast_weights
 from zoo import build
 
 
+def label(node):
+    """A weight by its get_attr-style name (fc1_weight), anything else by its node name."""
+    target = attr_target(node)
+    return target.replace(".", "_") if target else node.name
+
+
 def casts(gm):
-    return [(n.meta["fxamp_cast"][0].name, str(n.meta["fxamp_cast"][1]).removeprefix("torch."),
+    return [(label(n.meta["fxamp_cast"][0]), str(n.meta["fxamp_cast"][1]).removeprefix("torch."),
              next(iter(n.users)).name) for n in gm.graph.nodes if "fxamp_cast" in n.meta]
 
 
@@ -67,11 +74,11 @@ def test_o0_inserts_nothing():
 
 def test_known_dtypes_use_plain_to_and_unknown_use_checked_cast():
     gm = fxamp.convert(build("MLP"), "O1")
-    kinds = {n.meta["fxamp_cast"][0].name: (n.op, n.target) for n in gm.graph.nodes if "fxamp_cast" in n.meta}
+    kinds = {label(n.meta["fxamp_cast"][0]): (n.op, n.target) for n in gm.graph.nodes if "fxamp_cast" in n.meta}
     assert kinds["x"] == ("call_function", cast)                # an input: checked at run time
     assert kinds["fc1_weight"] == ("call_function", operator.getitem)  # an item of the one cast_weights call
     (batch,) = [n for n in gm.graph.nodes if n.target is cast_weights]
-    assert [w.name for w in batch.args[1]] == ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "fc3_weight", "fc3_bias"]
+    assert [label(w) for w in batch.args[1]] == ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias", "fc3_weight", "fc3_bias"]
     assert kinds["linear_2"] == ("call_method", "to")            # known float16: a plain .to()
 
 
@@ -89,3 +96,24 @@ def test_one_cast_per_value_and_dtype():
     sources = [(s, d) for s, d, _ in casts(gm)]
     assert len(sources) == len(set(sources))
     assert sources.count(("x", "float16")) == 1
+
+
+def test_parameters_are_read_through_owner_dicts():
+    """No getattr chain per tensor: each owner module is fetched once, each tensor is a dict lookup."""
+    gm = fxamp.convert(build("ResNet"), "O2")
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "." in str(n.target)]
+    assert "._parameters" in gm.code and "._modules" in gm.code
+    reads = {attr_target(n) for n in gm.graph.nodes if attr_target(n)}
+    assert "blocks.0.conv1.weight" in reads and "blocks.1.bn2.running_var" not in reads  # BN stays a module call
+    # reads are live: replacing a parameter or a submodule after conversion is seen
+    x = torch.randn(2, 3, 6, 6)
+    gm.eval()
+    before = gm(x)
+    gm.head.weight = torch.nn.Parameter(torch.zeros_like(gm.head.weight))
+    gm.head.bias = torch.nn.Parameter(torch.zeros_like(gm.head.bias))
+    assert torch.equal(gm(x), torch.zeros_like(before))
+    gm.head = torch.nn.Linear(8, 4).half()
+    with torch.no_grad():
+        gm.head.weight.fill_(0)
+        gm.head.bias.fill_(1)
+    assert torch.equal(gm(x), torch.ones_like(before))
