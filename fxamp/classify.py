@@ -7,6 +7,7 @@ and the report both read these records, so they can never disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -80,7 +81,69 @@ def classify(
     decisions: Dict[fx.Node, Decision] = {}
     for node in gm.graph.nodes:
         decisions[node] = _decide(node, policy, op_lists, overrides, modules, decisions)
+    # Conditions that look at consumers run once every node is decided.
+    for node, d in decisions.items():
+        if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source != "module override":
+            entry = op_lists.lookup(node.target) if node.op != "call_module" else None
+            if entry is not None and entry.condition == "softmax":
+                decisions[node] = _softmax_between_low_ops(node, d, decisions, _float_inputs(gm, modules, decisions))
     return decisions
+
+
+def _float_inputs(gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
+    from .rewrite import NOT_FLOAT, DtypeInference  # rewrite imports this module
+
+    infer = DtypeInference(gm, modules, decisions)
+    return lambda node: [i for i in node.all_input_nodes if infer(i) is not NOT_FLOAT]
+
+
+def _softmax_between_low_ops(node: fx.Node, d: Decision, decisions: Mapping[fx.Node, Decision], float_inputs) -> Decision:
+    """Let a softmax stay in low precision when a low-precision op feeds it and only low-precision ops use it."""
+    producer = _low_producer(node.args[0] if node.args else None, decisions, float_inputs)
+    consumers = _low_consumers(node, decisions, float_inputs)
+    if producer is None or not consumers:
+        return d
+    why = (f"between low-precision {producer.name} and {', '.join(c.name for c in consumers)}: the kernel "
+           "accumulates in float32 internally, a float32 round trip would only cost memory and two casts")
+    return dataclasses.replace(d, reason=why, compute=None, resolved=Category.NEUTRAL)
+
+
+def _single_input(node: fx.Node, float_inputs) -> Optional[fx.Node]:
+    inputs = float_inputs(node)
+    return inputs[0] if len(inputs) == 1 else None
+
+
+def _low_producer(value: Any, decisions: Mapping[fx.Node, Decision], float_inputs) -> Optional[fx.Node]:
+    """The safe op ``value`` comes from through single-input neutral ops (x / scale, masked_fill…), or None."""
+    while isinstance(value, fx.Node):
+        d = decisions.get(value)
+        if d is None:
+            return None
+        if d.resolved is Category.SAFE:
+            return value
+        if d.resolved is not Category.NEUTRAL or value.op in ("placeholder", "get_attr"):
+            return None
+        value = _single_input(value, float_inputs)
+    return None
+
+
+def _low_consumers(node: fx.Node, decisions: Mapping[fx.Node, Decision], float_inputs) -> Tuple[fx.Node, ...]:
+    """The safe ops that use ``node`` through single-input neutral ops (dropout, views); () if any use is not one."""
+    found = []
+    for user in node.users:
+        d = decisions.get(user)
+        if d is None or user.op == "output":
+            return ()
+        if d.resolved is Category.SAFE:
+            found.append(user)
+        elif d.resolved is Category.NEUTRAL and _single_input(user, float_inputs) is node:
+            deeper = _low_consumers(user, decisions, float_inputs)
+            if not deeper:
+                return ()
+            found.extend(deeper)
+        else:
+            return ()
+    return tuple(found)
 
 
 def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> Dict[str, OpEntry]:
@@ -201,7 +264,7 @@ def _short(dtype: torch.dtype) -> str:
 
 def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Decision]) -> Tuple[Category, str]:
     cond = entry.condition
-    if cond == "dtype_arg":
+    if cond in ("dtype_arg", "softmax"):  # softmax's second rule needs consumers: see classify()
         dtype = node.kwargs.get("dtype")
         if dtype is None:
             dtype = next((a for a in node.args if isinstance(a, torch.dtype)), None)

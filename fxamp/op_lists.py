@@ -53,7 +53,7 @@ class Category(str, enum.Enum):
 
 
 #: conditions a CONDITIONAL entry may name; the classifier implements each one.
-CONDITIONS = ("dtype_arg", "truediv", "follow_producer", "need_weights")
+CONDITIONS = ("dtype_arg", "softmax", "truediv", "follow_producer", "need_weights")
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,7 @@ _GROUPS = [
      "aten.hinge_embedding_loss aten.cosine_embedding_loss aten.triplet_margin_loss aten.multilabel_margin_loss",
      OpEntry(U, "loss function: logs, exps and a mean over the batch; every AMP runs losses in float32 "
                 "(binary_cross_entropy is even banned from float16 by autocast and apex)")),
-    ("nn.Softmax nn.LogSoftmax nn.Softmin nn.Softmax2d aten._softmax aten._log_softmax",
+    ("nn.Softmax nn.LogSoftmax nn.Softmin nn.Softmax2d aten._log_softmax",
      OpEntry(U, "softmax module (no dtype argument): exp and a sum, float32 (all anchors but TF)")),
     ("nn.TransformerEncoderLayer nn.TransformerDecoderLayer nn.TransformerEncoder nn.TransformerDecoder "
      "nn.Transformer",
@@ -335,7 +335,13 @@ _GROUPS = [
                 "its linears and attention per op")),
 
     # ---- conditional ---------------------------------------------------------------------
-    ("softmax log_softmax F.softmin sum nansum prod cumsum cumprod norm torch.linalg.vector_norm "
+    ("softmax F.softmin aten.softmax aten._softmax",
+     OpEntry(C, "softmax: float32 unless the call passes dtype= (the kernel honours it), or unless it sits "
+                "between low-precision ops (attention: scores from a matmul, probabilities into a matmul), "
+                "where its kernel already accumulates in float32 and a float32 round trip would only cost "
+                "memory and two casts (what CPU autocast and TF's infer list do)",
+             condition="softmax", fallback=U)),
+    ("log_softmax sum nansum prod cumsum cumprod norm torch.linalg.vector_norm "
      "torch.linalg.matrix_norm torch.linalg.norm aten.linalg_vector_norm aten.linalg_matrix_norm "
      "aten.linalg_norm aten.sum aten.prod aten.cumsum aten.cumprod aten.softmax aten.log_softmax",
      OpEntry(C, "exp/sum family: float32 unless the call passes dtype=, which the kernel honours "

@@ -26,7 +26,7 @@ import torch.nn as nn
 from .classify import Decision
 import operator
 
-from .op_lists import NON_FLOAT_OPS, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
+from .op_lists import Category, NON_FLOAT_OPS, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
@@ -48,6 +48,8 @@ def _fetch(module: nn.Module, target: str) -> Any:
 
 def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
     """The dtype a tensor consumed by this decision wants to be stored in."""
+    if decision.category is Category.UNLISTED:
+        return torch.float32  # an op fxamp does not know (e.g. a captured no-grad region): keep the tensor as is
     if decision.norm:
         return policy.norms
     if decision.compute is None or decision.compute in _LOW:
@@ -115,6 +117,8 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
 NOT_FLOAT = "not float"
 _EXPLICIT = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad")
+_SIZE_OPS = frozenset({"Tensor.size", "Tensor.dim", "Tensor.numel", "Tensor.nelement", torch.ops.aten.sym_size,
+                       torch.ops.aten.sym_numel})
 
 
 class DtypeInference:
@@ -127,6 +131,7 @@ class DtypeInference:
     def __init__(self, gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
         self.gm, self.modules, self.decisions = gm, modules, decisions
         self.known: Dict[fx.Node, Any] = {}
+        self.scalars: set = set()  # nodes certainly holding a Python number or shape (a subset of NOT_FLOAT)
 
     def __call__(self, node: fx.Node) -> Any:
         if node not in self.known:
@@ -141,6 +146,7 @@ class DtypeInference:
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             return NOT_FLOAT
         if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):  # Python scalars
+            self.scalars.add(node)
             return NOT_FLOAT
         if node.op == "get_attr":
             t = _fetch(self.gm, node.target)
@@ -156,18 +162,29 @@ class DtypeInference:
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             src = node.args[0]
             if self(src) is NOT_FLOAT:
+                if src in self.scalars:
+                    self.scalars.add(node)  # an item of a shape
                 return NOT_FLOAT
             if src.op in ("call_function", "call_method") and op_key(src.target) in SPLIT_OPS:
                 return self(src.args[0]) if isinstance(src.args[0], fx.Node) else None
             return None
         if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
-            return NOT_FLOAT if node.args[1] in _META_ATTRS else None
+            if node.args[1] in _META_ATTRS:
+                self.scalars.add(node)
+                return NOT_FLOAT
+            return None
         if node.op not in ("call_function", "call_method", "call_module"):
             return None
-        if node.op == "call_function" and getattr(node.target, "__module__", None) == "math":
-            return NOT_FLOAT  # math.sqrt(d) on a traced int: a Python number
+        module = getattr(node.target, "__module__", None) if node.op == "call_function" else None
+        inputs = node.all_input_nodes
+        if module == "math" or (module == "_operator" and inputs and all(self(i) is NOT_FLOAT and i in self.scalars
+                                                                           for i in inputs)):
+            self.scalars.add(node)  # math.sqrt(d), d // heads, n * 2 on traced sizes: a Python number
+            return NOT_FLOAT
         key = type(self.modules[node.target]) if node.op == "call_module" else op_key(node.target)
         if key in NON_FLOAT_OPS:
+            if key in _SIZE_OPS:
+                self.scalars.add(node)
             return NOT_FLOAT
         if key not in SINGLE_TENSOR_OPS or node.kwargs.get("return_indices"):
             return None

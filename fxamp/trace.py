@@ -190,6 +190,9 @@ def _mirror_module_tree(gm: fx.GraphModule, model: nn.Module) -> None:
     bare Modules); mirroring the original keeps ``state_dict`` keys, unused parameters and
     submodule classes intact.
     """
+    # tensor constants the tracer made (``_tensor_constant0``) are buffers of gm only: keep them,
+    # non-persistent, so state_dict keys stay the original's
+    constants = {k: v for k, v in gm._buffers.items() if k not in model._buffers and k not in model._modules}
     for name in list(gm._modules):
         del gm._modules[name]
     for name in list(gm._parameters):
@@ -202,6 +205,8 @@ def _mirror_module_tree(gm: fx.GraphModule, model: nn.Module) -> None:
         gm.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
     for name, m in model._modules.items():
         gm.add_module(name, m)
+    for name, t in constants.items():
+        gm.register_buffer(name, t, persistent=False)
     gm.training = model.training
 
 

@@ -23,7 +23,7 @@ SQNR_FLOOR = {torch.float16: 45.0, torch.bfloat16: 30.0}
 
 # aten ops that must run in the low dtype (safe) or in float32 (unsafe under O1/O2).
 SAFE_ATEN = {"addmm", "mm", "bmm", "convolution", "baddbmm"}
-UNSAFE_ATEN = {"_softmax", "_log_softmax", "native_layer_norm", "exp", "pow", "reciprocal", "nll_loss_forward"}
+UNSAFE_ATEN = {"_log_softmax", "native_layer_norm", "exp", "pow", "reciprocal", "nll_loss_forward"}
 
 
 def first(out):
@@ -95,16 +95,39 @@ def test_o1_matches_autocast_bitwise_on_linear_layers(dtype):
     assert torch.equal(amp(x), ref.float())
 
 
-def test_o1_keeps_softmax_in_float32_where_cpu_autocast_does_not():
-    model = build("Attention")
+def test_softmax_between_matmuls_stays_low_elsewhere_float32():
+    """Attention's softmax reads a matmul and feeds a matmul: low precision (no fp32 round trip),
+    like CPU autocast. A softmax whose result leaves the model or feeds a float32 op runs in float32."""
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = build("Attention")
+            self.cls = nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.att(x)
+            return torch.softmax(self.cls(h), dim=-1), torch.log(torch.softmax(self.cls(h) * 2, dim=-1))
+
+    model = Heads()
     x = inputs_for("Attention")[0]
     amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
     with OpDtypes() as rec:
-        amp(x)
+        probs, logp = amp(x)
+    inputs = [c.inputs for c in rec.of("_softmax")]
+    assert inputs == [(torch.bfloat16,), (torch.float32,), (torch.float32,)]
+    d = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    assert "between low-precision matmul and matmul_1" in d["softmax"].reason  # the attention's
+    assert d["softmax"].resolved is fxamp.Category.NEUTRAL
+    assert d["softmax_1"].resolved is d["softmax_2"].resolved is fxamp.Category.UNSAFE
+    with torch.no_grad():
+        ref = model(x)
+    assert sqnr(ref[0], probs) > SQNR_FLOOR[torch.bfloat16]
+    # the op list can still force it: float32 everywhere
+    strict = fxamp.convert(model, "O1", dtype=torch.bfloat16, overrides={torch.softmax: "unsafe"})
+    with OpDtypes() as rec:
+        strict(x)
     assert {c.inputs for c in rec.of("_softmax")} == {(torch.float32,)}
-    with OpDtypes() as rec, torch.autocast("cpu", dtype=torch.bfloat16):
-        model(x)
-    assert {c.inputs for c in rec.of("_softmax")} == {(torch.bfloat16,)}  # CPU autocast leaves it low
 
 
 @pytest.mark.parametrize("policy", ["O1", "O2"])
@@ -377,3 +400,37 @@ def test_output_dtype_is_configurable():
     low = fxamp.convert(model, fxamp.Policy.parse("compute=bfloat16,output=bfloat16"))
     assert low(x).dtype == torch.bfloat16
     assert torch.equal(low(x), keep(x))
+
+
+def test_o2_keeps_tensors_read_by_unlisted_ops_float32():
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+
+        def forward(self, x):
+            angles = torch.outer(torch.arange(x.size(0), dtype=torch.float32), self.inv_freq)
+            return self.fc(x) + torch.logaddexp(angles, self.inv_freq).sum()
+
+    amp = fxamp.convert(Rotary(), "O2", dtype=torch.bfloat16)
+    assert fxamp.DEFAULT_OP_LISTS.lookup(torch.logaddexp) is None
+    assert amp.inv_freq.dtype == torch.float32  # read by logaddexp, which no list knows
+    assert amp.fc.weight.dtype == torch.bfloat16
+
+
+def test_tensor_constants_made_while_tracing_are_kept_out_of_state_dict():
+    class Const(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0))
+
+        def forward(self, x):
+            return self.fc(x) * torch.special.i0(self.scale)  # evaluated at trace time: a tensor constant
+
+    m = Const()
+    amp = fxamp.convert(m, "O1")
+    assert list(amp.state_dict()) == list(m.state_dict())
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(amp(x), m(x), rtol=1e-2, atol=1e-2)
