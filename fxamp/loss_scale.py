@@ -193,6 +193,7 @@ class LossScaler:
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._tolerance = config.hysteresis
         self._scale_value = float(self._scale)
+        self._inv: Dict[torch.device, torch.Tensor] = {}  # inv_scale() per device, until the scale moves
         #: overflowed updates so far (iterations whose steps were skipped)
         self.overflows = 0
         #: update() calls so far (one per training iteration)
@@ -215,6 +216,17 @@ class LossScaler:
     def inv_scale(self) -> torch.Tensor:
         """``1 / scale`` as a float32 0-dim CPU tensor, computed in float64 as GradScaler does."""
         return self._scale.double().reciprocal().float()
+
+    def _inv_scale_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`inv_scale` on ``device``, computed (and copied there) once per scale; do not modify it."""
+        inv = self._inv.get(device)
+        if inv is None:
+            inv = self._inv[device] = self.inv_scale().to(device)
+        return inv
+
+    def _scale_moved(self) -> None:
+        self._scale_value = float(self._scale)
+        self._inv.clear()
 
     # -- the iteration ---------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -272,7 +284,7 @@ class LossScaler:
         self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
         if was_growing:
             self._tolerance = cfg.hysteresis
-        self._scale_value = float(self._scale)
+        self._scale_moved()
         return found
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -304,7 +316,7 @@ class LossScaler:
             raise ValueError(f"the checkpoint's loss scale is {state['kind']!r} but this scaler's is "
                              f"{self.kind.value!r}; build the scaler with the same kind")
         self._scale.fill_(state["scale"])
-        self._scale_value = float(self._scale)
+        self._scale_moved()
         self._growth_tracker.fill_(state["growth_tracker"])
         self._tolerance = int(state["tolerance"])
         self.overflows = int(state["overflows"])

@@ -12,7 +12,7 @@
         stepped = opt.step()                 # False: skipped, an inf/NaN gradient
 
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
-step the low-precision parameters are refreshed from the masters (one ``torch._foreach_copy_``).
+step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
 Float32 parameters (O1, or norms under O2) are stepped directly.  Per step::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
@@ -22,6 +22,13 @@ Float32 parameters (O1, or norms under O2) are stepped directly.  Per step::
 gradient by the scale and checks it for inf/NaN in one fused kernel per (device, dtype), agrees
 on the result across ranks, then steps or skips (a skip changes no weight, master or optimizer
 state) and updates the scale (see :class:`fxamp.LossScaler`).
+
+The per-step overhead is a handful of foreach calls, not a Python loop over parameters: the
+tensor lists are built once per layout of ``param_groups`` (:class:`_Plan`), and the masters'
+float32 gradients are views into one tensor allocated once, overwritten at each ``unscale_()``
+with the sum the low-precision gradients accumulated, so ``zero_grad()`` clears only the model's
+gradients.  That tensor stays allocated between steps: 4 bytes per low-precision parameter,
+also during forward and backward (on CPU, plus a low-precision staging copy of the small ones).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch.nn as nn
 from .convert import convert, policy_of
 from .distributed import all_reduce_overflow
 from .errors import OptimizerStateError
-from .loss_scale import LossScaleConfig, LossScaler, unscale_and_check_
+from .loss_scale import LossScaleConfig, LossScaler
 from .policy import Policy
 
 __all__ = ["MixedPrecisionOptimizer", "initialize"]
@@ -54,6 +61,214 @@ class _Stage(str, enum.Enum):
 
 
 LossScaleArg = Union[str, float, None, LossScaleConfig, LossScaler]
+
+
+#: On CPU, gradients of at most this many elements are gathered by ``torch.cat`` (one kernel per
+#: trailing shape) into a low-precision staging tensor and converted to float32 by one kernel: a
+#: copy per tensor costs ~0.35 us of dispatch, most of what copying a small tensor costs (the 400
+#: gradients of 200 Linear(16, 16): 55 us instead of 160).  Larger ones are copied directly.
+_CAT_NUMEL = 1024
+
+
+class _Bucket:
+    """Low-precision parameters of one (device, dtype), their masters, and the masters' gradients.
+
+    The masters' gradients are views into one flat tensor, allocated once (with the strides
+    ``empty_like(master)`` gives, as a fresh gradient would have): bound as the masters' ``.grad``
+    and overwritten from the low-precision gradients at each ``unscale_()``, instead of one
+    ``empty_like`` per parameter per step, and checked for inf/NaN in one kernel over ``flat``
+    instead of one per tensor (400 on a 200-layer MLP: 90 us on CPU, against 6).
+
+    The pairs are reordered: first the groups of small gradients gathered with ``torch.cat``
+    (``cats``: a slice of the lists and the stretch of ``staging`` it fills, see ``_CAT_NUMEL``),
+    whose float32 copies are the first ``staged`` elements of ``flat``; then the others.
+    """
+
+    __slots__ = ("device", "lows", "masters", "grads", "flat", "cats", "staging", "staged", "ncat")
+
+    def __init__(self, lows: List[torch.Tensor], masters: List[torch.Tensor]) -> None:
+        self.device = lows[0].device
+        groups, rest = _cat_groups(lows, masters)
+        pairs = [pair for group in groups for pair in group] + rest
+        self.lows = [low for low, _ in pairs]
+        self.masters = [m for _, m in pairs]
+        self.flat, self.grads = _flat_grads(self.masters)
+        self.ncat = sum(len(group) for group in groups)
+        nstaged = sum(m.numel() for m in self.masters[:self.ncat])
+        self.staging = torch.empty(nstaged, dtype=self.lows[0].dtype, device=self.device)
+        self.staged = self.flat[:nstaged]
+        self.cats: List[Tuple[slice, torch.Tensor]] = []
+        start = offset = 0
+        for group in groups:  # cat along dim 0 fills ``out``: the group's stretch of staging, as one tensor
+            masters_of_group = [m for _, m in group]
+            n = sum(m.numel() for m in masters_of_group)
+            rows = sum(m.shape[0] for m in masters_of_group)
+            out = self.staging[offset:offset + n].view(rows, *masters_of_group[0].shape[1:])
+            self.cats.append((slice(start, start + len(group)), out))
+            start, offset = start + len(group), offset + n
+
+    def copy_in(self, grads: List[torch.Tensor]) -> None:
+        """Copy dense low-precision gradients, in the order of ``lows``, into the masters' ``grads``."""
+        if self.cats:
+            for run, out in self.cats:
+                torch.cat(grads[run], out=out)
+            self.staged.copy_(self.staging)
+        if self.ncat < len(grads):
+            torch._foreach_copy_(self.grads[self.ncat:], grads[self.ncat:])
+
+
+_Pair = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor]) -> Tuple[List[List[_Pair]], List[_Pair]]:
+    """Split (low, master) pairs into the groups ``torch.cat`` gathers along dim 0, and the rest.
+
+    A group: two or more small (``_CAT_NUMEL``) CPU tensors with contiguous gradients and the same
+    shape but for dim 0.
+    """
+    groups: Dict[Tuple[int, ...], List[_Pair]] = {}
+    rest = []
+    for low, m in zip(lows, masters):
+        if (low.device.type == "cpu" and 0 < m.dim() and m.numel() <= _CAT_NUMEL
+                and torch.empty_like(m, device="meta").is_contiguous()):
+            groups.setdefault(tuple(m.shape[1:]), []).append((low, m))
+        else:
+            rest.append((low, m))
+    gathered = [group for group in groups.values() if len(group) > 1]
+    rest += [pair for group in groups.values() if len(group) == 1 for pair in group]
+    return gathered, rest
+
+
+def _flat_grads(masters: List[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """One flat tensor, and a view of it per master laid out as ``empty_like(master)`` would be."""
+    flat = torch.empty(sum(m.numel() for m in masters), dtype=masters[0].dtype, device=masters[0].device)
+    views, offset = [], 0
+    for m in masters:
+        views.append(flat.as_strided(m.shape, torch.empty_like(m, device="meta").stride(), offset))
+        offset += m.numel()
+    return flat, views
+
+
+class _Plan:
+    """What a step touches, as lists ready for foreach calls; valid while ``param_groups`` keep their layout.
+
+    buckets: low-precision parameters and their masters, per (device, dtype) of the former
+    own:     the float32 (or float64) parameters the inner optimizer steps directly, per (device, dtype)
+    layout:  each group's ``params`` list and its length when the plan was built (see ``matches``)
+
+    A group added to the inner optimizer, or a ``params`` list replaced or resized, is noticed at
+    the next ``unscale_()``; a parameter swapped into a list in place is not (nor was it by the
+    master pairing, which happens when a group is bound).
+    """
+
+    __slots__ = ("buckets", "own", "layout")
+
+    def __init__(self, buckets: List[_Bucket], own: List[List[torch.Tensor]],
+                 layout: List[Tuple[List[torch.Tensor], int]]) -> None:
+        self.buckets = buckets
+        self.own = own
+        self.layout = layout
+
+    def matches(self, groups: List[Dict[str, Any]]) -> bool:
+        """Same groups holding the same lists of the same lengths (the lists are held, so ids are not reused)."""
+        if len(groups) != len(self.layout):
+            return False
+        for group, (params, n) in zip(groups, self.layout):
+            if group["params"] is not params or len(params) != n:
+                return False
+        return True
+
+
+def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.zero_grad`` is ``Optimizer.zero_grad`` (no subclass or instance override)."""
+    return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
+
+
+def _unbind_grads(params: Sequence[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None
+
+
+def _bind_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        if p.grad is not g:
+            p.grad = g
+
+
+def _all_dense(grads: Sequence[Optional[torch.Tensor]]) -> bool:
+    for g in grads:
+        if g is None or g.is_sparse:
+            return False
+    return True
+
+
+class _Flags:
+    """One overflow flag per device, and ``1/scale`` there, for the fused check-and-unscale kernels."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self.scaler = scaler
+        self.flags: Dict[torch.device, torch.Tensor] = {}
+
+    def check_and_unscale_(self, tensors: List[torch.Tensor], device: torch.device) -> None:
+        flag = self.flags.get(device)
+        if flag is None:
+            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.scaler._inv_scale_on(device))
+
+    def found(self) -> torch.Tensor:
+        """1.0 if any kernel saw an inf/NaN, as a float32 0-dim CPU tensor."""
+        flags = [flag.to("cpu") for flag in self.flags.values()]
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
+def _unscale_masters_(bucket: _Bucket, flags: _Flags) -> int:
+    """Put the unscaled low-precision gradients of ``bucket`` in its masters' ``.grad``; return how many.
+
+    The masters' gradient tensors are overwritten, not accumulated into: the low-precision ones
+    already hold the sum over every backward since zero_grad().  The check reads the float32
+    copies before unscaling them (GradScaler's order), so it sees exactly the low-precision values.
+    """
+    grads = [p.grad for p in bucket.lows]
+    _bind_grads(bucket.masters, bucket.grads)
+    try:  # the usual case, every gradient dense: a few kernels, no per-parameter work
+        bucket.copy_in(grads)
+    except (TypeError, RuntimeError):  # a None gradient (TypeError) or a sparse one: pair by pair
+        return _unscale_pairs_(bucket, grads, flags)  # (copy_in only writes the masters' gradients)
+    flags.check_and_unscale_([bucket.flat], bucket.device)
+    return len(grads)
+
+
+def _unscale_pairs_(bucket: _Bucket, grads: List[Optional[torch.Tensor]], flags: _Flags) -> int:
+    """:func:`_unscale_masters_` when some parameter got no gradient (its master gets none) or a sparse one."""
+    dst, src, values = [], [], []
+    for master, buf, g in zip(bucket.masters, bucket.grads, grads):
+        if g is None:
+            master.grad = None  # not stepped, as the plain optimizer would not step it
+        elif g.is_sparse:
+            master.grad = g.coalesce().float()
+            values.append(master.grad._values())
+        else:  # bound to ``buf`` already
+            dst.append(buf)
+            src.append(g)
+    if dst:
+        torch._foreach_copy_(dst, src)  # raises what copy_in() ran into, if that was something else
+    if dst or values:
+        flags.check_and_unscale_(dst + values, bucket.device)
+    return len(dst) + len(values)
+
+
+def _unscale_own_(params: List[torch.Tensor], flags: _Flags) -> int:
+    """Unscale, in place, the gradients of float32 parameters stepped directly (one device and dtype).
+
+    Sparse and missing gradients are looked for first, not caught as in _unscale_masters_: the
+    kernel unscales in place, so failing part way would leave some gradients unscaled.
+    """
+    grads = [p.grad for p in params]
+    if not _all_dense(grads):
+        grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
+    if grads:
+        flags.check_and_unscale_(grads, params[0].device)
+    return len(grads)
 
 
 class MixedPrecisionOptimizer:
@@ -100,6 +315,7 @@ class MixedPrecisionOptimizer:
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
         self._nparams = 0
+        self._plan: Optional[_Plan] = None  # built at the first unscale_(), see _get_plan()
         for group in optimizer.param_groups:
             self._bind_group(group)
         self.scaler, self._owns_scaler = _resolve_scaler(loss_scale, model, list(self.master_params()) + self._lows)
@@ -131,6 +347,30 @@ class MixedPrecisionOptimizer:
         self._lows.append(low)
         self._masters.append(master)
         self._low_of[id(master)] = low
+        self._plan = None
+
+    def _get_plan(self) -> _Plan:
+        """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
+        plan = self._plan
+        if plan is None or not plan.matches(self.optimizer.param_groups):
+            self._check_params()
+            plan = self._plan = self._build_plan()
+        return plan
+
+    def _build_plan(self) -> _Plan:
+        """Group the inner optimizer's parameters by device and dtype, in their order in ``param_groups``."""
+        pairs: Dict[Tuple[torch.device, torch.dtype, torch.dtype], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        own: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for master in self.master_params():
+            low = self._low_of.get(id(master))
+            if low is None:
+                own.setdefault((master.device, master.dtype), []).append(master)
+            else:
+                lows, masters = pairs.setdefault((low.device, low.dtype, master.dtype), ([], []))
+                lows.append(low)
+                masters.append(master)
+        layout = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
+        return _Plan([_Bucket(lows, masters) for lows, masters in pairs.values()], list(own.values()), layout)
 
     def _adopt(self, low_of_master: Dict[int, torch.Tensor]) -> None:
         """Make float32 parameters already in the optimizer the masters of given low-precision ones (initialize)."""
@@ -195,11 +435,24 @@ class MixedPrecisionOptimizer:
         return _Stage.READY
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the model's parameters and of the masters; starts the iteration over."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Clear the gradients of the model's parameters; starts the iteration over.
+
+        With ``set_to_none`` (the default) the model's gradients become None, as with
+        ``Optimizer.zero_grad``.  The masters' float32 gradients are internal: they keep their
+        tensors (and the last step's values) until unscale_() overwrites them with the new
+        gradients; a parameter that gets no gradient leaves its master's ``.grad`` None then.
+        The inner optimizer's own ``zero_grad`` runs instead when ``set_to_none=False``, or when
+        its class overrides ``zero_grad``.
+        """
+        plan = self._plan
+        if set_to_none and plan is not None and _stock_zero_grad(self.optimizer) \
+                and plan.matches(self.optimizer.param_groups):
+            for params in plan.own:
+                _unbind_grads(params)
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
         if set_to_none:
-            for p in self._lows:
-                p.grad = None
+            _unbind_grads(self._lows)
         else:
             grads = []
             for p in self._lows:
@@ -269,39 +522,22 @@ class MixedPrecisionOptimizer:
             raise OptimizerStateError(
                 "unscale_() before any backward(); call opt.backward(loss) (or opt.scale_loss(loss).backward()) first"
             )
-        dst, src, checked = [], [], []
-        for low, master in zip(self._lows, self._masters):
-            g = low.grad
-            if g is None:
-                master.grad = None
-                continue
-            if g.is_sparse:
-                master.grad = g.coalesce().float()
-            else:
-                if master.grad is None or master.grad.is_sparse or master.grad.shape != master.shape:
-                    master.grad = torch.empty_like(master)
-                dst.append(master.grad)
-                src.append(g)
+        plan = self._get_plan()
+        flags = _Flags(self.scaler)
         with torch.no_grad():
-            if dst:
-                torch._foreach_copy_(dst, src)
-            for p in self.master_params():
-                if p.grad is not None:
-                    checked.append(p)
+            checked = sum(_unscale_masters_(b, flags) for b in plan.buckets)
+            checked += sum(_unscale_own_(params, flags) for params in plan.own)
             if not checked:
                 raise OptimizerStateError(
                     "no parameter of this optimizer has a gradient: the loss does not depend on them, "
                     "or backward() ran on another model (if the optimizer was built on the original "
                     "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
                 )
-            grads = [p.grad for p in checked]
-            local = unscale_and_check_(grads, self.scaler.inv_scale())
+            local = flags.found()
             found = all_reduce_overflow(local, self.process_group) if self.sync_overflow else local
             self._found = bool(found.item())
             if local.item():  # rare: note which tensors overflowed, before clipping can spread NaNs
-                dense = [g._values() if g.is_sparse else g for g in grads]
-                maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
-                self._overflow = (checked, ~torch.isfinite(maxabs))
+                self._overflow = self._which_overflowed()
             else:  # clean here; on another rank, perhaps
                 self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if self._found else None
         self._unscaled_gen = self.scaler._generation
@@ -345,9 +581,20 @@ class MixedPrecisionOptimizer:
         return not found
 
     def _refresh(self) -> None:
-        if self._lows:
-            with torch.no_grad():
+        """Round the masters into the low-precision parameters: one ``_foreach_copy_`` per (device, dtype)."""
+        with torch.no_grad():
+            if self._plan is not None:
+                for bucket in self._plan.buckets:
+                    torch._foreach_copy_(bucket.lows, bucket.masters)
+            elif self._lows:
                 torch._foreach_copy_(self._lows, self._masters)
+
+    def _which_overflowed(self) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """The parameters whose (unscaled) gradients were checked, and which of them hold an inf/NaN."""
+        checked = [p for p in self.master_params() if p.grad is not None]
+        dense = [p.grad._values() if p.grad.is_sparse else p.grad for p in checked]
+        maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
+        return checked, ~torch.isfinite(maxabs)
 
     def _check_params(self) -> None:
         n = sum(len(g["params"]) for g in self.optimizer.param_groups)

@@ -146,3 +146,15 @@ def test_unscale_and_check_all_dtypes_one_kernel_each():
 def test_public_names():
     for name in ("LossScaleConfig", "LossScaler", "ScaleKind", "MixedPrecisionOptimizer", "initialize"):
         assert name in fxamp.__all__ and hasattr(fxamp, name)
+
+
+def test_cached_inverse_scale_follows_the_scale():
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=4.0, growth_interval=1))
+    cpu = torch.device("cpu")
+    assert float(s._inv_scale_on(cpu)) == 0.25 and s._inv_scale_on(cpu) is s._inv_scale_on(cpu)
+    run(s, [0])
+    assert s.scale == 8.0 and torch.equal(s._inv_scale_on(cpu), s.inv_scale()) and float(s.inv_scale()) == 0.125
+    state = s.state_dict()
+    state["scale"] = 2.0
+    s.load_state_dict(state)
+    assert float(s._inv_scale_on(cpu)) == 0.5

@@ -307,12 +307,213 @@ def test_zero_grad(set_to_none):
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     train_step(model, opt, 0)
     opt.zero_grad(set_to_none=set_to_none)
-    for p in [*model.parameters(), *opt.master_params()]:
+    for p in model.parameters():  # float16 ones and BatchNorm's float32 ones (stepped directly)
         assert (p.grad is None) if set_to_none else (p.grad is not None and not p.grad.any())
+    for m in opt._masters:  # internal: kept (set_to_none) until unscale_() overwrites them, or zeroed
+        assert m.grad is not None and (set_to_none or not m.grad.any())
     opt.backward(loss_of(model, 1))
     opt.zero_grad(set_to_none=set_to_none)  # discards the iteration
     with pytest.raises(OptimizerStateError, match="without a backward pass"):
         opt.step()
+
+
+def test_master_gradients_are_kept_rebound_and_overwritten():
+    """The masters' float32 gradients live in one buffer across steps; each unscale_() overwrites them."""
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
+    assert train_step(model, opt, 0)
+    grads = [m.grad for m in opt._masters]
+    fc1 = opt._masters[0]
+    assert fc1 is dict(zip(map(id, opt._lows), opt._masters))[id(model.fc1.weight)]
+    # a parameter without a gradient this step: its master has none either, and is not stepped
+    opt.zero_grad()
+    model.fc1.weight.requires_grad_(False)
+    opt.backward(loss_of(model, 1))
+    model.fc1.weight.requires_grad_(True)
+    before = fc1.detach().clone()
+    opt.unscale_()
+    inv = 1.0 / opt.current_scale
+    assert fc1.grad is None
+    for low, m in zip(opt._lows[1:], opt._masters[1:]):
+        assert torch.equal(m.grad, low.grad.float() * inv)
+    assert opt.step() and torch.equal(fc1, before) and refreshed(opt)
+    # the next step binds the same tensors again, holding this step's gradients; masters' grads
+    # cleared behind the wrapper's back (the inner optimizer's zero_grad) are bound again too
+    opt.zero_grad()
+    opt.backward(loss_of(model, 2))
+    opt.optimizer.zero_grad()
+    opt.unscale_()
+    inv = 1.0 / opt.current_scale
+    assert all(m.grad is g for m, g in zip(opt._masters, grads))
+    for low, m in zip(opt._lows, opt._masters):
+        assert torch.equal(m.grad, low.grad.float() * inv)
+    assert opt.step() and not torch.equal(fc1, before) and refreshed(opt)
+
+
+def test_clearing_master_gradients_between_steps_changes_nothing():
+    def run(meddle):
+        model = fxamp.convert(net(), "O2")
+        opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+        for step in range(4):
+            opt.zero_grad()
+            if meddle and step % 2:
+                opt.optimizer.zero_grad()  # every master's .grad None, as Optimizer.zero_grad leaves them
+            opt.backward(loss_of(model, step))
+            assert opt.step()
+        return snapshot(model, opt)
+
+    assert_bitwise(run(False), run(True))
+
+
+def test_masters_of_mixed_dtypes_and_devices_of_one_optimizer():
+    """float16 and bfloat16 parameters (two buckets), a float64 and a float32 one stepped directly."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(3).to(F16)), nn.Parameter(torch.randn(4).to(BF16)),
+          nn.Parameter(torch.randn(5).to(F16)), nn.Parameter(torch.randn(2, dtype=torch.float64)),
+          nn.Parameter(torch.randn(6))]
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(ps, lr=0.1), loss_scale=8.0)
+    assert [len(b.lows) for b in opt._get_plan().buckets] == [2, 1]
+
+    def loss():
+        return sum(p.float().square().sum() for p in ps)
+
+    opt.backward(loss())
+    scaled = [p.grad.clone() for p in ps]
+    masters = list(opt.master_params())
+    opt.unscale_()
+    for g, m in zip(scaled, masters):
+        assert m.grad.dtype == m.dtype and torch.equal(m.grad, g.to(m.dtype) * torch.tensor(0.125).to(m.dtype))
+    before = [m.detach().clone() for m in masters]
+    assert opt.step() and refreshed(opt)
+    for b, m in zip(before, masters):
+        torch.testing.assert_close(m, b - 0.1 * 2 * b)
+    opt.zero_grad()
+    opt.backward(loss())
+    ps[1].grad[0] = INF  # the bfloat16 bucket overflows: the whole step is skipped
+    before = [m.detach().clone() for m in masters]
+    assert opt.step() is False
+    assert_bitwise(before, [m.detach() for m in masters])
+    assert opt.overflowed_params() == ["group 0, param 1"]
+
+
+@pytest.mark.parametrize("loss_scale", [None, "dynamic"])
+def test_sparse_gradients(loss_scale):
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, sparse=True)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, i):
+            return self.fc(self.emb(i))
+
+    torch.manual_seed(0)
+    model = fxamp.convert(Bag(), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=loss_scale, model=model)
+    i = torch.tensor([[1, 2, 2], [7, 1, 0]])
+    emb = opt._masters[0]
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(i).float().square().mean())
+        assert model.emb.weight.grad.is_sparse
+        if step == 2:
+            model.emb.weight.grad._values()[0, 0] = NAN
+        scaled = model.emb.weight.grad.coalesce().float()
+        before = emb.detach().clone()
+        opt.unscale_()
+        assert emb.grad.is_sparse and emb.grad.dtype == F32
+        unscaled = torch.sparse_coo_tensor(scaled._indices(), scaled._values() * opt.scaler.inv_scale(), scaled.shape,
+                                           check_invariants=True)
+        if step < 2:
+            assert opt.step() and refreshed(opt)
+            assert torch.equal(emb, before.add(unscaled, alpha=-0.1))
+        else:
+            assert opt.step() is False and torch.equal(emb, before)
+            assert opt.overflowed_params() == ["emb.weight"]
+
+
+def test_small_gradients_gathered_by_cat_match_direct_copies(monkeypatch):
+    """Small gradients are gathered with torch.cat (by trailing shape), large and 0-dim ones copied one by one."""
+    from fxamp import optim as optim_module
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+            self.wide = nn.Linear(16, 300)  # 4800 weights: copied directly
+            self.temperature = nn.Parameter(torch.tensor(0.5))  # 0-dim
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.wide(x) * self.temperature
+
+    def train(cat_numel):
+        monkeypatch.setattr(optim_module, "_CAT_NUMEL", cat_numel)
+        torch.manual_seed(0)
+        model = fxamp.convert(Mixed(), "O2")
+        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(x).float().square().mean())
+            opt.unscale_()
+            inv = 1.0 / opt.current_scale
+            for low, m in zip(opt._lows, opt._masters):
+                assert torch.equal(m.grad, low.grad.float() * inv)
+            assert opt.step() and refreshed(opt)
+        return opt, snapshot(model, opt)
+
+    opt, gathered = train(1024)
+    (bucket,) = opt._plan.buckets
+    assert [out.shape for _, out in bucket.cats] == [(48, 16), (348,)] and bucket.ncat == 7  # + wide.bias
+    assert len(bucket.lows) == 9
+    _, direct = train(0)
+    assert_bitwise(gathered, direct)
+
+
+def test_master_gradients_have_the_masters_strides():
+    """As ``empty_like(master)``: channels_last weights get channels_last gradients (fused kernels want that)."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    model = fxamp.convert(conv, "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(model(x).float().square().mean())
+        assert opt.step() and refreshed(opt)
+    for m in opt._masters:
+        assert m.grad.shape == m.shape and m.grad.stride() == m.stride()
+    assert opt._masters[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_param_group_added_after_steps_is_stepped():
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.fc1.parameters(), lr=0.1), model=model)
+    assert train_step(model, opt, 0)
+    fc2 = model.fc2.weight.detach().clone()
+    opt.add_param_group({"params": list(model.fc2.parameters()), "lr": 0.5})
+    assert train_step(model, opt, 1) and refreshed(opt)
+    assert len(opt._masters) == 4 and not torch.equal(model.fc2.weight, fc2)
+
+
+def test_an_inner_zero_grad_override_is_honoured():
+    calls = []
+
+    class Counting(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(Counting(model.parameters(), lr=0.1), model=model)
+    for step in range(2):
+        assert train_step(model, opt, step)
+    assert calls == [True, True]
+    assert any(p.grad is not None for p in model.parameters())  # the last step's gradients
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_unused_parameters_are_not_stepped():
