@@ -76,8 +76,8 @@ def convert(
     decisions = annotate(gm, pol, lists, module_overrides)
     if pol.enabled:
         store_params(gm, decisions, pol)
-        insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         lower_attribute_reads(gm)
+        insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
     info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))

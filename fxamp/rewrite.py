@@ -233,13 +233,16 @@ class _Casts:
         """A weight's low-precision copy: an item of the forward's single ``cast_weights`` call."""
         if dtype not in self._batches:
             cache = self._cache()
-            with self.graph.inserting_after(cache):
+            # before the first consumer: every later one follows it, and the weights it reads were
+            # all read at the top of the graph (lower_attribute_reads runs first)
+            with self.graph.inserting_before(before):
                 batch = self.graph.call_function(cast_weights, (cache, (), dtype, ()))
             self._batches[dtype] = (batch, [], [])
         batch, weights, keys = self._batches[dtype]
-        batch.prepend(value)  # get_attr has no inputs: moving it up is always valid
+        if value.op == "get_attr":
+            batch.prepend(value)  # a root-level tensor read where first used: move it up (no inputs)
         weights.append(value)
-        keys.append(str(value.target))
+        keys.append(attr_target(value))
         with self.graph.inserting_before(before):
             return self.graph.call_function(operator.getitem, (batch, len(weights) - 1))
 
@@ -251,7 +254,7 @@ class _Casts:
         if key in self.made:
             return self.made[key]
         with self.graph.inserting_before(before):
-            if value.op == "get_attr" and self.weight_cache and dtype in _LOW:
+            if attr_target(value) is not None and self.weight_cache and dtype in _LOW:
                 node = self._weight(value, dtype, before)
             elif known is not None:
                 node = self.graph.call_method("to", (value, dtype))
