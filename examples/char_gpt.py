@@ -39,6 +39,9 @@ from tabulate import tabulate
 
 import fxamp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script or loaded by path
+from loss_curves import plot_loss_curves  # noqa: E402
+
 #: how far an fxamp variant's final validation loss may land from float32's (relative)
 LOSS_MARGIN = 0.02
 
@@ -225,38 +228,6 @@ def table(results: List[Result]) -> str:
                     disable_numparse=True)
 
 
-def plot(results: List[Result], path: str) -> Optional[str]:
-    """Save the loss curves; returns the path, or None (with a note) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("note: matplotlib is not installed; skipping the loss-curve plot (pip install matplotlib)")
-        return None
-
-    def smooth(values, k=10):
-        return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
-
-    ref = smooth(next(r for r in results if r.name == "float32").curve)
-    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        style = "-" if r.fxamp else "--"
-        curve = smooth(r.curve)
-        ax.plot(curve, label=r.name, linestyle=style, linewidth=1)
-        dx.plot([(c - f) / f for c, f in zip(curve, ref)], label=r.name, linestyle=style, linewidth=1)
-    ax.set(xlabel="step", ylabel="training loss, nats/char (mean of 10 steps)", title="character-level GPT-2")
-    dx.set(xlabel="step", ylabel="relative difference from float32", title="loss vs float32")
-    dx.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="40 short steps, for the test (seconds)")
@@ -282,7 +253,8 @@ def main(argv=None) -> int:
     print()
     print(table(results))
     os.makedirs(args.out, exist_ok=True)
-    png = plot(results, os.path.join(args.out, "char_gpt_loss.png"))
+    png = plot_loss_curves(results, os.path.join(args.out, "char_gpt_loss.png"), title="character-level GPT-2",
+                           ylabel="training loss, nats/char")
     if png:
         print(f"\nloss curves: {png}")
     bad = check(results)

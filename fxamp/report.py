@@ -22,7 +22,6 @@ import io
 import json
 import math
 import operator
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union

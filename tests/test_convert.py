@@ -9,7 +9,6 @@ import io
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxamp
 from fxamp.rewrite import attr_target
