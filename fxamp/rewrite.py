@@ -1,14 +1,16 @@
-"""Apply the decisions: store parameters in their dtype (O2/O3) and insert the casts.
+"""Apply the decisions: store parameters in their dtype (O2/O3), read them cheaply, insert the casts.
 
-Both passes read ``node.meta["fxamp"]`` (see ``classify.py``) and change only the graph module
+The passes read ``node.meta["fxamp"]`` (see ``classify.py``) and change only the graph module
 they are given.  Before and after, for ``y = exp(linear(x))`` under O1/float16::
 
-    linear = F.linear(x, fc_weight, fc_bias)          weights = cast_weights(cache, (fc_weight, fc_bias), f16, keys)
-    exp = torch.exp(linear)                  ==>      cast_x = cast(x, f16)
-    return exp                                        linear = F.linear(cast_x, weights[0], weights[1])
-                                                      cast_linear = cast(linear, f32)
-                                                      exp = torch.exp(cast_linear)
-                                                      return cast(exp, f32)   # elided when known float32
+    fc_weight = self.fc.weight                    fc = self.fc;  params = fc._parameters
+    fc_bias = self.fc.bias                        fc_weight = params['weight'];  fc_bias = params['bias']
+    linear = F.linear(x, fc_weight, fc_bias) ==>  weights = cast_weights(cache, (fc_weight, fc_bias), f16, keys)
+    exp = torch.exp(linear)                       cast = cast(x, f16)          # x's dtype is known only at run time
+    return exp                                    linear = F.linear(cast, weights[0], weights[1])
+                                                  to = linear.to(f32)          # known float16: a plain .to()
+                                                  exp = torch.exp(to)
+                                                  return exp                   # known float32: no output cast
 
 One cast per (value, dtype): a weight or activation used by several nodes is cast once.  All of a
 forward's weight casts go through one ``cast_weights`` call (one Python call, one cache check).
