@@ -1,20 +1,12 @@
 """Run examples/char_gpt.py --quick: every variant trains, fxamp lands within 2% of float32's loss."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "char_gpt.py"
+from example_loader import load_example as _load
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("fxamp_example_char_gpt", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return _load('char_gpt')
 
 
 def test_char_gpt_quick_within_margin(tmp_path, capsys):

@@ -1,20 +1,12 @@
 """Run examples/digits.py --quick: every variant trains, fxamp lands within the stated margins of float32."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "digits.py"
+from example_loader import load_example as _load
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("fxamp_example_digits", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return _load('digits')
 
 
 def test_digits_quick_within_margins(tmp_path, capsys):

@@ -24,13 +24,7 @@ from fxamp.rewrite import attr_target
 from export_helpers import check_converted, unlisted_aten_ops
 
 aten = torch.ops.aten
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is faster, and steadier on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 DTYPES = [torch.float16, torch.bfloat16]

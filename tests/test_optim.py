@@ -87,13 +87,7 @@ def refreshed(opt):
     return all(torch.equal(low, m.to(low.dtype)) for low, m in zip(opt._lows, opt._masters))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 OPTIMIZERS = {

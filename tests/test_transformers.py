@@ -18,13 +18,7 @@ from export_helpers import check_converted, unlisted_aten_ops
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is faster, and steadier on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 DTYPES = [torch.float16, torch.bfloat16]
