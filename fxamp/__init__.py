@@ -5,7 +5,8 @@ conditional / unsafe), and returns a ``GraphModule`` with explicit casts: no aut
 patched.
 """
 
-from .classify import Decision, classify
+from .classify import classify
+from .graph import Decision
 from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind

@@ -9,51 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .dtypes import NOT_FLOAT, DtypeInference, dtype_name
 from .errors import ConversionError
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists, _as_entry, op_key, op_name
+from .graph import DECISION, Decision, module_path_of
+from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, op_key, op_name
 from .policy import Policy
-from .trace import module_path_of
 
-__all__ = ["Decision", "classify", "annotate", "ModuleOverrides"]
+__all__ = ["classify", "annotate", "ModuleOverrides"]
 
 ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
-META_KEY = "fxamp"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What fxamp does with one node.
-
-    op:       qualified op name (``torch.nn.functional.linear``, ``Tensor.sum``, ``torch.nn.LayerNorm``).
-    category: where the op sits (a conditional op keeps CONDITIONAL).
-    reason:   the rule that decided, in words.
-    compute:  the dtype its floating inputs are cast to before it runs; None: as they arrive.
-    norm:     a normalisation op (its parameters follow ``Policy.norms``).
-    source:   where the rule came from: "op list", "override", "module override", "default", "graph".
-    module:   the module path the node belongs to ("" for the root).
-    resolved: what the node behaves as: its category, or for a conditional op the category its
-              condition chose (safe, neutral or unsafe).
-    """
-
-    op: str
-    category: Category
-    reason: str
-    compute: Optional[torch.dtype]
-    norm: bool = False
-    source: str = "op list"
-    module: str = ""
-    resolved: Optional[Category] = None
-
-    def __post_init__(self) -> None:
-        if self.resolved is None:
-            object.__setattr__(self, "resolved", self.category)
 
 
 def annotate(
@@ -65,7 +35,7 @@ def annotate(
     """:func:`classify`, and record each decision in ``node.meta["fxamp"]``."""
     decisions = classify(gm, policy, op_lists, module_overrides)
     for node, decision in decisions.items():
-        node.meta[META_KEY] = decision
+        node.meta[DECISION] = decision
     return decisions
 
 
@@ -83,7 +53,7 @@ def classify(
         decisions[node] = _decide(node, policy, op_lists, overrides, modules, decisions)
     # Conditions that look at consumers run once every node is decided.
     for node, d in decisions.items():
-        if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source != "module override":
+        if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source is not Source.MODULE_OVERRIDE:
             entry = op_lists.lookup(node.target) if node.op != "call_module" else None
             if entry is not None and entry.condition == "softmax":
                 decisions[node] = _softmax_between_low_ops(node, d, decisions, _float_inputs(gm, modules, decisions))
@@ -91,8 +61,6 @@ def classify(
 
 
 def _float_inputs(gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
-    from .rewrite import NOT_FLOAT, DtypeInference  # rewrite imports this module
-
     infer = DtypeInference(gm, modules, decisions)
     return lambda node: [i for i in node.all_input_nodes if infer(i) is not NOT_FLOAT]
 
@@ -158,7 +126,7 @@ def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> D
                 f"module_overrides: {path!r} is not a submodule of the model"
                 + (f"; did you mean one of {close}?" if close else "")
             )
-        checked[path] = _as_entry(value, f"module {path!r} overridden by the user")
+        checked[path] = as_entry(value, f"module {path!r} overridden by the user", Source.MODULE_OVERRIDE)
     return checked
 
 
@@ -201,20 +169,20 @@ def _decide(
 ) -> Decision:
     path = module_path_of(node)
     if node.op == "placeholder":
-        return Decision("input", Category.NEUTRAL, "model input: used as given", None, source="graph")
+        return Decision("input", Category.NEUTRAL, "model input: used as given", None, source=Source.GRAPH)
     if node.op == "get_attr":
         return Decision("get_attr", Category.NEUTRAL,
                         "parameter, buffer or constant: cast at each use as that use needs", None,
-                        source="graph", module=path)
+                        source=Source.GRAPH, module=path)
     if node.op == "output":
         if policy.output is None:
             return Decision("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
-                            "(Policy.output=None)", None, source="graph")
+                            "(Policy.output=None)", None, source=Source.GRAPH)
         return Decision("output", Category.NEUTRAL,
-                        f"floating outputs come back in {_short(policy.output)} (Policy.output), so a loss "
+                        f"floating outputs come back in {dtype_name(policy.output)} (Policy.output), so a loss "
                         "computed outside the model runs in float32" if policy.output == torch.float32 else
-                        f"floating outputs come back in {_short(policy.output)} (Policy.output)",
-                        policy.output, source="graph")
+                        f"floating outputs come back in {dtype_name(policy.output)} (Policy.output)",
+                        policy.output, source=Source.GRAPH)
 
     if node.op == "call_module":
         target: Any = type(modules[str(node.target)])
@@ -226,40 +194,29 @@ def _decide(
     if _is_inplace(node):
         return Decision(name, Category.NEUTRAL,
                         "in-place op: runs in the dtype of the tensor it writes into (a cast would write "
-                        "into a copy)", None, source="graph", module=path)
+                        "into a copy)", None, source=Source.GRAPH, module=path)
 
     covering = _covering_override(path, overrides)
-    if covering is not None:
-        prefix, entry = covering
-        source = "module override"
-    else:
-        entry = op_lists.lookup(target)
-        source = "op list"
-        if entry is not None and entry.reason.startswith("overridden by the user"):
-            source = "override"
+    entry = covering[1] if covering is not None else op_lists.lookup(target)
     if entry is None:
         if node.op == "call_module":
             return Decision(name, Category.UNLISTED,
                             "unlisted leaf module: runs in float32 with float32 parameters (its weights "
                             "cannot be cast from outside); override its class or path to change that",
-                            torch.float32, source="default", module=path)
+                            torch.float32, source=Source.DEFAULT, module=path)
         return Decision(name, Category.UNLISTED,
                         "on no list: runs in the dtype of its inputs, as autocast does for unlisted ops; "
-                        "add it with overrides= to change that", None, source="default", module=path)
+                        "add it with overrides= to change that", None, source=Source.DEFAULT, module=path)
 
     category = entry.category
     reason = entry.reason
     if category is Category.CONDITIONAL:
         resolved, why = _resolve_condition(entry, node, done)
         compute = _compute_for(resolved, entry, policy)
-        return Decision(name, Category.CONDITIONAL, why, compute, norm=entry.norm, source=source, module=path,
+        return Decision(name, Category.CONDITIONAL, why, compute, norm=entry.norm, source=entry.source, module=path,
                         resolved=resolved)
     return Decision(name, category, reason, _compute_for(category, entry, policy), norm=entry.norm,
-                    source=source, module=path)
-
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+                    source=entry.source, module=path)
 
 
 def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Decision]) -> Tuple[Category, str]:
@@ -269,8 +226,8 @@ def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Dec
         if dtype is None:
             dtype = next((a for a in node.args if isinstance(a, torch.dtype)), None)
         if dtype is not None:
-            return Category.NEUTRAL, (f"dtype={_short(dtype)} passed: the kernel reads its input as it "
-                                      f"comes and accumulates in {_short(dtype)}")
+            return Category.NEUTRAL, (f"dtype={dtype_name(dtype)} passed: the kernel reads its input as it "
+                                      f"comes and accumulates in {dtype_name(dtype)}")
         return Category.UNSAFE, "no dtype= passed: exp/sum family runs in float32"
     if cond == "truediv":
         args = node.args
@@ -282,7 +239,7 @@ def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Dec
         if producer is None or producer not in done:
             return entry.fallback, "smooth activation: follows its inputs"
         p = done[producer]
-        how = _short(p.compute) if p.compute is not None else "the dtype it receives"
+        how = dtype_name(p.compute) if p.compute is not None else "the dtype it receives"
         return Category.NEUTRAL, f"smooth activation: follows its producer {producer.name} ({p.category.value}, {how})"
     if cond == "need_weights":
         if node.kwargs.get("need_weights") is False:

@@ -14,7 +14,7 @@ from .classify import ModuleOverrides, annotate
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
 from .policy import Policy, resolve_policy
 from .rewrite import CACHE_NAME, insert_casts, lower_attribute_reads, store_params
-from .trace import LeafSpec, capture
+from .capture import LeafSpec, capture
 
 __all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 __all__ = ["FxampError", "TraceError", "ConversionError", "LossScaleError", "OptimizerStateError"]
 
 
@@ -10,7 +12,19 @@ class FxampError(RuntimeError):
 
 
 class TraceError(FxampError):
-    """The model could not be captured as a graph (by torch.fx or torch.export)."""
+    """The model could not be captured as a graph (by torch.fx or torch.export).
+
+    short:       the front end's own error in one line (``"TypeError: ..."``).
+    module_path: the module it failed in ("" for the root or when unknown).
+    original:    the exception the front end raised (also ``__cause__`` where raised ``from`` it).
+    """
+
+    def __init__(self, message: str, *, short: str = "", module_path: str = "",
+                 original: Optional[BaseException] = None):
+        super().__init__(message)
+        self.short = short
+        self.module_path = module_path
+        self.original = original
 
 
 class ConversionError(FxampError):

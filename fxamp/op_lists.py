@@ -26,6 +26,7 @@ says so.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import operator
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Category", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name"]
+__all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry"]
 
 
 class Category(str, enum.Enum):
@@ -47,6 +48,19 @@ class Category(str, enum.Enum):
     CONDITIONAL = "conditional"
     UNSAFE = "unsafe"
     UNLISTED = "unlisted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Source(str, enum.Enum):
+    """Where a rule came from, as a field (the report and the lints read it, never the reason text)."""
+
+    OP_LIST = "op list"  # fxamp's default lists
+    OVERRIDE = "override"  # the user's overrides= / OpLists.with_overrides
+    MODULE_OVERRIDE = "module override"  # the user's module_overrides=
+    DEFAULT = "default"  # on no list: the unlisted rule
+    GRAPH = "graph"  # decided by the graph's structure (inputs, outputs, attributes, in-place ops)
 
     def __str__(self) -> str:
         return self.value
@@ -65,6 +79,7 @@ class OpEntry:
     norm:      a normalisation layer: its parameters and math use ``Policy.norms``.
     condition: for CONDITIONAL entries, the rule that decides (one of ``CONDITIONS``).
     fallback:  for CONDITIONAL entries, the category used when the rule cannot decide.
+    source:    who put the entry there (fxamp's lists, or the user's overrides).
     """
 
     category: Category
@@ -72,6 +87,7 @@ class OpEntry:
     norm: bool = False
     condition: Optional[str] = None
     fallback: Optional[Category] = None
+    source: Source = Source.OP_LIST
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "category", _category(self.category))
@@ -82,6 +98,7 @@ class OpEntry:
                 raise ValueError("a conditional entry needs a fallback category")
         if self.fallback is not None:
             object.__setattr__(self, "fallback", _category(self.fallback))
+        object.__setattr__(self, "source", Source(self.source))
 
 
 def _category(value: Union[str, Category]) -> Category:
@@ -153,7 +170,8 @@ class OpLists(Mapping):
         """New lists with some entries replaced: ``{torch.exp: "neutral", nn.GELU: "unsafe"}``."""
         entries = dict(self._entries)
         for key, value in overrides.items():
-            entries[_normalize_key(key)] = _as_entry(value, f"overridden by the user for {op_name(key)}")
+            entries[_normalize_key(key)] = as_entry(value, f"overridden by the user for {op_name(key)}",
+                                                    Source.OVERRIDE)
         return OpLists(entries)
 
     def by_category(self, category: Union[str, Category]) -> Tuple[OpKey, ...]:
@@ -182,13 +200,14 @@ def _normalize_key(key: Any) -> OpKey:
     )
 
 
-def _as_entry(value: Union[str, Category, OpEntry], reason: str) -> OpEntry:
+def as_entry(value: Union[str, Category, OpEntry], reason: str, source: Source) -> OpEntry:
+    """A user's override value as an entry marked with its ``source`` (an OpEntry keeps its own reason)."""
     if isinstance(value, OpEntry):
-        return value
+        return dataclasses.replace(value, source=source)
     cat = _category(value)
     if cat is Category.CONDITIONAL:
         raise ValueError("override with an OpEntry to make an op conditional (it needs a condition and fallback)")
-    return OpEntry(cat, reason)
+    return OpEntry(cat, reason, source=source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import Optional, Union
 
 import torch
 
+from .dtypes import LOW
+
 __all__ = ["Policy", "PRESETS", "resolve_policy", "parse_dtype"]
 
 _DTYPE_NAMES = {
@@ -27,7 +29,6 @@ _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-_LOW = (torch.float16, torch.bfloat16)
 _VALID = (torch.float32, torch.float16, torch.bfloat16)
 _KEYS = ("params", "compute", "unsafe", "norms", "output")
 PRESETS = ("O0", "O1", "O2", "O3")
@@ -79,7 +80,7 @@ class Policy:
             if key == "output" and value is None:
                 continue
             object.__setattr__(self, key, parse_dtype(value, what=key))
-        lows = {d for d in (self.params, self.compute, self.unsafe, self.norms) if d in _LOW}
+        lows = {d for d in (self.params, self.compute, self.unsafe, self.norms) if d in LOW}
         if len(lows) > 1:
             raise ValueError(
                 f"policy {self} mixes float16 and bfloat16; pick one low-precision dtype"
@@ -102,7 +103,7 @@ class Policy:
         ``keep_norms_fp32`` only matters for O3 (apex's ``keep_batchnorm_fp32``): O1/O2 always keep norms fp32.
         """
         low = parse_dtype(dtype)
-        if low not in _LOW:
+        if low not in LOW:
             raise ValueError(f"dtype={_name(low)} is not a low-precision dtype; use float16 or bfloat16")
         name = name.strip().upper() if isinstance(name, str) else name
         f32 = torch.float32

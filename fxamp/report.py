@@ -30,22 +30,19 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .classify import META_KEY, Decision
 from .convert import conversion_info, convert, policy_of
+from .dtypes import LOW, NOT_FLOAT, DtypeInference, dtype_name, short_name
 from .errors import FxampError
+from .graph import CAST, DECISION, Decision, attr_target, fetch_attr
 from .op_lists import Category
 from .policy import PRESETS, Policy
-from .rewrite import NOT_FLOAT, DtypeInference, attr_target
 from .runtime import call_module_cast
 
 __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "PolicyDiff", "DiffRow", "report", "compare"]
 
-CAST_KEY = "fxamp_cast"
 RUNTIME = "runtime"  #: a dtype known only when the model runs
 AS_INPUT = "as input"  #: compute=None: the op runs in the dtype its inputs arrive in
-_LOW = ("float16", "bfloat16")
-_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
-          "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "bool"}
+_LOW = tuple(dtype_name(d) for d in LOW)
 _REASON_WIDTH = 56
 _JSON_VERSION = 1
 
@@ -71,7 +68,7 @@ class CastIn:
     effective: Optional[bool] = None
 
     def __str__(self) -> str:
-        text = f"{self.source}→{_short(self.dtype)}"
+        text = f"{self.source}→{short_name(self.dtype)}"
         return f"({text})" if self.effective is False else text
 
 
@@ -241,8 +238,8 @@ class Report:
         for r in self.rows:
             cat = r.category.value if r.resolved is r.category else f"{r.category.value}→{r.resolved.value}"
             reason = r.reason if wide else _clip(r.reason, _REASON_WIDTH)
-            body.append([r.node, _op_label(r), cat, reason, ", ".join(_short(d) for d in _unique(r.input_dtypes)),
-                         _short(r.compute), _short(r.output_dtype), ", ".join(str(c) for c in r.casts)])
+            body.append([r.node, _op_label(r), cat, reason, ", ".join(short_name(d) for d in _unique(r.input_dtypes)),
+                         short_name(r.compute), short_name(r.output_dtype), ", ".join(str(c) for c in r.casts)])
         lines = [self._header(), ""]
         lines.append(tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
                      if body else "(no rows)")
@@ -396,8 +393,8 @@ class PolicyDiff:
         head = f"fxamp compare: {self.model}\n  A: {self.policy_a}\n  B: {self.policy_b}\n"
         if not self.rows:
             return head + "\nno node changes category or dtype"
-        body = [[r.node, r.op, _arrow(r.category_a, r.category_b), _arrow(_short(r.compute_a), _short(r.compute_b)),
-                 _arrow(_short(r.output_a), _short(r.output_b)), _arrow(str(r.casts_a), str(r.casts_b))]
+        body = [[r.node, r.op, _arrow(r.category_a, r.category_b), _arrow(short_name(r.compute_a), short_name(r.compute_b)),
+                 _arrow(short_name(r.output_a), short_name(r.output_b)), _arrow(str(r.casts_a), str(r.casts_b))]
                 for r in self.rows]
         table = tabulate(body, headers=["node", "op", "category", "compute", "out dtype", "casts inserted before"],
                          tablefmt="simple", disable_numparse=True)
@@ -537,7 +534,7 @@ def _observe(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: Dict
             node = rec.current
             where = ""
             if node is not None:
-                d = node.meta.get(META_KEY)
+                d = node.meta.get(DECISION)
                 what = f"{d.op}{f' in {d.module}' if d.module else ''}" if d is not None else str(node.target)
                 where = f" at node {node.name} ({what})"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -555,7 +552,7 @@ def _build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs:
            observed: Optional[_Recorder]) -> Report:
     pol = policy_of(gm)
     modules = dict(gm.named_modules())
-    decisions = {n: n.meta[META_KEY] for n in gm.graph.nodes if META_KEY in n.meta}
+    decisions = {n: n.meta[DECISION] for n in gm.graph.nodes if DECISION in n.meta}
     static = DtypeInference(gm, modules, decisions)
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
@@ -567,7 +564,7 @@ def _build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs:
         if d is None:
             continue  # a cast, or a helper node fxamp inserted (the weight cache)
         rows.append(_row(node, d, view, modules, params, buffers))
-    cast_nodes = [n for n in gm.graph.nodes if CAST_KEY in n.meta]
+    cast_nodes = [n for n in gm.graph.nodes if CAST in n.meta]
     ops = [r for r in rows if r.is_op]
     categories = {c.value: sum(r.category is c for r in ops) for c in Category}
     resolved = Counter(r.resolved.value for r in ops if r.category is Category.CONDITIONAL)
@@ -576,7 +573,7 @@ def _build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs:
     noop = None if observed is None else sum(view.cast_effective(n) is False for n in cast_nodes)
     summary = Summary(
         ops=len(ops), categories=categories, resolved=dict(sorted(resolved.items())), casts=len(cast_nodes),
-        weight_casts=sum(_is_attr(n.meta[CAST_KEY][0]) for n in cast_nodes), noop_casts=noop,
+        weight_casts=sum(_is_attr(n.meta[CAST][0]) for n in cast_nodes), noop_casts=noop,
         flops=flops, low_flops=low,
     )
     lints = tuple(_lints(gm, decisions, view, params, buffers))
@@ -596,23 +593,23 @@ class _View:
         if self.observed is not None:
             return _dtype_of_meta(self.observed.results.get(node))
         if _is_attr(node):
-            value = _fetch(self.gm, attr_target(node))
-            return _name(value.dtype) if isinstance(value, torch.Tensor) else None
+            value = fetch_attr(self.gm, attr_target(node))
+            return dtype_name(value.dtype) if isinstance(value, torch.Tensor) else None
         known = self.static(node)
         if known is NOT_FLOAT:
             return None
-        return RUNTIME if known is None else _name(known)
+        return RUNTIME if known is None else dtype_name(known)
 
     def source(self, node: fx.Node) -> fx.Node:
         """The value a cast node casts (or the node itself)."""
-        while CAST_KEY in node.meta:
-            node = node.meta[CAST_KEY][0]
+        while CAST in node.meta:
+            node = node.meta[CAST][0]
         return node
 
     def cast_effective(self, cast: fx.Node) -> Optional[bool]:
         if self.observed is None or cast not in self.observed.results:
             return None
-        before = self.dtype(cast.meta[CAST_KEY][0])
+        before = self.dtype(cast.meta[CAST][0])
         after = self.dtype(cast)
         return before != after
 
@@ -620,20 +617,20 @@ class _View:
 def _row(node: fx.Node, d: Decision, view: _View, modules: Dict[str, nn.Module], params: set, buffers: set) -> Row:
     observed = view.observed
     resolved = _resolved(d)
-    inputs = [n for n in node.all_input_nodes if META_KEY in view.source(n).meta or _is_attr(n)]
+    inputs = [n for n in node.all_input_nodes if DECISION in view.source(n).meta or _is_attr(n)]
     inputs = [n for n in inputs if not isinstance(_maybe_fetch(view.gm, n), nn.Module)]
     input_dtypes = tuple(dt for dt in (view.dtype(view.source(n)) for n in inputs) if dt is not None)
-    casts = tuple(CastIn(n.name, _label(n.meta[CAST_KEY][0]), _name(n.meta[CAST_KEY][1]), view.cast_effective(n))
-                  for n in node.all_input_nodes if CAST_KEY in n.meta)
+    casts = tuple(CastIn(n.name, _label(n.meta[CAST][0]), dtype_name(n.meta[CAST][1]), view.cast_effective(n))
+                  for n in node.all_input_nodes if CAST in n.meta)
     if node.op == "call_function" and node.target is call_module_cast:
-        casts += (CastIn(node.name, f"{d.module}.*", _name(node.args[1]), None),)
+        casts += (CastIn(node.name, f"{d.module}.*", dtype_name(node.args[1]), None),)
 
     out = view.dtype(node) if node.op != "output" else _output_dtype(node, view)
     if node.op == "output" and d.compute is None:
         out = _output_dtype(node, view)
 
     if d.compute is not None:
-        compute = _name(d.compute)
+        compute = dtype_name(d.compute)
     elif node.op == "placeholder" or _is_attr(node):
         compute = "-"
     elif out in (None, "-") or (out != RUNTIME and not _is_float(out)):
@@ -681,8 +678,8 @@ def _policy_label(pol: Policy) -> str:
     return str(pol)
 
 
-def _is_float(dtype_name: str) -> bool:
-    return any(part.startswith(("float", "bfloat")) for part in dtype_name.split("|"))
+def _is_float(name: str) -> bool:
+    return any(part.startswith(("float", "bfloat")) for part in name.split("|"))
 
 
 def _output_dtype(node: fx.Node, view: _View) -> str:
@@ -699,9 +696,9 @@ def _observed_compute(node: fx.Node, rec: _Recorder) -> Optional[str]:
         out = floats[0]
         for f in floats[1:]:
             out = torch.promote_types(out, f)
-        return _name(out)
+        return dtype_name(out)
     res = [m.dtype for m in _leaves(rec.results.get(node)) if m.dtype.is_floating_point]
-    return _name(res[0]) if res else None
+    return dtype_name(res[0]) if res else None
 
 
 def _resolved(d: Decision) -> Category:
@@ -740,10 +737,10 @@ def _lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: _View, 
                        f"low precision (O2 does) or cast it where it is used")
 
     for cast in gm.graph.nodes:
-        if CAST_KEY not in cast.meta:
+        if CAST not in cast.meta:
             continue
-        src, dtype = cast.meta[CAST_KEY]
-        if _name(dtype) not in _LOW or src.op == "placeholder" or _is_attr(src):
+        src, dtype = cast.meta[CAST]
+        if dtype_name(dtype) not in _LOW or src.op == "placeholder" or _is_attr(src):
             continue
         if view.dtype(src) != "float32" or view.cast_effective(cast) is False:
             continue
@@ -758,7 +755,7 @@ def _lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: _View, 
             names = ", ".join(_label(c) for c in culprits) or "its inputs"
             why = f"{src.name} came out float32 because {names} {'is' if len(culprits) == 1 else 'are'} float32"
             fix = "keep that value in low precision upstream to save the cast and the float32 copy"
-        yield Lint("cast-down", src.name, f"float32 output is cast to {_name(dtype)} for {users}: {why}; {fix}")
+        yield Lint("cast-down", src.name, f"float32 output is cast to {dtype_name(dtype)} for {users}: {why}; {fix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -884,14 +881,6 @@ def _numel(shape: Sequence[int]) -> int:
     return int(math.prod(shape)) if len(shape) else 1
 
 
-def _name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _short(text: str) -> str:
-    return _SHORT.get(text, text) if "|" not in text else "|".join(_SHORT.get(t, t) for t in text.split("|"))
-
-
 def _unique(items: Iterable[str]) -> List[str]:
     seen: List[str] = []
     for item in items:
@@ -904,7 +893,7 @@ def _dtype_of_meta(meta: Any) -> Optional[str]:
     leaves = _leaves(meta)
     if not leaves:
         return None
-    return "|".join(_unique(_name(m.dtype) for m in leaves))
+    return "|".join(_unique(dtype_name(m.dtype) for m in leaves))
 
 
 def _is_attr(node: fx.Node) -> bool:
@@ -956,18 +945,11 @@ def _replace(rep: Report, **changes: Any) -> Report:
     return dataclasses.replace(rep, **changes)
 
 
-def _fetch(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in str(target).split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _maybe_fetch(gm: fx.GraphModule, node: fx.Node) -> Any:
     if not _is_attr(node):
         return None
     try:
-        return _fetch(gm, attr_target(node))
+        return fetch_attr(gm, attr_target(node))
     except AttributeError:
         return None
 
@@ -982,7 +964,7 @@ def _as_tuple(example_inputs: Any) -> Optional[Tuple[Any, ...]]:
 
 def _describe_input(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{','.join(map(str, value.shape))}:{_name(value.dtype)}"
+        return f"{','.join(map(str, value.shape))}:{dtype_name(value.dtype)}"
     return type(value).__name__
 
 

@@ -25,27 +25,17 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .classify import Decision
 import operator
 
-from .op_lists import Category, NON_FLOAT_OPS, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
+from .dtypes import CASTABLE, LOW, NOT_FLOAT, DtypeInference
+from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rename_node
+from .op_lists import Category
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
-__all__ = ["store_params", "insert_casts", "lower_attribute_reads", "attr_target", "CACHE_NAME", "ATTR_KEY"]
+__all__ = ["store_params", "insert_casts", "lower_attribute_reads", "CACHE_NAME"]
 
 CACHE_NAME = "_fxamp_weight_cache"
-#: meta key of a node that reads a parameter or buffer (its dotted name), once get_attr is lowered
-ATTR_KEY = "fxamp_attr"
-_LOW = (torch.float16, torch.bfloat16)
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _fetch(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
@@ -54,7 +44,7 @@ def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
         return torch.float32  # an op fxamp does not know (e.g. a captured no-grad region): keep the tensor as is
     if decision.norm:
         return policy.norms
-    if decision.compute is None or decision.compute in _LOW:
+    if decision.compute is None or decision.compute in LOW:
         return policy.params
     return torch.float32
 
@@ -79,7 +69,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
 
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _fetch(gm, node.target)
+            value = fetch_attr(gm, node.target)
             for user in node.users:
                 d = decisions.get(user)
                 want(value, torch.float32 if d is None or user.op == "output" else _storage_for(d, policy))
@@ -113,99 +103,6 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
                 setattr(mod, name, new)  # setattr, so RNNs refresh their flat weights
                 changed[f"{mod_name}.{name}" if mod_name else name] = target[id(t)]
     return changed
-
-
-#: marks a value known not to be a float tensor (an int, a shape, a bool mask)
-NOT_FLOAT = "not float"
-_EXPLICIT = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad")
-_SIZE_OPS = frozenset({"Tensor.size", "Tensor.dim", "Tensor.numel", "Tensor.nelement", torch.ops.aten.sym_size,
-                       torch.ops.aten.sym_numel})
-
-
-class DtypeInference:
-    """What dtype each value certainly has: a dtype, ``NOT_FLOAT``, or None (unknown until run time).
-
-    Used only to drop casts that would do nothing and to emit plain ``x.to(dtype)`` where the
-    value is known to be a float tensor; unknown values keep the run-time checked ``cast``.
-    """
-
-    def __init__(self, gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
-        self.gm, self.modules, self.decisions = gm, modules, decisions
-        self.known: Dict[fx.Node, Any] = {}
-        self.scalars: set = set()  # nodes certainly holding a Python number or shape (a subset of NOT_FLOAT)
-
-    def __call__(self, node: fx.Node) -> Any:
-        if node not in self.known:
-            self.known[node] = self._infer(node)
-        return self.known[node]
-
-    def _infer(self, node: fx.Node) -> Any:
-        if ATTR_KEY in node.meta:
-            t = _fetch(self.gm, node.meta[ATTR_KEY])
-            return t.dtype if t.is_floating_point() else NOT_FLOAT
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and not val.is_floating_point():
-            return NOT_FLOAT
-        if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):  # Python scalars
-            self.scalars.add(node)
-            return NOT_FLOAT
-        if node.op == "get_attr":
-            t = _fetch(self.gm, node.target)
-            return t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else NOT_FLOAT
-        if "fxamp_cast" in node.meta:
-            src, dtype = node.meta["fxamp_cast"]
-            return dtype if self(src) in _CASTABLE else (self(src) if self(src) is NOT_FLOAT else None)
-        if node.op == "call_method" and node.target in _EXPLICIT:
-            return _EXPLICIT[node.target]
-        if node.op == "call_method" and node.target == "to":
-            dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
-            return dtype
-        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-            src = node.args[0]
-            if self(src) is NOT_FLOAT:
-                if src in self.scalars:
-                    self.scalars.add(node)  # an item of a shape
-                return NOT_FLOAT
-            if src.op in ("call_function", "call_method") and op_key(src.target) in SPLIT_OPS:
-                return self(src.args[0]) if isinstance(src.args[0], fx.Node) else None
-            return None
-        if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
-            if node.args[1] in _META_ATTRS:
-                self.scalars.add(node)
-                return NOT_FLOAT
-            return None
-        if node.op not in ("call_function", "call_method", "call_module"):
-            return None
-        module = getattr(node.target, "__module__", None) if node.op == "call_function" else None
-        inputs = node.all_input_nodes
-        if module == "math" or (module == "_operator" and inputs and all(self(i) is NOT_FLOAT and i in self.scalars
-                                                                           for i in inputs)):
-            self.scalars.add(node)  # math.sqrt(d), d // heads, n * 2 on traced sizes: a Python number
-            return NOT_FLOAT
-        key = type(self.modules[node.target]) if node.op == "call_module" else op_key(node.target)
-        if key in NON_FLOAT_OPS:
-            if key in _SIZE_OPS:
-                self.scalars.add(node)
-            return NOT_FLOAT
-        if key not in SINGLE_TENSOR_OPS or node.kwargs.get("return_indices"):
-            return None
-        dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
-        if dtype is not None:
-            return dtype
-        decision = self.decisions.get(node)
-        if decision is not None and decision.compute is not None:
-            return decision.compute  # its float inputs were all cast to compute, so is its result
-        inputs = [self(n) for n in node.all_input_nodes]
-        if any(i is None for i in inputs):
-            return None
-        floats = [i for i in inputs if i is not NOT_FLOAT]
-        if not floats:
-            return None  # e.g. arange-like ops on ints: leave undecided
-        out = floats[0]
-        for f in floats[1:]:
-            out = torch.promote_types(out, f)
-        return out
 
 
 class _Casts:
@@ -250,19 +147,19 @@ class _Casts:
 
     def to(self, value: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
         known = self.dtypes(value)
-        if known is NOT_FLOAT or known == dtype or (known is not None and known not in _CASTABLE):
+        if known is NOT_FLOAT or known == dtype or (known is not None and known not in CASTABLE):
             return value  # nothing to cast: not a float, already there, or float64
         key = (value, dtype)
         if key in self.made:
             return self.made[key]
         with self.graph.inserting_before(before):
-            if attr_target(value) is not None and self.weight_cache and dtype in _LOW:
+            if attr_target(value) is not None and self.weight_cache and dtype in LOW:
                 node = self._weight(value, dtype, before)
             elif known is not None:
                 node = self.graph.call_method("to", (value, dtype))
             else:
                 node = self.graph.call_function(cast, (value, dtype))
-        node.meta["fxamp_cast"] = (value, dtype)
+        node.meta[CAST] = (value, dtype)
         self.made[key] = node
         self.count += 1
         return node
@@ -295,7 +192,7 @@ def insert_casts(
 
 
 def _needs_param_cast(m: nn.Module, dtype: torch.dtype) -> bool:
-    return any(p.dtype in _CASTABLE and p.dtype != dtype for p in m.parameters())
+    return any(p.dtype in CASTABLE and p.dtype != dtype for p in m.parameters())
 
 
 def _run_module_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
@@ -308,13 +205,6 @@ def _run_module_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None
     graph.erase_node(node)
 
 
-def attr_target(node: fx.Node) -> Optional[str]:
-    """The dotted name of the parameter, buffer or constant a node reads, or None."""
-    if node.op == "get_attr":
-        return str(node.target)
-    return node.meta.get(ATTR_KEY)
-
-
 def lower_attribute_reads(gm: fx.GraphModule) -> int:
     """Read parameters and buffers through their owners' ``_parameters``/``_buffers`` dicts.
 
@@ -323,7 +213,7 @@ def lower_attribute_reads(gm: fx.GraphModule) -> int:
     dispatch-bound model.  After lowering, each module on the way is fetched once per forward and
     each tensor is a dict lookup.  Reads stay live (never a stale reference), so replacing a
     parameter or submodule after conversion is seen.  The value node keeps the get_attr's name and
-    meta, with ``meta["fxamp_attr"]`` = the dotted name.  Returns how many reads were lowered.
+    meta, with ``meta[graph.ATTR]`` = the dotted name.  Returns how many reads were lowered.
     """
     graph = gm.graph
     # the anchor must survive: get_attr nodes before it may be lowered (erased)
@@ -357,16 +247,14 @@ def lower_attribute_reads(gm: fx.GraphModule) -> int:
         with graph.inserting_before(first):
             value = graph.call_function(operator.getitem, (fetch(owner_path, kind), name))
         value.meta = dict(node.meta)
-        value.meta[ATTR_KEY] = str(node.target)
+        value.meta[ATTR] = str(node.target)
         node.replace_all_uses_with(value)
         replaced[node] = value
         old_name = node.name
         graph.erase_node(node)
-        # keep the name users (and the report) know it by; FX does not free an erased node's name
-        getattr(graph._graph_namespace, "_used_names", set()).discard(old_name)
-        value._rename(old_name)
+        rename_node(graph, value, old_name)
     for node in graph.nodes:  # casts remember their source node
-        source = node.meta.get("fxamp_cast")
+        source = node.meta.get(CAST)
         if source is not None and source[0] in replaced:
-            node.meta["fxamp_cast"] = (replaced[source[0]], source[1])
+            node.meta[CAST] = (replaced[source[0]], source[1])
     return len(replaced)

@@ -13,11 +13,10 @@ from typing import Any, Dict, Tuple
 import torch
 import torch.nn as nn
 
+from .dtypes import CASTABLE
+
 __all__ = ["cast", "cast_weights", "call_module_cast", "WeightCastCache"]
 
-#: only these are cast: integer, bool and complex tensors carry ids, masks and indices, and
-#: float64 is never cast down.
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def cast(x: Any, dtype: torch.dtype) -> Any:
@@ -26,7 +25,7 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
     Lists and tuples (``torch.cat``'s argument) are cast element by element.
     """
     if isinstance(x, torch.Tensor):
-        if x.dtype != dtype and x.dtype in _CASTABLE:
+        if x.dtype != dtype and x.dtype in CASTABLE:
             return x.to(dtype)
         return x
     if type(x) in (list, tuple):

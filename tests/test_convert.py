@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from fxamp.rewrite import attr_target
+from fxamp.graph import attr_target
 from dtype_observer import OpDtypes
 from zoo import ZOO, build, inputs_for
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.rewrite import attr_target
+from fxamp.graph import attr_target
 from export_helpers import check_converted, unlisted_aten_ops
 
 aten = torch.ops.aten

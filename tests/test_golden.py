@@ -6,7 +6,7 @@ import torch
 import fxamp
 import operator
 
-from fxamp.rewrite import attr_target
+from fxamp.graph import attr_target
 from fxamp.runtime import cast, cast_weights
 from zoo import build
 

@@ -41,6 +41,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..graph import fetch_attr, module_path_of, node_arg, replace_node_arg
+
 __all__ = ["ModeFlag", "training_mode", "capture_in_both_modes", "make_modes_switchable"]
 
 aten = torch.ops.aten
@@ -170,27 +172,6 @@ def _mode(training: bool) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _module_path(node: fx.Node) -> str:
-    from .trace import module_path_of  # trace imports this module
-
-    return module_path_of(node)
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _replace_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
-    if len(node.args) > index:
-        args = list(node.args)
-        args[index] = value
-        node.args = tuple(args)
-    else:
-        node.kwargs = {**node.kwargs, name: value}
-
-
 class _Owners:
     """``getattr(owner, "training")`` nodes: the owner is the innermost module a node was traced in."""
 
@@ -200,11 +181,11 @@ class _Owners:
         self.flags: Dict[str, fx.Node] = {}  # one flag per owner, made before its first use
 
     def module(self, node: fx.Node) -> Optional[nn.Module]:
-        path = _module_path(node)
+        path = module_path_of(node)
         return self.modules.get(path) if path else None
 
     def flag(self, node: fx.Node) -> fx.Node:
-        path = _module_path(node)
+        path = module_path_of(node)
         if not path or path not in self.modules:
             path = "_fxamp_mode"
             if path not in self.modules:
@@ -238,18 +219,18 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
         if target in _DROPOUT_FLAGS:
             index, name = _DROPOUT_FLAGS[target]
             default = True if target in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d) else None
-            if _arg(node, index, name, default) is captured_in:
-                _replace_arg(node, index, name, owners.flag(node))
+            if node_arg(node, index, name, default) is captured_in:
+                replace_node_arg(node, index, name, owners.flag(node))
                 count("dropout")
         elif target in _ATTENTION:
             index, name = _ATTENTION[target]
-            p = _arg(node, index, name, 0.0)
+            p = node_arg(node, index, name, 0.0)
             if captured_in and isinstance(p, (int, float)) and p > 0:
                 flag = owners.flag(node)
                 with graph.inserting_before(node):
                     p_node = graph.call_function(operator.mul, (float(p), flag))  # p if training else 0.0
                 p_node.meta["val"] = float(p)
-                _replace_arg(node, index, name, p_node)
+                replace_node_arg(node, index, name, p_node)
                 count("attention dropout")
             elif not captured_in and isinstance(p, (int, float)) and p == 0:
                 lost += 1
@@ -257,8 +238,8 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
             index, name = _BATCH_NORM_FLAGS[target]
             if target is aten.batch_norm.default and _batch_norm_to_module(gm, owners, node):
                 count("batch norm")
-            elif _arg(node, index, name, False) is captured_in:
-                _replace_arg(node, index, name, owners.flag(node))
+            elif node_arg(node, index, name, False) is captured_in:
+                replace_node_arg(node, index, name, owners.flag(node))
                 count("functional batch norm")
     notes = []
     if counts:
@@ -267,13 +248,6 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
     if lost:
         notes.append(f"captured in eval mode: {lost} attention call(s) have dropout_p=0 baked in, in train() too")
     return notes
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) -> bool:
@@ -286,14 +260,14 @@ def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) ->
         if want is None:
             if arg is not None:
                 return False
-        elif not (isinstance(arg, fx.Node) and arg.op == "get_attr" and _fetch(gm, str(arg.target)) is want):
+        elif not (isinstance(arg, fx.Node) and arg.op == "get_attr" and fetch_attr(gm, str(arg.target)) is want):
             return False
     counters = [n for n in gm.graph.find_nodes(op="call_function", target=aten.add_.Tensor)
                 if m.num_batches_tracked is not None and isinstance(n.args[0], fx.Node)
-                and n.args[0].op == "get_attr" and _fetch(gm, str(n.args[0].target)) is m.num_batches_tracked
+                and n.args[0].op == "get_attr" and fetch_attr(gm, str(n.args[0].target)) is m.num_batches_tracked
                 and not n.users]
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_module(_module_path(node), (node.args[0],))
+        new = gm.graph.call_module(module_path_of(node), (node.args[0],))
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)

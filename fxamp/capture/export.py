@@ -17,7 +17,7 @@ the user) see the same module they would get from the fx front end:
    node arguments.  fxamp captures in training and in eval mode (restoring every module's mode
    afterwards) and, when the graphs agree, keeps the training one with each dropout, attention
    dropout and batch norm reading its module's ``training`` flag at run time; see
-   ``fxamp/modes.py``, shared with the fx front end, for the rewrite and what happens when the
+   ``fxamp/capture/modes.py``, shared with the fx front end, for the rewrite and what happens when the
    modes capture different graphs.
 
 3. **Shapes.**  Every dimension of every tensor input is ``Dim.AUTO`` (``dynamic=True``): export
@@ -53,7 +53,6 @@ import functools
 import inspect
 import os
 import re
-import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -61,11 +60,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .errors import TraceError
-from .modes import _arg, _replace_arg, capture_in_both_modes, make_modes_switchable
-from .trace import Captured, _canonical_names, _dedupe_get_attrs, _fetch, _mirror_module_tree
+from ..errors import TraceError
+from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
+from .common import LeafSpec, user_frame
 
-__all__ = ["capture_export"]
+__all__ = ["ExportFrontEnd"]
 
 aten = torch.ops.aten
 
@@ -75,61 +74,69 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------------------------
 
 
-def capture_export(
-    model: nn.Module,
-    example_inputs: Optional[Tuple[Any, ...]],
-    example_kwargs: Optional[Dict[str, Any]],
-    *,
-    dynamic: bool = True,
-    leaf_modules: Sequence[Any] = (),
-    note: Optional[str] = None,
-) -> Captured:
-    """Capture ``model`` with ``torch.export`` as a graph module with the original's names, modes and I/O.
+class ExportFrontEnd:
+    """``torch.export`` from example inputs, made to look like the original (see the module docstring).
 
-    note: why export was chosen (set by ``capture`` when torch.fx failed first), kept in the notes.
+    fallback_from: the fx front end's error when export runs because torch.fx failed (``"auto"``);
+    the notes and errors then say so.
     """
-    args, kwargs = _check_inputs(example_inputs, example_kwargs)
-    if leaf_modules:
-        raise _leaf_modules_error(leaf_modules, note)
-    signature = _signature(model)
-    dynamic_shapes = _dynamic_shapes(signature, args, kwargs) if dynamic else None
 
-    dropped: List[str] = []
-    from torch.export import export
+    name = "export"
 
-    def capture() -> fx.GraphModule:
-        root = _export_root(model, dropped)  # copied per capture: it carries the mode being captured
-        return export(root, args, kwargs, dynamic_shapes=dynamic_shapes).module(check_guards=False)
+    def __init__(self, model: nn.Module, example_inputs: Optional[Tuple[Any, ...]],
+                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: bool = True,
+                 leaf_modules: Sequence[LeafSpec] = (), fallback_from: Optional[TraceError] = None):
+        self.model = model
+        self.fallback_from = fallback_from
+        self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
+        if leaf_modules:
+            raise _leaf_modules_error(leaf_modules, self._why())
+        self.dynamic = dynamic
+        self.signature = _signature(model)
+        self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs) if dynamic else None
+        self.dropped: List[str] = []
+        self.subgraphs: List[nn.Module] = []
 
-    try:
-        gm, mode, mode_notes = capture_in_both_modes(model, capture)
-    except Exception as e:  # torch.export raises many types; all mean "could not capture"
-        raise _export_error(model, e, note) from e
+    def _why(self) -> Optional[str]:
+        """Why export runs, when it is a fallback: ``torch.fx could not trace the model (...)``."""
+        e = self.fallback_from
+        return None if e is None else f"torch.fx could not trace the model ({e.short})"
 
-    notes = [note or "captured with torch.export (frontend='export')"]
-    _restore_train_eval(gm)
-    subgraphs = _adopt_module_tree(gm, model)
-    mode_notes += make_modes_switchable(gm, mode)
-    relaxed = _relax_dtype_asserts(gm, subgraphs)
-    _dedupe_get_attrs(gm.graph)
-    _bind_inputs_as_original(gm, signature, args, kwargs)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
+    def lead_notes(self) -> List[str]:
+        why = self._why()
+        return [f"{why}; captured with torch.export instead" if why else
+                "captured with torch.export (frontend='export')"]
 
-    notes.append(_shape_note(gm, dynamic))
-    notes.extend(mode_notes)
-    if relaxed:
-        notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
-    regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
-                      if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
-    if regions:
-        notes.append("higher-order op regions (" + ", ".join(regions) + ") run as captured: the ops inside "
-                     "keep the dtypes they receive")
-    if dropped:
-        notes.append("outputs of type " + ", ".join(sorted(set(dropped))) + " cannot be returned by "
-                     "torch.export: they come back as None")
-    return Captured(gm, "export", notes)
+    def trace(self) -> fx.GraphModule:
+        from torch.export import export  # heavy: imported only when used
+
+        root = _export_root(self.model, self.dropped)  # copied per capture: it carries the mode being captured
+        return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
+
+    def error(self, e: BaseException) -> TraceError:
+        return _export_error(self.model, e, self._why())
+
+    def adopt(self, gm: fx.GraphModule) -> None:
+        _restore_train_eval(gm)
+        self.subgraphs = _adopt_module_tree(gm, self.model)
+
+    def finish(self, gm: fx.GraphModule) -> List[str]:
+        relaxed = _relax_dtype_asserts(gm, self.subgraphs)
+        dedupe_get_attrs(gm.graph)
+        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs)
+        gm.graph.eliminate_dead_code()
+        notes = [_shape_note(gm, self.dynamic)]
+        if relaxed:
+            notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
+        regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
+                          if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+        if regions:
+            notes.append("higher-order op regions (" + ", ".join(regions) + ") run as captured: the ops inside "
+                         "keep the dtypes they receive")
+        if self.dropped:
+            notes.append("outputs of type " + ", ".join(sorted(set(self.dropped))) + " cannot be returned by "
+                         "torch.export: they come back as None")
+        return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,14 +256,14 @@ def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> List[nn.Module]:
     Returns the modules export added (higher-order ops' bodies), now children of ``gm``.
     """
     getattrs = list(gm.graph.find_nodes(op="get_attr"))
-    values = {node: _fetch(gm, str(node.target)) for node in getattrs}
+    values = {node: fetch_attr(gm, str(node.target)) for node in getattrs}
     old_targets = {str(node.target) for node in getattrs}
     for name in old_targets:  # export's own copies of constants and subgraphs, about to be renamed
         if "." not in name and name in gm.__dict__:
             delattr(gm, name)
-    _mirror_module_tree(gm, model)
+    mirror_module_tree(gm, model)
 
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     module_names = {id(m): name for name, m in model.named_modules() if name}
     renamed: Dict[int, str] = {}
     added: List[nn.Module] = []
@@ -284,7 +291,7 @@ def _adopt_module_tree(gm: fx.GraphModule, model: nn.Module) -> List[nn.Module]:
                     setattr(gm, name, value)
             renamed[key] = name
             node.target = name
-    _dedupe_get_attrs(gm.graph)
+    dedupe_get_attrs(gm.graph)
     return added
 
 
@@ -295,9 +302,9 @@ def _relax_dtype_asserts(gm: fx.GraphModule, subgraphs: Sequence[nn.Module]) -> 
     for g in graphs:
         before = relaxed
         for node in g.graph.find_nodes(op="call_function", target=aten._assert_tensor_metadata.default):
-            dtype = _arg(node, 3, "dtype", None)
+            dtype = node_arg(node, 3, "dtype", None)
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-                _replace_arg(node, 3, "dtype", None)
+                replace_node_arg(node, 3, "dtype", None)
                 relaxed += 1
         if g is not gm and relaxed > before:
             g.recompile()
@@ -401,20 +408,17 @@ def _shape_note(gm: fx.GraphModule, dynamic: bool) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _leaf_modules_error(leaf_modules: Sequence[Any], note: Optional[str]) -> TraceError:
+def _leaf_modules_error(leaf_modules: Sequence[Any], why: Optional[str]) -> TraceError:
     names = ", ".join(repr(m) if isinstance(m, str) else getattr(m, "__name__", repr(m)) for m in leaf_modules)
-    head = (note.split("; captured with torch.export")[0] + ", and the torch.export fallback"
-            if note else "the torch.export front end")
-    err = TraceError(
+    head = f"{why}, and the torch.export fallback" if why else "the torch.export front end"
+    return TraceError(
         f"{head} cannot keep leaf_modules=[{names}] opaque: torch.export traces every module.\n"
         f"What to do: make torch.fx succeed (add the module it failed in to leaf_modules), convert "
         f"that part of the model separately (fxamp.convert(model.<submodule>, ...)), or drop "
         f"leaf_modules and keep a module in float32 under torch.export with "
-        f"module_overrides={{'<path>': 'unsafe'}}."
+        f"module_overrides={{'<path>': 'unsafe'}}.",
+        short="leaf_modules given to the torch.export front end",
     )
-    err.short = "leaf_modules given to the torch.export front end"
-    err.module_path = ""
-    return err
 
 
 _CALL_RE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
@@ -428,12 +432,8 @@ def _source_line(e: BaseException) -> Optional[Tuple[str, int, str]]:
         m = _CALL_RE.search(text, marker)
         if m:
             return m.group(1), int(m.group(2)), m.group(4).strip()
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith((torch_dir, here)) and f.filename != __file__]
-    if frames:
-        f = frames[-1]
+    f = user_frame(e)
+    if f is not None:
         return f.filename, f.lineno or 0, (f.line or "").strip()
     return None
 
@@ -461,14 +461,14 @@ def _is_data_dependent(e: BaseException) -> bool:
     return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text or "data dependent" in text
 
 
-def _export_error(model: nn.Module, e: BaseException, note: Optional[str]) -> TraceError:
+def _export_error(model: nn.Module, e: BaseException, why: Optional[str]) -> TraceError:
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
     short = f"{type(e).__name__}: {first}"
     where = _source_line(e)
     path, owner = _owner_of_line(model, where[0], where[1]) if where else ("", model)
     at = f"{where[0]}:{where[1]}" + (f": `{where[2]}`" if where[2] else "") if where else ""
     module = f"{type(owner).__name__} (module {('at ' + repr(path)) if path else 'at the root'})"
-    prefix = (note.split("; captured with torch.export")[0] + ", and torch.export" if note else "torch.export")
+    prefix = f"{why}, and torch.export" if why else "torch.export"
     hint_path = repr(path) if path else "'<submodule>'"
     if _is_data_dependent(e):
         text = (
@@ -487,7 +487,4 @@ def _export_error(model: nn.Module, e: BaseException, note: Optional[str]) -> Tr
             f"its submodules separately, or check that example_inputs/example_kwargs are what forward "
             f"expects."
         )
-    err = TraceError(text)
-    err.short = short
-    err.module_path = path
-    return err
+    return TraceError(text, short=short, module_path=path, original=e)

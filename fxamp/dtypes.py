@@ -1,0 +1,133 @@
+"""Dtypes: the low-precision and castable sets, short names, and what dtype each graph value certainly has.
+
+``DtypeInference`` is read-only over a graph: the classifier asks it which inputs of a node are
+float tensors, and the cast inserter asks it which casts would do nothing (dropped) and which
+values are known float tensors (a plain ``x.to(dtype)`` instead of the run-time checked cast).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .graph import ATTR, CAST, Decision, fetch_attr
+from .op_lists import NON_FLOAT_OPS, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
+
+__all__ = ["LOW", "CASTABLE", "NOT_FLOAT", "short_name", "dtype_name", "DtypeInference"]
+
+#: the low-precision float dtypes fxamp computes in
+LOW = (torch.float16, torch.bfloat16)
+#: the only dtypes fxamp ever casts: integer, bool and complex tensors carry ids, masks and
+#: indices, and float64 is never cast down
+CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
+          "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "bool"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float16`` -> ``"float16"`` (strings pass through)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def short_name(dtype: Union[torch.dtype, str]) -> str:
+    """``torch.float16`` or ``"float16"`` -> ``"fp16"``; ``"float16|float32"`` -> ``"fp16|fp32"``."""
+    text = dtype_name(dtype)
+    return "|".join(_SHORT.get(t, t) for t in text.split("|"))
+
+
+#: marks a value known not to be a float tensor (an int, a shape, a bool mask)
+NOT_FLOAT = "not float"
+_EXPLICIT = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad")
+_SIZE_OPS = frozenset({"Tensor.size", "Tensor.dim", "Tensor.numel", "Tensor.nelement", torch.ops.aten.sym_size,
+                       torch.ops.aten.sym_numel})
+
+
+class DtypeInference:
+    """What dtype each value certainly has: a dtype, ``NOT_FLOAT``, or None (unknown until run time).
+
+    Used only to drop casts that would do nothing and to emit plain ``x.to(dtype)`` where the
+    value is known to be a float tensor; unknown values keep the run-time checked ``cast``.
+    """
+
+    def __init__(self, gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
+        self.gm, self.modules, self.decisions = gm, modules, decisions
+        self.known: Dict[fx.Node, Any] = {}
+        self.scalars: set = set()  # nodes certainly holding a Python number or shape (a subset of NOT_FLOAT)
+
+    def __call__(self, node: fx.Node) -> Any:
+        if node not in self.known:
+            self.known[node] = self._infer(node)
+        return self.known[node]
+
+    def _infer(self, node: fx.Node) -> Any:
+        if ATTR in node.meta:
+            t = fetch_attr(self.gm, node.meta[ATTR])
+            return t.dtype if t.is_floating_point() else NOT_FLOAT
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            return NOT_FLOAT
+        if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):  # Python scalars
+            self.scalars.add(node)
+            return NOT_FLOAT
+        if node.op == "get_attr":
+            t = fetch_attr(self.gm, node.target)
+            return t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else NOT_FLOAT
+        if CAST in node.meta:
+            src, dtype = node.meta[CAST]
+            return dtype if self(src) in CASTABLE else (self(src) if self(src) is NOT_FLOAT else None)
+        if node.op == "call_method" and node.target in _EXPLICIT:
+            return _EXPLICIT[node.target]
+        if node.op == "call_method" and node.target == "to":
+            dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
+            return dtype
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if self(src) is NOT_FLOAT:
+                if src in self.scalars:
+                    self.scalars.add(node)  # an item of a shape
+                return NOT_FLOAT
+            if src.op in ("call_function", "call_method") and op_key(src.target) in SPLIT_OPS:
+                return self(src.args[0]) if isinstance(src.args[0], fx.Node) else None
+            return None
+        if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+            if node.args[1] in _META_ATTRS:
+                self.scalars.add(node)
+                return NOT_FLOAT
+            return None
+        if node.op not in ("call_function", "call_method", "call_module"):
+            return None
+        module = getattr(node.target, "__module__", None) if node.op == "call_function" else None
+        inputs = node.all_input_nodes
+        if module == "math" or (module == "_operator" and inputs and all(self(i) is NOT_FLOAT and i in self.scalars
+                                                                           for i in inputs)):
+            self.scalars.add(node)  # math.sqrt(d), d // heads, n * 2 on traced sizes: a Python number
+            return NOT_FLOAT
+        key = type(self.modules[node.target]) if node.op == "call_module" else op_key(node.target)
+        if key in NON_FLOAT_OPS:
+            if key in _SIZE_OPS:
+                self.scalars.add(node)
+            return NOT_FLOAT
+        if key not in SINGLE_TENSOR_OPS or node.kwargs.get("return_indices"):
+            return None
+        dtype = node.kwargs.get("dtype", next((a for a in node.args if isinstance(a, torch.dtype)), None))
+        if dtype is not None:
+            return dtype
+        decision = self.decisions.get(node)
+        if decision is not None and decision.compute is not None:
+            return decision.compute  # its float inputs were all cast to compute, so is its result
+        inputs = [self(n) for n in node.all_input_nodes]
+        if any(i is None for i in inputs):
+            return None
+        floats = [i for i in inputs if i is not NOT_FLOAT]
+        if not floats:
+            return None  # e.g. arange-like ops on ints: leave undecided
+        out = floats[0]
+        for f in floats[1:]:
+            out = torch.promote_types(out, f)
+        return out
