@@ -145,7 +145,7 @@ def _is_inplace(node: fx.Node) -> bool:
         return name.endswith("_") and not name.startswith("__")
     if node.op == "call_function":
         if isinstance(node.target, torch._ops.OpOverload):
-            return node.target._schema.is_mutable
+            return node.target._schema.is_mutable  # the op's schema: torch has no public accessor
         return node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv,
                                operator.setitem)
     return False

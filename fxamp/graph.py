@@ -148,6 +148,9 @@ def mirror_module_tree(gm: fx.GraphModule, model: nn.Module, keep_buffers: bool 
     submodule classes intact.  With ``keep_buffers``, tensor constants the tracer made
     (``_tensor_constant0``) stay as non-persistent buffers, so ``state_dict`` keys stay the original's.
     """
+    # nn.Module's own tables (_modules/_parameters/_buffers): the public iterators drop duplicate
+    # names (a module or tensor registered twice) and cannot clear a module, and the
+    # non-persistent set has no public reader; copying the tables is the only exact mirror.
     constants = ({k: v for k, v in gm._buffers.items() if k not in model._buffers and k not in model._modules}
                  if keep_buffers else {})
     for table in (gm._modules, gm._parameters, gm._buffers):
