@@ -257,3 +257,51 @@ def test_modules_option_and_untraceable_error():
         FxampPrecision("O2", modules=["nett"]).convert_module(Two())
     with pytest.raises(ValueError, match="use 'bf16'"):
         FxampPrecision("O2", dtype="fp8")
+
+
+class Manual(Digits):
+    """Manual optimization with clipping and an LR scheduler; the blocks live in a ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.blocks = nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)])
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        loss = self.loss_fn(self.blocks[1](self.blocks[0](self.net(batch[0]))), batch[1])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def test_manual_optimization_clipping_scheduler_and_module_lists():
+    torch.manual_seed(0)
+    model, plugin = Manual(), FxampPrecision("O2", dtype="16")
+    t = trainer(plugin, max_steps=4, limit_val_batches=0)
+    t.fit(model, loaders()[0])
+    for name in ("net", "blocks.0", "blocks.1"):
+        assert fxamp.conversion_info(model.get_submodule(name)) is not None, name
+    opt = t.optimizers[0]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 16)  # the scheduler drives the inner optimizer
+    w = plugin.wrapper(opt)
+    assert plugin.scaler.updates == 4 and w.skipped_steps == plugin.scaler.overflows
+    assert w.stage == "ready"  # clip_gradients unscaled, step stepped, the scale moved on
+    assert all(torch.isfinite(p).all() for p in w.master_params())
+
+
+def test_tied_children_are_refused():
+    class Tied(Digits):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(64, 64)
+            self.head.weight = self.net[0].weight
+
+    with pytest.raises(ValueError, match="share a parameter"):
+        FxampPrecision("O2").convert_module(Tied())

@@ -58,7 +58,7 @@ class FxampPrecision(Precision):
     policy:         ``"O1"``..``"O3"`` or a policy string, as for :func:`fxamp.convert`.
     dtype:          ``"bf16"`` (default; no loss scaling) or ``"16"``/float16 (dynamic loss scaling).
     modules:        names (dotted paths) of the submodules to convert; default: every direct child
-                    module that has parameters.
+                    module that has parameters (the items of a ModuleList/ModuleDict).
     loss_scale:     ``"auto"`` (dynamic for float16, none for bfloat16), ``"dynamic"``, a number
                     (static), ``None``, or a :class:`fxamp.LossScaleConfig`.
     example_inputs: ``{"net": (x,)}``: example inputs for modules torch.fx cannot trace (used by
@@ -85,7 +85,6 @@ class FxampPrecision(Precision):
         #: one loss scale for every optimizer of the LightningModule (as MixedPrecision's GradScaler)
         self.scaler = fxamp.LossScaler(_scale_config(loss_scale, self.dtype))
         self._wrappers: List[fxamp.MixedPrecisionOptimizer] = []
-        self._pending: Optional[Dict[str, Any]] = None  # a checkpoint's state, loaded before connect()
 
     # -- the model ---------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -120,11 +119,19 @@ class FxampPrecision(Precision):
                     children = [n for n, _ in module.named_children()]
                     raise ValueError(f"FxampPrecision(modules=[{name!r}]): {type(module).__name__} has no submodule "
                                      f"{name!r}; its children are {children}") from None
-            return list(self.modules)
-        names = [n for n, child in module.named_children() if any(True for _ in child.parameters())]
-        if not names and any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(f"{type(module).__name__} holds its parameters itself, not in child modules; "
-                             f"FxampPrecision converts child modules: move the layers into one (self.net = ...)")
+            names = list(self.modules)
+        else:
+            names = _networks(module)
+            if not names and any(True for _ in module.parameters(recurse=False)):
+                raise ValueError(f"{type(module).__name__} holds its parameters itself, not in child modules; "
+                                 f"FxampPrecision converts child modules: move the layers into one (self.net = ...)")
+        owner: Dict[int, str] = {}
+        for name in names:
+            for p in module.get_submodule(name).parameters():
+                if owner.setdefault(id(p), name) != name:
+                    raise ValueError(
+                        f"{owner[id(p)]!r} and {name!r} share a parameter (tied weights); converting them "
+                        f"separately would untie it: name their common parent in FxampPrecision(modules=[...])")
         return names
 
     # -- optimizers --------------------------------------------------------------------------
@@ -141,9 +148,6 @@ class FxampPrecision(Precision):
             wrappers.append(known if known is not None else
                             fxamp.MixedPrecisionOptimizer(inner, loss_scale=self.scaler, model=model))
         self._wrappers = wrappers
-        if self._pending is not None and wrappers:
-            state, self._pending = self._pending, None
-            self.load_state_dict(state)
         return model, optimizers, lr_schedulers
 
     @staticmethod
@@ -228,8 +232,7 @@ class FxampPrecision(Precision):
         self.scaler.load_state_dict(state_dict["scaler"])
         saved = state_dict.get("optimizers", [])
         if not self._wrappers:
-            self._pending = state_dict  # no optimizers yet: apply when connect() creates them
-            return
+            return  # validate/test/predict from a checkpoint: no optimizer, nothing more to restore
         if len(saved) != len(self._wrappers):
             raise ValueError(f"the checkpoint has fxamp state for {len(saved)} optimizer(s), this run "
                              f"{len(self._wrappers)}; configure_optimizers() must return the same optimizers")
@@ -239,6 +242,19 @@ class FxampPrecision(Precision):
 
     def __repr__(self) -> str:
         return f"FxampPrecision(policy={self.policy!r}, dtype={self.dtype}, scaler={self.scaler})"
+
+
+def _networks(module: nn.Module, prefix: str = "") -> List[str]:
+    """Direct children with parameters; the items of ModuleList/ModuleDict containers (they have no forward)."""
+    names = []
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            names += _networks(child, f"{prefix}{name}.")
+        else:
+            names.append(prefix + name)
+    return names
 
 
 def _scale_config(loss_scale: LossScaleArg, dtype: torch.dtype) -> "fxamp.LossScaleConfig":
