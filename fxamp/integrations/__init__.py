@@ -11,11 +11,19 @@ They use fxamp's public API only (``fxamp.convert``, ``fxamp.MixedPrecisionOptim
 
 from __future__ import annotations
 
-from typing import Union
+import importlib
+from typing import Any, Union
 
 import torch
 
 __all__ = ["resolve_dtype"]
+
+
+def __getattr__(name: str) -> Any:
+    """``fxamp.integrations.hf`` / ``.lightning`` without importing them first (each imports its framework)."""
+    if name in ("hf", "lightning"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
