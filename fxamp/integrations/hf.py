@@ -43,7 +43,7 @@ the first call, pass ``example_batch=`` (a collated batch, with ``labels``) for 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
