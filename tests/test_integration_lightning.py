@@ -305,3 +305,14 @@ def test_tied_children_are_refused():
 
     with pytest.raises(ValueError, match="share a parameter"):
         FxampPrecision("O2").convert_module(Tied())
+
+
+def test_gradient_accumulation():
+    """Two batches per step: gradients accumulate in float16 across backward calls, one unscale and step."""
+    torch.manual_seed(0)
+    model, plugin = Digits(), FxampPrecision("O2", dtype="16")
+    t = trainer(plugin, max_steps=3, accumulate_grad_batches=2, limit_val_batches=0)
+    t.fit(model, loaders()[0])
+    assert t.global_step == 3 and plugin.scaler.updates == 3
+    assert t.fit_loop.epoch_loop.batch_progress.total.completed == 6
+    assert all(p.grad is None for p in model.net.parameters() if p.dtype == torch.float16)  # cleared after the step

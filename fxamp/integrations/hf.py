@@ -35,10 +35,15 @@ How the Trainer's loop meets fxamp's, without patching either:
   divides by the number of labels before the shift: ``(T-1)/T`` of the mean, 1.6% at T=64.
   Compare evaluation losses computed the same way.)
 
-Limits: leave ``args.bf16``/``args.fp16`` False (they turn on autocast, which fxamp replaces); a
-skipped float16 step still advances the learning-rate schedule (accelerate only knows to hold it
-for the optimizers it wraps); Hugging Face models defeat torch.fx, so until fxamp captures at
-the first call, pass ``example_batch=`` (a collated batch, with ``labels``) for ``torch.export``.
+Limits:
+
+* leave ``args.bf16``/``args.fp16`` False: they turn on autocast, which fxamp replaces;
+* a skipped float16 step still advances the learning-rate schedule (accelerate holds it back
+  only for optimizers it wraps itself);
+* the Trainer logs ``grad_norm`` of the model's gradients: ``loss * scale`` ones in float16
+  (``optimizer.last_grad_norm`` is the masters' true norm when ``prepare`` clips);
+* Hugging Face models defeat torch.fx: until fxamp captures at the first call, pass
+  ``example_batch=`` (a collated batch, with ``labels``) for ``torch.export``.
 """
 
 from __future__ import annotations
