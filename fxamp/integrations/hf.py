@@ -1,0 +1,233 @@
+"""fxamp for Hugging Face's ``transformers.Trainer``: a converted model and ``(optimizer, scheduler)``.
+
+::
+
+    from fxamp.integrations import hf
+    args = TrainingArguments(output_dir=..., learning_rate=2e-3, max_steps=300, ...)   # bf16/fp16 left False
+    model, optimizers = hf.prepare(model, args, "O2", dtype="bf16", example_batch=batch)
+    trainer = Trainer(model=model, args=args, optimizers=optimizers, train_dataset=..., ...)
+    trainer.train()                          # resume_from_checkpoint=... works too
+
+``prepare`` converts the model with :func:`fxamp.convert` and builds the optimizer the Trainer
+would have built (AdamW from ``args``: learning rate, betas, epsilon, weight decay except biases
+and norms) inside a :class:`fxamp.MixedPrecisionOptimizer` (float32 masters, loss scaling), and
+the Trainer's learning-rate schedule on it (``args.lr_scheduler_type``, warmup, ``max_steps``).
+
+How the Trainer's loop meets fxamp's, without patching either:
+
+* backward: the Trainer calls ``loss.backward()`` (through accelerate), not ``opt.backward``.
+  ``prepare`` registers a forward hook on the converted module (its own object): in training,
+  the returned ``loss`` keeps its value (the Trainer logs the true loss) but backpropagates
+  through ``opt.scale_loss(loss)``, so gradients arrive scaled (float16) and the optimizer knows
+  a backward happened.
+* step: ``optimizer.step()`` unscales, checks for inf/NaN, steps the float32 masters or skips,
+  and updates the scale; ``model.zero_grad()`` clears the model's gradients.
+* clipping: the Trainer clips ``model.parameters()``' gradients.  With bfloat16 (scale 1) these
+  are the true gradients, so ``args.max_grad_norm`` works as usual.  With float16 they hold
+  ``loss * scale`` gradients: ``prepare`` refuses ``args.max_grad_norm > 0`` and takes
+  ``max_grad_norm=`` itself, clipping the float32 masters after unscaling (inside ``step()``).
+* checkpoints: ``optimizer.state_dict()`` holds the inner optimizer's state, the masters and the
+  loss scale, so ``trainer.train(resume_from_checkpoint=...)`` resumes exactly.  The Trainer saves
+  a non-``PreTrainedModel``'s ``state_dict()`` with safetensors, which refuses tied weights, so
+  the converted module's ``state_dict()`` copies tied entries (GPT-2's ``lm_head.weight``).
+* losses: the captured graph takes exactly the batch's keys, so the Trainer does not pass
+  ``num_items_in_batch``; the loss is the model's plain mean.  (For GPT-2 the Trainer's own path
+  divides by the number of labels before the shift: ``(T-1)/T`` of the mean, 1.6% at T=64.
+  Compare evaluation losses computed the same way.)
+
+Limits:
+
+* leave ``args.bf16``/``args.fp16`` False: they turn on autocast, which fxamp replaces;
+* a skipped float16 step still advances the learning-rate schedule (accelerate holds it back
+  only for optimizers it wraps itself);
+* the Trainer logs ``grad_norm`` of the model's gradients: ``loss * scale`` ones in float16
+  (``optimizer.last_grad_norm`` is the masters' true norm when ``prepare`` clips);
+* Hugging Face models defeat torch.fx: until fxamp captures at the first call, pass
+  ``example_batch=`` (a collated batch, with ``labels``) for ``torch.export``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+import fxamp
+
+from . import resolve_dtype
+
+__all__ = ["prepare", "TrainerOptimizer"]
+
+
+class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
+    """A ``MixedPrecisionOptimizer`` whose ``step()`` can clip the float32 masters' gradients first.
+
+    For loops that call ``loss.backward()`` and ``optimizer.step()`` themselves (``transformers.Trainer``):
+    ``max_grad_norm`` clips after unscaling, which the loop's own clipping of the model's
+    float16 gradients cannot do.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: Optional[float] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.max_grad_norm = max_grad_norm
+        #: the masters' gradient norm before the latest clip (None when not clipping)
+        self.last_grad_norm: Optional[float] = None
+
+    def step(self, closure: None = None) -> bool:
+        if self.max_grad_norm and self.stage == "scaled":
+            self.unscale_()
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.master_params()), self.max_grad_norm))
+        return super().step(closure)
+
+
+class _GradThroughScaled(torch.autograd.Function):
+    """Returns ``loss`` unchanged; its gradient goes to ``scaled`` (``loss * scale``) instead."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
+        return None, grad
+
+
+def _loss_hook(opt: fxamp.MixedPrecisionOptimizer) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return output
+        loss, put = _find_loss(output)
+        if loss is None or not loss.requires_grad:
+            return output
+        return put(_GradThroughScaled.apply(loss, opt.scale_loss(loss)))
+
+    return hook
+
+
+def _find_loss(output: Any) -> Tuple[Optional[torch.Tensor], Callable[[torch.Tensor], Any]]:
+    """The loss in a model's output (``ModelOutput``/dict ``"loss"``, a tuple's first item, a scalar) and how to put it back."""
+    if isinstance(output, torch.Tensor):
+        return (output, lambda new: new) if output.dim() == 0 else (None, lambda new: output)
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        if isinstance(loss, torch.Tensor):
+            def put(new: torch.Tensor) -> Any:
+                output["loss"] = new  # the output object is this call's own
+                return output
+            return loss, put
+        return None, lambda new: output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
+        return output[0], lambda new: (new,) + tuple(output[1:])
+    return None, lambda new: output
+
+
+def _decay_groups(model: nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+    """The Trainer's grouping: weight decay on everything but biases and norm weights (by name)."""
+    import re
+
+    forbidden = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)|(?:^|\.)ln_")
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if forbidden.search(name.lower()) or p.dim() < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def prepare(
+    model: nn.Module,
+    args: Any,
+    policy: Union[str, "fxamp.Policy"] = "O2",
+    dtype: Union[str, torch.dtype] = "bf16",
+    *,
+    example_batch: Optional[Mapping[str, Any]] = None,
+    optimizer: Optional[Callable[[List[Dict[str, Any]]], torch.optim.Optimizer]] = None,
+    scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+    loss_scale: Any = "auto",
+    max_grad_norm: Optional[float] = None,
+    num_training_steps: Optional[int] = None,
+    **convert_kwargs: Any,
+) -> Tuple[nn.Module, Tuple[TrainerOptimizer, Any]]:
+    """Convert ``model`` and build ``(optimizer, scheduler)`` for ``Trainer(model=..., optimizers=...)``.
+
+    args:           the ``TrainingArguments`` the Trainer gets (learning rate, AdamW settings,
+                    schedule, ``max_steps``); ``bf16``/``fp16`` must stay False.
+    example_batch:  a collated batch (``input_ids``, ``labels``...) for ``torch.export``; not needed
+                    for models torch.fx traces (or once fxamp captures at the first call).
+    optimizer:      ``param_groups -> torch optimizer``; default AdamW from ``args``.
+    scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
+    max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
+                    ``args.max_grad_norm`` for float16.
+    convert_kwargs: passed on to :func:`fxamp.convert`.
+    """
+    low = resolve_dtype(dtype)
+    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+        raise ValueError("TrainingArguments(bf16=True/fp16=True) turns on torch.autocast, which fxamp replaces; "
+                         "leave both False and pass dtype= to prepare()")
+    trainer_clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
+    if low == torch.float16 and trainer_clip > 0:
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={trainer_clip:g}) would clip the model's loss-scaled float16 "
+            f"gradients; set max_grad_norm=0 there and pass prepare(..., max_grad_norm={trainer_clip:g}), which "
+            f"clips the float32 masters after unscaling")
+    if example_batch is not None:
+        convert_kwargs.setdefault("example_inputs", ())
+        convert_kwargs.setdefault("example_kwargs", dict(example_batch))
+    try:
+        amp = fxamp.convert(model, policy, dtype=low, **convert_kwargs)
+    except fxamp.TraceError as e:
+        if example_batch is not None:
+            raise
+        raise fxamp.TraceError(f"{e}\nfxamp.integrations.hf.prepare: pass example_batch= (a collated batch with "
+                               f"labels, e.g. next(iter(trainer.get_train_dataloader()))) so fxamp can capture "
+                               f"the model with torch.export") from e
+    amp.accepts_loss_kwargs = False  # the captured graph takes exactly the batch's keys (no num_items_in_batch)
+
+    groups = _decay_groups(amp, float(getattr(args, "weight_decay", 0.0)))
+    if optimizer is None:
+        inner = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  eps=args.adam_epsilon)
+    else:
+        inner = optimizer(groups)
+    opt = TrainerOptimizer(inner, max_grad_norm=max_grad_norm, loss_scale=loss_scale, model=amp)
+    if scheduler is not None:
+        sched = scheduler(inner)
+    else:
+        from transformers import get_scheduler
+
+        steps = num_training_steps if num_training_steps is not None else int(getattr(args, "max_steps", -1))
+        if steps is None or steps <= 0:
+            raise ValueError("prepare() builds the learning-rate schedule before the Trainer knows the number of steps: "
+                             "set TrainingArguments(max_steps=...) or pass num_training_steps= (or scheduler=)")
+        sched = get_scheduler(args.lr_scheduler_type, inner, num_warmup_steps=args.get_warmup_steps(steps),
+                              num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+    amp.register_forward_hook(_loss_hook(opt))
+    tied = _tied_aliases(amp)
+    if tied:
+        amp.register_state_dict_post_hook(_untie_hook(tied))
+    return amp, (opt, sched)
+
+
+def _tied_aliases(model: nn.Module) -> List[str]:
+    """Names of parameters that repeat an earlier one (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)."""
+    seen, aliases = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.append(name)
+        seen.add(id(p))
+    return aliases
+
+
+def _untie_hook(aliases: List[str]) -> Callable[..., None]:
+    """Copy tied entries of ``state_dict()``: the Trainer saves a non-``PreTrainedModel`` with safetensors, which
+    refuses tensors sharing memory.  Loading writes the same values into the one parameter twice."""
+
+    def hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name in aliases:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):  # keep_vars=True: leave it
+                state_dict[prefix + name] = value.clone()
+
+    return hook
