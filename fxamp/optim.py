@@ -13,8 +13,9 @@
 
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
 step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
-Float32 parameters (O1, or norms under O2) are stepped directly.  Per stepThe step's stages are the scaler's (:class:`fxamp.loss_scale.Stage`, kept by the
-:class:`fxamp.LossScaler` for each optimizer attached to it)::
+Float32 parameters (O1, or norms under O2) are stepped directly.  The step's stages are the
+scaler's (:class:`fxamp.loss_scale.Stage`, kept by the :class:`fxamp.LossScaler` for each
+optimizer attached to it)::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
                             \\________________step()________________/
@@ -22,7 +23,13 @@ Float32 parameters (O1, or norms under O2) are stepped directly.  Per stepThe st
 ``step()`` copies low-precision gradients into the masters' float32 ``.grad``, divides every
 gradient by the scale and checks it for inf/NaN in one fused kernel per (device, dtype), agrees
 on the result across ranks, then steps or skips (a skip changes no weight, master or optimizer
-state) and updates the scale (see :class:`fxamp.LossScaler`).
+state) and updates the scale (see :class:`fxamp.LossScaler`).  At scale 1 (bfloat16's default)
+there is nothing to divide: a float32 CPU gradient buffer is only read for the check.
+
+On a large model the step is bound by memory traffic, not by Python: besides the inner step, the
+wrapper reads the low-precision gradients and writes their float32 copies, reads those for the
+check, and reads the masters to write the low-precision weights.  The copy and the refresh are
+the price of float32 masters under an optimizer that steps float32 tensors only.
 
 The per-step overhead is a handful of foreach calls, not a Python loop over parameters: the
 tensor lists are built once per layout of ``param_groups`` (:class:`_Plan`), and the masters'

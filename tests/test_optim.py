@@ -928,3 +928,21 @@ def test_optim_leans_on_public_methods_only():
                 continue
             private.add(ast.unparse(n))
     assert private == set()
+
+
+def test_scale_one_checks_by_reading_only_and_stays_exact():
+    """bfloat16's default scale is 1: the float32 buffer is summed, not rewritten; a sum that
+    overflows on finite gradients falls back to the exact check and does not skip the step."""
+    model = fxamp.convert(net(), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model)
+    assert opt.scaler.kind == "none" and opt.current_scale == 1.0
+    opt.zero_grad()
+    opt.backward(loss_of(model, 0))
+    for i in range(4):
+        poison(model, "fc1.weight", 3e38, index=i)  # finite in bfloat16; the float32 sum is inf
+    opt.unscale_()
+    for low, m in zip(opt._lows, opt._masters):
+        assert torch.equal(m.grad, low.grad.float())
+    assert opt.overflowed_params() == [] and opt.step()
+    assert not train_step(model, opt, 1, inject=("fc2.bias", NAN)) and opt.overflowed_params() == ["fc2.bias"]
+    assert not train_step(model, opt, 2, inject=("fc1.weight", -INF))
