@@ -461,13 +461,13 @@ class MixedPrecisionOptimizer:
         inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
-        if set_to_none and _stock_zero_grad(self.optimizer):
-            _unbind_grads(list(self.master_params()))  # what Optimizer.zero_grad does, without its profiler scope
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
         if set_to_none:
+            if not _stock_zero_grad(self.optimizer):
+                self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
+            _unbind_grads(list(self.master_params()))  # what Optimizer.zero_grad does, whatever the inner one did
             _unbind_grads(self._lows)
         else:
+            self.optimizer.zero_grad(set_to_none=False)
             grads = []
             for p in self._lows:
                 if p.grad is not None:
