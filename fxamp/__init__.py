@@ -11,7 +11,8 @@ from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert,
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
-from .optim import MixedPrecisionOptimizer, initialize
+from .api import initialize
+from .optim import MixedPrecisionOptimizer
 from .policy import Policy
 from .report import PolicyDiff, Report, Row, compare, report
 

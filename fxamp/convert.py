@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -11,21 +10,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .classify import ModuleOverrides, annotate
+from .info import INFO_ATTR, ConversionInfo, conversion_info, policy_of
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
 from .policy import Policy, resolve_policy
 from .rewrite import CACHE_NAME, insert_casts, lower_attribute_reads, store_params
 from .capture import LeafSpec, capture
 
 __all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
-
-
-@dataclass(frozen=True)
-class ConversionInfo:
-    """What ``convert`` did; kept on the converted module (through deepcopy and pickling)."""
-
-    policy: Policy
-    frontend: str  # "fx" or "export"
-    notes: Tuple[str, ...] = ()
 
 
 def convert(
@@ -85,21 +76,6 @@ def convert(
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
     return gm
-
-
-INFO_ATTR = "_fxamp_info"
-
-
-def conversion_info(module: nn.Module) -> Optional[ConversionInfo]:
-    """How fxamp converted ``module`` (policy, front end, notes), or None if it did not."""
-    info = getattr(module, INFO_ATTR, None)
-    return info if isinstance(info, ConversionInfo) else None
-
-
-def policy_of(module: nn.Module) -> Optional[Policy]:
-    """The policy a module was converted with, or None if fxamp did not convert it."""
-    info = conversion_info(module)
-    return None if info is None else info.policy
 
 
 def clear_cast_cache(module: nn.Module) -> None:

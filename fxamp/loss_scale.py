@@ -8,6 +8,22 @@ gradients are divided by ``scale`` (in float32) before the optimizer sees them. 
 * ``"none"`` (the default for bfloat16 and float32): the scale is 1.
 
 Whatever the kind, a step whose gradients hold an inf or NaN is skipped.
+
+The scaler owns the whole iteration, as ``torch.amp.GradScaler`` does per optimizer: the scale,
+the overflow decision and where each optimizer stands.  An optimizer ``attach()``-es once and
+passes its :class:`ScalerClient` to the scaler's methods; it never reads the scaler's counters::
+
+    client = scaler.attach()                          # READY
+    loss = scaler.scale_loss(loss, client)            # -> SCALED (every client of this scaler)
+    check = scaler.start_unscale(client)              # SCALED -> (unscaling)
+    check.unscale_and_check_(grads)                   #   fused check + divide, per device
+    scaler.finish_unscale(client, check.found())      # -> UNSCALED, the decision kept
+    if scaler.start_step(client) is Stage.SCALED: ... # step() without unscale_(): unscale first
+    found = scaler.found_inf(client)                  # step, or skip if found
+    scaler.record(found, blame, client)               # -> STEPPED
+    scaler.update()                                   # next generation: every client READY
+
+A call out of this order raises :class:`OptimizerStateError` saying what to call instead.
 """
 
 from __future__ import annotations
@@ -16,13 +32,14 @@ import enum
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import LossScaleError, OptimizerStateError
 
-__all__ = ["ScaleKind", "LossScaleConfig", "LossScaler", "unscale_and_check_"]
+__all__ = ["ScaleKind", "LossScaleConfig", "LossScaler", "Stage", "ScalerClient", "FoundInf",
+           "unscale_and_check_"]
 
 
 class ScaleKind(str, enum.Enum):
@@ -57,7 +74,8 @@ class LossScaleConfig:
     backoff_factor: float = 0.5
     #: clean steps in a row before the scale grows
     growth_interval: int = 2000
-    #: an overflow at this scale raises LossScaleError: the model is diverging (0: never)
+    #: an overflow at this scale raises LossScaleError: the model is diverging (0: never; the
+    #: scale then stops at the smallest normal float32, whose inverse is still finite)
     min_scale: float = 1.0
     #: the scale never grows past this
     max_scale: float = 2.0**24
@@ -118,27 +136,113 @@ class LossScaleConfig:
                 f"min_scale={self.min_scale:.8g}, max_scale={self.max_scale:.8g}, hysteresis={self.hysteresis})")
 
 
+class Stage(str, enum.Enum):
+    """Where one optimizer stands in the current iteration of its scaler."""
+
+    READY = "ready"  # no scaled gradients since the last update (or zero_grad)
+    SCALED = "scaled"  # a scaled backward ran: gradients hold loss * scale
+    UNSCALED = "unscaled"  # unscaled and checked: the overflow decision is made
+    STEPPED = "stepped"  # stepped (or skipped); a shared scaler waits for update()
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ScalerClient:
+    """One optimizer's place in its scaler's iteration; made by :meth:`LossScaler.attach`, moved only by the scaler."""
+
+    __slots__ = ("_unscaled_gen", "_stepped_gen", "_found")
+
+    def __init__(self) -> None:
+        self._unscaled_gen = -1  # generation of the last unscale, of the last step
+        self._stepped_gen = -1
+        self._found = False  # the overflow decision of the last unscale
+
+
+class FoundInf:
+    """Divides gradients by the scale and notes any inf/NaN: one flag per device, read once at the end.
+
+    ``inv_scale_on(device)`` gives ``1/scale`` there.  When the scale is 1 (``unit``) a single
+    float32 CPU tensor is only read (a finite sum means finite elements), not read and rewritten.
+    """
+
+    __slots__ = ("inv_scale_on", "unit", "flags")
+
+    def __init__(self, inv_scale_on: Callable[[torch.device], torch.Tensor], unit: bool = False) -> None:
+        self.inv_scale_on = inv_scale_on
+        self.unit = unit
+        self.flags: Dict[torch.device, torch.Tensor] = {}
+
+    def unscale_and_check_(self, tensors: List[torch.Tensor]) -> None:
+        """Divide dense ``tensors`` (one device and dtype) by the scale in place, noting any inf/NaN."""
+        if not tensors:
+            return
+        device = tensors[0].device
+        flag = self.flags.get(device)
+        if flag is None:
+            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        t = tensors[0]
+        if self.unit and len(tensors) == 1 and t.device.type == "cpu" and t.dtype == torch.float32 \
+                and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
+            return  # nothing to divide, nothing non-finite: an inf or NaN makes the sum inf or NaN
+            # (a finite sum that overflows falls through to the exact kernel below)
+        # GradScaler's fused kernel: checks each value before multiplying it by 1/scale
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.inv_scale_on(device))
+
+    def found(self) -> torch.Tensor:
+        """1.0 if any tensor held an inf/NaN, else 0.0: a float32 0-dim CPU tensor."""
+        flags = [flag.to("cpu") for flag in self.flags.values()]
+        if not flags:
+            return torch.zeros((), dtype=torch.float32)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
 def unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
     """Multiply ``grads`` in place by ``inv_scale``; return a float32 0-dim CPU tensor, 1.0 if any was inf/NaN.
 
-    One fused ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype).
-    Sparse gradients are checked and unscaled through their values.
+    One fused kernel per (device, dtype).  Sparse gradients are checked and unscaled through their values.
     """
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        t = g._values() if g.is_sparse else g
+        t = g._values() if g.is_sparse else g  # a sparse tensor's values, a view to unscale in place
         groups[(t.device, t.dtype)].append(t)
-    found = torch.zeros((), dtype=torch.float32)
-    per_device: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
-    for (device, _), tensors in groups.items():
-        if device not in per_device:
-            per_device[device] = (torch.zeros((), dtype=torch.float32, device=device),
-                                  inv_scale.to(device=device, dtype=torch.float32))
-        flag, inv = per_device[device]
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)
-    for flag, _ in per_device.values():
-        found += flag.to("cpu")
-    return found
+    inv: Dict[torch.device, torch.Tensor] = {}
+
+    def inv_on(device: torch.device) -> torch.Tensor:
+        if device not in inv:
+            inv[device] = inv_scale.to(device=device, dtype=torch.float32)
+        return inv[device]
+
+    check = FoundInf(inv_on)
+    for tensors in groups.values():
+        check.unscale_and_check_(tensors)
+    return check.found()
+
+
+#: the smallest positive normal float32: with min_scale=0 the scale stops here, 1/scale is finite
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+_MISUSE = {
+    ("backward", Stage.UNSCALED): (
+        "backward() after unscale_(): the gradients were already unscaled for this step; "
+        "call step() (or zero_grad()) first, and unscale_() only after the last backward()"),
+    ("backward", Stage.STEPPED): (
+        "backward() after step() but before the shared scaler's update(); call scaler.update() "
+        "once every optimizer sharing it has stepped"),
+    ("unscale", Stage.UNSCALED): (
+        "unscale_() has already been called since the last step(); call it at most once per "
+        "step, after the last backward()"),
+    ("unscale", Stage.STEPPED): "unscale_() after step(); call it between backward() and step()",
+    ("unscale", Stage.READY): (
+        "unscale_() before any backward(); call opt.backward(loss) (or opt.scale_loss(loss).backward()) first"),
+    ("step", Stage.READY): (
+        "step() without a backward pass since the last step; call opt.backward(loss) "
+        "(or opt.scale_loss(loss).backward()) before opt.step()"),
+    ("step", Stage.STEPPED): (
+        "step() was already called since the shared scaler's last update(); call scaler.update() "
+        "once per iteration, after every optimizer sharing it has stepped"),
+}
 
 
 class LossScaler:
@@ -154,9 +258,9 @@ class LossScaler:
                 good = 0
                 tolerance = max(tolerance - 1, 0)
                 if tolerance == 0:                 # hysteresis used up: back off
-                    if scale <= min_scale:
+                    if min_scale > 0 and scale <= min_scale:
                         raise LossScaleError       # an overflow storm: the model is diverging
-                    scale = max(scale * backoff_factor, min_scale)
+                    scale = max(scale * backoff_factor, min_scale or TINY)  # TINY: the smallest normal float32
             else:
                 step
                 good += 1
@@ -198,7 +302,7 @@ class LossScaler:
         self.overflows = 0
         #: update() calls so far (one per training iteration)
         self.updates = 0
-        # per iteration: bumped by update(); scale() calls since; the steps' records
+        # per iteration: bumped by update(); scale_loss() calls since; the steps' records
         self._generation = 0
         self._scaled = 0
         self._records: List[Tuple[bool, Callable[[], Sequence[str]]]] = []
@@ -213,12 +317,21 @@ class LossScaler:
         """The current loss scale."""
         return self._scale_value
 
-    def inv_scale(self) -> torch.Tensor:
-        """``1 / scale`` as a float32 0-dim CPU tensor, computed in float64 as GradScaler does."""
-        return self._scale.double().reciprocal().float()
+    @property
+    def generation(self) -> int:
+        """update() calls since this scaler was built (not restored by load_state_dict: it orders stages)."""
+        return self._generation
+
+    def inv_scale(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """``1 / scale`` as a float32 0-dim tensor, computed in float64 as GradScaler does.
+
+        Without ``device``: a new CPU tensor.  With it: one cached there until the scale moves; do not modify it.
+        """
+        if device is None:
+            return self._scale.double().reciprocal().float()
+        return self._inv_scale_on(torch.device(device))
 
     def _inv_scale_on(self, device: torch.device) -> torch.Tensor:
-        """:meth:`inv_scale` on ``device``, computed (and copied there) once per scale; do not modify it."""
         inv = self._inv.get(device)
         if inv is None:
             inv = self._inv[device] = self.inv_scale().to(device)
@@ -229,16 +342,79 @@ class LossScaler:
         self._inv.clear()
 
     # -- the iteration ---------------------------------------------------------------------
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (``loss`` itself when the scale is 1); marks that scaled gradients exist."""
+    def attach(self) -> ScalerClient:
+        """A new optimizer's place in this scaler's iterations (READY); pass it to the methods below."""
+        return ScalerClient()
+
+    def stage(self, client: ScalerClient) -> Stage:
+        """Where ``client`` stands: STEPPED or UNSCALED this generation, else SCALED if a scaled backward ran."""
+        if client._stepped_gen == self._generation:
+            return Stage.STEPPED
+        if client._unscaled_gen == self._generation:
+            return Stage.UNSCALED
+        return Stage.SCALED if self._scaled else Stage.READY
+
+    def _require(self, client: ScalerClient, action: str) -> Stage:
+        stage = self.stage(client)
+        message = _MISUSE.get((action, stage))
+        if message is not None:
+            raise OptimizerStateError(message)
+        return stage
+
+    def scale_loss(self, loss: torch.Tensor, client: Optional[ScalerClient] = None) -> torch.Tensor:
+        """``loss * scale`` (``loss`` itself when the scale is 1); every client is SCALED afterwards.
+
+        With ``client``: refused after its unscale or step this iteration (its gradients are final).
+        """
+        if client is not None:
+            self._require(client, "backward")
         self._scaled += 1
         if self._scale_value == 1.0 and self.kind is not ScaleKind.DYNAMIC:
             return loss
         return loss * self._scale.to(device=loss.device)
 
-    def record(self, found_inf: bool, blame: Callable[[], Sequence[str]] = tuple) -> None:
-        """Report one optimizer's overflow decision for this iteration; ``blame()`` names the culprits."""
+    def start_unscale(self, client: ScalerClient) -> FoundInf:
+        """Check that ``client`` may unscale now (SCALED), and return the accumulator to unscale with."""
+        self._require(client, "unscale")
+        return FoundInf(self._inv_scale_on, unit=self._scale_value == 1.0)
+
+    def finish_unscale(self, client: ScalerClient, found_inf: bool) -> None:
+        """``client`` unscaled; ``found_inf`` (agreed across ranks) decides its step.  -> UNSCALED."""
+        client._found = bool(found_inf)
+        client._unscaled_gen = self._generation
+
+    def start_step(self, client: ScalerClient) -> Stage:
+        """Check that ``client`` may step: returns SCALED (unscale first) or UNSCALED."""
+        return self._require(client, "step")
+
+    def found_inf(self, client: ScalerClient) -> bool:
+        """The overflow decision of ``client``'s unscale this iteration."""
+        if self.stage(client) is not Stage.UNSCALED:
+            raise OptimizerStateError(f"found_inf() in stage {self.stage(client)}; unscale first (start_unscale)")
+        return client._found
+
+    def restart(self, client: ScalerClient, *, drop_scaled: bool) -> None:
+        """``zero_grad``: forget ``client``'s unscale (not its step); ``drop_scaled``: its gradients were the only ones."""
+        if self.stage(client) is Stage.STEPPED:
+            return
+        client._unscaled_gen = -1
+        if drop_scaled:
+            self._scaled = 0
+
+    def forget(self, client: ScalerClient) -> None:
+        """``client`` was reloaded from a checkpoint: it has neither unscaled nor stepped this iteration."""
+        client._unscaled_gen = client._stepped_gen = -1
+        client._found = False
+
+    def record(self, found_inf: bool, blame: Callable[[], Sequence[str]] = tuple,
+               client: Optional[ScalerClient] = None) -> None:
+        """Report one optimizer's overflow decision for this iteration; ``blame()`` names the culprits.
+
+        With ``client``: it is STEPPED until :meth:`update`.
+        """
         self._records.append((bool(found_inf), blame))
+        if client is not None:
+            client._stepped_gen = self._generation
 
     def update(self) -> bool:
         """Move the scale by this iteration's records (see the class docstring); return True on overflow.
@@ -265,7 +441,7 @@ class LossScaler:
         if found:
             self._tolerance = max(self._tolerance - 1, 0)
             if self._tolerance == 0:
-                if self._scale_value <= cfg.min_scale:
+                if cfg.min_scale > 0 and self._scale_value <= cfg.min_scale:
                     names = [n for b in blames for n in b()]
                     raise LossScaleError(
                         f"dynamic loss scaling gave up: an overflow at scale {self._scale_value:g}, which is "
@@ -281,7 +457,7 @@ class LossScaler:
             self._scale, self._growth_tracker, torch.full((), float(found)),
             cfg.growth_factor, backoff, cfg.growth_interval,
         )
-        self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+        self._scale.clamp_(min=cfg.min_scale or _TINY, max=cfg.max_scale)  # 0 never: 1/scale must stay finite
         if was_growing:
             self._tolerance = cfg.hysteresis
         self._scale_moved()
@@ -309,6 +485,9 @@ class LossScaler:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the config (factors, interval…) stays the one this scaler was built with."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"LossScaler.load_state_dict takes the dict LossScaler.state_dict() returned, "
+                            f"not {type(state).__name__}")
         missing = {"kind", "scale", "growth_tracker", "tolerance", "overflows", "updates"} - set(state)
         if missing:
             raise KeyError(f"loss scaler state_dict lacks {sorted(missing)}; pass what LossScaler.state_dict() returned")

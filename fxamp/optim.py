@@ -13,7 +13,9 @@
 
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
 step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
-Float32 parameters (O1, or norms under O2) are stepped directly.  Per step::
+Float32 parameters (O1, or norms under O2) are stepped directly.  The step's stages are the
+scaler's (:class:`fxamp.loss_scale.Stage`, kept by the :class:`fxamp.LossScaler` for each
+optimizer attached to it)::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
                             \\________________step()________________/
@@ -21,43 +23,58 @@ Float32 parameters (O1, or norms under O2) are stepped directly.  Per step::
 ``step()`` copies low-precision gradients into the masters' float32 ``.grad``, divides every
 gradient by the scale and checks it for inf/NaN in one fused kernel per (device, dtype), agrees
 on the result across ranks, then steps or skips (a skip changes no weight, master or optimizer
-state) and updates the scale (see :class:`fxamp.LossScaler`).
+state) and updates the scale (see :class:`fxamp.LossScaler`).  At scale 1 (bfloat16's default)
+there is nothing to divide: a float32 CPU gradient buffer is only read for the check.
+
+On a large model the step is bound by memory traffic, not by Python: besides the inner step, the
+wrapper reads the low-precision gradients and writes their float32 copies, reads those for the
+check, and reads the masters to write the low-precision weights.  The copy and the refresh are
+the price of float32 masters under an optimizer that steps float32 tensors only.
 
 The per-step overhead is a handful of foreach calls, not a Python loop over parameters: the
 tensor lists are built once per layout of ``param_groups`` (:class:`_Plan`), and the masters'
-float32 gradients are views into one tensor allocated once, overwritten at each ``unscale_()``
-with the sum the low-precision gradients accumulated, so ``zero_grad()`` clears only the model's
-gradients.  That tensor stays allocated between steps: 4 bytes per low-precision parameter,
-also during forward and backward (on CPU, plus a low-precision staging copy of the small ones).
+float32 gradients are views into one tensor allocated once, bound again and overwritten at each
+``unscale_()`` with the sum the low-precision gradients accumulated (``zero_grad()`` unbinds them,
+as torch does, but keeps the tensor).  It stays allocated between steps: 4 bytes per
+low-precision parameter, also during forward and backward (on CPU, plus a low-precision staging
+copy of the small ones).
+
+The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
+``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
+``fxamp.initialize`` (in :mod:`fxamp.api`) builds this wrapper for a model it converts.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from .convert import convert, policy_of
 from .distributed import all_reduce_overflow
 from .errors import OptimizerStateError
-from .loss_scale import LossScaleConfig, LossScaler
+from .info import policy_of
+from .loss_scale import FoundInf, LossScaleConfig, LossScaler, Stage
 from .policy import Policy
 
-__all__ = ["MixedPrecisionOptimizer", "initialize"]
+__all__ = ["MixedPrecisionOptimizer", "LOW_DTYPES", "check_optimizer"]
 
-_LOW = (torch.float16, torch.bfloat16)
+#: the parameter dtypes that get float32 masters
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+_LOW = LOW_DTYPES
 _FORMAT = 1
+_STATE_KEYS = ("optimizer", "masters", "scaler", "skipped_steps", "format")
+#: what the wrapper uses of the optimizer it wraps (a duck-typed one needs them all)
+_OPTIMIZER_ATTRS = ("param_groups", "state", "step", "zero_grad", "state_dict", "load_state_dict")
 
 
-class _Stage(str, enum.Enum):
-    READY = "ready"  # no scaled gradients since the last step
-    SCALED = "scaled"  # backward() ran: gradients hold loss * scale
-    UNSCALED = "unscaled"  # unscale_() ran: masters hold true gradients, overflow decided
-    STEPPED = "stepped"  # step() ran; a shared scaler waits for scaler.update()
+class _StateDictError(ValueError, KeyError):
+    """A checkpoint in the wrong format; a KeyError too, as a missing key was before (numpy's AxisError does the same)."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 LossScaleArg = Union[str, float, None, LossScaleConfig, LossScaler]
@@ -114,7 +131,7 @@ class _Bucket:
                 torch.cat(grads[run], out=out)
             self.staged.copy_(self.staging)
         if self.ncat < len(grads):
-            torch._foreach_copy_(self.grads[self.ncat:], grads[self.ncat:])
+            torch._foreach_copy_(self.grads[self.ncat:], grads[self.ncat:])  # one call for the list, not one per tensor
 
 
 _Pair = Tuple[torch.Tensor, torch.Tensor]
@@ -202,26 +219,7 @@ def _all_dense(grads: Sequence[Optional[torch.Tensor]]) -> bool:
     return True
 
 
-class _Flags:
-    """One overflow flag per device, and ``1/scale`` there, for the fused check-and-unscale kernels."""
-
-    def __init__(self, scaler: LossScaler) -> None:
-        self.scaler = scaler
-        self.flags: Dict[torch.device, torch.Tensor] = {}
-
-    def check_and_unscale_(self, tensors: List[torch.Tensor], device: torch.device) -> None:
-        flag = self.flags.get(device)
-        if flag is None:
-            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.scaler._inv_scale_on(device))
-
-    def found(self) -> torch.Tensor:
-        """1.0 if any kernel saw an inf/NaN, as a float32 0-dim CPU tensor."""
-        flags = [flag.to("cpu") for flag in self.flags.values()]
-        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-
-
-def _unscale_masters_(bucket: _Bucket, flags: _Flags) -> int:
+def _unscale_masters_(bucket: _Bucket, flags: FoundInf) -> int:
     """Put the unscaled low-precision gradients of ``bucket`` in its masters' ``.grad``; return how many.
 
     The masters' gradient tensors are overwritten, not accumulated into: the low-precision ones
@@ -234,11 +232,11 @@ def _unscale_masters_(bucket: _Bucket, flags: _Flags) -> int:
         bucket.copy_in(grads)
     except (TypeError, RuntimeError):  # a None gradient (TypeError) or a sparse one: pair by pair
         return _unscale_pairs_(bucket, grads, flags)  # (copy_in only writes the masters' gradients)
-    flags.check_and_unscale_([bucket.flat], bucket.device)
+    flags.unscale_and_check_([bucket.flat])
     return len(grads)
 
 
-def _unscale_pairs_(bucket: _Bucket, grads: List[Optional[torch.Tensor]], flags: _Flags) -> int:
+def _unscale_pairs_(bucket: _Bucket, grads: List[Optional[torch.Tensor]], flags: FoundInf) -> int:
     """:func:`_unscale_masters_` when some parameter got no gradient (its master gets none) or a sparse one."""
     dst, src, values = [], [], []
     for master, buf, g in zip(bucket.masters, bucket.grads, grads):
@@ -246,33 +244,54 @@ def _unscale_pairs_(bucket: _Bucket, grads: List[Optional[torch.Tensor]], flags:
             master.grad = None  # not stepped, as the plain optimizer would not step it
         elif g.is_sparse:
             master.grad = g.coalesce().float()
-            values.append(master.grad._values())
+            values.append(master.grad._values())  # the values of a sparse tensor: a view, unscaled in place
         else:  # bound to ``buf`` already
             dst.append(buf)
             src.append(g)
     if dst:
         torch._foreach_copy_(dst, src)  # raises what copy_in() ran into, if that was something else
     if dst or values:
-        flags.check_and_unscale_(dst + values, bucket.device)
+        flags.unscale_and_check_(dst + values)
     return len(dst) + len(values)
 
 
-def _unscale_own_(params: List[torch.Tensor], flags: _Flags) -> int:
+def _unscale_own_(params: List[torch.Tensor], flags: FoundInf) -> int:
     """Unscale, in place, the gradients of float32 parameters stepped directly (one device and dtype).
 
     Sparse and missing gradients are looked for first, not caught as in _unscale_masters_: the
     kernel unscales in place, so failing part way would leave some gradients unscaled.
     """
     grads = [p.grad for p in params]
-    if not _all_dense(grads):
+    if not _all_dense(grads):  # (values of sparse gradients: views, unscaled in place)
         grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
     if grads:
-        flags.check_and_unscale_(grads, params[0].device)
+        flags.unscale_and_check_(grads)
     return len(grads)
 
 
+def check_optimizer(optimizer: Any) -> None:
+    """Raise TypeError unless ``optimizer`` is a torch optimizer or has what the wrapper uses of one."""
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the torch optimizer once")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return
+    missing = [name for name in _OPTIMIZER_ATTRS if not hasattr(optimizer, name)]
+    if missing:
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}, or an object like one "
+            f"(a Lookahead or LARC wrapper); it lacks {', '.join(missing)}"
+        )
+    groups = optimizer.param_groups
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise TypeError(
+            f"{type(optimizer).__name__}.param_groups must be a list of dicts each with a 'params' list, as "
+            f"torch.optim.Optimizer's (the wrapper swaps float32 masters into those lists)"
+        )
+
+
 class MixedPrecisionOptimizer:
-    """Wrap ``optimizer`` (any ``torch.optim.Optimizer``) with float32 masters and loss scaling.
+    """Wrap ``optimizer`` (any ``torch.optim.Optimizer``, or an object like one) with float32 masters and loss scaling.
 
     loss_scale:    ``"auto"`` (dynamic for float16, none for bfloat16 — read from ``model``'s fxamp
                    policy, else from the parameters' dtypes; dynamic when all are float32 and no
@@ -290,17 +309,14 @@ class MixedPrecisionOptimizer:
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         *,
         loss_scale: LossScaleArg = "auto",
         model: Optional[nn.Module] = None,
         sync_overflow: bool = True,
         process_group: Optional[Any] = None,
     ) -> None:
-        if isinstance(optimizer, MixedPrecisionOptimizer):
-            raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the torch optimizer once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        check_optimizer(optimizer)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
         self.optimizer = optimizer
@@ -319,11 +335,9 @@ class MixedPrecisionOptimizer:
         for group in optimizer.param_groups:
             self._bind_group(group)
         self.scaler, self._owns_scaler = _resolve_scaler(loss_scale, model, list(self.master_params()) + self._lows)
+        self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
         #: steps skipped by this optimizer because a gradient was inf/NaN
         self.skipped_steps = 0
-        self._unscaled_gen = -1
-        self._stepped_gen = -1
-        self._found = False
         self._overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
 
     # -- parameters ------------------------------------------------------------------------
@@ -372,12 +386,27 @@ class MixedPrecisionOptimizer:
         layout = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
         return _Plan([_Bucket(lows, masters) for lows, masters in pairs.values()], list(own.values()), layout)
 
-    def _adopt(self, low_of_master: Dict[int, torch.Tensor]) -> None:
-        """Make float32 parameters already in the optimizer the masters of given low-precision ones (initialize)."""
+    def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.
+
+        ``pairs``: ``(master, low)``, e.g. an original model's parameter and the converted
+        module's copy of it (``fxamp.initialize`` does this).  Masters already paired are skipped.
+        """
+        low_of_master: Dict[int, torch.Tensor] = {}
+        for master, low in pairs:
+            if master.dtype in _LOW or low.dtype not in _LOW or master.shape != low.shape:
+                raise ValueError(
+                    f"adopt_masters() pairs a float32 master with a float16/bfloat16 parameter of the same "
+                    f"shape; got {master.dtype} {tuple(master.shape)} and {low.dtype} {tuple(low.shape)}"
+                )
+            low_of_master[id(master)] = low
+        adopted = 0
         for p in self.master_params():
             low = low_of_master.get(id(p))
             if low is not None and id(p) not in self._low_of:
                 self._pair(low, p)
+                adopted += 1
+        return adopted
 
     def add_param_group(self, group: Dict[str, Any]) -> None:
         """Like ``Optimizer.add_param_group``, creating masters for float16/bfloat16 parameters.
@@ -422,38 +451,23 @@ class MixedPrecisionOptimizer:
     @property
     def stage(self) -> str:
         """``"ready"``, ``"scaled"`` (after backward), ``"unscaled"`` or ``"stepped"`` (shared scaler, before update)."""
-        return self._stage().value
-
-    def _stage(self) -> _Stage:
-        gen = self.scaler._generation
-        if self._stepped_gen == gen:
-            return _Stage.STEPPED
-        if self._unscaled_gen == gen:
-            return _Stage.UNSCALED
-        if self.scaler._scaled:
-            return _Stage.SCALED
-        return _Stage.READY
+        return self.scaler.stage(self._client).value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the model's parameters; starts the iteration over.
+        """Clear the gradients of the model's parameters and of the masters; starts the iteration over.
 
-        With ``set_to_none`` (the default) the model's gradients become None, as with
-        ``Optimizer.zero_grad``.  The masters' float32 gradients are internal: they keep their
-        tensors (and the last step's values) until unscale_() overwrites them with the new
-        gradients; a parameter that gets no gradient leaves its master's ``.grad`` None then.
-        The inner optimizer's own ``zero_grad`` runs instead when ``set_to_none=False``, or when
-        its class overrides ``zero_grad``.
+        With ``set_to_none`` (the default) they become None, as with ``Optimizer.zero_grad``; the
+        masters' float32 gradient tensor is kept and bound again at the next unscale_().  The
+        inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
+        ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
-        plan = self._plan
-        if set_to_none and plan is not None and _stock_zero_grad(self.optimizer) \
-                and plan.matches(self.optimizer.param_groups):
-            for params in plan.own:
-                _unbind_grads(params)
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
         if set_to_none:
+            if not _stock_zero_grad(self.optimizer):
+                self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
+            _unbind_grads(list(self.master_params()))  # what Optimizer.zero_grad does, whatever the inner one did
             _unbind_grads(self._lows)
         else:
+            self.optimizer.zero_grad(set_to_none=False)
             grads = []
             for p in self._lows:
                 if p.grad is not None:
@@ -464,10 +478,7 @@ class MixedPrecisionOptimizer:
                     grads.append(p.grad)
             if grads:
                 torch._foreach_zero_(grads)
-        if self._stage() is not _Stage.STEPPED:
-            self._unscaled_gen = -1
-            if self._owns_scaler:
-                self.scaler._scaled = 0
+        self.scaler.restart(self._client, drop_scaled=self._owns_scaler)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * current_scale``, for a backward you run yourself (``opt.scale_loss(loss).backward()``)."""
@@ -485,18 +496,7 @@ class MixedPrecisionOptimizer:
                 "the loss does not require grad: it was computed under torch.no_grad()/inference_mode, "
                 "detached, or from parameters with requires_grad=False"
             )
-        stage = self._stage()
-        if stage is _Stage.UNSCALED:
-            raise OptimizerStateError(
-                "backward() after unscale_(): the gradients were already unscaled for this step; "
-                "call step() (or zero_grad()) first, and unscale_() only after the last backward()"
-            )
-        if stage is _Stage.STEPPED:
-            raise OptimizerStateError(
-                "backward() after step() but before the shared scaler's update(); call scaler.update() "
-                "once every optimizer sharing it has stepped"
-            )
-        return self.scaler.scale_loss(loss)
+        return self.scaler.scale_loss(loss, self._client)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale).backward(**kwargs)``; call several times to accumulate gradients."""
@@ -510,20 +510,8 @@ class MixedPrecisionOptimizer:
         :meth:`master_params`, whose gradients are the true ones.
         """
         self._check_params()
-        stage = self._stage()
-        if stage is _Stage.UNSCALED:
-            raise OptimizerStateError(
-                "unscale_() has already been called since the last step(); call it at most once per "
-                "step, after the last backward()"
-            )
-        if stage is _Stage.STEPPED:
-            raise OptimizerStateError("unscale_() after step(); call it between backward() and step()")
-        if stage is _Stage.READY:
-            raise OptimizerStateError(
-                "unscale_() before any backward(); call opt.backward(loss) (or opt.scale_loss(loss).backward()) first"
-            )
+        flags = self.scaler.start_unscale(self._client)
         plan = self._get_plan()
-        flags = _Flags(self.scaler)
         with torch.no_grad():
             checked = sum(_unscale_masters_(b, flags) for b in plan.buckets)
             checked += sum(_unscale_own_(params, flags) for params in plan.own)
@@ -535,12 +523,12 @@ class MixedPrecisionOptimizer:
                 )
             local = flags.found()
             found = all_reduce_overflow(local, self.process_group) if self.sync_overflow else local
-            self._found = bool(found.item())
+            found_inf = bool(found.item())
             if local.item():  # rare: note which tensors overflowed, before clipping can spread NaNs
                 self._overflow = self._which_overflowed()
             else:  # clean here; on another rank, perhaps
-                self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if self._found else None
-        self._unscaled_gen = self.scaler._generation
+                self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if found_inf else None
+        self.scaler.finish_unscale(self._client, found_inf)
 
     def step(self, closure: None = None) -> bool:
         """Step the inner optimizer unless a gradient is inf/NaN; refresh the low-precision weights; update the scale.
@@ -553,20 +541,9 @@ class MixedPrecisionOptimizer:
                 "step(closure) is not supported: the loss must be scaled; run the closure's forward and "
                 "opt.backward(loss) yourself, then call step()"
             )
-        stage = self._stage()
-        if stage is _Stage.READY:
-            raise OptimizerStateError(
-                "step() without a backward pass since the last step; call opt.backward(loss) "
-                "(or opt.scale_loss(loss).backward()) before opt.step()"
-            )
-        if stage is _Stage.STEPPED:
-            raise OptimizerStateError(
-                "step() was already called since the shared scaler's last update(); call scaler.update() "
-                "once per iteration, after every optimizer sharing it has stepped"
-            )
-        if stage is _Stage.SCALED:
+        if self.scaler.start_step(self._client) is Stage.SCALED:
             self.unscale_()
-        found = self._found
+        found = self.scaler.found_inf(self._client)
         if found:
             self.skipped_steps += 1
             blame = self.overflowed_params
@@ -574,8 +551,7 @@ class MixedPrecisionOptimizer:
             self.optimizer.step()
             self._refresh()
             blame = tuple
-        self.scaler.record(found, blame)
-        self._stepped_gen = self.scaler._generation
+        self.scaler.record(found, blame, self._client)
         if self._owns_scaler:
             self.scaler.update()
         return not found
@@ -592,7 +568,7 @@ class MixedPrecisionOptimizer:
     def _which_overflowed(self) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """The parameters whose (unscaled) gradients were checked, and which of them hold an inf/NaN."""
         checked = [p for p in self.master_params() if p.grad is not None]
-        dense = [p.grad._values() if p.grad.is_sparse else p.grad for p in checked]
+        dense = [p.grad._values() if p.grad.is_sparse else p.grad for p in checked]  # (uncoalesced values too)
         maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
         return checked, ~torch.isfinite(maxabs)
 
@@ -637,10 +613,22 @@ class MixedPrecisionOptimizer:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters."""
-        missing = {"optimizer", "masters", "scaler", "skipped_steps", "format"} - set(state)
+        expected = (f"MixedPrecisionOptimizer.load_state_dict takes the dict MixedPrecisionOptimizer.state_dict() "
+                    f"returned (keys {', '.join(_STATE_KEYS)})")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{expected}, not {type(state).__name__}; pass opt.state_dict(), or the entry "
+                            f"of the checkpoint you saved it under")
+        missing = sorted(set(_STATE_KEYS) - set(state))
         if missing:
-            raise KeyError(f"state_dict lacks {sorted(missing)}; pass what MixedPrecisionOptimizer.state_dict() returned")
+            hint = (" (this looks like the inner optimizer's state_dict: load it with opt.optimizer.load_state_dict)"
+                    if {"state", "param_groups"} <= set(state) else "")
+            raise _StateDictError(f"the state_dict lacks {missing}{hint}; {expected}")
+        if state["format"] != _FORMAT:
+            raise ValueError(f"the state_dict has format {state['format']!r}, this version of fxamp reads {_FORMAT}; "
+                             f"{expected}")
         masters = state["masters"]
+        if not isinstance(masters, (list, tuple)) or not all(torch.is_tensor(m) for m in masters):
+            raise TypeError(f"state_dict['masters'] must be a list of tensors, not {type(masters).__name__}; {expected}")
         if len(masters) != len(self._masters):
             raise ValueError(f"the checkpoint has {len(masters)} float32 masters, this optimizer "
                              f"{len(self._masters)}; build it on the same model and policy")
@@ -655,7 +643,7 @@ class MixedPrecisionOptimizer:
         self._refresh()
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = int(state["skipped_steps"])
-        self._unscaled_gen = self._stepped_gen = -1
+        self.scaler.forget(self._client)
         self._overflow = None
 
     def fp32_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
@@ -716,94 +704,3 @@ def _auto_config(model: Optional[nn.Module], params: Sequence[torch.Tensor]) -> 
     if low in (torch.bfloat16, torch.float32):
         return LossScaleConfig.none()
     return LossScaleConfig.dynamic()
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    policy: Union[str, Policy] = "O1",
-    *,
-    dtype: Union[str, torch.dtype, None] = None,
-    loss_scale: LossScaleArg = "auto",
-    sync_overflow: bool = True,
-    process_group: Optional[Any] = None,
-    verbose: bool = False,
-    **convert_kwargs: Any,
-) -> Tuple[nn.Module, MixedPrecisionOptimizer]:
-    """apex-style one call: ``model, opt = fxamp.initialize(model, opt, policy="O2")``.
-
-    Converts ``model`` (``convert_kwargs`` go to :func:`fxamp.convert`) and wraps ``optimizer``,
-    which was built on the original model's parameters.  Under O0/O1 the converted module shares
-    them.  Under O2/O3 the original float32 parameters become the masters of the converted
-    module's low-precision ones (matched by name), and the converted module's float32 parameters
-    (norms) are re-bound to the original's; the inner optimizer and its state stay as they are.
-    Afterwards train the returned module; the original module holds the float32 masters.
-    ``verbose`` prints the options in force, as ``amp.initialize`` did.
-    """
-    if isinstance(optimizer, MixedPrecisionOptimizer):
-        raise TypeError("initialize() takes the torch optimizer, not a MixedPrecisionOptimizer")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
-    name_of: Dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        name_of.setdefault(id(p), name)
-    for i, group in enumerate(optimizer.param_groups):
-        for j, p in enumerate(group["params"]):
-            if id(p) not in name_of:
-                raise ValueError(
-                    f"the optimizer's group {i}, param {j} (shape {tuple(p.shape)}, {p.dtype}) is not a "
-                    f"parameter of the model; build the optimizer on model.parameters(), or convert the "
-                    f"model yourself and wrap an optimizer built on the converted module's parameters"
-                )
-            if p.dtype in _LOW:
-                raise ValueError(
-                    f"the optimizer's parameter {name_of[id(p)]!r} is already {p.dtype}; initialize() expects "
-                    f"the float32 model (call model.float() first) or use MixedPrecisionOptimizer directly"
-                )
-    converted = convert(model, policy, dtype=dtype, **convert_kwargs)
-    conv_named: Dict[str, List[str]] = {}
-    conv_params: Dict[str, torch.Tensor] = {}
-    for name, p in converted.named_parameters(remove_duplicate=False):
-        conv_params[name] = p
-        conv_named.setdefault(id(p), []).append(name)  # type: ignore[arg-type]
-    low_of_master: Dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            c = conv_params.get(name_of[id(p)])
-            if c is None or c is p:
-                continue  # shared (O0/O1), or unused by the traced graph
-            if c.shape != p.shape:  # pragma: no cover - convert keeps shapes
-                raise ValueError(f"{name_of[id(p)]!r} changed shape in conversion: {tuple(p.shape)} -> {tuple(c.shape)}")
-            if c.dtype in _LOW:
-                low_of_master[id(p)] = c
-            else:  # a float32 copy (norms under O2): share the original's, as O1 does
-                for alias in conv_named[id(c)]:  # type: ignore[index]
-                    _set_param(converted, alias, p)
-    opt = MixedPrecisionOptimizer(optimizer, loss_scale=loss_scale, model=converted,
-                                  sync_overflow=sync_overflow, process_group=process_group)
-    opt._adopt(low_of_master)
-    if verbose:
-        print(_options_text(converted, opt))
-    return converted, opt
-
-
-def _set_param(root: nn.Module, dotted: str, value: torch.Tensor) -> None:
-    owner, _, attr = dotted.rpartition(".")
-    module = root.get_submodule(owner) if owner else root
-    setattr(module, attr, value)
-
-
-def _options_text(model: nn.Module, opt: MixedPrecisionOptimizer) -> str:
-    pol = policy_of(model)
-    lines = [
-        "fxamp.initialize: options in force",
-        f"  policy        : {pol}",
-        f"  loss_scale    : {opt.scaler.config}",
-        f"  masters       : {len(opt._masters)} float32 masters for low-precision parameters",
-        f"  float32 params: {opt._nparams - len(opt._masters)} stepped directly",
-        f"  optimizer     : {type(opt.optimizer).__name__}",
-        f"  sync_overflow : {opt.sync_overflow}",
-    ]
-    return "\n".join(lines)

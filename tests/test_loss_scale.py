@@ -7,7 +7,7 @@ import torch
 
 import fxamp
 from fxamp import LossScaleConfig, LossScaleError, LossScaler, OptimizerStateError, ScaleKind
-from fxamp.loss_scale import unscale_and_check_
+from fxamp.loss_scale import FoundInf, Stage, unscale_and_check_
 
 
 def run(scaler, flags, blame=("w",)):
@@ -158,3 +158,66 @@ def test_cached_inverse_scale_follows_the_scale():
     state["scale"] = 2.0
     s.load_state_dict(state)
     assert float(s._inv_scale_on(cpu)) == 0.5
+
+
+def test_min_scale_zero_never_gives_up_and_never_reaches_zero():
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal float32: 1/tiny is still finite
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=2.0**-120, min_scale=0.0))
+    scales = run(s, [1] * 12)  # GradScaler would reach subnormals, then 0 (and 1/0 = inf)
+    assert scales[:6] == [2.0**-121, 2.0**-122, 2.0**-123, 2.0**-124, 2.0**-125, 2.0**-126]
+    assert scales[6:] == [tiny] * 6 and s.scale == tiny > 0
+    assert torch.isfinite(s.inv_scale()) and float(s.inv_scale()) == 2.0**126
+    assert run(s, [0]) == [tiny] and s.overflows == 12
+
+
+def test_the_stage_machine_lives_in_the_scaler():
+    s = LossScaler(LossScaleConfig.dynamic(init_scale=4.0))
+    a, b = s.attach(), s.attach()
+    assert s.stage(a) is Stage.READY and s.stage(a) == "ready"
+    with pytest.raises(OptimizerStateError, match="unscale_\\(\\) before any backward"):
+        s.start_unscale(a)
+    with pytest.raises(OptimizerStateError, match="step\\(\\) without a backward pass"):
+        s.start_step(a)
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert s.scale_loss(loss, a).item() == 8.0
+    assert s.stage(a) is s.stage(b) is Stage.SCALED  # one backward feeds every optimizer of the scaler
+    check = s.start_unscale(a)
+    g = torch.tensor([4.0, 8.0])
+    check.unscale_and_check_([g])
+    assert g.tolist() == [1.0, 2.0] and float(check.found()) == 0.0
+    s.finish_unscale(a, False)
+    assert s.stage(a) is Stage.UNSCALED and s.start_step(a) is Stage.UNSCALED and s.found_inf(a) is False
+    with pytest.raises(OptimizerStateError, match="backward\\(\\) after unscale_\\(\\)"):
+        s.scale_loss(loss, a)
+    with pytest.raises(OptimizerStateError, match="unscale_\\(\\) has already been called"):
+        s.start_unscale(a)
+    s.record(False, tuple, a)
+    assert s.stage(a) is Stage.STEPPED and s.stage(b) is Stage.SCALED
+    with pytest.raises(OptimizerStateError, match="step\\(\\) was already called"):
+        s.start_step(a)
+    s.restart(a, drop_scaled=True)  # zero_grad after stepping: waits for update(), as before
+    assert s.stage(a) is Stage.STEPPED
+    assert s.start_step(b) is Stage.SCALED  # b must unscale first
+    s.finish_unscale(b, True)
+    s.record(s.found_inf(b), tuple, b)
+    generation = s.generation
+    assert s.update() is True and s.scale == 2.0 and s.generation == generation + 1
+    assert s.stage(a) is s.stage(b) is Stage.READY
+
+
+def test_found_inf_reads_a_unit_scale_tensor_without_rewriting_it():
+    s = LossScaler(LossScaleConfig.none())
+    big = torch.tensor([3e38, 3e38, 1.0])  # finite, but its sum overflows: the exact kernel decides
+    check = FoundInf(s.inv_scale, unit=True)
+    check.unscale_and_check_([big])
+    assert float(check.found()) == 0.0 and big.tolist()[2] == 1.0
+    for bad in (float("inf"), float("nan")):
+        check = FoundInf(s.inv_scale, unit=True)
+        check.unscale_and_check_([torch.tensor([1.0, bad])])
+        assert float(check.found()) == 1.0
+    assert float(FoundInf(s.inv_scale).found()) == 0.0  # nothing checked: nothing found
+
+
+def test_load_state_dict_refuses_what_is_not_a_state_dict():
+    with pytest.raises(TypeError, match="takes the dict LossScaler.state_dict\\(\\) returned, not NoneType"):
+        LossScaler().load_state_dict(None)

@@ -303,8 +303,8 @@ def test_zero_grad(set_to_none):
     opt.zero_grad(set_to_none=set_to_none)
     for p in model.parameters():  # float16 ones and BatchNorm's float32 ones (stepped directly)
         assert (p.grad is None) if set_to_none else (p.grad is not None and not p.grad.any())
-    for m in opt._masters:  # internal: kept (set_to_none) until unscale_() overwrites them, or zeroed
-        assert m.grad is not None and (set_to_none or not m.grad.any())
+    for m in opt.master_params():  # cleared too, as torch's zero_grad does (issue 10)
+        assert (m.grad is None) if set_to_none else (m.grad is not None and not m.grad.any())
     opt.backward(loss_of(model, 1))
     opt.zero_grad(set_to_none=set_to_none)  # discards the iteration
     with pytest.raises(OptimizerStateError, match="without a backward pass"):
@@ -783,3 +783,166 @@ def test_initialize_keeps_tied_weights_tied():
     sd = opt.fp32_state_dict()
     assert torch.equal(sd["emb.weight"], orig.emb.weight) and torch.equal(sd["out.weight"], orig.emb.weight)
     Tied().load_state_dict(sd)
+
+
+# -- issue 10 ---------------------------------------------------------------------------------
+def test_load_state_dict_says_what_it_expected(o2):
+    model, opt = o2
+    with pytest.raises(TypeError, match=r"takes the dict MixedPrecisionOptimizer.state_dict\(\) returned "
+                                        r"\(keys optimizer, masters, scaler, skipped_steps, format\), not NoneType"):
+        opt.load_state_dict(None)
+    with pytest.raises(TypeError, match="not list"):
+        opt.load_state_dict([])
+    inner = opt.optimizer.state_dict()
+    with pytest.raises(ValueError, match=r"lacks \['format', 'masters'.*looks like the inner optimizer's state_dict: "
+                                         r"load it with opt.optimizer.load_state_dict"):
+        opt.load_state_dict(inner)
+    state = opt.state_dict()
+    with pytest.raises(ValueError, match="format 99, this version of fxamp reads 1"):
+        opt.load_state_dict({**state, "format": 99})
+    with pytest.raises(TypeError, match=r"state_dict\['masters'\] must be a list of tensors, not NoneType"):
+        opt.load_state_dict({**state, "masters": None})
+    opt.load_state_dict(state)
+
+
+def test_zero_grad_clears_the_masters_but_keeps_their_buffer():
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
+    ptrs = None
+    for step in range(3):
+        opt.zero_grad()
+        assert all(p.grad is None for p in opt.master_params())
+        opt.backward(loss_of(model, step))
+        opt.unscale_()
+        inv = 1.0 / opt.current_scale
+        for low, m in zip(opt._lows, opt._masters):
+            assert torch.equal(m.grad, low.grad.float() * inv)  # this step's gradients
+        now = [m.grad.data_ptr() for m in opt._masters]
+        assert ptrs is None or now == ptrs  # the same flat buffer, bound again: no allocation per step
+        ptrs = now
+        assert opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in opt.master_params())
+
+
+class Lookahead:
+    """A Lookahead-style wrapper (not a torch.optim.Optimizer): slow weights pulled toward fast ones every k steps."""
+
+    def __init__(self, base, k=2, alpha=0.5):
+        self.base, self.k, self.alpha, self.steps = base, k, alpha, 0
+        self.slow = {}
+
+    @property
+    def param_groups(self):
+        return self.base.param_groups
+
+    @property
+    def state(self):
+        return self.base.state
+
+    def zero_grad(self, set_to_none=True):
+        self.base.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self):
+        self.base.step()
+        self.steps += 1
+        if self.steps % self.k:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                slow = self.slow.setdefault(p, p.detach().clone())
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+
+    def state_dict(self):
+        return {"base": self.base.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.base.load_state_dict(state["base"])
+        self.steps = state["steps"]
+
+
+def test_a_duck_typed_optimizer_steps_the_masters():
+    def run(make):
+        model = fxamp.convert(net(), "O2", dtype=BF16)
+        opt = MixedPrecisionOptimizer(make(model), model=model)
+        for step in range(4):
+            assert train_step(model, opt, step)
+        assert refreshed(opt)
+        return opt, [m.detach().clone() for m in opt.master_params()]
+
+    opt, wrapped = run(lambda m: Lookahead(torch.optim.SGD(m.parameters(), lr=0.1)))
+    assert isinstance(opt.optimizer, Lookahead) and opt.optimizer.steps == 4
+    assert all(p.dtype == F32 for p in opt.master_params()) and len(opt.optimizer.slow) == 6
+    _, plain = run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    assert not torch.equal(wrapped[0], plain[0])  # Lookahead did pull the weights
+    state = opt.state_dict()
+    assert state["optimizer"]["steps"] == 4
+    opt.load_state_dict(state)
+
+
+def test_an_object_that_is_not_an_optimizer_is_refused_naming_what_it_lacks():
+    class Half:
+        param_groups = []
+
+        def step(self):
+            pass
+
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer, not Half, or an object like one .*"
+                                        "it lacks state, zero_grad, state_dict, load_state_dict"):
+        MixedPrecisionOptimizer(Half())
+    bad = Lookahead(torch.optim.SGD(net().parameters(), lr=0.1))
+    bad.base.param_groups = ({"params": []},)
+    with pytest.raises(TypeError, match="param_groups must be a list of dicts each with a 'params' list"):
+        MixedPrecisionOptimizer(bad)
+
+
+def test_min_scale_zero_keeps_skipping_without_giving_up():
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                  loss_scale=LossScaleConfig.dynamic(init_scale=2.0**-124, min_scale=0.0))
+    for step in range(6):  # an inf every step: the scale stops at the smallest normal float32
+        assert not train_step(model, opt, step, inject=("fc2.weight", INF))
+    assert opt.current_scale == torch.finfo(torch.float32).tiny and opt.skipped_steps == 6
+    assert train_step(model, opt, 6) and refreshed(opt)
+
+
+def test_optim_leans_on_public_methods_only():
+    """optim does not import convert, and reads no other object's underscore attributes (torch's aside)."""
+    import ast
+    import inspect
+
+    from fxamp import optim as optim_module
+
+    tree = ast.parse(inspect.getsource(optim_module))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "convert" not in imported and "api" not in imported
+    private = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+            owner = n.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "torch"):
+                continue
+            if n.attr == "_values":  # Tensor._values(): a sparse tensor's values, uncoalesced ones too
+                continue
+            private.add(ast.unparse(n))
+    assert private == set()
+
+
+def test_scale_one_checks_by_reading_only_and_stays_exact():
+    """bfloat16's default scale is 1: the float32 buffer is summed, not rewritten; a sum that
+    overflows on finite gradients falls back to the exact check and does not skip the step."""
+    model = fxamp.convert(net(), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model)
+    assert opt.scaler.kind == "none" and opt.current_scale == 1.0
+    opt.zero_grad()
+    opt.backward(loss_of(model, 0))
+    for i in range(4):
+        poison(model, "fc1.weight", 3e38, index=i)  # finite in bfloat16; the float32 sum is inf
+    opt.unscale_()
+    for low, m in zip(opt._lows, opt._masters):
+        assert torch.equal(m.grad, low.grad.float())
+    assert opt.overflowed_params() == [] and opt.step()
+    assert not train_step(model, opt, 1, inject=("fc2.bias", NAN)) and opt.overflowed_params() == ["fc2.bias"]
+    assert not train_step(model, opt, 2, inject=("fc1.weight", -INF))
