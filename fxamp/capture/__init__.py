@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from torch.fx import GraphModule
 import torch.nn as nn
 
 from ..errors import TraceError
+from ..info import conversion_info
 from .common import Captured, FrontEnd, LeafSpec
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
@@ -52,7 +52,7 @@ def capture(
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend={frontend!r} is not one of {', '.join(map(repr, FRONTENDS))}")
-    if isinstance(model, GraphModule) and hasattr(model, "_fxamp_info"):
+    if conversion_info(model) is not None:
         raise ValueError("this module was already converted by fxamp; convert the original model instead")
     has_inputs = example_inputs is not None or example_kwargs is not None
 
