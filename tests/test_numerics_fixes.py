@@ -1,0 +1,87 @@
+"""Numerics fixes of issue 10: float64 is never cast, RNNs take a PackedSequence, in-place unsafe
+ops run in float32, and O2 storage looks through views to a weight's real consumers."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+import fxamp
+from fxamp.runtime import cast
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOW = (torch.float16, torch.bfloat16)
+#: SQNR floors (dB) against float32 for a one-layer RNN over 5 steps
+RNN_FLOOR = {torch.float16: 40.0, torch.bfloat16: 25.0}
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean().clamp_min(1e-30))).item()
+
+
+# -- PackedSequence and other containers ----------------------------------------------------------
+
+class Recurrent(nn.Module):
+    def __init__(self, cls, batch_first):
+        super().__init__()
+        self.rnn = cls(8, 16, batch_first=batch_first)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, packed, h0):
+        out, h = self.rnn(packed, h0)
+        return out, self.head(out.data), h
+
+
+def _packed(batch_first):
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 8) if batch_first else torch.randn(5, 3, 8)
+    return pack_padded_sequence(x, torch.tensor([5, 2, 4]), batch_first=batch_first, enforce_sorted=False)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_rnn_takes_a_packed_sequence(cls, batch_first, dtype, policy):
+    torch.manual_seed(0)
+    model = Recurrent(cls, batch_first).eval()
+    packed = _packed(batch_first)
+    h0 = torch.zeros(1, 3, 16)
+    h0 = (h0, torch.zeros(1, 3, 16)) if cls is nn.LSTM else h0
+    with torch.no_grad():
+        ref = model(packed, h0)
+        amp = fxamp.convert(model, policy, dtype=dtype)
+        out = amp(packed, h0)
+        with torch.autocast("cpu", dtype=dtype):
+            auto = model(packed, h0)
+    seq, head, h = out
+    # the output PackedSequence comes back float32 (Policy.output), its integer parts untouched
+    assert type(seq) is PackedSequence and seq.data.dtype == torch.float32
+    for name in ("batch_sizes", "sorted_indices", "unsorted_indices"):
+        assert torch.equal(getattr(seq, name), getattr(ref[0], name))
+    assert head.dtype == torch.float32
+    hs = h if isinstance(h, tuple) else (h,)
+    assert all(t.dtype == torch.float32 for t in hs)
+    assert sqnr(ref[0].data, seq.data) > RNN_FLOOR[dtype]
+    assert sqnr(ref[1], head) > RNN_FLOOR[dtype]
+    # no worse than torch.autocast (which on CPU may leave the RNN in float32) by more than 6 dB
+    assert sqnr(ref[1], head) > min(sqnr(ref[1], auto[1].float()), 60.0) - 6
+
+
+def test_cast_keeps_container_types():
+    Pair = collections.namedtuple("Pair", "a b")
+    x, i = torch.randn(2), torch.arange(2)
+    out = cast({"p": Pair(x, i), "l": [x], "d": x.double()}, torch.float16)
+    assert type(out) is dict and type(out["p"]) is Pair and type(out["l"]) is list
+    assert out["p"].a.dtype == torch.float16 and out["p"].b is i and out["l"][0].dtype == torch.float16
+    assert out["d"].dtype == torch.float64  # never cast
+    packed = pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 1]))
+    low = cast(packed, torch.bfloat16)
+    assert type(low) is PackedSequence and low.data.dtype == torch.bfloat16
+    assert low.batch_sizes is packed.batch_sizes and low.sorted_indices is packed.sorted_indices
