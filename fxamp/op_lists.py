@@ -448,7 +448,8 @@ _GROUPS = [
      "aten.unfold aten.new_zeros aten.new_ones aten.new_empty aten.expand_as "
      "aten.sym_stride aten.sym_storage_offset aten._local_scalar_dense aten.new_full aten.empty "
      "aten.view_as aten.masked_fill_ aten.fill_ aten.zero_ aten.index_put aten.index_put_ aten.erf "
-     "aten.floor_divide aten.remainder aten.maximum aten.minimum aten.any aten.all aten.clamp",
+     "aten.floor_divide aten.remainder aten.maximum aten.minimum aten.any aten.all aten.clamp aten.numpy_T "
+     "aten.mT aten.mH aten.adjoint aten.matrix_H",
      OpEntry(N, "data movement, shape or metadata: no arithmetic, keeps the dtype it gets")),
     ("Tensor.float Tensor.half Tensor.bfloat16 Tensor.double Tensor.to Tensor.type Tensor.type_as "
      "Tensor.cpu Tensor.cuda aten._to_copy aten.to",
@@ -527,3 +528,15 @@ NON_FLOAT_OPS = _keys(
 
 #: ops returning a tuple of tensors in their input's dtype (``getitem`` of them keeps that dtype)
 SPLIT_OPS = _keys("chunk split tensor_split unbind aten.split aten.split_with_sizes aten.chunk aten.unbind")
+
+#: ops whose result is the first input's values seen another way (a view, a transpose, a split, a
+#: copy in the same dtype): a parameter read through them is really consumed by their users, so
+#: ``store_params`` looks through them to decide its storage dtype
+VIEW_OPS = _keys(
+    "t transpose permute view view_as reshape reshape_as expand expand_as contiguous unsqueeze squeeze "
+    "flatten unflatten narrow select movedim moveaxis swapaxes swapdims detach clone chunk split tensor_split "
+    "unbind aten.alias aten.slice aten._unsafe_view aten.split_with_sizes aten.lift_fresh_copy aten.numpy_T "
+    "aten.mT aten.mH aten.adjoint aten.matrix_H operator.getitem"
+)
+#: attributes that are views of a tensor (``w.T``)
+VIEW_ATTRS = frozenset({"T", "mT", "H", "mH"})

@@ -29,7 +29,7 @@ import operator
 
 from .dtypes import CASTABLE, LOW, NOT_FLOAT, DtypeInference
 from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rename_node
-from .op_lists import Category
+from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, op_key
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
@@ -53,7 +53,9 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     """Re-bind float32 parameters and float buffers to the dtype their consumers run in (O2/O3).
 
     A tensor is stored low only when every consumer runs in low precision (or follows its
-    inputs); one float32 consumer (a norm, an unsafe op) keeps it float32.  Tied parameters stay
+    inputs); one float32 consumer (a norm, an unsafe op, an op on no list) keeps it float32.
+    Consumers are found through views (``w.t()``, ``w.view(...)``, ``w[0]``, splits): a transpose
+    follows its input, but the op the transposed weight reaches decides.  Tied parameters stay
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
     """
     if policy.params == torch.float32 and policy.norms == torch.float32:
@@ -70,7 +72,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = fetch_attr(gm, node.target)
-            for user in node.users:
+            for user in _consumers(node):
                 d = decisions.get(user)
                 want(value, torch.float32 if d is None or user.op == "output" else _storage_for(d, policy))
         elif node.op == "call_module":
@@ -103,6 +105,21 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
                 setattr(mod, name, new)  # setattr, so RNNs refresh their flat weights
                 changed[f"{mod_name}.{name}" if mod_name else name] = target[id(t)]
     return changed
+
+
+def _consumers(node: fx.Node):
+    """The nodes that compute with ``node``'s values, looking through views of it (``w.t()``, ``w[0]``, a split)."""
+    for user in node.users:
+        if _is_view(user) and user.args and user.args[0] is node:
+            yield from _consumers(user)
+        else:
+            yield user
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in VIEW_ATTRS
+    return node.op in ("call_function", "call_method") and op_key(node.target) in VIEW_OPS
 
 
 class _Casts:

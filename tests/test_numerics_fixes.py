@@ -85,3 +85,56 @@ def test_cast_keeps_container_types():
     low = cast(packed, torch.bfloat16)
     assert type(low) is PackedSequence and low.data.dtype == torch.bfloat16
     assert low.batch_sizes is packed.batch_sizes and low.sorted_indices is packed.sorted_indices
+
+
+# -- O2 storage looks through views ----------------------------------------------------------------
+
+@torch.library.custom_op("fxamp_test::mm", mutates_args=())
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a mixture-of-experts grouped matmul fallback: an op on no list."""
+    return a @ b
+
+
+@_grouped_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+class CustomMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(16, 8) / 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return _grouped_mm(h.to(self.w.dtype), self.w.t().t())  # export bakes the dtype: float32
+
+
+class ViewsToSafeOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16) / 4)
+
+    def forward(self, x):
+        a, b = self.w.t().split(4, dim=1)
+        return torch.cat([x @ a, x @ b.contiguous()], -1) + x @ self.w.T[:, :8]
+
+
+def test_o2_keeps_a_weight_float32_when_its_views_end_in_an_unlisted_op():
+    torch.manual_seed(0)
+    model, x = CustomMatmul().eval(), torch.randn(4, 16)
+    amp = fxamp.convert(model, "O2", frontend="export", example_inputs=(x,))
+    assert amp.w.dtype == torch.float32 and amp.fc.weight.dtype == torch.float16
+    with torch.no_grad():
+        assert sqnr(model(x), amp(torch.randn(4, 16).copy_(x))) > 45.0
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_o2_stores_a_weight_low_when_its_views_all_end_in_safe_ops(frontend):
+    torch.manual_seed(0)
+    model, x = ViewsToSafeOps().eval(), torch.randn(4, 16)
+    amp = fxamp.convert(model, "O2", frontend=frontend, example_inputs=(x,))
+    assert amp.w.dtype == torch.float16
+    with torch.no_grad():
+        assert sqnr(model(x), amp(x)) > 45.0
