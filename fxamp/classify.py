@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .dtypes import NOT_FLOAT, DtypeInference, dtype_name
+from .dtypes import CASTABLE, NOT_FLOAT, DtypeInference, dtype_name
 from .errors import ConversionError
 from .graph import DECISION, Decision, module_path_of
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, op_key, op_name
@@ -49,8 +49,14 @@ def classify(
     overrides = _check_module_overrides(gm, module_overrides or {})
     modules = dict(gm.named_modules())
     decisions: Dict[fx.Node, Decision] = {}
+    infer = DtypeInference(gm, modules, decisions)  # asked only about decided nodes (inputs come first)
     for node in gm.graph.nodes:
-        decisions[node] = _decide(node, policy, op_lists, overrides, modules, decisions)
+        d = _decide(node, policy, op_lists, overrides, modules, decisions)
+        if d.compute is not None and node.op != "output" and _has_float64_input(node, modules, infer):
+            d = dataclasses.replace(d, compute=None, resolved=Category.NEUTRAL, source=Source.FLOAT64, reason=(
+                f"float64 input: fxamp never casts float64, so it runs in float64 (as a {d.resolved.value} op "
+                f"it would run in {dtype_name(d.compute)})"))
+        decisions[node] = d
     # Conditions that look at consumers run once every node is decided.
     for node, d in decisions.items():
         if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source is not Source.MODULE_OVERRIDE:
@@ -58,6 +64,15 @@ def classify(
             if entry is not None and entry.condition == "softmax":
                 decisions[node] = _softmax_between_low_ops(node, d, decisions, _float_inputs(gm, modules, decisions))
     return decisions
+
+
+def _has_float64_input(node: fx.Node, modules: Dict[str, nn.Module], infer: DtypeInference) -> bool:
+    """Whether a float input of ``node`` (or a leaf module's own parameter or buffer) is certainly float64."""
+    known = [infer(i) for i in node.all_input_nodes]
+    if node.op == "call_module":
+        m = modules[str(node.target)]
+        known += [t.dtype for t in [*m.parameters(), *m.buffers()]]
+    return any(isinstance(k, torch.dtype) and k.is_floating_point and k not in CASTABLE for k in known)
 
 
 def _float_inputs(gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
@@ -179,9 +194,9 @@ def _decide(
             return Decision("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
                             "(Policy.output=None)", None, source=Source.GRAPH)
         return Decision("output", Category.NEUTRAL,
-                        f"floating outputs come back in {dtype_name(policy.output)} (Policy.output), so a loss "
-                        "computed outside the model runs in float32" if policy.output == torch.float32 else
-                        f"floating outputs come back in {dtype_name(policy.output)} (Policy.output)",
+                        f"float16/bfloat16/float32 outputs come back in {dtype_name(policy.output)} (Policy.output)"
+                        + (", so a loss computed outside the model runs in float32"
+                           if policy.output == torch.float32 else "") + "; float64 outputs stay float64",
                         policy.output, source=Source.GRAPH)
 
     if node.op == "call_module":

@@ -61,6 +61,7 @@ class Source(str, enum.Enum):
     MODULE_OVERRIDE = "module override"  # the user's module_overrides=
     DEFAULT = "default"  # on no list: the unlisted rule
     GRAPH = "graph"  # decided by the graph's structure (inputs, outputs, attributes, in-place ops)
+    FLOAT64 = "float64"  # a float input is float64, which fxamp never casts: the op runs in float64
 
     def __str__(self) -> str:
         return self.value

@@ -29,7 +29,7 @@ import operator
 
 from .dtypes import CASTABLE, LOW, NOT_FLOAT, DtypeInference
 from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rename_node
-from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, op_key
+from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, op_key
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
@@ -40,8 +40,8 @@ CACHE_NAME = "_fxamp_weight_cache"
 
 def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
     """The dtype a tensor consumed by this decision wants to be stored in."""
-    if decision.category is Category.UNLISTED:
-        return torch.float32  # an op fxamp does not know (e.g. a captured no-grad region): keep the tensor as is
+    if decision.category is Category.UNLISTED or decision.source is Source.FLOAT64:
+        return torch.float32  # an op fxamp does not know, or one running in float64: keep the tensor as is
     if decision.norm:
         return policy.norms
     if decision.compute is None or decision.compute in LOW:
@@ -166,6 +166,8 @@ class _Casts:
         known = self.dtypes(value)
         if known is NOT_FLOAT or known == dtype or (known is not None and known not in CASTABLE):
             return value  # nothing to cast: not a float, already there, or float64
+        if known is None and self.dtypes.if_castable(value) == dtype:
+            return value  # already there if castable; a float64 (or int) the checked cast would leave alone
         key = (value, dtype)
         if key in self.made:
             return self.made[key]

@@ -11,7 +11,9 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import fxamp
+from fxamp.op_lists import Source
 from fxamp.runtime import cast
+from dtype_observer import OpDtypes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,3 +140,82 @@ def test_o2_stores_a_weight_low_when_its_views_all_end_in_safe_ops(frontend):
     assert amp.w.dtype == torch.float16
     with torch.no_grad():
         assert sqnr(model(x), amp(x)) > 45.0
+
+
+# -- float64 is never cast -----------------------------------------------------------------------------
+
+class DoubleMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.fc2(torch.relu(self.norm(self.fc1(x)))), dim=-1)
+
+
+class HalfDouble(nn.Module):
+    """A float32 front (runs mixed precision) and a float64 head (left alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.front = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 8).double()
+        self.norm = nn.LayerNorm(8).double()
+
+    def forward(self, x):
+        h = torch.relu(self.front(x))
+        return h, self.norm(self.head(h.double()))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+def test_float64_model_is_not_cast(policy, dtype, frontend):
+    torch.manual_seed(0)
+    model, x = DoubleMLP().double().eval(), torch.randn(4, 16, dtype=torch.float64)
+    amp = fxamp.convert(model, policy, dtype=dtype, frontend=frontend, example_inputs=(x,))
+    with torch.no_grad(), OpDtypes() as rec:
+        out = amp(x)
+    # nothing was cast, so the result is the float64 model's, bit for bit
+    assert out.dtype == torch.float64 and torch.equal(out, model(x))
+    assert not rec.casts()
+    assert all(p.dtype == torch.float64 for p in amp.parameters())
+    decisions = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    linears = [d for d in decisions.values() if d.op.endswith("linear") or d.op.endswith("Linear")]
+    assert linears and all(d.compute is None and d.source is Source.FLOAT64 for d in linears)
+    assert "float64" in linears[0].reason
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+def test_mixed_float32_float64_model_casts_only_the_float32_part(policy):
+    torch.manual_seed(0)
+    model, x = HalfDouble().eval(), torch.randn(4, 16)
+    amp = fxamp.convert(model, policy)
+    with torch.no_grad():
+        ref_h, ref_y = model(x)
+        with OpDtypes() as rec:
+            h, y = amp(x)
+    assert h.dtype == torch.float32 and y.dtype == torch.float64  # Policy.output: float32, float64 stays
+    assert amp.head.weight.dtype == amp.norm.weight.dtype == torch.float64
+    assert amp.front.weight.dtype == (torch.float16 if policy != "O1" else torch.float32)
+    matmuls = [c.inputs for c in rec.of("addmm")]
+    assert matmuls == [(torch.float16,) * 3, (torch.float64,) * 3]
+    assert [c.inputs[0] for c in rec.of("native_layer_norm")] == [torch.float64]
+    assert sqnr(ref_y, y) > 45.0
+
+
+@pytest.mark.parametrize("policy", ["O1", "O3"])
+def test_float64_input_through_parameterless_ops_stays_float64(policy):
+    """A float64 input whose dtype the fx front end cannot know: the run-time casts leave it alone."""
+
+    class Gram(nn.Module):
+        def forward(self, x):
+            return torch.exp(x @ x.transpose(-1, -2)).sum(-1), x.float() @ x.float().t()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    gram, low = fxamp.convert(Gram(), policy)(x)
+    ref_gram, ref_low = Gram()(x)
+    assert gram.dtype == torch.float64 and torch.equal(gram, ref_gram)
+    assert low.dtype == torch.float32 and sqnr(ref_low, low) > 45.0  # x.float() is castable: low precision
