@@ -8,7 +8,6 @@ and the report both read these records, so they can never disagree.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
@@ -17,8 +16,9 @@ import torch.nn as nn
 
 from .dtypes import CASTABLE, NOT_FLOAT, DtypeInference, dtype_name
 from .errors import ConversionError
-from .graph import DECISION, Decision, module_path_of
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, op_key, op_name
+from .graph import ATTR, DECISION, Decision, module_path_of
+from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
+                       out_of_place)
 from .policy import Policy
 
 __all__ = ["classify", "annotate", "ModuleOverrides"]
@@ -154,16 +154,25 @@ def _covering_override(path: str, overrides: Dict[str, OpEntry]) -> Optional[Tup
     return best
 
 
-def _is_inplace(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.startswith("__")
-    if node.op == "call_function":
-        if isinstance(node.target, torch._ops.OpOverload):
-            return node.target._schema.is_mutable
-        return node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                               operator.setitem)
-    return False
+def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Optional[OpEntry],
+             op_lists: OpLists) -> Decision:
+    """An in-place op: an unsafe one writing into an activation runs out of place in float32 and is
+    written back (``rewrite.insert_casts``); any other runs in the dtype of the tensor it writes into."""
+    plain = out_of_place(node.op, node.target)
+    entry = override if override is not None else op_lists.lookup(plain) if plain is not None else None
+    into = node.args[0] if node.args else None
+    activation = isinstance(into, fx.Node) and into.op not in ("placeholder", "get_attr") and ATTR not in into.meta
+    if entry is not None and entry.category is Category.UNSAFE and activation:
+        compute = _compute_for(Category.UNSAFE, entry, policy)
+        return Decision(name, Category.UNSAFE,
+                        f"in place, unsafe ({entry.reason}): computed out of place in {dtype_name(compute)} and "
+                        f"written back into {into.name} with copy_, so it and its views change as before, "
+                        f"rounded once to their dtype", compute, norm=entry.norm, source=entry.source, module=path)
+    why = ("an unsafe op writing into a model input or parameter: " if entry is not None
+           and entry.category is Category.UNSAFE else "")
+    return Decision(name, Category.NEUTRAL,
+                    f"in-place op: {why}runs in the dtype of the tensor it writes into (a cast would write into "
+                    "a copy)", None, source=Source.GRAPH, module=path)
 
 
 def _compute_for(category: Category, entry: OpEntry, policy: Policy) -> Optional[torch.dtype]:
@@ -206,12 +215,9 @@ def _decide(
         target = node.target
         name = op_name(op_key(target))
 
-    if _is_inplace(node):
-        return Decision(name, Category.NEUTRAL,
-                        "in-place op: runs in the dtype of the tensor it writes into (a cast would write "
-                        "into a copy)", None, source=Source.GRAPH, module=path)
-
     covering = _covering_override(path, overrides)
+    if is_inplace(node.op, node.target):
+        return _inplace(node, name, path, policy, covering[1] if covering is not None else None, op_lists)
     entry = covering[1] if covering is not None else op_lists.lookup(target)
     if entry is None:
         if node.op == "call_module":

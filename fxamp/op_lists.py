@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry"]
+__all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry",
+           "is_inplace", "out_of_place"]
 
 
 class Category(str, enum.Enum):
@@ -121,6 +122,54 @@ def op_key(target: Any) -> OpKey:
     if isinstance(target, str) and not target.startswith("Tensor."):
         return "Tensor." + target
     return target
+
+
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
+
+
+def is_inplace(op: str, target: Any) -> bool:
+    """Whether a graph call (``node.op``, ``node.target``) writes into its first argument:
+    ``x.exp_()``, ``torch.exp_(x)``, ``aten.exp_``, ``x += y``, ``x[i] = v``."""
+    if op == "call_method":
+        name = str(target)
+        return name.endswith("_") and not name.startswith("__")
+    if op == "call_function":
+        if isinstance(target, torch._ops.OpOverload):
+            return target._schema.is_mutable
+        if target in _INPLACE_OPERATORS:
+            return True
+        return out_of_place(op, target) is not None
+    return False
+
+
+def out_of_place(op: str, target: Any) -> Any:
+    """The out-of-place form of an in-place call's target (``"exp_"`` -> ``"exp"``, ``torch.exp_`` ->
+    ``torch.exp``, ``aten.exp_.default`` -> ``aten.exp.default``), or None (not in place, or none exists)."""
+    if op == "call_method":
+        name = str(target)
+        if name.endswith("_") and not name.startswith("__") and hasattr(torch.Tensor, name[:-1]):
+            return name[:-1]
+        return None
+    if op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+        if not (target._schema.is_mutable and name.endswith("_")) or target.namespace != "aten":
+            return None
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        signature = [(a.name, str(a.type)) for a in target._schema.arguments]
+        for overload in packet.overloads() if packet is not None else ():
+            candidate = getattr(packet, overload)
+            if [(a.name, str(a.type)) for a in candidate._schema.arguments] == signature:
+                return candidate  # same arguments (pow_.Scalar's twin is pow.Tensor_Scalar, not pow.Scalar)
+        return None
+    name = getattr(target, "__name__", "")
+    if not name.endswith("_") or name.startswith("__"):
+        return None
+    for namespace in (torch, F):
+        if getattr(namespace, name, None) is target:
+            return getattr(namespace, name[:-1], None)
+    return None
 
 
 def op_name(key: Any) -> str:

@@ -219,3 +219,48 @@ def test_float64_input_through_parameterless_ops_stays_float64(policy):
     ref_gram, ref_low = Gram()(x)
     assert gram.dtype == torch.float64 and torch.equal(gram, ref_gram)
     assert low.dtype == torch.float32 and sqnr(ref_low, low) > 45.0  # x.float() is castable: low precision
+
+
+# -- in-place unsafe ops ------------------------------------------------------------------------------
+
+class ExpInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        first = y[:, :4]  # a view taken before the write sees it
+        y.exp_()
+        return y, first * 1
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_inplace_unsafe_op_on_a_low_precision_activation_runs_in_float32_and_writes_back(dtype):
+    torch.manual_seed(0)
+    model, x = ExpInPlace().eval(), torch.randn(4, 16)
+    amp = fxamp.convert(model, "O1", dtype=dtype)
+    d = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}["exp_"]
+    assert d.compute == torch.float32 and d.resolved.value == "unsafe"
+    assert "computed out of place in float32 and written back into linear" in d.reason
+    with torch.no_grad(), OpDtypes() as rec:
+        y, first = amp(x)
+    assert [c.inputs for c in rec.of("exp", "exp_")] == [(torch.float32,)]
+    assert [(c.inputs[0], c.inputs[1]) for c in rec.of("copy_")] == [(dtype, torch.float32)]  # the write back
+    with torch.no_grad():  # what it computes: exp in float32 of the low-precision linear, rounded once
+        low = nn.functional.linear(x.to(dtype), model.fc.weight.to(dtype), model.fc.bias.to(dtype))
+        expected = low.float().exp().to(dtype).float()
+        ref, _ = model(x)
+    assert y.dtype == torch.float32 and torch.equal(y, expected)
+    assert torch.equal(first, expected[:, :4])  # the alias saw the write
+    assert sqnr(ref, y) > RNN_FLOOR[dtype]
+
+
+def test_inplace_op_already_in_its_dtype_stays_in_place():
+    """O3 runs unsafe ops low, and a float32 activation under O1 needs no round trip: exp_ as written."""
+    torch.manual_seed(0)
+    model, x = ExpInPlace().eval(), torch.randn(4, 16)
+    for policy, dtype in (("O3", torch.float16), ("O1", torch.float16)):
+        amp = fxamp.convert(model, policy, dtype=dtype,
+                            overrides={nn.functional.linear: "unsafe"} if policy == "O1" else None)
+        assert "copy_" not in amp.code and ".exp_()" in amp.code
