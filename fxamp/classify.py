@@ -51,7 +51,7 @@ def classify(
     decisions: Dict[fx.Node, Decision] = {}
     infer = DtypeInference(gm, modules, decisions)  # asked only about decided nodes (inputs come first)
     for node in gm.graph.nodes:
-        d = _decide(node, policy, op_lists, overrides, modules, decisions)
+        d = _decide(node, policy, op_lists, overrides, modules, decisions, infer)
         if d.compute is not None and node.op != "output" and _has_float64_input(node, modules, infer):
             d = dataclasses.replace(d, compute=None, resolved=Category.NEUTRAL, source=Source.FLOAT64, reason=(
                 f"float64 input: fxamp never casts float64, so it runs in float64 (as a {d.resolved.value} op "
@@ -155,7 +155,7 @@ def _covering_override(path: str, overrides: Dict[str, OpEntry]) -> Optional[Tup
 
 
 def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Optional[OpEntry],
-             op_lists: OpLists) -> Decision:
+             op_lists: OpLists, infer: DtypeInference) -> Decision:
     """An in-place op: an unsafe one writing into an activation runs out of place in float32 and is
     written back (``rewrite.insert_casts``); any other runs in the dtype of the tensor it writes into."""
     plain = out_of_place(node.op, node.target)
@@ -164,10 +164,13 @@ def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Opti
     activation = isinstance(into, fx.Node) and into.op not in ("placeholder", "get_attr") and ATTR not in into.meta
     if entry is not None and entry.category is Category.UNSAFE and activation:
         compute = _compute_for(Category.UNSAFE, entry, policy)
-        return Decision(name, Category.UNSAFE,
-                        f"in place, unsafe ({entry.reason}): computed out of place in {dtype_name(compute)} and "
-                        f"written back into {into.name} with copy_, so it and its views change as before, "
-                        f"rounded once to their dtype", compute, norm=entry.norm, source=entry.source, module=path)
+        if compute in (infer(into), infer.if_castable(into)):
+            how = f"{into.name} already is {dtype_name(compute)}, so it runs in place as written"
+        else:
+            how = (f"computed out of place in {dtype_name(compute)} and written back into {into.name} with copy_, "
+                   "so it and its views change as before, rounded once to their dtype")
+        return Decision(name, Category.UNSAFE, f"in place, unsafe ({entry.reason}): {how}", compute, norm=entry.norm,
+                        source=entry.source, module=path)
     why = ("an unsafe op writing into a model input or parameter: " if entry is not None
            and entry.category is Category.UNSAFE else "")
     return Decision(name, Category.NEUTRAL,
@@ -190,6 +193,7 @@ def _decide(
     overrides: Dict[str, OpEntry],
     modules: Dict[str, nn.Module],
     done: Mapping[fx.Node, Decision],
+    infer: DtypeInference,
 ) -> Decision:
     path = module_path_of(node)
     if node.op == "placeholder":
@@ -217,7 +221,7 @@ def _decide(
 
     covering = _covering_override(path, overrides)
     if is_inplace(node.op, node.target):
-        return _inplace(node, name, path, policy, covering[1] if covering is not None else None, op_lists)
+        return _inplace(node, name, path, policy, covering[1] if covering is not None else None, op_lists, infer)
     entry = covering[1] if covering is not None else op_lists.lookup(target)
     if entry is None:
         if node.op == "call_module":

@@ -264,3 +264,5 @@ def test_inplace_op_already_in_its_dtype_stays_in_place():
         amp = fxamp.convert(model, policy, dtype=dtype,
                             overrides={nn.functional.linear: "unsafe"} if policy == "O1" else None)
         assert "copy_" not in amp.code and ".exp_()" in amp.code
+        reason = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}["exp_"].reason
+        assert "runs in place as written" in reason
