@@ -8,17 +8,17 @@ and the report both read these records, so they can never disagree.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .dtypes import NOT_FLOAT, DtypeInference, dtype_name
+from .dtypes import CASTABLE, NOT_FLOAT, DtypeInference, dtype_name
 from .errors import ConversionError
-from .graph import DECISION, Decision, module_path_of
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, op_key, op_name
+from .graph import ATTR, DECISION, Decision, module_path_of
+from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
+                       out_of_place)
 from .policy import Policy
 
 __all__ = ["classify", "annotate", "ModuleOverrides"]
@@ -49,8 +49,14 @@ def classify(
     overrides = _check_module_overrides(gm, module_overrides or {})
     modules = dict(gm.named_modules())
     decisions: Dict[fx.Node, Decision] = {}
+    infer = DtypeInference(gm, modules, decisions)  # asked only about decided nodes (inputs come first)
     for node in gm.graph.nodes:
-        decisions[node] = _decide(node, policy, op_lists, overrides, modules, decisions)
+        d = _decide(node, policy, op_lists, overrides, modules, decisions, infer)
+        if d.compute is not None and node.op != "output" and _has_float64_input(node, modules, infer):
+            d = dataclasses.replace(d, compute=None, resolved=Category.NEUTRAL, source=Source.FLOAT64, reason=(
+                f"float64 input: fxamp never casts float64, so it runs in float64 (as a {d.resolved.value} op "
+                f"it would run in {dtype_name(d.compute)})"))
+        decisions[node] = d
     # Conditions that look at consumers run once every node is decided.
     for node, d in decisions.items():
         if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source is not Source.MODULE_OVERRIDE:
@@ -58,6 +64,15 @@ def classify(
             if entry is not None and entry.condition == "softmax":
                 decisions[node] = _softmax_between_low_ops(node, d, decisions, _float_inputs(gm, modules, decisions))
     return decisions
+
+
+def _has_float64_input(node: fx.Node, modules: Dict[str, nn.Module], infer: DtypeInference) -> bool:
+    """Whether a float input of ``node`` (or a leaf module's own parameter or buffer) is certainly float64."""
+    known = [infer(i) for i in node.all_input_nodes]
+    if node.op == "call_module":
+        m = modules[str(node.target)]
+        known += [t.dtype for t in [*m.parameters(), *m.buffers()]]
+    return any(isinstance(k, torch.dtype) and k.is_floating_point and k not in CASTABLE for k in known)
 
 
 def _float_inputs(gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: Dict[fx.Node, Decision]):
@@ -139,16 +154,28 @@ def _covering_override(path: str, overrides: Dict[str, OpEntry]) -> Optional[Tup
     return best
 
 
-def _is_inplace(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.startswith("__")
-    if node.op == "call_function":
-        if isinstance(node.target, torch._ops.OpOverload):
-            return node.target._schema.is_mutable  # the op's schema: torch has no public accessor
-        return node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                               operator.setitem)
-    return False
+def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Optional[OpEntry],
+             op_lists: OpLists, infer: DtypeInference) -> Decision:
+    """An in-place op: an unsafe one writing into an activation runs out of place in float32 and is
+    written back (``rewrite.insert_casts``); any other runs in the dtype of the tensor it writes into."""
+    plain = out_of_place(node.op, node.target)
+    entry = override if override is not None else op_lists.lookup(plain) if plain is not None else None
+    into = node.args[0] if node.args else None
+    activation = isinstance(into, fx.Node) and into.op not in ("placeholder", "get_attr") and ATTR not in into.meta
+    if entry is not None and entry.category is Category.UNSAFE and activation:
+        compute = _compute_for(Category.UNSAFE, entry, policy)
+        if compute in (infer(into), infer.if_castable(into)):
+            how = f"{into.name} already is {dtype_name(compute)}, so it runs in place as written"
+        else:
+            how = (f"computed out of place in {dtype_name(compute)} and written back into {into.name} with copy_, "
+                   "so it and its views change as before, rounded once to their dtype")
+        return Decision(name, Category.UNSAFE, f"in place, unsafe ({entry.reason}): {how}", compute, norm=entry.norm,
+                        source=entry.source, module=path)
+    why = ("an unsafe op writing into a model input or parameter: " if entry is not None
+           and entry.category is Category.UNSAFE else "")
+    return Decision(name, Category.NEUTRAL,
+                    f"in-place op: {why}runs in the dtype of the tensor it writes into (a cast would write into "
+                    "a copy)", None, source=Source.GRAPH, module=path)
 
 
 def _compute_for(category: Category, entry: OpEntry, policy: Policy) -> Optional[torch.dtype]:
@@ -166,6 +193,7 @@ def _decide(
     overrides: Dict[str, OpEntry],
     modules: Dict[str, nn.Module],
     done: Mapping[fx.Node, Decision],
+    infer: DtypeInference,
 ) -> Decision:
     path = module_path_of(node)
     if node.op == "placeholder":
@@ -179,9 +207,9 @@ def _decide(
             return Decision("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
                             "(Policy.output=None)", None, source=Source.GRAPH)
         return Decision("output", Category.NEUTRAL,
-                        f"floating outputs come back in {dtype_name(policy.output)} (Policy.output), so a loss "
-                        "computed outside the model runs in float32" if policy.output == torch.float32 else
-                        f"floating outputs come back in {dtype_name(policy.output)} (Policy.output)",
+                        f"float16/bfloat16/float32 outputs come back in {dtype_name(policy.output)} (Policy.output)"
+                        + (", so a loss computed outside the model runs in float32"
+                           if policy.output == torch.float32 else "") + "; float64 outputs stay float64",
                         policy.output, source=Source.GRAPH)
 
     if node.op == "call_module":
@@ -191,12 +219,9 @@ def _decide(
         target = node.target
         name = op_name(op_key(target))
 
-    if _is_inplace(node):
-        return Decision(name, Category.NEUTRAL,
-                        "in-place op: runs in the dtype of the tensor it writes into (a cast would write "
-                        "into a copy)", None, source=Source.GRAPH, module=path)
-
     covering = _covering_override(path, overrides)
+    if is_inplace(node.op, node.target):
+        return _inplace(node, name, path, policy, covering[1] if covering is not None else None, op_lists, infer)
     entry = covering[1] if covering is not None else op_lists.lookup(target)
     if entry is None:
         if node.op == "call_module":

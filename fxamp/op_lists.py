@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry"]
+__all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry",
+           "is_inplace", "out_of_place"]
 
 
 class Category(str, enum.Enum):
@@ -61,6 +62,7 @@ class Source(str, enum.Enum):
     MODULE_OVERRIDE = "module override"  # the user's module_overrides=
     DEFAULT = "default"  # on no list: the unlisted rule
     GRAPH = "graph"  # decided by the graph's structure (inputs, outputs, attributes, in-place ops)
+    FLOAT64 = "float64"  # a float input is float64, which fxamp never casts: the op runs in float64
 
     def __str__(self) -> str:
         return self.value
@@ -120,6 +122,54 @@ def op_key(target: Any) -> OpKey:
     if isinstance(target, str) and not target.startswith("Tensor."):
         return "Tensor." + target
     return target
+
+
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
+
+
+def is_inplace(op: str, target: Any) -> bool:
+    """Whether a graph call (``node.op``, ``node.target``) writes into its first argument:
+    ``x.exp_()``, ``torch.exp_(x)``, ``aten.exp_``, ``x += y``, ``x[i] = v``."""
+    if op == "call_method":
+        name = str(target)
+        return name.endswith("_") and not name.startswith("__")
+    if op == "call_function":
+        if isinstance(target, torch._ops.OpOverload):
+            return target._schema.is_mutable  # the op schema: torch has no public accessor
+        if target in _INPLACE_OPERATORS:
+            return True
+        return out_of_place(op, target) is not None
+    return False
+
+
+def out_of_place(op: str, target: Any) -> Any:
+    """The out-of-place form of an in-place call's target (``"exp_"`` -> ``"exp"``, ``torch.exp_`` ->
+    ``torch.exp``, ``aten.exp_.default`` -> ``aten.exp.default``), or None (not in place, or none exists)."""
+    if op == "call_method":
+        name = str(target)
+        if name.endswith("_") and not name.startswith("__") and hasattr(torch.Tensor, name[:-1]):
+            return name[:-1]
+        return None
+    if op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+        if not (target._schema.is_mutable and name.endswith("_")) or target.namespace != "aten":
+            return None
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        signature = [(a.name, str(a.type)) for a in target._schema.arguments]
+        for overload in packet.overloads() if packet is not None else ():
+            candidate = getattr(packet, overload)
+            if [(a.name, str(a.type)) for a in candidate._schema.arguments] == signature:
+                return candidate  # same arguments (pow_.Scalar's twin is pow.Tensor_Scalar, not pow.Scalar)
+        return None
+    name = getattr(target, "__name__", "")
+    if not name.endswith("_") or name.startswith("__"):
+        return None
+    for namespace in (torch, F):
+        if getattr(namespace, name, None) is target:
+            return getattr(namespace, name[:-1], None)
+    return None
 
 
 def op_name(key: Any) -> str:
@@ -448,7 +498,8 @@ _GROUPS = [
      "aten.unfold aten.new_zeros aten.new_ones aten.new_empty aten.expand_as "
      "aten.sym_stride aten.sym_storage_offset aten._local_scalar_dense aten.new_full aten.empty "
      "aten.view_as aten.masked_fill_ aten.fill_ aten.zero_ aten.index_put aten.index_put_ aten.erf "
-     "aten.floor_divide aten.remainder aten.maximum aten.minimum aten.any aten.all aten.clamp",
+     "aten.floor_divide aten.remainder aten.maximum aten.minimum aten.any aten.all aten.clamp aten.numpy_T "
+     "aten.mT aten.mH aten.adjoint aten.matrix_H",
      OpEntry(N, "data movement, shape or metadata: no arithmetic, keeps the dtype it gets")),
     ("Tensor.float Tensor.half Tensor.bfloat16 Tensor.double Tensor.to Tensor.type Tensor.type_as "
      "Tensor.cpu Tensor.cuda aten._to_copy aten.to",
@@ -527,3 +578,15 @@ NON_FLOAT_OPS = _keys(
 
 #: ops returning a tuple of tensors in their input's dtype (``getitem`` of them keeps that dtype)
 SPLIT_OPS = _keys("chunk split tensor_split unbind aten.split aten.split_with_sizes aten.chunk aten.unbind")
+
+#: ops whose result is the first input's values seen another way (a view, a transpose, a split, a
+#: copy in the same dtype): a parameter read through them is really consumed by their users, so
+#: ``store_params`` looks through them to decide its storage dtype
+VIEW_OPS = _keys(
+    "t transpose permute view view_as reshape reshape_as expand expand_as contiguous unsqueeze squeeze "
+    "flatten unflatten narrow select movedim moveaxis swapaxes swapdims detach clone chunk split tensor_split "
+    "unbind aten.alias aten.slice aten._unsafe_view aten.split_with_sizes aten.lift_fresh_copy aten.numpy_T "
+    "aten.mT aten.mH aten.adjoint aten.matrix_H operator.getitem"
+)
+#: attributes that are views of a tensor (``w.T``)
+VIEW_ATTRS = frozenset({"T", "mT", "H", "mH"})

@@ -65,7 +65,8 @@ class Policy:
     compute: dtype of *safe* ops (matmul, conv, linear…); float32 turns mixed precision off (O0).
     unsafe:  dtype of *unsafe* ops (exp, log, softmax, sums, losses…): float32 except in O3.
     norms:   dtype of normalisation layers' parameters and math (batch/layer/group/rms norm).
-    output:  dtype of the converted module's floating outputs; None leaves them as computed.
+    output:  dtype the converted module's float16/bfloat16/float32 outputs come back in (float64
+             outputs stay float64: fxamp never casts float64); None leaves them as computed.
     """
 
     params: torch.dtype = torch.float32

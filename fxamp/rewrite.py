@@ -12,8 +12,11 @@ they are given.  Before and after, for ``y = exp(linear(x))`` under O1/float16::
                                                   exp = torch.exp(to)
                                                   return exp                   # known float32: no output cast
 
-One cast per (value, dtype): a weight or activation used by several nodes is cast once.  All of a
-forward's weight casts go through one ``cast_weights`` call (one Python call, one cache check).
+One cast per (value, dtype): a weight or activation used by several nodes is cast once (until
+an in-place op writes into it).  All of a forward's weight casts go through one ``cast_weights``
+call (one Python call, one cache check).  An unsafe in-place op on a low-precision activation runs
+out of place in float32 and is written back: ``y.exp_()`` becomes ``exp_ = y.to(f32).exp();
+y.copy_(exp_)``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import operator
 
 from .dtypes import CASTABLE, LOW, NOT_FLOAT, DtypeInference
 from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rename_node
-from .op_lists import Category
+from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key, out_of_place
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
@@ -40,8 +43,8 @@ CACHE_NAME = "_fxamp_weight_cache"
 
 def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
     """The dtype a tensor consumed by this decision wants to be stored in."""
-    if decision.category is Category.UNLISTED:
-        return torch.float32  # an op fxamp does not know (e.g. a captured no-grad region): keep the tensor as is
+    if decision.category is Category.UNLISTED or decision.source is Source.FLOAT64:
+        return torch.float32  # an op fxamp does not know, or one running in float64: keep the tensor as is
     if decision.norm:
         return policy.norms
     if decision.compute is None or decision.compute in LOW:
@@ -53,7 +56,9 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     """Re-bind float32 parameters and float buffers to the dtype their consumers run in (O2/O3).
 
     A tensor is stored low only when every consumer runs in low precision (or follows its
-    inputs); one float32 consumer (a norm, an unsafe op) keeps it float32.  Tied parameters stay
+    inputs); one float32 consumer (a norm, an unsafe op, an op on no list) keeps it float32.
+    Consumers are found through views (``w.t()``, ``w.view(...)``, ``w[0]``, splits): a transpose
+    follows its input, but the op the transposed weight reaches decides.  Tied parameters stay
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
     """
     if policy.params == torch.float32 and policy.norms == torch.float32:
@@ -70,7 +75,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = fetch_attr(gm, node.target)
-            for user in node.users:
+            for user in _consumers(node):
                 d = decisions.get(user)
                 want(value, torch.float32 if d is None or user.op == "output" else _storage_for(d, policy))
         elif node.op == "call_module":
@@ -103,6 +108,21 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
                 setattr(mod, name, new)  # setattr, so RNNs refresh their flat weights
                 changed[f"{mod_name}.{name}" if mod_name else name] = target[id(t)]
     return changed
+
+
+def _consumers(node: fx.Node):
+    """The nodes that compute with ``node``'s values, looking through views of it (``w.t()``, ``w[0]``, a split)."""
+    for user in node.users:
+        if _is_view(user) and user.args and user.args[0] is node:
+            yield from _consumers(user)
+        else:
+            yield user
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in VIEW_ATTRS
+    return node.op in ("call_function", "call_method") and op_key(node.target) in VIEW_OPS
 
 
 class _Casts:
@@ -149,6 +169,8 @@ class _Casts:
         known = self.dtypes(value)
         if known is NOT_FLOAT or known == dtype or (known is not None and known not in CASTABLE):
             return value  # nothing to cast: not a float, already there, or float64
+        if known is None and self.dtypes.if_castable(value) == dtype:
+            return value  # already there if castable; a float64 (or int) the checked cast would leave alone
         key = (value, dtype)
         if key in self.made:
             return self.made[key]
@@ -163,6 +185,11 @@ class _Casts:
         self.made[key] = node
         self.count += 1
         return node
+
+    def forget(self, value: fx.Node) -> None:
+        """Drop the casts made of ``value`` (it was written in place: later uses need fresh ones)."""
+        for key in [k for k in self.made if k[0] is value]:
+            del self.made[key]
 
     def finish(self) -> None:
         """Give each ``cast_weights`` call its weights (set once: rebuilding per weight is quadratic)."""
@@ -179,16 +206,44 @@ def insert_casts(
     casts = _Casts(gm, weight_cache, DtypeInference(gm, modules, decisions))
     for node in list(graph.nodes):
         d = decisions.get(node)
-        if d is None or d.compute is None:
-            continue
-        dtype = d.compute
-        if node.op == "call_module" and _needs_param_cast(modules[node.target], dtype):
-            _run_module_cast(graph, node, dtype)
-            continue
-        node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
-        node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
+        into = node.args[0] if is_inplace(node.op, node.target) and node.args else None
+        if d is not None and d.compute is not None:
+            dtype = d.compute
+            if into is not None:
+                _write_back(graph, node, dtype, casts)
+            elif node.op == "call_module" and _needs_param_cast(modules[node.target], dtype):
+                _run_module_cast(graph, node, dtype)
+            else:
+                node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
+                node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
+        if isinstance(into, fx.Node):
+            casts.forget(into)  # casts of it made before this write hold its old values
     casts.finish()
     return casts.count
+
+
+def _write_back(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, casts: "_Casts") -> None:
+    """Run an in-place op in ``dtype`` and write the result back: ``y.exp_()`` ->
+    ``exp_ = y.to(float32).exp();  copy_ = y.copy_(exp_)`` (uses of the node read ``copy_``, i.e. ``y``).
+
+    Nothing changes when ``y`` already is in ``dtype`` (or is not a tensor fxamp casts).
+    """
+    into = node.args[0]
+    known = casts.dtypes(into)
+    if known is NOT_FLOAT or known == dtype or (known is not None and known not in CASTABLE) \
+            or casts.dtypes.if_castable(into) == dtype:
+        return
+    plain = out_of_place(node.op, node.target)
+    with graph.inserting_before(node):
+        args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
+        value = graph.create_node(node.op, plain, args, kwargs)
+        write = graph.call_method("copy_", (into, value))
+    value.meta = dict(node.meta)  # the computation carries the decision (and the report row)
+    node.replace_all_uses_with(write)
+    name = node.name
+    graph.erase_node(node)
+    rename_node(graph, value, name)
 
 
 def _needs_param_cast(m: nn.Module, dtype: torch.dtype) -> bool:

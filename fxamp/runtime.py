@@ -8,6 +8,7 @@ tensor it may cast, so conversion works without example inputs.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Dict, Tuple
 
 import torch
@@ -22,14 +23,22 @@ __all__ = ["cast", "cast_weights", "call_module_cast", "WeightCastCache"]
 def cast(x: Any, dtype: torch.dtype) -> Any:
     """``x.to(dtype)`` if ``x`` is a float16/bfloat16/float32 tensor of another dtype, else ``x`` unchanged.
 
-    Lists and tuples (``torch.cat``'s argument) are cast element by element.
+    Containers torch passes between modules are cast element by element, keeping their type:
+    lists and tuples (``torch.cat``'s argument, an LSTM's ``(h, c)``), named tuples, plain dicts,
+    and a ``PackedSequence``, of which only ``.data`` is cast (its ``batch_sizes`` and indices are
+    integer tensors, and float64 is never cast anyway).
     """
     if isinstance(x, torch.Tensor):
         if x.dtype != dtype and x.dtype in CASTABLE:
             return x.to(dtype)
         return x
-    if type(x) in (list, tuple):
-        return type(x)(cast(v, dtype) for v in x)
+    kind = type(x)
+    if kind in (list, tuple):
+        return kind(cast(v, dtype) for v in x)
+    if isinstance(x, tuple) and hasattr(kind, "_fields"):  # a named tuple (PackedSequence too), field by field
+        return x._replace(**{f: cast(v, dtype) for f, v in zip(kind._fields, x)})
+    if kind in (dict, OrderedDict):
+        return kind((k, cast(v, dtype)) for k, v in x.items())
     return x
 
 

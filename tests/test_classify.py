@@ -110,17 +110,22 @@ def test_mha_need_weights_condition():
     assert "need_weights=True" in d["call_module_cast_1"].reason
 
 
-def test_inplace_ops_are_never_cast():
+def test_inplace_ops_write_into_their_tensor():
     class M(nn.Module):
         def forward(self, x):
             y = x * 2
+            y.relu_()
             y.exp_()
+            x.exp_()  # into the caller's tensor: as written
             return y
 
     amp = fxamp.convert(M(), "O1")
-    assert decisions(amp)["exp_"].category is Category.NEUTRAL
+    d = decisions(amp)
+    assert d["relu_"].category is Category.NEUTRAL and d["relu_"].compute is None
+    assert d["exp_"].category is Category.UNSAFE and "written back into mul" in d["exp_"].reason  # see test_numerics_fixes
+    assert d["exp__1"].category is Category.NEUTRAL and "model input" in d["exp__1"].reason
     x = torch.randn(3)
-    assert torch.equal(amp(x), (x * 2).exp())
+    assert torch.equal(amp(x.clone()), (x * 2).relu().exp())
 
 
 def test_unlisted_function_follows_inputs_and_unlisted_module_runs_float32():
