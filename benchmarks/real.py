@@ -183,7 +183,7 @@ def live_storage_bytes() -> int:
     """Bytes of the unique CPU storages of every tensor the garbage collector can see."""
     seen, total = set(), 0
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no __class__ lookups
             try:
                 st = o.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -196,19 +196,36 @@ def live_storage_bytes() -> int:
 
 
 def step_peak_bytes(fn: Callable[[], Any]) -> int:
-    """Highest total of bytes allocated while ``fn`` runs (torch.profiler's CPU allocator reports)."""
+    """Highest total of bytes allocated and not yet freed while ``fn`` runs.
+
+    From the CPU allocator's reports to ``torch.profiler`` (``profile_memory=True``): a running sum of
+    this session's allocations, less the frees of blocks allocated in it (matched by address).  The
+    reports' own ``total_allocated`` is not used: it carries over blocks from earlier profiling
+    sessions.  A block allocated before ``fn`` and freed inside it is not subtracted (overcounts,
+    never undercounts).
+    """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    peak = 0
+    events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         if e.tag == _EventType.Allocation:
-            peak = max(peak, e.extra_fields.total_allocated)
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
         stack.extend(e.children)
+    events.sort(key=lambda t: t[0])
+    live: Dict[int, int] = {}
+    now = peak = 0
+    for _, ptr, size in events:
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+            now += size
+            peak = max(peak, now)
+        elif ptr in live:
+            now -= live.pop(ptr)
     return peak
 
 
