@@ -184,11 +184,11 @@ def live_storage_bytes() -> int:
     seen, total = set(), 0
     for o in gc.get_objects():
         if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no __class__ lookups
-            try:
+            try:  # fake/functional tensors left over from torch.compile have no data
                 st = o.untyped_storage()
+                ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):
                 continue
-            ptr = st.data_ptr()
             if ptr and ptr not in seen:
                 seen.add(ptr)
                 total += st.nbytes()
