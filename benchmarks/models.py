@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["LinearChain", "TransformerBlock", "SmallCNN", "GPT", "ResNet50", "SyntheticGraph"]
+__all__ = ["LinearChain", "TransformerBlock", "SmallCNN", "GPT", "ResNet50", "SyntheticGraph", "DecoderLM", "Encoder"]
 
 
 class LinearChain(nn.Module):
@@ -184,3 +184,68 @@ class SyntheticGraph(nn.Module):
         for _ in range(self.tail):
             x = F.relu(x)
         return x
+
+
+class SDPABlock(nn.Module):
+    """A pre-norm GPT-2 block whose attention is ``F.scaled_dot_product_attention(is_causal=True)``.
+
+    No dropout (``dropout_p`` would be read from ``self.training`` at trace time and baked in).
+    """
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class DecoderLM(nn.Module):
+    """A GPT-2-small-width decoder (d768, 12 heads by default) with SDPA attention and a tied LM head.
+
+    Traces with ``torch.fx.symbolic_trace``; fewer layers and a smaller vocabulary than GPT-2 keep
+    a CPU training step around a second.
+    """
+
+    def __init__(self, vocab: int = 8192, seq: int = 128, d: int = 768, layers: int = 2, heads: int = 12):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(SDPABlock(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln(x), self.tok.weight)
+
+
+class Encoder(nn.Module):
+    """A BERT-base-width encoder: ``layers`` × ``nn.TransformerEncoderLayer`` (d768, 12 heads, ff 3072, GELU).
+
+    ``nn.TransformerEncoderLayer`` does not trace with torch.fx: convert it through torch.export
+    (``fxamp.convert(m, "O1", example_inputs=(x,))``).  Input: float embeddings (batch, seq, d).
+    """
+
+    def __init__(self, d: int = 768, heads: int = 12, ff: int = 3072, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, activation="gelu",
+                                                               batch_first=True) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.ln(x)

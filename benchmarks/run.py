@@ -18,8 +18,16 @@ Benchmarks (``--only`` picks some):
   convert    fxamp.convert() wall time for synthetic graphs of 500..4000 fx nodes
   casts      dtype-changing kernels (``_to_copy``/``copy_``) per forward, counted by a dispatch mode
   throughput (``--device cuda`` only) GPT-2-small and ResNet-50 sized training throughput
+  real       real sizes (``--size real``; ``tiny`` under --quick/--tiny): a GPT-2-small-width decoder
+             (SDPA), a ResNet-50 at 64 px and a BERT-width encoder (inference only): train step
+             (AdamW) and inference for fp32, autocast, pure bf16 (``model.to``: the no-cast limit,
+             ``vs_limit``), fxamp O1, fxamp O2 (+MixedPrecisionOptimizer); ``--compile`` adds
+             torch.compile of autocast and of O2 (training); peak memory of a training step
+             (``peak_mib``).  See benchmarks/real.py.
 
-Writes ``benchmarks/results.json`` (or ``--json PATH``) and prints the same records as a table.
+A full run (no --quick/--tiny/--only, --size real) writes ``benchmarks/results.json``; any other run
+writes to a scratch file in the temp directory (the path is printed) unless ``--json PATH`` says
+where.  Prints the same records as a table.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -56,8 +65,10 @@ except ImportError:  # pragma: no cover - only while the wrapper was being writt
 
 __all__ = ["main", "Record", "BENCHMARKS"]
 
-BENCHMARKS = ("train", "inference", "memory", "optimizer", "convert", "casts", "throughput")
+BENCHMARKS = ("train", "inference", "memory", "optimizer", "convert", "casts", "throughput", "real")
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json")
+# quick, tiny and partial runs never overwrite the committed full results
+SCRATCH_JSON = os.path.join(tempfile.gettempdir(), "fxamp-benchmarks-{kind}.json")
 aten = torch.ops.aten
 
 FP32, AUTOCAST, O1, O2 = "fp32", "autocast", "fxamp O1", "fxamp O2"
@@ -79,6 +90,8 @@ class Record:
     unit: str
     vs_fp32: Optional[float] = None
     vs_autocast: Optional[float] = None
+    vs_limit: Optional[float] = None  # against pure low precision (model.to(dtype)): the real-size suite
+    peak_mib: Optional[float] = None  # peak memory rows of the real-size suite
     target: str = ""  # e.g. "<= 1.0x autocast"
     met: Optional[bool] = None  # None: no target for this row
     note: str = ""
@@ -92,7 +105,7 @@ class Record:
 
     def as_json(self) -> Dict[str, Any]:
         d = {k: getattr(self, k) for k in ("benchmark", "model", "variant", "median", "unit", "vs_fp32",
-                                           "vs_autocast", "target", "met", "note")}
+                                           "vs_autocast", "vs_limit", "peak_mib", "target", "met", "note")}
         d.update(self.extra)
         return d
 
@@ -132,6 +145,8 @@ class Settings:
     warmup: int
     threads: int
     clock: str = "wall"
+    size: str = "real"  # the real-size suite's sizes: "real" or "tiny"
+    compile: bool = False  # the real-size suite's torch.compile variants
 
     @property
     def cuda(self) -> bool:
@@ -741,9 +756,107 @@ def bench_throughput(s: Settings) -> List[Record]:
     return records
 
 
+# --------------------------------------------------------------------------------------------
+# 8. real sizes (benchmarks/real.py)
+
+
+def _real_rounds(s: Settings) -> Tuple[int, int]:
+    """(rounds, warm-up rounds) for the real-size suite: its steps take up to a second each."""
+    if s.tiny:
+        return 1, 1
+    if s.quick:
+        return 3, 1
+    return 9, 2
+
+
+def _real_records(benchmark: str, model: str, t: Timings, variants: Sequence[str],
+                  notes: Dict[str, str]) -> Dict[str, Record]:
+    from benchmarks import real as R
+
+    med = {k: t.median(k) for k in variants}
+    recs = {}
+    for k in variants:
+        recs[k] = Record(benchmark, model, k, med[k] * 1e3, "ms", _ratio(med[k], med[R.FP32]),
+                         _ratio(med[k], med[R.AUTOCAST]), _ratio(med[k], med[R.LIMIT]),
+                         note=notes.get(k, ""), extra=t.extra(k, 1e3))
+    return recs
+
+
+def bench_real(s: Settings) -> List[Record]:
+    from benchmarks import real as R
+
+    if s.cuda:
+        print("note: the real-size suite runs on CPU only (use throughput on CUDA)", file=sys.stderr)
+        return []
+    rounds, warmup = _real_rounds(s)
+    records: List[Record] = []
+    for case in R.cases(s.size):
+        torch.manual_seed(0)
+        base = case.build()
+        x, y = case.make_x(), case.make_y()
+        if case.train:
+            variants = list(R.VARIANTS)
+            if s.compile and case.compile_train:
+                variants += [R.C_AUTOCAST, R.C_O2]
+            steps: Dict[str, Callable[[], None]] = {}
+            notes = {R.O2: "+MixedPrecisionOptimizer", R.C_O2: "+MixedPrecisionOptimizer",
+                     R.LIMIT: "model.to(bf16), plain AdamW"}
+            cold: Dict[str, float] = {}
+            for v in variants:
+                steps[v] = R.train_step(v, base, case, x, y, s.dtype)[0]
+                if v in (R.C_AUTOCAST, R.C_O2):
+                    t0 = time.perf_counter()
+                    steps[v]()
+                    cold[v] = time.perf_counter() - t0
+                    R.print_progress(f"  {case.name}: {v} cold compile + first step {cold[v]:.1f} s")
+            times = _interleaved(steps, s, rounds=rounds, warmup=warmup)
+            recs = _real_records("train step (AdamW)", case.name, times, variants, notes)
+            for v, c in cold.items():
+                recs[v].extra["cold_compile_s"] = c
+                recs[v].note = (recs[v].note + f"; cold compile {c:.0f} s").lstrip("; ")
+            _check(recs[R.O2], vs_autocast=0.90)
+            if R.C_O2 in recs:
+                r = recs[R.C_O2]
+                r.extra["vs_compile_autocast"] = ratio = _ratio(r.median, recs[R.C_AUTOCAST].median)
+                r.target = "<= 1.00x compile(autocast)"
+                r.met = ratio is not None and round(ratio, 2) <= 1.0
+                r.note += f"; {ratio:.2f}x compile(autocast)"
+            records += [recs[v] for v in variants]
+            del steps
+            gc.collect()
+            R.print_progress(f"  {case.name}: train step done")
+
+        fwds = {v: R.forward(v, base, case, x, s.dtype) for v in R.VARIANTS}
+        times = _interleaved(fwds, s, rounds=rounds, warmup=warmup)
+        recs = _real_records("inference (real)", case.name, times, R.VARIANTS, {R.LIMIT: "model.to(bf16)"})
+        _check(recs[R.O1], vs_autocast=0.85)
+        _check(recs[R.O2], vs_limit=1.05)
+        records += [recs[v] for v in R.VARIANTS]
+        del fwds
+        gc.collect()
+        R.print_progress(f"  {case.name}: inference done")
+
+        if case.train:
+            peaks = {v: R.train_peak(v, base, case, x, y, s.dtype) for v in R.VARIANTS}
+            mib = {v: p["peak_bytes"] / 2**20 for v, p in peaks.items()}
+            recs = {}
+            for v in R.VARIANTS:
+                p = peaks[v]
+                recs[v] = Record("peak memory (train step)", case.name, v, mib[v], "MiB", mib[v] / mib[R.FP32],
+                                 mib[v] / mib[R.AUTOCAST], mib[v] / mib[R.LIMIT], peak_mib=mib[v],
+                                 note=f"state {p['state_bytes'] / 2**20:.1f} + step {p['step_peak_bytes'] / 2**20:.1f} MiB",
+                                 extra={k: v2 for k, v2 in p.items()})
+            _check(recs[R.O2], vs_autocast=1.0)
+            records += [recs[v] for v in R.VARIANTS]
+            R.print_progress(f"  {case.name}: memory done")
+        del base
+        gc.collect()
+    return records
+
+
 _RUNNERS = {"train": bench_train, "inference": bench_inference, "memory": bench_memory,
             "optimizer": bench_optimizer, "convert": bench_convert, "casts": bench_casts,
-            "throughput": bench_throughput}
+            "throughput": bench_throughput, "real": bench_real}
 
 
 # --------------------------------------------------------------------------------------------
@@ -766,8 +879,10 @@ def table(records: Sequence[Record], fmt: str = "github") -> str:
         met = "" if r.met is None else ("yes" if r.met else "NO")
         rows.append([r.benchmark, r.model, r.variant, _fmt(r.median), r.unit,
                      "" if r.vs_fp32 is None else f"{r.vs_fp32:.2f}x",
-                     "" if r.vs_autocast is None else f"{r.vs_autocast:.2f}x", r.target, met, r.note])
-    headers = ["benchmark", "model", "variant", "median", "unit", "vs fp32", "vs autocast", "target", "met", "note"]
+                     "" if r.vs_autocast is None else f"{r.vs_autocast:.2f}x",
+                     "" if r.vs_limit is None else f"{r.vs_limit:.2f}x", r.target, met, r.note])
+    headers = ["benchmark", "model", "variant", "median", "unit", "vs fp32", "vs autocast", "vs limit", "target",
+               "met", "note"]
     return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
 
 
@@ -795,7 +910,41 @@ def _meta(s: Settings, args: argparse.Namespace, wall: float, load_start: List[f
         "wall_s": round(wall, 1),
         "loadavg_start": load_start,  # other processes on the machine skew timings: how busy it was
         "loadavg_end": list(os.getloadavg()),
+        "size": s.size,
+        "compile": s.compile,
+        **_cpu_meta(s),
     }
+
+
+def _cpu_meta(s: Settings) -> Dict[str, Any]:
+    """CPU flags and a bf16-vs-fp32 matmul probe: whether low-precision speed ratios mean anything here."""
+    if s.cuda:
+        return {}
+    from benchmarks import real as R
+
+    flags = R.cpu_flags()
+    sizes = (256,) if s.tiny else (1024, 2048)
+    probe = {f"{t}_threads": R.matmul_probe(s.dtype, t, sizes) for t in sorted({1, 2, s.threads})}
+    ratio = probe["2_threads"][f"matmul{sizes[0]}_low_vs_fp32"]
+    fast = ratio < 1.0
+    return {"cpu_flags": flags, "matmul_probe": probe, "fast_low_precision": fast,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _speed_note(meta: Dict[str, Any]) -> str:
+    if "fast_low_precision" not in meta:
+        return ""
+    flags = meta["cpu_flags"]
+    have = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in flags.items())
+    p = meta["matmul_probe"]["2_threads"]
+    mm = "; ".join(f"{k.removesuffix('_low_vs_fp32').replace('matmul', 'matmul ')}: {meta['dtype']} {v:.2f}x fp32"
+                   for k, v in p.items() if k.endswith("_low_vs_fp32"))
+    if meta["fast_low_precision"]:
+        verdict = "low-precision matmul is faster than fp32 here: speed ratios are meaningful (conv may not be)"
+    else:
+        verdict = ("NO fast low-precision kernels on this CPU: speed ratios are NOT meaningful here "
+                   "(only overhead and memory rows are)")
+    return f"CPU flags: {have}. 2 threads, {mm}. {verdict}."
 
 
 def _headline(meta: Dict[str, Any]) -> str:
@@ -845,7 +994,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 30, --quick 7)")
     p.add_argument("--only", nargs="+", default=list(BENCHMARKS), choices=BENCHMARKS, metavar="NAME",
                    help=f"run only these: {', '.join(BENCHMARKS)}")
-    p.add_argument("--json", default=DEFAULT_JSON, help="where to write the records (default benchmarks/results.json)")
+    p.add_argument("--size", choices=("tiny", "real"), default=None,
+                   help="sizes of the real-size suite (default: real; tiny under --quick/--tiny)")
+    p.add_argument("--compile", action="store_true",
+                   help="real-size suite: add torch.compile of autocast and of fxamp O2 (cold compiles: minutes)")
+    p.add_argument("--json", "--out", dest="json", default=None,
+                   help="where to write the records (default: benchmarks/results.json for a full run, a scratch "
+                        "file in the temp directory for --quick/--tiny/--only/--size tiny)")
     p.add_argument("--no-json", action="store_true", help="print only")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved results.json and exit (runs nothing)")
     args = p.parse_args(argv)
@@ -854,6 +1009,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.show) as f:
             saved = json.load(f)
         print(_headline(saved["meta"]))
+        if _speed_note(saved["meta"]):
+            print(_speed_note(saved["meta"]))
         print(table([Record.from_json(r) for r in saved["records"]]))
         return 0
 
@@ -868,8 +1025,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.clock == "cpu" and args.device == "cuda":
         print("error: --clock cpu measures host CPU time; GPU work needs --clock wall", file=sys.stderr)
         return 2
+    size = "tiny" if args.tiny else (args.size or ("tiny" if quick else "real"))
     s = Settings(torch.device(args.device), dtype, quick, args.tiny, rounds, warmup, torch.get_num_threads(),
-                 args.clock)
+                 args.clock, size, args.compile)
+    if args.json is None:
+        full = not quick and size == "real" and list(args.only) == list(BENCHMARKS)
+        args.json = DEFAULT_JSON if full else SCRATCH_JSON.format(kind="tiny" if args.tiny else "quick" if quick
+                                                                  else "partial")
 
     load_start = list(os.getloadavg())
     if s.clock == "wall" and not s.cuda and load_start[0] > (os.cpu_count() or 1):
@@ -884,6 +1046,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wall = time.perf_counter() - t0
     meta = _meta(s, args, wall, load_start)
     print(_headline(meta))
+    if _speed_note(meta):
+        print(_speed_note(meta))
     print(table(records))
     missed = [r for r in records if r.met is False]
     print(f"\ntargets: {sum(r.met is True for r in records)} met, {len(missed)} missed")
@@ -892,6 +1056,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "records": [r.as_json() for r in records]}, f, indent=1)
             f.write("\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

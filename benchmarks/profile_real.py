@@ -1,0 +1,67 @@
+"""Where the time of a real-size training step goes: ``python -m benchmarks.profile_real [--model gpt|resnet]``.
+
+Profiles a few training steps (AdamW) of the variants named with ``--variants`` (default: autocast,
+pure bf16 and fxamp O2) with ``torch.profiler`` and prints, per variant, the ops with the most self
+CPU time and the totals of a few groups (matmul/conv, casts/copies, optimizer foreach ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import real as R
+
+GROUPS = {
+    "matmul/conv": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::convolution",
+                    "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward",
+                    "aten::_scaled_dot_product_flash_attention_for_cpu",
+                    "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "casts/copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
+    "optimizer foreach": ("aten::_foreach_",),
+    "amp checks": ("aten::_amp_",),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_real", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    p.add_argument("--size", choices=("tiny", "real"), default="real")
+    p.add_argument("--variants", nargs="+", default=[R.AUTOCAST, R.LIMIT, R.O2])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    case = R.cases(args.size)[0 if args.model == "gpt" else 1]
+    torch.manual_seed(0)
+    base = case.build()
+    x, y = case.make_x(), case.make_y()
+    print(f"# {case.name}, {args.steps} steps, {args.threads} thread(s)")
+    for v in args.variants:
+        step = R.train_step(v, base, case, x, y, torch.bfloat16)[0]
+        step()
+        step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step()
+        ka = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in ka)
+        groups = defaultdict(float)
+        for e in ka:
+            for g, prefixes in GROUPS.items():
+                if e.key.startswith(prefixes) and (g != "matmul/conv" or e.key in prefixes):
+                    groups[g] += e.self_cpu_time_total
+        print(f"\n## {v}: {total / args.steps / 1e3:.0f} ms self CPU per step; "
+              + ", ".join(f"{g} {t / total:.0%}" for g, t in groups.items()))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        del step
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Real-size suite: a GPT-2-small-width decoder, a BERT-base-width encoder and a ResNet-50.
+
+For each model: a training step (AdamW) and an inference forward, in these variants
+
+  fp32            float32 eager
+  autocast        ``torch.autocast("cpu", dtype)`` around the forward
+  pure bf16       ``model.to(dtype)`` with a plain AdamW: no casts at all (the no-cast limit, ``vs_limit``)
+  fxamp O1        ``fxamp.convert(m, "O1")`` (float32 parameters, plain AdamW)
+  fxamp O2        ``fxamp.convert(m, "O2")`` + ``fxamp.MixedPrecisionOptimizer`` (float32 masters)
+  compile(...)    ``torch.compile`` of the autocast model and of the O2 module (``--compile`` only;
+                  training rows of the decoder and the ResNet: a cold compile takes a minute here)
+
+and the peak memory of one training step per variant (``peak_mib``): the bytes of every live tensor
+storage after ``zero_grad(set_to_none=True)`` (parameters, buffers, optimizer state, master weights,
+caches: found by scanning the garbage collector's objects, as the difference to before the variant
+was built) plus the highest total of bytes allocated during the step (forward, backward, optimizer
+step) as the CPU allocator reports it to ``torch.profiler`` (``profile_memory=True``).
+
+The encoder is inference only; ``nn.TransformerEncoderLayer`` does not trace with torch.fx (its
+default tracer keeps it as an opaque leaf), so fxamp converts it through ``frontend="export"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from benchmarks.models import DecoderLM, Encoder, ResNet50
+
+FP32, AUTOCAST, LIMIT, O1, O2 = "fp32", "autocast", "pure bf16", "fxamp O1", "fxamp O2"
+C_AUTOCAST, C_O2 = "compile(autocast)", "compile(fxamp O2)"
+VARIANTS = (FP32, AUTOCAST, LIMIT, O1, O2)
+
+
+# --------------------------------------------------------------------------------------------
+# cases
+
+
+class Case:
+    def __init__(self, name: str, build: Callable[[], nn.Module], make_x: Callable[[], torch.Tensor],
+                 make_y: Callable[[], torch.Tensor], train: bool, export: bool, compile_train: bool):
+        self.name, self.build, self.make_x, self.make_y = name, build, make_x, make_y
+        self.train, self.export, self.compile_train = train, export, compile_train
+
+
+def cases(size: str) -> List[Case]:
+    if size == "tiny":
+        v, seq, d, layers, heads, b = 64, 16, 32, 1, 4, 2
+        rb, px, width, blocks, classes = 2, 32, 4, (1, 1, 1, 1), 10
+        ed, eh, eff, el, eb, es = 32, 4, 64, 1, 2, 16
+    else:
+        v, seq, d, layers, heads, b = 8192, 128, 768, 2, 12, 2
+        rb, px, width, blocks, classes = 4, 64, 64, (3, 4, 6, 3), 1000
+        ed, eh, eff, el, eb, es = 768, 12, 3072, 2, 2, 128
+    return [
+        Case(f"GPT d{d} h{heads} L{layers} vocab{v} b{b} s{seq}",
+             lambda: DecoderLM(vocab=v, seq=seq, d=d, layers=layers, heads=heads),
+             lambda: torch.randint(0, v, (b, seq)), lambda: torch.randint(0, v, (b, seq)),
+             train=True, export=False, compile_train=True),
+        Case(f"ResNet-50{'' if size != 'tiny' else ' layout (tiny)'} b{rb} {px}px",
+             lambda: ResNet50(classes=classes, width=width, blocks=blocks),
+             lambda: torch.randn(rb, 3, px, px), lambda: torch.randint(0, classes, (rb,)),
+             train=True, export=False, compile_train=True),
+        Case(f"BERT-width encoder d{ed} h{eh} L{el} b{eb} s{es} (export)",
+             lambda: Encoder(d=ed, heads=eh, ff=eff, layers=el),
+             lambda: torch.randn(eb, es, ed), lambda: torch.zeros(0),
+             train=False, export=True, compile_train=False),
+    ]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def _convert(base: nn.Module, policy: str, dtype: torch.dtype, case: Case, x: torch.Tensor) -> nn.Module:
+    kw = dict(example_inputs=(x,), frontend="export") if case.export else {}
+    return fxamp.convert(copy.deepcopy(base), policy, dtype=dtype, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# one variant: (step or forward, the objects it owns)
+
+
+def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[Callable[[], None], Callable[[], None]]:
+    """(one training step, zero_grad) for a variant, on its own copy of ``base`` (in train mode)."""
+    if variant in (FP32, AUTOCAST, C_AUTOCAST):
+        m = copy.deepcopy(base).train()
+        opt = _adamw(m.parameters())
+        fwd = torch.compile(m) if variant == C_AUTOCAST else m
+        use_ac = variant != FP32
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=dtype, enabled=use_ac):
+                out = fwd(x)
+            _loss(out, y).backward()
+            opt.step()
+
+        return step, lambda: opt.zero_grad(set_to_none=True)
+    if variant == LIMIT:
+        m = copy.deepcopy(base).train().to(dtype)
+        opt = _adamw(m.parameters())
+        xl = x.to(dtype) if x.is_floating_point() else x
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            _loss(m(xl), y).backward()
+            opt.step()
+
+        return step, lambda: opt.zero_grad(set_to_none=True)
+    if variant == O1:
+        g = _convert(base, "O1", dtype, case, x).train()
+        opt = _adamw(g.parameters())
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            _loss(g(x), y).backward()
+            opt.step()
+
+        return step, lambda: opt.zero_grad(set_to_none=True)
+    if variant in (O2, C_O2):
+        g = _convert(base, "O2", dtype, case, x).train()
+        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters()), model=g)
+        fwd = torch.compile(g) if variant == C_O2 else g
+
+        def step():
+            w.zero_grad(set_to_none=True)
+            w.backward(_loss(fwd(x), y))
+            w.step()
+
+        return step, lambda: w.zero_grad(set_to_none=True)
+    raise ValueError(variant)
+
+
+def forward(variant: str, base: nn.Module, case: Case, x, dtype) -> Callable[[], torch.Tensor]:
+    """A no-grad, eval-mode forward returning float32, for a variant."""
+    if variant in (FP32, AUTOCAST):
+        m = copy.deepcopy(base).eval()
+        use_ac = variant == AUTOCAST
+
+        def f():
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=use_ac):
+                return m(x).float()
+
+        return f
+    if variant == LIMIT:
+        m = copy.deepcopy(base).eval().to(dtype)
+
+        def f():
+            with torch.no_grad():
+                return m(x.to(dtype) if x.is_floating_point() else x).float()
+
+        return f
+    if variant in (O1, O2):
+        g = _convert(base.eval(), variant[-2:], dtype, case, x)
+        if not case.export:
+            g.eval()
+
+        def f():
+            with torch.no_grad():
+                return g(x).float()
+
+        return f
+    raise ValueError(variant)
+
+
+# --------------------------------------------------------------------------------------------
+# memory
+
+
+def live_storage_bytes() -> int:
+    """Bytes of the unique CPU storages of every tensor the garbage collector can see."""
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no __class__ lookups
+            try:  # fake/functional tensors left over from torch.compile have no data
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if ptr and ptr not in seen:
+                seen.add(ptr)
+                total += st.nbytes()
+    return total
+
+
+def step_peak_bytes(fn: Callable[[], Any]) -> int:
+    """Highest total of bytes allocated and not yet freed while ``fn`` runs.
+
+    From the CPU allocator's reports to ``torch.profiler`` (``profile_memory=True``): a running sum of
+    this session's allocations, less the frees of blocks allocated in it (matched by address).  The
+    reports' own ``total_allocated`` is not used: it carries over blocks from earlier profiling
+    sessions.  A block allocated before ``fn`` and freed inside it is not subtracted (overcounts,
+    never undercounts).
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    events.sort(key=lambda t: t[0])
+    live: Dict[int, int] = {}
+    now = peak = 0
+    for _, ptr, size in events:
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+            now += size
+            peak = max(peak, now)
+        elif ptr in live:
+            now -= live.pop(ptr)
+    return peak
+
+
+def train_peak(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Dict[str, float]:
+    """Peak bytes of one training step of ``variant`` built alone: persistent state + the step's peak."""
+    gc.collect()
+    before = live_storage_bytes()
+    step, zero = train_step(variant, base, case, x, y, dtype)
+    step()
+    step()  # optimizer state exists, caches are warm
+    zero()
+    gc.collect()
+    state = live_storage_bytes() - before
+    transient = step_peak_bytes(step)
+    del step, zero
+    gc.collect()
+    return {"state_bytes": state, "step_peak_bytes": transient, "peak_bytes": state + transient}
+
+
+# --------------------------------------------------------------------------------------------
+# the matmul probe: does this CPU have fast low-precision kernels?
+
+
+def matmul_probe(dtype: torch.dtype, threads: int, sizes=(1024, 2048)) -> Dict[str, Any]:
+    import statistics
+    import time
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out: Dict[str, Any] = {"threads": threads}
+    try:
+        for n in sizes:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            res = {}
+            for dt in (torch.float32, dtype):
+                p, q = a.to(dt), b.to(dt)
+                p @ q
+                ts = []
+                for _ in range(5 if n <= 1024 else 3):
+                    t0 = time.perf_counter()
+                    p @ q
+                    ts.append(time.perf_counter() - t0)
+                    if ts[-1] > 2.0:  # a slow fallback: one sample is enough to know
+                        break
+                res[dt] = statistics.median(ts)
+            out[f"matmul{n}_fp32_ms"] = res[torch.float32] * 1e3
+            out[f"matmul{n}_low_ms"] = res[dtype] * 1e3
+            out[f"matmul{n}_low_vs_fp32"] = res[dtype] / res[torch.float32]
+            if res[dtype] > 2.0:
+                break
+    finally:
+        torch.set_num_threads(old)
+    return out
+
+
+def cpu_flags() -> Dict[str, bool]:
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # pragma: no cover
+        pass
+    return {k: k in flags for k in ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")}
+
+
+def print_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
