@@ -48,12 +48,16 @@ convert again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
+import io
+import logging
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -111,10 +115,11 @@ class ExportFrontEnd:
         from torch.export import export  # heavy: imported only when used
 
         root = _export_root(self.model, self.dropped)  # copied per capture: it carries the mode being captured
-        return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
+        with _quiet_torch_logs():
+            return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
 
     def error(self, e: BaseException) -> TraceError:
-        return _export_error(self.model, e, self._why())
+        return _export_error(self.model, e, self._why(), tuple(self.kwargs))
 
     def adopt(self, gm: fx.GraphModule) -> None:
         _restore_train_eval(gm)
@@ -228,6 +233,31 @@ def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
 
     root.forward = forward_returning_pytree
     return root
+
+
+#: loggers that print tracebacks and graph dumps to stderr while export fails (fake-tensor meta
+#: errors, data-dependent guards); fxamp's TraceError says the same in a few lines
+_NOISY_LOGGERS = ("torch._dynamo", "torch._export", "torch.export", "torch._subclasses.fake_tensor",
+                  "torch.fx.experimental.symbolic_shapes", "torch._functorch", "torch._guards")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Keep a failed capture off stderr: torch's export-time loggers go above CRITICAL, and what
+    export prints to ``sys.stderr`` itself (a failed capture's partial graph) is held back and
+    written out only if the capture succeeds.  Levels and stderr are restored after."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    held = io.StringIO()
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        with contextlib.redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())  # reached only when the capture succeeded
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +491,25 @@ def _is_data_dependent(e: BaseException) -> bool:
     return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text or "data dependent" in text
 
 
-def _export_error(model: nn.Module, e: BaseException, why: Optional[str]) -> TraceError:
+_LABEL_LIKE = re.compile(r"label|target|^y$|^y_|answer|positions$", re.IGNORECASE)
+
+
+def _label_hint(kwargs: Sequence[str], code: str) -> str:
+    """The fix when a loss inside forward checks label values (``if labels.max() >= vocab: raise``), or ''."""
+    names = [k for k in kwargs if _LABEL_LIKE.search(k)]
+    if not names:
+        return ""
+    named = [k for k in names if re.search(rf"\b{re.escape(k)}\b", code)]
+    which = ", ".join(f"{k}=" for k in (named or names))
+    why = "that line checks the values of" if named else "example_kwargs include"
+    return (f"What to do: {why} {which}, and a check on label values (a loss inside forward) cannot be "
+            f"captured. Convert without {which} in example_kwargs (forward then returns the logits) and "
+            f"compute the loss outside the converted module, in float32 "
+            f"(F.cross_entropy(logits.float().flatten(0, -2), labels.flatten())).")
+
+
+def _export_error(model: nn.Module, e: BaseException, why: Optional[str],
+                  kwargs: Sequence[str] = ()) -> TraceError:
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
     short = f"{type(e).__name__}: {first}"
     where = _source_line(e)
@@ -471,14 +519,15 @@ def _export_error(model: nn.Module, e: BaseException, why: Optional[str]) -> Tra
     prefix = f"{why}, and torch.export" if why else "torch.export"
     hint_path = repr(path) if path else "'<submodule>'"
     if _is_data_dependent(e):
-        text = (
-            f"{prefix} could not capture {module}: data-dependent control flow at {at or 'an unknown line'}.\n"
-            f"    The branch depends on tensor values, which neither torch.fx nor torch.export can "
-            f"record in one graph ({short}).\n"
+        todo = _label_hint(kwargs, where[2] if where else "") or (
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end; it then "
             f"runs whole, in float32), convert its submodules separately "
             f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), or write the branch with "
-            f"torch.where / torch.cond."
+            f"torch.where / torch.cond.")
+        text = (
+            f"{prefix} could not capture {module}: data-dependent control flow at {at or 'an unknown line'}.\n"
+            f"    The branch depends on tensor values, which neither torch.fx nor torch.export can "
+            f"record in one graph ({short}).\n{todo}"
         )
     else:
         text = (
