@@ -64,3 +64,91 @@ def test_failed_export_keeps_stderr_quiet(capfd):
         fxamp.convert(CheckedLM(), "O1", frontend="export", example_inputs=(ids,), example_kwargs={"labels": ids})
     out, err = capfd.readouterr()
     assert err == "" and out == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Mode flags passed to wrapped functions (item 1)
+# ---------------------------------------------------------------------------------------------
+
+
+def drop_path(x, p: float, training: bool):
+    if not training or p == 0.0:
+        return x
+    return x * torch.empty(x.shape[0], 1).bernoulli_(1 - p) / (1 - p)
+
+
+def scaled_drop(x, p: float):
+    if p == 0.0:
+        return x
+    return x * torch.empty(x.shape[0], 1).bernoulli_(1 - p) / (1 - p)
+
+
+torch.fx.wrap("drop_path")
+torch.fx.wrap("scaled_drop")
+
+
+class DropPathBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + drop_path(self.fc(x), 0.5, self.training)
+
+
+class InnerDrop(nn.Module):
+    def forward(self, x):
+        return scaled_drop(x, 0.5 if self.training else 0.0)  # a float, not a bool, follows the mode
+
+
+class ScaledDropBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = InnerDrop()
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))
+
+
+def _drops(amp, x):
+    return not torch.equal(amp(x), amp(x))
+
+
+@pytest.mark.parametrize("start", ["eval", "train"])
+def test_mode_flag_passed_to_a_wrapped_function_follows_train_eval(start):
+    torch.manual_seed(0)
+    model = DropPathBlock().train(start == "train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # provably right in both modes: nothing to warn about
+        amp = fxamp.convert(model, "O0")
+    assert "drop_path(linear, 0.5, True)" not in amp.code
+    assert any("mode argument x1" in n for n in fxamp.conversion_info(amp).notes)
+    x = torch.randn(8, 16)
+    amp.eval(), model.eval()
+    assert torch.equal(amp(x), model(x))
+    amp.train()
+    assert _drops(amp, x)
+    torch.manual_seed(1)
+    want = model.train()(x)
+    torch.manual_seed(1)
+    assert torch.equal(amp(x), want)
+
+
+def test_a_float_that_follows_the_mode_is_selected_by_the_owners_flag():
+    model = ScaledDropBlock().eval()
+    amp = fxamp.convert(model, "O0")
+    x = torch.randn(8, 16)
+    assert torch.equal(amp.eval()(x), model(x))
+    assert _drops(amp.train(), x)
+    amp.drop.eval()  # the owner is the module that read self.training
+    assert torch.equal(amp(x), model(x))
+
+
+def test_export_mode_dependent_graph_warns_and_keeps_the_current_mode():
+    model = DropPathBlock().eval()
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="training and eval mode capture different graphs"):
+        amp = fxamp.convert(model, "O0", frontend="export", example_inputs=(x,))
+    assert any("different graphs" in n for n in fxamp.conversion_info(amp).notes)
+    assert torch.equal(amp.eval()(x), model(x))
