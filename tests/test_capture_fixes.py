@@ -152,3 +152,55 @@ def test_export_mode_dependent_graph_warns_and_keeps_the_current_mode():
         amp = fxamp.convert(model, "O0", frontend="export", example_inputs=(x,))
     assert any("different graphs" in n for n in fxamp.conversion_info(amp).notes)
     assert torch.equal(amp.eval()(x), model(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fill values derived from float32 (item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+class FinfoAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        s = self.q(x) @ x.transpose(-1, -2)
+        return s.masked_fill(~mask, torch.finfo(s.dtype).min).softmax(-1)
+
+
+class LiteralAttn(nn.Module):
+    """-1e9 written literally (fx traces it): overflows float16, not bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        s = self.q(x) @ x.transpose(-1, -2)
+        s = torch.where(mask, s, -1e9)
+        return s.masked_fill(~mask, -1e9).clamp(min=-1e9).softmax(-1)
+
+
+def _mask_inputs():
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 4, 8), torch.rand(2, 4, 4) > 0.5
+    mask[0, 0] = False  # a fully masked row: uniform in float32, must stay so
+    return x, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("model_cls", [FinfoAttn, LiteralAttn])
+def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
+    x, mask = _mask_inputs()
+    model = model_cls()
+    amp = fxamp.convert(model, policy, dtype=dtype, example_inputs=(x, mask))
+    want = model(x, mask)
+    got = amp(x, mask)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    assert any("fill value(s) beyond float16's range" in n for n in fxamp.conversion_info(amp).notes)
+    expected_frontend = "export" if model_cls is FinfoAttn else "fx"  # fx cannot call finfo on a proxy dtype
+    assert fxamp.conversion_info(amp).frontend == expected_frontend
+    o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
+    assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged

@@ -67,6 +67,7 @@ import torch.utils._pytree as pytree
 from ..errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
 from .common import LeafSpec, user_frame
+from .constants import fit_fill_values
 
 __all__ = ["ExportFrontEnd"]
 
@@ -130,7 +131,7 @@ class ExportFrontEnd:
         dedupe_get_attrs(gm.graph)
         _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs)
         gm.graph.eliminate_dead_code()
-        notes = [_shape_note(gm, self.dynamic)]
+        notes = [_shape_note(gm, self.dynamic)] + fit_fill_values(gm)
         if relaxed:
             notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
         regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes

@@ -23,6 +23,7 @@ from ..errors import TraceError
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
 from ..runtime import call_module_cast, cast, cast_weights
 from .common import LeafSpec, user_frame
+from .constants import fit_fill_values, fit_scalar
 
 __all__ = ["FxFrontEnd"]
 
@@ -61,14 +62,14 @@ class FxFrontEnd:
         _inline_simple_modules(gm)
 
     def finish(self, gm: fx.GraphModule) -> List[str]:
-        return []
+        return fit_fill_values(gm)
 
 
 class _Tracer(fx.Tracer):
     # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
-        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast))
+        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, fit_scalar))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
 
