@@ -41,7 +41,8 @@ def convert(
     example_inputs: Optional[Tuple[Any, ...]] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     frontend: str = "auto",
-    dynamic: bool = True,
+    dynamic: Union[bool, str] = True,
+    dynamic_shapes: Any = None,
     weight_cache: bool = True,
 ) -> fx.GraphModule:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
@@ -54,7 +55,9 @@ def convert(
     op_lists:         replace the default op lists altogether (``overrides`` apply on top).
     leaf_modules:     module classes or paths that torch.fx must not trace into.
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
-                      ``frontend="export"``); ``dynamic`` keeps batch and sequence sizes free.
+                      ``frontend="export"``).
+    dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),
+                      ``"all"`` every dim, False none; ``dynamic_shapes`` goes to ``torch.export`` as given.
     weight_cache:     reuse low-precision weight copies across no-grad calls until a weight changes.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
@@ -71,7 +74,7 @@ def convert(
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
     captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
-                       example_kwargs=example_kwargs, dynamic=dynamic)
+                       example_kwargs=example_kwargs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     gm = captured.graph_module
     decisions = annotate(gm, pol, lists, module_overrides)
     if pol.enabled:

@@ -204,3 +204,67 @@ def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     assert fxamp.conversion_info(amp).frontend == expected_frontend
     o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
     assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged
+
+
+# ---------------------------------------------------------------------------------------------
+# Which dims are dynamic (item 9)
+# ---------------------------------------------------------------------------------------------
+
+
+class TinyConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3))
+
+
+class TokenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, ids, feats):
+        return self.fc(self.emb(ids)) + feats
+
+
+def _shape_note(amp):
+    return next(n for n in fxamp.conversion_info(amp).notes if "input sizes" in n)
+
+
+def test_dynamic_true_keeps_batch_and_sequence_and_static_image_sizes():
+    x = torch.randn(2, 3, 8, 8)
+    amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,))
+    assert _shape_note(amp).endswith("x (*, 3, 8, 8)")
+    assert amp(torch.randn(3, 3, 8, 8)).shape == (3, 4)
+    amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic="all")
+    assert _shape_note(amp).startswith("every dim dynamic") and "x (*, 3, *, *)" in _shape_note(amp)
+    assert amp(torch.randn(3, 3, 6, 10)).shape == (3, 4)
+    ids, feats = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 8)
+    amp = fxamp.convert(TokenNet(), "O1", frontend="export", example_inputs=(ids, feats))
+    assert "ids (*, *), feats (*, *, 8)" in _shape_note(amp)
+    assert amp(torch.randint(0, 10, (3, 7)), torch.randn(3, 7, 8)).shape == (3, 7, 8)
+    dim = torch.export.Dim.AUTO
+    amp = fxamp.convert(TokenNet(), "O1", frontend="export", example_inputs=(ids, feats),
+                        dynamic_shapes={"ids": {0: dim}, "feats": {0: dim}})
+    assert "ids (*, 5), feats (*, 5, 8)" in _shape_note(amp)
+    with pytest.raises(ValueError, match="dynamic='some' is not one of True, 'all', False"):
+        fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic="some")
+
+
+def test_swin_converts_in_seconds():
+    transformers = pytest.importorskip("transformers")
+    import time
+
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                                  window_size=2, drop_path_rate=0.0)
+    model = transformers.SwinModel(cfg).eval()
+    x = torch.randn(2, 3, 32, 32)
+    start = time.perf_counter()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    assert time.perf_counter() - start < 15  # minutes with dynamic image sizes
+    assert "pixel_values (*, 3, 32, 32)" in _shape_note(amp)
+    y = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(amp(y).last_hidden_state.float(), model(y).last_hidden_state, atol=0.1, rtol=0.1)

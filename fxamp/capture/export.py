@@ -20,9 +20,14 @@ the user) see the same module they would get from the fx front end:
    ``fxamp/capture/modes.py``, shared with the fx front end, for the rewrite and what happens when the
    modes capture different graphs.
 
-3. **Shapes.**  Every dimension of every tensor input is ``Dim.AUTO`` (``dynamic=True``): export
-   keeps it symbolic unless the model forces it (a channel count, an image size); sizes of 1 in
-   the example are specialised by export, so use examples with batch and length ≥ 2.  The note in
+3. **Shapes.**  ``dynamic=True`` marks the dims users change as ``Dim.AUTO``: dim 0 (batch) of every
+   tensor input, dim 1 of integer and bool inputs of rank ≥ 2 (token ids, masks: the sequence) and
+   of float inputs of rank 3 (``(batch, length, features)``, or ``(length, batch, features)``);
+   image-like float inputs (rank ≥ 4) keep their spatial sizes static, since symbolic heights and
+   widths through window attention cost minutes of export time.  ``dynamic="all"`` makes every dim
+   ``Dim.AUTO``; ``dynamic=False`` none; ``dynamic_shapes=`` goes to ``torch.export`` as given.
+   Export keeps a dim symbolic unless the model forces it (a channel count); sizes of 1 in the
+   example are specialised, so use examples with batch and length ≥ 2.  The note in
    ``Captured.notes`` says which dimensions stayed dynamic.
 
 4. **Inputs and outputs.**  The module is called with the original ``forward``'s signature
@@ -57,7 +62,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -89,16 +94,25 @@ class ExportFrontEnd:
     name = "export"
 
     def __init__(self, model: nn.Module, example_inputs: Optional[Tuple[Any, ...]],
-                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: bool = True,
-                 leaf_modules: Sequence[LeafSpec] = (), fallback_from: Optional[TraceError] = None):
+                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: Union[bool, str] = True,
+                 dynamic_shapes: Any = None, leaf_modules: Sequence[LeafSpec] = (),
+                 fallback_from: Optional[TraceError] = None):
         self.model = model
         self.fallback_from = fallback_from
         self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
         if leaf_modules:
             raise _leaf_modules_error(leaf_modules, self._why())
-        self.dynamic = dynamic
+        if dynamic not in DYNAMIC:
+            raise ValueError(f"dynamic={dynamic!r} is not one of {', '.join(map(repr, DYNAMIC))} (or pass "
+                             f"dynamic_shapes= for torch.export)")
+        self.dynamic = "given" if dynamic_shapes is not None else dynamic
         self.signature = _signature(model)
-        self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs) if dynamic else None
+        if dynamic_shapes is not None:
+            self.dynamic_shapes = dynamic_shapes
+        elif dynamic:
+            self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs, every_dim=dynamic == "all")
+        else:
+            self.dynamic_shapes = None
         self.dropped: List[str] = []
         self.subgraphs: List[nn.Module] = []
 
@@ -177,19 +191,33 @@ def _signature(model: nn.Module) -> Optional[inspect.Signature]:
         return None
 
 
-def _dims(value: Any) -> Any:
-    """``{dim: Dim.AUTO}`` for every dim of every tensor in ``value`` (same structure), None elsewhere."""
+#: the values ``dynamic=`` takes: the usual dims, every dim, none
+DYNAMIC = (True, "all", False)
+
+
+def _usual_dims(t: torch.Tensor) -> range:
+    """The dims users change between calls: batch; the sequence of token ids, masks and ``(batch, length, features)``."""
+    if t.dim() == 0:
+        return range(0)
+    if t.dim() >= 2 and (not t.is_floating_point() or t.dim() == 3):
+        return range(2)
+    return range(1)
+
+
+def _dims(value: Any, every_dim: bool) -> Any:
+    """``{dim: Dim.AUTO}`` for the dynamic dims of every tensor in ``value`` (same structure), None elsewhere."""
     from torch.export import Dim
 
     def spec(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return {i: Dim.AUTO for i in range(leaf.dim())}
+            return {i: Dim.AUTO for i in (range(leaf.dim()) if every_dim else _usual_dims(leaf))}
         return None
 
     return pytree.tree_map(spec, value)
 
 
-def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    every_dim: bool) -> Any:
     if signature is None:  # pragma: no cover
         return None
     try:
@@ -200,11 +228,11 @@ def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            shapes[name] = {k: _dims(v) for k, v in value.items()}
+            shapes[name] = {k: _dims(v, every_dim) for k, v in value.items()}
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            shapes[name] = tuple(_dims(v) for v in value)
+            shapes[name] = tuple(_dims(v, every_dim) for v in value)
         else:
-            shapes[name] = _dims(value)
+            shapes[name] = _dims(value, every_dim)
     return shapes
 
 
@@ -419,7 +447,7 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
-def _shape_note(gm: fx.GraphModule, dynamic: bool) -> str:
+def _shape_note(gm: fx.GraphModule, dynamic: Union[bool, str]) -> str:
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     parts = []
@@ -430,7 +458,11 @@ def _shape_note(gm: fx.GraphModule, dynamic: bool) -> str:
             parts.append(f"{node.name} ({dims})")
     if not parts:
         return "no tensor inputs"
-    how = "dynamic shapes (Dim.AUTO)" if dynamic else "static shapes (dynamic=False)"
+    how = {True: "dynamic batch and sequence dims (dynamic=True: dim 0, and dim 1 of token/mask and "
+                 "(batch, length, features) inputs; dynamic='all' for every dim, e.g. image sizes)",
+           "all": "every dim dynamic (dynamic='all')",
+           False: "static shapes (dynamic=False)",
+           "given": "dynamic_shapes as given"}[dynamic]
     return f"{how}; input sizes, * = dynamic: " + ", ".join(parts)
 
 
