@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -83,7 +84,10 @@ def convert(
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
-    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))
+    leaf_notes = _float32_leaves(gm, decisions) if pol.enabled else []
+    for note in leaf_notes:
+        warnings.warn(f"fxamp: {note}", stacklevel=2)
+    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes) + tuple(leaf_notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
@@ -91,6 +95,33 @@ def convert(
 
 
 INFO_ATTR = "_fxamp_info"
+
+#: a float32 leaf holding more of the parameters than this is reported and warned about
+FLOAT32_LEAF_SHARE = 0.10
+
+
+def _float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Any]) -> List[str]:
+    """Opaque leaf modules that run in float32 with a large share of the model's work.
+
+    No inputs exist at convert time, so the share of FLOPs is estimated by the share of parameters;
+    norms (float32 by design) and embedding lookups (parameters without FLOPs) are left out.
+    """
+    total = sum(p.numel() for p in gm.parameters())
+    notes = []
+    for node, d in decisions.items():
+        if node.op != "call_module" or d.compute != torch.float32 or d.norm:
+            continue
+        m = gm.get_submodule(str(node.target))
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
+        if share > FLOAT32_LEAF_SHARE:
+            notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
+                         f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
+                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
+                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
+                         f"or use frontend='export'")
+    return notes
 
 
 def conversion_info(module: nn.Module) -> Optional[ConversionInfo]:

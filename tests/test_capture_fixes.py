@@ -268,3 +268,103 @@ def test_swin_converts_in_seconds():
     assert "pixel_values (*, 3, 32, 32)" in _shape_note(amp)
     y = torch.randn(3, 3, 32, 32)
     torch.testing.assert_close(amp(y).last_hidden_state.float(), model(y).last_hidden_state, atol=0.1, rtol=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn transformers traced by torch.fx (item 8)
+# ---------------------------------------------------------------------------------------------
+
+
+def _encoder(dropout=0.0, **kw):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True, **kw)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def test_transformer_encoder_runs_its_math_in_low_precision_without_example_inputs():
+    from dtype_observer import OpDtypes
+
+    model = _encoder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no float32 leaf to warn about, modes agree
+        amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    assert fxamp.conversion_info(amp).frontend == "fx"
+    x = torch.randn(2, 5, 32)
+    with OpDtypes() as rec:
+        amp(x)
+    matmuls = rec.of("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                     "scaled_dot_product_attention")
+    assert len(matmuls) >= 10 and all(c.inputs and set(c.inputs) == {torch.bfloat16} for c in matmuls)
+    assert {c.inputs[0] for c in rec.of("native_layer_norm")} == {torch.float32}
+    torch.testing.assert_close(amp(x).float(), model(x), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_torch_transformers_o0_match_the_original_bitwise(norm_first):
+    torch.manual_seed(0)
+    model = nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+    amp = fxamp.convert(model, "O0")
+    src, tgt = torch.randn(2, 5, 32), torch.randn(2, 4, 32)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[0, -2:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+    for mode in (True, False):
+        model.train(mode), amp.train(mode)
+        assert torch.equal(amp(src, tgt), model(src, tgt))
+        kw = dict(src_key_padding_mask=padding, tgt_mask=causal, tgt_is_causal=True)
+        assert torch.equal(amp(src, tgt, **kw), model(src, tgt, **kw))
+    encoder = _encoder()
+    amp = fxamp.convert(encoder, "O0").eval()
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    assert torch.equal(amp(src, mask=mask), encoder.eval()(src, mask=mask))
+
+
+def test_encoder_layer_dropout_follows_train_eval():
+    model = _encoder(dropout=0.1).layers[0]
+    amp = fxamp.convert(model, "O0")
+    x = torch.randn(2, 5, 32)
+    torch.manual_seed(3)
+    got = amp(x)
+    torch.manual_seed(3)
+    assert torch.equal(got, model(x))  # the same dropout draws
+    assert torch.equal(amp.eval()(x), model.eval()(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class MostlyOpaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.block = Block()
+
+    def forward(self, x):
+        return self.block(self.inp(x))
+
+
+def test_an_opaque_leaf_holding_most_parameters_warns():
+    with pytest.warns(UserWarning, match=r"leaf module 'block' \(Block\) runs whole in float32 and holds 80%"):
+        amp = fxamp.convert(MostlyOpaque(), "O1", leaf_modules=[Block])
+    assert any("holds 80% of the parameters" in n for n in fxamp.conversion_info(amp).notes)
+    with pytest.warns(UserWarning, match=r"leaf module 'encoder' \(TransformerEncoder\)"):
+        fxamp.convert(_wrapped_encoder(), "O1", leaf_modules=[nn.TransformerEncoder])
+
+
+def _wrapped_encoder():
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = _encoder()
+
+        def forward(self, x):
+            return self.encoder(x)
+
+    return Wrapped()

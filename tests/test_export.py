@@ -105,8 +105,21 @@ def test_model(name, policy, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+class ShapeBranch(nn.Module):
+    """A branch on a shape: torch.fx cannot trace it (its proxies have no sizes), torch.export can."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, src):
+        if src.dim() == 3:
+            src = src.flatten(0, 1).unflatten(0, src.shape[:2])
+        return self.fc(src)
+
+
 def test_auto_falls_back_to_export_and_says_why():
-    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    layer = ShapeBranch()  # (nn.TransformerEncoderLayer, the example before, is now traced by torch.fx)
     amp = fxamp.convert(layer, "O1", example_inputs=(torch.randn(2, 5, 16),))
     assert fxamp.conversion_info(amp).frontend == "export"
     assert fxamp.conversion_info(amp).notes[0].startswith("torch.fx could not trace the model (")

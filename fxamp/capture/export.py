@@ -1,7 +1,7 @@
 """The ``torch.export`` front end: capture a model with ``torch.export`` and make the result look like the original.
 
 ``torch.export.export(model, args, kwargs).module()`` captures models ``torch.fx.symbolic_trace``
-cannot (Hugging Face transformers, ``nn.TransformerEncoderLayer``…) as a graph of ATen ops
+cannot (Hugging Face transformers, shape-dependent branches…) as a graph of ATen ops
 (``aten.linear.default``, ``aten.scaled_dot_product_attention.default``…).  Its module differs
 from the original in five ways; :func:`capture_export` undoes each one, so the later stages (and
 the user) see the same module they would get from the fx front end:

@@ -8,12 +8,15 @@ become graph values that can be cast once and shared::
                                         linear = F.linear(x, fc_weight, fc_bias)   # meta[graph.MODULE] = ("fc", nn.Linear)
 
 A tied weight is read under one name (its first), so it is cast once whoever uses it.
+torch.nn's transformers are not leaves: they are traced through their reference path
+(``capture/transformer.py``).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 import torch.nn as nn
@@ -24,6 +27,7 @@ from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirro
 from ..runtime import call_module_cast, cast, cast_weights
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values, fit_scalar
+from .transformer import FORWARDS, canonical_masks, causal_hint, traced_class
 
 __all__ = ["FxFrontEnd"]
 
@@ -47,6 +51,8 @@ class FxFrontEnd:
         # the user's model must not change.
         root = copy.copy(model)
         root.__dict__ = dict(model.__dict__)
+        if FORWARDS.get(type(model)) is not None:  # a torch.nn transformer at the root
+            root.__class__ = traced_class(type(model))
         try:
             graph = tracer.trace(root)
         except Exception as e:  # anything torch.fx raises while running forward on proxies
@@ -69,14 +75,23 @@ class _Tracer(fx.Tracer):
     # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
-        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, fit_scalar))
+        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, fit_scalar, canonical_masks,
+                                             causal_hint))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
             return True
+        if type(m) in FORWARDS:  # torch.nn's transformers: traced into (capture/transformer.py)
+            return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        body = FORWARDS.get(type(m))
+        if body is not None:  # their reference path, without the checks that choose the inference fast path
+            forward = functools.partial(body, m)
+        return super().call_module(m, forward, args, kwargs)
 
 
 def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[Tuple[type, ...], Tuple[str, ...]]:
