@@ -4,6 +4,7 @@ and a quiet stderr when export fails."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import pytest
@@ -297,6 +298,9 @@ def test_transformer_encoder_runs_its_math_in_low_precision_without_example_inpu
     assert len(matmuls) >= 10 and all(c.inputs and set(c.inputs) == {torch.bfloat16} for c in matmuls)
     assert {c.inputs[0] for c in rec.of("native_layer_norm")} == {torch.float32}
     torch.testing.assert_close(amp(x).float(), model(x), atol=5e-2, rtol=5e-2)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    again = pickle.loads(pickle.dumps(amp))  # FX re-traces the generated code: the mask helpers stay calls
+    assert torch.equal(again(x, mask=mask), amp(x, mask=mask))
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
