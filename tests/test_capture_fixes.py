@@ -43,7 +43,7 @@ def test_label_check_in_forward_says_compute_the_loss_outside():
     with pytest.raises(fxamp.TraceError) as info:
         fxamp.convert(CheckedLM(), "O1", example_inputs=(ids,), example_kwargs={"labels": ids})
     text = str(info.value)
-    assert "that line checks the values of labels=" in text
+    assert "What to do: that line checks the values of labels=" in text or "example_kwargs include labels=" in text
     assert "Convert without labels= in example_kwargs" in text and "in float32" in text
     # the fix it names works
     amp = fxamp.convert(CheckedLM(), "O1", example_inputs=(ids,))
@@ -372,3 +372,8 @@ def _wrapped_encoder():
             return self.encoder(x)
 
     return Wrapped()
+
+
+def test_finfo_of_a_traced_dtype_says_to_give_example_inputs():
+    with pytest.raises(fxamp.TraceError, match=r"torch.finfo\(x.dtype\) needs a real dtype.*with example_inputs"):
+        fxamp.convert(FinfoAttn(), "O1", dtype=torch.bfloat16)

@@ -123,10 +123,13 @@ def _trace_error(model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:
     msg_first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     short = f"{type(e).__name__}: {msg_first}"
     hint_path = repr(path) if path else "a submodule path such as 'encoder'"
+    finfo = ("    torch.finfo(x.dtype) needs a real dtype, which a traced value does not have; with "
+             "example_inputs=(...) torch.export captures it, and fxamp fits the constant to the dtype the op "
+             "runs in.\n" if "finfo" in str(e) else "")
     text = (
         f"torch.fx could not trace {type(owner).__name__} "
         f"(module {('at ' + repr(path)) if path else 'at the root'}){where}:\n"
-        f"    {short}\n"
+        f"    {short}\n{finfo}"
         f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (it then runs whole, "
         f"in float32 unless you override its category), convert its submodules separately, or pass "
         f"example_inputs=(...) so fxamp captures the model with torch.export instead."
