@@ -54,7 +54,8 @@ def convert(
     overrides:        change op categories: ``{torch.exp: "neutral", nn.GELU: "unsafe", "Tensor.sum": ...}``.
     module_overrides: change every op under a module path: ``{"encoder.layers.3": "unsafe"}``.
     op_lists:         replace the default op lists altogether (``overrides`` apply on top).
-    leaf_modules:     module classes or paths that torch.fx must not trace into.
+    leaf_modules:     module classes or paths that torch.fx must not trace into (a float32 leaf holding
+                      more than 10% of the parameters is noted and warned about).
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
                       ``frontend="export"``).
     dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),

@@ -33,8 +33,9 @@ argument becomes the owner's flag, or ``getitem((eval value, training value), fl
 When the two captures differ otherwise (a ``DropPath`` that returns its input unless
 ``self.training``, any other branch on the mode), no single graph is right in both modes: the
 capture of the model's current mode is kept, its dropout and batch-norm flags still switch, and a
-note and a warning name the first op that differs.  Convert in the mode you will use the result in.  Limitation: a dropout written
-with a literal ``training=True`` (or ``False`` in an eval-mode capture) follows the module's mode.
+note and a warning name the first op that differs.  Convert in the mode you will use the result in.
+Limitation: a dropout written with a literal ``training=True`` (or ``False`` in an eval-mode
+capture) follows the module's mode.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def _mode_dependent_args(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> O
     flag passed to a wrapped function, ``p if self.training else 0.``).  Returns the first node
     whose difference cannot be selected by the mode (graph values inside it), else None.
     """
+    marks: Dict[fx.Node, List[Tuple[Any, Any, Any]]] = {}
     for t, e in zip(_op_nodes(train_gm), _op_nodes(eval_gm)):
         handled = _HANDLED_ARGS.get(t.target) if t.op == "call_function" else None
         found = []
@@ -208,7 +210,9 @@ def _mode_dependent_args(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> O
             where = k if i is None else i if i < len(t.args) else t.target._schema.arguments[i].name
             found.append((where, ev, tv))
         if found:
-            t.meta[_MODE_ARGS] = found
+            marks[t] = found
+    for node, found in marks.items():  # only once every difference is known to be selectable
+        node.meta[_MODE_ARGS] = found
     return None
 
 
