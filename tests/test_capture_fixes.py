@@ -240,6 +240,9 @@ def test_dynamic_true_keeps_batch_and_sequence_and_static_image_sizes():
     amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,))
     assert _shape_note(amp).endswith("x (*, 3, 8, 8)")
     assert amp(torch.randn(3, 3, 8, 8)).shape == (3, 4)
+    with pytest.raises(RuntimeError, match=r"input 'x' has size 6 in dim 2, which the capture kept static.*"
+                                           r"convert with dynamic='all'"):
+        amp(torch.randn(3, 3, 6, 8))
     amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic="all")
     assert _shape_note(amp).startswith("every dim dynamic") and "x (*, 3, *, *)" in _shape_note(amp)
     assert amp(torch.randn(3, 3, 6, 10)).shape == (3, 4)

@@ -143,7 +143,7 @@ class ExportFrontEnd:
     def finish(self, gm: fx.GraphModule) -> List[str]:
         relaxed = _relax_dtype_asserts(gm, self.subgraphs)
         dedupe_get_attrs(gm.graph)
-        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs)
+        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs, self.dynamic)
         gm.graph.eliminate_dead_code()
         notes = [_shape_note(gm, self.dynamic)] + fit_fill_values(gm)
         if relaxed:
@@ -378,11 +378,13 @@ class _BindInputs:
     """
 
     def __init__(self, signature: inspect.Signature, positional: Tuple[str, ...], keywords: Tuple[str, ...],
-                 constants: Dict[str, Any]):
+                 constants: Dict[str, Any], static: Dict[str, Tuple[Optional[int], ...]], dynamic: Any):
         self.signature = signature
         self.positional = positional
         self.keywords = keywords
         self.constants = constants
+        self.static = static  # input name -> its size per dim, None where dynamic
+        self.dynamic = dynamic  # the dynamic= the capture ran with, for the error
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
@@ -414,7 +416,23 @@ class _BindInputs:
                 f"with example_inputs/example_kwargs that include exactly the inputs you will pass "
                 f"(e.g. one module with labels= for training, one without for inference)"
             )
+        self._check_static_sizes(given)
         return tuple(given[n] for n in self.positional), {n: given[n] for n in self.keywords}
+
+    def _check_static_sizes(self, given: Dict[str, Any]) -> None:
+        """Name the fxamp option when a dim the capture kept static changes (export's own check names its API)."""
+        for name, sizes in self.static.items():
+            value = given.get(name)
+            if not isinstance(value, torch.Tensor) or value.dim() != len(sizes):
+                continue
+            for dim, (want, got) in enumerate(zip(sizes, value.shape)):
+                if want is not None and got != want:
+                    how = ("dynamic=True keeps only batch and sequence dims dynamic" if self.dynamic is True else
+                           f"captured with dynamic={self.dynamic!r}")
+                    raise RuntimeError(
+                        f"input {name!r} has size {got} in dim {dim}, which the capture kept static: expected it "
+                        f"to be equal to {want} ({how}). What to do: convert with dynamic='all' (every dim "
+                        f"dynamic) or pass dynamic_shapes= for this input, or call with size {want}")
 
     def _is_default(self, name: str, value: Any) -> bool:
         if value is None:
@@ -429,7 +447,7 @@ class _BindInputs:
 
 
 def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Signature],
-                             args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+                             args: Tuple[Any, ...], kwargs: Dict[str, Any], dynamic: Any) -> None:
     if signature is None:  # pragma: no cover
         return
     params = list(signature.parameters.values())
@@ -443,7 +461,14 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
         leaves = pytree.tree_leaves(value)
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             constants[name] = value
-    hook = _BindInputs(signature, positional, tuple(kwargs), constants)
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    static = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and node.name in signature.parameters:
+            static[node.name] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
+    hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic)
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
