@@ -74,7 +74,7 @@ def fit_fill_values(gm: fx.GraphModule) -> List[str]:
         if name not in _FILL_OPS:
             continue
         like = _like(node, name)
-        if like is None:
+        if like is None or node.kwargs.get("dtype") is not None:  # an explicit dtype: the value is the user's
             continue
         args = list(node.args)
         kwargs = dict(node.kwargs)
