@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,8 @@ def convert(
     example_inputs: Optional[Tuple[Any, ...]] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     frontend: str = "auto",
-    dynamic: bool = True,
+    dynamic: Union[bool, str] = True,
+    dynamic_shapes: Any = None,
     weight_cache: bool = True,
 ) -> fx.GraphModule:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
@@ -43,9 +45,12 @@ def convert(
     overrides:        change op categories: ``{torch.exp: "neutral", nn.GELU: "unsafe", "Tensor.sum": ...}``.
     module_overrides: change every op under a module path: ``{"encoder.layers.3": "unsafe"}``.
     op_lists:         replace the default op lists altogether (``overrides`` apply on top).
-    leaf_modules:     module classes or paths that torch.fx must not trace into.
+    leaf_modules:     module classes or paths that torch.fx must not trace into (a float32 leaf holding
+                      more than 10% of the parameters is noted and warned about).
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
-                      ``frontend="export"``); ``dynamic`` keeps batch and sequence sizes free.
+                      ``frontend="export"``).
+    dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),
+                      ``"all"`` every dim, False none; ``dynamic_shapes`` goes to ``torch.export`` as given.
     weight_cache:     reuse low-precision weight copies across no-grad calls until a weight changes.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
@@ -62,7 +67,7 @@ def convert(
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
     captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
-                       example_kwargs=example_kwargs, dynamic=dynamic)
+                       example_kwargs=example_kwargs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
     gm = captured.graph_module
     decisions = annotate(gm, pol, lists, module_overrides)
     if pol.enabled:
@@ -71,11 +76,42 @@ def convert(
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
-    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))
+    leaf_notes = _float32_leaves(gm, decisions) if pol.enabled else []
+    for note in leaf_notes:
+        warnings.warn(f"fxamp: {note}", stacklevel=2)
+    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes) + tuple(leaf_notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
     return gm
+
+
+#: a float32 leaf holding more of the parameters than this is reported and warned about
+FLOAT32_LEAF_SHARE = 0.10
+
+
+def _float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Any]) -> List[str]:
+    """Opaque leaf modules that run in float32 with a large share of the model's work.
+
+    No inputs exist at convert time, so the share of FLOPs is estimated by the share of parameters;
+    norms (float32 by design) and embedding lookups (parameters without FLOPs) are left out.
+    """
+    total = sum(p.numel() for p in gm.parameters())
+    notes = []
+    for node, d in decisions.items():
+        if node.op != "call_module" or d.compute != torch.float32 or d.norm:
+            continue
+        m = gm.get_submodule(str(node.target))
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
+        if share > FLOAT32_LEAF_SHARE:
+            notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
+                         f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
+                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
+                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
+                         f"or use frontend='export'")
+    return notes
 
 
 def clear_cast_cache(module: nn.Module) -> None:

@@ -399,9 +399,9 @@ _GROUPS = [
      OpEntry(U, "softmax module (no dtype argument): exp and a sum, float32 (all anchors but TF)")),
     ("nn.TransformerEncoderLayer nn.TransformerDecoderLayer nn.TransformerEncoder nn.TransformerDecoder "
      "nn.Transformer",
-     OpEntry(U, "composite leaf module with layer norms and softmax inside: run whole in float32; use "
-                "frontend='export' (or leaf_modules=() does not help: fx cannot trace it) to convert "
-                "its linears and attention per op")),
+     OpEntry(U, "composite module with layer norms and softmax inside: when kept a leaf (leaf_modules=) it "
+                "runs whole in float32; by default the fx front end traces into it and converts its linears "
+                "and attention per op")),
 
     # ---- conditional ---------------------------------------------------------------------
     ("softmax F.softmin aten.softmax aten._softmax",

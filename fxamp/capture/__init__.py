@@ -18,7 +18,7 @@ model's, under the same names, so ``state_dict`` keys never change.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 
@@ -41,7 +41,8 @@ def capture(
     leaf_modules: Sequence[LeafSpec] = (),
     example_inputs: Optional[Tuple[Any, ...]] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
-    dynamic: bool = True,
+    dynamic: Union[bool, str] = True,
+    dynamic_shapes: Any = None,
 ) -> Captured:
     """Capture ``model`` as a graph.
 
@@ -58,6 +59,7 @@ def capture(
 
     def export(fallback_from: Optional[TraceError]) -> Captured:
         return _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
+                                          dynamic_shapes=dynamic_shapes,
                                           leaf_modules=leaf_modules, fallback_from=fallback_from))
 
     if frontend == "export":

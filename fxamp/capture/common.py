@@ -4,7 +4,9 @@ finding the user's line in a traceback."""
 from __future__ import annotations
 
 import os
+import sys
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Protocol, Type, Union
 
@@ -14,7 +16,7 @@ import torch.nn as nn
 
 from ..errors import TraceError
 
-__all__ = ["Captured", "FrontEnd", "LeafSpec", "user_frame"]
+__all__ = ["Captured", "FrontEnd", "LeafSpec", "user_frame", "warn"]
 
 LeafSpec = Union[str, Type[nn.Module]]
 
@@ -67,3 +69,11 @@ def user_frame(e: BaseException, skip_torch_fx_only: bool = False) -> Optional[t
     if skip_torch_fx_only:
         return (outside or frames or [None])[-1]
     return None
+
+
+def warn(message: str) -> None:
+    """``warnings.warn`` pointing at the user's call (the first frame outside fxamp), prefixed ``fxamp:``."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FXAMP_DIR):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"fxamp: {message}", stacklevel=level)

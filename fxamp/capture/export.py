@@ -1,7 +1,7 @@
 """The ``torch.export`` front end: capture a model with ``torch.export`` and make the result look like the original.
 
 ``torch.export.export(model, args, kwargs).module()`` captures models ``torch.fx.symbolic_trace``
-cannot (Hugging Face transformers, ``nn.TransformerEncoderLayer``…) as a graph of ATen ops
+cannot (Hugging Face transformers, shape-dependent branches…) as a graph of ATen ops
 (``aten.linear.default``, ``aten.scaled_dot_product_attention.default``…).  Its module differs
 from the original in five ways; :func:`capture_export` undoes each one, so the later stages (and
 the user) see the same module they would get from the fx front end:
@@ -20,9 +20,14 @@ the user) see the same module they would get from the fx front end:
    ``fxamp/capture/modes.py``, shared with the fx front end, for the rewrite and what happens when the
    modes capture different graphs.
 
-3. **Shapes.**  Every dimension of every tensor input is ``Dim.AUTO`` (``dynamic=True``): export
-   keeps it symbolic unless the model forces it (a channel count, an image size); sizes of 1 in
-   the example are specialised by export, so use examples with batch and length ≥ 2.  The note in
+3. **Shapes.**  ``dynamic=True`` marks the dims users change as ``Dim.AUTO``: dim 0 (batch) of every
+   tensor input, dim 1 of integer and bool inputs of rank ≥ 2 (token ids, masks: the sequence) and
+   of float inputs of rank 3 (``(batch, length, features)``, or ``(length, batch, features)``);
+   image-like float inputs (rank ≥ 4) keep their spatial sizes static, since symbolic heights and
+   widths through window attention cost minutes of export time.  ``dynamic="all"`` makes every dim
+   ``Dim.AUTO``; ``dynamic=False`` none; ``dynamic_shapes=`` goes to ``torch.export`` as given.
+   Export keeps a dim symbolic unless the model forces it (a channel count); sizes of 1 in the
+   example are specialised, so use examples with batch and length ≥ 2.  The note in
    ``Captured.notes`` says which dimensions stayed dynamic.
 
 4. **Inputs and outputs.**  The module is called with the original ``forward``'s signature
@@ -48,12 +53,16 @@ convert again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
+import io
+import logging
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -63,6 +72,7 @@ import torch.utils._pytree as pytree
 from ..errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
 from .common import LeafSpec, user_frame
+from .constants import fit_fill_values
 
 __all__ = ["ExportFrontEnd"]
 
@@ -84,16 +94,25 @@ class ExportFrontEnd:
     name = "export"
 
     def __init__(self, model: nn.Module, example_inputs: Optional[Tuple[Any, ...]],
-                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: bool = True,
-                 leaf_modules: Sequence[LeafSpec] = (), fallback_from: Optional[TraceError] = None):
+                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: Union[bool, str] = True,
+                 dynamic_shapes: Any = None, leaf_modules: Sequence[LeafSpec] = (),
+                 fallback_from: Optional[TraceError] = None):
         self.model = model
         self.fallback_from = fallback_from
         self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
         if leaf_modules:
             raise _leaf_modules_error(leaf_modules, self._why())
-        self.dynamic = dynamic
+        if dynamic not in DYNAMIC:
+            raise ValueError(f"dynamic={dynamic!r} is not one of {', '.join(map(repr, DYNAMIC))} (or pass "
+                             f"dynamic_shapes= for torch.export)")
+        self.dynamic = "given" if dynamic_shapes is not None else dynamic
         self.signature = _signature(model)
-        self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs) if dynamic else None
+        if dynamic_shapes is not None:
+            self.dynamic_shapes = dynamic_shapes
+        elif dynamic:
+            self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs, every_dim=dynamic == "all")
+        else:
+            self.dynamic_shapes = None
         self.dropped: List[str] = []
         self.subgraphs: List[nn.Module] = []
 
@@ -111,10 +130,11 @@ class ExportFrontEnd:
         from torch.export import export  # heavy: imported only when used
 
         root = _export_root(self.model, self.dropped)  # copied per capture: it carries the mode being captured
-        return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
+        with _quiet_torch_logs():
+            return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
 
     def error(self, e: BaseException) -> TraceError:
-        return _export_error(self.model, e, self._why())
+        return _export_error(self.model, e, self._why(), tuple(self.kwargs))
 
     def adopt(self, gm: fx.GraphModule) -> None:
         _restore_train_eval(gm)
@@ -123,9 +143,9 @@ class ExportFrontEnd:
     def finish(self, gm: fx.GraphModule) -> List[str]:
         relaxed = _relax_dtype_asserts(gm, self.subgraphs)
         dedupe_get_attrs(gm.graph)
-        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs)
+        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs, self.dynamic)
         gm.graph.eliminate_dead_code()
-        notes = [_shape_note(gm, self.dynamic)]
+        notes = [_shape_note(gm, self.dynamic)] + fit_fill_values(gm)
         if relaxed:
             notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
         regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
@@ -171,19 +191,33 @@ def _signature(model: nn.Module) -> Optional[inspect.Signature]:
         return None
 
 
-def _dims(value: Any) -> Any:
-    """``{dim: Dim.AUTO}`` for every dim of every tensor in ``value`` (same structure), None elsewhere."""
+#: the values ``dynamic=`` takes: the usual dims, every dim, none
+DYNAMIC = (True, "all", False)
+
+
+def _usual_dims(t: torch.Tensor) -> range:
+    """The dims users change between calls: batch; the sequence of token ids, masks and ``(batch, length, features)``."""
+    if t.dim() == 0:
+        return range(0)
+    if t.dim() >= 2 and (not t.is_floating_point() or t.dim() == 3):
+        return range(2)
+    return range(1)
+
+
+def _dims(value: Any, every_dim: bool) -> Any:
+    """``{dim: Dim.AUTO}`` for the dynamic dims of every tensor in ``value`` (same structure), None elsewhere."""
     from torch.export import Dim
 
     def spec(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return {i: Dim.AUTO for i in range(leaf.dim())}
+            return {i: Dim.AUTO for i in (range(leaf.dim()) if every_dim else _usual_dims(leaf))}
         return None
 
     return pytree.tree_map(spec, value)
 
 
-def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    every_dim: bool) -> Any:
     if signature is None:  # pragma: no cover
         return None
     try:
@@ -194,11 +228,11 @@ def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            shapes[name] = {k: _dims(v) for k, v in value.items()}
+            shapes[name] = {k: _dims(v, every_dim) for k, v in value.items()}
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            shapes[name] = tuple(_dims(v) for v in value)
+            shapes[name] = tuple(_dims(v, every_dim) for v in value)
         else:
-            shapes[name] = _dims(value)
+            shapes[name] = _dims(value, every_dim)
     return shapes
 
 
@@ -228,6 +262,31 @@ def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
 
     root.forward = forward_returning_pytree
     return root
+
+
+#: loggers that print tracebacks and graph dumps to stderr while export fails (fake-tensor meta
+#: errors, data-dependent guards); fxamp's TraceError says the same in a few lines
+_NOISY_LOGGERS = ("torch._dynamo", "torch._export", "torch.export", "torch._subclasses.fake_tensor",
+                  "torch.fx.experimental.symbolic_shapes", "torch._functorch", "torch._guards")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Keep a failed capture off stderr: torch's export-time loggers go above CRITICAL, and what
+    export prints to ``sys.stderr`` itself (a failed capture's partial graph) is held back and
+    written out only if the capture succeeds.  Levels and stderr are restored after."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    held = io.StringIO()
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        with contextlib.redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())  # reached only when the capture succeeded
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,11 +378,13 @@ class _BindInputs:
     """
 
     def __init__(self, signature: inspect.Signature, positional: Tuple[str, ...], keywords: Tuple[str, ...],
-                 constants: Dict[str, Any]):
+                 constants: Dict[str, Any], static: Dict[str, Tuple[Optional[int], ...]], dynamic: Any):
         self.signature = signature
         self.positional = positional
         self.keywords = keywords
         self.constants = constants
+        self.static = static  # input name -> its size per dim, None where dynamic
+        self.dynamic = dynamic  # the dynamic= the capture ran with, for the error
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
@@ -355,7 +416,23 @@ class _BindInputs:
                 f"with example_inputs/example_kwargs that include exactly the inputs you will pass "
                 f"(e.g. one module with labels= for training, one without for inference)"
             )
+        self._check_static_sizes(given)
         return tuple(given[n] for n in self.positional), {n: given[n] for n in self.keywords}
+
+    def _check_static_sizes(self, given: Dict[str, Any]) -> None:
+        """Name the fxamp option when a dim the capture kept static changes (export's own check names its API)."""
+        for name, sizes in self.static.items():
+            value = given.get(name)
+            if not isinstance(value, torch.Tensor) or value.dim() != len(sizes):
+                continue
+            for dim, (want, got) in enumerate(zip(sizes, value.shape)):
+                if want is not None and got != want:
+                    how = ("dynamic=True keeps only batch and sequence dims dynamic" if self.dynamic is True else
+                           f"captured with dynamic={self.dynamic!r}")
+                    raise RuntimeError(
+                        f"input {name!r} has size {got} in dim {dim}, which the capture kept static: expected it "
+                        f"to be equal to {want} ({how}). What to do: convert with dynamic='all' (every dim "
+                        f"dynamic) or pass dynamic_shapes= for this input, or call with size {want}")
 
     def _is_default(self, name: str, value: Any) -> bool:
         if value is None:
@@ -370,7 +447,7 @@ class _BindInputs:
 
 
 def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Signature],
-                             args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+                             args: Tuple[Any, ...], kwargs: Dict[str, Any], dynamic: Any) -> None:
     if signature is None:  # pragma: no cover
         return
     params = list(signature.parameters.values())
@@ -384,11 +461,18 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
         leaves = pytree.tree_leaves(value)
         if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
             constants[name] = value
-    hook = _BindInputs(signature, positional, tuple(kwargs), constants)
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    static = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and node.name in signature.parameters:
+            static[node.name] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
+    hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic)
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
-def _shape_note(gm: fx.GraphModule, dynamic: bool) -> str:
+def _shape_note(gm: fx.GraphModule, dynamic: Union[bool, str]) -> str:
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     parts = []
@@ -399,7 +483,11 @@ def _shape_note(gm: fx.GraphModule, dynamic: bool) -> str:
             parts.append(f"{node.name} ({dims})")
     if not parts:
         return "no tensor inputs"
-    how = "dynamic shapes (Dim.AUTO)" if dynamic else "static shapes (dynamic=False)"
+    how = {True: "dynamic batch and sequence dims (dynamic=True: dim 0, and dim 1 of token/mask and "
+                 "(batch, length, features) inputs; dynamic='all' for every dim, e.g. image sizes)",
+           "all": "every dim dynamic (dynamic='all')",
+           False: "static shapes (dynamic=False)",
+           "given": "dynamic_shapes as given"}[dynamic]
     return f"{how}; input sizes, * = dynamic: " + ", ".join(parts)
 
 
@@ -461,7 +549,25 @@ def _is_data_dependent(e: BaseException) -> bool:
     return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text or "data dependent" in text
 
 
-def _export_error(model: nn.Module, e: BaseException, why: Optional[str]) -> TraceError:
+_LABEL_LIKE = re.compile(r"label|target|^y$|^y_|answer|positions$", re.IGNORECASE)
+
+
+def _label_hint(kwargs: Sequence[str], code: str) -> str:
+    """The fix when a loss inside forward checks label values (``if labels.max() >= vocab: raise``), or ''."""
+    names = [k for k in kwargs if _LABEL_LIKE.search(k)]
+    if not names:
+        return ""
+    named = [k for k in names if re.search(rf"\b{re.escape(k)}\b", code)]
+    which = ", ".join(f"{k}=" for k in (named or names))
+    why = "that line checks the values of" if named else "example_kwargs include"
+    return (f"What to do: {why} {which}, and a check on label values (a loss inside forward) cannot be "
+            f"captured. Convert without {which} in example_kwargs (forward then returns the logits) and "
+            f"compute the loss outside the converted module, in float32 "
+            f"(F.cross_entropy(logits.float().flatten(0, -2), labels.flatten())).")
+
+
+def _export_error(model: nn.Module, e: BaseException, why: Optional[str],
+                  kwargs: Sequence[str] = ()) -> TraceError:
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
     short = f"{type(e).__name__}: {first}"
     where = _source_line(e)
@@ -471,14 +577,15 @@ def _export_error(model: nn.Module, e: BaseException, why: Optional[str]) -> Tra
     prefix = f"{why}, and torch.export" if why else "torch.export"
     hint_path = repr(path) if path else "'<submodule>'"
     if _is_data_dependent(e):
-        text = (
-            f"{prefix} could not capture {module}: data-dependent control flow at {at or 'an unknown line'}.\n"
-            f"    The branch depends on tensor values, which neither torch.fx nor torch.export can "
-            f"record in one graph ({short}).\n"
+        todo = _label_hint(kwargs, where[2] if where else "") or (
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end; it then "
             f"runs whole, in float32), convert its submodules separately "
             f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), or write the branch with "
-            f"torch.where / torch.cond."
+            f"torch.where / torch.cond.")
+        text = (
+            f"{prefix} could not capture {module}: data-dependent control flow at {at or 'an unknown line'}.\n"
+            f"    The branch depends on tensor values, which neither torch.fx nor torch.export can "
+            f"record in one graph ({short}).\n{todo}"
         )
     else:
         text = (

@@ -8,12 +8,15 @@ become graph values that can be cast once and shared::
                                         linear = F.linear(x, fc_weight, fc_bias)   # meta[graph.MODULE] = ("fc", nn.Linear)
 
 A tied weight is read under one name (its first), so it is cast once whoever uses it.
+torch.nn's transformers are not leaves: they are traced through their reference path
+(``capture/transformer.py``).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 import torch.nn as nn
@@ -23,6 +26,8 @@ from ..errors import TraceError
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
 from ..runtime import call_module_cast, cast, cast_weights
 from .common import LeafSpec, user_frame
+from .constants import fit_fill_values, fit_scalar
+from .transformer import FORWARDS, canonical_masks, causal_hint, traced_class
 
 __all__ = ["FxFrontEnd"]
 
@@ -46,10 +51,15 @@ class FxFrontEnd:
         # the user's model must not change.
         root = copy.copy(model)
         root.__dict__ = dict(model.__dict__)
+        if FORWARDS.get(type(model)) is not None:  # a torch.nn transformer at the root
+            root.__class__ = traced_class(type(model))
         try:
             graph = tracer.trace(root)
         except Exception as e:  # anything torch.fx raises while running forward on proxies
             raise _trace_error(model, tracer, e) from e
+        if type(root) is not type(model):
+            for node in graph.find_nodes(op="placeholder") + graph.find_nodes(op="output"):
+                node.type = None  # fxamp's forward's annotations: strings, which pickling cannot import
         return fx.GraphModule(root, graph, class_name=type(model).__name__)
 
     def error(self, e: BaseException) -> TraceError:  # pragma: no cover - trace() raises TraceError itself
@@ -61,21 +71,30 @@ class FxFrontEnd:
         _inline_simple_modules(gm)
 
     def finish(self, gm: fx.GraphModule) -> List[str]:
-        return []
+        return fit_fill_values(gm)
 
 
 class _Tracer(fx.Tracer):
     # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
-        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast))
+        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, fit_scalar, canonical_masks,
+                                             causal_hint))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
             return True
+        if type(m) in FORWARDS:  # torch.nn's transformers: traced into (capture/transformer.py)
+            return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        body = FORWARDS.get(type(m))
+        if body is not None:  # their reference path, without the checks that choose the inference fast path
+            forward = functools.partial(body, m)
+        return super().call_module(m, forward, args, kwargs)
 
 
 def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[Tuple[type, ...], Tuple[str, ...]]:
@@ -104,10 +123,13 @@ def _trace_error(model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:
     msg_first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     short = f"{type(e).__name__}: {msg_first}"
     hint_path = repr(path) if path else "a submodule path such as 'encoder'"
+    finfo = ("    torch.finfo(x.dtype) needs a real dtype, which a traced value does not have; with "
+             "example_inputs=(...) torch.export captures it, and fxamp fits the constant to the dtype the op "
+             "runs in.\n" if "finfo" in str(e) else "")
     text = (
         f"torch.fx could not trace {type(owner).__name__} "
         f"(module {('at ' + repr(path)) if path else 'at the root'}){where}:\n"
-        f"    {short}\n"
+        f"    {short}\n{finfo}"
         f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (it then runs whole, "
         f"in float32 unless you override its category), convert its submodules separately, or pass "
         f"example_inputs=(...) so fxamp captures the model with torch.export instead."

@@ -23,11 +23,19 @@ named ``_fxamp_mode`` stands for the root, which a graph cannot name.  An ``aten
 reads exactly its module's tensors becomes a ``call_module`` of the original ``BatchNorm``
 (statistics, momentum and ``num_batches_tracked`` then behave as the original's in both modes).
 
-When the two captures differ (a ``DropPath`` that returns its input unless ``self.training``, any
-other branch on the mode), no single graph is right in both modes: the capture of the model's
-current mode is kept, its dropout and batch-norm flags still switch, and a note names the first
-op that differs.  Convert in the mode you will use the result in.  Limitation: a dropout written
-with a literal ``training=True`` (or ``False`` in an eval-mode capture) follows the module's mode.
+When the two graphs run the same ops but pass different constants (``self.training`` handed to a
+``torch.fx.wrap``'d ``drop_path(x, p, training)``, ``p if self.training else 0.``), each such
+argument becomes the owner's flag, or ``getitem((eval value, training value), flag)``::
+
+    drop_path = drop_path(linear, 0.5, True)     ==>     training = getattr(self._fxamp_mode, "training")
+                                                         drop_path = drop_path(linear, 0.5, training)
+
+When the two captures differ otherwise (a ``DropPath`` that returns its input unless
+``self.training``, any other branch on the mode), no single graph is right in both modes: the
+capture of the model's current mode is kept, its dropout and batch-norm flags still switch, and a
+note and a warning name the first op that differs.  Convert in the mode you will use the result in.
+Limitation: a dropout written with a literal ``training=True`` (or ``False`` in an eval-mode
+capture) follows the module's mode.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..graph import fetch_attr, module_path_of, node_arg, replace_node_arg
+from .common import warn
 
 __all__ = ["ModeFlag", "training_mode", "capture_in_both_modes", "make_modes_switchable"]
 
@@ -101,9 +110,9 @@ def _is_counter_update(node: fx.Node) -> bool:
     return False
 
 
-def _ops(gm: fx.GraphModule) -> List[Tuple[str, Any]]:
-    """The ops a graph runs, minus those a mode may change without changing the computation."""
-    ops = []
+def _op_nodes(gm: fx.GraphModule) -> List[fx.Node]:
+    """The nodes running the ops a graph runs, minus those a mode may change without changing the computation."""
+    nodes = []
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
@@ -111,13 +120,14 @@ def _ops(gm: fx.GraphModule) -> List[Tuple[str, Any]]:
             continue
         if node.op == "call_method" and node.target in _MODE_NOISE_METHODS:
             continue
-        ops.append((node.op, node.target))
-    return ops
+        nodes.append(node)
+    return nodes
 
 
 def _first_difference(a: fx.GraphModule, b: fx.GraphModule) -> Optional[fx.Node]:
     """The first node of ``a`` (or ``b``) whose op the other graph does not run at that point."""
-    ops_a, ops_b = _ops(a), _ops(b)
+    ops_a = [(n.op, n.target) for n in _op_nodes(a)]
+    ops_b = [(n.op, n.target) for n in _op_nodes(b)]
     if ops_a == ops_b:
         return None
     i = next((i for i, (x, y) in enumerate(zip(ops_a, ops_b)) if x != y), min(len(ops_a), len(ops_b)))
@@ -127,6 +137,83 @@ def _first_difference(a: fx.GraphModule, b: fx.GraphModule) -> Optional[fx.Node]
             if nodes:
                 return nodes[0]
     return None  # pragma: no cover
+
+
+#: the literal arguments a switchable graph may hold different values for: the flags rewritten below
+_HANDLED_ARGS = {**_ATTENTION, **_BATCH_NORM_FLAGS}
+#: node.meta key (this module only): ``[(index or keyword, value in eval mode, value in training mode)]``
+_MODE_ARGS = "fxamp_mode_args"
+
+
+def _literal(value: Any) -> bool:
+    """A constant ``getitem((eval, train), flag)`` can select: no graph values inside."""
+    if isinstance(value, (list, tuple)):
+        return all(_literal(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return isinstance(a, fx.Node) and isinstance(b, fx.Node)  # graph values: the op sequence matched
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return b != b  # nan
+    try:
+        return bool(a == b)
+    except Exception:  # tensors and other objects with an elementwise __eq__
+        return a is b
+
+
+_MISSING = object()
+
+
+def _arg(node: fx.Node, index: Optional[int], key: Optional[str]) -> Any:
+    """Positional argument ``index`` (an ATen op's schema default when omitted) or keyword ``key``."""
+    if index is None:
+        return node.kwargs.get(key, _MISSING)
+    if index < len(node.args):
+        return node.args[index]
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and index < len(schema.arguments):
+        argument = schema.arguments[index]
+        if argument.name in node.kwargs:
+            return node.kwargs[argument.name]
+        if argument.has_default_value():
+            return argument.default_value
+    return _MISSING
+
+
+def _mode_dependent_args(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> Optional[fx.Node]:
+    """Record on each training-graph node the literal arguments that differ in the eval graph (``_MODE_ARGS``).
+
+    The two graphs run the same ops; a literal that differs came from a ``self.training`` read (a
+    flag passed to a wrapped function, ``p if self.training else 0.``).  Returns the first node
+    whose difference cannot be selected by the mode (graph values inside it), else None.
+    """
+    marks: Dict[fx.Node, List[Tuple[Any, Any, Any]]] = {}
+    for t, e in zip(_op_nodes(train_gm), _op_nodes(eval_gm)):
+        handled = _HANDLED_ARGS.get(t.target) if t.op == "call_function" else None
+        found = []
+        keys = [(i, None) for i in range(max(len(t.args), len(e.args)))]
+        keys += [(None, k) for k in sorted(set(t.kwargs) | set(e.kwargs))]
+        for i, k in keys:
+            tv, ev = _arg(t, i, k), _arg(e, i, k)
+            if handled is not None and (i == handled[0] or k == handled[1]):
+                continue
+            if tv is not _MISSING and ev is not _MISSING and _same(tv, ev):
+                continue
+            if tv is _MISSING or ev is _MISSING or not (_literal(tv) and _literal(ev)):
+                return t
+            where = k if i is None else i if i < len(t.args) else t.target._schema.arguments[i].name
+            found.append((where, ev, tv))
+        if found:
+            marks[t] = found
+    for node, found in marks.items():  # only once every difference is known to be selectable
+        node.meta[_MODE_ARGS] = found
+    return None
 
 
 def _where(node: fx.Node) -> str:
@@ -149,18 +236,25 @@ def capture_in_both_modes(
         with training_mode(model, not current):
             second = capture()
     except Exception as e:  # the other mode fails: keep the capture that worked
-        return first, current, [f"captured in {_mode(current)} mode only ({_mode(not current)} mode failed: "
-                                f"{type(e).__name__}); train()/eval() switch its dropout and batch norms"]
+        note = (f"captured in {_mode(current)} mode only ({_mode(not current)} mode failed: {type(e).__name__}); "
+                f"train()/eval() switch its dropout and batch norms")
+        warn(note)
+        return first, current, [note]
     train_gm, eval_gm = (first, second) if current else (second, first)
     diff = _first_difference(train_gm, eval_gm)
     if diff is None:
-        return train_gm, True, []
+        diff = _mode_dependent_args(train_gm, eval_gm)
+        if diff is None:
+            return train_gm, True, []
+        what = "an argument that is not a constant"
+    else:
+        what = "a different op"
     op = diff.target if isinstance(diff.target, str) else getattr(diff.target, "__name__", str(diff.target))
-    return first, current, [
-        f"training and eval mode capture different graphs (first at {op}{_where(diff)}): the graph follows "
-        f"{_mode(current)} mode, the mode at capture; train()/eval() switch only its dropout and batch "
-        f"norms. Convert in the mode you will run it in."
-    ]
+    note = (f"training and eval mode capture different graphs (first at {op}{_where(diff)}: {what}): the graph "
+            f"follows {_mode(current)} mode, the mode at capture; train()/eval() switch only its dropout and "
+            f"batch norms. Convert in the mode you will run it in.")
+    warn(note)
+    return first, current, [note]
 
 
 def _mode(training: bool) -> str:
@@ -213,6 +307,15 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
 
     lost = 0
     for node in list(graph.nodes):
+        for where, in_eval, in_training in node.meta.pop(_MODE_ARGS, ()):
+            flag = owners.flag(node)
+            if in_eval is not False or in_training is not True:  # not the flag itself: select by it
+                with graph.inserting_before(node):
+                    flag = graph.call_function(operator.getitem, ((in_eval, in_training), flag))
+                flag.meta["val"] = in_training
+            index, name = (where, "") if isinstance(where, int) else (len(node.args), where)
+            replace_node_arg(node, index, name, flag)
+            count("mode argument")
         if node.op != "call_function":
             continue
         target = node.target

@@ -1,0 +1,382 @@
+"""Capture fixes of issue 10: mode flags passed to wrapped functions, dtype-derived constants,
+label checks inside forward, torch.nn transformers traced by torch.fx, which dims are dynamic,
+and a quiet stderr when export fails."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses that check label values inside forward (item 7)
+# ---------------------------------------------------------------------------------------------
+
+
+class CheckedLM(nn.Module):
+    def __init__(self, vocab=10):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, 8)
+        self.out = nn.Linear(8, vocab)
+
+    def forward(self, ids, labels=None):
+        logits = self.out(self.emb(ids))
+        if labels is None:
+            return logits
+        if labels.max() >= self.vocab:
+            raise ValueError("labels out of range")
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_label_check_in_forward_says_compute_the_loss_outside():
+    ids = torch.randint(0, 10, (2, 5))
+    with pytest.raises(fxamp.TraceError) as info:
+        fxamp.convert(CheckedLM(), "O1", example_inputs=(ids,), example_kwargs={"labels": ids})
+    text = str(info.value)
+    assert "What to do: that line checks the values of labels=" in text or "example_kwargs include labels=" in text
+    assert "Convert without labels= in example_kwargs" in text and "in float32" in text
+    # the fix it names works
+    amp = fxamp.convert(CheckedLM(), "O1", example_inputs=(ids,))
+    loss = F.cross_entropy(amp(ids).float().flatten(0, 1), ids.flatten())
+    assert torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# A failed export stays off stderr
+# ---------------------------------------------------------------------------------------------
+
+
+def test_failed_export_keeps_stderr_quiet(capfd):
+    capfd.readouterr()
+    with pytest.raises(fxamp.TraceError, match="could not capture Linear"):
+        fxamp.convert(nn.Linear(8, 8), "O1", frontend="export", example_inputs=(torch.randn(2, 5),))
+    ids = torch.randint(0, 10, (2, 5))
+    with pytest.raises(fxamp.TraceError):
+        fxamp.convert(CheckedLM(), "O1", frontend="export", example_inputs=(ids,), example_kwargs={"labels": ids})
+    out, err = capfd.readouterr()
+    assert err == "" and out == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Mode flags passed to wrapped functions (item 1)
+# ---------------------------------------------------------------------------------------------
+
+
+def drop_path(x, p: float, training: bool):
+    if not training or p == 0.0:
+        return x
+    return x * torch.empty(x.shape[0], 1).bernoulli_(1 - p) / (1 - p)
+
+
+def scaled_drop(x, p: float):
+    if p == 0.0:
+        return x
+    return x * torch.empty(x.shape[0], 1).bernoulli_(1 - p) / (1 - p)
+
+
+torch.fx.wrap("drop_path")
+torch.fx.wrap("scaled_drop")
+
+
+class DropPathBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + drop_path(self.fc(x), 0.5, self.training)
+
+
+class InnerDrop(nn.Module):
+    def forward(self, x):
+        return scaled_drop(x, 0.5 if self.training else 0.0)  # a float, not a bool, follows the mode
+
+
+class ScaledDropBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = InnerDrop()
+
+    def forward(self, x):
+        return x + self.drop(self.fc(x))
+
+
+def _drops(amp, x):
+    return not torch.equal(amp(x), amp(x))
+
+
+@pytest.mark.parametrize("start", ["eval", "train"])
+def test_mode_flag_passed_to_a_wrapped_function_follows_train_eval(start):
+    torch.manual_seed(0)
+    model = DropPathBlock().train(start == "train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # provably right in both modes: nothing to warn about
+        amp = fxamp.convert(model, "O0")
+    assert "drop_path(linear, 0.5, True)" not in amp.code
+    assert any("mode argument x1" in n for n in fxamp.conversion_info(amp).notes)
+    x = torch.randn(8, 16)
+    amp.eval(), model.eval()
+    assert torch.equal(amp(x), model(x))
+    amp.train()
+    assert _drops(amp, x)
+    torch.manual_seed(1)
+    want = model.train()(x)
+    torch.manual_seed(1)
+    assert torch.equal(amp(x), want)
+
+
+def test_a_float_that_follows_the_mode_is_selected_by_the_owners_flag():
+    model = ScaledDropBlock().eval()
+    amp = fxamp.convert(model, "O0")
+    x = torch.randn(8, 16)
+    assert torch.equal(amp.eval()(x), model(x))
+    assert _drops(amp.train(), x)
+    amp.drop.eval()  # the owner is the module that read self.training
+    assert torch.equal(amp(x), model(x))
+
+
+def test_export_mode_dependent_graph_warns_and_keeps_the_current_mode():
+    model = DropPathBlock().eval()
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="training and eval mode capture different graphs"):
+        amp = fxamp.convert(model, "O0", frontend="export", example_inputs=(x,))
+    assert any("different graphs" in n for n in fxamp.conversion_info(amp).notes)
+    assert torch.equal(amp.eval()(x), model(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fill values derived from float32 (item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+class FinfoAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        s = self.q(x) @ x.transpose(-1, -2)
+        return s.masked_fill(~mask, torch.finfo(s.dtype).min).softmax(-1)
+
+
+class LiteralAttn(nn.Module):
+    """-1e9 written literally (fx traces it): overflows float16, not bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        s = self.q(x) @ x.transpose(-1, -2)
+        s = torch.where(mask, s, -1e9)
+        return s.masked_fill(~mask, -1e9).clamp(min=-1e9).softmax(-1)
+
+
+def _mask_inputs():
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 4, 8), torch.rand(2, 4, 4) > 0.5
+    mask[0, 0] = False  # a fully masked row: uniform in float32, must stay so
+    return x, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("model_cls", [FinfoAttn, LiteralAttn])
+def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
+    x, mask = _mask_inputs()
+    model = model_cls()
+    amp = fxamp.convert(model, policy, dtype=dtype, example_inputs=(x, mask))
+    want = model(x, mask)
+    got = amp(x, mask)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    assert any("fill value(s) beyond float16's range" in n for n in fxamp.conversion_info(amp).notes)
+    expected_frontend = "export" if model_cls is FinfoAttn else "fx"  # fx cannot call finfo on a proxy dtype
+    assert fxamp.conversion_info(amp).frontend == expected_frontend
+    o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
+    assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged
+
+
+# ---------------------------------------------------------------------------------------------
+# Which dims are dynamic (item 9)
+# ---------------------------------------------------------------------------------------------
+
+
+class TinyConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3))
+
+
+class TokenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, ids, feats):
+        return self.fc(self.emb(ids)) + feats
+
+
+def _shape_note(amp):
+    return next(n for n in fxamp.conversion_info(amp).notes if "input sizes" in n)
+
+
+def test_dynamic_true_keeps_batch_and_sequence_and_static_image_sizes():
+    x = torch.randn(2, 3, 8, 8)
+    amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,))
+    assert _shape_note(amp).endswith("x (*, 3, 8, 8)")
+    assert amp(torch.randn(3, 3, 8, 8)).shape == (3, 4)
+    with pytest.raises(RuntimeError, match=r"input 'x' has size 6 in dim 2, which the capture kept static.*"
+                                           r"convert with dynamic='all'"):
+        amp(torch.randn(3, 3, 6, 8))
+    amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic="all")
+    assert _shape_note(amp).startswith("every dim dynamic") and "x (*, 3, *, *)" in _shape_note(amp)
+    assert amp(torch.randn(3, 3, 6, 10)).shape == (3, 4)
+    ids, feats = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 8)
+    amp = fxamp.convert(TokenNet(), "O1", frontend="export", example_inputs=(ids, feats))
+    assert "ids (*, *), feats (*, *, 8)" in _shape_note(amp)
+    assert amp(torch.randint(0, 10, (3, 7)), torch.randn(3, 7, 8)).shape == (3, 7, 8)
+    dim = torch.export.Dim.AUTO
+    amp = fxamp.convert(TokenNet(), "O1", frontend="export", example_inputs=(ids, feats),
+                        dynamic_shapes={"ids": {0: dim}, "feats": {0: dim}})
+    assert "ids (*, 5), feats (*, 5, 8)" in _shape_note(amp)
+    with pytest.raises(ValueError, match="dynamic='some' is not one of True, 'all', False"):
+        fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic="some")
+
+
+def test_swin_converts_in_seconds():
+    transformers = pytest.importorskip("transformers")
+    import time
+
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                                  window_size=2, drop_path_rate=0.0)
+    model = transformers.SwinModel(cfg).eval()
+    x = torch.randn(2, 3, 32, 32)
+    start = time.perf_counter()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(x,))
+    assert time.perf_counter() - start < 15  # minutes with dynamic image sizes
+    assert "pixel_values (*, 3, 32, 32)" in _shape_note(amp)
+    y = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(amp(y).last_hidden_state.float(), model(y).last_hidden_state, atol=0.1, rtol=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn transformers traced by torch.fx (item 8)
+# ---------------------------------------------------------------------------------------------
+
+
+def _encoder(dropout=0.0, **kw):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=dropout, batch_first=True, **kw)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def test_transformer_encoder_runs_its_math_in_low_precision_without_example_inputs():
+    from dtype_observer import OpDtypes
+
+    model = _encoder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no float32 leaf to warn about, modes agree
+        amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    assert fxamp.conversion_info(amp).frontend == "fx"
+    x = torch.randn(2, 5, 32)
+    with OpDtypes() as rec:
+        amp(x)
+    matmuls = rec.of("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                     "scaled_dot_product_attention")
+    assert len(matmuls) >= 10 and all(c.inputs and set(c.inputs) == {torch.bfloat16} for c in matmuls)
+    assert {c.inputs[0] for c in rec.of("native_layer_norm")} == {torch.float32}
+    torch.testing.assert_close(amp(x).float(), model(x), atol=5e-2, rtol=5e-2)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    again = pickle.loads(pickle.dumps(amp))  # FX re-traces the generated code: the mask helpers stay calls
+    assert torch.equal(again(x, mask=mask), amp(x, mask=mask))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_torch_transformers_o0_match_the_original_bitwise(norm_first):
+    torch.manual_seed(0)
+    model = nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+    amp = fxamp.convert(model, "O0")
+    src, tgt = torch.randn(2, 5, 32), torch.randn(2, 4, 32)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[0, -2:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+    for mode in (True, False):
+        model.train(mode), amp.train(mode)
+        assert torch.equal(amp(src, tgt), model(src, tgt))
+        kw = dict(src_key_padding_mask=padding, tgt_mask=causal, tgt_is_causal=True)
+        assert torch.equal(amp(src, tgt, **kw), model(src, tgt, **kw))
+    encoder = _encoder()
+    amp = fxamp.convert(encoder, "O0").eval()
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    assert torch.equal(amp(src, mask=mask), encoder.eval()(src, mask=mask))
+
+
+def test_encoder_layer_dropout_follows_train_eval():
+    model = _encoder(dropout=0.1).layers[0]
+    amp = fxamp.convert(model, "O0")
+    x = torch.randn(2, 5, 32)
+    torch.manual_seed(3)
+    got = amp(x)
+    torch.manual_seed(3)
+    assert torch.equal(got, model(x))  # the same dropout draws
+    assert torch.equal(amp.eval()(x), model.eval()(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class MostlyOpaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.block = Block()
+
+    def forward(self, x):
+        return self.block(self.inp(x))
+
+
+def test_an_opaque_leaf_holding_most_parameters_warns():
+    with pytest.warns(UserWarning, match=r"leaf module 'block' \(Block\) runs whole in float32 and holds 80%"):
+        amp = fxamp.convert(MostlyOpaque(), "O1", leaf_modules=[Block])
+    assert any("holds 80% of the parameters" in n for n in fxamp.conversion_info(amp).notes)
+    with pytest.warns(UserWarning, match=r"leaf module 'encoder' \(TransformerEncoder\)"):
+        fxamp.convert(_wrapped_encoder(), "O1", leaf_modules=[nn.TransformerEncoder])
+
+
+def _wrapped_encoder():
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = _encoder()
+
+        def forward(self, x):
+            return self.encoder(x)
+
+    return Wrapped()
+
+
+def test_finfo_of_a_traced_dtype_says_to_give_example_inputs():
+    with pytest.raises(fxamp.TraceError, match=r"torch.finfo\(x.dtype\) needs a real dtype.*with example_inputs"):
+        fxamp.convert(FinfoAttn(), "O1", dtype=torch.bfloat16)
