@@ -23,7 +23,7 @@ STAGES: Dict[str, int] = {
     "dtypes": 2,
     "policy": 3, "runtime": 3,
     "info": 4, "loss_scale": 4, "distributed": 4,
-    "capture.common": 5, "capture.modes": 5, "capture.fx": 5, "capture.export": 5, "capture": 5,
+    "capture": 5,  # and every capture.* module
     "optim": 5,
     "classify": 6,
     "rewrite": 7,
@@ -34,6 +34,8 @@ ENTRY = {"__init__": 11, "__main__": 11, "cli": 10}
 
 
 def _stage(module: str) -> int:
+    if module.startswith("capture."):
+        return STAGES["capture"]
     return ENTRY.get(module, STAGES.get(module, TOP))
 
 
