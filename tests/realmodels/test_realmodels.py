@@ -24,6 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DEFAULT = {
     ("gpt2", "numerics", "O1", "bfloat16"),
     ("gpt2", "training", "O2", "bfloat16"),
+    ("bert", "numerics", "O2", "float16"),
+    ("t5", "numerics", "O1", "bfloat16"),
+    ("vit", "numerics", "O2", "bfloat16"),
+    ("mixtral", "numerics", "O2", "bfloat16"),
     ("nn.TransformerEncoder-in-model", "numerics", "O1", "bfloat16"),
     ("nn.LSTM", "numerics", "O2", "float16"),
     ("nn.LSTM", "o0", None, None),
