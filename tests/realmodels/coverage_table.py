@@ -105,7 +105,7 @@ def cell(r: Optional[Dict[str, Any]]) -> str:
     if r["status"] == "n/a":
         return f"n/a: {r['na']}"
     if r["status"] == "xfail":
-        return f"xfail ({r['known']})"
+        return f"xfail ({r['known']}); got: {r['error']}"
     if r["status"] == "XPASS":
         return f"**XPASS** (was: {r['known']})"
     return f"**FAIL**: {r['error']}"
@@ -185,13 +185,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--output", default=os.path.join(REPO, "docs", "realmodels.md"))
     ap.add_argument("--jsonl", default="", help="also append every result as JSON lines to this file")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--from-jsonl", default="", help="rebuild the table from a --jsonl file of a full run, running nothing")
     opts = ap.parse_args(argv)
     torch.set_num_threads(1)
     wanted = set(filter(None, opts.models.split(",")))
     checks = set(filter(None, opts.checks.split(",")))
     results = []
     started = time.perf_counter()
-    for entry in ENTRIES:
+    if opts.from_jsonl:
+        with open(opts.from_jsonl) as f:
+            results = [json.loads(line) for line in f if line.strip()]
+        started -= sum(r["seconds"] for r in results)
+    for entry in ([] if opts.from_jsonl else ENTRIES):
         if wanted and entry.name not in wanted:
             continue
         why = available(entry)
