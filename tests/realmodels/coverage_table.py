@@ -1,0 +1,241 @@
+"""Run every real model through every check and write the coverage table.
+
+    cd <repo> && PYTHONPATH=. python -m tests.realmodels.coverage_table            # all, writes docs/realmodels.md
+    python tests/realmodels/coverage_table.py --models gpt2,bert --checks numerics --no-write
+
+Each case is run in this process with a time limit; the result is ``ok``, ``xfail`` (a known
+failure, see rm_known.py), ``XPASS`` (a known failure that now passes: remove its entry) or
+``FAIL`` (new), with the first line of the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import rm_checks  # noqa: E402
+from rm_known import known  # noqa: E402
+from rm_models import ENTRIES, available  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(_HERE))
+from rm_checks import DTYPES, cases  # noqa: E402
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Timeout()
+
+
+def one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def run_case(entry, check: str, policy: Optional[str], dt: Optional[str], limit: int) -> Dict[str, Any]:
+    fn = rm_checks.CHECKS[check]
+    args = () if check == "o0" else (policy, DTYPES[dt])
+    reason = known(entry.name, check, policy, dt)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit)
+    try:
+        measured = fn(entry, *args)
+        error = None
+    except Timeout:
+        measured, error = {}, f"timeout after {limit} s"
+    except rm_checks.NotApplicable as exc:
+        measured, error = {"na": str(exc)}, None
+    except BaseException as exc:  # noqa: BLE001 - everything is a result here
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        measured, error = {}, one_line(exc)
+        if os.environ.get("FXAMP_COVERAGE_TRACEBACK"):
+            traceback.print_exc()
+    finally:
+        signal.alarm(0)
+    seconds = time.perf_counter() - start
+    if "na" in measured:
+        status = "n/a"
+    elif error is None:
+        status = "XPASS" if reason else "ok"
+    else:
+        status = "xfail" if reason else "FAIL"
+    return {"model": entry.name, "family": entry.family, "check": check, "policy": policy, "dtype": dt,
+            "status": status, "error": error, "known": reason, "seconds": round(seconds, 2), **measured}
+
+
+def fmt_db(v: Any) -> str:
+    if v is None:
+        return ""
+    return "inf" if v == float("inf") else f"{v:.1f}"
+
+
+def autocast_cell(n: Optional[Dict[str, Any]]) -> str:
+    if n is None:
+        return ""
+    if n.get("autocast_error"):
+        return f"autocast fails: {n['autocast_error']}"
+    return fmt_db(n.get("sqnr_autocast"))
+
+
+def cell(r: Optional[Dict[str, Any]]) -> str:
+    if r is None:
+        return ""
+    if r["status"] == "ok":
+        return "ok"
+    if r["status"] == "n/a":
+        return f"n/a: {r['na']}"
+    if r["status"] == "xfail":
+        return f"xfail ({r['known']}); got: {r['error']}"
+    if r["status"] == "XPASS":
+        return f"**XPASS** (was: {r['known']})"
+    return f"**FAIL**: {r['error']}"
+
+
+def esc(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def table(results: List[Dict[str, Any]], header: str) -> str:
+    by = {(r["model"], r["check"], r["policy"], r["dtype"]): r for r in results}
+    models = list(dict.fromkeys(r["model"] for r in results))
+    lines = [header, "",
+             "| model | family | O0 bitwise (eval, train) | float64 stays float64 (O1 bf16) |",
+             "|---|---|---|---|"]
+    for m in models:
+        fam = next(r["family"] for r in results if r["model"] == m)
+        lines.append(f"| {m} | {fam} | {esc(cell(by.get((m, 'o0', None, None))))} | "
+                     f"{esc(cell(by.get((m, 'float64', 'O1', 'bfloat16'))))} |")
+    lines += ["",
+              "| model | policy | dtype | convert, numerics, determinism, state_dict | SQNR fxamp (dB) | "
+              "SQNR autocast (dB) | training vs float32 | train max dev |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m in models:
+        for policy in ("O1", "O2"):
+            for dt in ("bfloat16", "float16"):
+                n = by.get((m, "numerics", policy, dt))
+                t = by.get((m, "training", policy, dt))
+                if n is None and t is None:
+                    continue
+                dev = t.get("train_dev") if t else None
+                lines.append(f"| {m} | {policy} | {dt} | {esc(cell(n))} | {fmt_db(n.get('sqnr') if n else None)} | "
+                             f"{autocast_cell(n)} | {esc(cell(t))} | "
+                             f"{'' if dev is None else f'{dev:.4f}'} |")
+    counts: Dict[str, int] = {}
+    for r in results:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines += ["", "cases: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""]
+    return "\n".join(lines)
+
+
+DOC_HEAD = """# Real-model coverage
+
+`tests/realmodels/` converts architectures nobody on fxamp wrote (Hugging Face transformers built
+from tiny configs with random weights, and `torch.nn` built-ins) under O1 and O2 in bfloat16 (and
+float16 for a subset) and checks, per model and policy:
+
+- **convert, numerics**: conversion succeeds; `state_dict` keys are unchanged; floating outputs come
+  back float32; two eval calls are bitwise equal; the SQNR of the main output (`logits`, else the first
+  floating output) against float32 is at most 3 dB below `torch.autocast("cpu", dtype)`'s on the same
+  model and inputs (where autocast itself fails, e.g. oneDNN's float16 LSTM, a fixed floor instead:
+  40 dB float16, 25 dB bfloat16);
+- **training**: 4 AdamW steps (lr 3e-3, loss `mean(out²)`) through `fxamp.MixedPrecisionOptimizer` stay
+  within 5% (bfloat16) / 2% (float16) of float32's largest loss at every step, and the loss goes down
+  (unless float32's does not either);
+- **O0** is bitwise equal to the original in eval and in train mode (every dropout set to 0);
+- **float64**: a float64 model with float64 inputs converted O1 bfloat16 comes back float64, unchanged.
+
+Run the fast subset with `python -m pytest tests -q` (CI), everything with
+`FXAMP_REALMODELS=all python -m pytest tests/realmodels -q` (or `-m "slow or not slow"`), and
+regenerate this file with `PYTHONPATH=. python -m tests.realmodels.coverage_table`.
+
+Statuses: `ok`; `xfail (reason)`: a known bug from issue 10, marked `xfail(strict=True)` in the tests
+(list in `tests/realmodels/rm_known.py`); `XPASS`: a known bug that no longer reproduces (remove its
+entry); `FAIL`: a failure not yet filed.
+
+timm is not covered: timm 1.0.31 requires torchvision (`import timm` imports
+`torchvision.ops.misc`), which cannot be installed next to the CPU torch here.
+"""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="", help="comma-separated model names (default: all)")
+    ap.add_argument("--checks", default="", help="comma-separated checks: o0,numerics,training,float64")
+    ap.add_argument("--limit", type=int, default=240, help="seconds per case")
+    ap.add_argument("--output", default=os.path.join(REPO, "docs", "realmodels.md"))
+    ap.add_argument("--jsonl", default="", help="also append every result as JSON lines to this file")
+    ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--from-jsonl", default="", help="rebuild the table from a --jsonl file of a full run, running nothing")
+    opts = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    wanted = set(filter(None, opts.models.split(",")))
+    checks = set(filter(None, opts.checks.split(",")))
+    results = []
+    started = time.perf_counter()
+    if opts.from_jsonl:
+        with open(opts.from_jsonl) as f:
+            results = [json.loads(line) for line in f if line.strip()]
+        started -= sum(r["seconds"] for r in results)
+    for entry in ([] if opts.from_jsonl else ENTRIES):
+        if wanted and entry.name not in wanted:
+            continue
+        why = available(entry)
+        if why:
+            print(f"skip {entry.name}: {why}", flush=True)
+            continue
+        for check, policy, dt in cases(entry):
+            if checks and check not in checks:
+                continue
+            r = run_case(entry, check, policy, dt, opts.limit)
+            results.append(r)
+            extra = "" if r["error"] is None else f"  {r['error']}"
+            print(f"{r['status']:5s} {entry.name:22s} {check:8s} {policy or '-':2s} {dt or '-':8s} "
+                  f"{r['seconds']:6.1f}s sqnr={fmt_db(r.get('sqnr'))} auto={fmt_db(r.get('sqnr_autocast'))}{extra}",
+                  flush=True)
+            if opts.jsonl:
+                with open(opts.jsonl, "a") as f:
+                    f.write(json.dumps(r, default=str) + "\n")
+    total = time.perf_counter() - started
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"## Results\n\n`python -m tests.realmodels.coverage_table`, {stamp}, torch {torch.__version__}, "
+              f"{_transformers_version()}, {total:.0f} s on 1 thread.")
+    text = table(results, header)
+    print(text)
+    if not opts.no_write and not wanted and not checks:
+        os.makedirs(os.path.dirname(opts.output), exist_ok=True)
+        with open(opts.output, "w") as f:
+            f.write(DOC_HEAD + "\n" + text)
+        print(f"wrote {opts.output}")
+    return 0
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+        return f"transformers {transformers.__version__}"
+    except Exception:
+        return "no transformers"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The checks every real model goes through, shared by the tests and ``coverage_table.py``.
+
+Each ``check_*`` raises ``AssertionError`` (or whatever fxamp raised) on failure and returns a dict
+of what it measured.  SQNR is ``20·log10(‖ref‖/‖ref − out‖)`` of the main output (``logits``, else
+the first floating leaf) against the float32 original, in eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+from typing import Any, Dict, List
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import fxamp  # noqa: E402
+from export_helpers import MIN_SQNR, float_leaves, main_output, sqnr  # noqa: E402
+from rm_models import Entry, build  # noqa: E402
+
+#: fxamp may be at most this many dB below torch.autocast's SQNR on the same model and inputs
+AUTOCAST_MARGIN_DB = 3.0
+#: training: |loss_fxamp − loss_fp32| at every step, relative to float32's largest loss
+TRAIN_TOL = {torch.bfloat16: 0.05, torch.float16: 0.02}
+TRAIN_STEPS = 4
+TRAIN_LR = 3e-3
+
+
+class NotApplicable(Exception):
+    """The check cannot apply to this model (the tests skip, the coverage table says n/a)."""
+
+
+def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, **extra: Any) -> nn.Module:
+    args, kwargs = entry.inputs(0)
+    return fxamp.convert(model, policy, dtype=dtype, example_inputs=args, example_kwargs=kwargs,
+                         frontend=entry.frontend, **{**entry.convert_kwargs, **extra})
+
+
+def _call(model: nn.Module, inputs) -> Any:
+    args, kwargs = inputs
+    return model(*args, **kwargs)
+
+
+def _leaves_equal(a: Any, b: Any) -> List[str]:
+    """Names (leaf indices) of floating leaves that differ bitwise; structure mismatches too."""
+    la, lb = float_leaves(a), float_leaves(b)
+    if len(la) != len(lb):
+        return [f"{len(la)} floating outputs vs {len(lb)}"]
+    bad = []
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            bad.append(f"leaf {i}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not torch.equal(x, y):
+            diff = (x.double() - y.double()).abs().max().item()
+            bad.append(f"leaf {i}: max |diff| {diff:.3g}")
+    return bad
+
+
+def check_o0(entry: Entry) -> Dict[str, Any]:
+    """O0 is bitwise equal to the original, in eval mode and in train mode (every dropout is off)."""
+    model = build(entry).eval()
+    amp = convert(entry, model, "O0", torch.float16)
+    assert set(amp.state_dict()) == set(model.state_dict()), "O0: state_dict keys changed"
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        getattr(amp, mode)()
+        inputs = entry.inputs(1)
+        with torch.no_grad():
+            ref = _call(model, inputs)
+            out = _call(amp, inputs)
+        bad = _leaves_equal(ref, out)
+        assert not bad, f"O0 not bitwise equal to the original in {mode} mode: {bad[:3]}"
+    return {}
+
+
+def check_numerics(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[str, Any]:
+    """Convert; state_dict keys; float32 outputs; eval determinism; SQNR within 3 dB of autocast's."""
+    model = build(entry).eval()
+    amp = convert(entry, model, policy, dtype)
+    assert not model.training, "convert() must leave the model's mode as it was"
+    assert set(amp.state_dict()) == set(model.state_dict()), (
+        f"state_dict keys changed: only in converted {sorted(set(amp.state_dict()) - set(model.state_dict()))[:3]}, "
+        f"only in original {sorted(set(model.state_dict()) - set(amp.state_dict()))[:3]}")
+    amp.eval()
+    inputs = entry.inputs(1)
+    with torch.no_grad():
+        ref = _call(model, inputs)
+        out = _call(amp, inputs)
+        again = _call(amp, inputs)
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                auto = _call(model, inputs)
+        except RuntimeError as exc:  # e.g. oneDNN has no float16 LSTM on this CPU: fall back to a fixed floor
+            auto, auto_error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    for leaf in float_leaves(out):
+        assert leaf.dtype == torch.float32, f"a floating output came back {leaf.dtype}, not float32"
+    bad = _leaves_equal(out, again)
+    assert not bad, f"eval output not deterministic (two calls differ): {bad[:3]}"
+    r, o = main_output(ref), main_output(out)
+    assert o.shape == r.shape, f"output shape {tuple(o.shape)} != {tuple(r.shape)}"
+    assert torch.isfinite(o).all(), f"non-finite output: {(~torch.isfinite(o)).sum().item()} of {o.numel()}"
+    db = sqnr(r, o)
+    if auto is None:
+        assert db >= MIN_SQNR[dtype], f"SQNR {db:.1f} dB < {MIN_SQNR[dtype]} dB (torch.autocast fails here: {auto_error})"
+        return {"sqnr": db, "sqnr_autocast": None, "autocast_error": auto_error}
+    db_auto = sqnr(r, main_output(auto).float())
+    assert db >= db_auto - AUTOCAST_MARGIN_DB, (
+        f"SQNR {db:.1f} dB is more than {AUTOCAST_MARGIN_DB} dB below torch.autocast's {db_auto:.1f} dB")
+    return {"sqnr": db, "sqnr_autocast": db_auto}
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return main_output(out).float().pow(2).mean()
+
+
+def check_training(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[str, Any]:
+    """A few AdamW steps through MixedPrecisionOptimizer track float32's losses and bring the loss down."""
+    ref_model = build(entry)
+    model = copy.deepcopy(ref_model)  # O0/O1 share the original's parameters: train a separate copy
+    amp = convert(entry, model.eval(), policy, dtype)
+    ref_model.train()
+    amp.train()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=TRAIN_LR)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=TRAIN_LR), model=amp)
+    inputs = entry.inputs(2)
+    ref_losses, losses = [], []
+    for _ in range(TRAIN_STEPS):
+        ref_opt.zero_grad()
+        loss = _loss(_call(ref_model, inputs))
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+        opt.zero_grad()
+        loss = _loss(_call(amp, inputs))
+        assert loss.dtype == torch.float32
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses), f"non-finite losses {losses}"
+    scale = max(abs(v) for v in ref_losses)
+    worst = max(abs(a - b) for a, b in zip(losses, ref_losses)) / scale
+    summary = (f"losses {[f'{v:.4g}' for v in losses]} vs float32 {[f'{v:.4g}' for v in ref_losses]}, "
+               f"skipped steps {opt.skipped_steps}")
+    assert worst <= TRAIN_TOL[dtype], f"losses differ from float32's by {worst:.3f} of its largest loss: {summary}"
+    # down, unless float32's did not go down either (a too-large step on a tiny loss): then tracking is the check
+    assert losses[-1] < losses[0] or ref_losses[-1] >= ref_losses[0], f"loss did not decrease: {summary}"
+    return {"train_dev": worst}
+
+
+def check_float64(entry: Entry, policy: str = "O1", dtype: torch.dtype = torch.bfloat16) -> Dict[str, Any]:
+    """A float64 model with float64 inputs: float64 is never cast, so it comes back float64, as computed."""
+    model = build(entry).double().eval()
+
+    def to64(inputs):
+        return pytree.tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                               inputs)
+
+    args, kwargs = to64(entry.inputs(0))
+    inputs = to64(entry.inputs(1))
+    try:
+        with torch.no_grad():
+            ref = _call(model, inputs)
+    except Exception as exc:  # e.g. grouped_mm has no float64 kernel on CPU: nothing fxamp could keep
+        raise NotApplicable(f"the float64 original itself fails: {type(exc).__name__}: {exc}") from exc
+    amp = fxamp.convert(model, policy, dtype=dtype, example_inputs=args, example_kwargs=kwargs,
+                        frontend=entry.frontend, **entry.convert_kwargs)
+    amp.eval()
+    with torch.no_grad():
+        out = _call(amp, inputs)
+    dtypes = sorted({str(t.dtype) for t in float_leaves(out)})
+    assert dtypes == ["torch.float64"], f"float64 model and inputs: outputs came back {dtypes}"
+    db = sqnr(main_output(ref), main_output(out))
+    assert db > 200, f"float64 outputs differ from the float64 original: SQNR {db:.1f} dB"
+    return {"sqnr": db}
+
+
+CHECKS = {"o0": check_o0, "numerics": check_numerics, "training": check_training, "float64": check_float64}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cases(entry: Entry) -> List[tuple]:
+    """(check, policy, dtype) for one model: O0; O1/O2 in bfloat16 (and float16 where entry.fp16); float64."""
+    out: List[tuple] = [("o0", None, None)]
+    for policy in ("O1", "O2"):
+        for dt in ["bfloat16"] + (["float16"] if entry.fp16 else []):
+            out.append(("numerics", policy, dt))
+            out.append(("training", policy, dt))
+    out.append(("float64", "O1", "bfloat16"))
+    return out

@@ -1,0 +1,431 @@
+"""The real-model registry: architectures nobody on fxamp wrote, built tiny with random weights.
+
+Every entry builds a float32 model with every dropout (and layer drop, SpecAugment masking, router
+jitter, stochastic depth) switched off, so train mode is deterministic and O0 can be compared
+bitwise in both modes.  Nothing is downloaded: Hugging Face models come from small configs.
+Sizes: hidden <= 64, 1-2 layers, sequences <= 16, batch 2.
+
+``Entry.inputs(seed)`` returns ``(args, kwargs)``; ``frontend`` is what ``fxamp.convert`` gets
+(``"export"`` for Hugging Face models, ``"auto"`` for ``torch.nn`` built-ins, which try torch.fx
+first and fall back to torch.export with the example inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+try:  # transformers is an optional ([examples]) dependency: its entries are skipped without it
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+except Exception:  # pragma: no cover - depends on the environment
+    transformers = None
+
+# timm: checked for this suite.  timm 1.0.31 (the current release) declares torchvision as a
+# dependency and ``import timm`` imports it (timm/layers/create_norm.py: ``from torchvision.ops.misc
+# import FrozenBatchNorm2d``).  torchvision cannot be installed here (its CUDA wheel breaks
+# ``import transformers``), so there are no timm entries.
+
+V = 96  # vocabulary of every text model
+B = 2   # batch
+S = 8   # sequence length
+
+Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str
+    family: str                           # "decoder", "encoder", "enc-dec", "speech", "vision", "dual", "nn"
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int], Inputs]
+    frontend: str = "export"
+    needs: str = ""                       # "transformers" when it needs it
+    convert_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    fp16: bool = False                    # also checked in float16 (bfloat16 always)
+    default: bool = False                 # part of the fast default subset (not marked slow)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def ids(seed: int, b: int = B, s: int = S, lo: int = 0) -> torch.Tensor:
+    return torch.randint(lo, V, (b, s), generator=gen(seed))
+
+
+def no_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout probability to 0: nn.Dropout modules and float attributes named like dropouts."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for key, value in list(vars(m).items()):
+            if isinstance(value, float) and not isinstance(value, bool) and (
+                    "dropout" in key or "drop_prob" in key or key in ("layerdrop", "drop_path")):
+                setattr(m, key, 0.0)
+    return model
+
+
+def hf(fn: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        return no_dropout(fn())
+    return build
+
+
+# --------------------------------------------------------------------------- Hugging Face: decoders
+
+def lm_inputs(seed: int) -> Inputs:
+    return (ids(seed),), {}
+
+
+def padded_lm_inputs(seed: int) -> Inputs:
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :2] = 0  # left padding in the first sequence
+    return (ids(seed),), {"attention_mask": mask}
+
+
+LLAMA_LIKE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, max_position_embeddings=32, attention_dropout=0.0)
+
+
+@hf
+def gpt2() -> nn.Module:
+    c = transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(c)
+
+
+@hf
+def llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_LIKE))
+
+
+@hf
+def mistral() -> nn.Module:
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**LLAMA_LIKE, sliding_window=4))
+
+
+@hf
+def qwen2() -> nn.Module:
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**LLAMA_LIKE))
+
+
+@hf
+def mixtral() -> nn.Module:
+    c = transformers.MixtralConfig(**{**LLAMA_LIKE, "num_hidden_layers": 1}, num_local_experts=4,
+                                   num_experts_per_tok=2, router_jitter_noise=0.0)
+    return transformers.MixtralForCausalLM(c)
+
+
+@hf
+def qwen2_moe() -> nn.Module:
+    c = transformers.Qwen2MoeConfig(**{**LLAMA_LIKE, "num_hidden_layers": 1}, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return transformers.Qwen2MoeForCausalLM(c)
+
+
+@hf
+def olmoe() -> nn.Module:
+    c = transformers.OlmoeConfig(**{**LLAMA_LIKE, "num_hidden_layers": 1}, num_experts=4, num_experts_per_tok=2)
+    return transformers.OlmoeForCausalLM(c)
+
+
+# --------------------------------------------------------------------------- Hugging Face: encoders
+
+def masked_inputs(seed: int, lo: int = 0) -> Inputs:
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, -2:] = 0  # right padding in the first sequence
+    return (ids(seed, lo=lo),), {"attention_mask": mask}
+
+
+BERT_LIKE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@hf
+def bert() -> nn.Module:
+    return transformers.BertForMaskedLM(transformers.BertConfig(**BERT_LIKE))
+
+
+@hf
+def roberta() -> nn.Module:
+    return transformers.RobertaForSequenceClassification(
+        transformers.RobertaConfig(**BERT_LIKE, pad_token_id=1, num_labels=3))
+
+
+@hf
+def distilbert() -> nn.Module:
+    c = transformers.DistilBertConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                      max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                      seq_classif_dropout=0.0)
+    return transformers.DistilBertForMaskedLM(c)
+
+
+# --------------------------------------------------------------------------- Hugging Face: encoder-decoders
+
+def seq2seq_inputs(seed: int) -> Inputs:
+    return (ids(seed),), {"decoder_input_ids": ids(seed + 1000, s=S - 2)}
+
+
+@hf
+def t5() -> nn.Module:
+    c = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                              num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(c)
+
+
+@hf
+def bart() -> nn.Module:
+    c = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
+                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+    return transformers.BartForConditionalGeneration(c)
+
+
+# --------------------------------------------------------------------------- Hugging Face: speech
+
+def audio_inputs(seed: int) -> Inputs:
+    return (torch.randn(B, 400, generator=gen(seed)),), {}
+
+
+@hf
+def wav2vec2() -> nn.Module:
+    c = transformers.Wav2Vec2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                    num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
+                                    hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0,
+                                    feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+                                    mask_time_prob=0.0, mask_feature_prob=0.0)
+    return transformers.Wav2Vec2ForCTC(c)
+
+
+def whisper_inputs(seed: int) -> Inputs:
+    feats = torch.randn(B, 16, 16, generator=gen(seed))  # (batch, mel bins, 2 * max_source_positions)
+    return (feats,), {"decoder_input_ids": ids(seed + 1000, s=4)}
+
+
+@hf
+def whisper() -> nn.Module:
+    c = transformers.WhisperConfig(vocab_size=V, num_mel_bins=16, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                   decoder_ffn_dim=64, max_source_positions=8, max_target_positions=16,
+                                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                   encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=0,
+                                   bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+    return transformers.WhisperForConditionalGeneration(c)
+
+
+# --------------------------------------------------------------------------- Hugging Face: vision
+
+def image_inputs(size: int) -> Callable[[int], Inputs]:
+    def inputs(seed: int) -> Inputs:
+        return (torch.randn(B, 3, size, size, generator=gen(seed)),), {}
+    return inputs
+
+
+@hf
+def vit() -> nn.Module:
+    c = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0, num_labels=10)
+    return transformers.ViTForImageClassification(c)
+
+
+@hf
+def swin() -> nn.Module:
+    c = transformers.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[1, 1],
+                                num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=10)
+    return transformers.SwinForImageClassification(c)
+
+
+@hf
+def convnext() -> nn.Module:
+    c = transformers.ConvNextConfig(num_channels=3, num_stages=2, patch_size=2, hidden_sizes=[16, 32], depths=[1, 1],
+                                    drop_path_rate=0.0, num_labels=10, image_size=16)
+    return transformers.ConvNextForImageClassification(c)
+
+
+# --------------------------------------------------------------------------- Hugging Face: dual encoder
+
+def clip_inputs(seed: int) -> Inputs:
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -3:] = 0
+    return (), {"input_ids": ids(seed), "pixel_values": torch.randn(B, 3, 16, 16, generator=gen(seed + 1)),
+                "attention_mask": mask}
+
+
+@hf
+def clip() -> nn.Module:
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=16, attention_dropout=0.0, projection_dim=16)
+    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, attention_dropout=0.0, projection_dim=16)
+    return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+
+
+# --------------------------------------------------------------------------- torch.nn built-ins
+
+D = 32
+
+
+def seq(seed: int, s: int = S) -> torch.Tensor:
+    return torch.randn(B, s, D, generator=gen(seed))
+
+
+def nn_transformer() -> nn.Module:
+    return nn.Transformer(d_model=D, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64,
+                          dropout=0.0, batch_first=True)
+
+
+def nn_transformer_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(D, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+class EncoderInModel(nn.Module):
+    """A user model holding an nn.TransformerEncoder: torch.fx traces it, the encoder a leaf (issue 10 item 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.body = nn_transformer_encoder()
+        self.head = nn.Linear(D, 8)
+
+    def forward(self, x):
+        return self.head(self.body(self.inp(x)))
+
+
+def nn_transformer_decoder() -> nn.Module:
+    layer = nn.TransformerDecoderLayer(D, 4, dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=True)
+    return nn.TransformerDecoder(layer, num_layers=2)
+
+
+class RNNHead(nn.Module):
+    """An embedding-free recurrent tagger: a 2-layer LSTM/GRU and a linear head on every step."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[kind]
+        self.rnn = rnn(D, D, num_layers=2, batch_first=True)
+        self.head = nn.Linear(D, 8)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out)
+
+
+def pack(x: torch.Tensor, lengths: torch.Tensor):
+    return nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+
+
+def unpack(packed, total_length: int):
+    return nn.utils.rnn.pad_packed_sequence(packed, batch_first=True, total_length=total_length)[0]
+
+
+# torch.fx cannot trace into the packing (lengths would be a Proxy), nor can torch.export (FakeTensor
+# sizes in the RNN): wrapped, torch.fx keeps them as calls and the LSTM as a leaf module
+torch.fx.wrap("pack")
+torch.fx.wrap("unpack")
+
+
+class PackedLSTM(nn.Module):
+    """An LSTM over a PackedSequence (variable-length batch), unpacked for a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(D, D, batch_first=True)
+        self.head = nn.Linear(D, 8)
+
+    def forward(self, x, lengths):
+        out, _ = self.rnn(pack(x, lengths))
+        return self.head(unpack(out, S))
+
+
+class SelfAttention(nn.Module):
+    """nn.MultiheadAttention with a key padding mask, then a LayerNorm residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D, 4, dropout=0.0, batch_first=True)
+        self.ln = nn.LayerNorm(D)
+
+    def forward(self, x, key_padding_mask):
+        y, _ = self.mha(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)
+        return self.ln(x + y)
+
+
+def conv_bn_relu() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def padding_mask(seed: int) -> torch.Tensor:
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    mask[0, -3:] = True  # True = ignore
+    return mask
+
+
+ENTRIES = [
+    # decoders
+    Entry("gpt2", "decoder", gpt2, lm_inputs, needs="transformers", fp16=True, default=True),
+    Entry("llama", "decoder", llama, padded_lm_inputs, needs="transformers", fp16=True),
+    Entry("mistral", "decoder", mistral, lm_inputs, needs="transformers"),
+    Entry("qwen2", "decoder", qwen2, lm_inputs, needs="transformers"),
+    Entry("mixtral", "decoder-moe", mixtral, lm_inputs, needs="transformers"),
+    Entry("qwen2_moe", "decoder-moe", qwen2_moe, lm_inputs, needs="transformers"),
+    Entry("olmoe", "decoder-moe", olmoe, lm_inputs, needs="transformers"),
+    # encoders
+    Entry("bert", "encoder", bert, masked_inputs, needs="transformers", fp16=True, default=True),
+    Entry("roberta", "encoder", roberta, lambda s: masked_inputs(s, lo=2), needs="transformers"),
+    Entry("distilbert", "encoder", distilbert, masked_inputs, needs="transformers"),
+    # encoder-decoders
+    Entry("t5", "enc-dec", t5, seq2seq_inputs, needs="transformers", fp16=True),
+    Entry("bart", "enc-dec", bart, seq2seq_inputs, needs="transformers"),
+    # speech
+    Entry("wav2vec2", "speech", wav2vec2, audio_inputs, needs="transformers"),
+    Entry("whisper", "speech", whisper, whisper_inputs, needs="transformers"),
+    # vision
+    Entry("vit", "vision", vit, image_inputs(16), needs="transformers", fp16=True),
+    # issue 10 item 9: dynamic=True takes ~2 minutes on a Swin; the image size is fixed anyway
+    Entry("swin", "vision", swin, image_inputs(16), needs="transformers", convert_kwargs={"dynamic": False}),
+    Entry("convnext", "vision", convnext, image_inputs(16), needs="transformers"),
+    # dual encoder
+    Entry("clip", "dual", clip, clip_inputs, needs="transformers"),
+    # torch.nn built-ins
+    Entry("nn.Transformer", "nn", nn_transformer, lambda s: ((seq(s), seq(s + 1, 6)), {}), frontend="auto",
+          fp16=True),
+    Entry("nn.TransformerEncoder", "nn", nn_transformer_encoder, lambda s: ((seq(s),), {}), frontend="auto",
+          fp16=True, default=True),
+    Entry("nn.TransformerEncoder-in-model", "nn", EncoderInModel, lambda s: ((seq(s),), {}), frontend="auto"),
+    Entry("nn.TransformerDecoder", "nn", nn_transformer_decoder, lambda s: ((seq(s), seq(s + 1, 6)), {}),
+          frontend="auto"),
+    Entry("nn.LSTM", "nn", lambda: RNNHead("lstm"), lambda s: ((seq(s),), {}), frontend="auto", fp16=True,
+          default=True),
+    Entry("nn.GRU", "nn", lambda: RNNHead("gru"), lambda s: ((seq(s),), {}), frontend="auto"),
+    Entry("nn.LSTM-packed", "nn", PackedLSTM, lambda s: ((seq(s), torch.tensor([S, 5])), {}), frontend="auto"),
+    Entry("nn.MultiheadAttention", "nn", SelfAttention, lambda s: ((seq(s), padding_mask(s)), {}),
+          frontend="auto", fp16=True, default=True),
+    Entry("conv-bn-relu", "nn", conv_bn_relu, image_inputs(16), frontend="auto", fp16=True, default=True),
+]
+
+REGISTRY: Dict[str, Entry] = {e.name: e for e in ENTRIES}
+
+
+def available(entry: Entry) -> Optional[str]:
+    """None when the entry can be built here, else why not."""
+    if entry.needs == "transformers" and transformers is None:
+        return "transformers is not installed"
+    return None
+
+
+def build(entry: Entry, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return entry.build()
