@@ -13,7 +13,7 @@ from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .optim import MixedPrecisionOptimizer, initialize
 from .policy import Policy
-from .report import PolicyDiff, Report, Row, compare, report
+from .report import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
 __version__ = "0.1.0"
 
@@ -45,4 +45,8 @@ __all__ = [
     "Report",
     "Row",
     "PolicyDiff",
+    "sqnr",
+    "autotune",
+    "save_overrides",
+    "load_overrides",
 ]

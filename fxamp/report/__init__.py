@@ -22,6 +22,7 @@ The package, by job: ``records`` (Row, Summary, Report), ``observe`` (the run-ti
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -29,14 +30,17 @@ import torch.nn as nn
 
 from ..convert import convert, policy_of
 from ..policy import Policy
+from .autotune import TuneResult, autotune, load_overrides, save_overrides
 from .build import build
 from .diff import DiffRow, PolicyDiff
 from .formats import CSV_COLUMNS, NUMERICS_COLUMNS
+from .numerics import as_batches, measure, sqnr
 from .observe import observe
 from .records import CastIn, Lint, NodeNumerics, NumericsSummary, Report, Row, Summary
 
 __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "NodeNumerics", "NumericsSummary", "PolicyDiff", "DiffRow",
-           "CSV_COLUMNS", "NUMERICS_COLUMNS", "report", "compare"]
+           "CSV_COLUMNS", "NUMERICS_COLUMNS", "report", "compare", "sqnr", "autotune", "save_overrides",
+           "load_overrides", "TuneResult"]
 
 
 def report(
@@ -46,19 +50,32 @@ def report(
     *,
     dtype: Union[str, torch.dtype, None] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
+    numerics: bool = False,
     **convert_options: Any,
 ) -> Report:
     """Convert ``model`` as :func:`fxamp.convert` would and report every node's category, reason and dtypes.
 
     example_inputs: a tensor or a tuple of them; when given, a copy of the converted model runs
-                    once under ``no_grad`` to observe dtypes, shapes and FLOPs.
+                    once under ``no_grad`` to observe dtypes, shapes and FLOPs.  A list of tuples
+                    (or another iterable of them) is several batches: the first is observed,
+                    all are measured with ``numerics``.
+    numerics:       also run the float32 model and the converted one side by side on every batch
+                    (both in eval mode) and add each node's SQNR against float32, max relative
+                    error, inf/NaN count and float16 overflow/underflow fractions, the culprit
+                    (first sharp drop) and the worst op (see :mod:`fxamp.report.numerics`).
     policy, dtype:  as for ``convert`` (default ``"O1"``).  A module that ``convert`` already
                     returned is reported as it is (then pass no policy or options).
     convert_options: the other keyword options of ``convert`` (``overrides``, ``module_overrides``,
                     ``leaf_modules``, ``keep_norms_fp32``, ``frontend``, ``op_lists``, ``dynamic``…).
     """
-    inputs = _as_tuple(example_inputs)
+    batches = as_batches(example_inputs)
+    inputs = batches[0] if batches else None
+    if numerics and not batches and not example_kwargs:
+        raise ValueError("numerics=True compares outputs: pass example_inputs (a tuple, or a list of tuples)")
     if policy_of(model) is not None:
+        if numerics:
+            raise ValueError("numerics=True needs the original float32 model to compare against: pass it, not the "
+                             "module fxamp.convert returned")
         if policy is not None or dtype is not None or convert_options or example_kwargs:
             raise ValueError("this module was already converted by fxamp: report it without policy, dtype or "
                              "convert options, or report the original model")
@@ -73,7 +90,13 @@ def report(
         gm = convert(source, "O1" if policy is None else policy, dtype=dtype, example_inputs=inputs,
                      example_kwargs=example_kwargs, **convert_options)
     observed = observe(gm, inputs, example_kwargs or {}) if (inputs is not None or example_kwargs) else None
-    return build(gm, type(model).__name__, inputs or (), example_kwargs or {}, observed)
+    rep = build(gm, type(model).__name__, inputs or (), example_kwargs or {}, observed)
+    if numerics:
+        low = policy_of(gm).compute
+        per_node, summary = measure(gm, source, batches or [()], example_kwargs or {}, low)
+        rows = tuple(dataclasses.replace(r, numerics=per_node.get(r.node)) for r in rep.rows)
+        rep = dataclasses.replace(rep, rows=rows, numerics_summary=summary)
+    return rep
 
 
 def compare(
@@ -89,11 +112,3 @@ def compare(
         raise ValueError(f"compare takes two policies, such as ('O1', 'O2'), not {policies!r}")
     a, b = (report(model, example_inputs, p, dtype=dtype, **convert_options) for p in policies)
     return a.diff(b)
-
-
-def _as_tuple(example_inputs: Any) -> Optional[Tuple[Any, ...]]:
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    return (example_inputs,)

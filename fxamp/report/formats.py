@@ -111,7 +111,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
     if any(c.effective is False for r in rep.rows for c in r.casts):
         lines.append("(a→fp16): a run-time checked cast that changed nothing for these inputs")
     if numerics:
-        lines.append("◀ culprit: the first node where the error drops sharply (SQNR 10 dB or more below its inputs')")
+        lines.append("◀ culprit: the first node where the error jumps (SQNR 20 dB or more below its inputs')")
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]

@@ -49,7 +49,7 @@ class NodeNumerics:
     Aggregated over input batches: the worst batch for each field.
 
     sqnr_db:       20·log10(‖ref‖ / ‖ref − out‖) in dB; +inf when equal (the minimum over batches).
-    max_rel_error: max |ref − out| / max(|ref|, tiny) over elements where ``ref`` is finite.
+    max_rel_error: max |ref − out| / max |ref|: the error relative to the tensor's scale (finite elements).
     nonfinite:     inf/NaN values in ``out`` where ``ref`` was finite (summed over batches).
     overflow:      float16 only: fraction of float32 values with |x| > 65504 (None otherwise).
     underflow:     float16 only: fraction of nonzero float32 values with |x| < 2⁻¹⁴ (subnormal or zero).
