@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -35,12 +35,13 @@ from .build import build
 from .diff import DiffRow, PolicyDiff
 from .formats import CSV_COLUMNS, NUMERICS_COLUMNS
 from .numerics import as_batches, measure, sqnr
-from .observe import observe
+from .gradients import GradientReport, GradStats, plot_histogram, scan_gradients
+from .observe import bind_inputs, observe
 from .records import CastIn, Lint, NodeNumerics, NumericsSummary, Report, Row, Summary
 
 __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "NodeNumerics", "NumericsSummary", "PolicyDiff", "DiffRow",
            "CSV_COLUMNS", "NUMERICS_COLUMNS", "report", "compare", "sqnr", "autotune", "save_overrides",
-           "load_overrides", "TuneResult"]
+           "load_overrides", "TuneResult", "GradientReport", "GradStats", "plot_histogram"]
 
 
 def report(
@@ -51,6 +52,9 @@ def report(
     dtype: Union[str, torch.dtype, None] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     numerics: bool = False,
+    gradients: bool = False,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    plot: Optional[str] = None,
     **convert_options: Any,
 ) -> Report:
     """Convert ``model`` as :func:`fxamp.convert` would and report every node's category, reason and dtypes.
@@ -63,6 +67,13 @@ def report(
                     (both in eval mode) and add each node's SQNR against float32, max relative
                     error, inf/NaN count and float16 overflow/underflow fractions, the culprit
                     (first sharp drop) and the worst op (see :mod:`fxamp.report.numerics`).
+    gradients:      also run one forward and backward of the float32 model on the first batch and
+                    report, per parameter and per node, the gradient values float16 would flush to
+                    zero or keep only as subnormals, and the loss scale fxamp's dynamic scaler would
+                    settle on (``Report.gradients``, see :mod:`fxamp.report.gradients`).
+    loss_fn:        with ``gradients``: ``loss_fn(output) -> scalar``; default: the model's own
+                    ``output.loss``, else the mean square of its float outputs.
+    plot:           with ``gradients``: write the histogram of log2|gradient| to this PNG (matplotlib).
     policy, dtype:  as for ``convert`` (default ``"O1"``).  A module that ``convert`` already
                     returned is reported as it is (then pass no policy or options).
     convert_options: the other keyword options of ``convert`` (``overrides``, ``module_overrides``,
@@ -70,12 +81,15 @@ def report(
     """
     batches = as_batches(example_inputs)
     inputs = batches[0] if batches else None
-    if numerics and not batches and not example_kwargs:
-        raise ValueError("numerics=True compares outputs: pass example_inputs (a tuple, or a list of tuples)")
+    for flag, on in (("numerics", numerics), ("gradients", gradients)):
+        if on and not batches and not example_kwargs:
+            raise ValueError(f"{flag}=True runs the model: pass example_inputs (a tuple, or a list of tuples)")
+        if on and policy_of(model) is not None:
+            raise ValueError(f"{flag}=True needs the original float32 model: pass it, not the module fxamp.convert "
+                             f"returned")
+    if (loss_fn is not None or plot is not None) and not gradients:
+        raise ValueError("loss_fn= and plot= go with gradients=True")
     if policy_of(model) is not None:
-        if numerics:
-            raise ValueError("numerics=True needs the original float32 model to compare against: pass it, not the "
-                             "module fxamp.convert returned")
         if policy is not None or dtype is not None or convert_options or example_kwargs:
             raise ValueError("this module was already converted by fxamp: report it without policy, dtype or "
                              "convert options, or report the original model")
@@ -96,6 +110,11 @@ def report(
         per_node, summary = measure(gm, source, batches or [()], example_kwargs or {}, low)
         rows = tuple(dataclasses.replace(r, numerics=per_node.get(r.node)) for r in rep.rows)
         rep = dataclasses.replace(rep, rows=rows, numerics_summary=summary)
+    if gradients:
+        scan = scan_gradients(gm, source, bind_inputs(gm, inputs, example_kwargs or {}), loss_fn)
+        rep = dataclasses.replace(rep, gradients=scan)
+        if plot is not None:
+            plot_histogram(scan, plot, title=None)
     return rep
 
 

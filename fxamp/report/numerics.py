@@ -38,7 +38,7 @@ from ..graph import CAST, DECISION, attr_target, fetch_attr
 from ..runtime import call_module_cast, cast_weights
 from .records import NodeNumerics, NumericsSummary
 
-__all__ = ["SideBySide", "measure", "summarize", "node_drops", "sqnr", "as_batches", "DROP_DB", "FP16_MAX", "FP16_TINY"]
+__all__ = ["SideBySide", "measure", "summarize", "node_drops", "sqnr", "as_batches", "DROP_DB", "FP16_MAX", "FP16_TINY", "float_leaves"]
 
 FP16_MAX = 65504.0  #: the largest finite float16
 FP16_TINY = 2.0 ** -14  #: the smallest normal float16; below it values are subnormal (or zero below 2⁻²⁴)
@@ -53,7 +53,7 @@ def sqnr(ref: Any, out: Any) -> float:
     +inf when they are equal; -inf when ``out`` has an inf/NaN where ``ref`` is finite (or ``ref`` is 0
     and ``out`` is not).  Elements where ``ref`` itself is not finite are left out.
     """
-    r, o = _float_leaves(ref), _float_leaves(out)
+    r, o = float_leaves(ref), float_leaves(out)
     if len(r) != len(o) or any(x.shape != y.shape for x, y in zip(r, o)):
         raise ValueError(f"cannot compare outputs of different structure ({len(r)} vs {len(o)} float tensors)")
     stats = _Stats()
@@ -80,15 +80,16 @@ def as_batches(inputs: Any) -> List[Tuple[Any, ...]]:
     return [b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,) for b in inputs]
 
 
-def _float_leaves(tree: Any) -> List[torch.Tensor]:
+def float_leaves(tree: Any) -> List[torch.Tensor]:
+    """The float tensors in a nest of tuples, lists, dicts and ModelOutputs, in order."""
     if isinstance(tree, torch.Tensor):
         return [tree] if tree.is_floating_point() else []
     if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _float_leaves(v)]
+        return [t for v in tree for t in float_leaves(v)]
     if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _float_leaves(v)]
+        return [t for v in tree.values() for t in float_leaves(v)]
     if hasattr(tree, "to_tuple"):  # a Hugging Face ModelOutput
-        return _float_leaves(tree.to_tuple())
+        return float_leaves(tree.to_tuple())
     return []
 
 
@@ -178,12 +179,12 @@ class SideBySide(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
         out = super().run_node(n)
-        ref = self._reference(n, out)
+        ref = self.reference_value(n, out)
         self.ref_env[n] = ref
         if n.op == "output":
             self.reference = ref
         if DECISION in n.meta and n.op not in ("placeholder", "get_attr") and attr_target(n) is None:
-            r, o = _float_leaves(ref), _float_leaves(out)
+            r, o = float_leaves(ref), float_leaves(out)
             if r and len(r) == len(o) and all(a.shape == b.shape for a, b in zip(r, o)):
                 self._pending.append((n.name, r, o))
                 self.low[n.name] = self.low.get(n.name, False) or any(t.dtype in LOW for t in o)
@@ -192,7 +193,7 @@ class SideBySide(fx.Interpreter):
         return out
 
     # -- the float32 twin --------------------------------------------------------------------
-    def _reference(self, n: fx.Node, out: Any) -> Any:
+    def reference_value(self, n: fx.Node, out: Any) -> Any:
         if n.op == "placeholder":
             return out
         if CAST in n.meta:
