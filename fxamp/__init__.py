@@ -8,6 +8,7 @@ patched.
 from .classify import classify
 from .graph import Decision
 from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
+from .debug import OverflowInfo, overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
@@ -49,4 +50,6 @@ __all__ = [
     "autotune",
     "save_overrides",
     "load_overrides",
+    "overflow_info",
+    "OverflowInfo",
 ]

@@ -11,6 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .classify import ModuleOverrides, annotate
+from .debug import add_overflow_checks
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
 from .policy import Policy, resolve_policy
 from .rewrite import CACHE_NAME, insert_casts, lower_attribute_reads, store_params
@@ -43,6 +44,7 @@ def convert(
     frontend: str = "auto",
     dynamic: bool = True,
     weight_cache: bool = True,
+    debug_overflow: Union[bool, str] = False,
 ) -> fx.GraphModule:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
@@ -56,6 +58,8 @@ def convert(
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
                       ``frontend="export"``); ``dynamic`` keeps batch and sequence sizes free.
     weight_cache:     reuse low-precision weight copies across no-grad calls until a weight changes.
+    debug_overflow:   True: record the first node whose output (forward) or gradient (backward) has
+                      inf/NaN (``fxamp.overflow_info(amp)``); ``"raise"``: raise there.  See ``fxamp.debug``.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
@@ -80,6 +84,8 @@ def convert(
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
+    if debug_overflow:
+        add_overflow_checks(gm, raise_on_overflow=debug_overflow == "raise")
     info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
