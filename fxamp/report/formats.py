@@ -19,7 +19,7 @@ __all__ = ["CSV_COLUMNS", "NUMERICS_COLUMNS", "JSON_VERSION", "table", "to_dict"
            "arrow", "human", "flat_summary", "short_reason", "format_db"]
 
 JSON_VERSION = 2  # 2: rows carry "numerics", the report "numerics_summary" and "gradients"
-REASON_WIDTH = 34  # the default table's reason column: the reason's first clause, wrapped at words
+REASON_WIDTH = 30  # the default table's reason column: the reason's first clause, wrapped at words
 CSV_COLUMNS = ["record", "node", "kind", "op", "module", "category", "resolved", "reason", "source", "input_dtypes",
                "compute", "output_dtype", "output_shape", "casts", "flops", "value"]
 #: appended to CSV_COLUMNS when the report measured numerics
@@ -50,6 +50,16 @@ def op_label(row: Any) -> str:
     return tidy(row.op)
 
 
+def short_op_label(row: Any) -> str:
+    """The op column of the default table: the op's own name, after its module path (``qkv: linear``)."""
+    if row.kind == "get_attr":
+        return f"{'param' if row.op == 'parameter' else row.op} {row.module}"
+    if row.kind == "placeholder":
+        return "input"
+    name = row.op.rsplit(".", 1)[-1] if row.op.startswith(("torch.", "operator.", "builtins.", "aten.")) else row.op
+    return f"{row.module}: {name}" if row.module and row.kind != "output" else name
+
+
 def arrow(a: str, b: str) -> str:
     return a if a == b else f"{a} → {b}"
 
@@ -75,6 +85,11 @@ def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1].rstrip() + "…"
 
 
+def wrap(text: str, width: int) -> str:
+    """``text`` wrapped at spaces (never inside a word) to ``width``."""
+    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
+
+
 def short_reason(reason: str, width: int = REASON_WIDTH) -> str:
     """The reason's first clause (up to ``:`` or ``;``), wrapped at word boundaries to ``width``.
 
@@ -85,7 +100,7 @@ def short_reason(reason: str, width: int = REASON_WIDTH) -> str:
         cut = head.find(sep)
         if cut > 0:
             head = head[:cut]
-    return "\n".join(textwrap.wrap(head.strip(), width, break_long_words=False, break_on_hyphens=False)) or reason
+    return wrap(head.strip(), width) or reason
 
 
 def table(rep: Any, *, wide: bool = False) -> str:
@@ -93,16 +108,27 @@ def table(rep: Any, *, wide: bool = False) -> str:
     from tabulate import tabulate
 
     numerics = any(r.numerics is not None for r in rep.rows)
-    headers = ["node", "op", "category", "reason", "in dtypes", "compute", "out dtype", "casts inserted before"]
+    if wide:
+        headers = ["node", "op", "category", "reason", "in dtypes", "compute", "out dtype", "casts inserted before"]
+    else:
+        headers = ["node", "op", "category", "reason", "in→compute→out", "casts before"]
     if numerics:
-        headers += ["SQNR dB", "max rel err", "inf/nan", "ovf/unf"]
+        headers += ["SQNR dB", "rel err", "inf/nan", "ovf/unf"]
     body = []
     for r in rep.rows:
-        cat = r.category.value if r.resolved is r.category else f"{r.category.value}→{r.resolved.value}"
-        reason = r.reason if wide else clip(r.reason, 56)
-        casts = [str(c) for c in r.casts]
-        line = [r.node, op_label(r), cat, reason, ", ".join(short_name(d) for d in unique(r.input_dtypes)),
-                short_name(r.compute), short_name(r.output_dtype), ", ".join(casts)]
+        casts = ", ".join(str(c) for c in r.casts)
+        ins = ",".join(short_name(d) for d in unique(r.input_dtypes))
+        if wide:
+            cat = r.category.value if r.resolved is r.category else f"{r.category.value}→{r.resolved.value}"
+            line = [r.node, op_label(r), cat, r.reason, ins, short_name(r.compute), short_name(r.output_dtype), casts]
+        else:  # ~120 columns: short reasons, cells wrapped at spaces (never inside a word)
+            cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
+            dtypes = "→".join([ins or "·", short_name(r.compute), short_name(r.output_dtype)])
+            op = short_op_label(r)
+            module, _, name = op.rpartition(": ")
+            if name == r.node.rstrip("0123456789").rstrip("_"):
+                op = f'{module}: "' if module else '"'  # the node is named after its op (a ditto mark)
+            line = [r.node, wrap(op, 20), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
         if numerics:
             line += _numerics_cells(r.numerics)
         body.append(line)
@@ -110,12 +136,17 @@ def table(rep: Any, *, wide: bool = False) -> str:
     lines.append(tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)")
     if any(c.effective is False for r in rep.rows for c in r.casts):
         lines.append("(a→fp16): a run-time checked cast that changed nothing for these inputs")
+    if not wide:
+        lines.append('*: conditional, resolved for this node; ": the op the node is named after')
+        lines.append("reasons shortened: --wide, JSON and CSV have them in full")
     if numerics:
         lines.append("◀ culprit: the first node where the error jumps (SQNR 20 dB or more below its inputs')")
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]
-        lines += [f"  {lint}" for lint in rep.lints]
+        for lint in rep.lints:
+            lines += [f"  {lint}"] if wide else textwrap.wrap(str(lint), 118, initial_indent="  ", subsequent_indent="    ",
+                                                               break_long_words=False, break_on_hyphens=False)
     if getattr(rep, "gradients", None) is not None:
         lines += ["", *rep.gradients.summary_lines()]
     return "\n".join(lines)
@@ -132,7 +163,7 @@ def _numerics_cells(n: Any) -> List[str]:
 
 def header(rep: Any) -> str:
     inputs = ", ".join(rep.inputs) if rep.inputs else "none (dtypes that depend on the inputs show as runtime)"
-    text = f"fxamp report: {rep.model}  policy {rep.policy}  frontend {rep.frontend}\ninputs: {inputs}"
+    text = f"fxamp report: {rep.model}  policy {rep.policy}\ninputs: {inputs}  frontend {rep.frontend}"
     for note in rep.notes:
         text += f"\nnote: {note}"
     return text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -26,7 +26,8 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
       float32 parameter or buffer, so it (and the branch after it) runs in float32.
     * ``cast-down``: an activation computed in float32 is cast to low precision for its consumers:
       a cast each forward and a float32 copy alive meanwhile.  Not raised where the user chose
-      float32 (``Decision.source`` is an override).
+      float32 (``Decision.source`` is an override), nor where the value was made in float32 by the
+      model itself (a KV cache, an input): each lint says what to do, or does not fire.
     """
     for node in gm.graph.nodes:
         d = decisions.get(node)
@@ -45,6 +46,7 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
                        f"in {d.op}, which therefore runs in float32, and so does what follows; store it in "
                        f"low precision (O2 does) or cast it where it is used")
 
+    stored = set(gm.state_dict(keep_vars=True))
     for cast in gm.graph.nodes:
         if CAST not in cast.meta:
             continue
@@ -53,17 +55,50 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
             continue
         if view.dtype(src) != "float32" or view.cast_effective(cast) is False:
             continue
-        d = decisions.get(view.source(src))
         users = ", ".join(u.name for u in cast.users)
-        if d is not None and d.compute == torch.float32:
-            if d.source in _USER_CHOSEN:
-                continue  # the user put it in float32 (overrides= / module_overrides=): nothing to tell them
-            why = f"{d.op} runs in float32 ({d.resolved.value})"
-            fix = "expected after a float32 op; if its consumers tolerate it, let it run in low precision " \
-                  "(overrides= / module_overrides=)"
+        ops, attrs = _origins(src, decisions, view)
+        attrs = [a for a in attrs if attr_target(a) in stored]  # not constants the model makes (an empty cache)
+        ops = [o for o in ops if decisions[o].source not in _USER_CHOSEN]  # the user chose float32 there
+        if ops:
+            d = decisions[ops[0]]
+            names = ", ".join(o.name for o in ops)
+            why = (f"{d.op} runs in float32 ({d.resolved.value})" if ops == [src] else
+                   f"it comes from {names} ({d.op}, {d.resolved.value}), which runs in float32")
+            fix = (f"expected after a float32 op; if {users} tolerate{'s' if len(cast.users) == 1 else ''} it, let "
+                   f"{ops[0].name} run in low precision (overrides= / module_overrides=)")
+        elif attrs:
+            names = ", ".join(attr_target(a) for a in attrs)
+            why = f"it comes from float32 parameter/buffer {names}"
+            fix = "store it in low precision (O2 does) or cast it where it is used"
         else:
-            culprits = [view.source(n) for n in src.all_input_nodes if view.dtype(view.source(n)) == "float32"]
-            names = ", ".join((attr_target(c) or c.name) for c in culprits) or "its inputs"
-            why = f"{src.name} came out float32 because {names} {'is' if len(culprits) == 1 else 'are'} float32"
-            fix = "keep that value in low precision upstream to save the cast and the float32 copy"
+            continue  # made in float32 by the model itself (a KV cache, a float32 input): nothing to act on
         yield Lint("cast-down", src.name, f"float32 output is cast to {dtype_name(dtype)} for {users}: {why}; {fix}")
+
+
+def _origins(node: fx.Node, decisions: Dict[fx.Node, Decision], view: Any) -> Tuple[List[fx.Node], List[fx.Node]]:
+    """Where a float32 value comes from, through ops that follow their inputs' dtype (views, adds, ...).
+
+    Returns (ops that compute in float32 by decision, float32 parameters/buffers).  Values the model
+    makes in float32 itself (factory ops, a cache, inputs) are neither: no lint can help with them.
+    """
+    ops: List[fx.Node] = []
+    attrs: List[fx.Node] = []
+    seen = set()
+    stack = [view.source(node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if attr_target(n) is not None:
+            attrs.append(n)
+            continue
+        d = decisions.get(n)
+        if d is None or n.op == "placeholder":
+            continue
+        if d.compute == torch.float32:
+            ops.append(n)
+            continue
+        if d.compute is None:
+            stack.extend(view.source(i) for i in reversed(n.all_input_nodes) if view.dtype(view.source(i)) == "float32")
+    return ops, attrs
