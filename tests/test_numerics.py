@@ -100,7 +100,7 @@ def test_plain_report_unchanged():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="numerics=True compares outputs: pass example_inputs"):
+    with pytest.raises(ValueError, match="numerics=True runs the model: pass example_inputs"):
         fxamp.report(planted.Healthy(), numerics=True)
     amp = fxamp.convert(planted.Healthy())
     with pytest.raises(ValueError, match="needs the original float32 model"):
@@ -127,3 +127,12 @@ def test_cost():
         plain = best(lambda: (model(*batches[0]), amp(*batches[0])))
     side = best(lambda: measure(amp, model, batches, {}, torch.float16))
     assert side < 4 * plain, (side, plain)
+
+
+def test_batches_from_an_iterable():
+    model, batches = planted.Underflows(), planted.batches(3)
+    from_list = fxamp.report(model, batches, numerics=True)
+    from_gen = fxamp.report(model, (b for b in batches), numerics=True)
+    assert from_gen.numerics_summary == from_list.numerics_summary and from_gen.numerics_summary.batches == 3
+    with pytest.raises(TypeError, match="a list of such tuples"):
+        fxamp.report(model, {"x": batches[0][0]}, numerics=True)
