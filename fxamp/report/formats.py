@@ -86,8 +86,20 @@ def clip(text: str, width: int) -> str:
 
 
 def wrap(text: str, width: int) -> str:
-    """``text`` wrapped at spaces (never inside a word) to ``width``."""
-    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
+    """``text`` wrapped at spaces to ``width``; a longer name (a module path, a node name) breaks after a ``.``
+    or ``_``, between its parts, never inside one."""
+    lines: List[str] = []
+    for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False):
+        while len(line) > width:
+            cut = line.rfind(".", 0, width)  # between the parts of a path first, else of a snake_case name
+            if cut <= 0:
+                cut = line.rfind("_", 0, width)
+            if cut <= 0:
+                break
+            lines.append(line[:cut + 1])
+            line = line[cut + 1:]
+        lines.append(line)
+    return "\n".join(lines) or text
 
 
 def short_reason(reason: str, width: int = REASON_WIDTH) -> str:
@@ -128,7 +140,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
             module, _, name = op.rpartition(": ")
             if name == r.node.rstrip("0123456789").rstrip("_"):
                 op = f'{module}: "' if module else '"'  # the node is named after its op (a ditto mark)
-            line = [r.node, wrap(op, 20), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
+            line = [wrap(r.node, 24), wrap(op, 20), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
         if numerics:
             line += _numerics_cells(r.numerics)
         body.append(line)
