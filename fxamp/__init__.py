@@ -8,13 +8,14 @@ patched.
 from .classify import classify
 from .graph import Decision
 from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
+from .debug import OverflowInfo, overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .api import initialize
 from .optim import MixedPrecisionOptimizer
 from .policy import Policy
-from .report import PolicyDiff, Report, Row, compare, report
+from .report import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
 __version__ = "0.1.0"
 
@@ -46,4 +47,10 @@ __all__ = [
     "Report",
     "Row",
     "PolicyDiff",
+    "sqnr",
+    "autotune",
+    "save_overrides",
+    "load_overrides",
+    "overflow_info",
+    "OverflowInfo",
 ]

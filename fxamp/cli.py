@@ -38,6 +38,17 @@ Without --input, dtypes that depend on the inputs show as 'runtime' and FLOPs ar
 exit codes: 0 success, 2 bad command line, 1 the model could not be loaded, traced or run.
 """
 
+_TUNE_HELP = "move the fewest modules/ops of a model to float32 until its output matches float32's closely enough"
+_TUNE_EPILOG = """\
+examples:
+  fxamp tune examples/models.py:TinyTransformerBlock --input 2,8,32 --min-sqnr 40 --save overrides.json
+  fxamp report examples/models.py:TinyTransformerBlock --input 2,8,32 --overrides overrides.json --numerics
+
+The search converts with --policy, compares the output with float32's on --batches random
+batches, ranks what runs in low precision by the error each node introduces, and bisects for
+the shortest list of module paths (or, for ops at the root, op types) to run in float32.
+"""
+
 _INPUT_DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
     "float16": "float16", "half": "float16", "fp16": "float16",
@@ -87,7 +98,35 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="a submodule path torch.fx must not trace into (repeatable)")
     p.add_argument("--frontend", default="auto", choices=("auto", "fx", "export"),
                    help="graph capture: fx, export (needs --input) or auto (fx, then export if --input given)")
+    p.add_argument("--numerics", action="store_true",
+                   help="also run float32 and the converted model side by side (needs --input): SQNR per node, "
+                        "the culprit and the worst op")
+    p.add_argument("--batches", type=int, default=1, metavar="N",
+                   help="with --numerics/--gradients: measure N random input batches (default 1)")
+    p.add_argument("--overrides", default=None, metavar="FILE",
+                   help="apply overrides saved by 'fxamp tune --save FILE'")
+    p.add_argument("--gradients", action="store_true",
+                   help="run one backward (loss: the output's mean square) and report float16 gradient underflow "
+                        "and the loss scale that avoids it (needs --input)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="with --gradients: draw the histogram of log2|gradient| with float16's range (matplotlib)")
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+    t = sub.add_parser("tune", help=_TUNE_HELP, description=_TUNE_HELP[0].upper() + _TUNE_HELP[1:] + ".",
+                       epilog=_TUNE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("model", metavar="MODEL", help="path/to/file.py:Name or package.module:Name")
+    t.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help="an example input, e.g. 8,3,32,32 or 2,16:int64; repeat for each forward argument")
+    t.add_argument("--policy", "-p", default="O1", help="the policy to start from (default: O1)")
+    t.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
+    t.add_argument("--min-sqnr", type=float, default=30.0, metavar="DB",
+                   help="the output's SQNR against float32 that must hold on every batch, in dB (default 30)")
+    t.add_argument("--batches", type=int, default=2, metavar="N", help="random input batches to check (default 2)")
+    t.add_argument("--save", default=None, metavar="FILE", help="write the overrides as JSON (for --overrides)")
+    t.add_argument("--leaf-module", action="append", default=[], metavar="PATH",
+                   help="a submodule path torch.fx must not trace into (repeatable)")
+    t.add_argument("--frontend", default="auto", choices=("auto", "fx", "export"), help="graph capture")
+    t.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     return parser
 
 
@@ -104,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return _report(args)
+        return _tune(args) if args.command == "tune" else _report(args)
     except UsageError as e:
         return _fail(e, 2, debug)
     except ModelError as e:
@@ -150,16 +189,36 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError("--only filters a report's rows; it does not apply to --compare")
     if args.frontend == "export" and not shapes:
         raise UsageError("--frontend export needs example inputs: pass --input SHAPE[:DTYPE]")
+    for flag, on in (("--numerics", args.numerics), ("--gradients", args.gradients)):
+        if on and not shapes:
+            raise UsageError(f"{flag} runs the model: pass --input SHAPE[:DTYPE] for each forward argument")
+        if on and args.compare:
+            raise UsageError(f"{flag} does not apply to --compare; report each policy with {flag} instead")
+    if args.plot and not args.gradients:
+        raise UsageError("--plot draws the gradient histogram: add --gradients")
+    if args.batches < 1:
+        raise UsageError(f"--batches {args.batches}: give a positive number of batches")
+    overrides = _load_overrides(args.overrides)
 
     model, name = load_model(args.model)
-    inputs = tuple(_make_input(shape, dtype) for shape, dtype in shapes) or None
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        batches = [tuple(_make_input(shape, dtype) for shape, dtype in shapes) for _ in range(args.batches)]
+    inputs = batches[0] if shapes else None
     options = dict(dtype=args.dtype, keep_norms_fp32=args.keep_norms_fp32, leaf_modules=tuple(args.leaf_module),
-                   frontend=args.frontend)
+                   frontend=args.frontend, **overrides)
+    if args.numerics:
+        options["numerics"] = True
+    if args.gradients:
+        options["gradients"] = True
+        if args.plot:
+            options["plot"] = args.plot
 
     def run(policy: str):
+        data = batches if (args.numerics or args.gradients) and len(batches) > 1 else inputs
         try:
             with _quiet(not args.debug):
-                return report(model, inputs, policy, **options)
+                return report(model, data, policy, **options)
         except Exception as e:
             raise ModelError(_explain(e, name, has_inputs=inputs is not None)) from e
 
@@ -177,6 +236,57 @@ def _report(args: argparse.Namespace) -> int:
     else:
         text = result.to_table(wide=args.wide) if hasattr(result, "to_table") else str(result)
     _write(text, args.output)
+    return 0
+
+
+def _load_overrides(path: Optional[str]) -> dict:
+    from .report import load_overrides
+
+    if path is None:
+        return {}
+    try:
+        return load_overrides(path)
+    except ValueError as e:
+        raise UsageError(f"--overrides: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# fxamp tune
+# ---------------------------------------------------------------------------------------------
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from .policy import resolve_policy
+    from .report import autotune, save_overrides
+
+    shapes = [parse_input(text) for text in args.input]
+    if not shapes:
+        raise UsageError("tune compares outputs with float32's: pass --input SHAPE[:DTYPE] for each forward argument")
+    try:
+        resolve_policy(args.policy, args.dtype)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--policy/--dtype: {e}") from e
+    if args.batches < 1:
+        raise UsageError(f"--batches {args.batches}: give a positive number of batches")
+    model, name = load_model(args.model)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        batches = [tuple(_make_input(shape, dtype) for shape, dtype in shapes) for _ in range(args.batches)]
+        try:
+            with _quiet(not args.debug):
+                _, overrides = autotune(model, batches, args.policy, dtype=args.dtype, min_sqnr_db=args.min_sqnr,
+                                        leaf_modules=tuple(args.leaf_module), frontend=args.frontend, verbose=True)
+        except Exception as e:
+            raise ModelError(_explain(e, name, has_inputs=True)) from e
+    if args.save:
+        try:
+            save_overrides(overrides, args.save)
+        except OSError as e:
+            raise ModelError(f"cannot write {args.save!r}: {e.strerror or e}") from e
+        print(f"fxamp tune: overrides written to {args.save}; use them with fxamp report --overrides {args.save} "
+              f"or fxamp.convert(model, **fxamp.load_overrides({args.save!r}))")
     return 0
 
 

@@ -11,6 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .classify import ModuleOverrides, annotate
+from .debug import add_overflow_checks
 from .info import INFO_ATTR, ConversionInfo, conversion_info, policy_of
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
 from .policy import Policy, resolve_policy
@@ -36,6 +37,7 @@ def convert(
     dynamic: Union[bool, str] = True,
     dynamic_shapes: Any = None,
     weight_cache: bool = True,
+    debug_overflow: Union[bool, str] = False,
 ) -> fx.GraphModule:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
@@ -52,6 +54,8 @@ def convert(
     dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),
                       ``"all"`` every dim, False none; ``dynamic_shapes`` goes to ``torch.export`` as given.
     weight_cache:     reuse low-precision weight copies across no-grad calls until a weight changes.
+    debug_overflow:   True: record the first node whose output (forward) or gradient (backward) has
+                      inf/NaN (``fxamp.overflow_info(amp)``); ``"raise"``: raise there.  See ``fxamp.debug``.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
@@ -76,6 +80,8 @@ def convert(
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
+    if debug_overflow:
+        add_overflow_checks(gm, raise_on_overflow=debug_overflow == "raise")
     leaf_notes = _float32_leaves(gm, decisions) if pol.enabled else []
     for note in leaf_notes:
         warnings.warn(f"fxamp: {note}", stacklevel=2)

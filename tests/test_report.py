@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -111,17 +112,36 @@ def test_table_columns_and_summary(mlp_report):
     text = str(mlp_report)
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("node "))
-    assert header.split() == ["node", "op", "category", "reason", "in", "dtypes", "compute", "out", "dtype", "casts",
-                              "inserted", "before"]
-    row = next(line for line in lines if line.startswith("linear "))
-    for cell in ("fc1: F.linear", "safe", "fp32", "fp16", "x→fp16, fc1.weight→fp16, fc1.bias→fp16"):
-        assert cell in row
-    assert "conditional→unsafe" in next(line for line in lines if line.startswith("log_softmax"))
+    assert header.split() == ["node", "op", "category", "reason", "in→compute→out", "casts", "before"]
+    at = next(i for i, line in enumerate(lines) if line.startswith("linear "))
+    for cell in ('fc1: "', "safe", "linear layer", "fp32→fp16→fp16", "x→fp16, fc1.weight→fp16,"):
+        assert cell in lines[at]
+    assert lines[at + 1].split() == ["fc1.bias→fp16"]  # wrapped at a space
+    assert "unsafe*" in next(line for line in lines if line.startswith("log_softmax"))
     assert "ops: 6 — safe 3, neutral 2, conditional 1 (→ unsafe 1)" in text
     assert "casts inserted: 8 (6 of parameters/buffers, 2 of activations)" in text
     assert "low-precision FLOPs: 100.0% of 103.96 kFLOP" in text
     assert text.startswith("fxamp report: TinyMLP  policy O1 (params=float32,compute=float16")
-    assert "parameter, buffer or constant: cast at each use as that use needs" in mlp_report.to_table(wide=True)
+    wide = mlp_report.to_table(wide=True)
+    assert "parameter, buffer or constant: cast at each use as that use needs" in wide
+    assert "conditional→unsafe" in next(line for line in wide.splitlines() if line.startswith("log_softmax"))
+
+
+@pytest.mark.parametrize("name, shape", [("TinyMLP", (2, 64)), ("TinyCNN", (2, 3, 16, 16))])
+def test_default_table_fits_120_columns_and_never_cuts_words(name, shape):
+    rep = fxamp.report(getattr(models, name)(), torch.randn(shape))
+    text = rep.to_table()
+    assert max(len(line) for line in text.splitlines()) <= 120
+    words = {w.strip(":;,()") for w in " ".join(r.reason for r in rep.rows).split()}
+    start = text.index("----")
+    body = text[start:text.index("\n\n", start)].splitlines()
+    spans = [m.span() for m in re.finditer(r"-+", body[0])]
+    a, b = spans[3]  # the reason column
+    for line in body[1:]:
+        if line.startswith(("*:", "reasons shortened", "(")):
+            break
+        assert all(w.strip(":;,()") in words for w in line[a:b].split()), line
+    assert "…" not in text
 
 
 # ---------------------------------------------------------------------------------------------

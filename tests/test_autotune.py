@@ -1,0 +1,96 @@
+"""Accuracy-driven fallback (issue 11, part 3): ``fxamp.autotune`` finds exactly the planted culprits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fxamp
+import planted
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("name, culprits", [("Overflows", {"energy"}), ("Underflows", {"shrink"}),
+                                            ("Unlisted", {"bessel"}), ("TwoCulprits", {"energy", "shrink"})])
+def test_finds_exactly_the_culprits(frontend, name, culprits):
+    model, batches = getattr(planted, name)(), planted.batches()
+    amp, overrides, result = fxamp.autotune(model, batches, min_sqnr_db=30.0, frontend=frontend, return_result=True)
+    assert overrides == {"module_overrides": {c: "unsafe" for c in culprits}, "overrides": {}}
+    assert set(result.chosen) == culprits and result.score_before < 30 <= result.score_after
+    # the culprits are ranked first, and the search is logarithmic in the candidates
+    assert set(result.units[:len(culprits)]) == culprits
+    assert result.evaluations <= 3 + math.ceil(math.log2(len(result.units))) + len(culprits)
+    with torch.no_grad():
+        assert min(fxamp.sqnr(model(*b), amp(*b)) for b in batches) >= 30
+    # plain data that convert accepts as it is
+    again = fxamp.convert(model, "O1", example_inputs=batches[0], frontend=frontend, **overrides)
+    with torch.no_grad():
+        assert torch.equal(again(*batches[0]), amp(*batches[0]))
+
+
+def test_healthy_model_changes_nothing():
+    model, batches = planted.Healthy(), planted.batches()
+    amp, overrides, result = fxamp.autotune(model, batches, return_result=True)
+    assert overrides == {"module_overrides": {}, "overrides": {}} and result.evaluations == 1
+    with torch.no_grad():
+        assert torch.equal(amp(*batches[0]), fxamp.convert(model, "O1")(*batches[0]))
+
+
+def test_metric_and_tolerance():
+    model, batches = planted.Underflows(), planted.batches()
+
+    def max_abs(ref, out):
+        return float((ref - out).abs().max())
+
+    _, overrides = fxamp.autotune(model, batches, metric=max_abs, tolerance=1e-2)
+    assert overrides["module_overrides"] == {"shrink": "unsafe"}
+    with pytest.raises(ValueError, match="metric= needs tolerance="):
+        fxamp.autotune(model, batches, metric=max_abs)
+
+
+def test_root_level_op_is_overridden_by_op():
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = planted._linear(16, 16, 0)
+
+        def forward(self, x):
+            h = self.fc(x) * 200.0
+            return torch.cat([h / 1000.0, (h * h).sum(-1, keepdim=True) / 1e6], -1)
+
+    _, overrides = fxamp.autotune(Root(), planted.batches())
+    import operator
+    assert overrides == {"module_overrides": {}, "overrides": {operator.mul: "unsafe"}}
+
+
+def test_json_round_trip(tmp_path, capsys):
+    model, batches = planted.TwoCulprits(), planted.batches()
+    amp, overrides = fxamp.autotune(model, batches, verbose=True)
+    out = capsys.readouterr().out
+    assert "2 units to float32" in out and '"energy": "unsafe"' in out
+    path = tmp_path / "overrides.json"
+    fxamp.save_overrides(overrides, str(path))
+    assert json.loads(path.read_text()) == {"version": 1, "module_overrides": {"energy": "unsafe", "shrink": "unsafe"},
+                                            "overrides": {}}
+    assert fxamp.load_overrides(str(path)) == overrides
+    import operator
+    fxamp.save_overrides({"overrides": {operator.mul: "unsafe", torch.ops.aten.exp: "neutral", "Tensor.sum": "safe"}},
+                         str(path))
+    assert fxamp.load_overrides(str(path))["overrides"] == {operator.mul: "unsafe", torch.ops.aten.exp: "neutral",
+                                                            "Tensor.sum": "safe"}
+    path.write_text('{"overrides": {"nope.op": "unsafe"}}')
+    with pytest.raises(ValueError, match="unknown op 'nope.op'"):
+        fxamp.load_overrides(str(path))
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match="expected an object with 'module_overrides' and 'overrides'"):
+        fxamp.load_overrides(str(path))
+
+
+def test_unreachable_tolerance_is_an_error():
+    with pytest.raises(fxamp.FxampError, match="even with every low-precision op in float32"):
+        fxamp.autotune(planted.Underflows(), planted.batches(), metric=lambda r, o: 1.0, tolerance=0.5)

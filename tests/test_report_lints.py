@@ -1,0 +1,41 @@
+"""Every dtype-leak lint says what to do, or does not fire (issue 11, part 5): GPT-2 through torch.export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxamp
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_gpt2_kv_cache_values_are_not_flagged():
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    rep = fxamp.report(model, (ids,))
+    assert rep.frontend == "export" and rep.lints
+    for lint in rep.lints:
+        assert "overrides=" in lint.message or "store it in low precision" in lint.message, lint
+        assert not lint.node.startswith("cat") and "detach_" not in lint.message and "_fxamp_constant" not in lint.message
+    # the float32 producer is named, through the views between it and the cast
+    first = rep.lints[0]
+    assert first.kind == "cast-down" and "it comes from layer_norm (aten.layer_norm, unsafe)" in first.message
+    assert "let layer_norm run in low precision" in first.message
+
+
+def test_user_chosen_float32_is_not_flagged():
+    import sys
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import models
+
+    block, x = models.TinyTransformerBlock(), torch.randn(2, 8, 32)
+    assert {lint.node for lint in fxamp.report(block, x).lints if lint.kind == "cast-down"} == {"norm1", "norm2"}
+    chosen = fxamp.report(block, x, module_overrides={"norm1": "unsafe"})
+    assert {lint.node for lint in chosen.lints if lint.kind == "cast-down"} == {"norm2"}
