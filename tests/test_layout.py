@@ -27,6 +27,7 @@ STAGES: Dict[str, int] = {
     "optim": 5,
     "classify": 6,
     "rewrite": 7,
+    "debug": 7,  # an opt-in rewrite pass
     "convert": 8,
 }
 TOP = 9  # api, report, cli and other features built on the pipeline
@@ -65,13 +66,18 @@ def _imports() -> Dict[str, Set[str]]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets: List[str] = []
             if isinstance(node, ast.ImportFrom):
+                base = None
                 if node.level == 0:
                     if node.module and (node.module == "fxamp" or node.module.startswith("fxamp.")):
                         base = node.module.removeprefix("fxamp").lstrip(".")
-                        targets = [base] + [f"{base}.{a.name}" if base else a.name for a in node.names]
                 else:
                     base = _resolve(module, is_package, node.level, node.module or "")
-                    targets = [base] + [f"{base}.{a.name}" if base else a.name for a in node.names]
+                if base is not None:
+                    # ``from .pkg import sub`` depends on the submodule; ``from .mod import name`` on the module
+                    subs = [f"{base}.{a.name}" if base else a.name for a in node.names]
+                    targets = [t for t in subs if t in modules]
+                    if len(targets) < len(subs):
+                        targets.append(base)
             elif isinstance(node, ast.Import):
                 targets = [a.name.removeprefix("fxamp").lstrip(".") for a in node.names
                            if a.name == "fxamp" or a.name.startswith("fxamp.")]
