@@ -266,3 +266,17 @@ def test_inplace_op_already_in_its_dtype_stays_in_place():
         assert "copy_" not in amp.code and ".exp_()" in amp.code
         reason = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}["exp_"].reason
         assert "runs in place as written" in reason
+
+
+def test_report_shows_float64_where_it_ran_although_the_decision_said_low():
+    """A float64 input known only at run time passes the checked casts untouched: the report says float64."""
+
+    class MatSoftmax(nn.Module):
+        def forward(self, a, b):
+            return (a @ b).softmax(-1)
+
+    a, b = torch.randn(2, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    rep = fxamp.report(MatSoftmax(), (a, b), policy="O1")
+    rows = {r.node: r for r in rep.rows}
+    assert rows["matmul"].compute == "float64"
+    assert rep.summary.low_share == 0.0

@@ -108,6 +108,9 @@ def _row(node: fx.Node, d: Decision, view: DtypeView, modules: Dict[str, nn.Modu
 
     if d.compute is not None:
         compute = dtype_name(d.compute)
+        seen = _observed_compute(node, observed) if observed is not None and node.op != "output" else None
+        if seen is not None and seen not in ("float16", "bfloat16", "float32"):
+            compute = seen  # float64 passed through the checked casts untouched: it ran in float64
     elif node.op == "placeholder" or _is_attr(node):
         compute = "-"
     elif out in (None, "-") or (out != RUNTIME and not _is_float(out)):
