@@ -86,8 +86,13 @@ def observe(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: Dict[
                 what = f"{d.op}{f' in {d.module}' if d.module else ''}" if d is not None else str(node.target)
                 where = f" at node {node.name} ({what})"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            if "without overflow" in first:
+                hint = ("a constant does not fit the low-precision dtype this op runs in; keep the op in float32 "
+                        "with overrides= / module_overrides=, or write the constant from torch.finfo(x.dtype)")
+            else:
+                hint = "check the example inputs' shapes and dtypes"
             raise FxampError(f"running the converted model on the example inputs failed{where}: "
-                             f"{type(e).__name__}: {first}; check the example inputs' shapes and dtypes") from e
+                             f"{type(e).__name__}: {first}; {hint}") from e
     return rec
 
 
