@@ -9,6 +9,7 @@ from .classify import classify
 from .graph import Decision
 from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
+from .lazy import LazyConverted
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .optim import MixedPrecisionOptimizer, initialize
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "convert",
+    "LazyConverted",
     "policy_of",
     "conversion_info",
     "ConversionInfo",

@@ -10,13 +10,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .capture import Captured, LeafSpec, capture
 from .classify import ModuleOverrides, annotate
+from .errors import TraceError
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
 from .policy import Policy, resolve_policy
-from .rewrite import CACHE_NAME, insert_casts, lower_attribute_reads, store_params
-from .capture import LeafSpec, capture
+from .rewrite import CACHE_NAME, cast_kept_storage, insert_casts, lower_attribute_reads, store_params
 
-__all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
+__all__ = ["convert", "rewrite_captured", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class ConversionInfo:
     policy: Policy
     frontend: str  # "fx" or "export"
     notes: Tuple[str, ...] = ()
+    # a module that captures at its first call (fxamp.LazyConverted): the call signatures captured
+    # so far, least recently used first; None for a module captured by convert() itself
+    signatures: Optional[Tuple[str, ...]] = None
 
 
 def convert(
@@ -43,7 +47,7 @@ def convert(
     frontend: str = "auto",
     dynamic: bool = True,
     weight_cache: bool = True,
-) -> fx.GraphModule:
+) -> nn.Module:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
     policy:           ``"O0"``..``"O3"``, a ``"params=...,compute=..."`` string, or a :class:`Policy`.
@@ -57,6 +61,11 @@ def convert(
                       ``frontend="export"``); ``dynamic`` keeps batch and sequence sizes free.
     weight_cache:     reuse low-precision weight copies across no-grad calls until a weight changes.
 
+    Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
+    given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
+    ``torch.export`` at its first call and again for each new call signature; its parameters exist
+    at once, in their storage dtypes, so an optimizer can be built before the first call.
+
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
@@ -68,24 +77,49 @@ def convert(
         lists = lists.with_overrides(overrides)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
+    from .lazy import LazyConverted  # lazy.py builds on this module's rewrite_captured
+
+    has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
-    captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
-                       example_kwargs=example_kwargs, dynamic=dynamic)
+    lazy_options = dict(op_lists=lists, module_overrides=module_overrides, dynamic=dynamic, weight_cache=weight_cache)
+    if frontend == "export" and not has_inputs:
+        return LazyConverted(source, pol, owns_model=changes_storage, **lazy_options)
+    try:
+        captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
+                           example_kwargs=example_kwargs, dynamic=dynamic)
+    except TraceError as e:
+        if frontend != "auto" or has_inputs or leaf_modules:
+            raise  # export was tried already, or cannot help (leaf_modules)
+        return LazyConverted(source, pol, owns_model=changes_storage, fx_error=e, **lazy_options)
+    return rewrite_captured(captured, pol, lists, module_overrides, weight_cache=weight_cache)
+
+
+def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
+                     module_overrides: Optional[ModuleOverrides] = None, *, weight_cache: bool = True, storage: str = "decide", notes: Sequence[str] = ()) -> fx.GraphModule:
+    """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
+
+    storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
+    (``store_params``); ``"keep"``: the parameters already have their dtypes (a lazily capturing
+    module made them before any graph existed), and consumers that want another dtype get a cast.
+    notes: put before the capture's own notes.
+    """
     gm = captured.graph_module
-    decisions = annotate(gm, pol, lists, module_overrides)
-    if pol.enabled:
-        store_params(gm, decisions, pol)
+    decisions = annotate(gm, policy, op_lists, module_overrides)
+    if policy.enabled:
+        if storage == "decide":
+            store_params(gm, decisions, policy)
+        else:
+            cast_kept_storage(gm, decisions, policy)
         lower_attribute_reads(gm)
-        insert_casts(gm, decisions, pol, weight_cache=weight_cache)
+        insert_casts(gm, decisions, policy, weight_cache=weight_cache)
         gm.graph.lint()
         gm.recompile()
-    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))
+    info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
     return gm
-
 
 INFO_ATTR = "_fxamp_info"
 
