@@ -76,26 +76,27 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     Layers of :data:`_LOW_LAYERS` (and ``Conv1D``): ``policy.params``; normalisation layers (a norm
     class, or ``Norm`` in the class name): ``policy.norms``; other modules' parameters float32, or
     ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  A tensor tied
-    across modules that disagree stays float32.
+    across modules follows the most specific owner: a norm, else a layer (BERT's decoder bias).
     """
-    wants: Dict[int, set] = collections.defaultdict(set)
+    # per tensor: (strength, dtype); a norm's claim beats a layer's, a layer's beats any other module's
+    claims: Dict[int, Tuple[int, torch.dtype]] = {}
     names: Dict[int, List[str]] = collections.defaultdict(list)
     others = policy.params if policy.unsafe != torch.float32 else torch.float32
     for path, m in model.named_modules(remove_duplicate=False):
         if _is_norm(m):
-            param_dtype = buffer_dtype = policy.norms
+            strength, param_dtype, buffer_dtype = 2, policy.norms, policy.norms
         elif isinstance(m, _LOW_LAYERS) or type(m).__name__ in _LOW_LAYER_NAMES:
-            param_dtype = buffer_dtype = policy.params
+            strength, param_dtype, buffer_dtype = 1, policy.params, policy.params
         else:
-            param_dtype, buffer_dtype = others, torch.float32
+            strength, param_dtype, buffer_dtype = 0, others, torch.float32
         for table, dtype in ((m._parameters, param_dtype), (m._buffers, buffer_dtype)):
             for name, t in table.items():
                 if t is not None and t.dtype == torch.float32:
-                    wants[id(t)].add(dtype)
                     names[id(t)].append(f"{path}.{name}" if path else name)
+                    if id(t) not in claims or claims[id(t)][0] < strength:
+                        claims[id(t)] = (strength, dtype)
     out: Dict[str, torch.dtype] = {}
-    for key, dtypes in wants.items():
-        dtype = torch.float32 if len(dtypes) > 1 else next(iter(dtypes))
+    for key, (_, dtype) in claims.items():
         for name in names[key]:
             out[name] = dtype
     return out
@@ -183,6 +184,23 @@ class LazyConverted(nn.Module):
             raise RuntimeError("this module captures its graph at the first call: call it once (with the inputs "
                                "you will use), then read graph_module")
         return self._fxamp_last.gm
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The graph the latest call ran.  Before the first call there is none: torch.fx's error, when
+        torch.fx could not trace the model, is raised again (what ``convert`` raised before it could
+        wait for the inputs)."""
+        if self._fxamp_last is None and self._fxamp_fx_error is not None:
+            e = self._fxamp_fx_error
+            raise TraceError(f"{e} (this module captures with torch.export at its first call: call it once, "
+                             f"then read its graph)", short=e.short, module_path=e.module_path,
+                             original=e.original) from e
+        return self.graph_module.graph
+
+    @property
+    def code(self) -> str:
+        """The Python code of the graph the latest call ran."""
+        return self.graph_module.code
 
     def graph_modules(self) -> List[fx.GraphModule]:
         """Every cached converted graph module, least recently used first."""
