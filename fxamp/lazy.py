@@ -49,7 +49,7 @@ from .classify import ModuleOverrides
 from .convert import INFO_ATTR, ConversionInfo, rewrite_captured
 from .dtypes import short_name
 from .errors import TraceError
-from .op_lists import OpLists
+from .op_lists import DEFAULT_OP_LISTS, OpLists
 from .policy import Policy
 from .rewrite import CACHE_NAME
 
@@ -122,10 +122,31 @@ def _store(model: nn.Module, storage: Dict[str, torch.dtype]) -> None:
 class _Entry:
     """One capture: the converted graph module, what it was captured for, and its own (unshared) modules."""
 
-    def __init__(self, gm: fx.GraphModule, description: str, own_modules: List[nn.Module]):
+    def __init__(self, gm: fx.GraphModule, description: str, own_modules: List[nn.Module], number: int):
         self.gm = gm
         self.description = description
         self.own_modules = own_modules  # the mode flag, the weight cache, higher-order-op bodies
+        self.number = number  # captures made before this one
+
+
+class _Options:
+    """The convert options each capture is rewritten with; immutable, so copies share it."""
+
+    def __init__(self, op_lists: OpLists, module_overrides: Optional[ModuleOverrides], weight_cache: bool):
+        self.op_lists = op_lists
+        self.module_overrides = module_overrides
+        self.weight_cache = weight_cache
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Options":
+        return self
+
+    def __reduce__(self) -> Any:  # OpLists holds a mappingproxy: pickle its entries (None: the defaults)
+        lists = None if self.op_lists is DEFAULT_OP_LISTS else dict(self.op_lists)
+        return (_rebuild_options, (lists, self.module_overrides, self.weight_cache))
+
+
+def _rebuild_options(lists: Optional[Dict[Any, Any]], module_overrides: Any, weight_cache: bool) -> _Options:
+    return _Options(DEFAULT_OP_LISTS if lists is None else OpLists(lists), module_overrides, weight_cache)
 
 
 class LazyConverted(nn.Module):
@@ -160,11 +181,12 @@ class LazyConverted(nn.Module):
         d["_fxamp_root"] = root
         d["_fxamp_policy"] = policy
         d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
-        d["_fxamp_options"] = dict(op_lists=op_lists, module_overrides=module_overrides, weight_cache=weight_cache)
+        d["_fxamp_options"] = _Options(op_lists, module_overrides, weight_cache)
         d["_fxamp_dynamic"] = dynamic
         d["_fxamp_fx_error"] = fx_error
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         d["_fxamp_last"] = None
+        d["_fxamp_captures"] = 0
         why = (f"torch.fx could not trace the model ({fx_error.short})" if fx_error is not None
                else "frontend='export' without example inputs")
         d["_fxamp_notes"] = [f"{why}: captured with torch.export at the first call, and again for each new call "
@@ -175,7 +197,7 @@ class LazyConverted(nn.Module):
     @property
     def _fxamp_info(self) -> ConversionInfo:
         return ConversionInfo(self._fxamp_policy, "export", tuple(self._fxamp_notes),
-                              signatures=tuple(e.description for e in self._fxamp_cache.values()))
+                              signatures=tuple(e.description for e in self._entries()))
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -203,8 +225,11 @@ class LazyConverted(nn.Module):
         return self.graph_module.code
 
     def graph_modules(self) -> List[fx.GraphModule]:
-        """Every cached converted graph module, least recently used first."""
-        return [e.gm for e in self._fxamp_cache.values()]
+        """Every cached converted graph module, in the order they were captured."""
+        return [e.gm for e in self._entries()]
+
+    def _entries(self) -> List[_Entry]:
+        return sorted(self._fxamp_cache.values(), key=lambda e: e.number)
 
     @property
     def _fxamp_weight_cache(self) -> "_WeightCaches":
@@ -239,13 +264,16 @@ class LazyConverted(nn.Module):
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                dynamic=self._fxamp_dynamic, fx_error=self._fxamp_fx_error)
             restore.also(captured.graph_module)
-        gm = rewrite_captured(captured, self._fxamp_policy, storage="keep", **self._fxamp_options)
+        options = self._fxamp_options
+        gm = rewrite_captured(captured, self._fxamp_policy, options.op_lists, options.module_overrides,
+                              weight_cache=options.weight_cache, storage="keep")
         mode = captured.only_mode
         if mode is not None:
             description += f" ({'training' if mode else 'eval'} mode)"
         shared = {id(m) for m in self._modules.values()}
         own = [sub for m in gm._modules.values() if id(m) not in shared for sub in m.modules()]
-        entry = _Entry(gm, description, own)
+        self.__dict__["_fxamp_captures"] += 1
+        entry = _Entry(gm, description, own, self._fxamp_captures)
         cache = self._fxamp_cache
         notes = self._fxamp_notes
         if len(cache) >= max(1, self.max_signatures):
