@@ -79,8 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        epilog=_REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="path/to/file.py:Name or package.module:Name, optionally Name(key=literal,...)")
-    p.add_argument("--input", "-i", action="append", default=[], metavar="[NAME=]SHAPE[:DTYPE]",
-                   help="an example input, e.g. 8,3,32,32 or 2,16:int64, or by keyword: input_ids=2,16:int64; "
+    p.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help="an example input, e.g. 8,3,32,32 or 2,16:int64; NAME=SHAPE[:DTYPE] passes it by keyword, e.g. "
+                        "input_ids=2,16:int64; "
                         "repeat for each forward argument")
     p.add_argument("--policy", "-p", default="O1",
                    help="O0, O1, O2, O3 or a string such as 'params=float32,compute=bfloat16' (default: O1)")

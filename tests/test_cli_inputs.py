@@ -204,7 +204,7 @@ def test_compare_errors_name_compare(workdir, capsys):
 def test_help_documents_the_new_forms(capsys):
     rc, out, _ = run(capsys, "report", "--help")
     assert rc == 0
-    assert "[NAME=]SHAPE[:DTYPE]" in out and "input_ids=2,16:int64" in out
+    assert "NAME=SHAPE[:DTYPE] passes it by keyword" in out and "input_ids=2,16:int64" in out
     assert "Name(key=literal,...)" in out and "ast.literal_eval" in out
 
 
