@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .convert import conversion_info, convert, policy_of
+from .lazy import LazyConverted
 from .dtypes import LOW, NOT_FLOAT, DtypeInference, dtype_name, short_name
 from .errors import FxampError
 from .graph import CAST, DECISION, Decision, attr_target, fetch_attr
@@ -437,6 +438,8 @@ def report(
                     ``leaf_modules``, ``keep_norms_fp32``, ``frontend``, ``op_lists``, ``dynamic``…).
     """
     inputs = _as_tuple(example_inputs)
+    if isinstance(model, LazyConverted):
+        model = model.graph_module  # the graph its latest call ran (an error before its first call)
     if policy_of(model) is not None:
         if policy is not None or dtype is not None or convert_options or example_kwargs:
             raise ValueError("this module was already converted by fxamp: report it without policy, dtype or "

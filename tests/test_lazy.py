@@ -256,8 +256,12 @@ def test_report_reads_the_captured_graph():
     _, amp = lazy()
     x = torch.randn(2, 3, 8)
     amp(x)
-    rep = fxamp.report(amp.graph_module, (x,))
-    assert any(r.node == "linear" and r.compute == "bfloat16" for r in rep.rows)
+    for target in (amp, amp.graph_module):
+        rep = fxamp.report(target, (x,))
+        assert any(r.node == "linear" and r.compute == "bfloat16" for r in rep.rows)
+        assert rep.frontend == "export"
+    with pytest.raises(RuntimeError, match="captures its graph at the first call"):
+        fxamp.report(lazy()[1])
 
 
 def test_ddp_before_and_after_the_first_call():
@@ -399,3 +403,19 @@ def test_hugging_face_training_without_example_inputs(name, policy):
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) < 0.05 * abs(want), (losses, ref_losses)
     assert list(amp.state_dict()) == list(reference.state_dict())
+
+
+def test_initialize_rebinds_before_the_first_call():
+    torch.manual_seed(0)
+    model = RankNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp, mp = fxamp.initialize(model, opt, "O2", dtype=torch.bfloat16)
+    assert isinstance(amp, fxamp.LazyConverted)
+    assert amp.norm.weight is model.norm.weight  # float32 parameters re-bound to the original's
+    before = model.fc.weight.detach().clone()
+    mp.zero_grad()
+    mp.backward(amp(torch.randn(2, 3, 8)).pow(2).mean())
+    assert mp.step()
+    assert not torch.equal(model.fc.weight, before)  # the original holds the float32 masters
+    torch.testing.assert_close(amp.fc.weight, model.fc.weight.to(torch.bfloat16))
+    assert amp.graph_module.norm.weight is model.norm.weight
