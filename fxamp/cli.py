@@ -345,7 +345,9 @@ def _parse_call(spec: str, name: str, text: str) -> Dict[str, Any]:
     return kwargs
 
 
-def _build(namespace: Any, where: str, name: str, call_kwargs: Optional[Dict[str, Any]], module_type: type) -> Tuple[Any, str]:
+def _build(namespace: Any, where: str, name: str, call_kwargs: Optional[Dict[str, Any]],
+           module_type: type) -> Tuple[Any, str]:
+    """``namespace.<name>``: a module instance, or the result of building the class or calling the function."""
     obj: Any = namespace
     for part in name.split("."):
         if not hasattr(obj, part):

@@ -96,7 +96,8 @@ def convert(
 
 
 def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
-                     module_overrides: Optional[ModuleOverrides] = None, *, weight_cache: bool = True, storage: str = "decide", notes: Sequence[str] = ()) -> fx.GraphModule:
+                     module_overrides: Optional[ModuleOverrides] = None, *, weight_cache: bool = True,
+                     storage: str = "decide", notes: Sequence[str] = ()) -> fx.GraphModule:
     """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
 
     storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
@@ -104,6 +105,8 @@ def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
     module made them before any graph existed), and consumers that want another dtype get a cast.
     notes: put before the capture's own notes.
     """
+    if storage not in ("decide", "keep"):
+        raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
     gm = captured.graph_module
     decisions = annotate(gm, policy, op_lists, module_overrides)
     if policy.enabled:
@@ -120,6 +123,7 @@ def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
     return gm
+
 
 INFO_ATTR = "_fxamp_info"
 

@@ -266,7 +266,9 @@ class LazyConverted(nn.Module):
             restore.also(captured.graph_module)
         options = self._fxamp_options
         gm = rewrite_captured(captured, self._fxamp_policy, options.op_lists, options.module_overrides,
-                              weight_cache=options.weight_cache, storage="keep")
+                              weight_cache=options.weight_cache, storage="keep",
+                              notes=[f"captured at a call with {description}; parameter storage "
+                                     f"predicted from the module tree (fxamp.LazyConverted)"])
         mode = captured.only_mode
         if mode is not None:
             description += f" ({'training' if mode else 'eval'} mode)"
