@@ -119,6 +119,9 @@ def _store(model: nn.Module, storage: Dict[str, torch.dtype]) -> None:
                 setattr(m, name, new)  # setattr, so RNNs refresh their flat weights
 
 
+_MISSING = object()
+
+
 class _Entry:
     """One capture: the converted graph module, what it was captured for, and its own (unshared) modules."""
 
@@ -289,6 +292,19 @@ class LazyConverted(nn.Module):
         return entry
 
     # -- nn.Module plumbing --------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and children as any module; then the original root's own data attributes
+        (a Hugging Face ``config``), read-only.  Its methods are not offered: they would run the
+        unconverted forward."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            root = self.__dict__.get("_fxamp_root")
+            value = root.__dict__.get(name, _MISSING) if root is not None else _MISSING
+            if value is _MISSING or callable(value):
+                raise
+            return value
+
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
         super()._apply(fn, recurse)
         for entry in self._fxamp_cache.values():  # what the graphs own: constants, their modules' tensors

@@ -366,6 +366,9 @@ def test_hugging_face_training_without_example_inputs(name, policy):
     reference = copy.deepcopy(model)
     amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
     assert isinstance(amp, fxamp.LazyConverted)
+    assert amp.config.to_dict() == model.config.to_dict()  # the original's data attributes are readable
+    with pytest.raises(AttributeError):
+        amp.generate  # its methods are not: they would run the unconverted forward
     params = dict(amp.named_parameters())
     low = {n for n, p in params.items() if p.dtype == torch.bfloat16}
     assert bool(low) == (policy == "O2")
