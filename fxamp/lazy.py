@@ -255,8 +255,9 @@ class LazyConverted(nn.Module):
         gm.training = self.training
         for m in entry.own_modules:
             m.training = self.training
-        gm._parameters.update(self._parameters)  # root-level tensors: the same objects as ours
-        gm._buffers.update(self._buffers)
+        if self._parameters or self._buffers:  # root-level tensors: the same objects as ours
+            gm._parameters.update(self._parameters)
+            gm._buffers.update(self._buffers)
         return gm(*args, **kwargs)
 
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
@@ -366,6 +367,12 @@ def _leaf_key(leaf: Any) -> Any:
 
 def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """What decides the graph: the argument structure, tensor dtypes, ranks, 0/1 sizes, other values."""
+    Tensor = torch.Tensor
+    if all(type(a) is Tensor for a in args) and all(type(v) is Tensor for v in kwargs.values()):
+        # the common call, plain tensors only: no pytree (this runs at every call)
+        return (len(args), tuple(sorted(kwargs)),
+                tuple((t.dtype, t.device.type, tuple(s if s < 2 else 2 for s in t.shape))
+                      for t in (*args, *(kwargs[k] for k in sorted(kwargs)))))
     leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves))
 
