@@ -192,7 +192,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_captures"] = 0
         why = (f"torch.fx could not trace the model ({fx_error.short})" if fx_error is not None
                else "frontend='export' without example inputs")
-        d["_fxamp_notes"] = [f"{why}: captured with torch.export at the first call, and again for each new call "
+        d["_fxamp_notes"] = [f"{why}: captures with torch.export at the first call, and again for each new call "
                              f"signature (other keyword arguments, input rank or dtype)"]
         self.training = model.training
 

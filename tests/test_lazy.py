@@ -102,7 +102,7 @@ def test_parameters_exist_before_the_first_call(policy, low):
     info = fxamp.conversion_info(amp)
     assert info.frontend == "export" and info.signatures == ()
     assert info.notes[0].startswith("torch.fx could not trace the model (")
-    assert "captured with torch.export at the first call" in info.notes[0]
+    assert "captures with torch.export at the first call" in info.notes[0]
     with pytest.raises(RuntimeError, match="captures its graph at the first call"):
         amp.graph_module
 
