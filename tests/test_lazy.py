@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
+from fxamp.graph import attr_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -422,3 +423,30 @@ def test_initialize_rebinds_before_the_first_call():
     assert not torch.equal(model.fc.weight, before)  # the original holds the float32 masters
     torch.testing.assert_close(amp.fc.weight, model.fc.weight.to(torch.bfloat16))
     assert amp.graph_module.norm.weight is model.norm.weight
+
+
+class UnlistedOnAWeight(nn.Module):
+    """``copysign`` is on no op list: it follows its inputs, and would keep ``fc.bias`` float32 in store_params."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.dim() == 3:
+            x = x.flatten(0, 1)
+        return self.fc(x) + torch.copysign(self.fc.bias, torch.ones(4))
+
+
+def test_kept_storage_is_cast_for_consumers_that_want_float32():
+    model, amp = lazy(UnlistedOnAWeight())
+    assert amp.fc.bias.dtype == torch.bfloat16  # predicted from the module tree: a Linear's
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(amp(x), model(x), atol=0.05, rtol=0.05)
+    graph = amp.graph_module.graph
+    (copysign,) = graph.find_nodes(op="call_function", target=torch.ops.aten.copysign.Tensor)
+    cast = copysign.args[0]
+    assert cast.op == "call_method" and cast.target == "to" and cast.args[1] == torch.float32
+    assert attr_target(cast.args[0]) == "fc.bias"
+    linear = next(iter(graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)))
+    assert attr_target(linear.args[2]) == "fc.bias"  # the linear reads the stored bfloat16 bias
