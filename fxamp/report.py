@@ -31,10 +31,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .convert import conversion_info, convert, policy_of
-from .lazy import LazyConverted
 from .dtypes import LOW, NOT_FLOAT, DtypeInference, dtype_name, short_name
 from .errors import FxampError
 from .graph import CAST, DECISION, Decision, attr_target, fetch_attr
+from .lazy import LazyConverted
 from .op_lists import Category
 from .policy import PRESETS, Policy
 from .runtime import call_module_cast

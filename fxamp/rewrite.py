@@ -105,7 +105,6 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     return changed
 
 
-
 def cast_kept_storage(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Policy) -> int:
     """The storage is given (``store_params`` did not choose it): cast low-precision tensors for the
     consumers that would have kept them float32 and do not cast their inputs themselves.
