@@ -10,6 +10,7 @@ from .graph import Decision
 from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
 from .debug import OverflowInfo, overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
+from .lazy import LazyConverted
 from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .api import initialize
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "convert",
+    "LazyConverted",
     "policy_of",
     "conversion_info",
     "ConversionInfo",

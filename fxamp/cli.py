@@ -8,6 +8,7 @@ spelling); 1 the model could not be loaded, built, traced, converted or run.  Er
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -16,9 +17,9 @@ import logging
 import os
 import sys
 import traceback
-from typing import Any, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
-__all__ = ["main", "load_model", "parse_input"]
+__all__ = ["main", "load_model", "parse_input", "parse_inputs"]
 
 _DESCRIPTION = "fxamp: ahead-of-time mixed precision for PyTorch, as a torch.fx graph rewrite."
 _REPORT_HELP = "show what each op of a model runs in (safe/neutral/conditional/unsafe), why, and where casts go"
@@ -28,11 +29,18 @@ examples:
   fxamp report examples/models.py:TinyLM --input 2,16:int64 --policy O2 --dtype bfloat16
   fxamp report mypkg.models:build_model --input 8,3,32,32 --format json --output report.json
   fxamp report examples/models.py:TinyCNN --input 2,3,16,16 --compare O2
+  fxamp report mypkg.models:build_model(d=64,layers=2) --input 2,16,64
+  fxamp report mypkg.seq2seq:build --input input_ids=2,16:int64 --input decoder_input_ids=2,8:int64
 
 MODEL is path/to/file.py:Name or package.module:Name, where Name is an nn.Module subclass
-(built with no arguments), a function returning a module, or a module instance.
+(built with no arguments), a function returning a module, or a module instance.  A class or
+function may be called with keyword arguments: Name(d=64,act="gelu"); the values are Python
+literals (numbers, strings, True/False/None, tuples, lists, dicts), read with ast.literal_eval,
+never run as code.  Quote MODEL in the shell when it has parentheses.
 --input gives one example input per flag: comma-separated sizes, float32 unless :DTYPE
-follows; integer inputs (token ids, indices) are filled with the values 0 and 1.
+follows; integer inputs (token ids, indices) are filled with the values 0 and 1.  NAME=SHAPE
+passes the input by keyword (forward's argument NAME); inputs without a name are positional,
+in order.
 Without --input, dtypes that depend on the inputs show as 'runtime' and FLOPs are not estimated.
 
 exit codes: 0 success, 2 bad command line, 1 the model could not be loaded, traced or run.
@@ -80,9 +88,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("report", help=_REPORT_HELP, description=_REPORT_HELP[0].upper() + _REPORT_HELP[1:] + ".",
                        epilog=_REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="path/to/file.py:Name or package.module:Name")
+    p.add_argument("model", metavar="MODEL",
+                   help="path/to/file.py:Name or package.module:Name, optionally Name(key=literal,...)")
     p.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
-                   help="an example input, e.g. 8,3,32,32 or 2,16:int64; repeat for each forward argument")
+                   help="an example input, e.g. 8,3,32,32 or 2,16:int64; NAME=SHAPE[:DTYPE] passes it by keyword, e.g. "
+                        "input_ids=2,16:int64; "
+                        "repeat for each forward argument")
     p.add_argument("--policy", "-p", default="O1",
                    help="O0, O1, O2, O3 or a string such as 'params=float32,compute=bfloat16' (default: O1)")
     p.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
@@ -178,19 +189,19 @@ def _report(args: argparse.Namespace) -> int:
     from .report import report
 
     # validate everything on the command line before loading the model
-    shapes = [parse_input(text) for text in args.input]
-    for policy in [args.policy] + ([args.compare] if args.compare else []):
+    positional, named = parse_inputs(args.input)
+    for flag, policy in [("--policy/--dtype", args.policy)] + ([("--compare", args.compare)] if args.compare else []):
         try:
             resolve_policy(policy, args.dtype, keep_norms_fp32=args.keep_norms_fp32)
         except (ValueError, TypeError) as e:
-            raise UsageError(f"--policy/--dtype: {e}") from e
+            raise UsageError(f"{flag}: {e}") from e
     only = _parse_only(args.only)
     if only and args.compare:
         raise UsageError("--only filters a report's rows; it does not apply to --compare")
-    if args.frontend == "export" and not shapes:
+    if args.frontend == "export" and not (positional or named):
         raise UsageError("--frontend export needs example inputs: pass --input SHAPE[:DTYPE]")
     for flag, on in (("--numerics", args.numerics), ("--gradients", args.gradients)):
-        if on and not shapes:
+        if on and not (positional or named):
             raise UsageError(f"{flag} runs the model: pass --input SHAPE[:DTYPE] for each forward argument")
         if on and args.compare:
             raise UsageError(f"{flag} does not apply to --compare; report each policy with {flag} instead")
@@ -203,8 +214,9 @@ def _report(args: argparse.Namespace) -> int:
     model, name = load_model(args.model)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        batches = [tuple(_make_input(shape, dtype) for shape, dtype in shapes) for _ in range(args.batches)]
-    inputs = batches[0] if shapes else None
+        batches = [tuple(_make_input(shape, dtype) for shape, dtype in positional) for _ in range(args.batches)]
+        kwargs = {key: _make_input(shape, dtype) for key, (shape, dtype) in named.items()} or None
+    inputs = batches[0] if positional else (() if kwargs else None)
     options = dict(dtype=args.dtype, keep_norms_fp32=args.keep_norms_fp32, leaf_modules=tuple(args.leaf_module),
                    frontend=args.frontend, **overrides)
     if args.numerics:
@@ -218,7 +230,7 @@ def _report(args: argparse.Namespace) -> int:
         data = batches if (args.numerics or args.gradients) and len(batches) > 1 else inputs
         try:
             with _quiet(not args.debug):
-                return report(model, data, policy, **options)
+                return report(model, data, policy, example_kwargs=kwargs, **options)
         except Exception as e:
             raise ModelError(_explain(e, name, has_inputs=inputs is not None)) from e
 
@@ -357,6 +369,29 @@ def parse_input(text: str) -> Tuple[Tuple[int, ...], str]:
     return tuple(int(p) for p in parts), dtype
 
 
+def parse_inputs(texts: Sequence[str]) -> Tuple[List[Tuple[Tuple[int, ...], str]],
+                                                 Dict[str, Tuple[Tuple[int, ...], str]]]:
+    """The ``--input`` flags: positional ``SHAPE[:DTYPE]`` in order, and keyword ``NAME=SHAPE[:DTYPE]`` by name.
+
+    ``["2,16:int64", "labels=2,16:int64"]`` → ``([((2, 16), "int64")], {"labels": ((2, 16), "int64")})``.
+    """
+    positional: List[Tuple[Tuple[int, ...], str]] = []
+    named: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    for text in texts:
+        key, sep, rest = text.partition("=")
+        if not sep:
+            positional.append(parse_input(text))
+            continue
+        key = key.strip()
+        if not key.isidentifier():
+            raise UsageError(f"--input {text!r}: {key!r} is not an argument name; write NAME=SHAPE[:DTYPE], "
+                             f"e.g. input_ids=2,16:int64")
+        if key in named:
+            raise UsageError(f"--input {text!r}: {key} is given twice")
+        named[key] = parse_input(rest)
+    return positional, named
+
+
 def _make_input(shape: Tuple[int, ...], dtype: str) -> Any:
     import torch
 
@@ -374,16 +409,53 @@ def _make_input(shape: Tuple[int, ...], dtype: str) -> Any:
 
 
 def load_model(spec: str) -> Tuple[Any, str]:
-    """Load ``path/to/file.py:Name`` or ``package.module:Name`` and return ``(module instance, Name)``."""
+    """Load ``path/to/file.py:Name`` or ``package.module:Name`` and return ``(module instance, Name)``.
+
+    ``Name(key=literal, ...)`` builds a class or calls a function with keyword arguments (Python
+    literals only, read with ``ast.literal_eval``).  ``sys.path`` is as it was afterwards.
+    """
     import torch.nn as nn
 
-    where, sep, name = spec.rpartition(":")
+    head, paren, rest = spec.partition("(")
+    where, sep, name = head.rpartition(":")
     if not sep or not where or not name:
         raise UsageError(f"MODEL {spec!r} must be path/to/file.py:Name or package.module:Name")
-    if where.endswith(".py") or "/" in where or os.sep in where:
-        namespace = _load_file(where)
-    else:
-        namespace = _import(where)
+    call_kwargs = _parse_call(spec, name, paren + rest) if paren else None
+    saved_path = list(sys.path)
+    try:
+        if where.endswith(".py") or "/" in where or os.sep in where:
+            namespace = _load_file(where)
+        else:
+            namespace = _import(where)
+        return _build(namespace, where, name, call_kwargs, nn.Module)
+    finally:
+        sys.path[:] = saved_path  # the model's directory (or the working directory) is on it only while loading
+
+
+def _parse_call(spec: str, name: str, text: str) -> Dict[str, Any]:
+    """``(d=64, act="gelu")`` → ``{"d": 64, "act": "gelu"}``: keyword arguments whose values are literals."""
+    usage = (f"MODEL {spec!r}: arguments are written Name(key=value, ...) with Python literals as values, "
+             f"e.g. {name}(d=64, act='gelu')")
+    try:
+        call = ast.parse(f"_{text}", mode="eval").body
+    except SyntaxError:
+        raise UsageError(usage) from None
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.func.id != "_":
+        raise UsageError(usage)
+    if call.args or any(k.arg is None for k in call.keywords):
+        raise UsageError(f"{usage} (keyword arguments only)")
+    kwargs: Dict[str, Any] = {}
+    for k in call.keywords:
+        try:
+            kwargs[k.arg] = ast.literal_eval(k.value)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise UsageError(f"{usage}; {k.arg}={ast.unparse(k.value)} is not a literal") from None
+    return kwargs
+
+
+def _build(namespace: Any, where: str, name: str, call_kwargs: Optional[Dict[str, Any]],
+           module_type: type) -> Tuple[Any, str]:
+    """``namespace.<name>``: a module instance, or the result of building the class or calling the function."""
     obj: Any = namespace
     for part in name.split("."):
         if not hasattr(obj, part):
@@ -391,22 +463,29 @@ def load_model(spec: str) -> Tuple[Any, str]:
             hint = f"; it defines {', '.join(candidates)}" if candidates else ""
             raise ModelError(f"{where} has no attribute {name!r}{hint}")
         obj = getattr(obj, part)
-    if isinstance(obj, nn.Module):
+    if isinstance(obj, module_type):
+        if call_kwargs is not None:
+            raise ModelError(f"{name} in {where} is a module instance, not a class or function: it takes no arguments")
         return obj, name
-    if isinstance(obj, type) and issubclass(obj, nn.Module) or callable(obj) and not isinstance(obj, type):
+    if isinstance(obj, type) and issubclass(obj, module_type) or callable(obj) and not isinstance(obj, type):
+        shown = f"{name}({', '.join(f'{k}={v!r}' for k, v in (call_kwargs or {}).items())})"
         try:
-            built = obj()
+            built = obj(**(call_kwargs or {}))
         except Exception as e:
-            raise ModelError(f"could not build {name}(): {type(e).__name__}: {_one_line(str(e))}; MODEL must build "
-                             f"with no arguments: point at a function that builds it") from e
-        if not isinstance(built, nn.Module):
-            raise ModelError(f"{name}() returned an object of type {type(built).__name__}, not an nn.Module")
+            hint = ("MODEL must build with no arguments: give them as Name(key=value, ...) or point at a function "
+                    "that builds it" if call_kwargs is None else "check the arguments")
+            raise ModelError(f"could not build {shown}: {type(e).__name__}: {_one_line(str(e))}; {hint}") from e
+        if not isinstance(built, module_type):
+            raise ModelError(f"{shown} returned an object of type {type(built).__name__}, not an nn.Module")
         return built, name
     raise ModelError(f"{name!r} in {where} is an object of type {type(obj).__name__}, not an nn.Module subclass, a module instance "
                      f"or a function returning a module")
 
 
 def _load_file(path: str) -> Any:
+    if os.path.isdir(path):
+        raise ModelError(f"{path!r} is a directory: MODEL is path/to/file.py:Name (a Python file in it) or "
+                         f"package.module:Name (with the package's parent directory as the working directory)")
     if not os.path.isfile(path):
         raise ModelError(f"no such file: {path!r}")
     directory = os.path.dirname(os.path.abspath(path))

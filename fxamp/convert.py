@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import copy
-import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .classify import ModuleOverrides, annotate
-from .debug import add_overflow_checks
-from .info import INFO_ATTR, ConversionInfo, conversion_info, policy_of
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
-from .policy import Policy, resolve_policy
-from .rewrite import CACHE_NAME, insert_casts, lower_attribute_reads, store_params
 from .capture import LeafSpec, capture
+from .classify import ModuleOverrides
+from .errors import TraceError
+from .info import ConversionInfo, conversion_info, policy_of
+from .lazy import LazyConverted
+from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
+from .pipeline import rewrite_captured
+from .policy import Policy, resolve_policy
+from .rewrite import CACHE_NAME
 
 __all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
 
@@ -38,7 +39,7 @@ def convert(
     dynamic_shapes: Any = None,
     weight_cache: bool = True,
     debug_overflow: Union[bool, str] = False,
-) -> fx.GraphModule:
+) -> nn.Module:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
     policy:           ``"O0"``..``"O3"``, a ``"params=...,compute=..."`` string, or a :class:`Policy`.
@@ -57,6 +58,11 @@ def convert(
     debug_overflow:   True: record the first node whose output (forward) or gradient (backward) has
                       inf/NaN (``fxamp.overflow_info(amp)``); ``"raise"``: raise there.  See ``fxamp.debug``.
 
+    Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
+    given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
+    ``torch.export`` at its first call and again for each new call signature; its parameters exist
+    at once, in their storage dtypes, so an optimizer can be built before the first call.
+
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
@@ -68,60 +74,26 @@ def convert(
         lists = lists.with_overrides(overrides)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
+    has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
-    captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
-                       example_kwargs=example_kwargs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
-    gm = captured.graph_module
-    decisions = annotate(gm, pol, lists, module_overrides)
-    if pol.enabled:
-        store_params(gm, decisions, pol)
-        lower_attribute_reads(gm)
-        insert_casts(gm, decisions, pol, weight_cache=weight_cache)
-        gm.graph.lint()
-        gm.recompile()
-    if debug_overflow:
-        add_overflow_checks(gm, raise_on_overflow=debug_overflow == "raise")
-    leaf_notes = _float32_leaves(gm, decisions) if pol.enabled else []
-    for note in leaf_notes:
-        warnings.warn(f"fxamp: {note}", stacklevel=2)
-    info = ConversionInfo(pol, captured.frontend, tuple(captured.notes) + tuple(leaf_notes))
-    # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
-    setattr(gm, INFO_ATTR, info)
-    gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
-    return gm
-
-
-#: a float32 leaf holding more of the parameters than this is reported and warned about
-FLOAT32_LEAF_SHARE = 0.10
-
-
-def _float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Any]) -> List[str]:
-    """Opaque leaf modules that run in float32 with a large share of the model's work.
-
-    No inputs exist at convert time, so the share of FLOPs is estimated by the share of parameters;
-    norms (float32 by design) and embedding lookups (parameters without FLOPs) are left out.
-    """
-    total = sum(p.numel() for p in gm.parameters())
-    notes = []
-    for node, d in decisions.items():
-        if node.op != "call_module" or d.compute != torch.float32 or d.norm:
-            continue
-        m = gm.get_submodule(str(node.target))
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            continue
-        share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
-        if share > FLOAT32_LEAF_SHARE:
-            notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
-                         f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
-                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
-                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
-                         f"or use frontend='export'")
-    return notes
+    lazy_options = dict(op_lists=lists, module_overrides=module_overrides, dynamic=dynamic, weight_cache=weight_cache,
+                        debug_overflow=debug_overflow)
+    if frontend == "export" and not has_inputs:
+        return LazyConverted(source, pol, owns_model=changes_storage, **lazy_options)
+    try:
+        captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
+                           example_kwargs=example_kwargs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    except TraceError as e:
+        if frontend != "auto" or has_inputs or leaf_modules:
+            raise  # export was tried already, or cannot help (leaf_modules)
+        return LazyConverted(source, pol, owns_model=changes_storage, fx_error=e, **lazy_options)
+    return rewrite_captured(captured, pol, lists, module_overrides, weight_cache=weight_cache,
+                            debug_overflow=debug_overflow)
 
 
 def clear_cast_cache(module: nn.Module) -> None:
     """Drop cached low-precision weight copies (needed only after writing weights through ``.data``)."""
-    cache = getattr(module, CACHE_NAME, None)
+    cache = getattr(module, CACHE_NAME, None)  # a LazyConverted's clears every capture's cache
     if cache is not None:
         cache.clear()

@@ -23,6 +23,9 @@ class ConversionInfo:
     policy: Policy
     frontend: str  # "fx" or "export"
     notes: Tuple[str, ...] = ()
+    # a module that captures at its first call (fxamp.LazyConverted): the call signatures it holds a
+    # graph for, in the order captured; None for a module captured by convert() itself
+    signatures: Optional[Tuple[str, ...]] = None
 
 
 #: the attribute of a converted module that holds its ConversionInfo

@@ -36,7 +36,7 @@ from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key
 from .policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
 
-__all__ = ["store_params", "insert_casts", "lower_attribute_reads", "CACHE_NAME"]
+__all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME"]
 
 CACHE_NAME = "_fxamp_weight_cache"
 
@@ -123,6 +123,38 @@ def _is_view(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) > 1 and node.args[1] in VIEW_ATTRS
     return node.op in ("call_function", "call_method") and op_key(node.target) in VIEW_OPS
+
+
+def cast_kept_storage(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Policy) -> int:
+    """The storage is given (``store_params`` did not choose it): cast low-precision tensors for the
+    consumers that would have kept them float32 and do not cast their inputs themselves.
+
+    A consumer with a ``compute`` dtype gets its casts from :func:`insert_casts`; one that follows its
+    inputs (``compute`` None) but wants float32 storage (an unlisted op, a no-grad region) gets
+    ``tensor.to(float32)`` here, one per tensor.  Runs before :func:`lower_attribute_reads`.
+    Returns how many casts were made::
+
+        w = self.w                 # stored bfloat16       w = self.w
+        r = unlisted_op(x, w)                       ==>    to = w.to(torch.float32)
+                                                           r = unlisted_op(x, to)
+    """
+    made = 0
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        value = fetch_attr(gm, str(node.target))
+        if not isinstance(value, torch.Tensor) or value.dtype not in LOW:
+            continue
+        cast_node: Optional[fx.Node] = None
+        for user in list(node.users):
+            d = decisions.get(user)
+            if d is None or d.compute is not None or _storage_for(d, policy) != torch.float32:
+                continue
+            if cast_node is None:
+                with gm.graph.inserting_after(node):
+                    cast_node = gm.graph.call_method("to", (node, torch.float32))
+                cast_node.meta[CAST] = (node, torch.float32)
+                made += 1
+            user.replace_input_with(node, cast_node)
+    return made
 
 
 class _Casts:

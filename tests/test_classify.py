@@ -240,8 +240,11 @@ def test_untraceable_model_names_module_line_and_fix():
         def forward(self, x):
             return self.inner(self.fc(x))
 
+    lazy = fxamp.convert(Outer())  # no inputs: torch.export is tried at the first call ...
+    with pytest.raises(fxamp.TraceError, match="could not capture Inner"):
+        lazy(torch.randn(2, 4))
     with pytest.raises(fxamp.TraceError) as info:
-        fxamp.convert(Outer())
+        lazy.graph  # ... and torch.fx's error is kept
     text = str(info.value)
     assert "Inner (module at 'inner')" in text
     assert "test_classify.py" in text and "if x.sum() > 0:" in text

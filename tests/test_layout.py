@@ -28,10 +28,11 @@ STAGES: Dict[str, int] = {
     "classify": 6,
     "rewrite": 7,
     "debug": 7,  # an opt-in rewrite pass
-    "convert": 8,
+    "pipeline": 8, "lazy": 8,
+    "convert": 9,
 }
-TOP = 9  # api, report, cli and other features built on the pipeline
-ENTRY = {"__init__": 11, "__main__": 11, "cli": 10}
+TOP = 10  # api, report, integrations and other features built on the pipeline
+ENTRY = {"__init__": 12, "__main__": 12, "cli": 11}
 
 
 def _stage(module: str) -> int:

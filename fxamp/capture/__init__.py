@@ -43,11 +43,14 @@ def capture(
     example_kwargs: Optional[Dict[str, Any]] = None,
     dynamic: Union[bool, str] = True,
     dynamic_shapes: Any = None,
+    fx_error: Optional[TraceError] = None,
 ) -> Captured:
     """Capture ``model`` as a graph.
 
     frontend: ``"fx"`` (symbolic tracing, no inputs needed), ``"export"`` (``torch.export``, needs
     example inputs) or ``"auto"``: fx first, export when fx fails and example inputs were given.
+    fx_error: with ``"export"``: torch.fx's error when the caller already knows it fails (fxamp's
+    lazily capturing module); notes and errors then read as for ``"auto"``'s fallback.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
@@ -63,7 +66,7 @@ def capture(
                                           leaf_modules=leaf_modules, fallback_from=fallback_from))
 
     if frontend == "export":
-        return export(None)
+        return export(fx_error)
     try:
         return _run(model, FxFrontEnd(model, leaf_modules))
     except TraceError as e:
@@ -79,9 +82,10 @@ def _run(model: nn.Module, front: FrontEnd) -> Captured:
         raise
     except Exception as e:  # torch.export raises many types; all mean "could not capture"
         raise front.error(e) from e
+    only_mode = mode if mode_notes else None  # notes from capture_in_both_modes: the modes' graphs differ
     front.adopt(gm)
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)
     gm.graph.lint()
     gm.recompile()
-    return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes)
+    return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode)

@@ -31,6 +31,7 @@ class Captured:
     graph_module: fx.GraphModule
     frontend: str  # "fx" or "export"
     notes: List[str] = field(default_factory=list)  # what the front end decided, for the report
+    only_mode: Optional[bool] = None  # the training mode the graph is right in when the modes differ; None: both
 
 
 class FrontEnd(Protocol):

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..convert import convert, policy_of
+from ..lazy import LazyConverted
 from ..policy import Policy
 from .autotune import TuneResult, autotune, load_overrides, save_overrides
 from .build import build
@@ -79,6 +80,8 @@ def report(
     convert_options: the other keyword options of ``convert`` (``overrides``, ``module_overrides``,
                     ``leaf_modules``, ``keep_norms_fp32``, ``frontend``, ``op_lists``, ``dynamic``…).
     """
+    if isinstance(model, LazyConverted):
+        model = model.graph_module  # the graph its latest call ran (an error before its first call)
     batches = as_batches(example_inputs)
     inputs = batches[0] if batches else None
     for flag, on in (("numerics", numerics), ("gradients", gradients)):

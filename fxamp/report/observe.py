@@ -60,6 +60,8 @@ def bind_inputs(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: D
         raise ValueError(f"the model's forward takes {len(placeholders)} input{'s' if len(placeholders) != 1 else ''} "
                          f"({', '.join(str(p.target) for p in placeholders)}); {len(args)} example inputs were given")
     for n in placeholders[len(args):]:
+        if str(n.target).startswith("*"):
+            break  # *args / **kwargs: take what is left (nothing)
         if n.name in kwargs or n.target in kwargs:
             args.append(kwargs.get(n.target, kwargs.get(n.name)))
         elif n.args:
