@@ -122,7 +122,7 @@ def test_subprocess_table(runs):
     _, out, _ = runs["table"]
     header = next(line for line in out.splitlines() if line.startswith("node "))
     assert header.split() == ["node", "op", "category", "reason", "in→compute→out", "casts", "before"]
-    assert re.search(r'^linear +fc: " +safe +linear layer +fp32→fp16→fp16 +x→fp16, fc.weight→fp16,\n +fc.bias→fp16$',
+    assert re.search(r'^linear +fc: linear +safe +linear layer +fp32→fp16→fp16 +x→fp16, fc.weight→fp16,\n +fc.bias→fp16$',
                      out, re.M)
     assert "inputs: 2,4:float32" in out and "low-precision FLOPs: 100.0%" in out
 
@@ -207,7 +207,7 @@ def test_integer_inputs_and_compare(capsys):
     rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyLM", "--input", "2,6:int64", "--only", "neutral")
     assert rc == 0
     assert re.search(r"^ids +input .*·→-→i64", out, re.M)
-    assert re.search(r'^embedding +embed: " +neutral .* i64,fp32→fp32→fp32', out, re.M)
+    assert re.search(r'^embedding +embed: embedding +neutral .* i64,fp32→fp32→fp32', out, re.M)
     rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--input", "2,64", "--compare", "O2")
     assert rc == 0
     assert "fxamp compare: TinyMLP" in out and re.search(r"^fc1_weight .* fp32 → fp16", out, re.M)

@@ -114,7 +114,7 @@ def test_table_columns_and_summary(mlp_report):
     header = next(line for line in lines if line.startswith("node "))
     assert header.split() == ["node", "op", "category", "reason", "in→compute→out", "casts", "before"]
     at = next(i for i, line in enumerate(lines) if line.startswith("linear "))
-    for cell in ('fc1: "', "safe", "linear layer", "fp32→fp16→fp16", "x→fp16, fc1.weight→fp16,"):
+    for cell in ('fc1: linear', "safe", "linear layer", "fp32→fp16→fp16", "x→fp16, fc1.weight→fp16,"):
         assert cell in lines[at]
     assert lines[at + 1].split() == ["fc1.bias→fp16"]  # wrapped at a space
     assert "unsafe*" in next(line for line in lines if line.startswith("log_softmax"))

@@ -136,11 +136,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
         else:  # ~120 columns: short reasons, cells wrapped at spaces (never inside a word)
             cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
             dtypes = "→".join([ins or "·", short_name(r.compute), short_name(r.output_dtype)])
-            op = short_op_label(r)
-            module, _, name = op.rpartition(": ")
-            if name == r.node.rstrip("0123456789").rstrip("_"):
-                op = f'{module}: "' if module else '"'  # the node is named after its op (a ditto mark)
-            line = [wrap(r.node, 24), wrap(op, 20), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
+            line = [wrap(r.node, 24), wrap(short_op_label(r), 20), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
         if numerics:
             line += _numerics_cells(r.numerics)
         body.append(line)
