@@ -1,8 +1,7 @@
-"""Issue 10's reproducers, as written in the issue, each ``xfail(strict=True)`` with its item.
+"""Issue 10's reproducers, as written in the issue (each was a strict xfail until its fix landed).
 
-A fix makes its test XPASS, which fails the run: then remove the marker (and the matching entries
-in ``rm_known.py``).  These are tiny and run by default, except item 9 (a Swin conversion timed with
-``dynamic=True``, minutes today) and item 8's export-path comparisons, which are ``slow``.
+They are tiny and run by default, except item 9 (a Swin conversion timed with ``dynamic=True``) and
+item 8's export-path comparisons, which are ``slow``.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ class DropPathBlock(nn.Module):
         return x + drop_path(self.fc(x), 0.5, self.training)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 1: a torch.fx.wrap'd function called with self.training "
-                                       "is traced with training=True baked in: eval output is random")
 @pytest.mark.parametrize("policy", ["O0", "O1"])
 def test_item1_wrapped_function_reads_training_at_run_time(policy):
     torch.manual_seed(0)
@@ -76,8 +73,6 @@ class Net64(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 2: a float64 model and input are cast down "
-                                       "(README: float64 is never cast)")
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 def test_item2_float64_is_never_cast(policy, frontend):
@@ -130,8 +125,6 @@ class PackedGRUInline(nn.Module):
         return self.fc(h[-1])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 3: an RNN fed a PackedSequence fails under O1/O2 "
-                                       "('mat1 and mat2 must have the same dtype, but got Float and BFloat16')")
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 def test_item3_rnn_with_packed_sequence(policy):
     torch.manual_seed(0)
@@ -174,8 +167,6 @@ class Attn(nn.Module):
         return s.masked_fill(~mask, torch.finfo(s.dtype).min).softmax(-1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 5: torch.export bakes torch.finfo(float32).min as the "
-                                       "mask fill: masked_fill of a bfloat16/float16 tensor overflows")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_item5_finfo_min_mask_fill_under_export(dtype):
     torch.manual_seed(0)
@@ -211,8 +202,6 @@ class CustomMM(nn.Module):
         return custom_mm(x.to(self.w.dtype), self.w.t().t())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 6: O2 + a custom op fed a weight through views: "
-                                       "'expected m1 and m2 to have the same dtype'")
 def test_item6_o2_custom_op_through_views():
     torch.manual_seed(0)
     m = CustomMM().eval()
@@ -274,8 +263,6 @@ def _inputs():
     return torch.randn(2, 8, 32), torch.randn(2, 6, 32)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 8: nn.Transformer* on the fx path run in float32 "
-                                       "(low-precision FLOP share 12-29%)")
 @pytest.mark.parametrize("name", list(TRANSFORMERS))
 def test_item8_nn_transformers_run_in_low_precision_on_the_fx_path(name):
     torch.manual_seed(0)
@@ -312,8 +299,6 @@ fxamp.convert(model, "O1", dtype=torch.bfloat16, example_inputs=args, example_kw
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 10 item 9: a Swin with dynamic=True takes minutes to convert "
-                                       "(475 s for a 2-stage, 16-pixel Swin here; dynamic=False: seconds)")
 def test_item9_swin_dynamic_converts_quickly():
     """Run in a subprocess, killed after 60 s: today's conversion would take minutes of the suite's time."""
     import os
