@@ -157,6 +157,28 @@ def _rebuild_options(lists: Optional[Dict[Any, Any]], module_overrides: Any, wei
                     debug_overflow)
 
 
+class _Forward:
+    """``LazyConverted.forward``: calls the lazy forward, and shows the original ``forward``'s signature
+    to ``inspect.signature`` (the Hugging Face Trainer keeps only the dataset columns it names)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: "LazyConverted"):
+        self.owner = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.owner._fxamp_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.owner.__dict__["_fxamp_root"].forward)
+
+
+class _ForwardDescriptor:
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        return cls._fxamp_forward if obj is None else _Forward(obj)
+
+
 class LazyConverted(nn.Module):
     """A converted module that captures its graph with ``torch.export`` at the first call, and again
     for each new call signature (see the module docstring).  Made by :func:`fxamp.convert`.
@@ -246,7 +268,9 @@ class LazyConverted(nn.Module):
         return _WeightCaches(self)
 
     # -- calling -----------------------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    forward = _ForwardDescriptor()
+
+    def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         key = _signature(args, kwargs)
         cache = self._fxamp_cache

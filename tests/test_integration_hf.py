@@ -159,7 +159,21 @@ def test_prepare_refuses_what_would_go_wrong(tmp_path):
         hf.prepare(gpt2(), args(tmp_path, 10), "O2", dtype="16", example_batch=example_batch())
     with pytest.raises(ValueError, match="leave both False"):
         hf.prepare(gpt2(), args(tmp_path, 10, bf16=True), "O2", dtype="bf16", example_batch=example_batch())
-    with pytest.raises(fxamp.TraceError, match="pass example_batch="):
-        hf.prepare(gpt2(), args(tmp_path, 10), "O2", dtype="bf16")
     with pytest.raises(ValueError, match="max_steps"):
         hf.prepare(gpt2(), args(tmp_path, -1, num_train_epochs=1), "O2", example_batch=example_batch())
+
+
+def test_prepare_without_an_example_batch_captures_at_the_first_call(tmp_path):
+    """No example batch: fxamp.convert returns a LazyConverted, which captures from the Trainer's first batch."""
+    torch.manual_seed(0)
+    a = args(tmp_path, 6)
+    model, optimizers = hf.prepare(gpt2(), a, "O2", dtype="bf16")
+    assert isinstance(model, fxamp.LazyConverted)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = transformers.Trainer(model=model, args=a, optimizers=optimizers, train_dataset=TRAIN)
+    trainer.train()
+    assert len(fxamp.conversion_info(model).signatures) >= 1
+    weight = "transformer.h.0.attn.c_attn.weight"
+    assert model.get_parameter(weight).dtype == torch.bfloat16
+    assert not torch.equal(model.state_dict()[weight], before[weight])  # the Trainer's steps reached it
+    assert optimizers[0].skipped_steps == 0 and math.isfinite(mean_eval_loss(model))

@@ -42,8 +42,10 @@ Limits:
   only for optimizers it wraps itself);
 * the Trainer logs ``grad_norm`` of the model's gradients: ``loss * scale`` ones in float16
   (``optimizer.last_grad_norm`` is the masters' true norm when ``prepare`` clips);
-* Hugging Face models defeat torch.fx: until fxamp captures at the first call, pass
-  ``example_batch=`` (a collated batch, with ``labels``) for ``torch.export``.
+* Hugging Face models defeat torch.fx: without ``example_batch=`` the model is a
+  ``fxamp.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
+  again for a batch with other keys, e.g. at evaluation without ``labels``); its parameters exist
+  at once, so the optimizer is built here as usual.
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ def prepare(
 
     args:           the ``TrainingArguments`` the Trainer gets (learning rate, AdamW settings,
                     schedule, ``max_steps``); ``bf16``/``fp16`` must stay False.
-    example_batch:  a collated batch (``input_ids``, ``labels``...) for ``torch.export``; not needed
-                    for models torch.fx traces (or once fxamp captures at the first call).
+    example_batch:  a collated batch (``input_ids``, ``labels``...) to capture with ``torch.export``
+                    now; without it a model torch.fx cannot trace captures at its first call.
     optimizer:      ``param_groups -> torch optimizer``; default AdamW from ``args``.
     scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
