@@ -18,7 +18,7 @@ def test_lightning_three_ways_quick(capsys):
     for column in ("val loss", "activations KiB", "optimizer KiB", "peak KiB", "step ms"):
         assert column in out
     assert "not an allocator peak" in out
-    assert ("no AMX" in out) == (not example.has_amx())
+    assert ("neither AMX nor AVX-512-BF16" in out) == (not example.has_fast_bf16())
     rows = [line for line in out.splitlines() if line.startswith(("32-true", "bf16-mixed", "fxamp O2"))]
     vs_fp32 = [float(next(t for t in row.split() if t.endswith("%"))[:-1]) for row in rows]
     assert len(vs_fp32) == 3 and all(abs(v) < 2.0 for v in vs_fp32), rows  # seed 0, 2 epochs: within 1%
