@@ -296,7 +296,7 @@ def lower_attribute_reads(gm: fx.GraphModule) -> int:
     """Read parameters and buffers through their owners' ``_parameters``/``_buffers`` dicts.
 
     FX spells a read of ``layers.0.weight`` as ``getattr(self.layers, "0").weight``: three
-    ``nn.Module.__getattr__`` calls, about 2 µs, per tensor per forward, which dominates a
+    ``nn.Module.__getattr__`` calls per tensor per forward, which dominates a
     dispatch-bound model.  After lowering, each module on the way is fetched once per forward and
     each tensor is a dict lookup.  Reads stay live (never a stale reference), so replacing a
     parameter or submodule after conversion is seen.  The value node keeps the get_attr's name and
