@@ -114,7 +114,7 @@ def _float_tensors(value: Any) -> List[torch.Tensor]:
 
 def add_overflow_checks(gm: fx.GraphModule, *, raise_on_overflow: bool = False) -> fx.GraphModule:
     """Insert a monitor call after every original node of a converted graph (in place); returns ``gm``."""
-    if MONITOR_NAME in gm._modules:
+    if MONITOR_NAME in dict(gm.named_children()):
         raise ValueError("this module already has overflow checks")
     nodes = [n for n in gm.graph.nodes if DECISION in n.meta and n.op != "output" and attr_target(n) is None
              and n.op != "get_attr"]

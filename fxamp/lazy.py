@@ -90,6 +90,7 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
             strength, param_dtype, buffer_dtype = 1, policy.params, policy.params
         else:
             strength, param_dtype, buffer_dtype = 0, others, torch.float32
+        # the module's own tables: named_parameters() hides duplicate names and cannot re-bind in place
         for table, dtype in ((m._parameters, param_dtype), (m._buffers, buffer_dtype)):
             for name, t in table.items():
                 if t is not None and t.dtype == torch.float32:
@@ -338,6 +339,8 @@ class LazyConverted(nn.Module):
             return value
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
+        # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and
+        # modules live outside the shared tree, so they are reached through their tables here
         super()._apply(fn, recurse)
         for entry in self._fxamp_cache.values():  # what the graphs own: constants, their modules' tensors
             gm = entry.gm

@@ -63,6 +63,7 @@ class WeightCastCache(nn.Module):
         entry = self._entries.get((key, dtype))
         if entry is not None:
             ref, version, ptr, value = entry
+            # Tensor._version: autograd's in-place write counter, which torch exposes no other way
             if ref() is weight and version == weight._version and ptr == weight.data_ptr():
                 return value
         value = weight.detach().to(dtype)
