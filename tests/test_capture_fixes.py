@@ -379,4 +379,13 @@ def _wrapped_encoder():
 
 def test_finfo_of_a_traced_dtype_says_to_give_example_inputs():
     with pytest.raises(fxamp.TraceError, match=r"torch.finfo\(x.dtype\) needs a real dtype.*with example_inputs"):
-        fxamp.convert(FinfoAttn(), "O1", dtype=torch.bfloat16)
+        fxamp.convert(FinfoAttn(), "O1", dtype=torch.bfloat16, frontend="fx")
+
+
+def test_finfo_of_a_traced_dtype_captures_at_the_first_call_without_inputs():
+    torch.manual_seed(0)
+    model = FinfoAttn()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    assert isinstance(amp, fxamp.LazyConverted)
+    x, mask = _mask_inputs()
+    torch.testing.assert_close(amp(x, mask), model(x, mask), atol=2e-2, rtol=0)
