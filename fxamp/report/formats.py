@@ -145,7 +145,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
     if any(c.effective is False for r in rep.rows for c in r.casts):
         lines.append("(a→fp16): a run-time checked cast that changed nothing for these inputs")
     if not wide:
-        lines.append('*: conditional, resolved for this node; ": the op the node is named after')
+        lines.append("*: conditional, resolved for this node")
         lines.append("reasons shortened: --wide, JSON and CSV have them in full")
     if numerics:
         lines.append("◀ culprit: the first node where the error jumps (SQNR 20 dB or more below its inputs')")
