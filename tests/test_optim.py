@@ -813,8 +813,11 @@ def test_load_state_dict_says_what_it_expected(o2):
     opt.load_state_dict(state)
 
 
-def test_zero_grad_clears_the_masters_and_frees_their_buffer():
+def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
     """The masters' gradients live from unscale_() to zero_grad(): views of one segment here, allocated once a step."""
+    from fxamp import optim as O
+
+    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
     for step in range(3):
@@ -835,10 +838,16 @@ def test_zero_grad_clears_the_masters_and_frees_their_buffer():
     assert all(p.grad is not None and not p.grad.any() for p in opt.master_params())
 
 
-def test_release_grad_buffer_false_keeps_the_masters_buffer():
+@pytest.mark.parametrize("how", ["release_grad_buffer=False", "small"])
+def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
+    """release_grad_buffer=False, or gradients under _RELEASE_MIN_BYTES: one buffer bound again each step."""
+    from fxamp import optim as O
+
+    if how != "small":
+        monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
-                                  release_grad_buffer=False)
+                                  release_grad_buffer=how == "small")
     ptrs = None
     for step in range(3):
         opt.zero_grad()
