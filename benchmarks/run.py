@@ -811,6 +811,9 @@ def bench_real(s: Settings) -> List[Record]:
                     R.print_progress(f"  {case.name}: {v} cold compile + first step {cold[v]:.1f} s")
             times = _interleaved(steps, s, rounds=rounds, warmup=warmup)
             recs = _real_records("train step (AdamW)", case.name, times, variants, notes)
+            for r in recs.values():
+                r.extra["optimizer"] = R.ADAMW_DESC
+            recs[R.FP32].note = (recs[R.FP32].note + f"; {R.ADAMW_DESC} in every variant").lstrip("; ")
             for v, c in cold.items():
                 recs[v].extra["cold_compile_s"] = c
                 recs[v].note = (recs[v].note + f"; cold compile {c:.0f} s").lstrip("; ")
