@@ -535,7 +535,7 @@ def bench_memory(s: Settings) -> List[Record]:
         _check(recs[O1], vs_autocast=1.0)
         _check(recs[O2], vs_fp32=0.50 if "cnn" in name else 0.60)
         if export:
-            recs[FP32].note += "; CPU SDPA math path: fp32 probs in all variants"
+            recs[FP32].note += "; CPU SDPA math path: fp32 probs (fp32, autocast); fxamp: runtime.attention, low-precision probs"
         records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
     return records
 

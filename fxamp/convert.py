@@ -69,6 +69,7 @@ def convert(
         store_params(gm, decisions, pol)
         lower_attribute_reads(gm)
         insert_casts(gm, decisions, pol, weight_cache=weight_cache)
+        from .attention import low_precision_attention; low_precision_attention(gm)  # noqa: E702 (issue 13: CPU SDPA+dropout saves fp32 probs)
         gm.graph.lint()
         gm.recompile()
     info = ConversionInfo(pol, captured.frontend, tuple(captured.notes))

@@ -11,12 +11,15 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Tuple
 
+import math
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .dtypes import CASTABLE
 
-__all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "WeightCastCache"]
+__all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "WeightCastCache"]
 
 
 
@@ -186,3 +189,32 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs
     args = tuple(cast(a, dtype) for a in args)
     kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
     return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: Any = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` that saves low-precision probabilities when dropout is on (CPU).
+
+    PyTorch's CPU SDPA with dropout takes its math path, which computes and saves the probabilities
+    in float32.  Here, on CPU with float16/bfloat16 inputs and dropout on, attention is computed in
+    the inputs' dtype: ``softmax(q·scale @ kᵀ + mask)`` (the softmax kernel accumulates in float32)
+    → dropout → ``@ v``.  Otherwise (no dropout, float32, another device) it is SDPA itself.
+    Placed by :func:`fxamp.attention.low_precision_attention`.
+    """
+    if (dropout_p == 0.0 or q.device.type != "cpu" or q.dtype not in (torch.float16, torch.bfloat16)
+            or k.dtype != q.dtype or v.dtype != q.dtype):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+    L, S = q.size(-2), k.size(-2)
+    s = (1.0 / math.sqrt(q.size(-1))) if scale is None else scale
+    scores = (q * s) @ k.transpose(-2, -1)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    # a fully masked row gives zeros, not NaN, as SDPA's math path (its _safe_softmax)
+    probs = torch._safe_softmax(scores, -1) if hasattr(torch, "_safe_softmax") else torch.softmax(scores, dim=-1)
+    return F.dropout(probs, dropout_p, training=True) @ v

@@ -26,7 +26,7 @@ STAGES: Dict[str, int] = {
     "capture.common": 5, "capture.modes": 5, "capture.fx": 5, "capture.export": 5, "capture": 5,
     "optim": 5,
     "classify": 6,
-    "rewrite": 7,
+    "rewrite": 7, "attention": 7,
     "convert": 8,
 }
 TOP = 9  # api, report, cli and other features built on the pipeline

@@ -111,3 +111,76 @@ def test_o1_export_no_grad_every_layer_is_addmm():
     ops = _linear_ops(g, x)
     assert ops["aten.bmm.default"] == 0, ops
     assert ops["aten.addmm.default"] == 8, ops
+
+
+# -- item 4: attention with dropout saves low-precision probabilities ------------------------------
+
+
+def _sqnr(ref, out):
+    ref, out = ref.double(), out.double()
+    return (20 * torch.log10(ref.norm() / (out - ref).norm())).item()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+def test_runtime_attention_matches_float32_sdpa(mask):
+    from fxamp.runtime import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    kw = {}
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(16, 16) > 0.3
+        kw["attn_mask"][:, 0] = True
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(16, 16)
+    causal = mask == "causal"
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, kw.get("attn_mask"), 0.0, causal)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    # a dropout probability so small nothing is dropped: the low-precision path, comparable to dropout 0
+    out = attention(*low, kw.get("attn_mask"), 1e-12, causal, None)
+    assert out.dtype == torch.bfloat16
+    assert _sqnr(ref, out.float()) > 30
+    out.float().sum().backward()
+    qf = q.clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(qf, k, v, kw.get("attn_mask"), 0.0, causal).sum().backward()
+    assert _sqnr(qf.grad, low[0].grad.float()) > 20
+
+
+def test_runtime_attention_without_dropout_is_sdpa():
+    from fxamp.runtime import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(attention(q, k, v, None, 0.0, True, None), ref)
+
+
+def test_encoder_layer_with_dropout_saves_low_precision_probabilities():
+    from benchmarks.run import saved_bytes
+
+    torch.manual_seed(0)
+    m = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True).train()
+    x = torch.randn(4, 32, 64)
+    fp32, _ = saved_bytes(m, m, x)
+    for policy in ("O1", "O2"):
+        g = fxamp.convert(m, policy, dtype=torch.bfloat16, example_inputs=(x,), frontend="export")
+        from fxamp.runtime import attention
+
+        assert sum(n.target is attention for n in g.graph.nodes) == 1
+        acts, _ = saved_bytes(g, g, x)
+        assert acts <= 0.60 * fp32, (policy, acts / fp32)
+        g(x).float().sum().backward()  # trains
+        assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
+
+
+def test_encoder_layer_in_eval_runs_sdpa():
+    """The export front end keeps the train/eval switch live (``dropout_p = 0.1 * training``): in eval
+    the runtime function sees dropout 0 and runs SDPA's fused kernel."""
+    torch.manual_seed(0)
+    m = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True).eval()
+    x = torch.randn(2, 8, 32)
+    g = fxamp.convert(m, "O1", dtype=torch.bfloat16, example_inputs=(x,), frontend="export")
+    with torch.no_grad(), _CountOps() as count:
+        g(x)
+    assert count.ops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 1, count.ops
+    assert not any("softmax" in op for op in count.ops), count.ops
