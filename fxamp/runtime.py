@@ -191,6 +191,12 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs
     return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
 
 
+try:
+    _SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default
+except (AttributeError, RuntimeError):  # pragma: no cover (older torch)
+    _SAFE_SOFTMAX = None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: Any = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` that saves low-precision probabilities when dropout is on (CPU).
@@ -216,5 +222,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any 
         else:
             scores = scores + attn_mask.to(scores.dtype)
     # a fully masked row gives zeros, not NaN, as SDPA's math path (its _safe_softmax)
-    probs = torch._safe_softmax(scores, -1) if hasattr(torch, "_safe_softmax") else torch.softmax(scores, dim=-1)
+    # (the aten op, not torch._safe_softmax: torch.compile traces the former, breaks the graph on the latter)
+    probs = _SAFE_SOFTMAX(scores, -1) if _SAFE_SOFTMAX is not None else torch.softmax(scores, dim=-1)
     return F.dropout(probs, dropout_p, training=True) @ v
