@@ -22,7 +22,7 @@ GROUPS = {
                     "aten::_scaled_dot_product_flash_attention_for_cpu",
                     "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
     "casts/copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
-    "optimizer foreach": ("aten::_foreach_",),
+    "optimizer foreach/fused": ("aten::_foreach_", "aten::_fused_adamw", "aten::_fused_adam"),
     "amp checks": ("aten::_amp_",),
 }
 

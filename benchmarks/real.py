@@ -79,8 +79,26 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
 
+def _fused_adamw_works() -> bool:
+    """Whether ``AdamW(fused=True)`` steps float32 and bfloat16 CPU parameters here (it does in torch 2.13)."""
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            p = nn.Parameter(torch.zeros(4, dtype=dtype))
+            p.grad = torch.ones(4, dtype=dtype)
+            torch.optim.AdamW([p], lr=1e-4, fused=True).step()
+        return True
+    except (RuntimeError, ValueError, TypeError):  # pragma: no cover
+        return False
+
+
+#: the fastest AdamW implementation available, the same for every variant (a fair comparison):
+#: fused (one kernel per step; on this CPU 5x faster than foreach at 22 M parameters), else foreach
+ADAMW_KWARGS: Dict[str, bool] = {"fused": True} if _fused_adamw_works() else {"foreach": True}
+ADAMW_DESC = "AdamW(" + ", ".join(f"{k}={v}" for k, v in ADAMW_KWARGS.items()) + ")"
+
+
 def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-4, **ADAMW_KWARGS)
 
 
 def _convert(base: nn.Module, policy: str, dtype: torch.dtype, case: Case, x: torch.Tensor) -> nn.Module:

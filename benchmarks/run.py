@@ -535,7 +535,7 @@ def bench_memory(s: Settings) -> List[Record]:
         _check(recs[O1], vs_autocast=1.0)
         _check(recs[O2], vs_fp32=0.50 if "cnn" in name else 0.60)
         if export:
-            recs[FP32].note += "; CPU SDPA math path: fp32 probs in all variants"
+            recs[FP32].note += "; CPU SDPA math path: fp32 probs (fp32, autocast); fxamp: runtime.attention, low-precision probs"
         records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
     return records
 
@@ -811,6 +811,9 @@ def bench_real(s: Settings) -> List[Record]:
                     R.print_progress(f"  {case.name}: {v} cold compile + first step {cold[v]:.1f} s")
             times = _interleaved(steps, s, rounds=rounds, warmup=warmup)
             recs = _real_records("train step (AdamW)", case.name, times, variants, notes)
+            for r in recs.values():
+                r.extra["optimizer"] = R.ADAMW_DESC
+            recs[R.FP32].note = (recs[R.FP32].note + f"; {R.ADAMW_DESC} in every variant").lstrip("; ")
             for v, c in cold.items():
                 recs[v].extra["cold_compile_s"] = c
                 recs[v].note = (recs[v].note + f"; cold compile {c:.0f} s").lstrip("; ")

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .attention import low_precision_attention
 from .capture import Captured
 from .classify import ModuleOverrides, annotate
 from .debug import add_overflow_checks
@@ -48,6 +49,7 @@ def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
             cast_kept_storage(gm, decisions, policy)
         lower_attribute_reads(gm)
         insert_casts(gm, decisions, policy, weight_cache=weight_cache)
+        low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
         gm.graph.lint()
         gm.recompile()
     if debug_overflow:

@@ -34,7 +34,7 @@ from .dtypes import CASTABLE, LOW, NOT_FLOAT, DtypeInference
 from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rename_node
 from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key, out_of_place
 from .policy import Policy
-from .runtime import WeightCastCache, call_module_cast, cast, cast_weights
+from .runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights
 
 __all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME"]
 
@@ -157,6 +157,21 @@ def cast_kept_storage(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], po
     return made
 
 
+def _strided(value: fx.Node) -> bool:
+    """A value captured (torch.export's ``meta["val"]``) as neither row-major nor channels-last.
+
+    ``x.to(dtype)`` keeps such strides, and ``linear`` of a transposed 3-D input whose weight needs
+    no grad materialises one weight copy per row; ``runtime.cast_dense`` makes the copy row-major.
+    """
+    val = value.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    try:
+        return not (val.is_contiguous() or val.is_contiguous(memory_format=torch.channels_last))
+    except Exception:  # symbolic strides it cannot decide: keep the plain cast
+        return False
+
+
 class _Casts:
     """Creates cast nodes, one per (value, dtype), placed before the first node that needs it."""
 
@@ -210,7 +225,10 @@ class _Casts:
             if attr_target(value) is not None and self.weight_cache and dtype in LOW:
                 node = self._weight(value, dtype, before)
             elif known is not None:
-                node = self.graph.call_method("to", (value, dtype))
+                if _strided(value):
+                    node = self.graph.call_function(cast_dense, (value, dtype))
+                else:
+                    node = self.graph.call_method("to", (value, dtype))
             else:
                 node = self.graph.call_function(cast, (value, dtype))
         node.meta[CAST] = (value, dtype)

@@ -11,12 +11,15 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Tuple
 
+import math
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .dtypes import CASTABLE
 
-__all__ = ["cast", "cast_weights", "call_module_cast", "WeightCastCache"]
+__all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "WeightCastCache"]
 
 
 
@@ -30,7 +33,7 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
     """
     if isinstance(x, torch.Tensor):
         if x.dtype != dtype and x.dtype in CASTABLE:
-            return x.to(dtype)
+            return _to(x, dtype)
         return x
     kind = type(x)
     if kind in (list, tuple):
@@ -40,6 +43,35 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
     if kind in (dict, OrderedDict):
         return kind((k, cast(v, dtype)) for k, v in x.items())
     return x
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, the copy made dense and row-major unless ``x`` is (dense) channels-last.
+
+    The cast copies anyway, so choosing the copy's layout is free, and a strided copy can be very
+    slow downstream: ``F.linear`` on a non-contiguous 3-D input (the transposed input of an
+    exported ``nn.MultiheadAttention``) folds into one ``addmm`` only when the input is contiguous
+    or the weight requires grad; otherwise ``at::matmul`` expands the weight to a batch of copies
+    (one per sequence position) and calls ``bmm``, which materialises every copy: 2 s instead of
+    15 ms for a 768 -> 2304 bfloat16 projection of 256 tokens with the no-grad weight cache's
+    weights.  Channels-last activations keep their layout (convolutions want it).
+    """
+    if x.is_contiguous():
+        return x.to(dtype)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x.to(dtype)
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return x.to(dtype)
+    return x.to(dtype, memory_format=torch.contiguous_format)
+
+
+def cast_dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cast of a tensor whose dtype is known to differ from ``dtype``: :func:`cast` without its checks.
+
+    For ``rewrite.py``'s casts of values whose dtype it inferred (where it emits a plain
+    ``x.to(dtype)``, which keeps a transposed input's strides; see :func:`_to`).
+    """
+    return _to(x, dtype)
 
 
 class WeightCastCache(nn.Module):
@@ -158,3 +190,39 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs
     args = tuple(cast(a, dtype) for a in args)
     kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
     return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+
+
+try:
+    _SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default
+except (AttributeError, RuntimeError):  # pragma: no cover (older torch)
+    _SAFE_SOFTMAX = None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: Any = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` that saves low-precision probabilities when dropout is on (CPU).
+
+    PyTorch's CPU SDPA with dropout takes its math path, which computes and saves the probabilities
+    in float32.  Here, on CPU with float16/bfloat16 inputs and dropout on, attention is computed in
+    the inputs' dtype: ``softmax(q·scale @ kᵀ + mask)`` (the softmax kernel accumulates in float32)
+    → dropout → ``@ v``.  Otherwise (no dropout, float32, another device) it is SDPA itself.
+    Placed by :func:`fxamp.attention.low_precision_attention`.
+    """
+    if (dropout_p == 0.0 or q.device.type != "cpu" or q.dtype not in (torch.float16, torch.bfloat16)
+            or k.dtype != q.dtype or v.dtype != q.dtype):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+    L, S = q.size(-2), k.size(-2)
+    s = (1.0 / math.sqrt(q.size(-1))) if scale is None else scale
+    scores = (q * s) @ k.transpose(-2, -1)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    # a fully masked row gives zeros, not NaN, as SDPA's math path (its _safe_softmax)
+    # (the aten op, not torch._safe_softmax: torch.compile traces the former, breaks the graph on the latter)
+    probs = _SAFE_SOFTMAX(scores, -1) if _SAFE_SOFTMAX is not None else torch.softmax(scores, dim=-1)
+    return F.dropout(probs, dropout_p, training=True) @ v

@@ -26,7 +26,7 @@ STAGES: Dict[str, int] = {
     "capture": 5,  # and every capture.* module
     "optim": 5,
     "classify": 6,
-    "rewrite": 7,
+    "rewrite": 7, "attention": 7,
     "debug": 7,  # an opt-in rewrite pass
     "pipeline": 8, "lazy": 8,
     "convert": 9,

@@ -312,7 +312,7 @@ def test_zero_grad(set_to_none):
 
 
 def test_master_gradients_are_kept_rebound_and_overwritten():
-    """The masters' float32 gradients live in one buffer across steps; each unscale_() overwrites them."""
+    """The masters' float32 gradients are views of the step's segments; each unscale_() overwrites them."""
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
     assert train_step(model, opt, 0)
@@ -331,14 +331,22 @@ def test_master_gradients_are_kept_rebound_and_overwritten():
     for low, m in zip(opt._lows[1:], opt._masters[1:]):
         assert torch.equal(m.grad, low.grad.float() * inv)
     assert opt.step() and torch.equal(fc1, before) and refreshed(opt)
-    # the next step binds the same tensors again, holding this step's gradients; masters' grads
+    grads = [m.grad for m in opt._masters]
+    # the next step binds the segments' views again, holding this step's gradients; masters' grads
     # cleared behind the wrapper's back (the inner optimizer's zero_grad) are bound again too
-    opt.zero_grad()
     opt.backward(loss_of(model, 2))
     opt.optimizer.zero_grad()
     opt.unscale_()
     inv = 1.0 / opt.current_scale
-    assert all(m.grad is g for m, g in zip(opt._masters, grads))
+    assert all(m.grad is g for m, g in zip(opt._masters[1:], grads[1:]))  # no zero_grad() on the wrapper: kept
+    assert opt._masters[0].grad is not None
+    opt.zero_grad()
+    opt.backward(loss_of(model, 3))
+    opt.optimizer.zero_grad()
+    opt.unscale_()
+    inv = 1.0 / opt.current_scale
+    flats = {f.untyped_storage().data_ptr() for b in opt._plan.buckets for f in b.flats}
+    assert all(m.grad.untyped_storage().data_ptr() in flats for m in opt._masters)
     for low, m in zip(opt._lows, opt._masters):
         assert torch.equal(m.grad, low.grad.float() * inv)
     assert opt.step() and not torch.equal(fc1, before) and refreshed(opt)
@@ -805,24 +813,78 @@ def test_load_state_dict_says_what_it_expected(o2):
     opt.load_state_dict(state)
 
 
-def test_zero_grad_clears_the_masters_but_keeps_their_buffer():
+def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
+    """The masters' gradients live from unscale_() to zero_grad(): views of one segment here, allocated once a step."""
+    from fxamp import optim as O
+
+    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
+    for step in range(3):
+        opt.zero_grad()
+        assert all(p.grad is None for p in opt.master_params())
+        assert opt._plan is None or all(b.flats is None and b.grads is None for b in opt._plan.buckets)
+        opt.backward(loss_of(model, step))
+        opt.unscale_()
+        inv = 1.0 / opt.current_scale
+        for low, m in zip(opt._lows, opt._masters):
+            assert torch.equal(m.grad, low.grad.float() * inv)  # this step's gradients
+        (bucket,) = opt._plan.buckets
+        assert len(bucket.flats) == 1  # one allocation for the step, not one per parameter
+        storages = {m.grad.untyped_storage().data_ptr() for m in opt._masters}
+        assert storages == {bucket.flats[0].untyped_storage().data_ptr()}
+        assert opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in opt.master_params())
+
+
+@pytest.mark.parametrize("how", ["release_grad_buffer=False", "small"])
+def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
+    """release_grad_buffer=False, or gradients under _RELEASE_MIN_BYTES: one buffer bound again each step."""
+    from fxamp import optim as O
+
+    if how != "small":
+        monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
+                                  release_grad_buffer=how == "small")
     ptrs = None
     for step in range(3):
         opt.zero_grad()
         assert all(p.grad is None for p in opt.master_params())
         opt.backward(loss_of(model, step))
         opt.unscale_()
-        inv = 1.0 / opt.current_scale
-        for low, m in zip(opt._lows, opt._masters):
-            assert torch.equal(m.grad, low.grad.float() * inv)  # this step's gradients
         now = [m.grad.data_ptr() for m in opt._masters]
-        assert ptrs is None or now == ptrs  # the same flat buffer, bound again: no allocation per step
+        assert ptrs is None or now == ptrs  # the same buffer, bound again: no allocation per step
         ptrs = now
         assert opt.step()
-    opt.zero_grad(set_to_none=False)
-    assert all(p.grad is not None and not p.grad.any() for p in opt.master_params())
+
+
+def test_master_gradient_segments_split_large_models():
+    """Masters are packed into segments of at most _SEGMENT_NUMEL elements (one larger tensor alone)."""
+    from fxamp import optim as O
+
+    old = O._SEGMENT_NUMEL
+    O._SEGMENT_NUMEL = 3000
+    try:
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(40, 50), nn.ReLU(), nn.Linear(50, 100), nn.ReLU(), nn.Linear(100, 3))
+        model = fxamp.convert(copy.deepcopy(ref), "O2", dtype=torch.bfloat16)
+        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+        x = torch.randn(8, 40)
+        opt.zero_grad()
+        opt.backward(model(x).float().square().mean())
+        opt.unscale_()
+        (bucket,) = opt._plan.buckets
+        sizes = [f.numel() for f in bucket.flats]
+        assert sum(sizes) == sum(m.numel() for m in opt._masters)
+        assert len(sizes) > 1 and all(n <= 3000 or n == 5000 for n in sizes), sizes  # 5000: the 100x50 weight
+        for low, m in zip(opt._lows, opt._masters):
+            assert torch.equal(m.grad, low.grad.float())
+            assert any(m.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in bucket.flats)
+        assert opt.step()
+    finally:
+        O._SEGMENT_NUMEL = old
 
 
 class Lookahead:
