@@ -83,8 +83,8 @@ LossScaleArg = Union[str, float, None, LossScaleConfig, LossScaler]
 
 #: On CPU, gradients of at most this many elements are gathered by ``torch.cat`` (one kernel per
 #: trailing shape) into a low-precision staging tensor and converted to float32 by one kernel: a
-#: copy per tensor costs ~0.35 us of dispatch, most of what copying a small tensor costs (the 400
-#: gradients of 200 Linear(16, 16): 55 us instead of 160).  Larger ones are copied directly.
+#: copy per tensor is mostly dispatch for a small tensor (benchmarks/RESULTS.md, the 200-Linear
+#: chain).  Larger ones are copied directly.
 _CAT_NUMEL = 1024
 
 
@@ -109,8 +109,8 @@ class _Bucket:
     the strides ``empty_like(master)`` gives, as a fresh gradient would have: allocated at
     ``unscale_()`` (:meth:`allocate`, a few allocations per step, not one per parameter), bound as
     the masters' ``.grad`` and overwritten from the low-precision gradients, checked for inf/NaN in
-    one kernel over the segments instead of one per tensor (400 on a 200-layer MLP: 90 us on CPU,
-    against 6), and dropped by ``zero_grad()`` (:meth:`release`), so they take no memory during the
+    one kernel over the segments instead of one per tensor (400 kernels on a 200-layer MLP), and
+    dropped by ``zero_grad()`` (:meth:`release`), so they take no memory during the
     forward and backward, where activations peak.
 
     The pairs are reordered: first the groups of small gradients gathered with ``torch.cat``
