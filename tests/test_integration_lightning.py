@@ -251,8 +251,11 @@ def test_modules_option_and_untraceable_error():
     model = Two()
     FxampPrecision("O2", modules=["net"]).convert_module(model)
     assert fxamp.conversion_info(model.net) is not None and fxamp.conversion_info(model.aux) is None
-    with pytest.raises(fxamp.TraceError, match="example_inputs=.*'aux'"):
-        FxampPrecision("O2").convert_module(Two())
+    # an untraceable child becomes a LazyConverted; its data-dependent branch fails at the first call
+    both = FxampPrecision("O2").convert_module(Two())
+    assert isinstance(both.aux, fxamp.LazyConverted)
+    with pytest.raises(fxamp.TraceError, match="data-dependent control flow"):
+        both.aux(torch.randn(2, 64))
     with pytest.raises(ValueError, match="has no submodule 'nett'"):
         FxampPrecision("O2", modules=["nett"]).convert_module(Two())
     with pytest.raises(ValueError, match="use 'bf16'"):
