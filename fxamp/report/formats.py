@@ -136,7 +136,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
         else:  # ~120 columns: short reasons, cells wrapped at spaces (never inside a word)
             cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
             dtypes = "→".join([ins or "·", short_name(r.compute), short_name(r.output_dtype)])
-            line = [wrap(r.node, 24), wrap(short_op_label(r), 20), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
+            line = [wrap(r.node, 20), wrap(short_op_label(r), 18), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
         if numerics:
             line += _numerics_cells(r.numerics)
         body.append(line)
@@ -173,7 +173,8 @@ def header(rep: Any) -> str:
     inputs = ", ".join(rep.inputs) if rep.inputs else "none (dtypes that depend on the inputs show as runtime)"
     text = f"fxamp report: {rep.model}  policy {rep.policy}\ninputs: {inputs}  frontend {rep.frontend}"
     for note in rep.notes:
-        text += f"\nnote: {note}"
+        text += "\n" + textwrap.fill(f"note: {note}", 120, subsequent_indent="  ", break_long_words=False,
+                                     break_on_hyphens=False)
     return text
 
 
