@@ -94,3 +94,30 @@ def test_json_round_trip(tmp_path, capsys):
 def test_unreachable_tolerance_is_an_error():
     with pytest.raises(fxamp.FxampError, match="even with every low-precision op in float32"):
         fxamp.autotune(planted.Underflows(), planted.batches(), metric=lambda r, o: 1.0, tolerance=0.5)
+
+
+def test_autotune_keeps_more_in_low_precision_than_the_fallbacks_a_user_would_try_by_hand():
+    """By hand, a user moves the whole model to float32, or every module the report flags, one at a
+    time, converting again each time.  Autotune meets the same tolerance and keeps the matmuls low."""
+    model, batches = planted.TwoCulprits(), planted.batches()
+    amp, overrides, result = fxamp.autotune(model, batches, min_sqnr_db=30.0, return_result=True)
+
+    def low_share(**options):
+        return fxamp.report(model, batches[0], "O1", **options).summary.low_share
+
+    def output_sqnr(**options):
+        converted = fxamp.convert(model, "O1", **options)
+        with torch.no_grad():
+            return min(fxamp.sqnr(model(*b), converted(*b)) for b in batches)
+
+    everything = {"module_overrides": {"": "unsafe"}}  # the blunt fix: the whole model in float32
+    assert output_sqnr(**everything) >= 30 and low_share(**everything) == 0.0
+    # one module at a time, in the report's order: fixing only the worst op is not enough
+    worst = fxamp.report(model, batches, "O1", numerics=True).numerics_summary.worst
+    assert worst is not None
+    one_by_one = {"module_overrides": {next(iter(result.chosen)): "unsafe"}}
+    assert output_sqnr(**one_by_one) < 30
+    # autotune: the tolerance holds, both linear layers stay in low precision
+    assert output_sqnr(**overrides) >= 30
+    assert low_share(**overrides) > 0.9
+    assert fxamp.report(model, batches[0], "O1", **overrides)["linear"].compute == "float16"
