@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 import operator
 
@@ -56,7 +57,11 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     """Re-bind float32 parameters and float buffers to the dtype their consumers run in (O2/O3).
 
     A tensor is stored low only when every consumer runs in low precision (or follows its
-    inputs); one float32 consumer (a norm, an unsafe op, an op on no list) keeps it float32.
+    inputs); one float32 consumer (a norm, an unsafe op, an op on no list) keeps it float32.  A
+    tensor that enters the activations through an op that follows its inputs (a class token
+    concatenated, a position embedding or a layer scale added or multiplied in) is stored in
+    ``Policy.unsafe``: float32 under O2, as under autocast, where it keeps the residual stream in
+    float32; low under O3.  Lookups (an embedding table indexed by integer ids) are not such a mix.
     Consumers are found through views (``w.t()``, ``w.view(...)``, ``w[0]``, splits): a transpose
     follows its input, but the op the transposed weight reaches decides.  Tied parameters stay
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
@@ -66,6 +71,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     modules = dict(gm.named_modules())
     wants: Dict[int, set] = defaultdict(set)
     tensors: Dict[int, torch.Tensor] = {}
+    infer = DtypeInference(gm, modules, decisions)
 
     def want(t: Any, dtype: torch.dtype) -> None:
         if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
@@ -77,7 +83,12 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
             value = fetch_attr(gm, node.target)
             for user in _consumers(node):
                 d = decisions.get(user)
-                want(value, torch.float32 if d is None or user.op == "output" else _storage_for(d, policy))
+                if d is None or user.op == "output":
+                    want(value, torch.float32)
+                elif d.compute is None and _mixes_into_activations(user, infer):
+                    want(value, policy.unsafe)
+                else:
+                    want(value, _storage_for(d, policy))
         elif node.op == "call_module":
             d = decisions[node]
             m = modules[node.target]
@@ -108,6 +119,20 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
                 setattr(mod, name, new)  # setattr, so RNNs refresh their flat weights
                 changed[f"{mod_name}.{name}" if mod_name else name] = target[id(t)]
     return changed
+
+
+#: a table indexed by integer ids: the tensor does not mix into the activations arithmetically
+_LOOKUPS = frozenset(op_key(f) for f in (F.embedding, F.embedding_bag, torch.embedding, torch.embedding_bag,
+                                         torch.ops.aten.embedding.default, torch.ops.aten._embedding_bag.default,
+                                         torch.ops.aten.embedding_bag.default))
+
+
+def _mixes_into_activations(user: fx.Node, infer: DtypeInference) -> bool:
+    """An op that follows its inputs and combines several float values (add, mul, cat, where...)."""
+    if user.op in ("call_function", "call_method") and op_key(user.target) in _LOOKUPS:
+        return False
+    floats = [i for i in user.all_input_nodes if infer(i) is not NOT_FLOAT]
+    return len(floats) > 1
 
 
 def _consumers(node: fx.Node):

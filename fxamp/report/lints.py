@@ -43,8 +43,9 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
             plural = "s" if len(attrs) > 1 else ""
             yield Lint("param-promotion", node.name,
                        f"float32 {kinds}{plural} {names} meet{'' if plural else 's'} {dts[low[0]]} {attr_target(low[0]) or low[0].name} "
-                       f"in {d.op}, which therefore runs in float32, and so does what follows; store it in "
-                       f"low precision (O2 does) or cast it where it is used")
+                       f"in {d.op}, which therefore runs in float32, and so does what follows (as under "
+                       f"autocast); to run it low, cast it where it is used, or store every parameter low (O3; "
+                       f"O2 keeps tensors that enter the activations directly in float32)")
 
     stored = set(gm.state_dict(keep_vars=True))
     for cast in gm.graph.nodes:
@@ -69,7 +70,8 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
         elif attrs:
             names = ", ".join(attr_target(a) for a in attrs)
             why = f"it comes from float32 parameter/buffer {names}"
-            fix = "store it in low precision (O2 does) or cast it where it is used"
+            fix = ("store it in low precision (O2 does for the tensors of low-precision ops, O3 for all) or cast it "
+                   "where it is used")
         else:
             continue  # made in float32 by the model itself (a KV cache, a float32 input): nothing to act on
         yield Lint("cast-down", src.name, f"float32 output is cast to {dtype_name(dtype)} for {users}: {why}; {fix}")

@@ -13,9 +13,6 @@ Key = Tuple[str, str, str, str]
 
 KNOWN: Dict[Key, str] = {}
 
-KNOWN[("vit", "numerics", "O2", "*")] = (
-    "new (realmodels): ViT O2 stores cls_token and position_embeddings in low precision (they are added to the "
-    "residual stream): SQNR 39.9 dB vs autocast 44.5 (bfloat16), 58.2 vs 62.2 (float16); O1 matches autocast")
 KNOWN[("clip", "numerics", "*", "bfloat16")] = (
     "new (realmodels): CLIPModel logits_per_image SQNR 46.1 dB (O1) / 43.6 (O2) vs autocast 51.1 though "
     "text_embeds/image_embeds match autocast's: the loss is in the contrastive head (normalise, matmul, "
