@@ -82,13 +82,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
         if node.op == "get_attr":
             value = fetch_attr(gm, node.target)
             for user in _consumers(node):
-                d = decisions.get(user)
-                if d is None or user.op == "output":
-                    want(value, torch.float32)
-                elif d.compute is None and _mixes_into_activations(user, infer):
-                    want(value, policy.unsafe)
-                else:
-                    want(value, _storage_for(d, policy))
+                want(value, _wanted_storage(user, decisions, policy, infer))
         elif node.op == "call_module":
             d = decisions[node]
             m = modules[node.target]
@@ -125,6 +119,17 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
 _LOOKUPS = frozenset(op_key(f) for f in (F.embedding, F.embedding_bag, torch.embedding, torch.embedding_bag,
                                          torch.ops.aten.embedding.default, torch.ops.aten._embedding_bag.default,
                                          torch.ops.aten.embedding_bag.default))
+
+
+def _wanted_storage(user: fx.Node, decisions: Dict[fx.Node, Decision], policy: Policy,
+                    infer: DtypeInference) -> torch.dtype:
+    """The storage dtype one consumer (found through views) wants for a parameter or buffer it reads."""
+    d = decisions.get(user)
+    if d is None or user.op == "output":
+        return torch.float32
+    if d.compute is None and _mixes_into_activations(user, infer):
+        return policy.unsafe
+    return _storage_for(d, policy)
 
 
 def _mixes_into_activations(user: fx.Node, infer: DtypeInference) -> bool:
@@ -164,14 +169,22 @@ def cast_kept_storage(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], po
                                                            r = unlisted_op(x, to)
     """
     made = 0
+    infer = DtypeInference(gm, dict(gm.named_modules()), decisions)
+
+    def wants_float32(consumer: fx.Node) -> bool:  # and does not cast its inputs itself
+        d = decisions.get(consumer)
+        return (d is not None and d.compute is None
+                and _wanted_storage(consumer, decisions, policy, infer) == torch.float32)
+
     for node in list(gm.graph.find_nodes(op="get_attr")):
         value = fetch_attr(gm, str(node.target))
         if not isinstance(value, torch.Tensor) or value.dtype not in LOW:
             continue
         cast_node: Optional[fx.Node] = None
         for user in list(node.users):
-            d = decisions.get(user)
-            if d is None or d.compute is not None or _storage_for(d, policy) != torch.float32:
+            # through views, as store_params looks: the op a transposed weight reaches decides
+            reached = list(_consumers(user)) if _is_view(user) and user.args and user.args[0] is node else [user]
+            if not any(wants_float32(c) for c in reached):
                 continue
             if cast_node is None:
                 with gm.graph.inserting_after(node):

@@ -280,3 +280,25 @@ def test_report_shows_float64_where_it_ran_although_the_decision_said_low():
     rows = {r.node: r for r in rep.rows}
     assert rows["matmul"].compute == "float64"
     assert rep.summary.low_share == 0.0
+
+
+class LinearWeightToUnlistedOp(nn.Module):
+    """A Linear's weight (predicted low by a lazily capturing module) reaching an unlisted op through a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return _grouped_mm(h.to(self.proj.weight.dtype), self.proj.weight.t())
+
+
+def test_lazy_o2_casts_kept_low_storage_for_an_unlisted_op_reached_through_a_view():
+    torch.manual_seed(0)
+    model, x = LinearWeightToUnlistedOp().eval(), torch.randn(4, 16)
+    amp = fxamp.convert(model, "O2", frontend="export")  # no inputs: storage predicted, kept at capture
+    assert isinstance(amp, fxamp.LazyConverted) and amp.proj.weight.dtype == torch.float16
+    with torch.no_grad():
+        assert sqnr(model(x), amp(x)) > 30.0
