@@ -30,7 +30,7 @@ _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 def low_precision_attention(gm: fx.GraphModule) -> int:
     """Route SDPA nodes with (possibly) active dropout and low-precision inputs through ``runtime.attention``.
 
-    Run after the casts are inserted; returns how many nodes were replaced.
+    Run after the casts are inserted, before the graph is recompiled; returns how many nodes were replaced.
     """
     replaced = 0
     for node in list(gm.graph.nodes):
@@ -45,11 +45,9 @@ def low_precision_attention(gm: fx.GraphModule) -> int:
             continue
         if getattr(node.meta.get(DECISION), "compute", None) not in LOW:
             continue  # fxamp does not run this attention in low precision
-        args = tuple(bound.get(k, d) for k, d in zip(_ARGS[:6], (None, None, None, None, 0.0, False)))
+        args = tuple(bound.get(k, d) for k, d in zip(_ARGS, (None, None, None, None, 0.0, False)))
         node.target = attention
         node.args = args + (bound.get("scale"),)
         node.kwargs = {}
         replaced += 1
-    if replaced:
-        gm.recompile()
-    return replaced
+    return replaced  # the caller (pipeline.rewrite_captured) lints and recompiles once

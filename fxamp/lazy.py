@@ -423,10 +423,11 @@ def _describe_value(value: Any) -> str:
 def _describe(root: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
     """``(input_ids=i64[*,*], labels=i64[*,*])``: the arguments by name, * for a dynamic size."""
     try:
-        bound = inspect.signature(root.forward).bind(*args, **kwargs).arguments
+        signature = inspect.signature(root.forward)
+        bound = signature.bind(*args, **kwargs).arguments
         named = []
         for name, value in bound.items():
-            param = inspect.signature(root.forward).parameters[name]
+            param = signature.parameters[name]
             if param.kind is inspect.Parameter.VAR_KEYWORD:
                 named.extend(value.items())
             elif param.kind is inspect.Parameter.VAR_POSITIONAL:

@@ -7,20 +7,18 @@ tensor it may cast, so conversion works without example inputs.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Tuple
-
-import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dtypes import CASTABLE
+from .dtypes import CASTABLE, LOW
 
 __all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "WeightCastCache"]
-
 
 
 def cast(x: Any, dtype: torch.dtype) -> Any:
@@ -208,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any 
     → dropout → ``@ v``.  Otherwise (no dropout, float32, another device) it is SDPA itself.
     Placed by :func:`fxamp.attention.low_precision_attention`.
     """
-    if (dropout_p == 0.0 or q.device.type != "cpu" or q.dtype not in (torch.float16, torch.bfloat16)
+    if (dropout_p == 0.0 or q.device.type != "cpu" or q.dtype not in LOW
             or k.dtype != q.dtype or v.dtype != q.dtype):
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
     L, S = q.size(-2), k.size(-2)
