@@ -177,14 +177,9 @@ def prepare(
     if example_batch is not None:
         convert_kwargs.setdefault("example_inputs", ())
         convert_kwargs.setdefault("example_kwargs", dict(example_batch))
-    try:
-        amp = fxamp.convert(model, policy, dtype=low, **convert_kwargs)
-    except fxamp.TraceError as e:
-        if example_batch is not None:
-            raise
-        raise fxamp.TraceError(f"{e}\nfxamp.integrations.hf.prepare: pass example_batch= (a collated batch with "
-                               f"labels, e.g. next(iter(trainer.get_train_dataloader()))) so fxamp can capture "
-                               f"the model with torch.export") from e
+    # without example_batch, a model torch.fx cannot trace captures at its first call; convert's own
+    # TraceError (leaf_modules=, frontend="fx") already says what to do
+    amp = fxamp.convert(model, policy, dtype=low, **convert_kwargs)
     amp.accepts_loss_kwargs = False  # the captured graph takes exactly the batch's keys (no num_items_in_batch)
 
     groups = _decay_groups(amp, float(getattr(args, "weight_decay", 0.0)))
