@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+# torch's own mask helpers (no public equivalent): calling them keeps the converted module's
+# masks exactly the original's, including their validation errors
 from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
 __all__ = ["FORWARDS", "canonical_masks", "causal_hint", "traced_class"]
