@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .dtypes import CASTABLE, NOT_FLOAT, DtypeInference, dtype_name
+from .dtypes import CASTABLE, LOW, NOT_FLOAT, DtypeInference, dtype_name
 from .errors import ConversionError
 from .graph import ATTR, DECISION, Decision, module_path_of
 from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
@@ -63,7 +63,57 @@ def classify(
             entry = op_lists.lookup(node.target) if node.op != "call_module" else None
             if entry is not None and entry.condition == "softmax":
                 decisions[node] = _softmax_between_low_ops(node, d, decisions, _float_inputs(gm, modules, decisions))
+    _widen_for_float32_users(gm, policy, op_lists, decisions, _float_inputs(gm, modules, decisions))
     return decisions
+
+
+def _widen_for_float32_users(gm: fx.GraphModule, policy: Policy, op_lists: OpLists,
+                             decisions: Dict[fx.Node, Decision], float_inputs) -> None:
+    """Let an addition whose every use computes in float32 compute in float32 too (``float32_users``).
+
+    Walks the graph backwards, so a chain of additions ending in a norm (``tok + pos + type`` before a
+    layer norm, a residual stream between norms) widens from its end.  Only where mixed precision
+    keeps float32 ops (compute low, unsafe float32): O3 and O0 have nothing to widen into.
+    """
+    if policy.compute not in LOW or policy.unsafe != torch.float32:
+        return
+    for node in reversed(list(gm.graph.nodes)):
+        d = decisions[node]
+        if (d.category is not Category.CONDITIONAL or d.resolved is not Category.NEUTRAL or d.compute is not None
+                or d.source is Source.MODULE_OVERRIDE or node.op not in ("call_function", "call_method")
+                or is_inplace(node.op, node.target)):
+            continue
+        entry = op_lists.lookup(node.target)
+        if entry is None or entry.condition != "float32_users" or not float_inputs(node):
+            continue
+        users = _float32_users(node, decisions, float_inputs)
+        if users:
+            decisions[node] = dataclasses.replace(
+                d, compute=torch.float32, resolved=Category.UNSAFE,
+                reason=(f"only float32 ops use it ({', '.join(u.name for u in users[:3])}"
+                        f"{', …' if len(users) > 3 else ''}): adding in float32 keeps the bits they would keep; "
+                        "an addition saves nothing for backward, so casting its inputs costs no memory"))
+
+
+def _float32_users(node: fx.Node, decisions: Mapping[fx.Node, Decision], float_inputs) -> Tuple[fx.Node, ...]:
+    """The ops computing in float32 that use ``node`` through single-input neutral ops (dropout, views);
+    () if any use is not one (a low-precision op, the graph output, an op that follows its inputs)."""
+    found = []
+    for user in node.users:
+        d = decisions.get(user)
+        if d is None or user.op == "output":
+            return ()
+        if d.compute == torch.float32:
+            found.append(user)
+        elif (d.resolved is Category.NEUTRAL and d.compute is None and d.source is not Source.FLOAT64
+              and _single_input(user, float_inputs) is node):
+            deeper = _float32_users(user, decisions, float_inputs)
+            if not deeper:
+                return ()
+            found.extend(deeper)
+        else:
+            return ()
+    return tuple(found)
 
 
 def _has_float64_input(node: fx.Node, modules: Dict[str, nn.Module], infer: DtypeInference) -> bool:
@@ -266,6 +316,8 @@ def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Dec
         p = done[producer]
         how = dtype_name(p.compute) if p.compute is not None else "the dtype it receives"
         return Category.NEUTRAL, f"smooth activation: follows its producer {producer.name} ({p.category.value}, {how})"
+    if cond == "float32_users":  # decided once every node is: see _widen_for_float32_users
+        return entry.fallback, "follows its inputs (torch's type promotion computes in the widest)"
     if cond == "need_weights":
         if node.kwargs.get("need_weights") is False:
             return Category.SAFE, "need_weights=False: projections + scaled_dot_product_attention"

@@ -69,7 +69,7 @@ class Source(str, enum.Enum):
 
 
 #: conditions a CONDITIONAL entry may name; the classifier implements each one.
-CONDITIONS = ("dtype_arg", "softmax", "truediv", "follow_producer", "need_weights")
+CONDITIONS = ("dtype_arg", "softmax", "truediv", "follow_producer", "need_weights", "float32_users")
 
 
 @dataclass(frozen=True)
@@ -434,6 +434,14 @@ _GROUPS = [
                 "with the default need_weights=True its explicit softmax also runs in low precision "
                 "(fallback safe; override to 'unsafe' to keep it float32)",
              condition="need_weights", fallback=S)),
+    ("add sub rsub operator.add operator.sub operator.iadd operator.isub Tensor.__add__ Tensor.__radd__ "
+     "Tensor.__sub__ Tensor.__rsub__ Tensor.__iadd__",
+     OpEntry(C, "sum or difference: follows its inputs (torch's type promotion computes in the widest), "
+                "but computes in float32 when only float32 ops use the result (embeddings summed before a "
+                "layer norm, a residual stream between norms): rounding it to low precision first would "
+                "lose bits its users keep, and an addition saves nothing for backward, so casting its "
+                "inputs instead costs no memory (autocast gets this from a float32 residual stream)",
+             condition="float32_users", fallback=N)),
 
     # ---- neutral ---------------------------------------------------------------------------
     ("F.batch_norm batch_norm F.instance_norm instance_norm aten._native_batch_norm_legit "
@@ -445,12 +453,11 @@ _GROUPS = [
                 "statistics and accumulate in float32, so the input needs no cast (autocast, apex, TF, "
                 "MXNet agree); its parameters and running statistics stay float32 (norms rule)",
              norm=True)),
-    ("add sub mul rsub addcmul addcdiv lerp where maximum minimum fmax fmin atan2 remainder fmod hypot "
+    ("mul addcmul addcdiv lerp where maximum minimum fmax fmin atan2 remainder fmod hypot "
      "dot vdot inner outer ger tensordot cross F.bilinear nn.Bilinear torch.linalg.cross kron cat concat concatenate stack "
      "hstack vstack dstack index_put index_copy index_add scatter_add scatter_reduce masked_scatter "
-     "operator.add operator.sub operator.mul operator.iadd operator.isub operator.imul operator.itruediv "
-     "Tensor.__add__ Tensor.__radd__ Tensor.__sub__ Tensor.__rsub__ Tensor.__mul__ Tensor.__rmul__ "
-     "Tensor.__iadd__ Tensor.__imul__ aten.copy diff aten.bilinear aten.linalg_cross",
+     "operator.mul operator.imul operator.itruediv Tensor.__mul__ Tensor.__rmul__ "
+     "Tensor.__imul__ aten.copy diff aten.bilinear aten.linalg_cross",
      OpEntry(N, "several float inputs: torch's type promotion already computes in the widest input "
                 "dtype, so no cast is needed (apex and MXNet insert widest-type casts by hand; "
                 "torch does it natively)")),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import operator
 
 import pytest
 import torch
@@ -27,6 +28,10 @@ UNSAFE_ATEN = {"_log_softmax", "native_layer_norm", "exp", "pow", "reciprocal", 
 
 def first(out):
     return out[0] if isinstance(out, tuple) else out
+
+
+def decisions(gm):
+    return {n.name: n.meta["fxamp"] for n in gm.graph.nodes if "fxamp" in n.meta}
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -127,6 +132,50 @@ def test_softmax_between_matmuls_stays_low_elsewhere_float32():
     with OpDtypes() as rec:
         strict(x)
     assert {c.inputs for c in rec.of("_softmax")} == {(torch.float32,)}
+
+
+class _Embeddings(nn.Module):
+    """BERT-style: three lookups summed, a layer norm, a linear; plus a sum feeding a linear and a
+    sum leaving the model (neither of which may widen)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32):
+        super().__init__()
+        self.tok, self.pos, self.typ = nn.Embedding(vocab, d), nn.Embedding(16, d), nn.Embedding(2, d)
+        self.norm, self.lin, self.lin2 = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        h = self.tok(ids) + self.pos(pos) + self.typ(torch.zeros_like(ids))
+        normed = self.norm(h)
+        y = self.lin(normed)
+        return self.lin2(y + y), y + y, normed
+
+
+def test_a_sum_only_float32_ops_use_computes_in_float32():
+    """O2 stores the tables low; their sum feeds only a layer norm, so it adds in float32 (as
+    autocast's float32 residual stream does) instead of rounding to bfloat16 twice first."""
+    torch.manual_seed(0)
+    model = _Embeddings().eval()
+    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    amp = fxamp.convert(model, "O2", dtype=torch.bfloat16).eval()
+    d = decisions(amp)
+    assert d["add"].compute == d["add_1"].compute == torch.float32
+    assert d["add"].resolved is fxamp.Category.UNSAFE and "only float32 ops use it (norm)" in d["add_1"].reason
+    assert d["add_2"].compute is None and d["add_3"].compute is None  # feeds a linear / leaves the model
+    assert amp.tok.weight.dtype == torch.bfloat16  # the tables still stored low: no memory given back
+    with OpDtypes() as rec:
+        amp(ids)
+    assert [c.inputs for c in rec.of("add")] == [(torch.float32, torch.float32)] * 2 + [(torch.bfloat16,) * 2] * 2
+    narrow = fxamp.convert(model, "O2", dtype=torch.bfloat16, overrides={operator.add: "neutral"}).eval()
+    assert decisions(narrow)["add_1"].compute is None  # the op lists decide: overridable
+    with torch.no_grad():
+        ref, wide_out, narrow_out = model(ids)[2], amp(ids)[2], narrow(ids)[2]
+    # the layer norm's output carries the tables' rounding either way, and the sums' only when narrow
+    assert sqnr(ref, wide_out) > sqnr(ref, narrow_out) + 2.5
+    for policy in ("O0", "O3"):  # nothing float32 to widen into / no mixed precision
+        assert all(x.compute in (None, torch.float32 if policy == "O0" else torch.bfloat16)
+                   for n, x in decisions(fxamp.convert(model, policy, dtype=torch.bfloat16)).items()
+                   if n.startswith("add"))
 
 
 @pytest.mark.parametrize("policy", ["O1", "O2"])

@@ -40,11 +40,14 @@ GOLDEN = {
         ("x", "float16", "linear"), ("qkv_weight", "float16", "linear"), ("qkv_bias", "float16", "linear"),
         # no cast around the softmax: it sits between two matmuls (see test_convert)
         ("proj_weight", "float16", "linear_1"), ("proj_bias", "float16", "linear_1"),
-        ("add", "float32", "ln"),                    # residual into the float32 LayerNorm
+        # the residual sum feeds only the float32 LayerNorm, so it adds in float32 (x: a checked
+        # no-op cast for a float32 input; promotion already widened it before)
+        ("x", "float32", "add"), ("linear_1", "float32", "add"),
     ],
     ("ConvBN", "O2"): [("x", "float16", "conv2d"), ("linear", "float32", "output")],  # BN takes fp16 as is
     ("TokenModel", "O2"): [
-        ("add", "float32", "ln"), ("ln", "float16", "linear"), ("add_1", "float16", "linear_1"),
+        # token + position lookups (tables stored low) summed in float32 for the LayerNorm
+        ("embedding", "float32", "add"), ("embedding_1", "float32", "add"), ("ln", "float16", "linear"), ("add_1", "float16", "linear_1"),
         ("linear_1", "float32", "output"),
     ],
     ("TiedLM", "O1"): [
