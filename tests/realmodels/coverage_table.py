@@ -157,7 +157,9 @@ float16 for a subset) and checks, per model and policy:
   back float32; two eval calls are bitwise equal; the SQNR of the main output (`logits`, else the first
   floating output) against float32 is at most 3 dB below `torch.autocast("cpu", dtype)`'s on the same
   model and inputs (where autocast itself fails, e.g. oneDNN's float16 LSTM, a fixed floor instead:
-  40 dB float16, 25 dB bfloat16);
+  40 dB float16, 25 dB bfloat16), both pooled over as many input draws as it takes to compare 256
+  values: one draw of a classifier's (2, 10) logits or CLIP's 2×2 similarities says little (CLIP's put
+  fxamp anywhere from 10 dB below to 4 dB above autocast, by seed);
 - **training**: 4 AdamW steps (lr 3e-3, loss `mean(out²)`) through `fxamp.MixedPrecisionOptimizer` stay
   within 5% (bfloat16) / 2% (float16) of float32's largest loss at every step, and the loss goes down
   (unless float32's does not either);
