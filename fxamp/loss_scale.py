@@ -178,9 +178,7 @@ class FoundInf:
         if not tensors:
             return
         device = tensors[0].device
-        flag = self.flags.get(device)
-        if flag is None:
-            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        flag = self._flag(device)
         t = tensors[0]
         if self.unit and len(tensors) == 1 and t.device.type == "cpu" and t.dtype == torch.float32 \
                 and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
@@ -188,6 +186,26 @@ class FoundInf:
             # (a finite sum that overflows falls through to the exact kernel below)
         # GradScaler's fused kernel: checks each value before multiplying it by 1/scale
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.inv_scale_on(device))
+
+    def check_(self, tensors: List[torch.Tensor]) -> None:
+        """Note any inf/NaN in dense ``tensors`` (one device and dtype) without dividing them.
+
+        On CPU their sums are read first (an inf or NaN makes a sum inf or NaN, so finite sums mean
+        finite elements; half the time of the kernel, which also writes); a non-finite sum, which
+        may be an overflow of finite values, falls through to the exact kernel, multiplying by 1.
+        """
+        if not tensors:
+            return
+        device = tensors[0].device
+        if device.type == "cpu" and bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
+            return  # (on an accelerator this would wait for the device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, self._flag(device), torch.ones((), device=device))
+
+    def _flag(self, device: torch.device) -> torch.Tensor:
+        flag = self.flags.get(device)
+        if flag is None:
+            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return flag
 
     def found(self) -> torch.Tensor:
         """1.0 if any tensor held an inf/NaN, else 0.0: a float32 0-dim CPU tensor."""

@@ -39,6 +39,14 @@ accumulated; ``zero_grad()`` unbinds and frees them (from 16 MiB on), so they ta
 the forward and backward, where activations peak (``release_grad_buffer=False`` keeps them; on CPU
 a low-precision staging copy of the small gradients is kept either way).
 
+On a large model (16 MiB of float32 gradients or more) a ``step()`` not preceded by ``unscale_()``
+is *segmented* (:mod:`fxamp.segmented_step`) when the inner optimizer is a stock per-parameter
+torch optimizer (SGD, Adam, AdamW, ...) without step hooks: the low-precision gradients are
+checked where they are, then the masters are stepped a run of 4 MiB of float32 gradients at a
+time, so a float32 gradient for every master never exists and the step adds 4 MiB, not 4 bytes per
+parameter, to the peak.  It is bitwise the same step; the masters hold no ``.grad`` after it (call
+``unscale_()`` first to clip or read them).
+
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
 ``fxamp.initialize`` (in :mod:`fxamp.api`) builds this wrapper for a model it converts.
@@ -59,6 +67,7 @@ from .errors import OptimizerStateError
 from .info import policy_of
 from .loss_scale import FoundInf, LossScaleConfig, LossScaler, Stage
 from .policy import Policy
+from .segmented_step import Run, plan_runs, step_runs, steps_per_parameter
 
 __all__ = ["MixedPrecisionOptimizer", "LOW_DTYPES", "check_optimizer"]
 
@@ -245,13 +254,14 @@ class _Plan:
     master pairing, which happens when a group is bound).
     """
 
-    __slots__ = ("buckets", "own", "layout")
+    __slots__ = ("buckets", "own", "layout", "runs")
 
     def __init__(self, buckets: List[_Bucket], own: List[List[torch.Tensor]],
                  layout: List[Tuple[List[torch.Tensor], int]]) -> None:
         self.buckets = buckets
         self.own = own
         self.layout = layout
+        self.runs: Optional[List[Run]] = None  # a segmented step's runs, planned at the first one
 
     def matches(self, groups: List[Dict[str, Any]]) -> bool:
         """Same groups holding the same lists of the same lengths (the lists are held, so ids are not reused)."""
@@ -374,7 +384,7 @@ class MixedPrecisionOptimizer:
                    forward and backward build up activations; only from 16 MiB of them per
                    (device, dtype) on: re-creating hundreds of small views costs more than it
                    saves.  False keeps them allocated between steps (4 bytes per low-precision
-                   parameter, no allocation per step).
+                   parameter, no allocation per step) and never segments the step (below).
 
     The wrapper does not patch ``optimizer``: it replaces float16/bfloat16 parameters in its
     ``param_groups`` by float32 masters (moving any existing state), so LR schedulers built on
@@ -595,20 +605,48 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             checked = sum(_unscale_masters_(b, flags) for b in plan.buckets)
             checked += sum(_unscale_own_(params, flags) for params in plan.own)
-            if not checked:
-                raise OptimizerStateError(
-                    "no parameter of this optimizer has a gradient: the loss does not depend on them, "
-                    "or backward() ran on another model (if the optimizer was built on the original "
-                    "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
-                )
-            local = flags.found()
-            found = all_reduce_overflow(local, self.process_group) if self.sync_overflow else local
-            found_inf = bool(found.item())
-            if local.item():  # rare: note which tensors overflowed, before clipping can spread NaNs
-                self._overflow = self._which_overflowed()
-            else:  # clean here; on another rank, perhaps
-                self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if found_inf else None
+            self._decide(flags, checked)
+
+    def _check_in_place(self, plan: _Plan) -> FoundInf:
+        """``unscale_()`` for a segmented step: check the low-precision gradients where they are (the
+        float32 parameters' are unscaled in place as usual); the masters get no gradient here."""
+        flags = self.scaler.start_unscale(self._client)
+        with torch.no_grad():
+            checked = 0
+            for bucket in plan.buckets:
+                grads = [p.grad for p in bucket.lows if p.grad is not None]
+                flags.check_(grads)
+                checked += len(grads)
+            checked += sum(_unscale_own_(params, flags) for params in plan.own)
+            self._decide(flags, checked, in_place=True)
+        return flags
+
+    def _decide(self, flags: FoundInf, checked: int, in_place: bool = False) -> None:
+        """Whether this step overflowed, agreed over ``process_group``; tell the scaler."""
+        if not checked:
+            raise OptimizerStateError(
+                "no parameter of this optimizer has a gradient: the loss does not depend on them, "
+                "or backward() ran on another model (if the optimizer was built on the original "
+                "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
+            )
+        local = flags.found()
+        found = all_reduce_overflow(local, self.process_group) if self.sync_overflow else local
+        found_inf = bool(found.item())
+        if local.item():  # rare: note which tensors overflowed, before clipping can spread NaNs
+            self._overflow = self._which_overflowed(in_place)
+        else:  # clean here; on another rank, perhaps
+            self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if found_inf else None
         self.scaler.finish_unscale(self._client, found_inf)
+
+    def _segmentable(self, plan: _Plan) -> bool:
+        """Whether step() may step the masters a segment at a time (:mod:`fxamp.segmented_step`):
+        the gradient buffer is released between steps, the inner optimizer steps each parameter on
+        its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse."""
+        if not (self.release_grad_buffer and plan.buckets and steps_per_parameter(self.optimizer)):
+            return False
+        if sum(b.nbytes for b in plan.buckets) < _RELEASE_MIN_BYTES:
+            return False
+        return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
 
     def step(self, closure: None = None) -> bool:
         """Step the inner optimizer unless a gradient is inf/NaN; refresh the low-precision weights; update the scale.
@@ -621,12 +659,23 @@ class MixedPrecisionOptimizer:
                 "step(closure) is not supported: the loss must be scaled; run the closure's forward and "
                 "opt.backward(loss) yourself, then call step()"
             )
+        segmented: Optional[FoundInf] = None
         if self.scaler.start_step(self._client) is Stage.SCALED:
-            self.unscale_()
+            self._check_params()
+            plan = self._get_plan()
+            if self._segmentable(plan):
+                segmented = self._check_in_place(plan)
+            else:
+                self.unscale_()
         found = self.scaler.found_inf(self._client)
         if found:
             self.skipped_steps += 1
             blame = self.overflowed_params
+        elif segmented is not None:
+            if plan.runs is None:
+                plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)))
+            step_runs(self.optimizer, plan.runs, None if segmented.unit else segmented.inv_scale_on)
+            blame = tuple
         else:
             self.optimizer.step()
             self._refresh()
@@ -645,10 +694,17 @@ class MixedPrecisionOptimizer:
             elif self._lows:
                 torch._foreach_copy_(self._lows, self._masters)
 
-    def _which_overflowed(self) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """The parameters whose (unscaled) gradients were checked, and which of them hold an inf/NaN."""
-        checked = [p for p in self.master_params() if p.grad is not None]
-        dense = [p.grad._values() if p.grad.is_sparse else p.grad for p in checked]  # (uncoalesced values too)
+    def _which_overflowed(self, in_place: bool = False) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """The parameters whose gradients were checked, and which of them hold an inf/NaN: the masters'
+        gradients, or with ``in_place`` (a segmented step) their low-precision parameters'."""
+        checked, grads = [], []
+        for p in self.master_params():
+            low = self._low_of.get(id(p))
+            g = low.grad if in_place and low is not None else p.grad
+            if g is not None:
+                checked.append(p)
+                grads.append(g)
+        dense = [g._values() if g.is_sparse else g for g in grads]  # (uncoalesced values too)
         maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
         return checked, ~torch.isfinite(maxabs)
 

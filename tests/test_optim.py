@@ -1009,3 +1009,131 @@ def test_scale_one_checks_by_reading_only_and_stays_exact():
     assert opt.overflowed_params() == [] and opt.step()
     assert not train_step(model, opt, 1, inject=("fc2.bias", NAN)) and opt.overflowed_params() == ["fc2.bias"]
     assert not train_step(model, opt, 2, inject=("fc1.weight", -INF))
+
+
+# --------------------------------------------------------------------------- segmented step
+
+class _Wide(nn.Module):
+    """Linears of several sizes around a float32 LayerNorm, and a layer left out of the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 32)
+        self.fc3, self.unused = nn.Linear(32, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(self.norm(self.fc1(x)))))
+
+
+def _segmented_pair(monkeypatch, make_inner, dtype, segment=700):
+    """(segmented, plain) wrappers on identical O2 models; the segmented one cut into runs of <= segment."""
+    from fxamp import optim as O, segmented_step as S
+
+    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "SEGMENT_NUMEL", segment)
+    out = []
+    for release in (True, False):  # release_grad_buffer=False: the plain step, every master's gradient at once
+        torch.manual_seed(0)
+        model = fxamp.convert(_Wide(), "O2", dtype=dtype)
+        named = dict(model.named_parameters())
+        groups = [{"params": [named[n] for n in named if n.startswith(("fc1", "norm"))], "lr": 3e-2},
+                  {"params": [named[n] for n in named if not n.startswith(("fc1", "norm"))], "weight_decay": 0.1}]
+        out.append((model, MixedPrecisionOptimizer(make_inner(groups), model=model, release_grad_buffer=release)))
+    return out
+
+
+INNERS = {
+    "AdamW-fused": lambda g: torch.optim.AdamW(g, lr=1e-2, fused=True),
+    "AdamW-foreach": lambda g: torch.optim.AdamW(g, lr=1e-2, foreach=True),
+    "SGD-momentum": lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9),
+    "RMSprop": lambda g: torch.optim.RMSprop(g, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("inner", list(INNERS))
+def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
+    """step() without unscale_() steps the masters a run at a time (one param group, <= SEGMENT_NUMEL
+    elements): the same weights, masters and optimizer state as one step over all of them, with two
+    groups of different hyperparameters, float32 norm parameters stepped directly, a layer with no
+    gradient, float16's loss scale, and a skipped step."""
+    from fxamp import segmented_step as S
+
+    (seg_model, seg), (ref_model, ref) = _segmented_pair(monkeypatch, INNERS[inner], dtype)
+    sizes = []
+    real_flat = S.flat_grads
+    monkeypatch.setattr(S, "flat_grads", lambda masters, flat=None: (sizes.append(flat.numel()), real_flat(masters, flat))[1])
+    for step in range(4):
+        inject = ("fc2.weight", INF) if step == 2 else None
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((seg_model, seg), (ref_model, ref)):
+            opt.zero_grad()
+            opt.backward(model(x).float().square().mean())
+            if inject:
+                dict(model.named_parameters())[inject[0]].grad.view(-1)[1] = inject[1]
+            assert opt.step() == (inject is None)
+        assert seg.overflowed_params() == ref.overflowed_params() == (["fc2.weight"] if inject else [])
+        assert_bitwise(snapshot(seg_model, seg), snapshot(ref_model, ref))
+        assert seg.current_scale == ref.current_scale
+        assert all(m.grad is None for m in seg._masters)  # the segment was unbound run by run
+        assert all(m.grad is not None for m, low in zip(ref._masters, ref._lows) if low.grad is not None)
+    runs = seg._plan.runs
+    assert len(runs) >= 4 and {r.group for r in runs} == {0, 1} and any(r.own for r in runs)
+    assert sizes and max(sizes) <= max(S.SEGMENT_NUMEL, max(m.numel() for m in seg._masters))
+    assert all(m.grad is None for m in seg_model.unused.parameters())  # no gradient: never stepped
+    assert torch.equal(seg_model.unused.weight, ref_model.unused.weight)
+
+
+def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
+    """The plain step (every master's gradient at once) after unscale_() (to clip), with a step hook,
+    an optimizer subclass or release_grad_buffer=False."""
+    from fxamp import optim as O
+
+    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    def run(make, *, unscale=False, release=True):
+        torch.manual_seed(0)
+        model = fxamp.convert(_Wide(), "O2", dtype=BF16)
+        opt = MixedPrecisionOptimizer(make(model.parameters()), model=model, release_grad_buffer=release)
+        opt.zero_grad()
+        opt.backward(model(torch.randn(4, 8)).float().sum())
+        if unscale:
+            opt.unscale_()
+            torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
+        assert opt.step()
+        return any(m.grad is not None for m in opt._masters)  # True: the plain step ran
+
+    assert not run(lambda p: torch.optim.AdamW(p))
+    assert run(lambda p: torch.optim.AdamW(p), unscale=True)
+    assert run(lambda p: torch.optim.AdamW(p), release=False)
+    assert run(lambda p: MyAdamW(p))
+    hooked = []
+
+    def with_hook(p):
+        inner = torch.optim.AdamW(p)
+        inner.register_step_post_hook(lambda *a: hooked.append(1))
+        return inner
+
+    assert run(with_hook) and hooked == [1]  # the hook ran once, for the one step
+
+
+def test_segmented_step_keeps_lr_schedulers_working(monkeypatch):
+    from fxamp import optim as O
+
+    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    torch.manual_seed(0)
+    model = fxamp.convert(_Wide(), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model=model)
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would raise
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(4, 8)).float().sum())
+            assert opt.step()
+            sched.step()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.125 and opt._plan.runs is not None

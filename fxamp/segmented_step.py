@@ -1,0 +1,168 @@
+"""Step float32 masters a segment at a time, so their gradients never exist all at once.
+
+``MixedPrecisionOptimizer.step()`` without ``unscale_()`` before it, on an inner optimizer whose
+update of a parameter reads only that parameter's gradient and state (:func:`steps_per_parameter`),
+runs::
+
+    check every low-precision gradient for inf/NaN        (FoundInf.check_: nothing is written)
+    for each run of masters (one param group, one device, at most SEGMENT_NUMEL elements):
+        copy the run's low-precision gradients into the float32 segment, divide them by the scale
+        bind them as the masters' .grad and step the inner optimizer on this run alone
+        (every group's "params" list but the run's is emptied for the call)
+        round the run's masters into the low-precision parameters; unbind the segment's views
+
+so the step's peak holds the low-precision weights and gradients, the masters, the optimizer
+state and one segment, instead of a float32 gradient for every master as well (4 bytes per
+parameter: as much as the low-precision weights and gradients together).  It is the same step:
+each parameter is updated from its own gradient and state with its group's hyperparameters
+(bitwise the same as stepping all at once: tests/test_optim.py).  After such a step the masters
+hold no ``.grad``; call ``unscale_()`` before ``step()`` to clip or read them (then every master
+gets its float32 gradient at once, and the step is the plain one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.optim.optimizer as _torch_optimizer
+from torch._utils import _unflatten_dense_tensors
+
+__all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "Run", "steps_per_parameter", "plan_runs", "step_runs", "flat_grads"]
+
+#: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
+#: every run, so this is all the step adds to the memory of the low-precision gradients; a few
+#: dozen inner steps for a 25 M-parameter model (each costs ~0.1 ms of Python)
+SEGMENT_NUMEL = 1024 * 1024
+
+#: torch.optim classes whose step updates each parameter from its own gradient and state alone
+#: (LBFGS needs a closure and all parameters; SparseAdam sparse gradients, which take the other path)
+PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+    if hasattr(torch.optim, name))
+
+
+def steps_per_parameter(optimizer: Any) -> bool:
+    """Whether stepping ``optimizer`` on some parameters at a time is the same as one step on all.
+
+    Only the exact classes of :data:`PER_PARAMETER` (a subclass may override ``step``), and only
+    without step hooks, which would run once per run instead of once per step.
+    """
+    if type(optimizer) not in PER_PARAMETER:
+        return False
+    # torch keeps step hooks in these dicts (per instance, and global); it has no public query
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None),
+             getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
+    return not any(hooks)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Masters of one param group stepped together: ``pairs`` (low, master) on one device, or
+    ``own`` float32 parameters stepped directly (their gradients are unscaled in place beforehand)."""
+
+    group: int
+    pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+    own: Tuple[torch.Tensor, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel() for _, m in self.pairs)
+
+
+def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+              segment_numel: Optional[int] = None) -> List[Run]:
+    """The runs of a step, in the order of ``param_groups``: per group, its float32 parameters, then
+    its paired masters cut into runs of one device and at most ``segment_numel`` elements (a larger
+    master is a run of its own); ``segment_numel`` defaults to :data:`SEGMENT_NUMEL`."""
+    segment_numel = SEGMENT_NUMEL if segment_numel is None else segment_numel
+    runs: List[Run] = []
+    for gi, group in enumerate(groups):
+        own: List[torch.Tensor] = []
+        by_device: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        for master in group["params"]:
+            low = low_of(master)
+            if low is None:
+                own.append(master)
+            else:
+                by_device.setdefault(master.device, []).append((low, master))
+        if own:
+            runs.append(Run(gi, own=tuple(own)))
+        for pairs in by_device.values():
+            run: List[Tuple[torch.Tensor, torch.Tensor]] = []
+            total = 0
+            for pair in pairs:
+                n = pair[1].numel()
+                if run and total + n > segment_numel:
+                    runs.append(Run(gi, pairs=tuple(run)))
+                    run, total = [], 0
+                run.append(pair)
+                total += n
+            if run:
+                runs.append(Run(gi, pairs=tuple(run)))
+    return runs
+
+
+def flat_grads(masters: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """A float32 segment for ``masters``' gradients (``flat``'s first elements, or a new one), and a
+    view of it per master laid out as ``empty_like(master)`` would be (the strides a fresh gradient has)."""
+    numel = sum(m.numel() for m in masters)
+    if flat is None:
+        flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
+    strides = [torch.empty_like(m, device="meta").stride() for m in masters]
+    if all(s == torch.empty(m.shape, device="meta").stride() for s, m in zip(strides, masters)):
+        return flat, list(_unflatten_dense_tensors(flat[:numel], list(masters)))  # one C++ call
+    views, offset = [], 0
+    for m, stride in zip(masters, strides):
+        views.append(flat.as_strided(m.shape, stride, offset))  # (flat starts its storage)
+        offset += m.numel()
+    return flat, views
+
+
+def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callable[[torch.device], torch.Tensor]]
+              ) -> None:
+    """Step ``optimizer`` run by run (see the module docstring); ``inv_scale_on(device)`` is ``1/scale``
+    there, or None when the scale is 1.  Every group's ``params`` list is restored, even on error."""
+    groups = optimizer.param_groups
+    lists = [g["params"] for g in groups]
+    buffers: Dict[torch.device, torch.Tensor] = {}  # one segment per device, reused by every run
+    try:
+        for run in runs:
+            for gi, group in enumerate(groups):
+                group["params"] = [] if gi != run.group else list(run.own) if run.own else [m for _, m in run.pairs]
+            if run.own:
+                optimizer.step()
+                continue
+            present = [(low, m) for low, m in run.pairs if low.grad is not None]
+            for low, m in run.pairs:
+                if low.grad is None:
+                    m.grad = None  # (not one left bound by an earlier unscale_())
+            if not present:
+                continue  # no gradient: the masters are not stepped, as a plain optimizer would not
+            lows = [low for low, _ in present]
+            masters = [m for _, m in present]
+            device = masters[0].device
+            if device not in buffers:
+                buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device),
+                                              dtype=masters[0].dtype, device=device)
+            with torch.no_grad():
+                flat, views = flat_grads(masters, buffers[device])
+                torch._foreach_copy_(views, [low.grad for low in lows])
+                if inv_scale_on is not None:
+                    torch._foreach_mul_(views, inv_scale_on(flat.device))
+            for m, v in zip(masters, views):
+                m.grad = v
+            try:
+                optimizer.step()
+                with torch.no_grad():
+                    torch._foreach_copy_(lows, masters)
+            finally:
+                for m in masters:
+                    m.grad = None
+                del flat, views
+    finally:
+        for group, params in zip(groups, lists):
+            group["params"] = params
