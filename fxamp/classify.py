@@ -77,7 +77,10 @@ def _widen_for_float32_users(gm: fx.GraphModule, policy: Policy, op_lists: OpLis
     """
     if policy.compute not in LOW or policy.unsafe != torch.float32:
         return
-    for node in reversed(list(gm.graph.nodes)):
+    nodes = list(gm.graph.nodes)
+    for node in nodes:  # infer dtypes in graph order: asked last node first, the inference would recurse
+        float_inputs(node)  # through the whole graph (RecursionError on a deep one)
+    for node in reversed(nodes):
         d = decisions[node]
         if (d.category is not Category.CONDITIONAL or d.resolved is not Category.NEUTRAL or d.compute is not None
                 or d.source is Source.MODULE_OVERRIDE or node.op not in ("call_function", "call_method")

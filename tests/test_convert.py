@@ -178,6 +178,24 @@ def test_a_sum_only_float32_ops_use_computes_in_float32():
                    if n.startswith("add"))
 
 
+def test_a_deep_graph_converts():
+    """1500 layers: the sum-widening pass walks the graph backwards, yet infers dtypes forwards (asked
+    for the last node first, the inference recursed through the whole chain: RecursionError)."""
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(1500)])
+            self.norm = nn.LayerNorm(4)
+
+        def forward(self, x):
+            return self.norm(self.layers(x) + x)
+
+    amp = fxamp.convert(Deep(), "O2", dtype=torch.bfloat16)
+    assert decisions(amp)["add"].compute == torch.float32
+    assert amp(torch.randn(2, 4)).dtype == torch.float32
+
+
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 @pytest.mark.parametrize("name", ["MLP", "ConvBN", "Attention", "TokenModel", "TiedLM"])
 def test_backward_reaches_parameters(name, policy):

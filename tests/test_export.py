@@ -490,3 +490,30 @@ def test_aten_ops_share_their_torch_functions_entries():
                    (F.cross_entropy, aten.cross_entropy_loss.default), (F.dropout, aten.dropout.default),
                    (F.dropout2d, aten.feature_dropout.default), (F.batch_norm, aten.batch_norm.default)]:
         assert lists.lookup(fn).category == lists.lookup(op).category, fn.__name__
+
+
+@pytest.mark.parametrize("which", ["encoder layer", "attention"])
+def test_o0_fast_path_modules_bitwise_except_export_under_no_grad(which):
+    """The README's one exception to "O0 is bitwise": in eval under no_grad these modules take torch's
+    fused fast path eagerly, which an exported graph cannot call (the default front end can)."""
+    torch.manual_seed(0)
+    if which == "encoder layer":
+        model = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    else:
+        class Attn(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.MultiheadAttention(16, 4, batch_first=True)
+
+            def forward(self, x):
+                return self.a(x, x, x)[0]
+        model = Attn()
+    model.eval()
+    x = torch.randn(2, 5, 16)
+    fx_o0 = fxamp.convert(model, "O0", example_inputs=(x,)).eval()
+    export_o0 = fxamp.convert(model, "O0", frontend="export", example_inputs=(x,)).eval()
+    assert torch.equal(fx_o0(x), model(x)) and torch.equal(export_o0(x), model(x))  # with grad: bitwise
+    with torch.no_grad():
+        ref = model(x)
+        assert torch.equal(fx_o0(x), ref)
+        assert torch.allclose(export_o0(x), ref, rtol=1e-5, atol=1e-6)
