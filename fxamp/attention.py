@@ -8,18 +8,22 @@ may be active, and whose inputs fxamp casts to a low-precision dtype, by
 :func:`fxamp.runtime.attention`: ``F.scaled_dot_product_attention`` itself when dropout is off or
 the tensors are not on CPU (or are float32), else ``softmax(q·scale @ kᵀ + mask)`` in the inputs'
 dtype (the softmax kernel accumulates in float32) → dropout → ``@ v``, which saves the
-probabilities in low precision.
+probabilities in low precision.  ``nn.MultiheadAttention`` leaf modules (the default front end
+keeps them whole, e.g. inside ``nn.TransformerEncoderLayer``) whose dropout is on and which run in
+low precision call :func:`fxamp.runtime.multi_head_attention` instead, which does the same in the
+middle of the module's own steps.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 import torch.nn.functional as F
 
 from .dtypes import LOW
-from .graph import DECISION
-from .runtime import attention
+from .graph import DECISION, fetch_attr
+from .runtime import attention, call_module_cast, multi_head_attention
 
 __all__ = ["low_precision_attention"]
 
@@ -34,6 +38,7 @@ def low_precision_attention(gm: fx.GraphModule) -> int:
     """
     replaced = 0
     for node in list(gm.graph.nodes):
+        replaced += _multi_head_attention(gm, node)
         if node.op != "call_function" or node.target not in _SDPA:
             continue
         bound = dict(zip(_ARGS, node.args))
@@ -51,3 +56,30 @@ def low_precision_attention(gm: fx.GraphModule) -> int:
         node.kwargs = {}
         replaced += 1
     return replaced  # the caller (pipeline.rewrite_captured) lints and recompiles once
+
+
+def _multi_head_attention(gm: fx.GraphModule, node: fx.Node) -> int:
+    """Route an ``nn.MultiheadAttention`` call with dropout, run in low precision, through
+    ``runtime.multi_head_attention``: the module called as is (O2/O3, its weights stored low), or
+    through ``call_module_cast`` (O1).  Returns 1 if the node was changed."""
+    compute = getattr(node.meta.get(DECISION), "compute", None)
+    if compute not in LOW:
+        return 0
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if not isinstance(module, nn.MultiheadAttention) or module.dropout == 0.0:
+            return 0
+        with gm.graph.inserting_before(node):
+            owner = gm.graph.get_attr(str(node.target))
+        node.op, node.target = "call_function", multi_head_attention
+        node.args = (owner, compute) + tuple(node.args)
+        return 1
+    if node.op == "call_function" and node.target is call_module_cast and node.args:
+        owner = node.args[0]
+        module = fetch_attr(gm, str(owner.target)) if isinstance(owner, fx.Node) and owner.op == "get_attr" else None
+        if not isinstance(module, nn.MultiheadAttention) or module.dropout == 0.0:
+            return 0
+        node.target = multi_head_attention  # the same arguments: (module, dtype, *args, **kwargs)
+        return 1
+    return 0
+

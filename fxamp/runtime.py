@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from .dtypes import CASTABLE, LOW
 
-__all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "WeightCastCache"]
+__all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "multi_head_attention",
+           "WeightCastCache"]
 
 
 def cast(x: Any, dtype: torch.dtype) -> Any:
@@ -224,3 +225,77 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any 
     # (the aten op, not torch._safe_softmax: torch.compile traces the former, breaks the graph on the latter)
     probs = _SAFE_SOFTMAX(scores, -1) if _SAFE_SOFTMAX is not None else torch.softmax(scores, dim=-1)
     return F.dropout(probs, dropout_p, training=True) @ v
+
+
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+_MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
+
+
+def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` in ``dtype``, saving low-precision probabilities when dropout is on (CPU).
+
+    ``nn.MultiheadAttention`` in training with dropout calls SDPA's CPU math path, which saves its
+    probabilities in float32.  For the common form (batched inputs, packed same-size projections,
+    no bias_k/bias_v/add_zero_attn, ``need_weights=False``, training, dropout > 0, on CPU) this is
+    ``F.multi_head_attention_forward``'s own steps with :func:`attention` in their middle: the
+    projections, the merged float mask, attention, the output projection.  Anything else is the
+    module itself (through :func:`call_module_cast` when its parameters are not in ``dtype``).
+    Placed by :func:`fxamp.attention.low_precision_attention` (O1: instead of ``call_module_cast``).
+    """
+    bound = dict(zip(_MHA_ARGS, _MHA_DEFAULTS))
+    bound.update(zip(_MHA_ARGS, args))
+    bound.update(kwargs)
+    query, key, value = (cast(bound[k], dtype) for k in ("query", "key", "value"))
+    m = module
+    if (bound["need_weights"] or not m.training or m.dropout == 0.0 or not m._qkv_same_embed_dim
+            or m.bias_k is not None or m.bias_v is not None or m.add_zero_attn or query.dim() != 3
+            or query.device.type != "cpu" or dtype not in LOW):
+        if all(p.dtype == dtype for p in m.parameters()):
+            return m(*args, **kwargs)
+        return call_module_cast(m, dtype, *args, **kwargs)
+    same = query is key and key is value
+    if not m.batch_first:  # (L, N, E) -> (N, L, E)
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    n, tgt, embed = query.shape
+    src, heads = key.shape[1], m.num_heads
+    head_dim = embed // heads
+    w, b = cast(m.in_proj_weight, dtype), cast(m.in_proj_bias, dtype) if m.in_proj_bias is not None else None
+    if same:
+        q, k, v = F.linear(query, w, b).chunk(3, dim=-1)
+    else:
+        ws, bs = w.chunk(3), b.chunk(3) if b is not None else (None, None, None)
+        q, k, v = (F.linear(t, wi, bi) for t, wi, bi in zip((query, key, value), ws, bs))
+    q = q.reshape(n, tgt, heads, head_dim).transpose(1, 2)
+    k = k.reshape(n, src, heads, head_dim).transpose(1, 2)
+    v = v.reshape(n, src, heads, head_dim).transpose(1, 2)
+    mask, causal = _mha_mask(bound["attn_mask"], bound["key_padding_mask"], bool(bound["is_causal"]),
+                             n, heads, tgt, src, dtype)
+    out = attention(q, k, v, mask, m.dropout, causal)
+    out = out.transpose(1, 2).reshape(n, tgt, embed)
+    out = F.linear(out, cast(m.out_proj.weight, dtype),
+                   cast(m.out_proj.bias, dtype) if m.out_proj.bias is not None else None)
+    return (out if m.batch_first else out.transpose(0, 1)), None
+
+
+def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """nn.MultiheadAttention's masks: True (bool) means masked out; float masks are added."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _mha_mask(attn_mask: Any, key_padding_mask: Any, is_causal: bool, n: int, heads: int, tgt: int, src: int,
+              dtype: torch.dtype) -> Tuple[Any, bool]:
+    """The (mask, is_causal) ``F.multi_head_attention_forward`` hands SDPA with ``need_weights=False``."""
+    if is_causal and key_padding_mask is None:
+        return None, True  # the causal hint alone (a given attn_mask is the causal mask)
+    mask = None
+    if attn_mask is not None:
+        mask = _float_mask(attn_mask, dtype)
+        mask = mask.view(1, 1, tgt, src) if mask.dim() == 2 else mask.view(n, heads, tgt, src)
+    if key_padding_mask is not None:
+        pad = _float_mask(key_padding_mask, dtype).view(n, 1, 1, src)
+        mask = pad if mask is None else mask + pad
+    return mask, False
+

@@ -170,6 +170,74 @@ def test_encoder_layer_with_dropout_saves_low_precision_probabilities():
         assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("case", ["self batch_first", "self seq_first", "cross", "key padding", "float mask",
+                                  "causal", "causal + padding"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_runtime_multi_head_attention_matches_the_module(case, policy):
+    """runtime.multi_head_attention (placed for nn.MultiheadAttention leaves with dropout) against the
+    float32 module, with a dropout so small nothing is dropped: outputs and gradients."""
+    from fxamp.runtime import multi_head_attention
+
+    torch.manual_seed(0)
+    batch_first = case != "self seq_first"
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 4, dropout=1e-12, batch_first=batch_first)
+
+        def forward(self, x, mem, kpm, mask, causal: bool):
+            kv = mem if case == "cross" else x
+            return self.attn(x, kv, kv, key_padding_mask=kpm, attn_mask=mask, need_weights=False,
+                             is_causal=causal)[0]
+
+    model = Block().train()
+    shape = (2, 10, 32) if batch_first else (10, 2, 32)
+    x, mem = torch.randn(*shape), torch.randn(*((2, 7, 32) if batch_first else (7, 2, 32)))
+    src = 7 if case == "cross" else 10
+    kpm = torch.zeros(2, src, dtype=torch.bool)
+    kpm[1, -3:] = True
+    kpm = kpm if "padding" in case else None
+    causal = case.startswith("causal")
+    mask = (nn.Transformer.generate_square_subsequent_mask(10) if causal
+            else torch.randn(10, src) if case == "float mask" else None)
+    args = (x, mem, kpm, mask, causal)
+    amp = fxamp.convert(model, policy, dtype=torch.bfloat16).train()
+    assert sum(n.target is multi_head_attention for n in amp.graph.nodes) == 1
+    ref = model(*args)
+    out = amp(*args)
+    assert out.dtype == torch.float32 and _sqnr(ref, out) > 30
+    ref.square().sum().backward()
+    out.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), amp.parameters()):
+        assert _sqnr(p.grad, q.grad.float()) > 20, name
+
+
+def test_default_front_end_encoder_layer_saves_low_precision_probabilities():
+    """nn.TransformerEncoderLayer through the default front end keeps nn.MultiheadAttention whole: it
+    calls runtime.multi_head_attention in training (low-precision probabilities), the module in eval."""
+    from benchmarks.run import saved_bytes
+    from fxamp.runtime import multi_head_attention
+
+    torch.manual_seed(0)
+    m = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True).train()
+    x = torch.randn(4, 32, 64)
+    fp32, _ = saved_bytes(m, m, x)
+    for policy in ("O1", "O2"):
+        g = fxamp.convert(m, policy, dtype=torch.bfloat16).train()
+        assert sum(n.target is multi_head_attention for n in g.graph.nodes) == 1
+        acts, _ = saved_bytes(g, g, x)
+        assert acts <= 0.55 * fp32, (policy, acts / fp32)
+        g(x).float().sum().backward()
+        assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
+        g.eval()
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                auto = m.eval()(x)
+            assert _sqnr(m(x), g(x)) > _sqnr(m(x), auto.float()) - 3  # eval: the module itself
+        m.train()
+
+
 def test_encoder_layer_in_eval_runs_sdpa():
     """The export front end keeps the train/eval switch live (``dropout_p = 0.1 * training``): in eval
     the runtime function sees dropout 0 and runs SDPA's fused kernel."""
