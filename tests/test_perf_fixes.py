@@ -6,6 +6,7 @@ Timings are too noisy on the shared CI machine; these tests count the ATen ops a
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 
 import pytest
@@ -230,6 +231,15 @@ def test_default_front_end_encoder_layer_saves_low_precision_probabilities():
         assert acts <= 0.55 * fp32, (policy, acts / fp32)
         g(x).float().sum().backward()
         assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
+        buf = io.BytesIO()  # FX re-traces a pickled graph: the runtime call must stay a call
+        torch.save(g, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert sum(n.target is multi_head_attention for n in loaded.graph.nodes) == 1
+        torch.manual_seed(1)
+        before = g(x)
+        torch.manual_seed(1)
+        assert torch.equal(loaded(x), before)
         g.eval()
         with torch.no_grad():
             with torch.autocast("cpu", dtype=torch.bfloat16):
