@@ -12,7 +12,7 @@ runs::
         round the run's masters into the low-precision parameters; unbind the segment's views
 
 so the step's peak holds the low-precision weights and gradients, the masters, the optimizer
-state and one segment, instead of a float32 gradient for every master as well (4 bytes per
+state and one segment (4 MiB, or the largest master's gradient: a tensor is stepped whole), instead of a float32 gradient for every master as well (4 bytes per
 parameter: as much as the low-precision weights and gradients together).  It is the same step:
 each parameter is updated from its own gradient and state with its group's hyperparameters
 (bitwise the same as stepping all at once: tests/test_optim.py).  After such a step the masters
