@@ -29,6 +29,8 @@ def decisions(gm):
     (torch.ops.aten.native_layer_norm.default, "unsafe"),
     (torch.softmax, "conditional"), ("Tensor.sum", "conditional"), (operator.truediv, "conditional"),
     (F.gelu, "conditional"), (nn.MultiheadAttention, "conditional"),
+    (operator.add, "conditional"), ("Tensor.add", "conditional"), (torch.ops.aten.add.Tensor, "conditional"),
+    (torch.sub, "conditional"), (torch.mul, "neutral"),
     (F.relu, "neutral"), (torch.cat, "neutral"), (nn.BatchNorm2d, "neutral"), (operator.getitem, "neutral"),
     ("Tensor.view", "neutral"), (F.embedding, "neutral"), (nn.Dropout, "neutral"),
 ])
