@@ -44,8 +44,9 @@ is *segmented* (:mod:`fxamp.segmented_step`) when the inner optimizer is a stock
 torch optimizer (SGD, Adam, AdamW, ...) without step hooks: the low-precision gradients are
 checked where they are, then the masters are stepped a run of 4 MiB of float32 gradients at a
 time, so a float32 gradient for every master never exists and the step adds 4 MiB (or the
-largest master's gradient, stepped whole), not 4 bytes per parameter, to the peak.  It is bitwise the same step; the masters hold no ``.grad`` after it (call
-``unscale_()`` first to clip or read them).
+largest master's gradient, stepped whole), not 4 bytes per parameter, to the peak.  It is
+bitwise the same step; the masters hold no ``.grad`` after it (call ``unscale_()`` first to clip
+or read them).
 
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.

@@ -12,8 +12,9 @@ runs::
         round the run's masters into the low-precision parameters; unbind the segment's views
 
 so the step's peak holds the low-precision weights and gradients, the masters, the optimizer
-state and one segment (4 MiB, or the largest master's gradient: a tensor is stepped whole), instead of a float32 gradient for every master as well (4 bytes per
-parameter: as much as the low-precision weights and gradients together).  It is the same step:
+state and one segment (4 MiB, or the largest master's gradient: a tensor is stepped whole),
+instead of a float32 gradient for every master as well (4 bytes per parameter: as much as the
+low-precision weights and gradients together).  It is the same step:
 each parameter is updated from its own gradient and state with its group's hyperparameters
 (bitwise the same as stepping all at once: tests/test_optim.py).  After such a step the masters
 hold no ``.grad``; call ``unscale_()`` before ``step()`` to clip or read them (then every master
@@ -52,7 +53,8 @@ def steps_per_parameter(optimizer: Any) -> bool:
     if type(optimizer) not in PER_PARAMETER:
         return False
     # torch keeps step hooks in these dicts (per instance, and global); it has no public query
-    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None),
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+             getattr(optimizer, "_optimizer_step_post_hooks", None),
              getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None),
              getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
     return not any(hooks)
