@@ -7,8 +7,7 @@
     for x, y in loader:
         opt.zero_grad()
         opt.backward(loss_fn(model(x), y))   # backward of loss * scale
-        opt.unscale_()                       # optional, e.g. before clipping
-        torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
+        opt.clip_grad_norm_(1.0)             # optional: the masters' true gradients, clipped
         stepped = opt.step()                 # False: skipped, an inf/NaN gradient
 
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
@@ -45,8 +44,9 @@ torch optimizer (SGD, Adam, AdamW, ...) without step hooks: the low-precision gr
 checked where they are, then the masters are stepped a run of 4 MiB of float32 gradients at a
 time, so a float32 gradient for every master never exists and the step adds 4 MiB (or the
 largest master's gradient, stepped whole), not 4 bytes per parameter, to the peak.  It is
-bitwise the same step; the masters hold no ``.grad`` after it (call ``unscale_()`` first to clip
-or read them).
+bitwise the same step; the masters hold no ``.grad`` after it.  ``clip_grad_norm_()`` clips
+without leaving it (norms from the low-precision gradients, the factor applied in ``step()``);
+``unscale_()`` gives every master its float32 gradient at once (to read them), and the plain step.
 
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
@@ -348,6 +348,15 @@ def _unscale_own_(params: List[torch.Tensor], flags: FoundInf) -> int:
     return len(grads)
 
 
+def _multiplier(flags: FoundInf, coef: Optional[torch.Tensor]) -> Optional[Callable[[torch.device], torch.Tensor]]:
+    """What a segmented step multiplies the copied gradients by: ``1/scale`` times the clip factor, or None for 1."""
+    if coef is None:
+        return None if flags.unit else flags.inv_scale_on
+    if flags.unit:
+        return lambda device: coef.to(device)
+    return lambda device: flags.inv_scale_on(device) * coef.to(device)
+
+
 def check_optimizer(optimizer: Any) -> None:
     """Raise TypeError unless ``optimizer`` is a torch optimizer or has what the wrapper uses of one."""
     if isinstance(optimizer, MixedPrecisionOptimizer):
@@ -426,6 +435,8 @@ class MixedPrecisionOptimizer:
         #: steps skipped by this optimizer because a gradient was inf/NaN
         self.skipped_steps = 0
         self._overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
+        #: set by clip_grad_norm_() for a segmented step: the check's flags and the clip factor
+        self._pending: Optional[Tuple[FoundInf, torch.Tensor]] = None
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:
@@ -549,6 +560,7 @@ class MixedPrecisionOptimizer:
         inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
+        self._pending = None
         if set_to_none:
             if not _stock_zero_grad(self.optimizer):
                 self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
@@ -649,6 +661,60 @@ class MixedPrecisionOptimizer:
             return False
         return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the true gradients to a total norm of ``max_norm``; returns that norm before clipping.
+
+        What ``unscale_()`` then ``torch.nn.utils.clip_grad_norm_(opt.master_params(), ...)`` does,
+        between the last ``backward()`` and ``step()``.  When the step would be segmented (see the
+        module docstring) the norms are taken from the low-precision gradients where they are
+        (float32 accumulation, divided by the scale) and the clip factor joins the unscaling inside
+        ``step()``, so clipping allocates no float32 gradient for every master.  A non-finite norm
+        means an overflow: it is returned as is, nothing is clipped, and ``step()`` skips.
+        """
+        self._check_params()
+        plan = self._get_plan()
+        stage = self.scaler.stage(self._client)
+        if not (stage is Stage.SCALED and self._segmentable(plan)):
+            if stage is not Stage.UNSCALED:
+                self.unscale_()  # (says what is wrong when there was no backward)
+            return torch.nn.utils.clip_grad_norm_(list(self.master_params()), max_norm, norm_type,
+                                                  error_if_nonfinite)
+        flags = self.scaler.start_unscale(self._client)
+        norms: List[torch.Tensor] = []
+        own: List[torch.Tensor] = []
+        with torch.no_grad():
+            checked = 0
+            for bucket in plan.buckets:
+                grads = [p.grad for p in bucket.lows if p.grad is not None]
+                if not grads:
+                    continue
+                n = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+                n = n * flags.inv_scale_on(n.device)  # a norm scales with its tensor (the scale: a power of 2)
+                if not bool(torch.isfinite(n).all()):  # an inf/NaN, or finite values whose norm overflowed
+                    flags.check_(grads)
+                norms.append(n)
+                checked += len(grads)
+            for params in plan.own:
+                checked += _unscale_own_(params, flags)  # unscaled in place, as unscale_() does
+                grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
+                if grads:
+                    norms.append(torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)))
+                    own.extend(grads)
+            self._decide(flags, checked, in_place=True)
+            device = norms[0].device
+            total = torch.linalg.vector_norm(torch.cat([n.to(device) for n in norms]), norm_type)
+            if error_if_nonfinite and not bool(torch.isfinite(total)):
+                raise RuntimeError(
+                    f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                    "clipped (with loss scaling an overflow is expected now and then: pass "
+                    "error_if_nonfinite=False and let step() skip)")
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grad_norm_ formula
+            if own:
+                torch._foreach_mul_(own, coef.to(own[0].device))
+        self._pending = (flags, coef)
+        return total
+
     def step(self, closure: None = None) -> bool:
         """Step the inner optimizer unless a gradient is inf/NaN; refresh the low-precision weights; update the scale.
 
@@ -661,6 +727,7 @@ class MixedPrecisionOptimizer:
                 "opt.backward(loss) yourself, then call step()"
             )
         segmented: Optional[FoundInf] = None
+        coef: Optional[torch.Tensor] = None
         if self.scaler.start_step(self._client) is Stage.SCALED:
             self._check_params()
             plan = self._get_plan()
@@ -668,6 +735,9 @@ class MixedPrecisionOptimizer:
                 segmented = self._check_in_place(plan)
             else:
                 self.unscale_()
+        elif self._pending is not None:  # clip_grad_norm_() checked in place and chose the factor
+            (segmented, coef), plan = self._pending, self._get_plan()
+        self._pending = None
         found = self.scaler.found_inf(self._client)
         if found:
             self.skipped_steps += 1
@@ -675,7 +745,7 @@ class MixedPrecisionOptimizer:
         elif segmented is not None:
             if plan.runs is None:
                 plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)))
-            step_runs(self.optimizer, plan.runs, None if segmented.unit else segmented.inv_scale_on)
+            step_runs(self.optimizer, plan.runs, _multiplier(segmented, coef))
             blame = tuple
         else:
             self.optimizer.step()

@@ -1137,3 +1137,53 @@ def test_segmented_step_keeps_lr_schedulers_working(monkeypatch):
             assert opt.step()
             sched.step()
     assert opt.optimizer.param_groups[0]["lr"] == 0.125 and opt._plan.runs is not None
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clips / does not
+def test_clip_grad_norm_in_a_segmented_step_is_torch_clip_on_the_masters(dtype, max_norm, monkeypatch):
+    """opt.clip_grad_norm_() on a segmentable step takes the norms from the low-precision gradients in
+    place and clips inside step(): the same norm, weights and state as unscale_() + torch's clip on
+    the masters, with no float32 gradient for the masters; an overflow returns a non-finite norm and skips."""
+    (seg_model, seg), (ref_model, ref) = _segmented_pair(monkeypatch, INNERS["AdamW-fused"], dtype)
+    for step in range(4):
+        inject = step == 2
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        seg.zero_grad()
+        seg.backward(seg_model(x).float().square().mean())
+        ref.zero_grad()
+        ref.backward(ref_model(x).float().square().mean())
+        if inject:
+            for model in (seg_model, ref_model):
+                model.fc2.weight.grad.view(-1)[1] = INF
+        n_seg = seg.clip_grad_norm_(max_norm)
+        assert all(m.grad is None for m in seg._masters)  # nothing float32 allocated for the masters
+        ref.unscale_()
+        n_ref = torch.nn.utils.clip_grad_norm_(list(ref.master_params()), max_norm)
+        if inject:
+            assert not torch.isfinite(n_seg) and not torch.isfinite(n_ref)
+        else:
+            assert torch.allclose(n_seg, n_ref, rtol=1e-6), (n_seg, n_ref)
+        assert seg.step() == ref.step() == (not inject)
+        assert seg.overflowed_params() == ref.overflowed_params()
+        for a, b in zip(seg.master_params(), ref.master_params()):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
+        for low, master in zip(seg._lows, seg._masters):
+            assert torch.equal(low, master.to(low.dtype))  # refreshed from the masters
+        assert seg.current_scale == ref.current_scale
+
+
+def test_clip_grad_norm_without_segments_is_torch_clip(monkeypatch):
+    """release_grad_buffer=False (no segmented step): unscale_() and torch's clip on the masters;
+    after unscale_() it is torch's clip alone; before any backward it says so."""
+    torch.manual_seed(0)
+    model = fxamp.convert(_Wide(), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, release_grad_buffer=False)
+    with pytest.raises(Exception, match="backward"):
+        opt.clip_grad_norm_(1.0)
+    opt.backward(model(torch.randn(4, 8)).float().sum())
+    total = opt.clip_grad_norm_(1e-3)
+    grads = [m.grad for m in opt.master_params() if m.grad is not None]
+    assert torch.isfinite(total) and total > 1e-3
+    assert torch.allclose(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])), torch.tensor(1e-3), rtol=1e-3)
+    assert opt.step()

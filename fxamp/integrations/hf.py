@@ -78,9 +78,8 @@ class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
         self.last_grad_norm: Optional[float] = None
 
     def step(self, closure: None = None) -> bool:
-        if self.max_grad_norm and self.stage == "scaled":
-            self.unscale_()
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.master_params()), self.max_grad_norm))
+        if self.max_grad_norm and self.stage == "scaled":  # (segmented on a large model: no fp32 gradient buffer)
+            self.last_grad_norm = float(self.clip_grad_norm_(self.max_grad_norm))
         return super().step(closure)
 
 
