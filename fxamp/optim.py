@@ -672,6 +672,10 @@ class MixedPrecisionOptimizer:
         ``step()``, so clipping allocates no float32 gradient for every master.  A non-finite norm
         means an overflow: it is returned as is, nothing is clipped, and ``step()`` skips.
         """
+        if self._pending is not None:  # the masters have no gradients to clip again
+            raise OptimizerStateError(
+                "clip_grad_norm_() already ran since the last backward(): call it once, between the last "
+                "backward() and step()")
         self._check_params()
         plan = self._get_plan()
         stage = self.scaler.stage(self._client)

@@ -1158,6 +1158,8 @@ def test_clip_grad_norm_in_a_segmented_step_is_torch_clip_on_the_masters(dtype, 
                 model.fc2.weight.grad.view(-1)[1] = INF
         n_seg = seg.clip_grad_norm_(max_norm)
         assert all(m.grad is None for m in seg._masters)  # nothing float32 allocated for the masters
+        with pytest.raises(OptimizerStateError, match="already ran"):
+            seg.clip_grad_norm_(max_norm)  # a second clip would see no master gradients
         ref.unscale_()
         n_ref = torch.nn.utils.clip_grad_norm_(list(ref.master_params()), max_norm)
         if inject:
