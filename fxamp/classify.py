@@ -8,7 +8,7 @@ and the report both read these records, so they can never disagree.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -89,34 +89,13 @@ def _widen_for_float32_users(gm: fx.GraphModule, policy: Policy, op_lists: OpLis
         entry = op_lists.lookup(node.target)
         if entry is None or entry.condition != "float32_users" or not float_inputs(node):
             continue
-        users = _float32_users(node, decisions, float_inputs)
+        users = _consumers(node, _runs_float32, decisions, float_inputs)
         if users:
             decisions[node] = dataclasses.replace(
                 d, compute=torch.float32, resolved=Category.UNSAFE,
                 reason=(f"only float32 ops use it ({', '.join(u.name for u in users[:3])}"
                         f"{', …' if len(users) > 3 else ''}): adding in float32 keeps the bits they would keep; "
                         "an addition saves nothing for backward, so casting its inputs costs no memory"))
-
-
-def _float32_users(node: fx.Node, decisions: Mapping[fx.Node, Decision], float_inputs) -> Tuple[fx.Node, ...]:
-    """The ops computing in float32 that use ``node`` through single-input neutral ops (dropout, views);
-    () if any use is not one (a low-precision op, the graph output, an op that follows its inputs)."""
-    found = []
-    for user in node.users:
-        d = decisions.get(user)
-        if d is None or user.op == "output":
-            return ()
-        if d.compute == torch.float32:
-            found.append(user)
-        elif (d.resolved is Category.NEUTRAL and d.compute is None and d.source is not Source.FLOAT64
-              and _single_input(user, float_inputs) is node):
-            deeper = _float32_users(user, decisions, float_inputs)
-            if not deeper:
-                return ()
-            found.extend(deeper)
-        else:
-            return ()
-    return tuple(found)
 
 
 def _has_float64_input(node: fx.Node, modules: Dict[str, nn.Module], infer: DtypeInference) -> bool:
@@ -136,7 +115,7 @@ def _float_inputs(gm: fx.GraphModule, modules: Dict[str, nn.Module], decisions: 
 def _softmax_between_low_ops(node: fx.Node, d: Decision, decisions: Mapping[fx.Node, Decision], float_inputs) -> Decision:
     """Let a softmax stay in low precision when a low-precision op feeds it and only low-precision ops use it."""
     producer = _low_producer(node.args[0] if node.args else None, decisions, float_inputs)
-    consumers = _low_consumers(node, decisions, float_inputs)
+    consumers = _consumers(node, _runs_low, decisions, float_inputs)
     if producer is None or not consumers:
         return d
     why = (f"between low-precision {producer.name} and {', '.join(c.name for c in consumers)}: the kernel "
@@ -163,23 +142,34 @@ def _low_producer(value: Any, decisions: Mapping[fx.Node, Decision], float_input
     return None
 
 
-def _low_consumers(node: fx.Node, decisions: Mapping[fx.Node, Decision], float_inputs) -> Tuple[fx.Node, ...]:
-    """The safe ops that use ``node`` through single-input neutral ops (dropout, views); () if any use is not one."""
+def _consumers(node: fx.Node, wanted: Callable[[Decision], bool], decisions: Mapping[fx.Node, Decision],
+               float_inputs) -> Tuple[fx.Node, ...]:
+    """The ops ``wanted`` accepts that use ``node``, seen through single-input ops that follow their
+    inputs (dropout, views); () if any use is something else (another op, the graph output)."""
     found = []
     for user in node.users:
         d = decisions.get(user)
         if d is None or user.op == "output":
             return ()
-        if d.resolved is Category.SAFE:
+        if wanted(d):
             found.append(user)
-        elif d.resolved is Category.NEUTRAL and _single_input(user, float_inputs) is node:
-            deeper = _low_consumers(user, decisions, float_inputs)
+        elif (d.resolved is Category.NEUTRAL and d.compute is None and d.source is not Source.FLOAT64
+              and _single_input(user, float_inputs) is node):
+            deeper = _consumers(user, wanted, decisions, float_inputs)
             if not deeper:
                 return ()
             found.extend(deeper)
         else:
             return ()
     return tuple(found)
+
+
+def _runs_low(d: Decision) -> bool:
+    return d.resolved is Category.SAFE
+
+
+def _runs_float32(d: Decision) -> bool:
+    return d.compute == torch.float32
 
 
 def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> Dict[str, OpEntry]:
