@@ -61,14 +61,13 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 import torch.nn as nn
-from torch._utils import _unflatten_dense_tensors
 
 from .distributed import all_reduce_overflow
 from .errors import OptimizerStateError
 from .info import policy_of
 from .loss_scale import FoundInf, LossScaleConfig, LossScaler, Stage
 from .policy import Policy
-from .segmented_step import Run, plan_runs, step_runs, steps_per_parameter
+from .segmented_step import Run, Strides, flat_grads, grad_strides, plan_runs, step_runs, steps_per_parameter
 
 __all__ = ["MixedPrecisionOptimizer", "LOW_DTYPES", "check_optimizer"]
 
@@ -170,7 +169,7 @@ class _Bucket:
         Segment by segment, each passed to ``check`` right after it is written, while it is still
         in cache (a 16 MiB segment; checking all of an 82 MB buffer afterwards reads it from memory).
         """
-        for k, (first, end, _, _) in enumerate(self.segments):
+        for k, (first, end, _) in enumerate(self.segments):
             if k == 0 and self.cats:
                 for run, out in self.cats:
                     torch.cat(grads[run], out=out)
@@ -204,10 +203,10 @@ def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor]) -> Tuple[
     return gathered, rest
 
 
-def _segments(masters: List[torch.Tensor], ncat: int) -> List[Tuple[int, int, int, bool]]:
-    """``(first, end, numel, contiguous)`` per gradient segment: runs of consecutive masters of at most
-    ``_SEGMENT_NUMEL`` elements in all (or one larger master); the ``ncat`` staged ones start the first."""
-    out: List[Tuple[int, int, int, bool]] = []
+def _segments(masters: List[torch.Tensor], ncat: int) -> List[Tuple[int, int, Strides]]:
+    """``(first, end, strides)`` per gradient segment: runs of consecutive masters of at most
+    ``_SEGMENT_NUMEL`` elements in all (or one larger master); the ``ncat`` staged ones start the first.
+    ``strides``: :func:`~fxamp.segmented_step.grad_strides` of the segment's masters."""
     bounds = [0]
     total = sum(m.numel() for m in masters[:ncat])  # the staged ones start the first segment
     for i in range(ncat, len(masters)):
@@ -218,28 +217,17 @@ def _segments(masters: List[torch.Tensor], ncat: int) -> List[Tuple[int, int, in
         total += n
     if bounds[-1] < len(masters):
         bounds.append(len(masters))
-    for first, end in zip(bounds, bounds[1:]):
-        group = masters[first:end]
-        contiguous = all(torch.empty_like(m, device="meta").is_contiguous() for m in group)
-        out.append((first, end, sum(m.numel() for m in group), contiguous))
-    return out
+    return [(first, end, grad_strides(masters[first:end])) for first, end in zip(bounds, bounds[1:])]
 
 
-def _flat_grads(masters: List[torch.Tensor], segments: List[Tuple[int, int, int, bool]]
+def _flat_grads(masters: List[torch.Tensor], segments: List[Tuple[int, int, Strides]]
                 ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """The segments, and a view of them per master laid out as ``empty_like(master)`` would be."""
     flats, views = [], []
-    for first, end, numel, contiguous in segments:
-        flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
+    for first, end, strides in segments:
+        flat, group_views = flat_grads(masters[first:end], strides)
         flats.append(flat)
-        group = masters[first:end]
-        if contiguous:  # one C++ call for the segment's views
-            views.extend(_unflatten_dense_tensors(flat, group))
-        else:
-            offset = 0
-            for m in group:
-                views.append(flat.as_strided(m.shape, torch.empty_like(m, device="meta").stride(), offset))
-                offset += m.numel()
+        views.extend(group_views)
     return flats, views
 
 

@@ -30,7 +30,8 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch._utils import _unflatten_dense_tensors
 
-__all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "Run", "steps_per_parameter", "plan_runs", "step_runs", "flat_grads"]
+__all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "Run", "steps_per_parameter", "plan_runs", "step_runs", "flat_grads",
+           "grad_strides"]
 
 #: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
 #: every run, so this is all the step adds to the memory of the low-precision gradients; a few
@@ -60,18 +61,49 @@ def steps_per_parameter(optimizer: Any) -> bool:
     return not any(hooks)
 
 
+Strides = Optional[Tuple[Tuple[int, ...], ...]]
+
+
 @dataclass(frozen=True)
 class Run:
     """Masters of one param group stepped together: ``pairs`` (low, master) on one device, or
-    ``own`` float32 parameters stepped directly (their gradients are unscaled in place beforehand)."""
+    ``own`` float32 parameters stepped directly (their gradients are unscaled in place beforehand).
+    ``numel`` and ``strides`` (:func:`grad_strides`) are the masters', known when the run is planned."""
 
     group: int
     pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
     own: Tuple[torch.Tensor, ...] = ()
+    numel: int = 0
+    strides: Strides = None
 
-    @property
-    def numel(self) -> int:
-        return sum(m.numel() for _, m in self.pairs)
+
+def grad_strides(masters: Sequence[torch.Tensor]) -> Strides:
+    """The strides a fresh gradient of each master has (``empty_like``), or None when all are row-major."""
+    strides = tuple(torch.empty_like(m, device="meta").stride() for m in masters)
+    if all(s == torch.empty(m.shape, device="meta").stride() for s, m in zip(strides, masters)):
+        return None
+    return strides
+
+
+def flat_grads(masters: Sequence[torch.Tensor], strides: Strides, flat: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """A float32 segment for ``masters``' gradients (``flat``'s first elements, or a new one), and a
+    view of it per master laid out with ``strides`` (:func:`grad_strides`: None for row-major)."""
+    numel = sum(m.numel() for m in masters)
+    if flat is None:
+        flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
+    if strides is None:
+        return flat, list(_unflatten_dense_tensors(flat[:numel], list(masters)))  # one C++ call
+    views, offset = [], 0
+    for m, stride in zip(masters, strides):
+        views.append(flat.as_strided(m.shape, stride, flat.storage_offset() + offset))
+        offset += m.numel()
+    return flat, views
+
+
+def _run(group: int, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Run:
+    masters = [m for _, m in pairs]
+    return Run(group, pairs=tuple(pairs), numel=sum(m.numel() for m in masters), strides=grad_strides(masters))
 
 
 def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
@@ -98,30 +130,13 @@ def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor],
             for pair in pairs:
                 n = pair[1].numel()
                 if run and total + n > segment_numel:
-                    runs.append(Run(gi, pairs=tuple(run)))
+                    runs.append(_run(gi, run))
                     run, total = [], 0
                 run.append(pair)
                 total += n
             if run:
-                runs.append(Run(gi, pairs=tuple(run)))
+                runs.append(_run(gi, run))
     return runs
-
-
-def flat_grads(masters: Sequence[torch.Tensor], flat: Optional[torch.Tensor] = None
-               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """A float32 segment for ``masters``' gradients (``flat``'s first elements, or a new one), and a
-    view of it per master laid out as ``empty_like(master)`` would be (the strides a fresh gradient has)."""
-    numel = sum(m.numel() for m in masters)
-    if flat is None:
-        flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
-    strides = [torch.empty_like(m, device="meta").stride() for m in masters]
-    if all(s == torch.empty(m.shape, device="meta").stride() for s, m in zip(strides, masters)):
-        return flat, list(_unflatten_dense_tensors(flat[:numel], list(masters)))  # one C++ call
-    views, offset = [], 0
-    for m, stride in zip(masters, strides):
-        views.append(flat.as_strided(m.shape, stride, offset))  # (flat starts its storage)
-        offset += m.numel()
-    return flat, views
 
 
 def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callable[[torch.device], torch.Tensor]]
@@ -138,20 +153,25 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             if run.own:
                 optimizer.step()
                 continue
-            present = [(low, m) for low, m in run.pairs if low.grad is not None]
-            for low, m in run.pairs:
-                if low.grad is None:
-                    m.grad = None  # (not one left bound by an earlier unscale_())
+            present = [i for i, (low, _) in enumerate(run.pairs) if low.grad is not None]
             if not present:
-                continue  # no gradient: the masters are not stepped, as a plain optimizer would not
-            lows = [low for low, _ in present]
-            masters = [m for _, m in present]
+                for _, m in run.pairs:
+                    m.grad = None  # not stepped, as a plain optimizer would not (none left by an unscale_())
+                continue
+            strides = run.strides
+            if len(present) < len(run.pairs):
+                for low, m in run.pairs:
+                    if low.grad is None:
+                        m.grad = None
+                strides = None if strides is None else tuple(strides[i] for i in present)
+            lows = [run.pairs[i][0] for i in present]
+            masters = [run.pairs[i][1] for i in present]
             device = masters[0].device
             if device not in buffers:
                 buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device),
                                               dtype=masters[0].dtype, device=device)
             with torch.no_grad():
-                flat, views = flat_grads(masters, buffers[device])
+                flat, views = flat_grads(masters, strides, buffers[device])
                 torch._foreach_copy_(views, [low.grad for low in lows])
                 if inv_scale_on is not None:
                     torch._foreach_mul_(views, inv_scale_on(flat.device))

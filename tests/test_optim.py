@@ -1062,7 +1062,8 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
     (seg_model, seg), (ref_model, ref) = _segmented_pair(monkeypatch, INNERS[inner], dtype)
     sizes = []
     real_flat = S.flat_grads
-    monkeypatch.setattr(S, "flat_grads", lambda masters, flat=None: (sizes.append(flat.numel()), real_flat(masters, flat))[1])
+    monkeypatch.setattr(S, "flat_grads",
+                        lambda masters, strides, flat=None: (sizes.append(flat.numel()), real_flat(masters, strides, flat))[1])
     for step in range(4):
         inject = ("fc2.weight", INF) if step == 2 else None
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
@@ -1189,3 +1190,31 @@ def test_clip_grad_norm_without_segments_is_torch_clip(monkeypatch):
     assert torch.isfinite(total) and total > 1e-3
     assert torch.allclose(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])), torch.tensor(1e-3), rtol=1e-3)
     assert opt.step()
+
+
+def test_segmented_step_with_channels_last_masters_is_the_plain_step(monkeypatch):
+    """A segmented run lays its masters' gradients out as empty_like(master) (channels_last here),
+    in the reused segment, and steps as the plain step does, bitwise."""
+    from fxamp import optim as O, segmented_step as S
+
+    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
+    strides = []
+    real_flat = S.flat_grads
+    monkeypatch.setattr(S, "flat_grads", lambda masters, st, flat=None: (strides.append(st), real_flat(masters, st, flat))[1])
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    out = []
+    for release in (True, False):
+        torch.manual_seed(0)
+        conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+        model = fxamp.convert(conv, "O2", dtype=BF16)
+        opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model,
+                                      release_grad_buffer=release)
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(x).float().square().mean())
+            assert opt.step()
+        out.append((model, opt))
+    (seg_model, seg), (ref_model, ref) = out
+    assert seg._plan.runs is not None and any(st is not None for st in strides)  # the strided layout was used
+    assert_bitwise(snapshot(seg_model, seg), snapshot(ref_model, ref))
