@@ -186,8 +186,15 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs
     """
     tensors = {name: cast(t, dtype) for name, t in module.named_parameters()}
     tensors.update({name: cast(t, dtype) for name, t in module.named_buffers()})
-    args = tuple(cast(a, dtype) for a in args)
-    kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+    done: Dict[int, Any] = {}
+
+    def once(value: Any) -> Any:  # one input passed twice (query is key is value) is cast once, and stays one
+        if id(value) not in done:
+            done[id(value)] = cast(value, dtype)
+        return done[id(value)]
+
+    args = tuple(once(a) for a in args)
+    kwargs = {k: once(v) for k, v in kwargs.items()}
     return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
 
 
@@ -246,15 +253,18 @@ def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *arg
     bound = dict(zip(_MHA_ARGS, _MHA_DEFAULTS))
     bound.update(zip(_MHA_ARGS, args))
     bound.update(kwargs)
-    query, key, value = (cast(bound[k], dtype) for k in ("query", "key", "value"))
-    m = module
+    m, query = module, bound["query"]
     if (bound["need_weights"] or not m.training or m.dropout == 0.0 or not m._qkv_same_embed_dim
             or m.bias_k is not None or m.bias_v is not None or m.add_zero_attn or query.dim() != 3
             or query.device.type != "cpu" or dtype not in LOW):
         if all(p.dtype == dtype for p in m.parameters()):
             return m(*args, **kwargs)
         return call_module_cast(m, dtype, *args, **kwargs)
-    same = query is key and key is value
+    same = query is bound["key"] and bound["key"] is bound["value"]
+    if same:  # (cast once: three casts of one tensor would be three copies)
+        query = key = value = cast(query, dtype)
+    else:
+        query, key, value = (cast(bound[k], dtype) for k in ("query", "key", "value"))
     if not m.batch_first:  # (L, N, E) -> (N, L, E)
         query, key, value = (t.transpose(0, 1) for t in (query, key, value))
     n, tgt, embed = query.shape

@@ -259,3 +259,16 @@ def test_encoder_layer_in_eval_runs_sdpa():
         g(x)
     assert count.ops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 1, count.ops
     assert not any("softmax" in op for op in count.ops), count.ops
+
+
+def test_call_module_cast_casts_a_repeated_input_once():
+    """An input passed as query, key and value is cast once and stays one tensor: nn.MultiheadAttention
+    takes its packed self-attention projection, and only one low-precision copy exists."""
+    from fxamp.runtime import call_module_cast
+
+    class Same(nn.Module):
+        def forward(self, a, b, c=None):
+            return (a is b) and (b is c) and a.dtype == torch.bfloat16
+
+    x = torch.randn(2, 3)
+    assert call_module_cast(Same(), torch.bfloat16, x, x, c=x)
