@@ -2,13 +2,16 @@
 
 Profiles a few training steps (AdamW) of the variants named with ``--variants`` (default: autocast,
 pure bf16 and fxamp O2) with ``torch.profiler`` and prints, per variant, the ops with the most self
-CPU time and the totals of a few groups (matmul/conv, casts/copies, optimizer foreach ops).
+CPU time (``--device cuda``: self CUDA time, and the step's wall time) and the totals of a few
+groups (matmul/conv, casts/copies, optimizer foreach ops).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -20,7 +23,13 @@ GROUPS = {
     "matmul/conv": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::convolution",
                     "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward",
                     "aten::_scaled_dot_product_flash_attention_for_cpu",
-                    "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+                    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                    "aten::cudnn_convolution", "aten::convolution_backward",
+                    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward",
+                    "aten::_scaled_dot_product_efficient_attention",
+                    "aten::_scaled_dot_product_efficient_attention_backward",
+                    "aten::_scaled_dot_product_cudnn_attention",
+                    "aten::_scaled_dot_product_cudnn_attention_backward"),
     "casts/copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
     "optimizer foreach/fused": ("aten::_foreach_", "aten::_fused_adamw", "aten::_fused_adam"),
     "amp checks": ("aten::_amp_",),
@@ -35,30 +44,48 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    case = R.cases(args.size)[0 if args.model == "gpt" else 1]
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = getattr(torch, args.dtype)
+    case = R.cases(args.size, device)[0 if args.model == "gpt" else 1]
     torch.manual_seed(0)
     base = case.build()
     x, y = case.make_x(), case.make_y()
-    print(f"# {case.name}, {args.steps} steps, {args.threads} thread(s)")
+    print(f"# {case.name}, {args.device}, {args.dtype}, {args.steps} steps, {args.threads} thread(s)")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for v in args.variants:
-        step = R.train_step(v, base, case, x, y, torch.bfloat16)[0]
-        step()
-        step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step = R.train_step(v, base, case, x, y, dtype)[0]
+        for _ in range(3):
+            step()
+        walls = []
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            walls.append(time.perf_counter() - t0)
+        with profile(activities=activities) as prof:
             for _ in range(args.steps):
                 step()
+            sync()
         ka = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in ka)
+        total = sum(getattr(e, key) for e in ka)
         groups = defaultdict(float)
         for e in ka:
             for g, prefixes in GROUPS.items():
                 if e.key.startswith(prefixes) and (g != "matmul/conv" or e.key in prefixes):
-                    groups[g] += e.self_cpu_time_total
-        print(f"\n## {v}: {total / args.steps / 1e3:.0f} ms self CPU per step; "
-              + ", ".join(f"{g} {t / total:.0%}" for g, t in groups.items()))
-        print(ka.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+                    groups[g] += getattr(e, key)
+        what = "self CUDA" if cuda else "self CPU"
+        print(f"\n## {v}: wall {statistics.median(walls) * 1e3:.1f} ms per step (median of 5); "
+              f"{total / args.steps / 1e3:.1f} ms {what} per step; "
+              + ", ".join(f"{g} {t / max(total, 1e-9):.0%}" for g, t in groups.items()))
+        print(ka.table(sort_by=key, row_limit=args.top, max_name_column_width=60))
         del step
     return 0
 

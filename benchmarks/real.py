@@ -3,9 +3,11 @@
 For each model: a training step (AdamW) and an inference forward, in these variants
 
   fp32            float32 eager
-  autocast        ``torch.autocast("cpu", dtype)`` around the forward
-  pure bf16       ``model.to(dtype)`` with a plain AdamW: no casts at all (the no-cast limit, ``vs_limit``)
-  fxamp O1        ``fxamp.convert(m, "O1")`` (float32 parameters, plain AdamW)
+  autocast        ``torch.autocast(device, dtype)`` around the forward (+ ``GradScaler`` for float16)
+  pure bf16       ``model.to(dtype)`` with a plain AdamW: no casts at all (the no-cast limit, ``vs_limit``;
+                  "pure fp16" under float16, unscaled: a timing limit, not a way to train)
+  fxamp O1        ``fxamp.convert(m, "O1")`` (float32 parameters, plain AdamW; + MixedPrecisionOptimizer
+                  for its loss scaling under float16)
   fxamp O2        ``fxamp.convert(m, "O2")`` + ``fxamp.MixedPrecisionOptimizer`` (float32 masters)
   compile(...)    ``torch.compile`` of the autocast model and of the O2 module (``--compile`` only;
                   training rows of the decoder and the ResNet: a cold compile takes a minute here)
@@ -36,6 +38,8 @@ from benchmarks.models import DecoderLM, Encoder, ResNet50
 
 FP32, AUTOCAST, LIMIT, O1, O2 = "fp32", "autocast", "pure bf16", "fxamp O1", "fxamp O2"
 C_AUTOCAST, C_O2 = "compile(autocast)", "compile(fxamp O2)"
+#: diagnostics for profile_real (not in the suite): O2 with the plain, unsegmented optimizer step
+O2_PLAIN = "fxamp O2 (plain step)"
 VARIANTS = (FP32, AUTOCAST, LIMIT, O1, O2)
 
 
@@ -50,27 +54,34 @@ class Case:
         self.train, self.export, self.compile_train = train, export, compile_train
 
 
-def cases(size: str) -> List[Case]:
+def cases(size: str, device: torch.device = torch.device("cpu")) -> List[Case]:
+    """The suite's models and inputs on ``device``: ``tiny`` (smoke tests), ``real`` (on CUDA, the full
+    GPT-2 small, ResNet-50 at 224 px and BERT-base; on a 2-core CPU, narrower depths and inputs)."""
     if size == "tiny":
         v, seq, d, layers, heads, b = 64, 16, 32, 1, 4, 2
         rb, px, width, blocks, classes = 2, 32, 4, (1, 1, 1, 1), 10
         ed, eh, eff, el, eb, es = 32, 4, 64, 1, 2, 16
+    elif device.type == "cuda":  # full size: GPT-2 small (124 M), ResNet-50, BERT-base
+        v, seq, d, layers, heads, b = 50257, 1024, 768, 12, 12, 8
+        rb, px, width, blocks, classes = 64, 224, 64, (3, 4, 6, 3), 1000
+        ed, eh, eff, el, eb, es = 768, 12, 3072, 12, 16, 512
     else:
         v, seq, d, layers, heads, b = 8192, 128, 768, 2, 12, 2
         rb, px, width, blocks, classes = 4, 64, 64, (3, 4, 6, 3), 1000
         ed, eh, eff, el, eb, es = 768, 12, 3072, 2, 2, 128
+    dev = device
     return [
         Case(f"GPT d{d} h{heads} L{layers} vocab{v} b{b} s{seq}",
-             lambda: DecoderLM(vocab=v, seq=seq, d=d, layers=layers, heads=heads),
-             lambda: torch.randint(0, v, (b, seq)), lambda: torch.randint(0, v, (b, seq)),
+             lambda: DecoderLM(vocab=v, seq=seq, d=d, layers=layers, heads=heads).to(dev),
+             lambda: torch.randint(0, v, (b, seq), device=dev), lambda: torch.randint(0, v, (b, seq), device=dev),
              train=True, export=False, compile_train=True),
         Case(f"ResNet-50{'' if size != 'tiny' else ' layout (tiny)'} b{rb} {px}px",
-             lambda: ResNet50(classes=classes, width=width, blocks=blocks),
-             lambda: torch.randn(rb, 3, px, px), lambda: torch.randint(0, classes, (rb,)),
+             lambda: ResNet50(classes=classes, width=width, blocks=blocks).to(dev),
+             lambda: torch.randn(rb, 3, px, px, device=dev), lambda: torch.randint(0, classes, (rb,), device=dev),
              train=True, export=False, compile_train=True),
         Case(f"BERT-width encoder d{ed} h{eh} L{el} b{eb} s{es} (export)",
-             lambda: Encoder(d=ed, heads=eh, ff=eff, layers=el),
-             lambda: torch.randn(eb, es, ed), lambda: torch.zeros(0),
+             lambda: Encoder(d=ed, heads=eh, ff=eff, layers=el).to(dev),
+             lambda: torch.randn(eb, es, ed, device=dev), lambda: torch.zeros(0, device=dev),
              train=False, export=True, compile_train=False),
     ]
 
@@ -79,11 +90,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
 
-def _fused_adamw_works() -> bool:
-    """Whether ``AdamW(fused=True)`` steps float32 and bfloat16 CPU parameters here (it does in torch 2.13)."""
+def _fused_adamw_works(device: str = "cpu") -> bool:
+    """Whether ``AdamW(fused=True)`` steps float32 and low-precision parameters on ``device`` here
+    (CPU: it does in torch 2.13; CUDA: since torch 2.0)."""
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            p = nn.Parameter(torch.zeros(4, dtype=dtype))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            p = nn.Parameter(torch.zeros(4, dtype=dtype, device=device))
             p.grad = torch.ones(4, dtype=dtype)
             torch.optim.AdamW([p], lr=1e-4, fused=True).step()
         return True
@@ -98,7 +110,20 @@ ADAMW_DESC = "AdamW(" + ", ".join(f"{k}={v}" for k, v in ADAMW_KWARGS.items()) +
 
 
 def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4, **ADAMW_KWARGS)
+    params = list(params)
+    kwargs = ADAMW_KWARGS
+    if params and params[0].device.type == "cuda":
+        kwargs = {"fused": True}  # CUDA has had fused AdamW for every floating dtype since torch 2.0
+    return torch.optim.AdamW(params, lr=1e-4, **kwargs)
+
+
+def adamw_desc(device: torch.device) -> str:
+    return "AdamW(fused=True)" if device.type == "cuda" else ADAMW_DESC
+
+
+def limit_name(dtype: torch.dtype) -> str:
+    """The pure-low-precision variant's row name: "pure bf16" or "pure fp16"."""
+    return "pure fp16" if dtype == torch.float16 else LIMIT
 
 
 def _convert(base: nn.Module, policy: str, dtype: torch.dtype, case: Case, x: torch.Tensor) -> nn.Module:
@@ -112,15 +137,28 @@ def _convert(base: nn.Module, policy: str, dtype: torch.dtype, case: Case, x: to
 
 def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[Callable[[], None], Callable[[], None]]:
     """(one training step, zero_grad) for a variant, on its own copy of ``base`` (in train mode)."""
+    device_type = x.device.type
     if variant in (FP32, AUTOCAST, C_AUTOCAST):
         m = copy.deepcopy(base).train()
         opt = _adamw(m.parameters())
         fwd = torch.compile(m) if variant == C_AUTOCAST else m
         use_ac = variant != FP32
+        if use_ac and dtype == torch.float16:  # float16 needs loss scaling: autocast's is GradScaler
+            scaler = torch.amp.GradScaler(device_type)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device_type, dtype=dtype):
+                    out = fwd(x)
+                scaler.scale(_loss(out, y)).backward()
+                scaler.step(opt)
+                scaler.update()
+
+            return step, lambda: opt.zero_grad(set_to_none=True)
 
         def step():
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=dtype, enabled=use_ac):
+            with torch.autocast(device_type, dtype=dtype, enabled=use_ac):
                 out = fwd(x)
             _loss(out, y).backward()
             opt.step()
@@ -139,6 +177,15 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[
         return step, lambda: opt.zero_grad(set_to_none=True)
     if variant == O1:
         g = _convert(base, "O1", dtype, case, x).train()
+        if dtype == torch.float16:  # float16 needs loss scaling: fxamp's is the optimizer wrapper
+            w1 = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters()), model=g)
+
+            def step():
+                w1.zero_grad(set_to_none=True)
+                w1.backward(_loss(g(x), y))
+                w1.step()
+
+            return step, lambda: w1.zero_grad(set_to_none=True)
         opt = _adamw(g.parameters())
 
         def step():
@@ -147,9 +194,9 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[
             opt.step()
 
         return step, lambda: opt.zero_grad(set_to_none=True)
-    if variant in (O2, C_O2):
+    if variant in (O2, C_O2, O2_PLAIN):
         g = _convert(base, "O2", dtype, case, x).train()
-        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters()), model=g)
+        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters()), model=g, release_grad_buffer=variant != O2_PLAIN)
         fwd = torch.compile(g) if variant == C_O2 else g
 
         def step():
@@ -168,7 +215,7 @@ def forward(variant: str, base: nn.Module, case: Case, x, dtype) -> Callable[[],
         use_ac = variant == AUTOCAST
 
         def f():
-            with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=use_ac):
+            with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=use_ac):
                 return m(x).float()
 
         return f
@@ -248,7 +295,12 @@ def step_peak_bytes(fn: Callable[[], Any]) -> int:
 
 
 def train_peak(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Dict[str, float]:
-    """Peak bytes of one training step of ``variant`` built alone: persistent state + the step's peak."""
+    """Peak bytes of one training step of ``variant`` built alone: persistent state + the step's peak.
+
+    On CUDA both come from the caching allocator (``memory_allocated``, ``max_memory_allocated``).
+    """
+    if x.device.type == "cuda":
+        return _cuda_train_peak(variant, base, case, x, y, dtype)
     gc.collect()
     before = live_storage_bytes()
     step, zero = train_step(variant, base, case, x, y, dtype)
@@ -261,6 +313,29 @@ def train_peak(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Dict[s
     del step, zero
     gc.collect()
     return {"state_bytes": state, "step_peak_bytes": transient, "peak_bytes": state + transient}
+
+
+def _cuda_train_peak(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Dict[str, float]:
+    dev = x.device
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(dev)
+    step, zero = train_step(variant, base, case, x, y, dtype)
+    step()
+    step()
+    zero()
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    state = torch.cuda.memory_allocated(dev) - before
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before
+    del step, zero
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"state_bytes": state, "step_peak_bytes": peak - state, "peak_bytes": peak}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""fxamp on a CUDA device: what the CPU suite checks, where the kernels are cuBLAS/cuDNN's.
+
+Skipped without CUDA (CI has none); run on a GPU machine with ``python -m pytest tests/test_cuda.py``.
+Dtypes of every safe/unsafe aten op, numerics against float32 and ``torch.autocast("cuda")``, the
+optimizer wrapper's skip-on-overflow (nothing changes) and its segmented step (bitwise the plain
+one), ``torch.compile`` and checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from dtype_observer import OpDtypes
+from zoo import build, inputs_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = "cuda"
+LOW = (torch.float16, torch.bfloat16)
+SAFE_ATEN = {"addmm", "mm", "bmm", "convolution", "cudnn_convolution", "baddbmm"}
+UNSAFE_ATEN = {"_log_softmax", "native_layer_norm", "exp", "pow", "nll_loss_forward"}
+MODELS = ("MLP", "ResNet", "Attention", "TokenModel", "TiedLM")
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return (10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean().clamp_min(1e-30))).item()
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def on_cuda(name: str):
+    model = build(name).to(DEV).eval()
+    return model, tuple(t.to(DEV) for t in inputs_for(name, batch=8))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_dtypes_and_numerics_against_autocast(name, dtype, policy):
+    model, x = on_cuda(name)
+    with torch.no_grad():
+        ref = first(model(*x)).float()
+        with torch.autocast(DEV, dtype=dtype):
+            ac = first(model(*x)).float()
+        amp = fxamp.convert(copy.deepcopy(model), policy, dtype=dtype)
+        with OpDtypes() as rec:
+            out = first(amp(*x))
+    assert out.device.type == DEV and out.dtype == torch.float32
+    assert all(p.device.type == DEV for p in amp.parameters())
+    for call in rec.of(*SAFE_ATEN):
+        assert set(call.inputs) == {dtype}, (call.op, call.inputs)
+    for call in rec.of(*UNSAFE_ATEN):
+        assert call.inputs[0] == torch.float32, (call.op, call.inputs)
+    assert rec.of(*SAFE_ATEN), "no safe op ran: the model is wrong"
+    # as close to float32 as autocast is, give or take 3 dB (a different rounding of the same ops)
+    assert sqnr(ref, out) > sqnr(ref, ac) - 3.0, (sqnr(ref, out), sqnr(ref, ac))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_o2_training_tracks_float32(dtype):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10)).to(DEV)
+    model = fxamp.convert(copy.deepcopy(ref), "O2", dtype=dtype)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for _ in range(20):
+        x = torch.randn(32, 64, device=DEV, generator=g)
+        y = torch.randint(0, 10, (32,), device=DEV, generator=g)
+        opt_ref.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        opt.backward(F.cross_entropy(model(x), y))
+        assert opt.step()
+    masters = list(opt.master_params())
+    assert all(m.dtype == torch.float32 and m.device.type == DEV for m in masters)
+    for p, m in zip(ref.parameters(), masters):
+        assert torch.allclose(p, m, atol=2e-2, rtol=0), (p - m).abs().max()
+
+
+def test_fp16_overflow_skips_and_changes_nothing():
+    torch.manual_seed(0)
+    model = fxamp.convert(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).to(DEV), "O2",
+                          dtype=torch.float16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, fused=True), model=model)
+    x = torch.randn(8, 32, device=DEV)
+    opt.zero_grad()
+    opt.backward(model(x).float().square().mean())
+    assert opt.step()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    masters = [m.clone() for m in opt.master_params()]
+    state = copy.deepcopy(opt.optimizer.state_dict())
+    scale = opt.current_scale
+    opt.zero_grad()
+    opt.backward(model(x).float().square().mean() * float("inf"))
+    assert not opt.step()
+    assert opt.skipped_steps == 1 and opt.current_scale == scale / 2
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_params()))
+    after = opt.optimizer.state_dict()["state"]
+    for k, v in state["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, after[k][name]), (k, name)
+
+
+def test_segmented_step_is_bitwise_the_plain_step():
+    """Masters' gradients of 32 MiB: step() segments them (release_grad_buffer=True), or not (False)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048)).to(DEV)
+    runs = []
+    for release in (True, False):
+        model = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+                                            model=model, release_grad_buffer=release)
+        g = torch.Generator(device=DEV).manual_seed(2)
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(16, 2048, device=DEV, generator=g)).float().square().mean())
+            opt.step()
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    for a, b in zip(m1.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(o1.master_params(), o2.master_params()):
+        assert torch.equal(a, b)
+
+
+def test_compile_of_o2_matches_eager():
+    torch.manual_seed(0)
+    model, x = on_cuda("Attention")
+    amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
+    compiled = torch.compile(amp)
+    with torch.no_grad():
+        eager, out = first(amp(*x)), first(compiled(*x))
+    assert out.dtype == eager.dtype == torch.float32
+    assert sqnr(eager, out) > 35.0  # the same bf16 ops, fused differently
+
+
+def test_state_dict_keys_and_save_load_round_trip():
+    model, x = on_cuda("TiedLM")
+    amp = fxamp.convert(copy.deepcopy(model), "O2", dtype=torch.bfloat16)
+    assert list(amp.state_dict()) == list(model.state_dict())
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(first(loaded(*x)), first(amp(*x)))
