@@ -57,7 +57,11 @@ def main(argv=None) -> int:
     x, y = case.make_x(), case.make_y()
     print(f"# {case.name}, {args.device}, {args.dtype}, {args.steps} steps, {args.threads} thread(s)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    # torch renamed the CUDA columns "device" (2.4); the key names follow the installed torch
+    key = "self_cpu_time_total"
+    if cuda:
+        probe = torch.autograd.profiler_util.FunctionEventAvg()
+        key = "self_device_time_total" if hasattr(probe, "self_device_time_total") else "self_cuda_time_total"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for v in args.variants:
         step = R.train_step(v, base, case, x, y, dtype)[0]

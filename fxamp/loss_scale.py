@@ -184,6 +184,10 @@ class FoundInf:
                 and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
             return  # nothing to divide, nothing non-finite: an inf or NaN makes the sum inf or NaN
             # (a finite sum that overflows falls through to the exact kernel below)
+        if not _fused_kernel_takes(t):
+            note_non_finite_(flag, tensors)
+            torch._foreach_mul_(tensors, self.inv_scale_on(device))
+            return
         # GradScaler's fused kernel: checks each value before multiplying it by 1/scale
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.inv_scale_on(device))
 
@@ -199,6 +203,9 @@ class FoundInf:
         device = tensors[0].device
         if device.type == "cpu" and bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
             return  # (on an accelerator this would wait for the device)
+        if not _fused_kernel_takes(tensors[0]):
+            note_non_finite_(self._flag(device), tensors)
+            return
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, self._flag(device), torch.ones((), device=device))
 
     def _flag(self, device: torch.device) -> torch.Tensor:
@@ -213,6 +220,28 @@ class FoundInf:
         if not flags:
             return torch.zeros((), dtype=torch.float32)
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
+def _fused_kernel_takes(t: torch.Tensor) -> bool:
+    """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` has a kernel for ``t``: on CPU every
+    floating dtype; on CUDA (and other accelerators) float16, float32 and float64, not bfloat16."""
+    return t.device.type == "cpu" or t.dtype in (torch.float16, torch.float32, torch.float64)
+
+
+def note_non_finite_(flag: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    """Set ``flag`` (a float32 0-dim tensor on the tensors' device) to 1 if any of ``tensors`` holds an
+    inf or NaN, without waiting for the device.
+
+    For dtypes the fused kernel lacks (bfloat16 on CUDA).  Exact: the 1-norms are summed in float64,
+    where the sum of even a billion of the largest bfloat16/float16 values (3.4e38 each) is finite, so
+    a norm is non-finite exactly when an element is.
+    """
+    try:
+        norms = torch._foreach_norm(tensors, 1, dtype=torch.float64)
+    except (TypeError, RuntimeError):  # pragma: no cover - torch without _foreach_norm's dtype
+        norms = [t.abs().sum(dtype=torch.float64) for t in tensors]
+    bad = torch.logical_not(torch.isfinite(torch.stack(list(norms)))).any().to(flag.dtype)
+    torch.maximum(flag, bad, out=flag)
 
 
 def unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:

@@ -221,3 +221,44 @@ def test_found_inf_reads_a_unit_scale_tensor_without_rewriting_it():
 def test_load_state_dict_refuses_what_is_not_a_state_dict():
     with pytest.raises(TypeError, match="takes the dict LossScaler.state_dict\\(\\) returned, not NoneType"):
         LossScaler().load_state_dict(None)
+
+
+# --------------------------------------------------------------------------------------------
+# the check for dtypes the fused kernel lacks (bfloat16 on CUDA: "_amp_foreach_non_finite_check_and_unscale_cuda"
+# not implemented for 'BFloat16'), exercised here on CPU by calling it directly / forcing it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_note_non_finite_is_exact(dtype):
+    from fxamp.loss_scale import note_non_finite_
+
+    big = torch.finfo(dtype).max
+    flag = torch.zeros(())
+    note_non_finite_(flag, [torch.full((4096,), big, dtype=dtype), -torch.full((7,), big, dtype=dtype)])
+    assert flag.item() == 0.0  # the largest finite values, many of them: no false alarm
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        flag = torch.zeros(())
+        t = torch.ones(5, dtype=dtype)
+        t[3] = bad
+        note_non_finite_(flag, [torch.ones(3, dtype=dtype), t])
+        assert flag.item() == 1.0, bad
+    flag = torch.ones(())
+    note_non_finite_(flag, [torch.ones(3, dtype=dtype)])
+    assert flag.item() == 1.0  # a flag once set stays set
+
+
+def test_found_inf_without_the_fused_kernel(monkeypatch):
+    """FoundInf's two entry points take the fallback for bfloat16 off CPU; forced here: same results."""
+    import fxamp.loss_scale as ls
+
+    monkeypatch.setattr(ls, "_fused_kernel_takes", lambda t: False)
+    inv = torch.tensor(0.25)
+    f = ls.FoundInf(lambda device: inv)
+    ts = [torch.full((6,), 8.0, dtype=torch.bfloat16), torch.full((2, 3), -4.0, dtype=torch.bfloat16)]
+    f.unscale_and_check_(ts)
+    assert torch.equal(ts[0], torch.full((6,), 2.0, dtype=torch.bfloat16)) and ts[1].eq(-1.0).all()
+    assert f.found().item() == 0.0
+    ts[1][0, 0] = float("nan")
+    f.check_(ts)
+    assert f.found().item() == 1.0
+    assert torch.equal(ts[0], torch.full((6,), 2.0, dtype=torch.bfloat16))  # check_ divides nothing
