@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_overflow", "is_distributed"]
+__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "reduces_on_device"]
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
@@ -42,3 +42,21 @@ def all_reduce_overflow(found_inf: torch.Tensor, group: Optional[Any] = None) ->
     flag = found_inf.detach().to(device=device, dtype=torch.float32).clone()
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag.to("cpu")
+
+
+def reduces_on_device(device: torch.device, group: Optional[Any] = None) -> bool:
+    """Whether the flag of a tensor on ``device`` can be agreed on without leaving it (and without
+    the host waiting): not distributed, or an NCCL group and a CUDA device."""
+    if not is_distributed(group):
+        return True
+    return device.type == "cuda" and dist.get_backend(group) == "nccl"
+
+
+def all_reduce_overflow_on_device(flag: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """Max of a 0-dim float32 CUDA flag over ``group``, left on the device (``reduces_on_device``
+    must hold): NCCL runs it on the stream, so the host does not wait."""
+    if not is_distributed(group):
+        return flag
+    out = flag.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out

@@ -32,14 +32,14 @@ import enum
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .errors import LossScaleError, OptimizerStateError
 
-__all__ = ["ScaleKind", "LossScaleConfig", "LossScaler", "Stage", "ScalerClient", "FoundInf",
-           "unscale_and_check_"]
+__all__ = ["ScaleKind", "LossScaleConfig", "LossScaler", "Stage", "ScalerClient", "FoundInf", "DeviceFlag",
+           "unscale_and_check_", "note_non_finite_"]
 
 
 class ScaleKind(str, enum.Enum):
@@ -214,12 +214,66 @@ class FoundInf:
             flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         return flag
 
+    def flag_on(self, device: torch.device) -> torch.Tensor:
+        """The flag of ``device`` (0.0 when nothing was checked there): float32, 0-dim, on ``device``."""
+        return self._flag(device)
+
     def found(self) -> torch.Tensor:
         """1.0 if any tensor held an inf/NaN, else 0.0: a float32 0-dim CPU tensor."""
         flags = [flag.to("cpu") for flag in self.flags.values()]
         if not flags:
             return torch.zeros((), dtype=torch.float32)
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
+class _AnyOf:
+    """``bool()``: whether any of ``flags`` (bools and :class:`DeviceFlag`) is set; waits only when asked."""
+
+    __slots__ = ("flags",)
+
+    def __init__(self, flags: List[Any]) -> None:
+        self.flags = flags
+
+    def __bool__(self) -> bool:
+        return any(bool(f) for f in self.flags)
+
+
+class DeviceFlag:
+    """An overflow decision left on a CUDA device: a float32 0-dim ``flag`` (1.0: an inf/NaN was found).
+
+    Copied to pinned host memory without waiting; ``bool()`` (True: overflowed) waits for that copy
+    alone, which follows the check on the stream, not for work queued after it.  This is how a
+    step is decided without stopping the host: the inner optimizer skips on the device (its fused
+    kernel reads ``flag``) and the host learns the outcome later, when it needs it.
+    """
+
+    __slots__ = ("flag", "_host", "_event", "_value")
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.flag = flag
+        self._event: Optional[Any] = None
+        self._value: Optional[bool] = None
+        if flag.device.type == "cuda":
+            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(flag.device))
+        else:  # (a CPU flag: known at once; the tests run the deferred step this way)
+            self._host = flag
+
+    def ready(self) -> bool:
+        """Whether the outcome is known without waiting."""
+        return self._value is not None or self._event is None or self._event.query()
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = bool(self._host.item() != 0)
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"DeviceFlag({bool(self) if self.ready() else 'pending'})"
 
 
 def _fused_kernel_takes(t: torch.Tensor) -> bool:
@@ -345,8 +399,8 @@ class LossScaler:
         self._tolerance = config.hysteresis
         self._scale_value = float(self._scale)
         self._inv: Dict[torch.device, torch.Tensor] = {}  # inv_scale() per device, until the scale moves
-        #: overflowed updates so far (iterations whose steps were skipped)
-        self.overflows = 0
+        self._overflows = 0  # overflowed updates so far (iterations whose steps were skipped) ...
+        self._unresolved: List[List[Any]] = []  # ... and those whose flags are still on a device
         #: update() calls so far (one per training iteration)
         self.updates = 0
         # per iteration: bumped by update(); scale_loss() calls since; the steps' records
@@ -358,6 +412,27 @@ class LossScaler:
     @property
     def kind(self) -> ScaleKind:
         return self.config.kind
+
+    @property
+    def overflows(self) -> int:
+        """Overflowed updates so far (iterations whose steps were skipped); waits for flags left on a device."""
+        self._fold(wait=True)
+        return self._overflows
+
+    @overflows.setter
+    def overflows(self, value: int) -> None:
+        self._overflows = int(value)
+        self._unresolved = []
+
+    def _fold(self, wait: bool) -> None:
+        """Count the iterations whose device flags are known (all of them with ``wait``)."""
+        keep = []
+        for flags in self._unresolved:
+            if wait or all(f.ready() for f in flags if isinstance(f, DeviceFlag)):
+                self._overflows += any(bool(f) for f in flags)
+            else:
+                keep.append(flags)
+        self._unresolved = keep
 
     @property
     def scale(self) -> float:
@@ -453,13 +528,15 @@ class LossScaler:
         client._unscaled_gen = client._stepped_gen = -1
         client._found = False
 
-    def record(self, found_inf: bool, blame: Callable[[], Sequence[str]] = tuple,
+    def record(self, found_inf: Union[bool, DeviceFlag], blame: Callable[[], Sequence[str]] = tuple,
                client: Optional[ScalerClient] = None) -> None:
         """Report one optimizer's overflow decision for this iteration; ``blame()`` names the culprits.
 
+        ``found_inf`` may be a :class:`DeviceFlag` still on its device: a static or ``none`` scale
+        counts it when it is known; a dynamic one waits for it in :meth:`update`.
         With ``client``: it is STEPPED until :meth:`update`.
         """
-        self._records.append((bool(found_inf), blame))
+        self._records.append((found_inf if isinstance(found_inf, DeviceFlag) else bool(found_inf), blame))
         if client is not None:
             client._stepped_gen = self._generation
 
@@ -473,15 +550,20 @@ class LossScaler:
                 "LossScaler.update() called but no optimizer stepped since the last update(); "
                 "call opt.step() on every optimizer that shares this scaler first"
             )
-        found = any(f for f, _ in self._records)
-        blames = [b for f, b in self._records if f]
-        self._records = []
+        cfg = self.config
+        records, self._records = self._records, []
         self._scaled = 0
         self._generation += 1
         self.updates += 1
+        if cfg.kind is not ScaleKind.DYNAMIC and any(isinstance(f, DeviceFlag) for f, _ in records):
+            flags = [f for f, _ in records]  # nothing moves on them: counted when known, not waited for
+            self._unresolved.append(flags)
+            self._fold(wait=False)
+            return _AnyOf(flags)
+        found = any(bool(f) for f, _ in records)
+        blames = [b for f, b in records if f]
         if found:
-            self.overflows += 1
-        cfg = self.config
+            self._overflows += 1
         if cfg.kind is not ScaleKind.DYNAMIC:
             return found
         backoff = 1.0

@@ -55,6 +55,7 @@ The wrapped optimizer may be any object that behaves like one (``param_groups``,
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -62,14 +63,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 import torch.nn as nn
 
-from .distributed import all_reduce_overflow
+from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, reduces_on_device
 from .errors import OptimizerStateError
 from .info import policy_of
-from .loss_scale import FoundInf, LossScaleConfig, LossScaler, Stage
+from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, ScaleKind, Stage
 from .policy import Policy
-from .segmented_step import Run, Strides, flat_grads, grad_strides, plan_runs, step_runs, steps_per_parameter
+from .segmented_step import (Run, Strides, flat_grads, grad_strides, plan_runs, segment_numel_for, step_runs,
+                             steps_per_parameter)
 
-__all__ = ["MixedPrecisionOptimizer", "LOW_DTYPES", "check_optimizer"]
+__all__ = ["MixedPrecisionOptimizer", "StepResult", "LOW_DTYPES", "check_optimizer"]
 
 #: the parameter dtypes that get float32 masters
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -231,6 +233,45 @@ def _flat_grads(masters: List[torch.Tensor], segments: List[Tuple[int, int, Stri
     return flats, views
 
 
+_UNKNOWN = object()
+
+#: device types on which a step's overflow decision stays on the device (tests add "cpu" to run it here)
+_DECIDE_ON = ("cuda",)
+
+
+class _Deferred:
+    """A step decided on the device: its :class:`DeviceFlag`, whether the gradients checked were the
+    low-precision ones (a segmented step), and whether the wrapper updates the scale when it settles."""
+
+    __slots__ = ("verdict", "in_place", "update")
+
+    def __init__(self, verdict: DeviceFlag, in_place: bool) -> None:
+        self.verdict, self.in_place, self.update = verdict, in_place, False
+
+
+class StepResult:
+    """What ``step()`` returns when the overflow decision stayed on the GPU: truthy if it stepped.
+
+    ``bool()`` waits for the check (not for the step): ignore it, and the host never waits.
+    """
+
+    __slots__ = ("_verdict",)
+
+    def __init__(self, verdict: DeviceFlag) -> None:
+        self._verdict = verdict
+
+    def __bool__(self) -> bool:
+        return not bool(self._verdict)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, bool) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepResult(stepped={bool(self)})" if self._verdict.ready() else "StepResult(pending)"
+
+
 class _Plan:
     """What a step touches, as lists ready for foreach calls; valid while ``param_groups`` keep their layout.
 
@@ -243,7 +284,7 @@ class _Plan:
     master pairing, which happens when a group is bound).
     """
 
-    __slots__ = ("buckets", "own", "layout", "runs")
+    __slots__ = ("buckets", "own", "layout", "runs", "decide_on")
 
     def __init__(self, buckets: List[_Bucket], own: List[List[torch.Tensor]],
                  layout: List[Tuple[List[torch.Tensor], int]]) -> None:
@@ -251,6 +292,11 @@ class _Plan:
         self.own = own
         self.layout = layout
         self.runs: Optional[List[Run]] = None  # a segmented step's runs, planned at the first one
+        #: the device the overflow decision stays on (see MixedPrecisionOptimizer._decide), or None
+        self.decide_on: Any = _UNKNOWN
+
+    def devices(self) -> set:
+        return {b.device for b in self.buckets} | {p.device for params in self.own for p in params}
 
     def matches(self, groups: List[Dict[str, Any]]) -> bool:
         """Same groups holding the same lists of the same lengths (the lists are held, so ids are not reused)."""
@@ -420,8 +466,9 @@ class MixedPrecisionOptimizer:
             self._bind_group(group)
         self.scaler, self._owns_scaler = _resolve_scaler(loss_scale, model, list(self.master_params()) + self._lows)
         self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
-        #: steps skipped by this optimizer because a gradient was inf/NaN
-        self.skipped_steps = 0
+        self._skipped = 0  # steps skipped (skipped_steps) ...
+        self._due: Optional[_Deferred] = None  # ... and the last step, if decided on the device and not yet counted
+        self._deciding: Optional[_Deferred] = None  # this step's decision on the device, from unscale to step
         self._overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
         #: set by clip_grad_norm_() for a segmented step: the check's flags and the clip factor
         self._pending: Optional[Tuple[FoundInf, torch.Tensor]] = None
@@ -518,8 +565,73 @@ class MixedPrecisionOptimizer:
         return self.optimizer.state
 
     @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by this optimizer because a gradient was inf/NaN."""
+        self._settle()
+        return self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._settle()
+        self._skipped = int(value)
+
+    def _settle(self) -> None:
+        """Learn the outcome of the last step if it was decided on the device: count a skip, find the
+        culprits (their gradients are still there: called before zero_grad drops them), update the scale.
+
+        Called by everything that reads the outcome or starts the next iteration, so the host waits
+        for the check at most once per step, and only once the step's kernels are queued behind it.
+        """
+        due = self._due
+        if due is None:
+            return
+        self._due = None
+        if bool(due.verdict):
+            self._skipped += 1
+            self._overflow = self._which_overflowed(due.in_place)
+        else:
+            self._overflow = None
+        if due.update:
+            self.scaler.update()
+
+    def _decides_on_device(self, plan: "_Plan") -> Optional[torch.device]:
+        """The device on which this step's overflow decision stays (the host does not wait for it), or None.
+
+        When the inner optimizer's step can skip on the device (torch's fused Adam, AdamW, SGD:
+        ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
+        one CUDA device, the flag can be agreed on there (not distributed, or NCCL) and the scale
+        is not a dynamic one shared with other optimizers (whose ``update()`` the caller runs and
+        needs the outcome for).  Elsewhere the decision is read on the host, as it always was.
+        """
+        if plan.decide_on is _UNKNOWN:
+            plan.decide_on = None
+            devices = plan.devices()
+            if (getattr(self.optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
+                    and next(iter(devices)).type in _DECIDE_ON
+                    and (self._owns_scaler or self.scaler.kind is not ScaleKind.DYNAMIC)):
+                device = next(iter(devices))
+                if not self.sync_overflow or reduces_on_device(device, self.process_group):
+                    plan.decide_on = device
+        return plan.decide_on
+
+    @contextlib.contextmanager
+    def _inner_skips(self, deciding: Optional[_Deferred]) -> Iterator[None]:
+        """Hand the device's overflow flag to the inner optimizer's step, as GradScaler does (``found_inf``;
+        ``grad_scale`` None: the gradients are unscaled already): its fused kernel skips on the device."""
+        if deciding is None:
+            yield
+            return
+        opt = self.optimizer
+        opt.found_inf, opt.grad_scale = deciding.verdict.flag, None
+        try:
+            yield
+        finally:
+            del opt.found_inf, opt.grad_scale
+
+    @property
     def current_scale(self) -> float:
         """The loss scale the next backward() multiplies by."""
+        self._settle()
         return self.scaler.scale
 
     def _name(self, p: torch.Tensor) -> str:
@@ -537,6 +649,7 @@ class MixedPrecisionOptimizer:
     @property
     def stage(self) -> str:
         """``"ready"``, ``"scaled"`` (after backward), ``"unscaled"`` or ``"stepped"`` (shared scaler, before update)."""
+        self._settle()
         return self.scaler.stage(self._client).value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -548,7 +661,9 @@ class MixedPrecisionOptimizer:
         inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
+        self._settle()
         self._pending = None
+        self._deciding = None
         if set_to_none:
             if not _stock_zero_grad(self.optimizer):
                 self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
@@ -587,6 +702,7 @@ class MixedPrecisionOptimizer:
                 "the loss does not require grad: it was computed under torch.no_grad()/inference_mode, "
                 "detached, or from parameters with requires_grad=False"
             )
+        self._settle()
         return self.scaler.scale_loss(loss, self._client)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -600,13 +716,14 @@ class MixedPrecisionOptimizer:
         The model's float16/bfloat16 parameters keep their scaled gradients; clip and inspect
         :meth:`master_params`, whose gradients are the true ones.
         """
+        self._settle()
         self._check_params()
         flags = self.scaler.start_unscale(self._client)
         plan = self._get_plan()
         with torch.no_grad():
             checked = sum(_unscale_masters_(b, flags) for b in plan.buckets)
             checked += sum(_unscale_own_(params, flags) for params in plan.own)
-            self._decide(flags, checked)
+            self._decide(flags, checked, plan)
 
     def _check_in_place(self, plan: _Plan) -> FoundInf:
         """``unscale_()`` for a segmented step: check the low-precision gradients where they are (the
@@ -619,17 +736,31 @@ class MixedPrecisionOptimizer:
                 flags.check_(grads)
                 checked += len(grads)
             checked += sum(_unscale_own_(params, flags) for params in plan.own)
-            self._decide(flags, checked, in_place=True)
+            self._decide(flags, checked, plan, in_place=True)
         return flags
 
-    def _decide(self, flags: FoundInf, checked: int, in_place: bool = False) -> None:
-        """Whether this step overflowed, agreed over ``process_group``; tell the scaler."""
+    def _decide(self, flags: FoundInf, checked: int, plan: "_Plan", in_place: bool = False) -> None:
+        """Whether this step overflowed, agreed over ``process_group``; tell the scaler.
+
+        On a device where the decision can stay (:meth:`_decides_on_device`) the host does not
+        wait for it: the scaler is told "no overflow" for now, the inner optimizer gets the flag
+        and skips on the device, and the outcome is counted when the next iteration starts
+        (:meth:`_settle`).  Elsewhere the flag is read here (the host waits for the backward).
+        """
         if not checked:
             raise OptimizerStateError(
                 "no parameter of this optimizer has a gradient: the loss does not depend on them, "
                 "or backward() ran on another model (if the optimizer was built on the original "
                 "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
             )
+        device = self._decides_on_device(plan)
+        if device is not None:
+            flag = flags.flag_on(device)
+            if self.sync_overflow:
+                flag = all_reduce_overflow_on_device(flag, self.process_group)
+            self._deciding = _Deferred(DeviceFlag(flag), in_place)
+            self.scaler.finish_unscale(self._client, False)
+            return
         local = flags.found()
         found = all_reduce_overflow(local, self.process_group) if self.sync_overflow else local
         found_inf = bool(found.item())
@@ -660,6 +791,7 @@ class MixedPrecisionOptimizer:
         ``step()``, so clipping allocates no float32 gradient for every master.  A non-finite norm
         means an overflow: it is returned as is, nothing is clipped, and ``step()`` skips.
         """
+        self._settle()
         if self._pending is not None:  # the masters have no gradients to clip again
             raise OptimizerStateError(
                 "clip_grad_norm_() already ran since the last backward(): call it once, between the last "
@@ -673,6 +805,7 @@ class MixedPrecisionOptimizer:
             return torch.nn.utils.clip_grad_norm_(list(self.master_params()), max_norm, norm_type,
                                                   error_if_nonfinite)
         flags = self.scaler.start_unscale(self._client)
+        on_device = self._decides_on_device(plan)
         norms: List[torch.Tensor] = []
         own: List[torch.Tensor] = []
         with torch.no_grad():
@@ -683,7 +816,9 @@ class MixedPrecisionOptimizer:
                     continue
                 n = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
                 n = n * flags.inv_scale_on(n.device)  # a norm scales with its tensor (the scale: a power of 2)
-                if not bool(torch.isfinite(n).all()):  # an inf/NaN, or finite values whose norm overflowed
+                if on_device is not None:  # exact, and the host does not wait
+                    flags.check_(grads)
+                elif not bool(torch.isfinite(n).all()):  # an inf/NaN, or finite values whose norm overflowed
                     flags.check_(grads)
                 norms.append(n)
                 checked += len(grads)
@@ -693,7 +828,7 @@ class MixedPrecisionOptimizer:
                 if grads:
                     norms.append(torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)))
                     own.extend(grads)
-            self._decide(flags, checked, in_place=True)
+            self._decide(flags, checked, plan, in_place=True)
             device = norms[0].device
             total = torch.linalg.vector_norm(torch.cat([n.to(device) for n in norms]), norm_type)
             if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -707,17 +842,25 @@ class MixedPrecisionOptimizer:
         self._pending = (flags, coef)
         return total
 
-    def step(self, closure: None = None) -> bool:
+    def step(self, closure: None = None) -> Union[bool, StepResult]:
         """Step the inner optimizer unless a gradient is inf/NaN; refresh the low-precision weights; update the scale.
 
         Returns True if it stepped, False if it skipped.  Raises LossScaleError when dynamic
         scaling gives up (see :class:`LossScaler`); that step is skipped too.
+
+        On a GPU, with a fused inner optimizer (``torch.optim.AdamW(..., fused=True)``, Adam, SGD),
+        the host does not wait for the check: the flag stays on the device, the inner optimizer's
+        kernel skips there (no weight, master or optimizer state changes, as GradScaler has fused
+        optimizers do), and a :class:`StepResult` comes back, truthy if it stepped (``bool()``
+        waits for the check).  The skip is counted (``skipped_steps``, ``overflowed_params()``)
+        and the scale updated when the next iteration starts (``zero_grad()``, ``backward()``).
         """
         if closure is not None:
             raise OptimizerStateError(
                 "step(closure) is not supported: the loss must be scaled; run the closure's forward and "
                 "opt.backward(loss) yourself, then call step()"
             )
+        self._settle()
         segmented: Optional[FoundInf] = None
         coef: Optional[torch.Tensor] = None
         if self.scaler.start_step(self._client) is Stage.SCALED:
@@ -730,19 +873,27 @@ class MixedPrecisionOptimizer:
         elif self._pending is not None:  # clip_grad_norm_() checked in place and chose the factor
             (segmented, coef), plan = self._pending, self._get_plan()
         self._pending = None
-        found = self.scaler.found_inf(self._client)
+        deciding, self._deciding = self._deciding, None
+        found = self.scaler.found_inf(self._client)  # (False for now when deciding on the device)
         if found:
-            self.skipped_steps += 1
+            self._skipped += 1
             blame = self.overflowed_params
-        elif segmented is not None:
-            if plan.runs is None:
-                plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)))
-            step_runs(self.optimizer, plan.runs, _multiplier(segmented, coef))
-            blame = tuple
         else:
-            self.optimizer.step()
-            self._refresh()
-            blame = tuple
+            with self._inner_skips(deciding):
+                if segmented is not None:
+                    if plan.runs is None:
+                        plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)),
+                                              segment_numel_for(plan.devices()))
+                    step_runs(self.optimizer, plan.runs, _multiplier(segmented, coef))
+                else:
+                    self.optimizer.step()
+                    self._refresh()  # (a skip on the device left the masters as they were: the same rounding)
+            blame = self.overflowed_params if deciding is not None else tuple
+        if deciding is not None:
+            self.scaler.record(deciding.verdict, blame, self._client)
+            deciding.update = self._owns_scaler  # (a dynamic scale moves on the outcome: at _settle)
+            self._due = deciding
+            return StepResult(deciding.verdict)
         self.scaler.record(found, blame, self._client)
         if self._owns_scaler:
             self.scaler.update()
@@ -785,6 +936,7 @@ class MixedPrecisionOptimizer:
 
         Computed only on overflow (one ``_foreach_norm``); on a distributed run, only this rank's.
         """
+        self._settle()
         if self._overflow is None:
             return []
         params, bad = self._overflow
@@ -802,6 +954,7 @@ class MixedPrecisionOptimizer:
 
         Tensors are references, as in ``torch.optim.Optimizer.state_dict``; save or deep-copy them.
         """
+        self._settle()
         return {
             "optimizer": self.optimizer.state_dict(),
             "masters": [m.detach() for m in self._masters],
@@ -835,13 +988,14 @@ class MixedPrecisionOptimizer:
             if have.shape != saved.shape:
                 raise ValueError(f"master {i} ({self._name(have)}) has shape {tuple(have.shape)}, the "
                                  f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
+        self._settle()
         self.optimizer.load_state_dict(state["optimizer"])
         if masters:
             with torch.no_grad():
                 torch._foreach_copy_(self._masters, [m.to(h.device) for m, h in zip(masters, self._masters)])
         self._refresh()
         self.scaler.load_state_dict(state["scaler"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self._skipped = int(state["skipped_steps"])
         self.scaler.forget(self._client)
         self._overflow = None
 

@@ -157,3 +157,38 @@ def test_state_dict_keys_and_save_load_round_trip():
     loaded = torch.load(buf, weights_only=False)
     with torch.no_grad():
         assert torch.equal(first(loaded(*x)), first(amp(*x)))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("width", [64, 2048], ids=["plain", "segmented"])
+def test_the_host_never_waits_for_a_step(dtype, width):
+    """With a fused inner optimizer, forward + backward + step() never synchronize with the GPU
+    (``torch.cuda.set_sync_debug_mode("error")`` raises on any call that would), overflow or not;
+    the outcome is counted at the next zero_grad()."""
+    torch.manual_seed(0)
+    model = fxamp.convert(nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width),
+                                        nn.Linear(width, width)).to(DEV), "O2", dtype=dtype)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model)
+    x = torch.randn(16, width, device=DEV)
+    for i in range(4):
+        opt.zero_grad()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = model(x).float().square().mean()
+            if i == 2:
+                loss = loss * float("nan")
+            opt.backward(loss)
+            result = opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert isinstance(result, fxamp.optim.StepResult)
+        if i == 1:
+            weights = [p.detach().clone() for p in model.parameters()]
+            state = copy.deepcopy(opt.optimizer.state_dict()["state"])
+        if i == 2:
+            assert not result
+            assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+            after = opt.optimizer.state_dict()["state"]
+            assert all(torch.equal(t, after[k][n]) for k, v in state.items() for n, t in v.items())
+            assert opt.overflowed_params()
+    assert opt.skipped_steps == 1 and opt.scaler.overflows == 1

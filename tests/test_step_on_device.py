@@ -1,0 +1,142 @@
+"""A step decided on the device: the host never waits for the overflow check (GPU: tests/test_cuda.py).
+
+With a fused inner optimizer on one CUDA device, ``MixedPrecisionOptimizer`` hands the overflow
+flag to the optimizer's kernel (which skips there) and settles the bookkeeping when the next
+iteration starts.  Here the same code runs on CPU (``fxamp.optim._DECIDE_ON`` patched to include
+it; torch's CPU fused AdamW honours ``found_inf`` too) and is compared with the host-decided step:
+the same weights, masters, optimizer state and scale, bit for bit, through clean steps, planted
+overflows, clipping and the segmented step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+import fxamp.optim as optim_mod
+from fxamp.optim import StepResult
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    monkeypatch.setattr(optim_mod, "_DECIDE_ON", ("cuda", "cpu"))
+
+
+def _model(dtype, big=False):
+    torch.manual_seed(0)
+    d = 1024 if big else 32  # big: 16 MiB of float32 gradients or more, the step is segmented
+    base = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d), nn.Linear(d, 8))
+    return fxamp.convert(base, "O2", dtype=dtype)
+
+
+def _run(dtype, steps, *, big=False, clip=None, poison=(), fused=True, shared=False, deferred_expected=None):
+    """Train ``steps`` steps; the steps in ``poison`` get a NaN loss.  Returns (model, opt, results, scales)."""
+    model = _model(dtype, big)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    kwargs = {"loss_scale": fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(init_scale=2.0 ** 8))} if shared else {}
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=model, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    results, scales = [], []
+    for i in range(steps):
+        x = torch.randn(16, 1024 if big else 32, generator=g)
+        opt.zero_grad()
+        scales.append(opt.current_scale)
+        loss = model(x).float().square().mean()
+        if i in poison:
+            loss = loss * float("nan")
+        opt.backward(loss)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        r = opt.step()
+        if deferred_expected is not None:
+            assert isinstance(r, StepResult) is deferred_expected, type(r)
+        if shared:
+            opt.scaler.update()
+        results.append(bool(r))
+    return model, opt, results, scales
+
+
+def _same(a, b):
+    (ma, oa, ra, sa), (mb, ob, rb, sb) = a, b
+    assert ra == rb and sa == sb
+    for x, y in zip(ma.state_dict().values(), mb.state_dict().values()):
+        assert torch.equal(x, y)
+    for x, y in zip(oa.master_params(), ob.master_params()):
+        assert torch.equal(x, y)
+    sda, sdb = oa.optimizer.state_dict()["state"], ob.optimizer.state_dict()["state"]
+    for k in sda:
+        for name in sda[k]:
+            assert torch.equal(sda[k][name], sdb[k][name]), (k, name)
+    assert oa.skipped_steps == ob.skipped_steps
+    assert oa.scaler.overflows == ob.scaler.overflows
+    assert oa.current_scale == ob.current_scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("big", [False, True], ids=["plain", "segmented"])
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["", "clip"])
+def test_same_steps_as_deciding_on_the_host(monkeypatch, dtype, big, clip):
+    poison = (2, 3)  # two overflows in a row: under float16 the dynamic scale backs off twice
+    host = _run(dtype, 6, big=big, clip=clip, poison=poison, deferred_expected=False)
+    monkeypatch.setattr(optim_mod, "_DECIDE_ON", ("cuda", "cpu"))
+    device = _run(dtype, 6, big=big, clip=clip, poison=poison, deferred_expected=True)
+    _same(host, device)
+    assert device[2] == [True, True, False, False, True, True]
+    assert device[1].skipped_steps == 2
+    if dtype == torch.float16:
+        assert device[3][4] == device[3][2] / 4  # the scale moved on the outcomes, at the next zero_grad
+
+
+def test_a_skip_changes_nothing_and_is_reported(on_device):
+    model = _model(torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model)
+    x = torch.randn(4, 32)
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    assert opt.step() == True  # noqa: E712 - a StepResult compares equal to the bool it stands for
+    weights = copy.deepcopy(model.state_dict())
+    masters = [m.clone() for m in opt.master_params()]
+    state = copy.deepcopy(opt.optimizer.state_dict())
+    opt.zero_grad()
+    opt.backward(model(x).float().sum() * float("inf"))
+    r = opt.step()
+    assert isinstance(r, StepResult) and not r and r == False  # noqa: E712
+    assert opt.skipped_steps == 1 and opt.scaler.overflows == 1
+    assert opt.overflowed_params()  # named while the gradients are still there
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_params()))
+    after = opt.optimizer.state_dict()["state"]
+    for k, v in state["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, after[k][name]), (k, name)
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    assert opt.step() and opt.overflowed_params() == []
+
+
+def test_state_dict_after_a_deferred_skip_counts_it(on_device):
+    model = _model(torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model)
+    opt.backward(model(torch.randn(4, 32)).float().sum() * float("nan"))
+    opt.step()
+    assert opt.state_dict()["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("why", ["not fused", "shared dynamic scaler"])
+def test_decided_on_the_host_otherwise(on_device, why):
+    """A non-fused optimizer cannot skip on the device; a shared dynamic scale moves in the caller's update()."""
+    _run(torch.float16, 3, poison=(1,), fused=why != "not fused", shared=why == "shared dynamic scaler",
+         deferred_expected=False)
+
+
+def test_step_twice_is_still_refused(on_device):
+    model = _model(torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model)
+    opt.backward(model(torch.randn(4, 32)).float().sum())
+    opt.step()
+    with pytest.raises(fxamp.OptimizerStateError, match="without a backward"):
+        opt.step()
