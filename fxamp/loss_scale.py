@@ -276,6 +276,14 @@ class DeviceFlag:
         return f"DeviceFlag({bool(self) if self.ready() else 'pending'})"
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of the CPU tensor ``t`` on ``device``; to CUDA from pinned memory, so the host does not wait
+    for the stream to reach the copy (a copy from pageable memory would: a hidden synchronization)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # (a fresh pinned buffer: nothing reuses it in flight)
+    return t.to(device)
+
+
 def _fused_kernel_takes(t: torch.Tensor) -> bool:
     """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` has a kernel for ``t``: on CPU every
     floating dtype; on CUDA (and other accelerators) float16, float32 and float64, not bfloat16."""
@@ -399,6 +407,7 @@ class LossScaler:
         self._tolerance = config.hysteresis
         self._scale_value = float(self._scale)
         self._inv: Dict[torch.device, torch.Tensor] = {}  # inv_scale() per device, until the scale moves
+        self._on: Dict[torch.device, torch.Tensor] = {}  # the scale per device, until it moves
         self._overflows = 0  # overflowed updates so far (iterations whose steps were skipped) ...
         self._unresolved: List[List[Any]] = []  # ... and those whose flags are still on a device
         #: update() calls so far (one per training iteration)
@@ -456,12 +465,19 @@ class LossScaler:
     def _inv_scale_on(self, device: torch.device) -> torch.Tensor:
         inv = self._inv.get(device)
         if inv is None:
-            inv = self._inv[device] = self.inv_scale().to(device)
+            inv = self._inv[device] = _to_device(self.inv_scale(), device)
         return inv
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = _to_device(self._scale, device)
+        return t
 
     def _scale_moved(self) -> None:
         self._scale_value = float(self._scale)
         self._inv.clear()
+        self._on.clear()
 
     # -- the iteration ---------------------------------------------------------------------
     def attach(self) -> ScalerClient:
@@ -493,7 +509,7 @@ class LossScaler:
         self._scaled += 1
         if self._scale_value == 1.0 and self.kind is not ScaleKind.DYNAMIC:
             return loss
-        return loss * self._scale.to(device=loss.device)
+        return loss * self._scale_on(loss.device)
 
     def start_unscale(self, client: ScalerClient) -> FoundInf:
         """Check that ``client`` may unscale now (SCALED), and return the accumulator to unscale with."""
