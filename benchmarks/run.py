@@ -977,6 +977,10 @@ def _cpu_meta(s: Settings) -> Dict[str, Any]:
 
 
 def _speed_note(meta: Dict[str, Any]) -> str:
+    if "gpu_capability" in meta:
+        return (f"GPU: {meta['device_name']} ({meta['gpu_memory_gib']} GiB, {meta['gpu_multiprocessors']} SMs, "
+                f"compute capability {meta['gpu_capability']}), CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
+                f"host {meta['host_cpu']}." + (f" {meta['note']}" if meta.get("note") else ""))
     if "fast_low_precision" not in meta:
         return ""
     flags = meta["cpu_flags"]

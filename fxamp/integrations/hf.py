@@ -74,12 +74,19 @@ class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
                  **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
         self.max_grad_norm = max_grad_norm
-        #: the masters' gradient norm before the latest clip (None when not clipping)
-        self.last_grad_norm: Optional[float] = None
+        self._last_norm: Optional[torch.Tensor] = None
 
-    def step(self, closure: None = None) -> bool:
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The masters' gradient norm before the latest clip (None when not clipping).
+
+        Kept as a tensor until read: reading a GPU tensor waits for the device, which step() must not.
+        """
+        return None if self._last_norm is None else float(self._last_norm)
+
+    def step(self, closure: None = None) -> Any:
         if self.max_grad_norm and self.stage == "scaled":  # (segmented on a large model: no fp32 gradient buffer)
-            self.last_grad_norm = float(self.clip_grad_norm_(self.max_grad_norm))
+            self._last_norm = self.clip_grad_norm_(self.max_grad_norm)
         return super().step(closure)
 
 
