@@ -23,7 +23,10 @@ optimizer attached to it)::
 gradient by the scale and checks it for inf/NaN in one fused kernel per (device, dtype), agrees
 on the result across ranks, then steps or skips (a skip changes no weight, master or optimizer
 state) and updates the scale (see :class:`fxamp.LossScaler`).  At scale 1 (bfloat16's default)
-there is nothing to divide: a float32 CPU gradient buffer is only read for the check.
+there is nothing to divide: a float32 CPU gradient buffer is only read for the check.  On a GPU
+with a fused inner optimizer the result is not read on the host: the flag goes to the optimizer's
+kernel, which skips on the device, and the host learns the outcome at the next iteration's start
+(see :meth:`MixedPrecisionOptimizer.step`).
 
 On a large model the step is bound by memory traffic, not by Python: besides the inner step, the
 wrapper reads the low-precision gradients and writes their float32 copies, reads those for the
