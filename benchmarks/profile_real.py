@@ -38,7 +38,10 @@ GROUPS = {
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_real", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    p.add_argument("--model", choices=("gpt", "resnet", "gpt-math"), default="gpt",
+                   help="gpt-math: the throughput benchmark's GPT-2 small (attention written out, dropout 0.1)")
+    p.add_argument("--adamw", choices=("default", "fused", "foreach"), default="default",
+                   help="AdamW's implementation in every variant (default: fused where available)")
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--variants", nargs="+", default=[R.AUTOCAST, R.LIMIT, R.O2])
     p.add_argument("--steps", type=int, default=3)
@@ -51,7 +54,10 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
-    case = R.cases(args.size, device)[0 if args.model == "gpt" else 1]
+    case = R.cases(args.size, device)[1 if args.model == "resnet" else 0]
+    if args.model == "gpt-math":
+        case = R.gpt_math_case(args.size, device)
+    adamw = None if args.adamw == "default" else {args.adamw: True}
     torch.manual_seed(0)
     base = case.build()
     x, y = case.make_x(), case.make_y()
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
         key = "self_device_time_total" if hasattr(probe, "self_device_time_total") else "self_cuda_time_total"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for v in args.variants:
-        step = R.train_step(v, base, case, x, y, dtype)[0]
+        step = R.train_step(v, base, case, x, y, dtype, adamw)[0]
         for _ in range(3):
             step()
         walls = []

@@ -86,6 +86,18 @@ def cases(size: str, device: torch.device = torch.device("cpu")) -> List[Case]:
     ]
 
 
+def gpt_math_case(size: str, device: torch.device) -> Case:
+    """The throughput benchmark's GPT-2 small (attention written out, dropout 0.1) as a case (profiling)."""
+    from benchmarks.models import GPT
+
+    v, seq, d, layers, heads, b = (64, 16, 32, 1, 4, 2) if size == "tiny" else (50257, 1024, 768, 12, 12, 8)
+    return Case(f"GPT-2 math attention d{d} L{layers} b{b} s{seq}",
+                lambda: GPT(vocab=v, seq=seq, d=d, layers=layers, heads=heads).to(device),
+                lambda: torch.randint(0, v, (b, seq), device=device),
+                lambda: torch.randint(0, v, (b, seq), device=device),
+                train=True, export=False, compile_train=False)
+
+
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
@@ -109,11 +121,12 @@ ADAMW_KWARGS: Dict[str, bool] = {"fused": True} if _fused_adamw_works() else {"f
 ADAMW_DESC = "AdamW(" + ", ".join(f"{k}={v}" for k, v in ADAMW_KWARGS.items()) + ")"
 
 
-def _adamw(params) -> torch.optim.Optimizer:
+def _adamw(params, kwargs: Optional[Dict[str, bool]] = None) -> torch.optim.Optimizer:
     params = list(params)
-    kwargs = ADAMW_KWARGS
-    if params and params[0].device.type == "cuda":
-        kwargs = {"fused": True}  # CUDA has had fused AdamW for every floating dtype since torch 2.0
+    if kwargs is None:
+        kwargs = ADAMW_KWARGS
+        if params and params[0].device.type == "cuda":
+            kwargs = {"fused": True}  # CUDA has had fused AdamW for every floating dtype since torch 2.0
     return torch.optim.AdamW(params, lr=1e-4, **kwargs)
 
 
@@ -135,12 +148,14 @@ def _convert(base: nn.Module, policy: str, dtype: torch.dtype, case: Case, x: to
 # one variant: (step or forward, the objects it owns)
 
 
-def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[Callable[[], None], Callable[[], None]]:
-    """(one training step, zero_grad) for a variant, on its own copy of ``base`` (in train mode)."""
+def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype,
+               adamw: Optional[Dict[str, bool]] = None) -> Tuple[Callable[[], None], Callable[[], None]]:
+    """(one training step, zero_grad) for a variant, on its own copy of ``base`` (in train mode);
+    ``adamw``: AdamW's implementation flags (default: the fastest, :data:`ADAMW_KWARGS`, fused on CUDA)."""
     device_type = x.device.type
     if variant in (FP32, AUTOCAST, C_AUTOCAST):
         m = copy.deepcopy(base).train()
-        opt = _adamw(m.parameters())
+        opt = _adamw(m.parameters(), adamw)
         fwd = torch.compile(m) if variant == C_AUTOCAST else m
         use_ac = variant != FP32
         if use_ac and dtype == torch.float16:  # float16 needs loss scaling: autocast's is GradScaler
@@ -166,7 +181,7 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[
         return step, lambda: opt.zero_grad(set_to_none=True)
     if variant == LIMIT:
         m = copy.deepcopy(base).train().to(dtype)
-        opt = _adamw(m.parameters())
+        opt = _adamw(m.parameters(), adamw)
         xl = x.to(dtype) if x.is_floating_point() else x
 
         def step():
@@ -178,7 +193,7 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[
     if variant == O1:
         g = _convert(base, "O1", dtype, case, x).train()
         if dtype == torch.float16:  # float16 needs loss scaling: fxamp's is the optimizer wrapper
-            w1 = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters()), model=g)
+            w1 = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters(), adamw), model=g)
 
             def step():
                 w1.zero_grad(set_to_none=True)
@@ -186,7 +201,7 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[
                 w1.step()
 
             return step, lambda: w1.zero_grad(set_to_none=True)
-        opt = _adamw(g.parameters())
+        opt = _adamw(g.parameters(), adamw)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -196,7 +211,7 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype) -> Tuple[
         return step, lambda: opt.zero_grad(set_to_none=True)
     if variant in (O2, C_O2, O2_PLAIN):
         g = _convert(base, "O2", dtype, case, x).train()
-        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters()), model=g, release_grad_buffer=variant != O2_PLAIN)
+        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters(), adamw), model=g, release_grad_buffer=variant != O2_PLAIN)
         fwd = torch.compile(g) if variant == C_O2 else g
 
         def step():

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .graph import ATTR, CAST, Decision, fetch_attr
-from .op_lists import NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
+from .op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 
 __all__ = ["LOW", "CASTABLE", "NOT_FLOAT", "short_name", "dtype_name", "DtypeInference"]
 
@@ -132,6 +132,9 @@ class DtypeInference:
             return None
         if node.op not in ("call_function", "call_method", "call_module"):
             return None
+        explicit = node.kwargs.get("dtype")
+        if isinstance(explicit, torch.dtype) and not (explicit.is_floating_point or explicit.is_complex):
+            return NOT_FLOAT  # ones_like(x, dtype=torch.bool), arange(n, dtype=torch.long): whatever the inputs
         module = getattr(node.target, "__module__", None) if node.op == "call_function" else None
         inputs = node.all_input_nodes
         if module == "math" or (module == "_operator" and inputs and all(self(i) is NOT_FLOAT and i in self.scalars
@@ -149,6 +152,8 @@ class DtypeInference:
         if dtype is not None:
             return dtype
         floats = [k for k in (self._get(n) for n in node.all_input_nodes) if k is not NOT_FLOAT]
+        if not floats and node.all_input_nodes and key in KEEP_DTYPE_OPS:
+            return NOT_FLOAT  # mask.triu(1), a view of an integer tensor
         decision = self.decisions.get(node)
         if decision is not None and decision.compute is not None:
             return self._computed(node, decision, floats)

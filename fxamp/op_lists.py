@@ -595,5 +595,9 @@ VIEW_OPS = _keys(
     "unbind aten.alias aten.slice aten._unsafe_view aten.split_with_sizes aten.lift_fresh_copy aten.numpy_T "
     "aten.mT aten.mH aten.adjoint aten.matrix_H operator.getitem"
 )
+#: single-tensor ops whose result has their input's dtype, whatever it is: a boolean mask through
+#: ``triu`` is still a mask, not a float input of the op it masks (dtype inference, fxamp/dtypes.py)
+KEEP_DTYPE_OPS = VIEW_OPS | _keys("tril triu masked_fill roll flip diag diagonal repeat expand clone")
+
 #: attributes that are views of a tensor (``w.T``)
 VIEW_ATTRS = frozenset({"T", "mT", "H", "mH"})
