@@ -69,7 +69,7 @@ import torch.nn as nn
 from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, reduces_on_device
 from .errors import OptimizerStateError
 from .info import policy_of
-from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, ScaleKind, Stage
+from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, Stage
 from .policy import Policy
 from .segmented_step import (Run, Strides, flat_grads, grad_strides, plan_runs, segment_numel_for, step_runs,
                              steps_per_parameter)
@@ -602,16 +602,16 @@ class MixedPrecisionOptimizer:
 
         When the inner optimizer's step can skip on the device (torch's fused Adam, AdamW, SGD:
         ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
-        one CUDA device, the flag can be agreed on there (not distributed, or NCCL) and the scale
-        is not a dynamic one shared with other optimizers (whose ``update()`` the caller runs and
-        needs the outcome for).  Elsewhere the decision is read on the host, as it always was.
+        one CUDA device and the flag can be agreed on there (not distributed, or NCCL).  Elsewhere
+        the decision is read on the host, as it always was.  A dynamic scale shared with other
+        optimizers moves in the caller's ``update()``, which reads the flag then: after this step's
+        kernels are queued, so the device still has work while the host waits.
         """
         if plan.decide_on is _UNKNOWN:
             plan.decide_on = None
             devices = plan.devices()
             if (getattr(self.optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
-                    and next(iter(devices)).type in _DECIDE_ON
-                    and (self._owns_scaler or self.scaler.kind is not ScaleKind.DYNAMIC)):
+                    and next(iter(devices)).type in _DECIDE_ON):
                 device = next(iter(devices))
                 if not self.sync_overflow or reduces_on_device(device, self.process_group):
                     plan.decide_on = device

@@ -126,11 +126,19 @@ def test_state_dict_after_a_deferred_skip_counts_it(on_device):
     assert opt.state_dict()["skipped_steps"] == 1
 
 
-@pytest.mark.parametrize("why", ["not fused", "shared dynamic scaler"])
-def test_decided_on_the_host_otherwise(on_device, why):
-    """A non-fused optimizer cannot skip on the device; a shared dynamic scale moves in the caller's update()."""
-    _run(torch.float16, 3, poison=(1,), fused=why != "not fused", shared=why == "shared dynamic scaler",
-         deferred_expected=False)
+def test_decided_on_the_host_with_a_non_fused_optimizer(on_device):
+    """A non-fused optimizer cannot skip on the device."""
+    _run(torch.float16, 3, poison=(1,), fused=False, deferred_expected=False)
+
+
+def test_a_shared_dynamic_scaler_moves_in_the_callers_update(monkeypatch):
+    """Shared (``loss_scale=scaler``, the caller runs ``update()``, as FxampPrecision does): decided on
+    the device too; update() reads the flag, after the step's kernels are queued.  The same steps."""
+    host = _run(torch.float16, 6, poison=(2, 3), shared=True, deferred_expected=False)
+    monkeypatch.setattr(optim_mod, "_DECIDE_ON", ("cuda", "cpu"))
+    device = _run(torch.float16, 6, poison=(2, 3), shared=True, deferred_expected=True)
+    _same(host, device)
+    assert device[1].scaler.overflows == 2 and device[3][4] == device[3][2] / 4
 
 
 def test_step_twice_is_still_refused(on_device):
