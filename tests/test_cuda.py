@@ -192,3 +192,33 @@ def test_the_host_never_waits_for_a_step(dtype, width):
             assert all(torch.equal(t, after[k][n]) for k, v in state.items() for n, t in v.items())
             assert opt.overflowed_params()
     assert opt.skipped_steps == 1 and opt.scaler.overflows == 1
+
+
+def test_a_shared_dynamic_scaler_reads_the_flag_in_update_only():
+    """Two optimizers, one float16 LossScaler (as FxampPrecision shares it): step() does not wait;
+    the caller's update() reads both flags and moves the scale."""
+    torch.manual_seed(0)
+    scaler = fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(init_scale=2.0 ** 10))
+    a = fxamp.convert(nn.Sequential(nn.Linear(32, 32), nn.GELU()).to(DEV), "O2", dtype=torch.float16)
+    b = fxamp.convert(nn.Linear(32, 4).to(DEV), "O2", dtype=torch.float16)
+    opts = [fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), model=m,
+                                          loss_scale=scaler) for m in (a, b)]
+    x = torch.randn(8, 32, device=DEV)
+    for i in range(3):
+        for o in opts:
+            o.zero_grad()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = b(a(x)).float().square().mean()
+            if i == 1:
+                loss = loss * float("inf")
+            opts[0].backward(loss)
+            results = [o.step() for o in opts]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        scale = scaler.scale
+        overflowed = scaler.update()
+        assert bool(overflowed) == (i == 1)
+        assert all(bool(r) == (i != 1) for r in results)
+        assert scaler.scale == (scale / 2 if i == 1 else scale)
+    assert [o.skipped_steps for o in opts] == [1, 1]
