@@ -1,8 +1,9 @@
-"""Real-size training steps timed 1 and 10 steps per synchronized block: ``python -m benchmarks.steps_per_block``.
+"""Real-size training steps timed 1 and 10 steps per synchronized block: ``python -m benchmarks.steps_per_block [float16]``.
 
 The suite synchronizes around every timed step, so each starts from an idle GPU and the host's
 time to queue its first kernels counts; a training loop that never synchronizes hides it.  This
-times autocast, pure bf16 and fxamp O1/O2 (benchmarks/real.py's variants, fused AdamW) both ways,
+times autocast, pure low precision and fxamp O1/O2 (benchmarks/real.py's variants, fused AdamW;
+bfloat16 unless the first argument names another dtype) both ways,
 7 rounds after 3 warm-up steps, and prints each median and its ratio to autocast's.  CUDA only.
 """
 
@@ -24,12 +25,13 @@ def main() -> int:
         print("error: needs CUDA", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
+    dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 else torch.bfloat16
     for which in (1, 0):  # ResNet-50, then GPT-2 small
         case = R.cases("real", dev)[which]
         torch.manual_seed(0)
         base = case.build()
         x, y = case.make_x(), case.make_y()
-        steps = {v: R.train_step(v, base, case, x, y, torch.bfloat16)[0] for v in VARIANTS}
+        steps = {v: R.train_step(v, base, case, x, y, dtype)[0] for v in VARIANTS}
         times = {v: {1: [], 10: []} for v in steps}
         for f in steps.values():
             for _ in range(3):
