@@ -48,7 +48,8 @@ def main() -> int:
         ac = {n: statistics.median(times[R.AUTOCAST][n]) for n in (1, 10)}
         for v in steps:
             m = {n: statistics.median(times[v][n]) for n in (1, 10)}
-            print(f"{case.name[:24]} {v:10} " + " ".join(
+            name = R.limit_name(dtype) if v == R.LIMIT else v
+            print(f"{case.name[:24]} {name:10} " + " ".join(
                 f"{n} step(s)/block {m[n] * 1e3:6.1f} ms {m[n] / ac[n]:.3f}x" for n in (1, 10)), flush=True)
         del steps, base
     return 0
