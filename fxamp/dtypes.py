@@ -89,7 +89,10 @@ class DtypeInference:
 
     def _get(self, node: fx.Node) -> Any:
         if node not in self.known:
-            self.known[node] = self._infer(node)
+            known = self._infer(node)
+            if isinstance(known, torch.dtype) and not (known.is_floating_point or known.is_complex):
+                known = NOT_FLOAT  # x.to(torch.bool), sum(dtype=torch.long): a mask or a count, not a float
+            self.known[node] = known
         return self.known[node]
 
     def _infer(self, node: fx.Node) -> Any:

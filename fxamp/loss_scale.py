@@ -178,7 +178,7 @@ class FoundInf:
         if not tensors:
             return
         device = tensors[0].device
-        flag = self._flag(device)
+        flag = self.flag_on(device)
         t = tensors[0]
         if self.unit and len(tensors) == 1 and t.device.type == "cpu" and t.dtype == torch.float32 \
                 and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
@@ -204,19 +204,16 @@ class FoundInf:
         if device.type == "cpu" and bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
             return  # (on an accelerator this would wait for the device)
         if not _fused_kernel_takes(tensors[0]):
-            note_non_finite_(self._flag(device), tensors)
+            note_non_finite_(self.flag_on(device), tensors)
             return
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, self._flag(device), torch.ones((), device=device))
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.flag_on(device), torch.ones((), device=device))
 
-    def _flag(self, device: torch.device) -> torch.Tensor:
+    def flag_on(self, device: torch.device) -> torch.Tensor:
+        """The flag of ``device`` (0.0 until an inf/NaN is found there): float32, 0-dim, on ``device``."""
         flag = self.flags.get(device)
         if flag is None:
             flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
         return flag
-
-    def flag_on(self, device: torch.device) -> torch.Tensor:
-        """The flag of ``device`` (0.0 when nothing was checked there): float32, 0-dim, on ``device``."""
-        return self._flag(device)
 
     def found(self) -> torch.Tensor:
         """1.0 if any tensor held an inf/NaN, else 0.0: a float32 0-dim CPU tensor."""
@@ -276,12 +273,20 @@ class DeviceFlag:
         return f"DeviceFlag({bool(self) if self.ready() else 'pending'})"
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of the CPU tensor ``t`` on ``device``; to CUDA from pinned memory, so the host does not wait
-    for the stream to reach the copy (a copy from pageable memory would: a hidden synchronization)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # (a fresh pinned buffer: nothing reuses it in flight)
-    return t.to(device)
+def _cached_on(cache: Dict[torch.device, torch.Tensor], device: torch.device,
+               make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``cache[device]``, else a copy of the CPU tensor ``make()`` put there: to CUDA from pinned memory,
+    so the host does not wait for the stream to reach the copy (a copy from pageable memory would:
+    a hidden synchronization).  The caller clears ``cache`` when the value moves."""
+    t = cache.get(device)
+    if t is None:
+        t = make()
+        if device.type == "cuda":  # (a fresh pinned buffer: nothing reuses it while the copy is in flight)
+            t = t.pin_memory().to(device, non_blocking=True)
+        else:
+            t = t.to(device)
+        cache[device] = t
+    return t
 
 
 def _fused_kernel_takes(t: torch.Tensor) -> bool:
@@ -463,16 +468,10 @@ class LossScaler:
         return self._inv_scale_on(torch.device(device))
 
     def _inv_scale_on(self, device: torch.device) -> torch.Tensor:
-        inv = self._inv.get(device)
-        if inv is None:
-            inv = self._inv[device] = _to_device(self.inv_scale(), device)
-        return inv
+        return _cached_on(self._inv, device, self.inv_scale)
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
-        t = self._on.get(device)
-        if t is None:
-            t = self._on[device] = _to_device(self._scale, device)
-        return t
+        return _cached_on(self._on, device, lambda: self._scale)
 
     def _scale_moved(self) -> None:
         self._scale_value = float(self._scale)

@@ -134,12 +134,13 @@ def test_softmax_between_matmuls_stays_low_elsewhere_float32():
     assert {c.inputs for c in rec.of("_softmax")} == {(torch.float32,)}
 
 
+@pytest.mark.parametrize("make_mask", ["ones_like(dtype=bool).triu", "triu.to(bool)"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_causal_softmax_between_matmuls_stays_low(dtype):
-    """A causal mask made with ``ones_like(scores[0, 0], dtype=torch.bool).triu(1)`` is a mask, not a
-    float input of the masked_fill: the softmax between the two matmuls stays low precision (it ran
-    in float32 with two casts of the whole score matrix: GPT-2 small's training 8% slower than
-    autocast's under float16 on an H100)."""
+def test_causal_softmax_between_matmuls_stays_low(dtype, make_mask):
+    """A causal mask made with ``ones_like(scores[0, 0], dtype=torch.bool).triu(1)`` (or converted with
+    ``.to(torch.bool)``) is a mask, not a float input of the masked_fill: the softmax between the two
+    matmuls stays low precision (it ran in float32 with two casts of the whole score matrix: GPT-2
+    small's training 8% slower than autocast's under float16 on an H100)."""
 
     class Causal(nn.Module):
         def __init__(self, d=32, heads=4):
@@ -150,7 +151,10 @@ def test_causal_softmax_between_matmuls_stays_low(dtype):
             b, t, d = x.shape
             q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4).unbind(0)
             scores = torch.matmul(q, k.transpose(-2, -1)) * 0.125
-            mask = torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1)
+            if make_mask == "triu.to(bool)":
+                mask = torch.ones_like(scores[0, 0]).triu(1).to(torch.bool)
+            else:
+                mask = torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1)
             probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
             return self.proj(torch.matmul(probs, v).transpose(1, 2).reshape(b, t, d))
 
