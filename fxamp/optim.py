@@ -51,6 +51,11 @@ bitwise the same step; the masters hold no ``.grad`` after it.  ``clip_grad_norm
 without leaving it (norms from the low-precision gradients, the factor applied in ``step()``);
 ``unscale_()`` gives every master its float32 gradient at once (to read them), and the plain step.
 
+In the plain step on CPU, the small masters the wrapper made (at most ``_CAT_NUMEL`` elements)
+are stored as the rows of one float32 tensor per (param group, trailing shape) and stepped as
+that tensor (:mod:`fxamp.packed_step`): a CPU optimizer dispatches every op per tensor, so 400
+small masters cost 400 times the dispatch of one.  Bitwise the same step, invisible outside it.
+
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
 ``fxamp.initialize`` (in :mod:`fxamp.api`) builds this wrapper for a model it converts.
@@ -70,6 +75,7 @@ from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, red
 from .errors import OptimizerStateError
 from .info import policy_of
 from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, Stage
+from .packed_step import Pack, step_with_packs
 from .policy import Policy
 from .segmented_step import (Run, Strides, flat_grads, grad_strides, plan_runs, segment_numel_for, step_runs,
                              steps_per_parameter)
@@ -132,14 +138,16 @@ class _Bucket:
     whose float32 copies start the first segment (``flats[0]``); then the others.
     """
 
-    __slots__ = ("device", "lows", "masters", "grads", "flats", "segments", "cats", "staging", "ncat", "nbytes")
+    __slots__ = ("device", "lows", "masters", "grads", "flats", "segments", "cats", "staging", "ncat", "nbytes",
+                 "packs")
 
-    def __init__(self, lows: List[torch.Tensor], masters: List[torch.Tensor]) -> None:
+    def __init__(self, lows: List[torch.Tensor], masters: List[torch.Tensor], keys: Optional[List[Any]] = None) -> None:
         self.device = lows[0].device
-        groups, rest = _cat_groups(lows, masters)
+        groups, rest = _cat_groups(lows, masters, keys)
         pairs = [pair for group in groups for pair in group] + rest
         self.lows = [low for low, _ in pairs]
         self.masters = [m for _, m in pairs]
+        self.packs: List[Pack] = []  # see pack()
         self.ncat = sum(len(group) for group in groups)
         self.segments = _segments(self.masters, self.ncat)
         self.nbytes = sum(m.numel() * m.element_size() for m in self.masters)
@@ -156,6 +164,30 @@ class _Bucket:
             out = self.staging[offset:offset + n].view(rows, *masters_of_group[0].shape[1:])
             self.cats.append((slice(start, start + len(group)), out))
             start, offset = start + len(group), offset + n
+
+    def pack(self, group_of: Callable[[torch.Tensor], Optional[int]]) -> None:
+        """Store each cat run's masters as one :class:`~fxamp.packed_step.Pack` when ``group_of`` gives
+        them all the same param group (None: not to be packed); the pack's gradient is the run's
+        stretch of the first segment, which ``copy_in`` fills."""
+        offset = 0
+        for run, out in self.cats:
+            members = self.masters[run]
+            n = out.numel()
+            group = group_of(members[0])
+            if group is not None and all(group_of(m) == group for m in members):
+                self.packs.append(Pack(group, members, self._run_grad(run, offset, n, out.shape)))
+            offset += n
+
+    def _run_grad(self, run: slice, offset: int, n: int, shape: torch.Size) -> Callable[[], Optional[torch.Tensor]]:
+        def grad() -> Optional[torch.Tensor]:
+            grads = self.grads
+            if grads is None:
+                return None
+            for m, g in zip(self.masters[run], grads[run]):
+                if m.grad is not g:  # missing, sparse, or replaced since unscale_()
+                    return None
+            return self.flats[0][offset:offset + n].view(shape)
+        return grad
 
     def allocate(self) -> None:
         """Allocate the masters' gradient segments and their views, unless they are still allocated."""
@@ -189,18 +221,21 @@ class _Bucket:
 _Pair = Tuple[torch.Tensor, torch.Tensor]
 
 
-def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor]) -> Tuple[List[List[_Pair]], List[_Pair]]:
+def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor], keys: Optional[List[Any]] = None
+                ) -> Tuple[List[List[_Pair]], List[_Pair]]:
     """Split (low, master) pairs into the groups ``torch.cat`` gathers along dim 0, and the rest.
 
-    A group: two or more small (``_CAT_NUMEL``) CPU tensors with contiguous gradients and the same
-    shape but for dim 0.
+    A group: two or more small (``_CAT_NUMEL``) CPU tensors with contiguous gradients, the same
+    shape but for dim 0, and the same ``keys`` entry (the wrapper's: param group, and whether the
+    master may be packed).
     """
-    groups: Dict[Tuple[int, ...], List[_Pair]] = {}
+    groups: Dict[Tuple[Any, ...], List[_Pair]] = {}
     rest = []
-    for low, m in zip(lows, masters):
+    for i, (low, m) in enumerate(zip(lows, masters)):
         if (low.device.type == "cpu" and 0 < m.dim() and m.numel() <= _CAT_NUMEL
-                and torch.empty_like(m, device="meta").is_contiguous()):
-            groups.setdefault(tuple(m.shape[1:]), []).append((low, m))
+                and m.is_contiguous() and torch.empty_like(m, device="meta").is_contiguous()):
+            key = None if keys is None else keys[i]
+            groups.setdefault((key, tuple(m.shape[1:])), []).append((low, m))
         else:
             rest.append((low, m))
     gathered = [group for group in groups.values() if len(group) > 1]
@@ -287,11 +322,12 @@ class _Plan:
     master pairing, which happens when a group is bound).
     """
 
-    __slots__ = ("buckets", "own", "layout", "runs", "decide_on")
+    __slots__ = ("buckets", "own", "layout", "runs", "decide_on", "packs")
 
     def __init__(self, buckets: List[_Bucket], own: List[List[torch.Tensor]],
                  layout: List[Tuple[List[torch.Tensor], int]]) -> None:
         self.buckets = buckets
+        self.packs = [pack for b in buckets for pack in b.packs]  # small masters stepped as one tensor
         self.own = own
         self.layout = layout
         self.runs: Optional[List[Run]] = None  # a segmented step's runs, planned at the first one
@@ -463,6 +499,7 @@ class MixedPrecisionOptimizer:
         self._lows: List[torch.Tensor] = []  # low-precision model parameters ...
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
+        self._made: set = set()  # ids of the masters this wrapper created (those it may pack)
         self._nparams = 0
         self._plan: Optional[_Plan] = None  # built at the first unscale_(), see _get_plan()
         for group in optimizer.param_groups:
@@ -490,6 +527,7 @@ class MixedPrecisionOptimizer:
                         for k, v in state.items()
                     }
                 params[j] = master
+                self._made.add(id(master))
                 self._pair(p, master)
         self._nparams += len(params)
 
@@ -509,18 +547,32 @@ class MixedPrecisionOptimizer:
 
     def _build_plan(self) -> _Plan:
         """Group the inner optimizer's parameters by device and dtype, in their order in ``param_groups``."""
-        pairs: Dict[Tuple[torch.device, torch.dtype, torch.dtype], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+        pairs: Dict[Tuple[torch.device, torch.dtype, torch.dtype],
+                    Tuple[List[torch.Tensor], List[torch.Tensor], List[Any]]] = {}
         own: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-        for master in self.master_params():
-            low = self._low_of.get(id(master))
-            if low is None:
-                own.setdefault((master.device, master.dtype), []).append(master)
-            else:
-                lows, masters = pairs.setdefault((low.device, low.dtype, master.dtype), ([], []))
+        packing = steps_per_parameter(self.optimizer)
+        group_of: Dict[int, Optional[int]] = {}
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for master in group["params"]:
+                low = self._low_of.get(id(master))
+                if low is None:
+                    own.setdefault((master.device, master.dtype), []).append(master)
+                    continue
+                lows, masters, keys = pairs.setdefault((low.device, low.dtype, master.dtype), ([], [], []))
                 lows.append(low)
                 masters.append(master)
+                # only masters the wrapper made are packed (an adopted one is the user's tensor)
+                packable = packing and id(master) in self._made and master.requires_grad and id(master) not in group_of
+                group_of[id(master)] = gi if packable else None
+                keys.append((gi, packable))
+        buckets = []
+        for lows, masters, keys in pairs.values():
+            bucket = _Bucket(lows, masters, keys)
+            if packing:
+                bucket.pack(lambda m: group_of.get(id(m)))
+            buckets.append(bucket)
         layout = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
-        return _Plan([_Bucket(lows, masters) for lows, masters in pairs.values()], list(own.values()), layout)
+        return _Plan(buckets, list(own.values()), layout)
 
     def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.
@@ -884,12 +936,14 @@ class MixedPrecisionOptimizer:
         else:
             with self._inner_skips(deciding):
                 if segmented is not None:
+                    for pack in plan.packs:
+                        pack.invalidate()  # (its members are stepped run by run)
                     if plan.runs is None:
                         plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)),
                                               segment_numel_for(plan.devices()))
                     step_runs(self.optimizer, plan.runs, _multiplier(segmented, coef))
                 else:
-                    self.optimizer.step()
+                    self._step_inner(deciding)
                     self._refresh()  # (a skip on the device left the masters as they were: the same rounding)
             blame = self.overflowed_params if deciding is not None else tuple
         if deciding is not None:
@@ -901,6 +955,17 @@ class MixedPrecisionOptimizer:
         if self._owns_scaler:
             self.scaler.update()
         return not found
+
+    def _step_inner(self, deciding: Optional[_Deferred]) -> None:
+        """The inner optimizer's step, with the packed small masters (:mod:`fxamp.packed_step`) when it
+        is still a stock per-parameter one and the decision is on the host."""
+        packs = self._plan.packs if self._plan is not None else []
+        if packs and deciding is None and steps_per_parameter(self.optimizer):
+            step_with_packs(self.optimizer, packs)
+            return
+        for pack in packs:
+            pack.invalidate()
+        self.optimizer.step()
 
     def _refresh(self) -> None:
         """Round the masters into the low-precision parameters: one ``_foreach_copy_`` per (device, dtype)."""

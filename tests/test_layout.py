@@ -22,7 +22,7 @@ STAGES: Dict[str, int] = {
     "graph": 1,
     "dtypes": 2,
     "policy": 3, "runtime": 3,
-    "info": 4, "loss_scale": 4, "distributed": 4, "segmented_step": 4,
+    "info": 4, "loss_scale": 4, "distributed": 4, "segmented_step": 4, "packed_step": 4,
     "capture": 5,  # and every capture.* module
     "optim": 5,
     "classify": 6,
@@ -129,7 +129,7 @@ def test_no_import_points_up_the_pipeline():
 
 def test_training_half_does_not_import_the_conversion_half():
     graph = _imports()
-    for module in ("optim", "segmented_step", "loss_scale", "distributed"):
+    for module in ("optim", "segmented_step", "packed_step", "loss_scale", "distributed"):
         reach, todo = set(), [module]
         while todo:
             for n in graph[todo.pop()]:
