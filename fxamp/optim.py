@@ -499,7 +499,8 @@ class MixedPrecisionOptimizer:
         self._lows: List[torch.Tensor] = []  # low-precision model parameters ...
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
-        self._made: set = set()  # ids of the masters this wrapper created (those it may pack)
+        #: the masters this wrapper created, by id (those it may pack); held, so no id is reused
+        self._made: Dict[int, torch.Tensor] = {}
         self._nparams = 0
         self._plan: Optional[_Plan] = None  # built at the first unscale_(), see _get_plan()
         for group in optimizer.param_groups:
@@ -527,7 +528,7 @@ class MixedPrecisionOptimizer:
                         for k, v in state.items()
                     }
                 params[j] = master
-                self._made.add(id(master))
+                self._made[id(master)] = master
                 self._pair(p, master)
         self._nparams += len(params)
 
