@@ -75,8 +75,9 @@ class Pack:
         """Whether the pack can be stepped on ``state`` (the inner optimizer's), gathering the
         members' state into the pack's when the last packed step did not leave it."""
         if self.state is not None and self._holder is state and all(
-                state.get(m) is d for m, d in zip(self.members, self._dicts)):
-            return True
+                state.get(m) is d for m, d in zip(self.members, self._dicts)) and all(
+                torch.equal(self._dicts[0][k], self.state[k]) for k in self._scalars):
+            return True  # (the scalars: unless the inner optimizer was stepped behind the wrapper's back)
         self.invalidate()
         dicts = [state.get(m) for m in self.members]
         if not any(dicts):

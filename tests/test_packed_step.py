@@ -244,6 +244,29 @@ def test_lr_scheduler_and_a_late_step_hook(monkeypatch):
     assert calls[:n] == [8, 8]  # every member of group 1 in it: the hook saw no pack
 
 
+def test_inner_optimizer_stepped_directly_is_noticed(monkeypatch):
+    """A step of the inner optimizer behind the wrapper's back moves every member's step count: the
+    next packed step gathers the members' state again instead of using the pack's stale count."""
+    def train(packed):
+        if not packed:
+            monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
+        model, opt = _build(INNERS["Adam"], BF16)
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            opt.backward(model(x).float().square().mean())
+            if step == 1:
+                opt.unscale_()
+                opt.optimizer.step()  # the masters' gradients are there: a plain step of theirs
+                opt.zero_grad()
+                opt.backward(model(x).float().square().mean())
+            opt.step()
+        monkeypatch.undo()
+        return _snapshot(model, opt)
+
+    assert_bitwise(train(True), train(False))
+
+
 def test_adopted_masters_are_not_packed():
     """fxamp.initialize makes the original model's parameters the masters: the user's tensors, left
     where they are."""
