@@ -104,7 +104,8 @@ LossScaleArg = Union[str, float, None, LossScaleConfig, LossScaler]
 #: On CPU, gradients of at most this many elements are gathered by ``torch.cat`` (one kernel per
 #: trailing shape) into a low-precision staging tensor and converted to float32 by one kernel: a
 #: copy per tensor is mostly dispatch for a small tensor (benchmarks/RESULTS.md, the 200-Linear
-#: chain).  Larger ones are copied directly.
+#: chain).  Larger ones are copied directly.  The masters of the gathered ones that the wrapper made
+#: are stored and stepped as one tensor per cat run (:mod:`fxamp.packed_step`).
 _CAT_NUMEL = 1024
 
 
