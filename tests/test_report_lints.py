@@ -39,3 +39,26 @@ def test_user_chosen_float32_is_not_flagged():
     assert {lint.node for lint in fxamp.report(block, x).lints if lint.kind == "cast-down"} == {"norm1", "norm2"}
     chosen = fxamp.report(block, x, module_overrides={"norm1": "unsafe"})
     assert {lint.node for lint in chosen.lints if lint.kind == "cast-down"} == {"norm2"}
+
+
+def test_gpt2_export_table_fits_120_columns():
+    """Long module paths and attention's three input dtypes made the default table 134 columns wide:
+    narrower column widths are tried until it fits, wrapping cells at spaces, dots and commas."""
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    rep = fxamp.report(model, (ids,), policy="O1", dtype=torch.bfloat16)
+    text = rep.to_table()
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "…" not in text
+    sdpa = text.splitlines().index(next(line for line in text.splitlines() if line.startswith("scaled_dot")))
+    assert "bf16,fp32,bool" in text.splitlines()[sdpa] and "→bf16→bf16" in text.splitlines()[sdpa + 1]
+
+
+def test_wrap_dtypes():
+    from fxamp.report.formats import wrap_dtypes
+
+    assert wrap_dtypes(["fp32"], "bf16", "bf16", 16) == "fp32→bf16→bf16"
+    assert wrap_dtypes([], "-", "fp32", 16) == "·→-→fp32"
+    assert wrap_dtypes(["bf16", "fp32", "bool"], "bf16", "bf16", 16) == "bf16,fp32,bool\n→bf16→bf16"
+    assert wrap_dtypes(["bf16", "fp32", "bool", "i64"], "fp32", "fp32", 12) == "bf16,fp32,\nbool,i64\n→fp32→fp32"

@@ -20,6 +20,11 @@ __all__ = ["CSV_COLUMNS", "NUMERICS_COLUMNS", "JSON_VERSION", "table", "to_dict"
 
 JSON_VERSION = 2  # 2: rows carry "numerics", the report "numerics_summary" and "gradients"
 REASON_WIDTH = 30  # the default table's reason column: the reason's first clause, wrapped at words
+#: the default table's column widths (node, op, reason, in→compute→out, casts), tried in turn until the
+#: table fits in TABLE_WIDTH columns: long module paths and many input dtypes (a GPT-2 exported with
+#: torch.export: ``bf16,fp32,bool→bf16→bf16``) get the narrower ones, most models the first
+COLUMN_WIDTHS = ((20, 18, REASON_WIDTH, 26, 24), (18, 16, 26, 18, 22), (16, 14, 22, 16, 20))
+TABLE_WIDTH = 120
 CSV_COLUMNS = ["record", "node", "kind", "op", "module", "category", "resolved", "reason", "source", "input_dtypes",
                "compute", "output_dtype", "output_shape", "casts", "flops", "value"]
 #: appended to CSV_COLUMNS when the report measured numerics
@@ -102,6 +107,22 @@ def wrap(text: str, width: int) -> str:
     return "\n".join(lines) or text
 
 
+def wrap_dtypes(ins: List[str], compute: str, out: str, width: int) -> str:
+    """``in1,in2→compute→out``, broken after a ``,`` or before ``→compute`` where it is wider than ``width``."""
+    lines = [""]
+    for i, name in enumerate(ins or ["·"]):
+        piece = name + ("," if i < len(ins) - 1 else "")
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    tail = f"→{compute}→{out}"
+    if len(lines[-1]) + len(tail) > width:
+        lines.append(tail)
+    else:
+        lines[-1] += tail
+    return "\n".join(lines)
+
+
 def short_reason(reason: str, width: int = REASON_WIDTH) -> str:
     """The reason's first clause (up to ``:`` or ``;``), wrapped at word boundaries to ``width``.
 
@@ -126,22 +147,32 @@ def table(rep: Any, *, wide: bool = False) -> str:
         headers = ["node", "op", "category", "reason", "in→compute→out", "casts before"]
     if numerics:
         headers += ["SQNR dB", "rel err", "inf/nan", "ovf/unf"]
-    body = []
-    for r in rep.rows:
-        casts = ", ".join(str(c) for c in r.casts)
-        ins = ",".join(short_name(d) for d in unique(r.input_dtypes))
-        if wide:
-            cat = r.category.value if r.resolved is r.category else f"{r.category.value}→{r.resolved.value}"
-            line = [r.node, op_label(r), cat, r.reason, ins, short_name(r.compute), short_name(r.output_dtype), casts]
-        else:  # ~120 columns: short reasons, cells wrapped at spaces (never inside a word)
-            cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
-            dtypes = "→".join([ins or "·", short_name(r.compute), short_name(r.output_dtype)])
-            line = [wrap(r.node, 20), wrap(short_op_label(r), 18), cat, short_reason(r.reason), dtypes, wrap(casts, 24)]
-        if numerics:
-            line += _numerics_cells(r.numerics)
-        body.append(line)
+    def render(widths: Any) -> str:
+        body = []
+        for r in rep.rows:
+            casts = ", ".join(str(c) for c in r.casts)
+            ins = [short_name(d) for d in unique(r.input_dtypes)]
+            if wide:
+                cat = r.category.value if r.resolved is r.category else f"{r.category.value}→{r.resolved.value}"
+                line = [r.node, op_label(r), cat, r.reason, ",".join(ins), short_name(r.compute),
+                        short_name(r.output_dtype), casts]
+            else:  # TABLE_WIDTH columns: short reasons, cells wrapped at spaces (never inside a word)
+                node_w, op_w, reason_w, dtypes_w, casts_w = widths
+                cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
+                dtypes = wrap_dtypes(ins, short_name(r.compute), short_name(r.output_dtype), dtypes_w)
+                line = [wrap(r.node, node_w), wrap(short_op_label(r), op_w), cat, short_reason(r.reason, reason_w),
+                        dtypes, wrap(casts, casts_w)]
+            if numerics:
+                line += _numerics_cells(r.numerics)
+            body.append(line)
+        return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)"
+
+    for widths in COLUMN_WIDTHS[:1] if wide else COLUMN_WIDTHS:
+        text = render(widths)
+        if max(len(line) for line in text.splitlines()) <= TABLE_WIDTH:
+            break
     lines = [header(rep), ""]
-    lines.append(tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)")
+    lines.append(text)
     if any(c.effective is False for r in rep.rows for c in r.casts):
         lines.append("(a→fp16): a run-time checked cast that changed nothing for these inputs")
     if not wide:
