@@ -7,6 +7,8 @@ and the report both read these records, so they can never disagree.
 
 from __future__ import annotations
 
+import difflib
+
 import dataclasses
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
@@ -21,9 +23,13 @@ from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_
                        out_of_place)
 from .policy import Policy
 
-__all__ = ["classify", "annotate", "ModuleOverrides"]
+__all__ = ["classify", "annotate", "ModuleOverrides", "NodeOverrides"]
 
 ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
+#: node name (the report's ``node`` column) -> category: one op, wherever it is (a root-level op too)
+NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
+#: the sources that are the user's choice for one place: no later rule of fxamp's changes them
+_PINNED = (Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
 
 
 def annotate(
@@ -31,9 +37,10 @@ def annotate(
     policy: Policy,
     op_lists: OpLists = DEFAULT_OP_LISTS,
     module_overrides: Optional[ModuleOverrides] = None,
+    node_overrides: Optional[NodeOverrides] = None,
 ) -> Dict[fx.Node, Decision]:
     """:func:`classify`, and record each decision in ``node.meta["fxamp"]``."""
-    decisions = classify(gm, policy, op_lists, module_overrides)
+    decisions = classify(gm, policy, op_lists, module_overrides, node_overrides)
     for node, decision in decisions.items():
         node.meta[DECISION] = decision
     return decisions
@@ -44,14 +51,17 @@ def classify(
     policy: Policy,
     op_lists: OpLists = DEFAULT_OP_LISTS,
     module_overrides: Optional[ModuleOverrides] = None,
+    node_overrides: Optional[NodeOverrides] = None,
 ) -> Dict[fx.Node, Decision]:
-    """One :class:`Decision` per node, in graph order."""
+    """One :class:`Decision` per node, in graph order.  A node override beats a module override,
+    which beats the op lists (with their ``overrides``)."""
     overrides = _check_module_overrides(gm, module_overrides or {})
+    by_node = _check_node_overrides(gm, node_overrides or {})
     modules = dict(gm.named_modules())
     decisions: Dict[fx.Node, Decision] = {}
     infer = DtypeInference(gm, modules, decisions)  # asked only about decided nodes (inputs come first)
     for node in gm.graph.nodes:
-        d = _decide(node, policy, op_lists, overrides, modules, decisions, infer)
+        d = _decide(node, policy, op_lists, overrides, modules, decisions, infer, by_node.get(node.name))
         if d.compute is not None and node.op != "output" and _has_float64_input(node, modules, infer):
             d = dataclasses.replace(d, compute=None, resolved=Category.NEUTRAL, source=Source.FLOAT64, reason=(
                 f"float64 input: fxamp never casts float64, so it runs in float64 (as a {d.resolved.value} op "
@@ -59,7 +69,7 @@ def classify(
         decisions[node] = d
     # Conditions that look at consumers run once every node is decided.
     for node, d in decisions.items():
-        if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source is not Source.MODULE_OVERRIDE:
+        if d.category is Category.CONDITIONAL and d.resolved is Category.UNSAFE and d.source not in _PINNED:
             entry = op_lists.lookup(node.target) if node.op != "call_module" else None
             if entry is not None and entry.condition == "softmax":
                 decisions[node] = _softmax_between_low_ops(node, d, decisions, _float_inputs(gm, modules, decisions))
@@ -83,7 +93,7 @@ def _widen_for_float32_users(gm: fx.GraphModule, policy: Policy, op_lists: OpLis
     for node in reversed(nodes):
         d = decisions[node]
         if (d.category is not Category.CONDITIONAL or d.resolved is not Category.NEUTRAL or d.compute is not None
-                or d.source is Source.MODULE_OVERRIDE or node.op not in ("call_function", "call_method")
+                or d.source in _PINNED or node.op not in ("call_function", "call_method")
                 or is_inplace(node.op, node.target)):
             continue
         entry = op_lists.lookup(node.target)
@@ -188,6 +198,26 @@ def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> D
     return checked
 
 
+def _check_node_overrides(gm: fx.GraphModule, overrides: NodeOverrides) -> Dict[str, OpEntry]:
+    names = {n.name: n for n in gm.graph.nodes}
+    checked: Dict[str, OpEntry] = {}
+    for name, value in overrides.items():
+        if not isinstance(name, str):
+            raise TypeError(f"node_overrides keys are node names as fxamp.report shows them (e.g. 'add_1'), "
+                            f"not {name!r}")
+        node = names.get(name)
+        if node is None:
+            close = difflib.get_close_matches(name, list(names), n=5)
+            raise ValueError(
+                f"node_overrides: the graph has no node {name!r}"
+                + (f"; did you mean one of {close}?" if close else "")
+                + " (names are those of fxamp.report's node column, for the same front end)")
+        if node.op in ("placeholder", "get_attr", "output"):
+            raise ValueError(f"node_overrides: {name!r} is a graph {node.op}, not an op; override the ops that use it")
+        checked[name] = as_entry(value, f"node {name!r} overridden by the user", Source.NODE_OVERRIDE)
+    return checked
+
+
 def _covering_override(path: str, overrides: Dict[str, OpEntry]) -> Optional[Tuple[str, OpEntry]]:
     best = None
     for prefix, entry in overrides.items():
@@ -237,6 +267,7 @@ def _decide(
     modules: Dict[str, nn.Module],
     done: Mapping[fx.Node, Decision],
     infer: DtypeInference,
+    pinned: Optional[OpEntry] = None,
 ) -> Decision:
     path = module_path_of(node)
     if node.op == "placeholder":
@@ -263,9 +294,10 @@ def _decide(
         name = op_name(op_key(target))
 
     covering = _covering_override(path, overrides)
+    override = pinned if pinned is not None else covering[1] if covering is not None else None
     if is_inplace(node.op, node.target):
-        return _inplace(node, name, path, policy, covering[1] if covering is not None else None, op_lists, infer)
-    entry = covering[1] if covering is not None else op_lists.lookup(target)
+        return _inplace(node, name, path, policy, override, op_lists, infer)
+    entry = override if override is not None else op_lists.lookup(target)
     if entry is None:
         if node.op == "call_module":
             return Decision(name, Category.UNLISTED,

@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import LeafSpec, capture
-from .classify import ModuleOverrides
+from .classify import ModuleOverrides, NodeOverrides
 from .errors import TraceError
 from .info import ConversionInfo, conversion_info, policy_of
 from .lazy import LazyConverted
@@ -30,6 +30,7 @@ def convert(
     keep_norms_fp32: bool = False,
     overrides: Optional[Mapping[OpKey, Union[str, Category, OpEntry]]] = None,
     module_overrides: Optional[ModuleOverrides] = None,
+    node_overrides: Optional[NodeOverrides] = None,
     op_lists: Optional[OpLists] = None,
     leaf_modules: Sequence[LeafSpec] = (),
     example_inputs: Optional[Tuple[Any, ...]] = None,
@@ -47,6 +48,9 @@ def convert(
     keep_norms_fp32:  O3 only: keep normalisation layers in float32 (apex's keep_batchnorm_fp32).
     overrides:        change op categories: ``{torch.exp: "neutral", nn.GELU: "unsafe", "Tensor.sum": ...}``.
     module_overrides: change every op under a module path: ``{"encoder.layers.3": "unsafe"}``.
+    node_overrides:   change one op, by its node name as ``fxamp.report`` shows it (``{"add_1": "unsafe"}``):
+                      for an op in the model's own ``forward``, which no module path covers alone.
+                      Names belong to one capture: check them in the report of the same front end.
     op_lists:         replace the default op lists altogether (``overrides`` apply on top).
     leaf_modules:     module classes or paths that torch.fx must not trace into (a float32 leaf holding
                       more than 10% of the parameters is noted and warned about).
@@ -77,7 +81,8 @@ def convert(
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
-    lazy_options = dict(op_lists=lists, module_overrides=module_overrides, dynamic=dynamic, weight_cache=weight_cache,
+    lazy_options = dict(op_lists=lists, module_overrides=module_overrides, node_overrides=node_overrides,
+                        dynamic=dynamic, weight_cache=weight_cache,
                         debug_overflow=debug_overflow)
     if frontend == "export" and not has_inputs:
         return LazyConverted(source, pol, owns_model=changes_storage, **lazy_options)
@@ -89,7 +94,7 @@ def convert(
             raise  # export was tried already, or cannot help (leaf_modules)
         return LazyConverted(source, pol, owns_model=changes_storage, fx_error=e, **lazy_options)
     return rewrite_captured(captured, pol, lists, module_overrides, weight_cache=weight_cache,
-                            debug_overflow=debug_overflow)
+                            debug_overflow=debug_overflow, node_overrides=node_overrides)
 
 
 def clear_cast_cache(module: nn.Module) -> None:

@@ -60,6 +60,7 @@ class Source(str, enum.Enum):
     OP_LIST = "op list"  # fxamp's default lists
     OVERRIDE = "override"  # the user's overrides= / OpLists.with_overrides
     MODULE_OVERRIDE = "module override"  # the user's module_overrides=
+    NODE_OVERRIDE = "node override"  # the user's node_overrides=
     DEFAULT = "default"  # on no list: the unlisted rule
     GRAPH = "graph"  # decided by the graph's structure (inputs, outputs, attributes, in-place ops)
     FLOAT64 = "float64"  # a float input is float64, which fxamp never casts: the op runs in float64

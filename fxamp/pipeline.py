@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .attention import low_precision_attention
 from .capture import Captured
-from .classify import ModuleOverrides, annotate
+from .classify import ModuleOverrides, NodeOverrides, annotate
 from .debug import add_overflow_checks
 from .info import INFO_ATTR, ConversionInfo
 from .op_lists import OpLists
@@ -29,7 +29,8 @@ __all__ = ["rewrite_captured", "FLOAT32_LEAF_SHARE"]
 def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
                      module_overrides: Optional[ModuleOverrides] = None, *, weight_cache: bool = True,
                      storage: str = "decide", notes: Sequence[str] = (),
-                     debug_overflow: Union[bool, str] = False) -> fx.GraphModule:
+                     debug_overflow: Union[bool, str] = False,
+                     node_overrides: Optional[NodeOverrides] = None) -> fx.GraphModule:
     """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
 
     storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
@@ -41,7 +42,7 @@ def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
     if storage not in ("decide", "keep"):
         raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
     gm = captured.graph_module
-    decisions = annotate(gm, policy, op_lists, module_overrides)
+    decisions = annotate(gm, policy, op_lists, module_overrides, node_overrides)
     if policy.enabled:
         if storage == "decide":
             store_params(gm, decisions, policy)

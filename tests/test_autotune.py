@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_finds_exactly_the_culprits(frontend, name, culprits):
     model, batches = getattr(planted, name)(), planted.batches()
     amp, overrides, result = fxamp.autotune(model, batches, min_sqnr_db=30.0, frontend=frontend, return_result=True)
-    assert overrides == {"module_overrides": {c: "unsafe" for c in culprits}, "overrides": {}}
+    assert overrides == {"module_overrides": {c: "unsafe" for c in culprits}, "node_overrides": {}, "overrides": {}}
     assert set(result.chosen) == culprits and result.score_before < 30 <= result.score_after
     # the culprits are ranked first, and the search is logarithmic in the candidates
     assert set(result.units[:len(culprits)]) == culprits
@@ -36,7 +36,7 @@ def test_finds_exactly_the_culprits(frontend, name, culprits):
 def test_healthy_model_changes_nothing():
     model, batches = planted.Healthy(), planted.batches()
     amp, overrides, result = fxamp.autotune(model, batches, return_result=True)
-    assert overrides == {"module_overrides": {}, "overrides": {}} and result.evaluations == 1
+    assert overrides == {"module_overrides": {}, "node_overrides": {}, "overrides": {}} and result.evaluations == 1
     with torch.no_grad():
         assert torch.equal(amp(*batches[0]), fxamp.convert(model, "O1")(*batches[0]))
 
@@ -53,7 +53,9 @@ def test_metric_and_tolerance():
         fxamp.autotune(model, batches, metric=max_abs)
 
 
-def test_root_level_op_is_overridden_by_op():
+def test_root_level_op_is_overridden_by_itself():
+    """An op in the model's own forward is a unit of its own (node_overrides): the square that overflows
+    moves to float32, the scaling by 200 (the same op, operator.mul) stays in low precision."""
     class Root(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -63,9 +65,11 @@ def test_root_level_op_is_overridden_by_op():
             h = self.fc(x) * 200.0
             return torch.cat([h / 1000.0, (h * h).sum(-1, keepdim=True) / 1e6], -1)
 
-    _, overrides = fxamp.autotune(Root(), planted.batches())
-    import operator
-    assert overrides == {"module_overrides": {}, "overrides": {operator.mul: "unsafe"}}
+    amp, overrides = fxamp.autotune(Root(), planted.batches())
+    assert overrides == {"module_overrides": {}, "node_overrides": {"mul_1": "unsafe"}, "overrides": {}}
+    decisions = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    assert decisions["mul"].category.value == "neutral" and decisions["mul"].compute is None  # follows fc: float16
+    assert decisions["mul_1"].compute == torch.float32 and decisions["mul_1"].source.value == "node override"
 
 
 def test_json_round_trip(tmp_path, capsys):
@@ -75,8 +79,8 @@ def test_json_round_trip(tmp_path, capsys):
     assert "2 units to float32" in out and '"energy": "unsafe"' in out
     path = tmp_path / "overrides.json"
     fxamp.save_overrides(overrides, str(path))
-    assert json.loads(path.read_text()) == {"version": 1, "module_overrides": {"energy": "unsafe", "shrink": "unsafe"},
-                                            "overrides": {}}
+    assert json.loads(path.read_text()) == {"version": 2, "module_overrides": {"energy": "unsafe", "shrink": "unsafe"},
+                                            "node_overrides": {}, "overrides": {}}
     assert fxamp.load_overrides(str(path)) == overrides
     import operator
     fxamp.save_overrides({"overrides": {operator.mul: "unsafe", torch.ops.aten.exp: "neutral", "Tensor.sum": "safe"}},
@@ -87,8 +91,11 @@ def test_json_round_trip(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown op 'nope.op'"):
         fxamp.load_overrides(str(path))
     path.write_text("[1]")
-    with pytest.raises(ValueError, match="expected an object with 'module_overrides' and 'overrides'"):
+    with pytest.raises(ValueError, match="expected an object with 'module_overrides', 'node_overrides' and"):
         fxamp.load_overrides(str(path))
+    path.write_text('{"version": 1, "module_overrides": {"energy": "unsafe"}, "overrides": {}}')  # older files
+    assert fxamp.load_overrides(str(path)) == {"module_overrides": {"energy": "unsafe"}, "node_overrides": {},
+                                               "overrides": {}}
 
 
 def test_unreachable_tolerance_is_an_error():

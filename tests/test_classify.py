@@ -192,6 +192,58 @@ def test_module_path_overrides():
     assert first.inputs[0] == torch.float16 and second.inputs == (torch.float32,) * 3
 
 
+class RootOps(nn.Module):
+    """Ops in the model's own forward: no module path covers one of them alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x) * 2.0  # mul
+        return self.head(h * h)  # mul_1, then linear_1
+
+
+def test_node_overrides_change_one_root_level_op():
+    amp = fxamp.convert(RootOps(), "O1", node_overrides={"mul_1": "unsafe", "linear_1": "unsafe"},
+                        module_overrides={"head": "safe"})  # a node override beats a module override
+    d = decisions(amp)
+    assert d["mul"].category is Category.NEUTRAL and d["mul"].source == "op list"
+    assert d["mul_1"].category is Category.UNSAFE and d["mul_1"].source == "node override"
+    assert d["linear_1"].category is Category.UNSAFE and d["linear_1"].source == "node override"
+    with OpDtypes() as rec:
+        amp(torch.randn(2, 8))
+    muls = rec.of("mul")
+    assert [c.inputs[0] for c in muls] == [torch.float16, torch.float32]  # the other mul stays low
+    assert rec.of("addmm")[1].inputs == (torch.float32,) * 3
+    rep = fxamp.report(RootOps(), torch.randn(2, 8), node_overrides={"mul_1": "unsafe"})
+    row = next(r for r in rep.rows if r.node == "mul_1")
+    assert row.source == "node override" and row.compute == "float32"
+
+
+def test_node_overrides_are_checked():
+    with pytest.raises(ValueError, match=r"no node 'mul_2'; did you mean one of \['mul_1', 'mul'"):
+        fxamp.convert(RootOps(), "O1", node_overrides={"mul_2": "unsafe"})
+    with pytest.raises(ValueError, match="'x' is a graph placeholder, not an op"):
+        fxamp.convert(RootOps(), "O1", node_overrides={"x": "unsafe"})
+    with pytest.raises(TypeError, match="node_overrides keys are node names"):
+        fxamp.convert(RootOps(), "O1", node_overrides={operator.mul: "unsafe"})
+
+
+def test_node_overrides_reach_a_lazy_conversion():
+    """frontend="export" without example inputs captures at the first call: the names are checked there."""
+    amp = fxamp.convert(RootOps(), "O1", frontend="export", node_overrides={"mul_1": "unsafe"})
+    x = torch.randn(2, 8)
+    amp(x)  # captures (running the model in float32 once)
+    with OpDtypes() as rec:
+        amp(x)
+    assert [c.inputs[0] for c in rec.of("mul")] == [torch.float16, torch.float32]
+    bad = fxamp.convert(RootOps(), "O1", frontend="export", node_overrides={"nope": "unsafe"})
+    with pytest.raises(ValueError, match="no node 'nope'"):
+        bad(x)
+
+
 def test_with_overrides_makes_new_lists():
     lists = DEFAULT_OP_LISTS.with_overrides({torch.exp: "neutral"})
     assert lists.lookup(torch.exp).category is Category.NEUTRAL

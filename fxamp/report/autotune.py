@@ -4,7 +4,7 @@
 
 1. convert with the policy and compare the output with float32's on every batch; done if it holds;
 2. otherwise measure each node side by side (:mod:`.numerics`) and rank the units that run in low
-   precision (the innermost module owning a node, or for nodes at the root its op) by the error
+   precision (the innermost module owning a node, or a node at the root by itself) by the error
    they introduce (a node's SQNR drop below its inputs'; a float32 node's drop is charged to the
    low-precision units feeding it);
 3. check that moving every unit to float32 meets the tolerance (else the error is not mixed
@@ -12,7 +12,8 @@
    it (``log2(units)`` evaluations), and drop any unit of that prefix the tolerance holds without.
 
 The result is ``(converted, overrides)``: ``overrides`` is ``{"module_overrides": {path: "unsafe"},
-"overrides": {op: "unsafe"}}``, keyword arguments :func:`fxamp.convert` accepts as they are
+"node_overrides": {node name: "unsafe"}, "overrides": {op: "unsafe"}}`` (the user's own overrides,
+and what the search added), keyword arguments :func:`fxamp.convert` accepts as they are
 (``fxamp.convert(model, "O1", **overrides)``); :func:`save_overrides` / :func:`load_overrides`
 write and read it as JSON (ops by name).
 """
@@ -32,7 +33,7 @@ import torch.nn as nn
 from ..convert import convert, policy_of
 from ..errors import FxampError
 from ..graph import CAST, DECISION, attr_target
-from ..op_lists import op_key, op_name
+from ..op_lists import op_name
 from ..policy import Policy
 from .numerics import SideBySide, as_batches, node_drops, sqnr
 from .observe import bind_inputs
@@ -40,7 +41,7 @@ from .observe import bind_inputs
 __all__ = ["autotune", "save_overrides", "load_overrides", "TuneResult"]
 
 _FLOAT32 = "unsafe"  # the category that puts a node in float32
-_JSON_VERSION = 1
+_JSON_VERSION = 2  # 2: "node_overrides" (files of version 1 have none)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,11 @@ def autotune(
     kwargs = dict(example_kwargs or {})
     user_overrides = dict(convert_options.pop("overrides", None) or {})
     user_modules = dict(convert_options.pop("module_overrides", None) or {})
+    user_nodes = dict(convert_options.pop("node_overrides", None) or {})
+
+    def given() -> Dict[str, Dict[Any, Any]]:
+        return {"module_overrides": dict(user_modules), "node_overrides": dict(user_nodes),
+                "overrides": dict(user_overrides)}
     say = print if verbose else (lambda *a, **k: None)
 
     modes = [(m, m.training) for m in model.modules()]
@@ -115,11 +121,12 @@ def autotune(
         evaluations = 0
 
         def build(units: Sequence[Tuple[str, Any]]) -> fx.GraphModule:
-            mods = dict(user_modules)
-            ops = dict(user_overrides)
+            chosen = given()
             for kind, key in units:
-                (mods if kind == "module" else ops)[key] = _FLOAT32
-            return convert(model, policy, dtype=dtype, overrides=ops or None, module_overrides=mods or None,
+                chosen[_KEYS[kind]][key] = _FLOAT32
+            return convert(model, policy, dtype=dtype, overrides=chosen["overrides"] or None,
+                           module_overrides=chosen["module_overrides"] or None,
+                           node_overrides=chosen["node_overrides"] or None,
                            example_inputs=batches[0], example_kwargs=kwargs or None, **convert_options)
 
         def evaluate(units: Sequence[Tuple[str, Any]]) -> Tuple[float, fx.GraphModule]:
@@ -140,8 +147,7 @@ def autotune(
         if holds(before):
             say("fxamp tune: the tolerance holds as converted; no overrides")
             result = TuneResult((), (), evaluations, before, before)
-            return _returned(amp, {"module_overrides": dict(user_modules), "overrides": dict(user_overrides)},
-                             result, return_result)
+            return _returned(amp, given(), result, return_result)
 
         ranked = rank_units(amp, model, batches, kwargs)
         names = tuple(_unit_name(u) for u in ranked)
@@ -172,9 +178,9 @@ def autotune(
             if holds(value):
                 chosen = rest
         after, amp = evaluate(chosen)
-        overrides = {"module_overrides": dict(user_modules), "overrides": dict(user_overrides)}
+        overrides = given()
         for kind, key in chosen:
-            overrides["module_overrides" if kind == "module" else "overrides"][key] = _FLOAT32
+            overrides[_KEYS[kind]][key] = _FLOAT32
         say(f"fxamp tune: {len(chosen)} unit{'s' if len(chosen) != 1 else ''} to float32 after {evaluations} "
             f"evaluations: {', '.join(_unit_name(u) for u in chosen)}; {_fmt(after, metric)}")
         say(json.dumps(overrides_to_json(overrides), indent=2))
@@ -193,14 +199,19 @@ def _fmt(value: float, metric: Any) -> str:
     return f"metric {value:.4g}" if metric is not None else f"output SQNR {value:.1f} dB"
 
 
+#: the keyword of convert() that moves a unit of each kind
+_KEYS = {"module": "module_overrides", "node": "node_overrides", "op": "overrides"}
+
+
 def _unit_name(unit: Tuple[str, Any]) -> str:
     kind, key = unit
-    return key if kind == "module" else op_name(key)
+    return key if kind == "module" else f"node {key}" if kind == "node" else op_name(key)
 
 
 def rank_units(amp: fx.GraphModule, model: nn.Module, batches: Sequence[Tuple[Any, ...]],
                kwargs: Dict[str, Any]) -> List[Tuple[str, Any]]:
-    """The units (``("module", path)`` or ``("op", key)``) that run in low precision, by the error they introduce."""
+    """The units (``("module", path)``, or ``("node", name)`` at the root) that run in low precision, by the
+    error they introduce."""
     interp = SideBySide(amp, model)
     low_nodes = set()
     with torch.no_grad():
@@ -235,7 +246,7 @@ def _unit_of(node: fx.Node) -> Tuple[str, Any]:
     d = node.meta[DECISION]
     if d.module:
         return ("module", d.module)
-    return ("op", op_key(node.target))
+    return ("node", node.name)  # at the root: this op alone, not every op of its kind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +258,7 @@ def overrides_to_json(overrides: Dict[str, Any]) -> Dict[str, Any]:
     """The overrides with op keys as names (``operator.mul``, ``aten.exp``, ``Tensor.sum``, ``torch.nn.GELU``)."""
     return {"version": _JSON_VERSION,
             "module_overrides": {str(k): _cat(v) for k, v in (overrides.get("module_overrides") or {}).items()},
+            "node_overrides": {str(k): _cat(v) for k, v in (overrides.get("node_overrides") or {}).items()},
             "overrides": {op_name(k): _cat(v) for k, v in (overrides.get("overrides") or {}).items()}}
 
 
@@ -274,14 +286,16 @@ def load_overrides(path: str) -> Dict[str, Any]:
 
 
 def overrides_from_json(data: Any, where: str = "overrides") -> Dict[str, Any]:
-    if not isinstance(data, dict) or not set(data) <= {"version", "module_overrides", "overrides"}:
-        raise ValueError(f"{where}: expected an object with 'module_overrides' and 'overrides', as fxamp tune --save "
-                         f"writes")
+    if not isinstance(data, dict) or not set(data) <= {"version", "module_overrides", "node_overrides", "overrides"}:
+        raise ValueError(f"{where}: expected an object with 'module_overrides', 'node_overrides' and 'overrides', "
+                         f"as fxamp tune --save writes")
     mods = data.get("module_overrides") or {}
+    nodes = data.get("node_overrides") or {}
     ops = data.get("overrides") or {}
-    if not isinstance(mods, dict) or not isinstance(ops, dict):
-        raise ValueError(f"{where}: 'module_overrides' and 'overrides' must map names to categories")
-    return {"module_overrides": dict(mods), "overrides": {resolve_op(name, where): cat for name, cat in ops.items()}}
+    if not all(isinstance(m, dict) for m in (mods, nodes, ops)):
+        raise ValueError(f"{where}: 'module_overrides', 'node_overrides' and 'overrides' must map names to categories")
+    return {"module_overrides": dict(mods), "node_overrides": dict(nodes),
+            "overrides": {resolve_op(name, where): cat for name, cat in ops.items()}}
 
 
 def resolve_op(name: str, where: str = "overrides") -> Any:

@@ -15,7 +15,7 @@ from .records import LOW_NAMES, Lint
 __all__ = ["find_lints"]
 
 #: sources that mean the user chose this decision: a lint would only repeat their choice back
-_USER_CHOSEN = (Source.OVERRIDE, Source.MODULE_OVERRIDE)
+_USER_CHOSEN = (Source.OVERRIDE, Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
 
 
 def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any, params: set,
