@@ -62,3 +62,21 @@ def test_wrap_dtypes():
     assert wrap_dtypes([], "-", "fp32", 16) == "·→-→fp32"
     assert wrap_dtypes(["bf16", "fp32", "bool"], "bf16", "bf16", 16) == "bf16,fp32,bool\n→bf16→bf16"
     assert wrap_dtypes(["bf16", "fp32", "bool", "i64"], "fp32", "fp32", 12) == "bf16,fp32,\nbool,i64\n→fp32→fp32"
+
+
+def test_a_root_level_float32_op_is_pointed_at_node_overrides():
+    """No module path covers an op in the model's own forward alone: the lint names node_overrides, and
+    once the user chooses it there the lint is silent."""
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc2(torch.exp(self.fc(x)))
+
+    x = torch.randn(2, 8)
+    (lint,) = [lint for lint in fxamp.report(Root(), x).lints if lint.kind == "cast-down"]
+    assert lint.node == "exp" and "(overrides= / node_overrides=)" in lint.message
+    assert not [lint for lint in fxamp.report(Root(), x, node_overrides={"exp": "unsafe"}).lints
+                if lint.kind == "cast-down"]

@@ -66,7 +66,8 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
             why = (f"{d.op} runs in float32 ({d.resolved.value})" if ops == [src] else
                    f"it comes from {names} ({d.op}, {d.resolved.value}), which runs in float32")
             fix = (f"expected after a float32 op; if {users} tolerate{'s' if len(cast.users) == 1 else ''} it, let "
-                   f"{ops[0].name} run in low precision (overrides= / module_overrides=)")
+                   f"{ops[0].name} run in low precision (overrides= / "
+                   f"{'module_overrides=' if d.module else 'node_overrides='})")  # (at the root no path covers it)
         elif attrs:
             names = ", ".join(attr_target(a) for a in attrs)
             why = f"it comes from float32 parameter/buffer {names}"
