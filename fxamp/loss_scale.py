@@ -421,15 +421,29 @@ class LossScaler:
         self._generation = 0
         self._scaled = 0
         self._records: List[Tuple[bool, Callable[[], Sequence[str]]]] = []
+        #: catch-ups of optimizers that left a device-decided step's update for later (see defer())
+        self._behind: List[Callable[[], None]] = []
 
     # -- reading ---------------------------------------------------------------------------
     @property
     def kind(self) -> ScaleKind:
         return self.config.kind
 
+    def defer(self, catch_up: Callable[[], None]) -> None:
+        """An optimizer decided a step on the device and will record its outcome (and update this
+        scale) when its next iteration starts; ``catch_up()`` does that now.  The scaler runs it before
+        it answers what that update changes (:attr:`overflows`, :attr:`scale`, :meth:`state_dict`), so
+        reading them straight after ``step()`` is never one step behind."""
+        self._behind.append(catch_up)
+
+    def _catch_up(self) -> None:
+        while self._behind:
+            self._behind.pop(0)()
+
     @property
     def overflows(self) -> int:
         """Overflowed updates so far (iterations whose steps were skipped); waits for flags left on a device."""
+        self._catch_up()
         self._fold(wait=True)
         return self._overflows
 
@@ -451,6 +465,7 @@ class LossScaler:
     @property
     def scale(self) -> float:
         """The current loss scale."""
+        self._catch_up()
         return self._scale_value
 
     @property
@@ -618,6 +633,7 @@ class LossScaler:
         overflows:      overflowed iterations so far
         updates:        iterations so far
         """
+        self._catch_up()
         return {
             "kind": self.kind.value,
             "scale": self._scale_value,

@@ -952,6 +952,8 @@ class MixedPrecisionOptimizer:
             self.scaler.record(deciding.verdict, blame, self._client)
             deciding.update = self._owns_scaler  # (a dynamic scale moves on the outcome: at _settle)
             self._due = deciding
+            if self._owns_scaler:  # reading the scaler itself settles too (a shared one: the caller's update())
+                self.scaler.defer(self._settle)
             return StepResult(deciding.verdict)
         self.scaler.record(found, blame, self._client)
         if self._owns_scaler:

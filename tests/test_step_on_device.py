@@ -148,3 +148,21 @@ def test_step_twice_is_still_refused(on_device):
     opt.step()
     with pytest.raises(fxamp.OptimizerStateError, match="without a backward"):
         opt.step()
+
+
+@pytest.mark.parametrize("read", ["overflows", "scale", "state_dict"])
+def test_reading_the_owned_scaler_straight_after_a_deferred_step_is_not_behind(on_device, read):
+    """opt.scaler answers as if the step had been decided on the host: the deferred update runs first."""
+    model = _model(torch.float16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model)
+    before = opt.scaler.scale
+    opt.backward(model(torch.randn(4, 32)).float().sum() * float("nan"))
+    assert isinstance(opt.step(), StepResult)
+    if read == "overflows":
+        assert opt.scaler.overflows == 1
+    elif read == "scale":
+        assert opt.scaler.scale == before / 2
+    else:
+        state = opt.scaler.state_dict()
+        assert state["overflows"] == 1 and state["scale"] == before / 2 and state["updates"] == 1
+    assert opt.skipped_steps == 1 and opt.current_scale == before / 2  # settled once, not twice
