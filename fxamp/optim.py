@@ -176,19 +176,8 @@ class _Bucket:
             n = out.numel()
             group = group_of(members[0])
             if group is not None and all(group_of(m) == group for m in members):
-                self.packs.append(Pack(group, members, self._run_grad(run, offset, n, out.shape)))
+                self.packs.append(Pack(group, members, _RunGrad(self, run, offset, out.shape)))
             offset += n
-
-    def _run_grad(self, run: slice, offset: int, n: int, shape: torch.Size) -> Callable[[], Optional[torch.Tensor]]:
-        def grad() -> Optional[torch.Tensor]:
-            grads = self.grads
-            if grads is None:
-                return None
-            for m, g in zip(self.masters[run], grads[run]):
-                if m.grad is not g:  # missing, sparse, or replaced since unscale_()
-                    return None
-            return self.flats[0][offset:offset + n].view(shape)
-        return grad
 
     def allocate(self) -> None:
         """Allocate the masters' gradient segments and their views, unless they are still allocated."""
@@ -217,6 +206,26 @@ class _Bucket:
                 torch._foreach_copy_(self.grads[first:end], grads[first:end])
             if check is not None:
                 check([self.flats[k]])
+
+
+class _RunGrad:
+    """A pack's gradient: its cat run's stretch of the bucket's first float32 segment, or None when a
+    member's ``.grad`` is not its view there (missing, sparse, or replaced since ``unscale_()``).
+    An object, not a closure, so a deep copy of the wrapper reads its own bucket."""
+
+    __slots__ = ("bucket", "run", "offset", "shape")
+
+    def __init__(self, bucket: _Bucket, run: slice, offset: int, shape: torch.Size) -> None:
+        self.bucket, self.run, self.offset, self.shape = bucket, run, offset, shape
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        b = self.bucket
+        if b.grads is None:
+            return None
+        for m, g in zip(b.masters[self.run], b.grads[self.run]):
+            if m.grad is not g:
+                return None
+        return b.flats[0][self.offset:self.offset + self.shape.numel()].view(self.shape)
 
 
 _Pair = Tuple[torch.Tensor, torch.Tensor]

@@ -29,6 +29,7 @@ counts differ), the members are stepped one by one.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -66,6 +67,17 @@ class Pack:
         self._holder: Any = None  # the optimizer's state mapping they were left in
         self._shaped: Dict[str, int] = {}  # key -> id of flat's state tensor the members' entries view
         self._scalars: List[str] = []  # keys of other tensors: copied to every member after a step
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Pack":
+        """A copy whose members are views of its own ``flat`` again (a Parameter's deep copy is a clone)."""
+        new = Pack.__new__(Pack)
+        memo[id(self)] = new
+        for name in Pack.__slots__:
+            setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+        with torch.no_grad():
+            for m, (start, end) in zip(new.members, new.bounds):
+                m.data = new.flat.data[start:end]
+        return new
 
     def invalidate(self) -> None:
         """The members were stepped (or their state changed) without the pack: gather it again."""

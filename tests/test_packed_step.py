@@ -76,8 +76,14 @@ def _train(monkeypatch, make, dtype, packed, steps=5, between=None):
     if not packed:
         monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
     model, opt = _build(make, dtype, loss_scale="dynamic" if dtype == F16 else "auto")
+    shots = _steps(model, opt, range(steps), between)
+    monkeypatch.undo()
+    return model, opt, shots
+
+
+def _steps(model, opt, steps, between=None):
     shots = []
-    for step in range(steps):
+    for step in steps:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
         opt.backward(model(x).float().square().mean())
@@ -90,8 +96,7 @@ def _train(monkeypatch, make, dtype, packed, steps=5, between=None):
         if between is not None:
             between(step, model, opt)
         shots.append(_snapshot(model, opt))
-    monkeypatch.undo()
-    return model, opt, shots
+    return shots
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -280,3 +285,18 @@ def test_adopted_masters_are_not_packed():
     assert opt.step()
     assert opt._plan.packs == []
     assert [p.data_ptr() for p in original.parameters()] == ptrs
+
+
+def test_a_deep_copy_steps_its_own_members(monkeypatch):
+    """copy.deepcopy of the model and optimizer together (a Parameter's deep copy is a clone): the copy's
+    members are views of the copy's packs and its packs read the copy's gradients; trained on alone,
+    it is the per-parameter step."""
+    make = INNERS["AdamW-foreach-amsgrad"]
+    model, opt, _ = _train(monkeypatch, make, BF16, packed=True, steps=2)
+    model2, opt2 = copy.deepcopy((model, opt))
+    for pack in opt2._plan.packs:
+        assert all(m.data_ptr() == pack.flat[s:e].data_ptr() for m, (s, e) in zip(pack.members, pack.bounds))
+    got = _steps(model2, opt2, range(2, 6))  # the original is not stepped again: its gradients go stale
+    _, _, want = _train(monkeypatch, make, BF16, packed=False, steps=6)
+    assert_bitwise(got, want[2:])
+    assert all(p.state is not None for p in opt2._plan.packs if p.group == 0)
