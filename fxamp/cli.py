@@ -1,4 +1,5 @@
-"""The ``fxamp`` command line: ``fxamp report MODEL [--input SHAPE[:DTYPE] ...] [--policy O1] ...``.
+"""The ``fxamp`` command line: ``fxamp report MODEL [--input SHAPE[:DTYPE] ...] [--policy O1] ...``,
+``fxamp tune MODEL ...`` and ``fxamp convert MODEL ... [--output FILE.pt] [--code]``.
 
 Exit codes: 0 success; 2 the command line is wrong (a bad shape, policy, dtype, format or MODEL
 spelling); 1 the model could not be loaded, built, traced, converted or run.  Errors are one line,
@@ -15,6 +16,7 @@ import importlib.util
 import io
 import logging
 import os
+import pickle
 import sys
 import traceback
 from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
@@ -54,7 +56,20 @@ examples:
 
 The search converts with --policy, compares the output with float32's on --batches random
 batches, ranks what runs in low precision by the error each node introduces, and bisects for
-the shortest list of module paths (or, for ops at the root, op types) to run in float32.
+the shortest list of module paths (or, for ops at the root, single ops by node name) to run in
+float32.
+"""
+
+_CONVERT_HELP = "convert a model and save the converted module (torch.save) or print its generated code"
+_CONVERT_EPILOG = """examples:
+  fxamp convert examples/models.py:TinyTransformerBlock --input 2,8,32 --code
+  fxamp convert examples/models.py:TinyLM --input 2,16:int64 --policy O2 --dtype bfloat16 --output tiny_lm_o2.pt
+  fxamp convert mypkg.models:build_model --overrides overrides.json --output model_amp.pt
+
+The saved file is the whole converted module: load it with torch.load(FILE, weights_only=False)
+where fxamp is installed (its generated code calls fxamp's run-time casts).  With --input the
+converted module is run once on those inputs, so a module captured at its first call (a model
+torch.fx cannot trace) is saved with its graph, and the output dtypes are printed.
 """
 
 _INPUT_DTYPES = {
@@ -138,6 +153,24 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="a submodule path torch.fx must not trace into (repeatable)")
     t.add_argument("--frontend", default="auto", choices=("auto", "fx", "export"), help="graph capture")
     t.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+    c = sub.add_parser("convert", help=_CONVERT_HELP, description=_CONVERT_HELP[0].upper() + _CONVERT_HELP[1:] + ".",
+                       epilog=_CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("model", metavar="MODEL",
+                   help="path/to/file.py:Name or package.module:Name, optionally Name(key=literal,...)")
+    c.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
+                   help="an example input (as for report); the converted module is run once on them")
+    c.add_argument("--policy", "-p", default="O1", help="O0, O1, O2, O3 or a 'params=...,compute=...' string")
+    c.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
+    c.add_argument("--keep-norms-fp32", action="store_true", help="O3 only: keep normalisation layers in float32")
+    c.add_argument("--leaf-module", action="append", default=[], metavar="PATH",
+                   help="a submodule path torch.fx must not trace into (repeatable)")
+    c.add_argument("--frontend", default="auto", choices=("auto", "fx", "export"), help="graph capture")
+    c.add_argument("--overrides", default=None, metavar="FILE",
+                   help="overrides JSON (from fxamp tune --save) applied to the conversion")
+    c.add_argument("--output", "-o", default=None, metavar="FILE.pt", help="torch.save the converted module here")
+    c.add_argument("--code", action="store_true", help="print the converted module's generated code")
+    c.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     return parser
 
 
@@ -154,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return _tune(args) if args.command == "tune" else _report(args)
+        return {"tune": _tune, "convert": _convert}.get(args.command, _report)(args)
     except UsageError as e:
         return _fail(e, 2, debug)
     except ModelError as e:
@@ -299,6 +332,68 @@ def _tune(args: argparse.Namespace) -> int:
             raise ModelError(f"cannot write {args.save!r}: {e.strerror or e}") from e
         print(f"fxamp tune: overrides written to {args.save}; use them with fxamp report --overrides {args.save} "
               f"or fxamp.convert(model, **fxamp.load_overrides({args.save!r}))")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# fxamp convert
+# ---------------------------------------------------------------------------------------------
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .convert import conversion_info, convert
+    from .policy import resolve_policy
+
+    positional, named = parse_inputs(args.input)
+    try:
+        resolve_policy(args.policy, args.dtype, keep_norms_fp32=args.keep_norms_fp32)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--policy/--dtype: {e}") from e
+    if args.frontend == "export" and not (positional or named) and args.output:
+        raise UsageError("--frontend export without --input captures at the first call: pass --input SHAPE[:DTYPE] "
+                         "so the saved module holds its graph")
+    if not (args.output or args.code):
+        raise UsageError("nothing to do: pass --output FILE.pt to save the converted module, --code to print it, "
+                         "or both")
+    overrides = _load_overrides(args.overrides)
+    model, name = load_model(args.model)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        inputs = tuple(_make_input(shape, dtype) for shape, dtype in positional)
+        kwargs = {key: _make_input(shape, dtype) for key, (shape, dtype) in named.items()}
+    has_inputs = bool(positional or named)
+    try:
+        with _quiet(not args.debug):
+            amp = convert(model, args.policy, dtype=args.dtype, keep_norms_fp32=args.keep_norms_fp32,
+                          leaf_modules=tuple(args.leaf_module), frontend=args.frontend,
+                          example_inputs=inputs if has_inputs and args.frontend == "export" else None,
+                          example_kwargs=(kwargs or None) if has_inputs and args.frontend == "export" else None,
+                          **overrides)
+            out = None
+            if has_inputs:
+                with torch.no_grad():
+                    out = amp(*inputs, **kwargs)
+    except Exception as e:
+        raise ModelError(_explain(e, name, has_inputs=has_inputs)) from e
+    info = conversion_info(amp)
+    lines = [f"fxamp convert: {name}  policy {info.policy if info is not None else args.policy}"]
+    if out is not None:
+        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        lines.append("outputs: " + ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in leaves))
+    if args.code:
+        code = getattr(amp, "code", None)
+        lines += ["", code.strip() if code else "(no graph yet: captured at the first call; pass --input)", ""]
+    if args.output:
+        try:
+            torch.save(amp, args.output)
+        except OSError as e:
+            raise ModelError(f"cannot save to {args.output!r}: {e.strerror or e}") from e
+        except (RuntimeError, pickle.PicklingError, AttributeError, TypeError) as e:  # a missing folder; a model
+            raise ModelError(f"cannot save to {args.output!r}: {_one_line(str(e))}") from e  # that cannot pickle
+        lines.append(f"saved to {args.output}: torch.load({args.output!r}, weights_only=False) where fxamp is installed")
+    print("\n".join(lines))
     return 0
 
 

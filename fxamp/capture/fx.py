@@ -57,9 +57,12 @@ class FxFrontEnd:
             graph = tracer.trace(root)
         except Exception as e:  # anything torch.fx raises while running forward on proxies
             raise _trace_error(model, tracer, e) from e
-        if type(root) is not type(model):
-            for node in graph.find_nodes(op="placeholder") + graph.find_nodes(op="output"):
-                node.type = None  # fxamp's forward's annotations: strings, which pickling cannot import
+        for node in graph.nodes:
+            if isinstance(node.type, str):
+                # a postponed annotation (``from __future__ import annotations``, or fxamp's own
+                # forward): the generated code would hold the string as a global, which pickling
+                # (torch.save of the converted module) cannot import; annotations change nothing else
+                node.type = None
         return fx.GraphModule(root, graph, class_name=type(model).__name__)
 
     def error(self, e: BaseException) -> TraceError:  # pragma: no cover - trace() raises TraceError itself
