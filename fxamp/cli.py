@@ -368,8 +368,9 @@ def _convert(args: argparse.Namespace) -> int:
         with _quiet(not args.debug):
             amp = convert(model, args.policy, dtype=args.dtype, keep_norms_fp32=args.keep_norms_fp32,
                           leaf_modules=tuple(args.leaf_module), frontend=args.frontend,
-                          example_inputs=inputs if has_inputs and args.frontend == "export" else None,
-                          example_kwargs=(kwargs or None) if has_inputs and args.frontend == "export" else None,
+                          # (auto: torch.fx first; the inputs let it fall back to torch.export at once)
+                          example_inputs=inputs if has_inputs and args.frontend != "fx" else None,
+                          example_kwargs=(kwargs or None) if has_inputs and args.frontend != "fx" else None,
                           **overrides)
             out = None
             if has_inputs:
