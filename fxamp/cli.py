@@ -67,9 +67,11 @@ _CONVERT_EPILOG = """examples:
   fxamp convert mypkg.models:build_model --overrides overrides.json --output model_amp.pt
 
 The saved file is the whole converted module: load it with torch.load(FILE, weights_only=False)
-where fxamp is installed (its generated code calls fxamp's run-time casts).  With --input the
-converted module is run once on those inputs, so a module captured at its first call (a model
-torch.fx cannot trace) is saved with its graph, and the output dtypes are printed.
+where fxamp is installed (its generated code calls fxamp's run-time casts).  A model torch.fx
+cannot trace (or --frontend export) is saved as a module that captures with torch.export at its
+first call, after loading too: exported graphs do not pickle.  With --input the converted module
+is run once on those inputs and the output dtypes are printed (and --code shows the captured
+graph's code).
 """
 
 _INPUT_DTYPES = {
@@ -344,6 +346,8 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
 
     from .convert import conversion_info, convert
+    from .errors import TraceError
+    from .lazy import LazyConverted
     from .policy import resolve_policy
 
     positional, named = parse_inputs(args.input)
@@ -351,9 +355,6 @@ def _convert(args: argparse.Namespace) -> int:
         resolve_policy(args.policy, args.dtype, keep_norms_fp32=args.keep_norms_fp32)
     except (ValueError, TypeError) as e:
         raise UsageError(f"--policy/--dtype: {e}") from e
-    if args.frontend == "export" and not (positional or named) and args.output:
-        raise UsageError("--frontend export without --input captures at the first call: pass --input SHAPE[:DTYPE] "
-                         "so the saved module holds its graph")
     if not (args.output or args.code):
         raise UsageError("nothing to do: pass --output FILE.pt to save the converted module, --code to print it, "
                          "or both")
@@ -366,12 +367,10 @@ def _convert(args: argparse.Namespace) -> int:
     has_inputs = bool(positional or named)
     try:
         with _quiet(not args.debug):
+            # no example inputs here: a model torch.fx cannot trace (or frontend export) then becomes a
+            # LazyConverted, which pickles (graphs from torch.export do not) and captures at its first call
             amp = convert(model, args.policy, dtype=args.dtype, keep_norms_fp32=args.keep_norms_fp32,
-                          leaf_modules=tuple(args.leaf_module), frontend=args.frontend,
-                          # (auto: torch.fx first; the inputs let it fall back to torch.export at once)
-                          example_inputs=inputs if has_inputs and args.frontend != "fx" else None,
-                          example_kwargs=(kwargs or None) if has_inputs and args.frontend != "fx" else None,
-                          **overrides)
+                          leaf_modules=tuple(args.leaf_module), frontend=args.frontend, **overrides)
             out = None
             if has_inputs:
                 with torch.no_grad():
@@ -383,9 +382,13 @@ def _convert(args: argparse.Namespace) -> int:
     if out is not None:
         leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         lines.append("outputs: " + ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in leaves))
+    lazy = isinstance(amp, LazyConverted)
     if args.code:
-        code = getattr(amp, "code", None)
-        lines += ["", code.strip() if code else "(no graph yet: captured at the first call; pass --input)", ""]
+        try:
+            code = amp.code.strip()
+        except (RuntimeError, TraceError):  # a LazyConverted not called yet
+            code = "(captured with torch.export at the first call: pass --input to see the graph's code)"
+        lines += ["", code, ""]
     if args.output:
         try:
             torch.save(amp, args.output)
@@ -393,7 +396,9 @@ def _convert(args: argparse.Namespace) -> int:
             raise ModelError(f"cannot save to {args.output!r}: {e.strerror or e}") from e
         except (RuntimeError, pickle.PicklingError, AttributeError, TypeError) as e:  # a missing folder; a model
             raise ModelError(f"cannot save to {args.output!r}: {_one_line(str(e))}") from e  # that cannot pickle
-        lines.append(f"saved to {args.output}: torch.load({args.output!r}, weights_only=False) where fxamp is installed")
+        lines.append(f"saved to {args.output}: torch.load({args.output!r}, weights_only=False) where fxamp is installed"
+                     + ("; it captures with torch.export again at its first call (exported graphs do not pickle)"
+                        if lazy else ""))
     print("\n".join(lines))
     return 0
 

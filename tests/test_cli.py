@@ -338,3 +338,32 @@ def test_convert_with_overrides_and_usage_errors(capsys, tmp_path):
     assert rc == 2 and "--policy/--dtype:" in err
     rc, _, err = _run(capsys, "convert", PLANTED + ":Healthy", "--code", "--output", str(tmp_path / "no" / "x.pt"))
     assert rc == 1 and "cannot save to" in err and "does not exist" in err and err.count("\n") == 1
+
+
+def test_convert_saves_a_model_torch_fx_cannot_trace(capsys, tmp_path):
+    """torch.fx cannot trace len(x): the saved module captures with torch.export at its first call (the
+    exported graphs themselves do not pickle), after loading too."""
+    import torch
+
+    import fxamp
+
+    src = tmp_path / "lenmodel.py"
+    src.write_text(textwrap.dedent("""
+        import torch.nn as nn
+
+        class LenModel(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.fc(x) * len(x)
+    """))
+    path = tmp_path / "amp.pt"
+    rc, out, err = _run(capsys, "convert", f"{src}:LenModel", "--input", "3,4", "--output", str(path), "--code")
+    assert rc == 0, err
+    assert "outputs: (3, 4) float32" in out and "aten.linear" in out and "captures with torch.export again" in out
+    loaded = torch.load(path, weights_only=False)
+    assert isinstance(loaded, fxamp.LazyConverted) and loaded(torch.randn(5, 4)).shape == (5, 4)
+    rc, out, err = _run(capsys, "convert", f"{src}:LenModel", "--code")
+    assert rc == 0 and "pass --input to see the graph's code" in out
