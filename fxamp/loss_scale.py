@@ -433,8 +433,11 @@ class LossScaler:
         """An optimizer decided a step on the device and will record its outcome (and update this
         scale) when its next iteration starts; ``catch_up()`` does that now.  The scaler runs it before
         it answers what that update changes (:attr:`overflows`, :attr:`scale`, :meth:`state_dict`), so
-        reading them straight after ``step()`` is never one step behind."""
-        self._behind.append(catch_up)
+        reading them straight after ``step()`` is never one step behind.  One entry per optimizer: a
+        training loop that never reads them must not grow the list step by step (the wrapper settles
+        at its next iteration anyway; a later call of its catch-up is then a no-op)."""
+        if catch_up not in self._behind:
+            self._behind.append(catch_up)
 
     def _catch_up(self) -> None:
         while self._behind:

@@ -166,3 +166,16 @@ def test_reading_the_owned_scaler_straight_after_a_deferred_step_is_not_behind(o
         state = opt.scaler.state_dict()
         assert state["overflows"] == 1 and state["scale"] == before / 2 and state["updates"] == 1
     assert opt.skipped_steps == 1 and opt.current_scale == before / 2  # settled once, not twice
+
+
+def test_a_loop_that_never_reads_the_scaler_does_not_pile_up_catch_ups(on_device):
+    """Each deferred step registers its catch-up with the owned scaler; steps that settle by
+    themselves (zero_grad) must not leave one entry per step behind (a leak over a long run)."""
+    model = _model(torch.float16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model)
+    x = torch.randn(4, 32)
+    for _ in range(5):
+        opt.zero_grad()
+        opt.backward(model(x).float().sum())
+        assert isinstance(opt.step(), StepResult)
+    assert len(opt.scaler._behind) == 1  # (private: the only way to see the list without draining it)
