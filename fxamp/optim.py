@@ -142,14 +142,14 @@ class _Bucket:
     __slots__ = ("device", "lows", "masters", "grads", "flats", "segments", "cats", "staging", "ncat", "nbytes",
                  "packs")
 
-    def __init__(self, lows: List[torch.Tensor], masters: List[torch.Tensor], keys: Optional[List[Any]] = None) -> None:
+    def __init__(self, lows: List[torch.Tensor], masters: List[torch.Tensor],
+                 pack_groups: Optional[List[Optional[int]]] = None) -> None:
         self.device = lows[0].device
-        groups, rest = _cat_groups(lows, masters, keys)
-        pairs = [pair for group in groups for pair in group] + rest
+        groups, rest = _cat_groups(lows, masters, pack_groups)
+        pairs = [pair for _, group in groups for pair in group] + rest
         self.lows = [low for low, _ in pairs]
         self.masters = [m for _, m in pairs]
-        self.packs: List[Pack] = []  # see pack()
-        self.ncat = sum(len(group) for group in groups)
+        self.ncat = sum(len(group) for _, group in groups)
         self.segments = _segments(self.masters, self.ncat)
         self.nbytes = sum(m.numel() * m.element_size() for m in self.masters)
         self.flats: Optional[List[torch.Tensor]] = None  # allocated by allocate(), dropped by release()
@@ -158,26 +158,24 @@ class _Bucket:
         self.staging = torch.empty(nstaged, dtype=self.lows[0].dtype, device=self.device)
         self.cats: List[Tuple[slice, torch.Tensor]] = []
         start = offset = 0
-        for group in groups:  # cat along dim 0 fills ``out``: the group's stretch of staging, as one tensor
+        for _, group in groups:  # cat along dim 0 fills ``out``: the group's stretch of staging, as one tensor
             masters_of_group = [m for _, m in group]
             n = sum(m.numel() for m in masters_of_group)
             rows = sum(m.shape[0] for m in masters_of_group)
             out = self.staging[offset:offset + n].view(rows, *masters_of_group[0].shape[1:])
             self.cats.append((slice(start, start + len(group)), out))
             start, offset = start + len(group), offset + n
+        self.packs = self.pack([key for key, _ in groups])
 
-    def pack(self, group_of: Callable[[torch.Tensor], Optional[int]]) -> None:
-        """Store each cat run's masters as one :class:`~fxamp.packed_step.Pack` when ``group_of`` gives
-        them all the same param group (None: not to be packed); the pack's gradient is the run's
-        stretch of the first segment, which ``copy_in`` fills."""
-        offset = 0
-        for run, out in self.cats:
-            members = self.masters[run]
-            n = out.numel()
-            group = group_of(members[0])
-            if group is not None and all(group_of(m) == group for m in members):
-                self.packs.append(Pack(group, members, _RunGrad(self, run, offset, out.shape)))
-            offset += n
+    def pack(self, pack_groups: List[Optional[int]]) -> List[Pack]:
+        """A :class:`~fxamp.packed_step.Pack` for each cat run with a param group (None: not packed),
+        its gradient the run's stretch of the first segment, which ``copy_in`` fills."""
+        packs, offset = [], 0
+        for (run, out), group in zip(self.cats, pack_groups):
+            if group is not None:
+                packs.append(Pack(group, self.masters[run], _RunGrad(self, run, offset, out.shape)))
+            offset += out.numel()
+        return packs
 
     def allocate(self) -> None:
         """Allocate the masters' gradient segments and their views, unless they are still allocated."""
@@ -231,24 +229,26 @@ class _RunGrad:
 _Pair = Tuple[torch.Tensor, torch.Tensor]
 
 
-def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor], keys: Optional[List[Any]] = None
-                ) -> Tuple[List[List[_Pair]], List[_Pair]]:
-    """Split (low, master) pairs into the groups ``torch.cat`` gathers along dim 0, and the rest.
+def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor],
+                pack_groups: Optional[List[Optional[int]]] = None
+                ) -> Tuple[List[Tuple[Optional[int], List[_Pair]]], List[_Pair]]:
+    """Split (low, master) pairs into the groups ``torch.cat`` gathers along dim 0, each with its
+    pack group, and the rest.
 
     A group: two or more small (``_CAT_NUMEL``) CPU tensors with contiguous gradients, the same
-    shape but for dim 0, and the same ``keys`` entry (the wrapper's: param group, and whether the
-    master may be packed).
+    shape but for dim 0, and the same ``pack_groups`` entry: the param group of a master that may
+    be packed (one pack steps one group's hyperparameters), None for the others.
     """
     groups: Dict[Tuple[Any, ...], List[_Pair]] = {}
     rest = []
     for i, (low, m) in enumerate(zip(lows, masters)):
         if (low.device.type == "cpu" and 0 < m.dim() and m.numel() <= _CAT_NUMEL
                 and m.is_contiguous() and torch.empty_like(m, device="meta").is_contiguous()):
-            key = None if keys is None else keys[i]
+            key = None if pack_groups is None else pack_groups[i]
             groups.setdefault((key, tuple(m.shape[1:])), []).append((low, m))
         else:
             rest.append((low, m))
-    gathered = [group for group in groups.values() if len(group) > 1]
+    gathered = [(key, group) for (key, _), group in groups.items() if len(group) > 1]
     rest += [pair for group in groups.values() if len(group) == 1 for pair in group]
     return gathered, rest
 
@@ -559,31 +559,23 @@ class MixedPrecisionOptimizer:
     def _build_plan(self) -> _Plan:
         """Group the inner optimizer's parameters by device and dtype, in their order in ``param_groups``."""
         pairs: Dict[Tuple[torch.device, torch.dtype, torch.dtype],
-                    Tuple[List[torch.Tensor], List[torch.Tensor], List[Any]]] = {}
+                    Tuple[List[torch.Tensor], List[torch.Tensor], List[Optional[int]]]] = {}
         own: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
         packing = steps_per_parameter(self.optimizer)
-        group_of: Dict[int, Optional[int]] = {}
         for gi, group in enumerate(self.optimizer.param_groups):
             for master in group["params"]:
                 low = self._low_of.get(id(master))
                 if low is None:
                     own.setdefault((master.device, master.dtype), []).append(master)
                     continue
-                lows, masters, keys = pairs.setdefault((low.device, low.dtype, master.dtype), ([], [], []))
+                lows, masters, pack_groups = pairs.setdefault((low.device, low.dtype, master.dtype), ([], [], []))
                 lows.append(low)
                 masters.append(master)
                 # only masters the wrapper made are packed (an adopted one is the user's tensor)
-                packable = packing and id(master) in self._made and master.requires_grad and id(master) not in group_of
-                group_of[id(master)] = gi if packable else None
-                keys.append((gi, packable))
-        buckets = []
-        for lows, masters, keys in pairs.values():
-            bucket = _Bucket(lows, masters, keys)
-            if packing:
-                bucket.pack(lambda m: group_of.get(id(m)))
-            buckets.append(bucket)
+                packable = packing and id(master) in self._made and master.requires_grad
+                pack_groups.append(gi if packable else None)
         layout = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
-        return _Plan(buckets, list(own.values()), layout)
+        return _Plan([_Bucket(*lists) for lists in pairs.values()], list(own.values()), layout)
 
     def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.

@@ -74,7 +74,7 @@ def _train(monkeypatch, make, dtype, packed, steps=5, between=None):
     """Steps of the same model with packing on or off; a snapshot after each; step 2 overflows, and at
     step 3 layers.3 has no gradient (as a branch not taken would leave it)."""
     if not packed:
-        monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
+        monkeypatch.setattr(O._Bucket, "pack", lambda self, pack_groups: [])
     model, opt = _build(make, dtype, loss_scale="dynamic" if dtype == F16 else "auto")
     shots = _steps(model, opt, range(steps), between)
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_resume_into_packed_and_unpacked_optimizers_is_bitwise(monkeypatch):
     _, _, full = _train(monkeypatch, make, BF16, packed=True, between=save_at_2)
     for packed in (True, False):
         if not packed:
-            monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
+            monkeypatch.setattr(O._Bucket, "pack", lambda self, pack_groups: [])
         model, opt = _build(make, BF16)
         ckpt = torch.load(io.BytesIO(saved["bytes"]))
         model.load_state_dict(ckpt["model"])
@@ -184,7 +184,7 @@ def test_packs_and_segmented_steps_alternate_bitwise(monkeypatch):
     def train(packed):
         segmenting(monkeypatch)
         if not packed:
-            monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
+            monkeypatch.setattr(O._Bucket, "pack", lambda self, pack_groups: [])
         model, opt = _build(INNERS["Adam"], BF16)
         shots = []
         for step in range(7):
@@ -218,7 +218,7 @@ def test_lr_scheduler_and_a_late_step_hook(monkeypatch):
     def train(packed):
         global sched
         if not packed:
-            monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
+            monkeypatch.setattr(O._Bucket, "pack", lambda self, pack_groups: [])
         model, opt = _build(INNERS["SGD"], BF16)
         sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
         shots = []
@@ -245,7 +245,7 @@ def test_inner_optimizer_stepped_directly_is_noticed(monkeypatch):
     next packed step gathers the members' state again instead of using the pack's stale count."""
     def train(packed):
         if not packed:
-            monkeypatch.setattr(O._Bucket, "pack", lambda self, group_of: None)
+            monkeypatch.setattr(O._Bucket, "pack", lambda self, pack_groups: [])
         model, opt = _build(INNERS["Adam"], BF16)
         for step in range(4):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
