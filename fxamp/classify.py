@@ -7,9 +7,8 @@ and the report both read these records, so they can never disagree.
 
 from __future__ import annotations
 
-import difflib
-
 import dataclasses
+import difflib
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
