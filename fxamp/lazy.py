@@ -336,9 +336,11 @@ class LazyConverted(nn.Module):
         except AttributeError:
             root = self.__dict__.get("_fxamp_root")
             value = root.__dict__.get(name, _MISSING) if root is not None else _MISSING
-            if value is _MISSING or callable(value):
-                raise
-            return value
+            if value is not _MISSING and not callable(value):
+                return value
+            if root is not None and (callable(value) or callable(getattr(type(root), name, None))):
+                raise AttributeError(_method_message(type(root), name)) from None
+            raise
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
         # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and
@@ -372,6 +374,21 @@ class LazyConverted(nn.Module):
     def extra_repr(self) -> str:
         return (f"policy={self._fxamp_policy}, captures at the first call "
                 f"({len(self._fxamp_cache)} of at most {self.max_signatures} signatures cached)")
+
+
+def _method_message(cls: type, name: str) -> str:
+    """Why a converted module has no ``name`` although the original ``cls`` has that method, and what to do."""
+    what = (f"'{name}' is a method of the original {cls.__name__}, which fxamp.LazyConverted does not offer: "
+            "it would run the original, unconverted forward, or call this module with inputs no capture "
+            "can take")
+    if name == "generate":
+        return (f"{what} (generation passes a key/value cache object to every forward, which torch.export "
+                "cannot take as an input).  Generate with the original model, e.g. under "
+                "torch.autocast(device_type, dtype) or after model.to(dtype); convert with fxamp for "
+                "training and for single forwards (scoring, evaluation)")
+    return (f"{what}.  Call it on the original model: for O0/O1 it shares this module's parameters; "
+            "for O2/O3 fxamp.convert worked on a copy (its weights are this module's state_dict(), "
+            "under the same keys)")
 
 
 class _WeightCaches:

@@ -369,8 +369,15 @@ def test_hugging_face_training_without_example_inputs(name, policy):
     amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
     assert isinstance(amp, fxamp.LazyConverted)
     assert amp.config.to_dict() == model.config.to_dict()  # the original's data attributes are readable
-    with pytest.raises(AttributeError):
+    generates = r"'generate' is a method of the original .*torch\.autocast" if hasattr(model, "generate") else None
+    with pytest.raises(AttributeError, match=generates):
         amp.generate  # its methods are not: they would run the unconverted forward
+    with pytest.raises(AttributeError, match=r"'get_input_embeddings' is a method .*on the original model"):
+        amp.get_input_embeddings
+    assert not hasattr(amp, "generate")  # (still an AttributeError: hasattr() probes keep working)
+    with pytest.raises(AttributeError) as missing:
+        amp.no_such_attribute
+    assert "method" not in str(missing.value)
     params = dict(amp.named_parameters())
     low = {n for n, p in params.items() if p.dtype == torch.bfloat16}
     assert bool(low) == (policy == "O2")
