@@ -235,8 +235,9 @@ class DecoderLM(nn.Module):
 class Encoder(nn.Module):
     """A BERT-base-width encoder: ``layers`` × ``nn.TransformerEncoderLayer`` (d768, 12 heads, ff 3072, GELU).
 
-    ``nn.TransformerEncoderLayer`` does not trace with torch.fx: convert it through torch.export
-    (``fxamp.convert(m, "O1", example_inputs=(x,))``).  Input: float embeddings (batch, seq, d).
+    ``fxamp.convert(m, "O1")`` writes each layer out (fxamp's fx front end; torch.fx alone keeps
+    ``nn.TransformerEncoderLayer`` whole); ``frontend="export"`` with ``example_inputs=(x,)``
+    captures it with torch.export instead.  Input: float embeddings (batch, seq, d).
     """
 
     def __init__(self, d: int = 768, heads: int = 12, ff: int = 3072, layers: int = 2):

@@ -300,7 +300,7 @@ def insert_casts(
             if into is not None:
                 _write_back(graph, node, dtype, casts)
             elif node.op == "call_module" and _needs_param_cast(modules[node.target], dtype):
-                _run_module_cast(graph, node, dtype)
+                _run_module_cast(graph, node, dtype, casts)
             else:
                 node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
                 node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
@@ -338,11 +338,15 @@ def _needs_param_cast(m: nn.Module, dtype: torch.dtype) -> bool:
     return any(p.dtype in CASTABLE and p.dtype != dtype for p in m.parameters())
 
 
-def _run_module_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
-    """A leaf module whose float32 weights must run in low precision: ``call_module_cast(m, dtype, ...)``."""
+def _run_module_cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, casts: "_Casts") -> None:
+    """A leaf module whose float32 weights must run in low precision: ``call_module_cast(m, dtype, ...)``,
+    with the weight cache (``_fxamp_cache=(cache, path)``) unless it is off."""
+    kwargs = dict(node.kwargs)
+    if casts.weight_cache and dtype in LOW:
+        kwargs["_fxamp_cache"] = (casts._cache(), str(node.target))
     with graph.inserting_before(node):
         module = graph.get_attr(node.target)
-        new = graph.call_function(call_module_cast, (module, dtype, *node.args), dict(node.kwargs))
+        new = graph.call_function(call_module_cast, (module, dtype, *node.args), kwargs)
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)

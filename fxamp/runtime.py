@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -177,15 +177,31 @@ class _CastWeights(torch.autograd.Function):
         return (None, *grads)
 
 
-def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
+                     _fxamp_cache: Optional[Tuple[WeightCastCache, str]] = None, **kwargs: Any) -> Any:
     """Run a leaf module with its float parameters and buffers (and float inputs) cast to ``dtype``.
 
     For leaf modules whose weights stay float32 (O1) but that run in low precision (RNNs,
     MultiheadAttention): the cast copies are differentiable, so gradients reach the float32
-    parameters.
+    parameters.  ``_fxamp_cache``, ``(cache, module path)``, is the converted module's weight
+    cache: where no autograd graph is recorded for a tensor (``no_grad``, frozen weights) its copy
+    is reused until it changes, as :func:`cast_weights` does for the other weights (an
+    ``nn.MultiheadAttention`` in inference then runs PyTorch's fused fast path with no cast at all).
     """
-    tensors = {name: cast(t, dtype) for name, t in module.named_parameters()}
-    tensors.update({name: cast(t, dtype) for name, t in module.named_buffers()})
+    if _fxamp_cache is None or torch.compiler.is_compiling():
+        tensors = {name: cast(t, dtype) for name, t in module.named_parameters()}
+        tensors.update({name: cast(t, dtype) for name, t in module.named_buffers()})
+    else:
+        cache, path = _fxamp_cache
+        grad = torch.is_grad_enabled()
+
+        def low(name: str, t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == dtype or t.dtype not in CASTABLE or (grad and t.requires_grad):
+                return cast(t, dtype)
+            return cache.get(t, dtype, f"{path}.{name}")
+
+        tensors = {name: low(name, t) for name, t in module.named_parameters()}
+        tensors.update({name: low(name, t) for name, t in module.named_buffers()})
     done: Dict[int, Any] = {}
 
     def once(value: Any) -> Any:  # one input passed twice (query is key is value) is cast once, and stays one
@@ -239,7 +255,8 @@ _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_
 _MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
 
 
-def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *args: Any,
+                         _fxamp_cache: Optional[Tuple[WeightCastCache, str]] = None, **kwargs: Any) -> Any:
     """``module(*args, **kwargs)`` in ``dtype``, saving low-precision probabilities when dropout is on (CPU).
 
     ``nn.MultiheadAttention`` in training with dropout calls SDPA's CPU math path, which saves its
@@ -259,7 +276,7 @@ def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *arg
             or query.device.type != "cpu" or dtype not in LOW):
         if all(p.dtype == dtype for p in m.parameters()):
             return m(*args, **kwargs)
-        return call_module_cast(m, dtype, *args, **kwargs)
+        return call_module_cast(m, dtype, *args, _fxamp_cache=_fxamp_cache, **kwargs)
     same = query is bound["key"] and bound["key"] is bound["value"]
     if same:  # (cast once: three casts of one tensor would be three copies)
         query = key = value = cast(query, dtype)

@@ -6,6 +6,7 @@ Timings are too noisy on the shared CI machine; these tests count the ATen ops a
 
 from __future__ import annotations
 
+import copy
 import io
 from collections import Counter
 
@@ -272,3 +273,79 @@ def test_call_module_cast_casts_a_repeated_input_once():
 
     x = torch.randn(2, 3)
     assert call_module_cast(Same(), torch.bfloat16, x, x, c=x)
+
+
+class _Leaves(nn.Module):
+    """An attention layer and an LSTM: leaf modules O1 runs in low precision through call_module_cast."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.lstm = nn.LSTM(d, d, batch_first=True)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        a, _ = self.attn(x, x, x, need_weights=False)
+        h, _ = self.lstm(a + x)
+        return self.head(h)
+
+
+class _CountCasts(_CountOps):
+    """Also the shapes of the tensors each ``aten._to_copy`` casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.cast_shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.cast_shapes.append(tuple(args[0].shape))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_leaf_module_weights_are_cached_in_inference():
+    """O1 leaf modules (nn.MultiheadAttention, RNNs) reuse their low-precision weights across no_grad
+    calls, as the other weights do: the second call casts only its input, the results are bitwise
+    those of a conversion without the cache, and an in-place weight update is seen.  In eval the
+    attention layer then takes PyTorch's fused inference path (no float32 weight in sight)."""
+    torch.manual_seed(0)
+    m = _Leaves().eval()
+    x = torch.randn(2, 8, 32)
+    amp = fxamp.convert(m, "O1", dtype=torch.bfloat16)
+    uncached = fxamp.convert(m, "O1", dtype=torch.bfloat16, weight_cache=False)
+    assert "_fxamp_cache" in amp.code and "_fxamp_cache" not in uncached.code
+    with torch.no_grad():
+        first = amp(x)
+        with _CountCasts() as count:
+            second = amp(x)
+        with _CountCasts() as plain:
+            reference = uncached(x)
+    assert torch.equal(first, second) and torch.equal(second, reference)
+    weights = {tuple(p.shape) for p in m.parameters()}
+    assert count.cast_shapes and not weights & set(count.cast_shapes), count.cast_shapes  # activations only
+    assert len(plain.cast_shapes) == len(count.cast_shapes) + len(list(m.parameters()))  # without: every weight
+    assert count.ops["aten._native_multi_head_attention.default"] == 1, count.ops
+    with torch.no_grad():
+        m.attn.in_proj_weight.mul_(0.5)  # in place: O1 shares the original's parameters
+        m.lstm.weight_hh_l0.add_(0.01)
+        updated = amp(x)
+        fresh = fxamp.convert(m, "O1", dtype=torch.bfloat16, weight_cache=False)(x)
+    assert torch.equal(updated, fresh) and not torch.equal(updated, second)
+
+
+def test_leaf_module_weights_are_cast_afresh_in_training():
+    """With autograd recording, leaf module weights are cast at every call (the cache is not used), so
+    the gradients reach the float32 parameters, equal to a conversion without the cache."""
+    torch.manual_seed(0)
+    m = _Leaves()
+    x = torch.randn(2, 8, 32)
+    grads = []
+    for cache in (True, False):
+        model = copy.deepcopy(m)
+        amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, weight_cache=cache)
+        with torch.no_grad():
+            amp(x)  # fills the cache
+        amp(x).float().square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(g is not None and g.dtype == torch.float32 for g in grads[0].values())
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

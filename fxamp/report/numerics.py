@@ -213,6 +213,7 @@ class SideBySide(fx.Interpreter):
         try:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             if n.op == "call_function" and n.target is call_module_cast:
+                kwargs = {k: v for k, v in kwargs.items() if k != "_fxamp_cache"}
                 return args[0](*args[2:], **kwargs)
             return getattr(self, n.op)(n.target, args, kwargs)
         finally:
