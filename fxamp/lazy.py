@@ -381,14 +381,16 @@ def _method_message(cls: type, name: str) -> str:
     what = (f"'{name}' is a method of the original {cls.__name__}, which fxamp.LazyConverted does not offer: "
             "it would run the original, unconverted forward, or call this module with inputs no capture "
             "can take")
+    original = ("Call it on the original model: for O0/O1 it shares this module's parameters; for O2/O3 "
+                "fxamp.convert worked on a copy, so load the trained weights into it first: "
+                "model.load_state_dict(opt.fp32_state_dict(amp)) (the float32 masters of a "
+                "MixedPrecisionOptimizer) or model.load_state_dict(amp.state_dict()) (the same keys)")
     if name == "generate":
         return (f"{what} (generation passes a key/value cache object to every forward, which torch.export "
-                "cannot take as an input).  Generate with the original model, e.g. under "
-                "torch.autocast(device_type, dtype) or after model.to(dtype); convert with fxamp for "
-                "training and for single forwards (scoring, evaluation)")
-    return (f"{what}.  Call it on the original model: for O0/O1 it shares this module's parameters; "
-            "for O2/O3 fxamp.convert worked on a copy (its weights are this module's state_dict(), "
-            "under the same keys)")
+                f"cannot take as an input).  {original}, and generate under torch.autocast(device_type, "
+                "dtype) or after model.to(dtype).  fxamp converts what runs one forward per batch: "
+                "training, scoring, evaluation")
+    return f"{what}.  {original}"
 
 
 class _WeightCaches:
