@@ -349,3 +349,20 @@ def test_leaf_module_weights_are_cast_afresh_in_training():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert all(g is not None and g.dtype == torch.float32 for g in grads[0].values())
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_leaf_module_cache_under_torch_compile():
+    """torch.compile traces the cached leaf-module call (it casts plainly while compiling): training
+    reaches the float32 weights and eval under no_grad agrees with the eager module."""
+    torch.manual_seed(0)
+    m = _Leaves()
+    x = torch.randn(2, 8, 32)
+    amp = fxamp.convert(m, "O1", dtype=torch.bfloat16)
+    compiled = torch.compile(amp)
+    compiled(x).float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+    m.eval()
+    with torch.no_grad():
+        got, want = compiled(x), amp(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
