@@ -278,9 +278,9 @@ def test_call_module_cast_casts_a_repeated_input_once():
 class _Leaves(nn.Module):
     """An attention layer and an LSTM: leaf modules O1 runs in low precision through call_module_cast."""
 
-    def __init__(self, d: int = 32):
+    def __init__(self, d: int = 32, dropout: float = 0.0):
         super().__init__()
-        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.attn = nn.MultiheadAttention(d, 4, dropout=dropout, batch_first=True)
         self.lstm = nn.LSTM(d, d, batch_first=True)
         self.head = nn.Linear(d, 3)
 
@@ -303,17 +303,20 @@ class _CountCasts(_CountOps):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def test_leaf_module_weights_are_cached_in_inference():
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_leaf_module_weights_are_cached_in_inference(dropout):
     """O1 leaf modules (nn.MultiheadAttention, RNNs) reuse their low-precision weights across no_grad
     calls, as the other weights do: the second call casts only its input, the results are bitwise
     those of a conversion without the cache, and an in-place weight update is seen.  In eval the
-    attention layer then takes PyTorch's fused inference path (no float32 weight in sight)."""
+    attention layer then takes PyTorch's fused inference path (no float32 weight in sight); with
+    dropout it is routed through runtime.multi_head_attention, which hands the cache on."""
     torch.manual_seed(0)
-    m = _Leaves().eval()
+    m = _Leaves(dropout=dropout).eval()
     x = torch.randn(2, 8, 32)
     amp = fxamp.convert(m, "O1", dtype=torch.bfloat16)
     uncached = fxamp.convert(m, "O1", dtype=torch.bfloat16, weight_cache=False)
     assert "_fxamp_cache" in amp.code and "_fxamp_cache" not in uncached.code
+    assert ("multi_head_attention" in amp.code) == (dropout > 0)
     with torch.no_grad():
         first = amp(x)
         with _CountCasts() as count:
