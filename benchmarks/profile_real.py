@@ -3,7 +3,9 @@
 Profiles a few training steps (AdamW) of the variants named with ``--variants`` (default: autocast,
 pure bf16 and fxamp O2) with ``torch.profiler`` and prints, per variant, the ops with the most self
 CPU time (``--device cuda``: self CUDA time, and the step's wall time) and the totals of a few
-groups (matmul/conv, casts/copies, optimizer foreach ops).
+groups (matmul/conv, casts/copies, optimizer foreach ops).  ``--inference`` profiles no-grad eval
+forwards instead; the encoder (``--model encoder``, or ``encoder-export`` for its torch.export
+conversion) is inference only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import real as R
 
 GROUPS = {
-    "matmul/conv": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::convolution",
+    "matmul/conv": ("aten::mm", "aten::addmm", "aten::_addmm_activation", "aten::bmm", "aten::linear", "aten::matmul",
+                    "aten::convolution",
                     "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward",
                     "aten::_scaled_dot_product_flash_attention_for_cpu",
                     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -36,10 +39,17 @@ GROUPS = {
 }
 
 
+#: --model: the index of its case in :func:`benchmarks.real.cases`
+_MODELS = {"gpt": 0, "resnet": 1, "encoder": 2, "encoder-export": 3}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_real", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("gpt", "resnet", "gpt-math"), default="gpt",
-                   help="gpt-math: the throughput benchmark's GPT-2 small (attention written out, dropout 0.1)")
+    p.add_argument("--model", choices=tuple(_MODELS) + ("gpt-math",), default="gpt",
+                   help="gpt-math: the throughput benchmark's GPT-2 small (attention written out, dropout 0.1); "
+                        "encoder, encoder-export: the BERT-width encoder converted by default or with "
+                        "frontend='export' (inference only)")
+    p.add_argument("--inference", action="store_true", help="profile no-grad eval forwards, not training steps")
     p.add_argument("--adamw", choices=("default", "fused", "foreach"), default="default",
                    help="AdamW's implementation in every variant (default: fused where available)")
     p.add_argument("--size", choices=("tiny", "real"), default="real")
@@ -54,14 +64,17 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
-    case = R.cases(args.size, device)[1 if args.model == "resnet" else 0]
     if args.model == "gpt-math":
         case = R.gpt_math_case(args.size, device)
+    else:
+        case = R.cases(args.size, device)[_MODELS[args.model]]
+    inference = args.inference or not case.train
     adamw = None if args.adamw == "default" else {args.adamw: True}
     torch.manual_seed(0)
     base = case.build()
     x, y = case.make_x(), case.make_y()
-    print(f"# {case.name}, {args.device}, {args.dtype}, {args.steps} steps, {args.threads} thread(s)")
+    what_runs = "forwards (no_grad, eval)" if inference else "steps"
+    print(f"# {case.name}, {args.device}, {args.dtype}, {args.steps} {what_runs}, {args.threads} thread(s)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # torch renamed the CUDA columns "device" (2.4); the key names follow the installed torch
     key = "self_cpu_time_total"
@@ -70,7 +83,10 @@ def main(argv=None) -> int:
         key = "self_device_time_total" if hasattr(probe, "self_device_time_total") else "self_cuda_time_total"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for v in args.variants:
-        step = R.train_step(v, base, case, x, y, dtype, adamw)[0]
+        if inference:
+            step = R.forward(v, base, case, x, dtype)
+        else:
+            step = R.train_step(v, base, case, x, y, dtype, adamw)[0]
         for _ in range(3):
             step()
         walls = []
@@ -92,8 +108,9 @@ def main(argv=None) -> int:
                 if e.key.startswith(prefixes) and (g != "matmul/conv" or e.key in prefixes):
                     groups[g] += getattr(e, key)
         what = "self CUDA" if cuda else "self CPU"
-        print(f"\n## {v}: wall {statistics.median(walls) * 1e3:.1f} ms per step (median of 5); "
-              f"{total / args.steps / 1e3:.1f} ms {what} per step; "
+        unit = "forward" if inference else "step"
+        print(f"\n## {v}: wall {statistics.median(walls) * 1e3:.1f} ms per {unit} (median of 5); "
+              f"{total / args.steps / 1e3:.1f} ms {what} per {unit}; "
               + ", ".join(f"{g} {t / max(total, 1e-9):.0%}" for g, t in groups.items()))
         print(ka.table(sort_by=key, row_limit=args.top, max_name_column_width=60))
         del step

@@ -74,3 +74,16 @@ def test_quick_does_not_touch_committed_results():
     written = [line.split(" ", 1)[1] for line in proc.stderr.splitlines() if line.startswith("wrote ")]
     assert written and os.path.abspath(written[0]) != os.path.abspath(RESULTS)
     assert os.path.exists(written[0])
+
+
+@pytest.mark.parametrize("model, extra, unit", [("gpt", (), "step"), ("encoder", (), "forward"),
+                                                ("resnet", ("--inference",), "forward")])
+def test_profile_real_runs(model, extra, unit, capsys):
+    """``python -m benchmarks.profile_real`` profiles training steps, or forwards (the encoder, --inference)."""
+    from benchmarks import profile_real
+
+    assert profile_real.main(["--model", model, "--size", "tiny", "--steps", "1", "--top", "2", *extra]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("## ")] == \
+        ["## autocast", "## pure bf16", "## fxamp O2"]
+    assert f"ms per {unit}" in out
