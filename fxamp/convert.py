@@ -58,7 +58,7 @@ def convert(
                       ``frontend="export"``).
     dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),
                       ``"all"`` every dim, False none; ``dynamic_shapes`` goes to ``torch.export`` as given.
-    weight_cache:     reuse low-precision weight copies across no-grad calls until a weight changes.
+    weight_cache:     reuse low-precision weight copies (leaf modules' too) across no-grad calls until a weight changes.
     debug_overflow:   True: record the first node whose output (forward) or gradient (backward) has
                       inf/NaN (``fxamp.overflow_info(amp)``); ``"raise"``: raise there.  See ``fxamp.debug``.
 
