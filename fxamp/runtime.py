@@ -264,8 +264,9 @@ def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *arg
     no bias_k/bias_v/add_zero_attn, ``need_weights=False``, training, dropout > 0, on CPU) this is
     ``F.multi_head_attention_forward``'s own steps with :func:`attention` in their middle: the
     projections, the merged float mask, attention, the output projection.  Anything else is the
-    module itself (through :func:`call_module_cast` when its parameters are not in ``dtype``).
-    Placed by :func:`fxamp.attention.low_precision_attention` (O1: instead of ``call_module_cast``).
+    module itself (through :func:`call_module_cast` when its parameters are not in ``dtype``, with
+    the weight cache ``_fxamp_cache``).  Placed by :func:`fxamp.attention.low_precision_attention`
+    (O1: instead of ``call_module_cast``).
     """
     bound = dict(zip(_MHA_ARGS, _MHA_DEFAULTS))
     bound.update(zip(_MHA_ARGS, args))
