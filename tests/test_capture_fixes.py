@@ -389,3 +389,63 @@ def test_finfo_of_a_traced_dtype_captures_at_the_first_call_without_inputs():
     assert isinstance(amp, fxamp.LazyConverted)
     x, mask = _mask_inputs()
     torch.testing.assert_close(amp(x, mask), model(x, mask), atol=2e-2, rtol=0)
+
+
+def _nested_encoder(norm: bool = False, nested: bool = True):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(32) if norm else None, enable_nested_tensor=nested)
+
+
+def _padding(left_aligned: bool = True, float_mask: bool = False):
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, -2:] = True
+    pad[2, -4:] = True
+    if not left_aligned:
+        pad[0, 0] = True  # a padded token first: not left-aligned, so torch's mask check refuses the fast path
+    if float_mask:
+        return torch.zeros(pad.shape).masked_fill(pad, float("-inf")), pad
+    return pad, pad
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("case", ["nested", "nested, final norm", "nested, float mask", "grad enabled", "training",
+                                  "not left-aligned", "attention mask too", "nested tensors off"])
+def test_transformer_encoder_padded_outputs_are_the_originals(case):
+    """In eval with no autograd graph, nn.TransformerEncoder computes the real tokens of a padded batch
+    on nested tensors and returns zeros (or the final norm of zeros) at the padded positions; the
+    converted module does too, exactly there, and only when torch would (every other case computes
+    values there, as the original does)."""
+    model = _nested_encoder(norm="norm" in case, nested=case != "nested tensors off")
+    x = torch.randn(3, 6, 32)
+    mask, pad = _padding(left_aligned=case != "not left-aligned", float_mask="float" in case)
+    kw = dict(src_key_padding_mask=mask)
+    if case == "attention mask too":
+        kw["mask"] = torch.zeros(6, 6, dtype=torch.bool)
+    nested = case.startswith("nested,") or case == "nested"
+    results = {}
+    for policy in ("O0", "O1"):
+        amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
+        model.train(case == "training"), amp.train(case == "training")
+        with torch.set_grad_enabled(case == "grad enabled"):
+            want, got = model(x, **kw), amp(x, **kw)
+        results[policy] = got
+        if nested:
+            assert torch.equal(got[pad], want[pad])  # zeros, or the final norm's bias
+        else:
+            assert got[pad].abs().max() > 0.1  # computed values, as the original's
+    torch.testing.assert_close(results["O0"], want, atol=1e-5, rtol=1e-5)  # the reference path, to rounding
+    torch.testing.assert_close(results["O1"][~pad], want[~pad], atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_transformer_encoder_padding_survives_pickling():
+    model = _nested_encoder().eval()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16).eval()
+    x = torch.randn(3, 6, 32)
+    mask, pad = _padding()
+    again = pickle.loads(pickle.dumps(amp))  # FX re-traces the generated code: the run-time check stays a call
+    with torch.no_grad():
+        out = again(x, src_key_padding_mask=mask)
+        assert torch.equal(out, amp(x, src_key_padding_mask=mask))
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))

@@ -27,7 +27,7 @@ from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirro
 from ..runtime import attention, call_module_cast, cast, cast_weights, multi_head_attention
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values, fit_scalar
-from .transformer import FORWARDS, canonical_masks, causal_hint, traced_class
+from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
 __all__ = ["FxFrontEnd"]
 
@@ -82,7 +82,7 @@ class _Tracer(fx.Tracer):
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
         super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, attention, multi_head_attention,
-                                             fit_scalar, canonical_masks, causal_hint))
+                                             fit_scalar, canonical_masks, causal_hint, fast_path_padding))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
 

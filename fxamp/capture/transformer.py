@@ -14,9 +14,11 @@ that need tensor values done at run time by the two small functions below::
                                          linear = F.linear(norm1, linear1_weight, linear1_bias) ...
 
 ``nn.MultiheadAttention`` stays a leaf (classified safe: projections and attention in low
-precision); ``nn.TransformerDecoderLayer``'s own ``forward`` traces as written.  The fast path is
-never taken, so eval-mode outputs of padded positions (``src_key_padding_mask``) are computed
-values, not the zeros the nested-tensor path returns.
+precision); ``nn.TransformerDecoderLayer``'s own ``forward`` traces as written.  The fused layer
+kernel is never called (outputs agree with it to rounding), but where ``nn.TransformerEncoder``
+would take its nested-tensor path (eval, no autograd graph, a ``src_key_padding_mask``: it
+computes only the real tokens and pads the result with zeros), :func:`fast_path_padding` zeroes
+the padded positions the same way, so those outputs are the original's, not computed values.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 # masks exactly the original's, including their validation errors
 from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
-__all__ = ["FORWARDS", "canonical_masks", "causal_hint", "traced_class"]
+__all__ = ["FORWARDS", "canonical_masks", "causal_hint", "fast_path_padding", "traced_class"]
 
 
 def canonical_masks(src: torch.Tensor, mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
@@ -49,7 +51,46 @@ def causal_hint(mask: Optional[torch.Tensor], is_causal: Optional[bool], src: to
     return _detect_is_causal_mask(mask, is_causal, _get_seq_len(src, batch_first))
 
 
-_RUN_TIME = {"canonical_masks": canonical_masks, "causal_hint": causal_hint}
+def fast_path_padding(first_layer: nn.TransformerEncoderLayer, use_nested_tensor: bool, mask_check: bool,
+                      src: torch.Tensor, mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
+                      output: torch.Tensor) -> torch.Tensor:
+    """``output`` (after the layers, before the final norm) with zeros at the padded positions when
+    ``nn.TransformerEncoder.forward`` would have run its nested-tensor path, else ``output`` as is.
+
+    That path (eval, no autograd graph, a key padding mask and no attention mask; torch 2.x's
+    conditions, checked here in the same order) computes the real tokens only and pads the result
+    back with zeros, so in inference the original returns zeros where the traced reference path
+    computes values.  ``use_nested_tensor`` and ``mask_check`` are the encoder's attributes.
+    """
+    if key_padding_mask is None or not _takes_nested_path(first_layer, use_nested_tensor, mask_check, src, mask,
+                                                          key_padding_mask):
+        return output
+    return output.masked_fill(key_padding_mask.bool().unsqueeze(-1), 0.0)  # (bool or float: nonzero pads)
+
+
+def _takes_nested_path(first: nn.TransformerEncoderLayer, use_nested_tensor: bool, mask_check: bool,
+                       src: torch.Tensor, mask: Optional[torch.Tensor], key_padding_mask: torch.Tensor) -> bool:
+    """``nn.TransformerEncoder.forward``'s choice of its nested-tensor path (``why_not_sparsity_fast_path``)."""
+    if not torch.backends.mha.get_fastpath_enabled() or not use_nested_tensor or first.training:
+        return False
+    if src.dim() != 3:
+        return False
+    if mask_check and (torch.compiler.is_compiling()
+                       or not torch._nested_tensor_from_mask_left_aligned(src, key_padding_mask.logical_not())):
+        return False
+    if src.is_nested or mask is not None or torch.is_autocast_enabled():  # (torch's own checks, as written)
+        return False
+    attn = first.self_attn
+    tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+               first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+               first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias)
+    devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    if torch.overrides.has_torch_function(tensors) or src.device.type not in devices:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+_RUN_TIME = {"canonical_masks": canonical_masks, "causal_hint": causal_hint, "fast_path_padding": fast_path_padding}
 
 
 def _graph_call(name: str, proxy: fx.Proxy, *args: Any) -> fx.Proxy:
@@ -95,6 +136,11 @@ def _encoder(m: nn.TransformerEncoder, src: Any, mask: Any = None, src_key_paddi
     output = src
     for layer in m.layers:
         output = layer(output, src_mask=mask, is_causal=is_causal, src_key_padding_mask=src_key_padding_mask)
+    if isinstance(src_key_padding_mask, fx.Proxy) and isinstance(src, fx.Proxy):
+        tracer = src.tracer
+        first = tracer.create_proxy("get_attr", tracer.path_of_module(m.layers[0]), (), {})
+        output = _graph_call("fast_path_padding", src_key_padding_mask, first, getattr(m, "use_nested_tensor", False),
+                             getattr(m, "mask_check", True), src, mask, src_key_padding_mask, output)
     return m.norm(output) if m.norm is not None else output
 
 
