@@ -83,14 +83,12 @@ def cases(size: str, device: torch.device = torch.device("cpu")) -> List[Case]:
              lambda: ResNet50(classes=classes, width=width, blocks=blocks).to(dev),
              lambda: torch.randn(rb, 3, px, px, device=dev), lambda: torch.randint(0, classes, (rb,), device=dev),
              train=True, export=False, compile_train=True),
-        Case(f"BERT-width encoder d{ed} h{eh} L{el} b{eb} s{es}",
+    ] + [  # the encoder as converted by default, then with frontend="export"
+        Case(f"BERT-width encoder d{ed} h{eh} L{el} b{eb} s{es}" + (" (export)" if export else ""),
              lambda: Encoder(d=ed, heads=eh, ff=eff, layers=el).to(dev),
              lambda: torch.randn(eb, es, ed, device=dev), lambda: torch.zeros(0, device=dev),
-             train=False, export=False, compile_train=False),
-        Case(f"BERT-width encoder d{ed} h{eh} L{el} b{eb} s{es} (export)",
-             lambda: Encoder(d=ed, heads=eh, ff=eff, layers=el).to(dev),
-             lambda: torch.randn(eb, es, ed, device=dev), lambda: torch.zeros(0, device=dev),
-             train=False, export=True, compile_train=False),
+             train=False, export=export, compile_train=False)
+        for export in (False, True)
     ]
 
 

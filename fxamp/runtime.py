@@ -188,20 +188,16 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
     is reused until it changes, as :func:`cast_weights` does for the other weights (an
     ``nn.MultiheadAttention`` in inference then runs PyTorch's fused fast path with no cast at all).
     """
-    if _fxamp_cache is None or torch.compiler.is_compiling():
-        tensors = {name: cast(t, dtype) for name, t in module.named_parameters()}
-        tensors.update({name: cast(t, dtype) for name, t in module.named_buffers()})
-    else:
-        cache, path = _fxamp_cache
-        grad = torch.is_grad_enabled()
+    cache, path = (None, "") if _fxamp_cache is None or torch.compiler.is_compiling() else _fxamp_cache
+    grad = torch.is_grad_enabled()
 
-        def low(name: str, t: torch.Tensor) -> torch.Tensor:
-            if t.dtype == dtype or t.dtype not in CASTABLE or (grad and t.requires_grad):
-                return cast(t, dtype)
-            return cache.get(t, dtype, f"{path}.{name}")
+    def low(name: str, t: torch.Tensor) -> torch.Tensor:
+        if cache is None or t.dtype == dtype or t.dtype not in CASTABLE or (grad and t.requires_grad):
+            return cast(t, dtype)
+        return cache.get(t, dtype, f"{path}.{name}")
 
-        tensors = {name: low(name, t) for name, t in module.named_parameters()}
-        tensors.update({name: low(name, t) for name, t in module.named_buffers()})
+    tensors = {name: low(name, t) for name, t in module.named_parameters()}
+    tensors.update({name: low(name, t) for name, t in module.named_buffers()})
     done: Dict[int, Any] = {}
 
     def once(value: Any) -> Any:  # one input passed twice (query is key is value) is cast once, and stays one
