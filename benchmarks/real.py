@@ -9,6 +9,9 @@ For each model: a training step (AdamW) and an inference forward, in these varia
   fxamp O1        ``fxamp.convert(m, "O1")`` (float32 parameters, plain AdamW; + MixedPrecisionOptimizer
                   for its loss scaling under float16)
   fxamp O2        ``fxamp.convert(m, "O2")`` + ``fxamp.MixedPrecisionOptimizer`` (float32 masters)
+  fxamp O2 (compiled step)  the same with ``compile_step=True`` (training rows only: the masters are
+                  stepped by one compiled kernel that reads the bfloat16 gradient and writes the
+                  bfloat16 weight, :mod:`fxamp.fused_step`)
   compile(...)    ``torch.compile`` of the autocast model and of the O2 module (``--compile`` only;
                   training rows of the decoder and the ResNet: a cold compile takes a minute here)
 
@@ -44,7 +47,10 @@ FP32, AUTOCAST, LIMIT, O1, O2 = "fp32", "autocast", "pure bf16", "fxamp O1", "fx
 C_AUTOCAST, C_O2 = "compile(autocast)", "compile(fxamp O2)"
 #: diagnostics for profile_real (not in the suite): O2 with the plain, unsegmented optimizer step
 O2_PLAIN = "fxamp O2 (plain step)"
+O2_COMPILED_STEP = "fxamp O2 (compiled step)"
 VARIANTS = (FP32, AUTOCAST, LIMIT, O1, O2)
+#: the training rows (step time and peak memory) add the compiled master step
+TRAIN_VARIANTS = VARIANTS + (O2_COMPILED_STEP,)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,9 +221,10 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype,
             opt.step()
 
         return step, lambda: opt.zero_grad(set_to_none=True)
-    if variant in (O2, C_O2, O2_PLAIN):
+    if variant in (O2, C_O2, O2_PLAIN, O2_COMPILED_STEP):
         g = _convert(base, "O2", dtype, case, x).train()
-        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters(), adamw), model=g, release_grad_buffer=variant != O2_PLAIN)
+        w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters(), adamw), model=g, release_grad_buffer=variant != O2_PLAIN,
+                                          compile_step=variant == O2_COMPILED_STEP)
         fwd = torch.compile(g) if variant == C_O2 else g
 
         def step():

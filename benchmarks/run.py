@@ -808,6 +808,8 @@ def _real_train_targets(recs: Dict[str, Record], s: Settings) -> None:
         _check(recs[R.O2], vs_autocast=0.95)
     else:
         _check(recs[R.O2], vs_autocast=0.90)
+    if R.O2_COMPILED_STEP in recs:
+        _check(recs[R.O2_COMPILED_STEP], vs_autocast=0.95 if s.cuda else 0.90)
 
 
 def bench_real(s: Settings) -> List[Record]:
@@ -822,18 +824,19 @@ def bench_real(s: Settings) -> List[Record]:
         base = case.build()
         x, y = case.make_x(), case.make_y()
         if case.train:
-            variants = list(R.VARIANTS)
+            variants = list(R.TRAIN_VARIANTS)
             if s.compile and case.compile_train:
                 variants += [R.C_AUTOCAST, R.C_O2]
             steps: Dict[str, Callable[[], None]] = {}
             scaled = "+GradScaler" if s.fp16 else ""
             notes = {R.O2: "+MixedPrecisionOptimizer", R.C_O2: "+MixedPrecisionOptimizer",
+                     R.O2_COMPILED_STEP: "+MixedPrecisionOptimizer(compile_step=True)",
                      R.LIMIT: f"model.to({low}), plain AdamW" + (" (unscaled)" if s.fp16 else ""),
                      R.AUTOCAST: scaled, R.C_AUTOCAST: scaled, R.O1: "+MixedPrecisionOptimizer" if s.fp16 else ""}
             cold: Dict[str, float] = {}
             for v in variants:
                 steps[v] = R.train_step(v, base, case, x, y, s.dtype)[0]
-                if v in (R.C_AUTOCAST, R.C_O2):
+                if v in (R.C_AUTOCAST, R.C_O2, R.O2_COMPILED_STEP):
                     t0 = time.perf_counter()
                     steps[v]()
                     _sync(s)
@@ -874,10 +877,10 @@ def bench_real(s: Settings) -> List[Record]:
         R.print_progress(f"  {case.name}: inference done")
 
         if case.train:
-            peaks = {v: R.train_peak(v, base, case, x, y, s.dtype) for v in R.VARIANTS}
+            peaks = {v: R.train_peak(v, base, case, x, y, s.dtype) for v in R.TRAIN_VARIANTS}
             mib = {v: p["peak_bytes"] / 2**20 for v, p in peaks.items()}
             recs = {}
-            for v in R.VARIANTS:
+            for v in R.TRAIN_VARIANTS:
                 p = peaks[v]
                 recs[v] = Record("peak memory (train step)", case.name, R.limit_name(s.dtype) if v == R.LIMIT else v,
                                  mib[v], "MiB", mib[v] / mib[R.FP32],
@@ -885,7 +888,8 @@ def bench_real(s: Settings) -> List[Record]:
                                  note=f"state {p['state_bytes'] / 2**20:.1f} + step {p['step_peak_bytes'] / 2**20:.1f} MiB",
                                  extra={k: v2 for k, v2 in p.items()})
             _check(recs[R.O2], vs_autocast=1.0)
-            records += [recs[v] for v in R.VARIANTS]
+            _check(recs[R.O2_COMPILED_STEP], vs_autocast=1.0)
+            records += [recs[v] for v in R.TRAIN_VARIANTS]
             R.print_progress(f"  {case.name}: memory done")
         del base
         gc.collect()

@@ -27,6 +27,7 @@ def initialize(
     sync_overflow: bool = True,
     process_group: Optional[Any] = None,
     verbose: bool = False,
+    compile_step: bool = False,
     **convert_kwargs: Any,
 ) -> Tuple[nn.Module, MixedPrecisionOptimizer]:
     """apex-style one call: ``model, opt = fxamp.initialize(model, opt, policy="O2")``.
@@ -37,7 +38,9 @@ def initialize(
     module's low-precision ones (matched by name), and the converted module's float32 parameters
     (norms) are re-bound to the original's; the inner optimizer and its state stay as they are.
     Afterwards train the returned module; the original module holds the float32 masters.
-    ``verbose`` prints the options in force, as ``amp.initialize`` did.
+    ``verbose`` prints the options in force, as ``amp.initialize`` did.  ``compile_step`` goes to
+    :class:`MixedPrecisionOptimizer` (the masters stepped by one compiled kernel: O2/O3 with AdamW,
+    Adam or SGD).
     """
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError("initialize() takes the torch optimizer, not a MixedPrecisionOptimizer")
@@ -80,7 +83,8 @@ def initialize(
                 for alias in conv_named[id(c)]:  # type: ignore[index]
                     _set_param(converted, alias, p)
     opt = MixedPrecisionOptimizer(optimizer, loss_scale=loss_scale, model=converted,
-                                  sync_overflow=sync_overflow, process_group=process_group)
+                                  sync_overflow=sync_overflow, process_group=process_group,
+                                  compile_step=compile_step)
     masters = opt.adopt_masters(pairs)
     if verbose:
         print(_options_text(converted, opt, masters))
@@ -103,5 +107,6 @@ def _options_text(model: nn.Module, opt: MixedPrecisionOptimizer, masters: int) 
         f"  float32 params: {stepped - masters} stepped directly",
         f"  optimizer     : {type(opt.optimizer).__name__}",
         f"  sync_overflow : {opt.sync_overflow}",
+        f"  compile_step  : {opt.compile_step}",
     ]
     return "\n".join(lines)

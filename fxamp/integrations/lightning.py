@@ -63,6 +63,8 @@ class FxampPrecision(Precision):
                     (static), ``None``, or a :class:`fxamp.LossScaleConfig`.
     example_inputs: ``{"net": (x,)}``: example inputs for modules torch.fx cannot trace (used by
                     ``fxamp.convert``'s ``torch.export`` front end).
+    compile_step:   step the float32 masters with one compiled kernel per tensor
+                    (:class:`fxamp.MixedPrecisionOptimizer`'s ``compile_step``; AdamW, Adam, SGD).
     convert_kwargs: passed on to :func:`fxamp.convert` (``overrides=``, ``leaf_modules=``...).
     """
 
@@ -74,6 +76,7 @@ class FxampPrecision(Precision):
         modules: Optional[Sequence[str]] = None,
         loss_scale: LossScaleArg = "auto",
         example_inputs: Optional[Mapping[str, Tuple[Any, ...]]] = None,
+        compile_step: bool = False,
         **convert_kwargs: Any,
     ) -> None:
         self.policy = policy
@@ -82,6 +85,7 @@ class FxampPrecision(Precision):
         self.modules = None if modules is None else [str(m) for m in modules]
         self.example_inputs = dict(example_inputs or {})
         self.convert_kwargs = convert_kwargs
+        self.compile_step = bool(compile_step)
         #: one loss scale for every optimizer of the LightningModule (as MixedPrecision's GradScaler)
         self.scaler = fxamp.LossScaler(_scale_config(loss_scale, self.dtype))
         self._wrappers: List[fxamp.MixedPrecisionOptimizer] = []
@@ -146,7 +150,8 @@ class FxampPrecision(Precision):
                                 "itself, unscaled); use precision='32-true' for it")
             known = self._wrapper_of(inner, self._wrappers)
             wrappers.append(known if known is not None else
-                            fxamp.MixedPrecisionOptimizer(inner, loss_scale=self.scaler, model=model))
+                            fxamp.MixedPrecisionOptimizer(inner, loss_scale=self.scaler, model=model,
+                                                          compile_step=self.compile_step))
         self._wrappers = wrappers
         return model, optimizers, lr_schedulers
 

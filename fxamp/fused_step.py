@@ -1,0 +1,244 @@
+"""Step float32 masters in one pass that reads the low-precision gradient and writes the low-precision weight.
+
+``MixedPrecisionOptimizer(..., compile_step=True)`` over a stock ``torch.optim.AdamW``, ``Adam`` or
+``SGD``: instead of copying each low-precision gradient into a float32 buffer, stepping the inner
+optimizer on it and copying the master back into the low-precision weight (three passes over
+memory, 40 bytes per parameter for AdamW), one kernel per master reads the bfloat16/float16
+gradient, divides it by the loss scale, updates the master and the optimizer state and writes the
+rounded weight (28 bytes per parameter: what the inner optimizer alone moves for a float32 model).
+The kernels are the inner optimizer's update written as pointwise torch and compiled with
+``torch.compile`` (one graph for every size: ``dynamic=True``), the way torchao compiles its
+low-bit optimizers; apex's ``FusedAdam(master_weights=True)`` is the same idea as a CUDA kernel.
+
+The state stays the inner optimizer's (``exp_avg``, ``exp_avg_sq``, ``step``;
+``momentum_buffer``), created as torch creates it, so ``state_dict()``, LR schedulers and
+checkpoints do not see the difference.  Not bitwise torch's step: the compiler fuses and may
+contract multiply-adds (the masters agree to a few float32 ulps, see tests/test_fused_step.py).
+The first step of each kind compiles (seconds; inductor caches the kernel on disk).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .segmented_step import Run, grad_strides
+
+__all__ = ["fusable", "Kernels", "step_fused"]
+
+
+def _adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+          low: torch.Tensor, s: torch.Tensor) -> None:
+    # s: [scale (1/loss scale x clip factor, negated to maximize), L2 weight decay (Adam),
+    #     decoupled decay factor 1 - lr*wd (AdamW), 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
+    #     sqrt(bias_correction2), eps]; the order of torch's _single_tensor_adam
+    g = grad.float() * s[0] + master * s[1]
+    exp_avg_new = torch.lerp(exp_avg, g, s[3])
+    exp_avg_sq_new = exp_avg_sq * s[4] + g * g * s[5]
+    denom = exp_avg_sq_new.sqrt() / s[7] + s[8]
+    master_new = master * s[2] - s[6] * (exp_avg_new / denom)
+    master.copy_(master_new)
+    exp_avg.copy_(exp_avg_new)
+    exp_avg_sq.copy_(exp_avg_sq_new)
+    low.copy_(master_new)
+
+
+def _sgd_momentum(master: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, low: torch.Tensor,
+                  s: torch.Tensor, nesterov: bool) -> None:
+    # s: [scale, weight decay, momentum on the buffer (0 at the first step: the buffer starts as the
+    #     gradient), weight of the gradient (1 - dampening; 1 at the first step), momentum, lr]
+    g = grad.float() * s[0] + master * s[1]
+    buf_new = buf * s[2] + g * s[3]
+    update = g + buf_new * s[4] if nesterov else buf_new
+    master_new = master - s[5] * update
+    master.copy_(master_new)
+    buf.copy_(buf_new)
+    low.copy_(master_new)
+
+
+def _sgd(master: torch.Tensor, grad: torch.Tensor, low: torch.Tensor, s: torch.Tensor) -> None:
+    # s: [scale, weight decay, lr]
+    g = grad.float() * s[0] + master * s[1]
+    master_new = master - s[2] * g
+    master.copy_(master_new)
+    low.copy_(master_new)
+
+
+_ADAM_KEYS = {"amsgrad": False, "capturable": False, "differentiable": False}
+_SGD_KEYS = {"differentiable": False}
+
+
+def _kind(optimizer: Any) -> Optional[str]:
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        return "adam"
+    if type(optimizer) is torch.optim.SGD:
+        return "sgd"
+    return None
+
+
+def fusable(optimizer: Any) -> Optional[str]:
+    """Why the step of ``optimizer`` cannot be fused, or None when it can: exactly ``torch.optim.Adam``,
+    ``AdamW`` or ``SGD`` (a subclass may change the update), and no option the kernels do not have
+    (amsgrad, capturable, differentiable, complex or sparse gradients are stepped by the inner optimizer)."""
+    kind = _kind(optimizer)
+    if kind is None:
+        return (f"{type(optimizer).__name__} is not torch.optim.Adam, AdamW or SGD, whose update the "
+                f"compiled kernels implement")
+    keys = _ADAM_KEYS if kind == "adam" else _SGD_KEYS
+    for group in optimizer.param_groups:
+        for key, value in keys.items():
+            if bool(group.get(key, value)) != value:
+                return f"{type(optimizer).__name__}({key}={group.get(key)!r}) is not fused"
+        if torch.is_tensor(group.get("lr")) and group["lr"].requires_grad:
+            return "a differentiable learning rate is not fused"
+    return None
+
+
+_RAW: Dict[str, Callable[..., None]] = {"adam": _adam, "sgd_momentum": _sgd_momentum, "sgd": _sgd}
+
+
+class Kernels:
+    """The kernels of one wrapper, compiled at their first call (``torch.compile``, ``dynamic=True``).
+
+    Where compiling fails (no C++ compiler for inductor, say) the same functions run eagerly, after
+    one warning: the same update, at the cost of one pass over memory per operation."""
+
+    def __init__(self) -> None:
+        self._ready: Dict[str, Callable[..., None]] = {}
+
+    def __call__(self, name: str) -> Callable[..., None]:
+        fn = self._ready.get(name)
+        if fn is None:
+            fn = self._first(name)
+        return fn
+
+    def _first(self, name: str) -> Callable[..., None]:
+        raw, compiled = _RAW[name], torch.compile(_RAW[name], dynamic=True, fullgraph=True)
+
+        def first(*args: Any) -> None:
+            try:
+                compiled(*args)  # (a failure is raised while compiling, before any tensor is written)
+                self._ready[name] = compiled
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager functions are the fallback
+                warnings.warn(f"fxamp compile_step: torch.compile could not compile the {name} step "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                              f"stepping with the same update run eagerly (slower)", RuntimeWarning, stacklevel=4)
+                self._ready[name] = raw
+                raw(*args)
+
+        return first
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view when ``t`` is contiguous (one graph for every shape), else ``t`` itself."""
+    return t.view(-1) if t.is_contiguous() else t
+
+
+def _fits(master: torch.Tensor, low: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the kernel can step this pair: a dense real gradient laid out as the master."""
+    return (not grad.is_sparse and not master.is_complex() and grad.device == master.device
+            and grad.shape == master.shape and grad.stride() == master.stride() == low.stride())
+
+
+def _adam_scalars(group: Dict[str, Any], step: float, scale: float, decoupled: bool) -> List[float]:
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    wd = float(group["weight_decay"])
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    sign = -1.0 if group.get("maximize", False) else 1.0
+    return [sign * scale, 0.0 if decoupled else wd, 1 - lr * wd if decoupled else 1.0, 1 - beta1, beta2,
+            1 - beta2, lr / bias_correction1, math.sqrt(bias_correction2), float(group["eps"])]
+
+
+def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+               scale: float, kernels: Kernels) -> None:
+    decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+    fused_step_dtype = group.get("fused") or group.get("capturable")
+    states, steps = [], []
+    for _, master in pairs:
+        state = optimizer.state[master]
+        if not state:  # as torch's Adam._init_group
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=master.device) if fused_step_dtype
+                             else torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        states.append(state)
+        steps.append(state["step"])
+    torch._foreach_add_(steps, 1)
+    values = torch.stack([s.to("cpu", torch.float64) for s in steps]).tolist() if len(steps) > 1 \
+        else [float(steps[0])]
+    scalars: Dict[float, torch.Tensor] = {}
+    kernel = kernels("adam")
+    for (low, master), state, step in zip(pairs, states, values):
+        s = scalars.get(step)
+        if s is None:
+            s = scalars[step] = torch.tensor(_adam_scalars(group, step, scale, decoupled), dtype=torch.float32,
+                                             device=master.device)
+        kernel(_flat(master.detach()), _flat(low.grad), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
+               _flat(low.detach()), s)
+
+
+def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+              scale: float, kernels: Kernels) -> None:
+    lr, wd, momentum = float(group["lr"]), float(group["weight_decay"]), float(group["momentum"])
+    sign = -1.0 if group.get("maximize", False) else 1.0
+    device = pairs[0][1].device
+    if momentum == 0:
+        s = torch.tensor([sign * scale, wd, lr], dtype=torch.float32, device=device)
+        kernel = kernels("sgd")
+        for low, master in pairs:
+            kernel(_flat(master.detach()), _flat(low.grad), _flat(low.detach()), s)
+        return
+    nesterov, dampening = bool(group["nesterov"]), float(group["dampening"])
+    later = torch.tensor([sign * scale, wd, momentum, 1 - dampening, momentum, lr], dtype=torch.float32, device=device)
+    first: Optional[torch.Tensor] = None
+    kernel = kernels("sgd_momentum")
+    for low, master in pairs:
+        state = optimizer.state[master]
+        buf = state.get("momentum_buffer")
+        s = later
+        if buf is None:  # torch's first step: the buffer is the gradient itself (no dampening)
+            buf = state["momentum_buffer"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            if first is None:
+                first = torch.tensor([sign * scale, wd, 0.0, 1.0, momentum, lr], dtype=torch.float32, device=device)
+            s = first
+        kernel(_flat(master.detach()), _flat(low.grad), _flat(buf), _flat(low.detach()), s, nesterov)
+
+
+def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
+               kernels: Kernels, fallback: Callable[[Sequence[Run]], None]) -> None:
+    """Step ``runs`` (:func:`~fxamp.segmented_step.plan_runs`): the masters of each run with the compiled
+    kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
+    (None: 1); the float32 parameters, and pairs the kernel cannot step (a layout it does not
+    have), through ``fallback`` (:func:`~fxamp.segmented_step.step_runs`), in the same order."""
+    kind = _kind(optimizer)
+    groups = optimizer.param_groups
+    scales: Dict[torch.device, float] = {}
+    with torch.no_grad():
+        for run in runs:
+            if run.own:
+                fallback([run])
+                continue
+            pairs, rest = [], []
+            for low, master in run.pairs:
+                if low.grad is None:
+                    master.grad = None
+                elif _fits(master, low, low.grad):
+                    pairs.append((low, master))
+                else:
+                    rest.append((low, master))
+            if rest:
+                masters = [m for _, m in rest]
+                fallback([Run(run.group, pairs=tuple(rest), numel=sum(m.numel() for m in masters),
+                              strides=grad_strides(masters))])
+            if not pairs:
+                continue
+            device = pairs[0][1].device
+            if device not in scales:
+                scales[device] = 1.0 if scale_on is None else float(scale_on(device))
+            step = _step_adam if kind == "adam" else _step_sgd
+            step(optimizer, groups[run.group], pairs, scales[device], kernels)

@@ -1,0 +1,234 @@
+"""MixedPrecisionOptimizer(compile_step=True): the masters stepped by one compiled kernel each.
+
+Each step is compared with the inner optimizer's own step from the same state and the same
+low-precision gradients: masters and optimizer state to a few float32 ulps (the compiler fuses and
+contracts multiply-adds; bitwise is not promised), the low-precision weights to one rounding step.
+"""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from fxamp import MixedPrecisionOptimizer
+from fxamp import fused_step
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+class Net(nn.Module):
+    """Low-precision linears and a conv around a float32 LayerNorm (stepped by the inner optimizer under O2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8 * 4 * 4, 32)
+        self.norm = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 5)
+        self.unused = nn.Linear(4, 4)  # no gradient: neither stepped nor given state
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.norm(self.fc1(h))))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(6, 3, 4, 4, generator=g), torch.randint(0, 5, (6,), generator=g)
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adam-l2-maximize": lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, maximize=True),
+    "adamw-tensor-lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(3e-3), eps=1e-6),
+    "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "sgd-dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, dampening=0.3),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=1e-2, maximize=True),
+}
+
+
+def pair(make_opt, dtype=BF16, memory_format=torch.contiguous_format, **kw):
+    """Two identical O2 models, the inner optimizer's step and the compiled one."""
+    torch.manual_seed(0)
+    base = Net().to(memory_format=memory_format)
+    out = []
+    for compile_step in (False, True):
+        m = fxamp.convert(copy.deepcopy(base), "O2", dtype=dtype)
+        out.append((m, MixedPrecisionOptimizer(make_opt(m.parameters()), model=m, compile_step=compile_step, **kw)))
+    return out
+
+
+def backward(model, opt, step, clip=None):
+    opt.zero_grad()
+    x, y = batch(step)
+    opt.backward(F.cross_entropy(model(x).float(), y))
+    if clip is not None:
+        return opt.clip_grad_norm_(clip)
+
+
+def assert_same_step(ref, fused, ulps=8):
+    (m0, o0), (m1, o1) = ref, fused
+    for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
+        if p0.dtype in (BF16, F16):  # one rounding step at most, where the masters straddle a boundary
+            torch.testing.assert_close(p1, p0, rtol=2 * torch.finfo(p0.dtype).eps, atol=0, msg=name)
+    for a, b in zip(o0.master_params(), o1.master_params()):
+        close(b, a, ulps)
+        s0, s1 = o0.optimizer.state.get(a, {}), o1.optimizer.state.get(b, {})
+        assert s0.keys() == s1.keys()
+        for k in s0:
+            assert torch.is_tensor(s1[k]) and s1[k].dtype == s0[k].dtype and s1[k].shape == s0[k].shape, k
+            close(s1[k], s0[k], ulps)
+
+
+def close(actual, expected, ulps):
+    """Within ``ulps`` float32 rounding steps of each element, or of the tensor's largest element (an
+    element that is a difference of near-equal terms, as Adam's L2-decayed gradient can be, carries
+    the rounding of the terms, not its own)."""
+    eps = ulps * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(actual, expected, rtol=eps, atol=eps * float(expected.abs().max()))
+
+
+def sync(ref, fused):
+    """Give the compiled side the reference's weights, masters and state (its checkpoint)."""
+    (m0, o0), (m1, o1) = ref, fused
+    buf = io.BytesIO()
+    torch.save({"model": m0.state_dict(), "opt": o0.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf)
+    m1.load_state_dict(ck["model"])
+    o1.load_state_dict(ck["opt"])
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_step_matches_the_inner_optimizer(name):
+    """Three steps (first step's state creation, bias correction and momentum after it), each from the
+    same state: the compiled side is re-synced from the reference's checkpoint before each, so a
+    rounding difference never compounds, and the kernels read state that load_state_dict replaced."""
+    ref, fused = pair(OPTIMIZERS[name])
+    for step in range(3):
+        if step:
+            sync(ref, fused)
+        for m, o in (ref, fused):
+            backward(m, o, step)
+            assert o.step() is True
+        assert_same_step(ref, fused)
+    # the parameter without a gradient was not stepped and got no state, as torch does
+    for m, o in (ref, fused):
+        master = next(p for p in o.master_params() if p.shape == m.unused.weight.shape)
+        assert not o.optimizer.state.get(master)
+
+
+def test_state_dict_is_the_inner_optimizers_format():
+    ref, fused = pair(OPTIMIZERS["adamw"])
+    for m, o in (ref, fused):
+        backward(m, o, 0)
+        o.step()
+    sd0, sd1 = ref[1].optimizer.state_dict(), fused[1].optimizer.state_dict()
+    assert sd0["param_groups"] == sd1["param_groups"]
+    assert sd0["state"].keys() == sd1["state"].keys()
+    for k in sd0["state"]:
+        assert sd0["state"][k].keys() == sd1["state"][k].keys()
+        assert sd1["state"][k]["step"].dtype == sd0["state"][k]["step"].dtype
+        assert float(sd1["state"][k]["step"]) == float(sd0["state"][k]["step"]) == 1.0
+
+
+def test_float16_loss_scale_and_clipping():
+    """The kernel divides by the loss scale and applies clip_grad_norm_'s factor (read from the
+    float16 gradients in place), as the inner optimizer's step on unscaled, clipped float32 gradients."""
+    ref, fused = pair(OPTIMIZERS["adamw"], dtype=F16, loss_scale=2.0 ** 12)
+    norms = []
+    for m, o in (ref, fused):
+        norms.append(backward(m, o, 0, clip=0.05))
+        assert o.step() is True
+    torch.testing.assert_close(norms[1], norms[0])
+    assert float(norms[0]) > 0.05  # the clip did something
+    assert_same_step(ref, fused)
+
+
+def test_overflow_skips_and_changes_nothing():
+    _, (m, o) = pair(OPTIMIZERS["adamw"], dtype=F16, loss_scale="dynamic")
+    backward(m, o, 0)
+    o.step()
+    before = copy.deepcopy((m.state_dict(), o.state_dict()))
+    backward(m, o, 1)
+    m.fc1.weight.grad.view(-1)[3] = float("inf")
+    assert o.step() is False
+    after = (m.state_dict(), o.state_dict())
+    for k, v in before[0].items():
+        assert torch.equal(after[0][k], v), k
+    for a, b in zip(before[1]["masters"], after[1]["masters"]):
+        assert torch.equal(a, b)
+    for pid, st in before[1]["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after[1]["optimizer"]["state"][pid][k], v), k
+
+
+def test_channels_last_masters():
+    """A conv weight in channels_last: the kernel steps it in its own layout (not a flat view)."""
+    ref, fused = pair(OPTIMIZERS["adamw"], memory_format=torch.channels_last)
+    conv = fused[0].conv.weight
+    assert not conv.is_contiguous() and conv.is_contiguous(memory_format=torch.channels_last)
+    for m, o in (ref, fused):
+        backward(m, o, 0)
+        o.step()
+    assert fused[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert_same_step(ref, fused)
+
+
+def test_training_converges_like_the_inner_step():
+    ref, fused = pair(OPTIMIZERS["adamw"])
+    losses = {0: [], 1: []}
+    for step in range(30):
+        for i, (m, o) in enumerate((ref, fused)):
+            opt_loss = F.cross_entropy(m(batch(0)[0]).float(), batch(0)[1])
+            o.zero_grad()
+            o.backward(opt_loss)
+            o.step()
+            losses[i].append(float(opt_loss))
+    assert losses[1][-1] < 0.5 * losses[1][0]
+    assert abs(losses[1][-1] - losses[0][-1]) < 0.05 * losses[0][0]
+
+
+def test_unsupported_optimizers_are_refused():
+    m = fxamp.convert(Net(), "O2", dtype=BF16)
+    for opt, what in ((torch.optim.RMSprop(m.parameters()), "RMSprop"),
+                      (torch.optim.AdamW(m.parameters(), amsgrad=True), "amsgrad")):
+        with pytest.raises(ValueError, match=what):
+            MixedPrecisionOptimizer(opt, model=m, compile_step=True)
+
+
+def test_initialize_passes_it_on():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp, wrapper = fxamp.initialize(model, opt, "O2", dtype=BF16, compile_step=True)
+    assert wrapper.compile_step
+    backward(amp, wrapper, 0)
+    assert wrapper.step() is True
+    # the original module holds the masters, the converted one their rounding
+    torch.testing.assert_close(amp.fc1.weight.float(), model.fc1.weight.detach(), rtol=2 ** -8, atol=0)
+
+
+def test_a_compiler_failure_falls_back_to_the_same_update_eagerly(monkeypatch):
+    def broken(fn, **kw):
+        def call(*a):
+            raise RuntimeError("no C++ compiler")
+        return call
+
+    monkeypatch.setattr(fused_step.torch, "compile", broken)
+    ref, fused = pair(OPTIMIZERS["sgd-nesterov"])
+    for step in range(2):
+        if step:
+            sync(ref, fused)
+        for m, o in (ref, fused):
+            backward(m, o, step)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                o.step()
+        assert any("could not compile" in str(w.message) for w in caught) == (step == 0)
+        assert_same_step(ref, fused)
