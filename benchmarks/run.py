@@ -591,9 +591,11 @@ def bench_optimizer(s: Settings) -> List[Record]:
 
         fns["GradScaler + opt"] = gradscaler_step
         if MixedPrecisionOptimizer is not None:
-            for tag, dtype in ((f"fxamp wrapper ({_short(s.dtype)} params, O2)", s.dtype),
-                               ("fxamp wrapper (fp32 params, O1)", torch.float32)):
-                w = MixedPrecisionOptimizer(make(fresh(dtype)), loss_scale=LossScaleConfig.dynamic(**dyn))
+            for tag, dtype, compiled in ((f"fxamp wrapper ({_short(s.dtype)} params, O2)", s.dtype, False),
+                                         (f"fxamp wrapper ({_short(s.dtype)} params, O2, compiled step)", s.dtype, True),
+                                         ("fxamp wrapper (fp32 params, O1)", torch.float32, False)):
+                w = MixedPrecisionOptimizer(make(fresh(dtype)), loss_scale=LossScaleConfig.dynamic(**dyn),
+                                            compile_step=compiled)
                 token = torch.zeros((), device=s.device, requires_grad=True)
 
                 def wrapper_step(w=w, token=token):
@@ -611,7 +613,7 @@ def bench_optimizer(s: Settings) -> List[Record]:
             r = Record("optimizer step", f"{label}, {opt_name}", k, v * 1e3, "ms", _ratio(v, med["plain (fp32)"]),
                        _ratio(v, med["GradScaler + opt"]), extra=extra)
             r.note = {"plain (fp32)": "vs_fp32 = vs this", "GradScaler + opt": "vs_autocast = vs this"}.get(k, "")
-            if k.endswith("O2)"):
+            if k.endswith("O2)") or k.endswith("compiled step)"):
                 _check(r, vs_fp32=1.3)
             records.append(r)
         for k, n in notes.items():

@@ -45,7 +45,8 @@ def test_quick_tiny_writes_table_and_json(tmp_path):
     assert all(r["fresh_after_update"] for r in records if r["benchmark"] == "inference" and r["variant"] == "fxamp O1")
     # the real-size suite: every variant of each model, ratios against pure low precision, peak memory
     real = [r for r in records if r["benchmark"] == "train step (AdamW)"]
-    assert {r["variant"] for r in real} == {"fp32", "autocast", "pure bf16", "fxamp O1", "fxamp O2"}
+    assert {r["variant"] for r in real} == {"fp32", "autocast", "pure bf16", "fxamp O1", "fxamp O2",
+                                           "fxamp O2 (compiled step)"}
     assert all(r["median"] is not None and r["vs_limit"] is not None for r in real)
     peaks = [r for r in records if r["benchmark"] == "peak memory (train step)"]
     assert peaks and all(r["peak_mib"] > 0 and r["peak_mib"] == r["median"] for r in peaks)

@@ -42,6 +42,13 @@ def batch(step):
     return torch.randn(6, 3, 4, 4, generator=g), torch.randint(0, 5, (6,), generator=g)
 
 
+@pytest.fixture(autouse=True)
+def every_master_fused(request, monkeypatch):
+    """The tiny test models' masters are all below FUSED_MIN_NUMEL: fuse them all (but in the test of the threshold)."""
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 0)
+
+
 OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     "adam-l2-maximize": lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, maximize=True),
@@ -232,3 +239,31 @@ def test_a_compiler_failure_falls_back_to_the_same_update_eagerly(monkeypatch):
                 o.step()
         assert any("could not compile" in str(w.message) for w in caught) == (step == 0)
         assert_same_step(ref, fused)
+
+
+def test_threshold_small_masters_take_the_inner_optimizer(monkeypatch):
+    """Below FUSED_MIN_NUMEL a kernel call costs more than it saves: those masters are stepped by the
+    inner optimizer (bitwise its step), the large ones by the kernel (one call each)."""
+    calls = []
+    real = fused_step.Kernels.__call__
+
+    def counting(self, name):
+        fn = real(self, name)
+
+        def call(*args):
+            calls.append(args[0].numel())
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(fused_step.Kernels, "__call__", counting)
+    monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 8 * 4 * 4 * 32)  # fc1.weight and larger
+    ref, fused = pair(OPTIMIZERS["adamw"])
+    for m, o in (ref, fused):
+        backward(m, o, 0)
+        o.step()
+    assert calls == [8 * 4 * 4 * 32]
+    assert_same_step(ref, fused)
+    for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
+        if name != "fc1.weight":
+            assert torch.equal(p0, p1), name
