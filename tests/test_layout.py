@@ -23,6 +23,7 @@ STAGES: Dict[str, int] = {
     "dtypes": 2,
     "policy": 3, "runtime": 3,
     "info": 4, "loss_scale": 4, "distributed": 4, "segmented_step": 4, "packed_step": 4,
+    "fused_step": 4,
     "capture": 5,  # and every capture.* module
     "optim": 5,
     "classify": 6,
