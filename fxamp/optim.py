@@ -56,6 +56,12 @@ are stored as the rows of one float32 tensor per (param group, trailing shape) a
 that tensor (:mod:`fxamp.packed_step`): a CPU optimizer dispatches every op per tensor, so 400
 small masters cost 400 times the dispatch of one.  Bitwise the same step, invisible outside it.
 
+With ``compile_step=True`` (a stock AdamW, Adam or SGD) the masters of at least
+``fused_step.FUSED_MIN_NUMEL`` elements skip all of that: after the same in-place check, one
+kernel per master, compiled by ``torch.compile``, reads the low-precision gradient and writes the
+master, the optimizer state and the low-precision weight (:mod:`fxamp.fused_step`); the smaller
+masters and the float32 parameters take the segmented step.
+
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
 ``fxamp.initialize`` (in :mod:`fxamp.api`) builds this wrapper for a model it converts.
