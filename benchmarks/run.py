@@ -831,7 +831,7 @@ def bench_real(s: Settings) -> List[Record]:
                 variants += [R.C_AUTOCAST, R.C_O2]
             steps: Dict[str, Callable[[], None]] = {}
             scaled = "+GradScaler" if s.fp16 else ""
-            notes = {R.O2: "+MixedPrecisionOptimizer", R.C_O2: "+MixedPrecisionOptimizer",
+            notes = {R.O2: "+MixedPrecisionOptimizer", R.C_O2: "+MixedPrecisionOptimizer(compile_step=True)",
                      R.O2_COMPILED_STEP: "+MixedPrecisionOptimizer(compile_step=True)",
                      R.LIMIT: f"model.to({low}), plain AdamW" + (" (unscaled)" if s.fp16 else ""),
                      R.AUTOCAST: scaled, R.C_AUTOCAST: scaled, R.O1: "+MixedPrecisionOptimizer" if s.fp16 else ""}
