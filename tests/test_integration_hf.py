@@ -177,3 +177,13 @@ def test_prepare_without_an_example_batch_captures_at_the_first_call(tmp_path):
     assert model.get_parameter(weight).dtype == torch.bfloat16
     assert not torch.equal(model.state_dict()[weight], before[weight])  # the Trainer's steps reached it
     assert optimizers[0].skipped_steps == 0 and math.isfinite(mean_eval_loss(model))
+
+
+def test_compile_step_is_passed_on(tmp_path, monkeypatch):
+    from fxamp import fused_step
+
+    monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 0)  # the test model's masters are small
+    t = fxamp_trainer(args(tmp_path, 12), compile_step=True)
+    t.train()
+    assert t.optimizer.compile_step and t.optimizer.skipped_steps == 0
+    assert math.isfinite(t.evaluate()["eval_loss"])

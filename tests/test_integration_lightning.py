@@ -319,3 +319,18 @@ def test_gradient_accumulation():
     assert t.global_step == 3 and plugin.scaler.updates == 3
     assert t.fit_loop.epoch_loop.batch_progress.total.completed == 6
     assert all(p.grad is None for p in model.net.parameters() if p.dtype == torch.float16)  # cleared after the step
+
+
+def test_compile_step_is_passed_on(monkeypatch):
+    """FxampPrecision(compile_step=True): the wrappers step the masters with the compiled kernels (all of
+    them here: the threshold is lowered for these small layers), landing where the plain step lands."""
+    from fxamp import fused_step
+
+    monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 0)
+    losses = []
+    for compile_step in (False, True):
+        L.seed_everything(0, verbose=False)
+        model, plugin = Digits(), FxampPrecision("O2", dtype="bf16", compile_step=compile_step)
+        losses.append(fit(model, trainer(plugin, max_epochs=1)))
+        assert [w.compile_step for w in plugin._wrappers] == [compile_step]
+    assert abs(losses[1] - losses[0]) / losses[0] < 0.01, losses

@@ -156,6 +156,7 @@ def prepare(
     loss_scale: Any = "auto",
     max_grad_norm: Optional[float] = None,
     num_training_steps: Optional[int] = None,
+    compile_step: bool = False,
     **convert_kwargs: Any,
 ) -> Tuple[nn.Module, Tuple[TrainerOptimizer, Any]]:
     """Convert ``model`` and build ``(optimizer, scheduler)`` for ``Trainer(model=..., optimizers=...)``.
@@ -168,6 +169,8 @@ def prepare(
     scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
                     ``args.max_grad_norm`` for float16.
+    compile_step:   step the float32 masters with one compiled kernel per tensor
+                    (:class:`fxamp.MixedPrecisionOptimizer`'s ``compile_step``; AdamW, Adam, SGD).
     convert_kwargs: passed on to :func:`fxamp.convert`.
     """
     low = resolve_dtype(dtype)
@@ -194,7 +197,8 @@ def prepare(
                                   eps=args.adam_epsilon)
     else:
         inner = optimizer(groups)
-    opt = TrainerOptimizer(inner, max_grad_norm=max_grad_norm, loss_scale=loss_scale, model=amp)
+    opt = TrainerOptimizer(inner, max_grad_norm=max_grad_norm, loss_scale=loss_scale, model=amp,
+                           compile_step=compile_step)
     if scheduler is not None:
         sched = scheduler(inner)
     else:
