@@ -267,3 +267,27 @@ def test_threshold_small_masters_take_the_inner_optimizer(monkeypatch):
     for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
         if name != "fc1.weight":
             assert torch.equal(p0, p1), name
+
+
+def test_param_groups_schedulers_and_accumulation():
+    """Two param groups with their own lr and weight decay, an LR scheduler between steps, and two
+    accumulated backwards per step: every step as the inner optimizer's."""
+    def make(params):
+        params = list(params)
+        return torch.optim.AdamW([{"params": params[:2], "lr": 1e-2, "weight_decay": 0.0},
+                                  {"params": params[2:], "lr": 3e-3, "weight_decay": 0.2}])
+
+    ref, fused = pair(make)
+    scheds = [torch.optim.lr_scheduler.StepLR(o.optimizer, step_size=1, gamma=0.5) for _, o in (ref, fused)]
+    for step in range(3):
+        if step:
+            sync(ref, fused)
+        for (m, o), sched in zip((ref, fused), scheds):
+            o.zero_grad()
+            for micro in range(2):
+                x, y = batch(10 * step + micro)
+                o.backward(F.cross_entropy(m(x).float(), y))
+            assert o.step() is True
+            sched.step()
+        assert_same_step(ref, fused)
+    assert [g["lr"] for g in fused[1].param_groups] == pytest.approx([1e-2 / 8, 3e-3 / 8])
