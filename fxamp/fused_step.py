@@ -137,15 +137,19 @@ class Kernels:
         return first
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view when ``t`` is contiguous (one graph for every shape), else ``t`` itself."""
-    return t.view(-1) if t.is_contiguous() else t
+def _flat(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """1-D views when every tensor is contiguous (one graph for every shape), else the tensors as they
+    are: a gradient laid out otherwise than its master (channels_last from a compiled convolution,
+    say) is read where it is, in the same single pass (a graph per layout)."""
+    if all(t.is_contiguous() for t in tensors):
+        return tuple(t.view(-1) for t in tensors)
+    return tensors
 
 
 def _fits(master: torch.Tensor, low: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether the kernel can step this pair: a dense real gradient laid out as the master."""
-    return (not grad.is_sparse and not master.is_complex() and grad.device == master.device
-            and grad.shape == master.shape and grad.stride() == master.stride() == low.stride())
+    """Whether the kernel can step this pair: a strided real gradient of the master's shape and device."""
+    return (grad.layout == torch.strided and not master.is_complex() and grad.device == master.device
+            and grad.shape == master.shape == low.shape)
 
 
 def _adam_scalars(group: Dict[str, Any], step: float, scale: float, decoupled: bool) -> List[float]:
@@ -183,8 +187,7 @@ def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torc
         if s is None:
             s = scalars[step] = torch.tensor(_adam_scalars(group, step, scale, decoupled), dtype=torch.float32,
                                              device=master.device)
-        kernel(_flat(master.detach()), _flat(low.grad), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
-               _flat(low.detach()), s)
+        kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), s)
 
 
 def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
@@ -196,7 +199,7 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
         s = torch.tensor([sign * scale, wd, lr], dtype=torch.float32, device=device)
         kernel = kernels("sgd")
         for low, master in pairs:
-            kernel(_flat(master.detach()), _flat(low.grad), _flat(low.detach()), s)
+            kernel(*_flat(master.detach(), low.grad, low.detach()), s)
         return
     nesterov, dampening = bool(group["nesterov"]), float(group["dampening"])
     later = torch.tensor([sign * scale, wd, momentum, 1 - dampening, momentum, lr], dtype=torch.float32, device=device)
@@ -211,7 +214,7 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
             if first is None:
                 first = torch.tensor([sign * scale, wd, 0.0, 1.0, momentum, lr], dtype=torch.float32, device=device)
             s = first
-        kernel(_flat(master.detach()), _flat(low.grad), _flat(buf), _flat(low.detach()), s, nesterov)
+        kernel(*_flat(master.detach(), low.grad, buf, low.detach()), s, nesterov)
 
 
 def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
@@ -219,7 +222,7 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
     """Step ``runs`` (:func:`~fxamp.segmented_step.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
     (None: 1); the float32 parameters, masters of fewer than ``min_numel`` elements (default
-    :data:`FUSED_MIN_NUMEL`) and pairs the kernel cannot step (a layout it does not have) through
+    :data:`FUSED_MIN_NUMEL`) and pairs the kernel cannot step (a sparse or complex gradient) through
     ``fallback`` (:func:`~fxamp.segmented_step.step_runs`).  Each parameter is stepped once, from
     its own gradient and state, so the order does not matter."""
     min_numel = FUSED_MIN_NUMEL if min_numel is None else min_numel

@@ -187,6 +187,30 @@ def test_channels_last_masters():
     assert_same_step(ref, fused)
 
 
+def test_a_gradient_laid_out_otherwise_than_its_master():
+    """A compiled convolution may hand back a channels_last gradient for a contiguous weight: the kernel
+    reads it where it is (no fallback to the three-pass step)."""
+    calls = []
+    real = fused_step.Kernels.__call__
+
+    def counting(self, name):
+        fn = real(self, name)
+        return lambda *args: (calls.append(args[1].stride()), fn(*args))
+
+    ref, fused = pair(OPTIMIZERS["adamw"])
+    for m, o in (ref, fused):
+        backward(m, o, 0)
+        m.conv.weight.grad = m.conv.weight.grad.contiguous(memory_format=torch.channels_last)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_step.Kernels, "__call__", counting)
+        for _, o in (ref, fused):
+            o.step()
+    cl = fused[0].conv.weight.grad
+    assert cl.stride() in calls and not cl.is_contiguous()  # read in its own layout
+    assert fused[0].conv.weight.is_contiguous()
+    assert_same_step(ref, fused)
+
+
 def test_training_converges_like_the_inner_step():
     ref, fused = pair(OPTIMIZERS["adamw"])
     losses = {0: [], 1: []}
