@@ -121,7 +121,8 @@ class Kernels:
         return fn
 
     def _first(self, name: str) -> Callable[..., None]:
-        raw, compiled = _RAW[name], torch.compile(_RAW[name], dynamic=True, fullgraph=True)
+        raw, compiled = _RAW[name], torch.compile(_RAW[name], dynamic=True, fullgraph=True,
+                                                     options={"cpp.dynamic_threads": True})
 
         def first(*args: Any) -> None:
             try:
