@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .segmented_step import Run, grad_strides
+from .segmented_step import SEGMENT_NUMEL, Run, grad_strides
 
 __all__ = ["fusable", "Kernels", "step_fused"]
 
@@ -218,39 +218,61 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
         kernel(*_flat(master.detach(), low.grad, buf, low.detach()), s, nesterov)
 
 
+def _cut(group: int, pairs: List[Tuple[torch.Tensor, torch.Tensor]], limit: int) -> List[Run]:
+    """``pairs`` (one group, one device) as runs of at most ``limit`` elements, as plan_runs cuts them."""
+    runs: List[Run] = []
+    start, total = 0, 0
+    for i, (_, master) in enumerate(pairs + [(None, None)]):  # (a sentinel closes the last run)
+        n = 0 if master is None else master.numel()
+        if master is None or (i > start and total + n > limit):
+            masters = [m for _, m in pairs[start:i]]
+            if masters:
+                runs.append(Run(group, pairs=tuple(pairs[start:i]), numel=total, strides=grad_strides(masters)))
+            start, total = i, 0
+        total += n
+    return runs
+
+
 def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
-               kernels: Kernels, fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None) -> None:
+               kernels: Kernels, fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
+               segment_numel: int = SEGMENT_NUMEL) -> None:
     """Step ``runs`` (:func:`~fxamp.segmented_step.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
     (None: 1); the float32 parameters, masters of fewer than ``min_numel`` elements (default
     :data:`FUSED_MIN_NUMEL`) and pairs the kernel cannot step (a sparse or complex gradient) through
-    ``fallback`` (:func:`~fxamp.segmented_step.step_runs`).  Each parameter is stepped once, from
-    its own gradient and state, so the order does not matter."""
+    one call of ``fallback`` (:func:`~fxamp.segmented_step.step_runs`), the masters of each group
+    and device gathered into runs of at most ``segment_numel`` elements (each run is one inner
+    ``optimizer.step()``, ~0.2 ms of Python).  Each parameter is stepped once, from its own gradient
+    and state, so the order does not matter."""
     min_numel = FUSED_MIN_NUMEL if min_numel is None else min_numel
     kind = _kind(optimizer)
     groups = optimizer.param_groups
     scales: Dict[torch.device, float] = {}
+    slow: List[Run] = []
+    rest: Dict[Tuple[int, torch.device], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    fast: List[Tuple[int, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
+    for run in runs:
+        if run.own:
+            slow.append(run)
+            continue
+        pairs = []
+        for low, master in run.pairs:
+            if low.grad is None:
+                master.grad = None
+            elif master.numel() >= min_numel and _fits(master, low, low.grad):
+                pairs.append((low, master))
+            else:
+                rest.setdefault((run.group, master.device), []).append((low, master))
+        if pairs:
+            fast.append((run.group, pairs))
+    for (group, _), pairs in rest.items():
+        slow.extend(_cut(group, pairs, segment_numel))
+    if slow:
+        fallback(slow)
+    step = _step_adam if kind == "adam" else _step_sgd
     with torch.no_grad():
-        for run in runs:
-            if run.own:
-                fallback([run])
-                continue
-            pairs, rest = [], []
-            for low, master in run.pairs:
-                if low.grad is None:
-                    master.grad = None
-                elif master.numel() >= min_numel and _fits(master, low, low.grad):
-                    pairs.append((low, master))
-                else:
-                    rest.append((low, master))
-            if rest:
-                masters = [m for _, m in rest]
-                fallback([Run(run.group, pairs=tuple(rest), numel=sum(m.numel() for m in masters),
-                              strides=grad_strides(masters))])
-            if not pairs:
-                continue
+        for group, pairs in fast:
             device = pairs[0][1].device
             if device not in scales:
                 scales[device] = 1.0 if scale_on is None else float(scale_on(device))
-            step = _step_adam if kind == "adam" else _step_sgd
-            step(optimizer, groups[run.group], pairs, scales[device], kernels)
+            step(optimizer, groups[group], pairs, scales[device], kernels)

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -524,6 +525,7 @@ class MixedPrecisionOptimizer:
         self.release_grad_buffer = bool(release_grad_buffer)
         self.compile_step = bool(compile_step)
         self._kernels: Optional[Kernels] = Kernels() if compile_step else None
+        self._hooks_warned = False
         self._names: Dict[int, str] = {}
         if model is not None:
             for name, p in model.named_parameters(remove_duplicate=False):
@@ -857,7 +859,14 @@ class MixedPrecisionOptimizer:
         the gradient buffer is released between steps, the inner optimizer steps each parameter on
         its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse."""
         if self.compile_step and plan.buckets:  # no float32 gradient at all, at any size
-            return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
+            if steps_per_parameter(self.optimizer):
+                return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
+            if not self._hooks_warned:  # step hooks must run once per step, around every parameter
+                self._hooks_warned = True
+                warnings.warn("compile_step=True: the optimizer has step hooks, which must see one "
+                              "step of every parameter, so it is stepped as it is (not fused)",
+                              RuntimeWarning, stacklevel=3)
+            return False
         if not (self.release_grad_buffer and plan.buckets and steps_per_parameter(self.optimizer)):
             return False
         if sum(b.nbytes for b in plan.buckets) < _RELEASE_MIN_BYTES:
@@ -973,7 +982,8 @@ class MixedPrecisionOptimizer:
                     scale_on = _multiplier(segmented, coef)
                     if self._kernels is not None:
                         step_fused(self.optimizer, plan.runs, scale_on, self._kernels,
-                                   lambda runs: step_runs(self.optimizer, runs, scale_on))
+                                   lambda runs: step_runs(self.optimizer, runs, scale_on),
+                                   segment_numel=segment_numel_for(plan.devices()))
                     else:
                         step_runs(self.optimizer, plan.runs, scale_on)
                 else:
