@@ -15,6 +15,11 @@ The state stays the inner optimizer's (``exp_avg``, ``exp_avg_sq``, ``step``;
 checkpoints do not see the difference.  Not bitwise torch's step: the compiler fuses and may
 contract multiply-adds (the masters agree to a few float32 ulps, see tests/test_fused_step.py).
 The first step of each kind compiles (seconds; inductor caches the kernel on disk).
+
+The overflow decision is read on the host before the kernels run.  On a GPU that is a wait for the
+backward at every step, which a fused inner optimizer without ``compile_step`` avoids (the flag
+stays on the device, see :meth:`fxamp.MixedPrecisionOptimizer.step`); a kernel that takes the flag
+and skips on the device is not written yet.
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ def _sgd(master: torch.Tensor, grad: torch.Tensor, low: torch.Tensor, s: torch.T
     low.copy_(master_new)
 
 
-#: masters of fewer elements are stepped by the inner optimizer (with the other float32 tensors of
-#: their run, one call): a compiled kernel's call costs ~30 us of Python and guards, which a pass
-#: over fewer elements does not save (12 bytes per element less traffic, ~1 ns per element)
+#: masters of fewer elements are stepped by the inner optimizer (gathered per group and device into
+#: runs of a segment, see :func:`step_fused`): a compiled kernel's call costs ~27 us of dynamo guards
+#: and inductor's wrapper, which a pass over fewer elements does not save (12 bytes per element less
+#: traffic, ~1 ns per element)
 FUSED_MIN_NUMEL = 32768
 
 _ADAM_KEYS = {"amsgrad": False, "capturable": False, "differentiable": False}
