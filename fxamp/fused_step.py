@@ -16,10 +16,11 @@ checkpoints do not see the difference.  Not bitwise torch's step: the compiler f
 contract multiply-adds (the masters agree to a few float32 ulps, see tests/test_fused_step.py).
 The first step of each kind compiles (seconds; inductor caches the kernel on disk).
 
-The overflow decision is read on the host before the kernels run.  On a GPU that is a wait for the
-backward at every step, which a fused inner optimizer without ``compile_step`` avoids (the flag
-stays on the device, see :meth:`fxamp.MixedPrecisionOptimizer.step`); a kernel that takes the flag
-and skips on the device is not written yet.
+Where :class:`fxamp.MixedPrecisionOptimizer` keeps the overflow decision on the device (one CUDA
+device, a fused inner optimizer: see its ``step``), the Adam kernel takes the flag and skips there
+(everything written back as it was, the step counts not advanced, as torch's fused Adam does), and
+the bias corrections are computed on the device from the step counts: the host never waits.
+SGD's decision is read on the host.
 """
 
 from __future__ import annotations
@@ -32,23 +33,25 @@ import torch
 
 from .segmented_step import SEGMENT_NUMEL, Run, grad_strides
 
-__all__ = ["fusable", "Kernels", "step_fused"]
+__all__ = ["fusable", "skips_on_device", "Kernels", "step_fused", "FUSED_MIN_NUMEL"]
 
 
 def _adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-          low: torch.Tensor, s: torch.Tensor) -> None:
+          low: torch.Tensor, s: torch.Tensor, found: torch.Tensor) -> None:
     # s: [scale (1/loss scale x clip factor, negated to maximize), L2 weight decay (Adam),
     #     decoupled decay factor 1 - lr*wd (AdamW), 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
-    #     sqrt(bias_correction2), eps]; the order of torch's _single_tensor_adam
+    #     sqrt(bias_correction2), eps]; the order of torch's _single_tensor_adam.  found: 1.0 when a
+    #     gradient overflowed and the decision stayed on the device: everything is written back as it was
     g = grad.float() * s[0] + master * s[1]
     exp_avg_new = torch.lerp(exp_avg, g, s[3])
     exp_avg_sq_new = exp_avg_sq * s[4] + g * g * s[5]
     denom = exp_avg_sq_new.sqrt() / s[7] + s[8]
     master_new = master * s[2] - s[6] * (exp_avg_new / denom)
-    master.copy_(master_new)
-    exp_avg.copy_(exp_avg_new)
-    exp_avg_sq.copy_(exp_avg_sq_new)
-    low.copy_(master_new)
+    skip = found > 0
+    master.copy_(torch.where(skip, master, master_new))
+    exp_avg.copy_(torch.where(skip, exp_avg, exp_avg_new))
+    exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, exp_avg_sq_new))
+    low.copy_(torch.where(skip, low, master_new))
 
 
 def _sgd_momentum(master: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, low: torch.Tensor,
@@ -108,40 +111,53 @@ def fusable(optimizer: Any) -> Optional[str]:
     return None
 
 
+def skips_on_device(optimizer: Any) -> bool:
+    """Whether the kernels of ``optimizer``'s kind take an overflow flag decided on the device (Adam,
+    AdamW); SGD's first momentum step cannot be told from a skipped one without state, so its
+    decision is read on the host."""
+    return _kind(optimizer) == "adam"
+
+
 _RAW: Dict[str, Callable[..., None]] = {"adam": _adam, "sgd_momentum": _sgd_momentum, "sgd": _sgd}
+
+#: what torch.compile raises when it cannot compile a call (dynamo, inductor and the C++ compiler behind
+#: it, the recompile limit); anything else is the kernel's own error and is raised
+_COMPILE_ERRORS = tuple(c for c in (getattr(torch._dynamo.exc, "TorchDynamoException", None),
+                                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None)) if c is not None)
 
 
 class Kernels:
     """The kernels of one wrapper, compiled at their first call (``torch.compile``, ``dynamic=True``).
 
-    Where compiling fails (no C++ compiler for inductor, say) the same functions run eagerly, after
-    one warning: the same update, at the cost of one pass over memory per operation."""
+    Where compiling fails (no C++ compiler for inductor, or dynamo's recompile limit reached by a
+    new dtype or layout) that call runs the same function eagerly, after one warning per kernel: the
+    same update, at the cost of one pass over memory per operation.  A failure is raised while
+    compiling, before the kernel writes anything."""
 
     def __init__(self) -> None:
-        self._ready: Dict[str, Callable[..., None]] = {}
+        self._compiled: Dict[str, Callable[..., None]] = {}
+        self._warned: set = set()
 
     def __call__(self, name: str) -> Callable[..., None]:
-        fn = self._ready.get(name)
-        if fn is None:
-            fn = self._first(name)
-        return fn
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            compiled = self._compiled[name] = torch.compile(_RAW[name], dynamic=True, fullgraph=True,
+                                                            options={"cpp.dynamic_threads": True})
+        raw = _RAW[name]
 
-    def _first(self, name: str) -> Callable[..., None]:
-        raw, compiled = _RAW[name], torch.compile(_RAW[name], dynamic=True, fullgraph=True,
-                                                     options={"cpp.dynamic_threads": True})
-
-        def first(*args: Any) -> None:
+        def call(*args: Any) -> None:
             try:
-                compiled(*args)  # (a failure is raised while compiling, before any tensor is written)
-                self._ready[name] = compiled
-            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager functions are the fallback
-                warnings.warn(f"fxamp compile_step: torch.compile could not compile the {name} step "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                              f"stepping with the same update run eagerly (slower)", RuntimeWarning, stacklevel=4)
-                self._ready[name] = raw
+                compiled(*args)
+            except _COMPILE_ERRORS as e:
+                if name not in self._warned:
+                    self._warned.add(name)
+                    first = str(e).splitlines()[0] if str(e) else ""
+                    warnings.warn(f"fxamp compile_step: torch.compile could not compile the {name} step "
+                                  f"({type(e).__name__}: {first}); stepping with the same update run "
+                                  f"eagerly (slower)", RuntimeWarning, stacklevel=4)
                 raw(*args)
 
-        return first
+        return call
 
 
 def _flat(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -159,19 +175,27 @@ def _fits(master: torch.Tensor, low: torch.Tensor, grad: torch.Tensor) -> bool:
             and grad.shape == master.shape == low.shape)
 
 
-def _adam_scalars(group: Dict[str, Any], step: float, scale: float, decoupled: bool) -> List[float]:
-    lr = float(group["lr"])
+def _adam_rows(group: Dict[str, Any], steps: Sequence[torch.Tensor], scale: torch.Tensor,
+               decoupled: bool) -> torch.Tensor:
+    """The kernel's scalars (see :func:`_adam`) for each of ``steps``, as rows of a float32 tensor on
+    ``scale``'s device, computed there in float64: the host reads neither the step counts nor the
+    scale (on a GPU it does not wait), and the host- and device-decided steps get the same numbers."""
+    device = scale.device
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
-    wd = float(group["weight_decay"])
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
     sign = -1.0 if group.get("maximize", False) else 1.0
-    return [sign * scale, 0.0 if decoupled else wd, 1 - lr * wd if decoupled else 1.0, 1 - beta1, beta2,
-            1 - beta2, lr / bias_correction1, math.sqrt(bias_correction2), float(group["eps"])]
+    same = all(t.device == steps[0].device for t in steps)
+    step = (torch.stack(list(steps)) if same else torch.stack([t.to(device) for t in steps])).to(device, torch.float64)
+    rows = torch.tensor([[0.0, 0.0 if decoupled else wd, 1 - lr * wd if decoupled else 1.0, 1 - beta1, beta2,
+                          1 - beta2, 0.0, 0.0, eps]], dtype=torch.float64, device=device).repeat(len(steps), 1)
+    rows[:, 0] = scale.to(torch.float64) * sign
+    rows[:, 6] = lr / (1 - torch.pow(beta1, step))
+    rows[:, 7] = (1 - torch.pow(beta2, step)).sqrt()
+    return rows.float()
 
 
 def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-               scale: float, kernels: Kernels) -> None:
+               scale: torch.Tensor, found: torch.Tensor, kernels: Kernels) -> None:
     decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
     fused_step_dtype = group.get("fused") or group.get("capturable")
     states, steps = [], []
@@ -185,20 +209,18 @@ def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torc
         states.append(state)
         steps.append(state["step"])
     torch._foreach_add_(steps, 1)
-    values = torch.stack([s.to("cpu", torch.float64) for s in steps]).tolist() if len(steps) > 1 \
-        else [float(steps[0])]
-    scalars: Dict[float, torch.Tensor] = {}
+    # (a row of its own per call: a view's storage offset would be a guard, and a graph per offset)
+    rows = [row.clone() for row in _adam_rows(group, steps, scale, decoupled)]
     kernel = kernels("adam")
-    for (low, master), state, step in zip(pairs, states, values):
-        s = scalars.get(step)
-        if s is None:
-            s = scalars[step] = torch.tensor(_adam_scalars(group, step, scale, decoupled), dtype=torch.float32,
-                                             device=master.device)
-        kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), s)
+    for (low, master), state, row in zip(pairs, states, rows):
+        kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), row, found)
+    if found.device.type != "cpu" or found.item():  # as torch's fused Adam: a skipped step is not counted
+        torch._foreach_sub_(steps, [found.to(t.device) for t in steps])
 
 
 def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-              scale: float, kernels: Kernels) -> None:
+              scale: torch.Tensor, found: torch.Tensor, kernels: Kernels) -> None:
+    scale = float(scale)  # (SGD's step is always decided on the host: see step_fused)
     lr, wd, momentum = float(group["lr"]), float(group["weight_decay"]), float(group["momentum"])
     sign = -1.0 if group.get("maximize", False) else 1.0
     device = pairs[0][1].device
@@ -241,7 +263,7 @@ def _cut(group: int, pairs: List[Tuple[torch.Tensor, torch.Tensor]], limit: int)
 
 def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
                kernels: Kernels, fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
-               segment_numel: int = SEGMENT_NUMEL) -> None:
+               segment_numel: int = SEGMENT_NUMEL, found: Optional[torch.Tensor] = None) -> None:
     """Step ``runs`` (:func:`~fxamp.segmented_step.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
     (None: 1); the float32 parameters, masters of fewer than ``min_numel`` elements (default
@@ -249,11 +271,17 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
     one call of ``fallback`` (:func:`~fxamp.segmented_step.step_runs`), the masters of each group
     and device gathered into runs of at most ``segment_numel`` elements (each run is one inner
     ``optimizer.step()``, ~0.2 ms of Python).  Each parameter is stepped once, from its own gradient
-    and state, so the order does not matter."""
+    and state, so the order does not matter.
+
+    ``found``: the overflow flag of a step decided on the device (Adam and AdamW only; ``fallback``
+    runs the inner optimizer with the same flag): the kernels skip there, writing everything back
+    as it was, and the step counts are not advanced, as torch's fused Adam does.  None: the host
+    decided that this step runs."""
     min_numel = FUSED_MIN_NUMEL if min_numel is None else min_numel
     kind = _kind(optimizer)
     groups = optimizer.param_groups
-    scales: Dict[torch.device, float] = {}
+    scales: Dict[torch.device, torch.Tensor] = {}
+    flags: Dict[torch.device, torch.Tensor] = {}
     slow: List[Run] = []
     rest: Dict[Tuple[int, torch.device], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
     fast: List[Tuple[int, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -280,5 +308,8 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
         for group, pairs in fast:
             device = pairs[0][1].device
             if device not in scales:
-                scales[device] = 1.0 if scale_on is None else float(scale_on(device))
-            step(optimizer, groups[group], pairs, scales[device], kernels)
+                scales[device] = (torch.ones((), device=device) if scale_on is None
+                                  else scale_on(device).to(device=device, dtype=torch.float32).reshape(()))
+                flags[device] = (torch.zeros((), device=device) if found is None
+                                 else found.to(device=device, dtype=torch.float32))
+            step(optimizer, groups[group], pairs, scales[device], flags[device], kernels)

@@ -82,7 +82,7 @@ from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, red
 from .errors import OptimizerStateError
 from .info import policy_of
 from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, Stage
-from .fused_step import Kernels, fusable, step_fused
+from .fused_step import Kernels, fusable, skips_on_device, step_fused
 from .packed_step import Pack, step_with_packs
 from .policy import Policy
 from .segmented_step import (Run, Strides, flat_grads, grad_strides, plan_runs, segment_numel_for, step_runs,
@@ -490,10 +490,12 @@ class MixedPrecisionOptimizer:
                    compiled by ``torch.compile`` that reads each low-precision gradient and writes the
                    low-precision weight in the same pass as the update (:mod:`fxamp.fused_step`): no
                    float32 gradient at all, and about 28 instead of 40 bytes of memory traffic per
-                   parameter for AdamW.  The first step compiles (seconds; cached on disk by inductor);
-                   the overflow decision is read on the host.  Not bitwise the inner optimizer's
-                   step (a few float32 ulps on the masters).  Raises ValueError for another optimizer
-                   or an option the kernels lack (amsgrad, capturable, differentiable).
+                   parameter for AdamW.  The first step compiles (seconds; cached on disk by inductor).
+                   With Adam/AdamW the overflow decision stays on the device where it would without
+                   (a fused inner optimizer on one CUDA device); SGD's is read on the host.  Not
+                   bitwise the inner optimizer's step (a few float32 ulps on the masters).  Raises
+                   ValueError for another optimizer or an option the kernels lack (amsgrad,
+                   capturable, differentiable).
 
     The wrapper does not patch ``optimizer``: it replaces float16/bfloat16 parameters in its
     ``param_groups`` by float32 masters (moving any existing state), so LR schedulers built on
@@ -689,7 +691,7 @@ class MixedPrecisionOptimizer:
         if plan.decide_on is _UNKNOWN:
             plan.decide_on = None
             devices = plan.devices()
-            if self.compile_step:  # the compiled kernels have no found_inf input
+            if self.compile_step and not skips_on_device(self.optimizer):
                 return None
             if (getattr(self.optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
                     and next(iter(devices)).type in _DECIDE_ON):
@@ -983,7 +985,8 @@ class MixedPrecisionOptimizer:
                     if self._kernels is not None:
                         step_fused(self.optimizer, plan.runs, scale_on, self._kernels,
                                    lambda runs: step_runs(self.optimizer, runs, scale_on),
-                                   segment_numel=segment_numel_for(plan.devices()))
+                                   segment_numel=segment_numel_for(plan.devices()),
+                                   found=None if deciding is None else deciding.verdict.flag)
                     else:
                         step_runs(self.optimizer, plan.runs, scale_on)
                 else:

@@ -246,9 +246,12 @@ def test_initialize_passes_it_on():
 
 
 def test_a_compiler_failure_falls_back_to_the_same_update_eagerly(monkeypatch):
+    """What torch.compile raises when it cannot compile (inductor without a C++ compiler: a
+    BackendCompilerFailed; the recompile limit) makes that call run eagerly, after one warning; the
+    kernel's own errors are raised."""
     def broken(fn, **kw):
         def call(*a):
-            raise RuntimeError("no C++ compiler")
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
         return call
 
     monkeypatch.setattr(fused_step.torch, "compile", broken)
@@ -358,3 +361,16 @@ def test_step_hooks_turn_fusing_off():
                 assert any("step hooks" in str(w.message) for w in caught) == (step == 0)
     assert len(seen) == 4
     assert_same_step(ref, fused, ulps=0)
+
+
+def test_errors_that_are_not_the_compilers_are_raised(monkeypatch):
+    def failing(fn, **kw):
+        def call(*a):
+            raise RuntimeError("out of memory")
+        return call
+
+    monkeypatch.setattr(fused_step.torch, "compile", failing)
+    _, (m, o) = pair(OPTIMIZERS["adamw"])
+    backward(m, o, 0)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        o.step()

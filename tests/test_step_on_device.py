@@ -33,12 +33,13 @@ def _model(dtype, big=False):
     return fxamp.convert(base, "O2", dtype=dtype)
 
 
-def _run(dtype, steps, *, big=False, clip=None, poison=(), fused=True, shared=False, deferred_expected=None):
+def _run(dtype, steps, *, big=False, clip=None, poison=(), fused=True, shared=False, deferred_expected=None,
+         compile_step=False, make=None):
     """Train ``steps`` steps; the steps in ``poison`` get a NaN loss.  Returns (model, opt, results, scales)."""
     model = _model(dtype, big)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    inner = (make or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=fused)))(model.parameters())
     kwargs = {"loss_scale": fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(init_scale=2.0 ** 8))} if shared else {}
-    opt = fxamp.MixedPrecisionOptimizer(inner, model=model, **kwargs)
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=model, compile_step=compile_step, **kwargs)
     g = torch.Generator().manual_seed(1)
     results, scales = [], []
     for i in range(steps):
@@ -179,3 +180,28 @@ def test_a_loop_that_never_reads_the_scaler_does_not_pile_up_catch_ups(on_device
         opt.backward(model(x).float().sum())
         assert isinstance(opt.step(), StepResult)
     assert len(opt.scaler._behind) == 1  # (private: the only way to see the list without draining it)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["", "clip"])
+def test_compile_step_skips_on_the_device_as_on_the_host(monkeypatch, dtype, clip):
+    """compile_step=True with a fused AdamW: the Adam kernel takes the device's flag (and the fallback
+    steps of the small and float32 parameters the fused inner optimizer's), bit for bit the
+    host-decided compiled step through two planted overflows; skipped steps advance no step count."""
+    from fxamp import fused_step
+
+    monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 1000)  # the 32 x 32 weights fused, biases not
+    poison = (2, 3)
+    host = _run(dtype, 6, clip=clip, poison=poison, deferred_expected=False, compile_step=True)
+    monkeypatch.setattr(optim_mod, "_DECIDE_ON", ("cuda", "cpu"))
+    device = _run(dtype, 6, clip=clip, poison=poison, deferred_expected=True, compile_step=True)
+    _same(host, device)
+    assert device[2] == [True, True, False, False, True, True]
+    steps = {float(st["step"]) for st in device[1].optimizer.state.values()}
+    assert steps == {4.0}
+
+
+def test_compile_step_with_sgd_decides_on_the_host(on_device):
+    """SGD's kernel has no flag (its first momentum step cannot be told from a skipped one)."""
+    _run(torch.float16, 3, poison=(1,), compile_step=True, deferred_expected=False,
+         make=lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True))
