@@ -36,17 +36,33 @@ from .segmented_step import SEGMENT_NUMEL, Run, grad_strides
 __all__ = ["fusable", "skips_on_device", "Kernels", "step_fused", "FUSED_MIN_NUMEL"]
 
 
-def _adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-          low: torch.Tensor, s: torch.Tensor, found: torch.Tensor) -> None:
+def _adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # s: [scale (1/loss scale x clip factor, negated to maximize), L2 weight decay (Adam),
     #     decoupled decay factor 1 - lr*wd (AdamW), 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
-    #     sqrt(bias_correction2), eps]; the order of torch's _single_tensor_adam.  found: 1.0 when a
-    #     gradient overflowed and the decision stayed on the device: everything is written back as it was
+    #     sqrt(bias_correction2), eps]; the order of torch's _single_tensor_adam
     g = grad.float() * s[0] + master * s[1]
     exp_avg_new = torch.lerp(exp_avg, g, s[3])
     exp_avg_sq_new = exp_avg_sq * s[4] + g * g * s[5]
     denom = exp_avg_sq_new.sqrt() / s[7] + s[8]
-    master_new = master * s[2] - s[6] * (exp_avg_new / denom)
+    return master * s[2] - s[6] * (exp_avg_new / denom), exp_avg_new, exp_avg_sq_new
+
+
+def _adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+          low: torch.Tensor, s: torch.Tensor) -> None:
+    master_new, exp_avg_new, exp_avg_sq_new = _adam_update(master, grad, exp_avg, exp_avg_sq, s)
+    master.copy_(master_new)
+    exp_avg.copy_(exp_avg_new)
+    exp_avg_sq.copy_(exp_avg_sq_new)
+    low.copy_(master_new)
+
+
+def _adam_skip(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               low: torch.Tensor, s: torch.Tensor, found: torch.Tensor) -> None:
+    # found: 1.0 when a gradient overflowed and the decision stayed on the device: everything is
+    # written back as it was (a kernel of its own: the selects cost ~9% on a CPU core, where the
+    # host always decides)
+    master_new, exp_avg_new, exp_avg_sq_new = _adam_update(master, grad, exp_avg, exp_avg_sq, s)
     skip = found > 0
     master.copy_(torch.where(skip, master, master_new))
     exp_avg.copy_(torch.where(skip, exp_avg, exp_avg_new))
@@ -118,7 +134,8 @@ def skips_on_device(optimizer: Any) -> bool:
     return _kind(optimizer) == "adam"
 
 
-_RAW: Dict[str, Callable[..., None]] = {"adam": _adam, "sgd_momentum": _sgd_momentum, "sgd": _sgd}
+_RAW: Dict[str, Callable[..., None]] = {"adam": _adam, "adam_skip": _adam_skip, "sgd_momentum": _sgd_momentum,
+                                        "sgd": _sgd}
 
 #: what torch.compile raises when it cannot compile a call (dynamo, inductor and the C++ compiler behind
 #: it, the recompile limit); anything else is the kernel's own error and is raised
@@ -195,7 +212,7 @@ def _adam_rows(group: Dict[str, Any], steps: Sequence[torch.Tensor], scale: torc
 
 
 def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-               scale: torch.Tensor, found: torch.Tensor, kernels: Kernels) -> None:
+               scale: torch.Tensor, found: Optional[torch.Tensor], kernels: Kernels) -> None:
     decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
     fused_step_dtype = group.get("fused") or group.get("capturable")
     states, steps = [], []
@@ -209,17 +226,26 @@ def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torc
         states.append(state)
         steps.append(state["step"])
     torch._foreach_add_(steps, 1)
-    # (a row of its own per call: a view's storage offset would be a guard, and a graph per offset)
-    rows = [row.clone() for row in _adam_rows(group, steps, scale, decoupled)]
-    kernel = kernels("adam")
+    # (a row of its own per call: a view's storage offset would be a guard, and a graph per offset;
+    # on CPU, where reading them costs no wait, equal rows, the usual case, are one tensor)
+    table = _adam_rows(group, steps, scale, decoupled)
+    if table.device.type == "cpu" and bool((table == table[0]).all()):
+        rows = [table[0].clone()] * len(steps)
+    else:
+        rows = [row.clone() for row in table]
+    if found is None:
+        kernel = kernels("adam")
+        for (low, master), state, row in zip(pairs, states, rows):
+            kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), row)
+        return
+    kernel = kernels("adam_skip")
     for (low, master), state, row in zip(pairs, states, rows):
         kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), row, found)
-    if found.device.type != "cpu" or found.item():  # as torch's fused Adam: a skipped step is not counted
-        torch._foreach_sub_(steps, [found.to(t.device) for t in steps])
+    torch._foreach_sub_(steps, [found.to(t.device) for t in steps])  # as torch's fused Adam: a skip is not counted
 
 
 def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-              scale: torch.Tensor, found: torch.Tensor, kernels: Kernels) -> None:
+              scale: torch.Tensor, found: Optional[torch.Tensor], kernels: Kernels) -> None:
     scale = float(scale)  # (SGD's step is always decided on the host: see step_fused)
     lr, wd, momentum = float(group["lr"]), float(group["weight_decay"]), float(group["momentum"])
     sign = -1.0 if group.get("maximize", False) else 1.0
@@ -310,6 +336,6 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
             if device not in scales:
                 scales[device] = (torch.ones((), device=device) if scale_on is None
                                   else scale_on(device).to(device=device, dtype=torch.float32).reshape(()))
-                flags[device] = (torch.zeros((), device=device) if found is None
-                                 else found.to(device=device, dtype=torch.float32))
-            step(optimizer, groups[group], pairs, scales[device], flags[device], kernels)
+                if found is not None:
+                    flags[device] = found.to(device=device, dtype=torch.float32)
+            step(optimizer, groups[group], pairs, scales[device], flags.get(device), kernels)
