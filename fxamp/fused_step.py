@@ -25,13 +25,12 @@ SGD's decision is read on the host.
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .segmented_step import SEGMENT_NUMEL, Run, grad_strides
+from .segmented_step import SEGMENT_NUMEL, Run, cut_runs
 
 __all__ = ["fusable", "skips_on_device", "Kernels", "step_fused", "FUSED_MIN_NUMEL"]
 
@@ -272,21 +271,6 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
         kernel(*_flat(master.detach(), low.grad, buf, low.detach()), s, nesterov)
 
 
-def _cut(group: int, pairs: List[Tuple[torch.Tensor, torch.Tensor]], limit: int) -> List[Run]:
-    """``pairs`` (one group, one device) as runs of at most ``limit`` elements, as plan_runs cuts them."""
-    runs: List[Run] = []
-    start, total = 0, 0
-    for i, (_, master) in enumerate(pairs + [(None, None)]):  # (a sentinel closes the last run)
-        n = 0 if master is None else master.numel()
-        if master is None or (i > start and total + n > limit):
-            masters = [m for _, m in pairs[start:i]]
-            if masters:
-                runs.append(Run(group, pairs=tuple(pairs[start:i]), numel=total, strides=grad_strides(masters)))
-            start, total = i, 0
-        total += n
-    return runs
-
-
 def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
                kernels: Kernels, fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
                segment_numel: int = SEGMENT_NUMEL, found: Optional[torch.Tensor] = None) -> None:
@@ -326,7 +310,7 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
         if pairs:
             fast.append((run.group, pairs))
     for (group, _), pairs in rest.items():
-        slow.extend(_cut(group, pairs, segment_numel))
+        slow.extend(cut_runs(group, pairs, segment_numel))
     if slow:
         fallback(slow)
     step = _step_adam if kind == "adam" else _step_sgd

@@ -31,7 +31,7 @@ import torch.optim.optimizer as _torch_optimizer
 from torch._utils import _unflatten_dense_tensors
 
 __all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "segment_numel_for", "Run",
-           "steps_per_parameter", "plan_runs", "step_runs", "flat_grads",
+           "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "flat_grads",
            "grad_strides"]
 
 #: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
@@ -138,17 +138,25 @@ def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor],
         if own:
             runs.append(Run(gi, own=tuple(own)))
         for pairs in by_device.values():
-            run: List[Tuple[torch.Tensor, torch.Tensor]] = []
-            total = 0
-            for pair in pairs:
-                n = pair[1].numel()
-                if run and total + n > segment_numel:
-                    runs.append(_run(gi, run))
-                    run, total = [], 0
-                run.append(pair)
-                total += n
-            if run:
-                runs.append(_run(gi, run))
+            runs.extend(cut_runs(gi, pairs, segment_numel))
+    return runs
+
+
+def cut_runs(group: int, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], segment_numel: int) -> List[Run]:
+    """``pairs`` (low, master) of one group and device, in order, as runs of at most ``segment_numel``
+    elements (a larger master is a run of its own)."""
+    runs: List[Run] = []
+    run: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    total = 0
+    for pair in pairs:
+        n = pair[1].numel()
+        if run and total + n > segment_numel:
+            runs.append(_run(group, run))
+            run, total = [], 0
+        run.append(pair)
+        total += n
+    if run:
+        runs.append(_run(group, run))
     return runs
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import fxamp
 from fxamp import MixedPrecisionOptimizer
 from fxamp import fused_step
+from fxamp.segmented_step import cut_runs
 
 BF16, F16 = torch.bfloat16, torch.float16
 
@@ -340,7 +341,7 @@ def test_small_masters_are_gathered_into_few_inner_steps(monkeypatch):
     for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
         if name != "fc1.weight":
             assert torch.equal(p0, p1), name
-    cut = fused_step._cut(0, [(None, torch.empty(n)) for n in (3, 4, 9, 1, 2)], 7)
+    cut = cut_runs(0, [(None, torch.empty(n)) for n in (3, 4, 9, 1, 2)], 7)
     assert [len(r.pairs) for r in cut] == [2, 1, 2] and [r.numel for r in cut] == [7, 9, 3]
 
 
