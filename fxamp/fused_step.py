@@ -293,30 +293,27 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
     scales: Dict[torch.device, torch.Tensor] = {}
     flags: Dict[torch.device, torch.Tensor] = {}
     slow: List[Run] = []
+    # per (group, device): the scalars of a group are computed once a step, not once a run
     rest: Dict[Tuple[int, torch.device], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-    fast: List[Tuple[int, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
+    fast: Dict[Tuple[int, torch.device], List[Tuple[torch.Tensor, torch.Tensor]]] = {}
     for run in runs:
         if run.own:
             slow.append(run)
             continue
-        pairs = []
         for low, master in run.pairs:
             if low.grad is None:
                 master.grad = None
             elif master.numel() >= min_numel and _fits(master, low, low.grad):
-                pairs.append((low, master))
+                fast.setdefault((run.group, master.device), []).append((low, master))
             else:
                 rest.setdefault((run.group, master.device), []).append((low, master))
-        if pairs:
-            fast.append((run.group, pairs))
     for (group, _), pairs in rest.items():
         slow.extend(cut_runs(group, pairs, segment_numel))
     if slow:
         fallback(slow)
     step = _step_adam if kind == "adam" else _step_sgd
     with torch.no_grad():
-        for group, pairs in fast:
-            device = pairs[0][1].device
+        for (group, device), pairs in fast.items():
             if device not in scales:
                 scales[device] = (torch.ones((), device=device) if scale_on is None
                                   else scale_on(device).to(device=device, dtype=torch.float32).reshape(()))
