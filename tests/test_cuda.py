@@ -114,22 +114,26 @@ def test_fp16_overflow_skips_and_changes_nothing():
             assert torch.equal(t, after[k][name]), (k, name)
 
 
+def _train_o2(base: nn.Module, steps: int, fused: bool = True, **wrapper_kwargs):
+    """An O2 bfloat16 copy of ``base`` trained ``steps`` steps by MixedPrecisionOptimizer(AdamW(fused=fused),
+    **wrapper_kwargs) on the same random batches every call: (model, optimizer, what each step returned)."""
+    model = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused),
+                                        model=model, **wrapper_kwargs)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    results = []
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.backward(model(torch.randn(16, base[0].in_features, device=DEV, generator=g)).float().square().mean())
+        results.append(opt.step())
+    return model, opt, results
+
+
 def test_segmented_step_is_bitwise_the_plain_step():
     """Masters' gradients of 32 MiB: step() segments them (release_grad_buffer=True), or not (False)."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 2048)).to(DEV)
-    runs = []
-    for release in (True, False):
-        model = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
-        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                                            model=model, release_grad_buffer=release)
-        g = torch.Generator(device=DEV).manual_seed(2)
-        for _ in range(3):
-            opt.zero_grad()
-            opt.backward(model(torch.randn(16, 2048, device=DEV, generator=g)).float().square().mean())
-            opt.step()
-        runs.append((model, opt))
-    (m1, o1), (m2, o2) = runs
+    (m1, o1, _), (m2, o2, _) = (_train_o2(base, 3, release_grad_buffer=release) for release in (True, False))
     for a, b in zip(m1.state_dict().values(), m2.state_dict().values()):
         assert torch.equal(a, b)
     for a, b in zip(o1.master_params(), o2.master_params()):
@@ -142,17 +146,8 @@ def test_compile_step_matches_the_inner_step(fused):
     AdamW (fused or not), the masters within a few float32 ulps of their scale."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 256)).to(DEV)
-    runs = []
-    for compile_step in (False, True):
-        model = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
-        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused),
-                                            model=model, compile_step=compile_step)
-        g = torch.Generator(device=DEV).manual_seed(2)
-        opt.zero_grad()
-        opt.backward(model(torch.randn(16, 512, device=DEV, generator=g)).float().square().mean())
-        assert bool(opt.step())
-        runs.append((model, opt))
-    (m1, o1), (m2, o2) = runs
+    (m1, o1, r1), (m2, o2, r2) = (_train_o2(base, 1, fused, compile_step=c) for c in (False, True))
+    assert bool(r1[0]) and bool(r2[0])
     for a, b in zip(o1.master_params(), o2.master_params()):
         eps = 8 * torch.finfo(torch.float32).eps
         torch.testing.assert_close(b, a, rtol=eps, atol=eps * float(a.abs().max()))
