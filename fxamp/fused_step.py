@@ -90,6 +90,41 @@ def _sgd(master: torch.Tensor, grad: torch.Tensor, low: torch.Tensor, s: torch.T
     low.copy_(master_new)
 
 
+# The kernels over many masters: one call steps CHUNK of them (dynamo unrolls the loop; inductor
+# writes a loop per master into one graph), each master with its own row of scalars.
+
+def _adam_many(masters: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+               exp_avg_sqs: List[torch.Tensor], lows: List[torch.Tensor], rows: torch.Tensor) -> None:
+    for k in range(len(masters)):
+        _adam(masters[k], grads[k], exp_avgs[k], exp_avg_sqs[k], lows[k], rows[k])
+
+
+def _adam_skip_many(masters: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                    exp_avg_sqs: List[torch.Tensor], lows: List[torch.Tensor], rows: torch.Tensor,
+                    found: torch.Tensor) -> None:
+    for k in range(len(masters)):
+        _adam_skip(masters[k], grads[k], exp_avgs[k], exp_avg_sqs[k], lows[k], rows[k], found)
+
+
+def _sgd_momentum_many(masters: List[torch.Tensor], grads: List[torch.Tensor], bufs: List[torch.Tensor],
+                       lows: List[torch.Tensor], rows: torch.Tensor, nesterov: bool) -> None:
+    for k in range(len(masters)):
+        _sgd_momentum(masters[k], grads[k], bufs[k], lows[k], rows[k], nesterov)
+
+
+def _sgd_many(masters: List[torch.Tensor], grads: List[torch.Tensor], lows: List[torch.Tensor],
+              rows: torch.Tensor) -> None:
+    for k in range(len(masters)):
+        _sgd(masters[k], grads[k], lows[k], rows[k])
+
+
+#: masters stepped by one kernel call, padded with tiny scratch tensors to this count, so that one
+#: graph serves every step: dynamo's guards and inductor's wrapper cost ~30-50 us a call whatever it
+#: steps, which made 200 masters of 50 K elements in calls of one ~2x slower than in calls of 16
+#: (measured on a 2-core EPYC: 17.5 vs 6.3 ms, SGD); 32 a call saves little more and compiles
+#: ~3x longer (22 s cold, against 8 s)
+CHUNK = 16
+
 #: masters of fewer elements are stepped by the inner optimizer (gathered per group and device into
 #: runs of a segment, see :func:`step_fused`): a compiled kernel's call costs ~27 us of dynamo guards
 #: and inductor's wrapper, which a pass over fewer elements does not save (12 bytes per element less
@@ -133,8 +168,10 @@ def skips_on_device(optimizer: Any) -> bool:
     return _kind(optimizer) == "adam"
 
 
-_RAW: Dict[str, Callable[..., None]] = {"adam": _adam, "adam_skip": _adam_skip, "sgd_momentum": _sgd_momentum,
-                                        "sgd": _sgd}
+_RAW: Dict[str, Callable[..., None]] = {
+    "adam": _adam, "adam_skip": _adam_skip, "sgd_momentum": _sgd_momentum, "sgd": _sgd,
+    "adam_many": _adam_many, "adam_skip_many": _adam_skip_many, "sgd_momentum_many": _sgd_momentum_many,
+    "sgd_many": _sgd_many}
 
 #: what torch.compile raises when it cannot compile a call (dynamo, inductor and the C++ compiler behind
 #: it, the recompile limit); anything else is the kernel's own error and is raised
@@ -143,7 +180,8 @@ _COMPILE_ERRORS = tuple(c for c in (getattr(torch._dynamo.exc, "TorchDynamoExcep
 
 
 class Kernels:
-    """The kernels of one wrapper, compiled at their first call (``torch.compile``, ``dynamic=True``).
+    """The kernels of one wrapper, compiled at their first call (``torch.compile``, ``dynamic=True``),
+    and the scratch tensors that pad a call to :data:`CHUNK` masters.
 
     Where compiling fails (no C++ compiler for inductor, or dynamo's recompile limit reached by a
     new dtype or layout) that call runs the same function eagerly, after one warning per kernel: the
@@ -153,6 +191,8 @@ class Kernels:
     def __init__(self) -> None:
         self._compiled: Dict[str, Callable[..., None]] = {}
         self._warned: set = set()
+        self._pads: Dict[Tuple[Any, ...], List[Tuple[torch.Tensor, ...]]] = {}
+        self.plans: Dict[Tuple[Any, ...], Any] = {}
 
     def __call__(self, name: str) -> Callable[..., None]:
         compiled = self._compiled.get(name)
@@ -163,7 +203,8 @@ class Kernels:
 
         def call(*args: Any) -> None:
             try:
-                compiled(*args)
+                with _no_duck_shapes():
+                    compiled(*args)
             except _COMPILE_ERRORS as e:
                 if name not in self._warned:
                     self._warned.add(name)
@@ -175,14 +216,118 @@ class Kernels:
 
         return call
 
+    def plan(self, key: Tuple[Any, ...], plan: Any) -> Any:
+        """Keep ``plan`` (:func:`_launch`'s) under ``key``; a few at most (a group, a kind each: they
+        change only when the tensors do, a checkpoint loaded, a parameter's ``.data`` replaced)."""
+        if len(self.plans) >= 16:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
 
-def _flat(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """1-D views when every tensor is contiguous (one graph for every shape), else the tensors as they
-    are: a gradient laid out otherwise than its master (channels_last from a compiled convolution,
-    say) is read where it is, in the same single pass (a graph per layout)."""
-    if all(t.is_contiguous() for t in tensors):
-        return tuple(t.view(-1) for t in tensors)
-    return tensors
+    def pad(self, like: Sequence[torch.Tensor], count: int) -> List[Tuple[torch.Tensor, ...]]:
+        """``count`` tuples of zeros of two elements with the dtypes and device of ``like`` (one master's
+        tensors): distinct tensors (dynamo guards that a call's inputs do not alias), kept and reused;
+        views, as the masters' 1-D views are (dynamo guards a view's base: a pad that is none is a new graph)."""
+        key = (like[0].device,) + tuple(t.dtype for t in like)
+        pads = self._pads.get(key)
+        if pads is None:
+            pads = self._pads[key] = [tuple(torch.zeros(2, dtype=t.dtype, device=t.device).view(-1) for t in like)
+                                      for _ in range(CHUNK - 1)]
+        return pads[:count]
+
+
+class _no_duck_shapes:
+    """While a kernel may compile: every master's length its own symbol.  Dynamo's default gives equal
+    lengths one symbol and guards that they stay equal, so calls over masters of other equal lengths
+    would compile again, up to the recompile limit (torch's own message names this setting).  Set and
+    restored around each call (~4 us; ``config.patch`` costs ~25 us)."""
+
+    __slots__ = ("old",)
+
+    def __enter__(self) -> None:
+        self.old = _SHAPES_CONFIG.use_duck_shape
+        _SHAPES_CONFIG.use_duck_shape = False
+
+    def __exit__(self, *exc: Any) -> None:
+        _SHAPES_CONFIG.use_duck_shape = self.old
+
+
+_SHAPES_CONFIG = torch.fx.experimental._config
+
+
+def _contiguous(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def _own_storage(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether each tensor starts its storage: dynamo specializes a storage offset of 0 against others (a
+    graph each), and masters packed into one storage would alias in a call (a slower graph)."""
+    return all(t.storage_offset() == 0 for t in tensors)
+
+
+def _launch(kernels: Kernels, name: str, items: Sequence[Tuple[torch.Tensor, ...]], table: torch.Tensor,
+            extra: Tuple[Any, ...] = ()) -> None:
+    """Step each master of ``items`` (its kernel's tensors: the master, its gradient, its state, its
+    low-precision weight; parameters as they are, not detached) with kernel ``name``, row ``i`` of
+    ``table`` its scalars, ``extra`` the kernel's last arguments.
+
+    Contiguous ones as 1-D views, :data:`CHUNK` a call (``name + "_many"``; one graph for every size),
+    the last call of each kind padded with scratch tensors; a gradient laid out otherwise than its
+    master (channels_last from a compiled convolution, say) is read where it is, in the same single
+    pass, by a call of its own (``name``; a graph per layout), as is a tensor that does not start its
+    storage (a packed small master, when ``FUSED_MIN_NUMEL`` lets those in).
+
+    The calls but for the gradients are planned once and kept while the step's tensors are the same
+    objects at the same addresses, laid out alike (:meth:`Kernels.plan`): views cost ~1.3 us each,
+    and a 200-master step took 2.5 ms of them and of these checks when they were made every step."""
+    key = (name,) + tuple(_signature(item) for item in items)
+    plan = kernels.plans.get(key)
+    if plan is None:
+        plan = kernels.plan(key, _plan(kernels, items, table.device))
+    singles, chunks = plan
+    for i in singles:
+        tensors = tuple(t if j == 1 else t.detach() for j, t in enumerate(items[i]))
+        if _contiguous(tensors):
+            tensors = tuple(t.view(-1) for t in tensors)
+        # (a row of its own: a view's storage offset would be a guard, and a graph per offset)
+        kernels(name)(*tensors, table[i].clone(), *extra)
+    many = kernels(name + "_many")
+    for idx, columns, pad_grads, index in chunks:
+        args = list(columns)
+        args[1] = [items[i][1].view(-1) for i in idx] + pad_grads
+        many(*args, table[index], *extra)  # (indexing makes a new tensor: no storage offset)
+
+
+def _signature(item: Tuple[torch.Tensor, ...]) -> Tuple[Any, ...]:
+    """What a plan depends on: each tensor's identity, address and layout but the gradient's (a new tensor
+    every step), whose dtype and layout."""
+    return tuple((t.dtype, t.is_contiguous(), t.storage_offset() == 0) if j == 1 else (id(t), t.data_ptr(), t.is_contiguous())
+                 for j, t in enumerate(item))
+
+
+def _plan(kernels: Kernels, items: Sequence[Tuple[torch.Tensor, ...]], device: torch.device
+          ) -> Tuple[List[int], List[Tuple[List[int], List[Any], List[torch.Tensor], torch.Tensor]]]:
+    """The masters stepped alone, and per chunk: its masters, the kernel's arguments (1-D views; the
+    gradients' column left for each step), the pads' gradients, the rows of the table it takes."""
+    singles: List[int] = []
+    groups: Dict[Tuple[torch.dtype, ...], List[int]] = {}
+    for i, tensors in enumerate(items):
+        if _contiguous(tensors) and _own_storage(tensors):
+            groups.setdefault(tuple(t.dtype for t in tensors), []).append(i)
+        else:
+            singles.append(i)
+    chunks = []
+    for members in groups.values():
+        for start in range(0, len(members), CHUNK):
+            idx = members[start:start + CHUNK]
+            pads = kernels.pad(items[idx[0]], CHUNK - len(idx))
+            views = [tuple(t.detach().view(-1) for t in items[i]) for i in idx] + pads
+            columns: List[Any] = [list(column) for column in zip(*views)]
+            pad_grads = columns[1][len(idx):]
+            columns[1] = None
+            index = torch.tensor(idx + [idx[0]] * len(pads), device=device)
+            chunks.append((idx, columns, pad_grads, index))
+    return singles, chunks
 
 
 def _fits(master: torch.Tensor, low: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -225,21 +370,12 @@ def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torc
         states.append(state)
         steps.append(state["step"])
     torch._foreach_add_(steps, 1)
-    # (a row of its own per call: a view's storage offset would be a guard, and a graph per offset;
-    # on CPU, where reading them costs no wait, equal rows, the usual case, are one tensor)
     table = _adam_rows(group, steps, scale, decoupled)
-    if table.device.type == "cpu" and bool((table == table[0]).all()):
-        rows = [table[0].clone()] * len(steps)
-    else:
-        rows = [row.clone() for row in table]
+    items = [(master, low.grad, state["exp_avg"], state["exp_avg_sq"], low) for (low, master), state in zip(pairs, states)]
     if found is None:
-        kernel = kernels("adam")
-        for (low, master), state, row in zip(pairs, states, rows):
-            kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), row)
+        _launch(kernels, "adam", items, table)
         return
-    kernel = kernels("adam_skip")
-    for (low, master), state, row in zip(pairs, states, rows):
-        kernel(*_flat(master.detach(), low.grad, state["exp_avg"], state["exp_avg_sq"], low.detach()), row, found)
+    _launch(kernels, "adam_skip", items, table, (found,))
     torch._foreach_sub_(steps, [found.to(t.device) for t in steps])  # as torch's fused Adam: a skip is not counted
 
 
@@ -250,25 +386,21 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
     sign = -1.0 if group.get("maximize", False) else 1.0
     device = pairs[0][1].device
     if momentum == 0:
-        s = torch.tensor([sign * scale, wd, lr], dtype=torch.float32, device=device)
-        kernel = kernels("sgd")
-        for low, master in pairs:
-            kernel(*_flat(master.detach(), low.grad, low.detach()), s)
+        table = torch.tensor([[sign * scale, wd, lr]], dtype=torch.float32, device=device).expand(len(pairs), 3)
+        _launch(kernels, "sgd", [(master, low.grad, low) for low, master in pairs], table)
         return
     nesterov, dampening = bool(group["nesterov"]), float(group["dampening"])
-    later = torch.tensor([sign * scale, wd, momentum, 1 - dampening, momentum, lr], dtype=torch.float32, device=device)
-    first: Optional[torch.Tensor] = None
-    kernel = kernels("sgd_momentum")
+    later = [sign * scale, wd, momentum, 1 - dampening, momentum, lr]
+    first = [sign * scale, wd, 0.0, 1.0, momentum, lr]  # torch's first step: the buffer is the gradient itself
+    items, rows = [], []
     for low, master in pairs:
         state = optimizer.state[master]
         buf = state.get("momentum_buffer")
-        s = later
-        if buf is None:  # torch's first step: the buffer is the gradient itself (no dampening)
+        rows.append(later if buf is not None else first)
+        if buf is None:
             buf = state["momentum_buffer"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            if first is None:
-                first = torch.tensor([sign * scale, wd, 0.0, 1.0, momentum, lr], dtype=torch.float32, device=device)
-            s = first
-        kernel(*_flat(master.detach(), low.grad, buf, low.detach()), s, nesterov)
+        items.append((master, low.grad, buf, low))
+    _launch(kernels, "sgd_momentum", items, torch.tensor(rows, dtype=torch.float32, device=device), (nesterov,))
 
 
 def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
@@ -303,7 +435,7 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
         for low, master in run.pairs:
             if low.grad is None:
                 master.grad = None
-            elif master.numel() >= min_numel and _fits(master, low, low.grad):
+            elif master.numel() >= max(min_numel, 2) and _fits(master, low, low.grad):  # (0, 1: specialized)
                 fast.setdefault((run.group, master.device), []).append((low, master))
             else:
                 rest.setdefault((run.group, master.device), []).append((low, master))

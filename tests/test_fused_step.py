@@ -5,6 +5,7 @@ low-precision gradients: masters and optimizer state to a few float32 ulps (the 
 contracts multiply-adds; bitwise is not promised), the low-precision weights to one rounding step.
 """
 
+import contextlib
 import copy
 import io
 import warnings
@@ -99,6 +100,14 @@ def close(actual, expected, ulps):
     the rounding of the terms, not its own)."""
     eps = ulps * torch.finfo(torch.float32).eps
     torch.testing.assert_close(actual, expected, rtol=eps, atol=eps * float(expected.abs().max()))
+
+
+def masters_of(kernels, args):
+    """The masters a kernel call steps (``args[0]``: one, or a list padded with the scratch tensors of ``kernels``)."""
+    if torch.is_tensor(args[0]):
+        return [args[0]]
+    pads = {id(t) for tuples in kernels._pads.values() for pad in tuples for t in pad}
+    return [m for m in args[0] if id(m) not in pads]
 
 
 def sync(ref, fused):
@@ -196,7 +205,7 @@ def test_a_gradient_laid_out_otherwise_than_its_master():
 
     def counting(self, name):
         fn = real(self, name)
-        return lambda *args: (calls.append(args[1].stride()), fn(*args))
+        return lambda *args: (calls.append(args[1].stride() if torch.is_tensor(args[1]) else None), fn(*args))
 
     ref, fused = pair(OPTIMIZERS["adamw"])
     for m, o in (ref, fused):
@@ -279,7 +288,7 @@ def test_threshold_small_masters_take_the_inner_optimizer(monkeypatch):
         fn = real(self, name)
 
         def call(*args):
-            calls.append(args[0].numel())
+            calls.extend(masters_of(self, args))
             return fn(*args)
 
         return call
@@ -290,7 +299,7 @@ def test_threshold_small_masters_take_the_inner_optimizer(monkeypatch):
     for m, o in (ref, fused):
         backward(m, o, 0)
         o.step()
-    assert calls == [8 * 4 * 4 * 32]
+    assert [m.numel() for m in calls] == [8 * 4 * 4 * 32]
     assert_same_step(ref, fused)
     for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
         if name != "fc1.weight":
@@ -356,7 +365,7 @@ def test_the_scalars_are_computed_once_per_group_and_device(monkeypatch):
 
     def counting(self, name):
         kernel = real_call(self, name)
-        return lambda *args: (kernels.append(name), kernel(*args))[1]
+        return lambda *args: (kernels.extend(masters_of(self, args)), kernel(*args))[1]
 
     monkeypatch.setattr(fused_step.Kernels, "__call__", counting)
     monkeypatch.setattr(fxamp.optim, "segment_numel_for", lambda devices: 1)  # a run per master
@@ -377,6 +386,90 @@ def test_the_scalars_are_computed_once_per_group_and_device(monkeypatch):
             o.step()
         assert stepped >= 5 and len(rows) == 2 and sum(rows) == len(kernels) == stepped
         assert_same_step(ref, fused)
+
+
+def flat_pair(lengths, make_opt):
+    """Two wrappers over bfloat16 parameters of ``lengths`` (over 1024 elements: masters not packed into
+    one storage), the inner optimizer's step and the compiled one: (parameters, wrapper) each."""
+    torch.manual_seed(0)
+    values = [torch.randn(n) for n in lengths]
+    sides = []
+    for compile_step in (False, True):
+        lows = [nn.Parameter(v.to(BF16)) for v in values]
+        sides.append((lows, MixedPrecisionOptimizer(make_opt(lows), loss_scale=fxamp.LossScaleConfig.dynamic(init_scale=4.0),
+                                                    compile_step=compile_step)))
+    return sides
+
+
+def flat_steps(lengths, count):
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randn(n, generator=g).to(BF16) for n in lengths] for _ in range(count)]
+
+
+def flat_step(side, grads):
+    """A step from gradients set as a backward of a loss scaled by 4 would leave them."""
+    lows, opt = side
+    opt.scale_loss(torch.zeros((), requires_grad=True))  # scaled gradients exist from here
+    for p, g in zip(lows, grads):
+        p.grad = g * 4.0
+    assert opt.step() is True
+
+
+def assert_same_flat_step(ref, fused):
+    (lows0, opt0), (lows1, opt1) = ref, fused
+    for a, b in zip(opt0.master_params(), opt1.master_params()):
+        close(b, a, 8)
+        for key in opt0.optimizer.state[a]:
+            close(opt1.optimizer.state[b][key], opt0.optimizer.state[a][key], 8)
+    for low, master in zip(lows1, opt1.master_params()):  # the rounding of its master, as the inner step leaves it
+        assert torch.equal(low, master.to(BF16))
+
+
+@pytest.mark.parametrize("duck_shapes", [False, True])
+def test_masters_are_stepped_a_chunk_a_call_by_one_graph(monkeypatch, duck_shapes):
+    """20 masters, some of equal lengths: two calls a step (CHUNK, then 4 padded with scratch tensors),
+    each a graph for every length (dynamo's default, one symbol for equal lengths, would compile each
+    pattern of equal lengths again: the duck_shapes case shows the test can tell), and the same update
+    as the inner optimizer's, step after step."""
+    calls = []
+    real_call = fused_step.Kernels.__call__
+
+    def counting(self, name):
+        kernel = real_call(self, name)
+        return lambda *args: (calls.append((name, len(masters_of(self, args)))), kernel(*args))[1]
+
+    monkeypatch.setattr(fused_step.Kernels, "__call__", counting)
+    if duck_shapes:
+        monkeypatch.setattr(fused_step, "_no_duck_shapes", contextlib.nullcontext)
+    lengths = [n + 1000 for n in [40, 40, 44, 44, 48, 52, 52, 52, 56, 60, 64, 68, 72, 76, 80, 84, 44, 46, 46, 90]]
+    ref, fused = flat_pair(lengths, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True))
+    torch._dynamo.reset()  # (compiled afresh: inductor's cache on disk makes it quick after the first time)
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = counters["unique_graphs"]
+    for grads in flat_steps(lengths, 3):
+        calls.clear()
+        flat_step(ref, grads), flat_step(fused, grads)
+        assert calls == [("sgd_momentum_many", 16), ("sgd_momentum_many", 4)]
+        assert_same_flat_step(ref, fused)
+    assert counters["unique_graphs"] - graphs == (2 if duck_shapes else 1)
+
+
+def test_a_parameter_given_new_storage_is_stepped_there():
+    """The kernels' arguments are planned once and kept while the tensors are the same: a master and a
+    low-precision weight whose ``.data`` is replaced (the same object, new storage: what ``Module.to``
+    does) are stepped in their new storage, and the old one is left alone."""
+    lengths = [1100 + n for n in range(20)]
+    ref, fused = flat_pair(lengths, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    steps = flat_steps(lengths, 2)
+    flat_step(ref, steps[0]), flat_step(fused, steps[0])
+    old = []
+    for p in list(fused[1].master_params()) + fused[0]:
+        old.append((p, p.data, p.data.clone()))
+        p.data = p.data.clone()
+    flat_step(ref, steps[1]), flat_step(fused, steps[1])
+    assert_same_flat_step(ref, fused)
+    for p, storage, before in old:
+        assert torch.equal(storage, before) and not torch.equal(p.data, before)
 
 
 def test_step_hooks_turn_fusing_off():
