@@ -58,7 +58,7 @@ small masters cost 400 times the dispatch of one.  Bitwise the same step, invisi
 
 With ``compile_step=True`` (a stock AdamW, Adam or SGD) the masters of at least
 ``fused_step.FUSED_MIN_NUMEL`` elements skip all of that: after the same in-place check, one
-kernel per master, compiled by ``torch.compile``, reads the low-precision gradient and writes the
+kernel, compiled by ``torch.compile`` and called for 16 masters at a time, reads the low-precision gradient and writes the
 master, the optimizer state and the low-precision weight (:mod:`fxamp.fused_step`); the smaller
 masters and the float32 parameters take the segmented step.
 
