@@ -225,12 +225,17 @@ class Kernels:
 
         return call
 
-    def plan(self, key: Tuple[Any, ...], plan: Any) -> Any:
-        """Keep ``plan`` (:func:`_launch`'s) under ``key``; a few at most (a group, a kind each: they
-        change only when the tensors do, a checkpoint loaded, a parameter's ``.data`` replaced)."""
-        if len(self.plans) >= 16:
+    def plan(self, slot: Tuple[Any, ...], key: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """The plan (:func:`_launch`'s) of ``slot`` (a kind and the first master of a group: one a step),
+        made anew when the step's ``key`` changed (a checkpoint loaded, a parameter's ``.data``
+        replaced): the old one goes at once, or its views would keep the replaced tensors alive."""
+        kept = self.plans.get(slot)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        if len(self.plans) >= 64:  # (slots that no longer come: groups changed)
             self.plans.clear()
-        self.plans[key] = plan
+        plan = make()
+        self.plans[slot] = (key, plan)
         return plan
 
     def pad(self, like: Sequence[torch.Tensor], count: int) -> List[Tuple[torch.Tensor, ...]]:
@@ -289,11 +294,8 @@ def _launch(kernels: Kernels, name: str, items: Sequence[Tuple[torch.Tensor, ...
     The calls but for the gradients are planned once and kept while the step's tensors are the same
     objects at the same addresses, laid out alike (:meth:`Kernels.plan`): views cost ~1.3 us each,
     and a 200-master step took 2.5 ms of them and of these checks when they were made every step."""
-    key = (name,) + tuple(_signature(item) for item in items)
-    plan = kernels.plans.get(key)
-    if plan is None:
-        plan = kernels.plan(key, _plan(kernels, items, table.device))
-    singles, chunks = plan
+    key = tuple(_signature(item) for item in items)
+    singles, chunks = kernels.plan((name, id(items[0][0])), key, lambda: _plan(kernels, items, table.device))
     for i in singles:
         tensors = tuple(t if j == 1 else t.detach() for j, t in enumerate(items[i]))
         if _contiguous(tensors):

@@ -475,6 +475,25 @@ def test_a_parameter_given_new_storage_is_stepped_there():
         assert torch.equal(storage, before) and not torch.equal(p.data, before)
 
 
+def test_a_loaded_checkpoint_frees_the_state_it_replaced():
+    """The kept plan holds views of the optimizer state: after ``load_state_dict`` replaced that state,
+    the next step plans again and lets the old storage go (else resuming would hold two states)."""
+    lengths = [1100 + n for n in range(20)]
+    ref, fused = flat_pair(lengths, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    steps = flat_steps(lengths, 2)
+    flat_step(ref, steps[0]), flat_step(fused, steps[0])
+    old = {fused[1].optimizer.state[m]["momentum_buffer"].data_ptr() for m in fused[1].master_params()}
+    buf = io.BytesIO()
+    torch.save(ref[1].state_dict(), buf)  # (a checkpoint: state_dict() itself shares the reference's tensors)
+    buf.seek(0)
+    fused[1].load_state_dict(torch.load(buf))
+    flat_step(ref, steps[1]), flat_step(fused, steps[1])
+    assert_same_flat_step(ref, fused)
+    kept = [t for _, (singles, chunks) in fused[1]._kernels.plans.values()
+            for _, columns, _, _ in chunks for column in columns if column for t in column]
+    assert kept and not old & {t.data_ptr() for t in kept}
+
+
 def test_step_hooks_turn_fusing_off():
     """A step hook must see one step of every parameter: with one, the wrapper steps the inner optimizer
     as it is (bitwise the plain step) and says so once."""
