@@ -98,7 +98,9 @@ def _sgd(master: torch.Tensor, grad: torch.Tensor, low: torch.Tensor, s: torch.T
 
 
 # The kernels over many masters: one call steps CHUNK of them (dynamo unrolls the loop; inductor
-# writes a loop per master into one graph), each master with its own row of scalars.
+# writes a loop per master into one graph), each master with its own row of scalars.  A function per
+# kind, not one generic loop: dynamo caches graphs, and counts them against its recompile limit, per
+# code object, so the kinds would share one limit.
 
 def _adam_many(masters: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
                exp_avg_sqs: List[torch.Tensor], lows: List[torch.Tensor], rows: torch.Tensor) -> None:
@@ -201,7 +203,7 @@ class Kernels:
         self._compiled: Dict[str, Callable[..., None]] = {}
         self._warned: set = set()
         self._pads: Dict[Tuple[Any, ...], List[Tuple[torch.Tensor, ...]]] = {}
-        self.plans: Dict[Tuple[Any, ...], Any] = {}
+        self._plans: Dict[Tuple[Any, ...], Any] = {}
 
     def __call__(self, name: str) -> Callable[..., None]:
         compiled = self._compiled.get(name)
@@ -229,24 +231,25 @@ class Kernels:
         """The plan (:func:`_launch`'s) of ``slot`` (a kind and the first master of a group: one a step),
         made anew when the step's ``key`` changed (a checkpoint loaded, a parameter's ``.data``
         replaced): the old one goes at once, or its views would keep the replaced tensors alive."""
-        kept = self.plans.get(slot)
+        kept = self._plans.get(slot)
         if kept is not None and kept[0] == key:
             return kept[1]
-        if len(self.plans) >= 64:  # (slots that no longer come: groups changed)
-            self.plans.clear()
+        if len(self._plans) >= 64:  # (slots that no longer come: groups changed)
+            self._plans.clear()
         plan = make()
-        self.plans[slot] = (key, plan)
+        self._plans[slot] = (key, plan)
         return plan
 
     def pad(self, like: Sequence[torch.Tensor], count: int) -> List[Tuple[torch.Tensor, ...]]:
         """``count`` tuples of zeros of two elements with the dtypes and device of ``like`` (one master's
         tensors): distinct tensors (dynamo guards that a call's inputs do not alias), kept and reused;
-        views, as the masters' 1-D views are (dynamo guards a view's base: a pad that is none is a new graph)."""
+        views, as the masters' 1-D views are (dynamo guards a view's base: a pad that is not a view
+        would compile a second graph)."""
         key = (like[0].device,) + tuple(t.dtype for t in like)
         pads = self._pads.get(key)
         if pads is None:
-            pads = self._pads[key] = [tuple(torch.zeros(2, dtype=t.dtype, device=t.device).view(-1) for t in like)
-                                      for _ in range(CHUNK - 1)]
+            pads = self._pads[key] = [tuple(torch.zeros(2, dtype=t.dtype, device=t.device).view(-1)
+                                            for t in like) for _ in range(CHUNK - 1)]
         return pads[:count]
 
 
@@ -312,8 +315,8 @@ def _launch(kernels: Kernels, name: str, items: Sequence[Tuple[torch.Tensor, ...
 def _signature(item: Tuple[torch.Tensor, ...]) -> Tuple[Any, ...]:
     """What a plan depends on: each tensor's identity, address and layout but the gradient's (a new tensor
     every step), whose dtype and layout."""
-    return tuple((t.dtype, t.is_contiguous(), t.storage_offset() == 0) if j == 1 else (id(t), t.data_ptr(), t.is_contiguous())
-                 for j, t in enumerate(item))
+    return tuple((t.dtype, t.is_contiguous(), t.storage_offset() == 0) if j == 1
+                 else (id(t), t.data_ptr(), t.is_contiguous()) for j, t in enumerate(item))
 
 
 def _plan(kernels: Kernels, items: Sequence[Tuple[torch.Tensor, ...]], device: torch.device
@@ -382,7 +385,8 @@ def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torc
         steps.append(state["step"])
     torch._foreach_add_(steps, 1)
     table = _adam_rows(group, steps, scale, decoupled)
-    items = [(master, low.grad, state["exp_avg"], state["exp_avg_sq"], low) for (low, master), state in zip(pairs, states)]
+    items = [(master, low.grad, state["exp_avg"], state["exp_avg_sq"], low)
+             for (low, master), state in zip(pairs, states)]
     if found is None:
         _launch(kernels, "adam", items, table)
         return

@@ -397,8 +397,8 @@ def flat_pair(lengths, make_opt):
     sides = []
     for compile_step in (False, True):
         lows = [nn.Parameter(v.to(BF16)) for v in values]
-        sides.append((lows, MixedPrecisionOptimizer(make_opt(lows), loss_scale=fxamp.LossScaleConfig.dynamic(init_scale=4.0),
-                                                    compile_step=compile_step)))
+        scale = fxamp.LossScaleConfig.dynamic(init_scale=4.0)
+        sides.append((lows, MixedPrecisionOptimizer(make_opt(lows), loss_scale=scale, compile_step=compile_step)))
     return sides
 
 
@@ -489,7 +489,7 @@ def test_a_loaded_checkpoint_frees_the_state_it_replaced():
     fused[1].load_state_dict(torch.load(buf))
     flat_step(ref, steps[1]), flat_step(fused, steps[1])
     assert_same_flat_step(ref, fused)
-    kept = [t for _, (singles, chunks) in fused[1]._kernels.plans.values()
+    kept = [t for _, (singles, chunks) in fused[1]._kernels._plans.values()
             for _, columns, _, _ in chunks for column in columns if column for t in column]
     assert kept and not old & {t.data_ptr() for t in kept}
 
