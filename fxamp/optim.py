@@ -56,11 +56,12 @@ are stored as the rows of one float32 tensor per (param group, trailing shape) a
 that tensor (:mod:`fxamp.packed_step`): a CPU optimizer dispatches every op per tensor, so 400
 small masters cost 400 times the dispatch of one.  Bitwise the same step, invisible outside it.
 
-With ``compile_step=True`` (a stock AdamW, Adam or SGD) the masters of at least
-``fused_step.FUSED_MIN_NUMEL`` elements skip all of that: after the same in-place check, one
-kernel, compiled by ``torch.compile`` and called for 16 masters at a time, reads the low-precision gradient and writes the
-master, the optimizer state and the low-precision weight (:mod:`fxamp.fused_step`); the smaller
-masters and the float32 parameters take the segmented step.
+With ``compile_step=True`` (a stock AdamW, Adam or SGD, and masters large enough for it to pay:
+``fused_step.FUSED_MIN_TOTAL``) the masters of at least ``fused_step.FUSED_MIN_NUMEL`` elements
+skip all of that: after the same in-place check, one kernel, compiled by ``torch.compile`` and
+called for 16 masters at a time, reads the low-precision gradient and writes the master, the
+optimizer state and the low-precision weight (:mod:`fxamp.fused_step`); the smaller masters and
+the float32 parameters take the segmented step.
 
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
@@ -82,7 +83,7 @@ from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, red
 from .errors import OptimizerStateError
 from .info import policy_of
 from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, Stage
-from .fused_step import Kernels, fusable, skips_on_device, step_fused
+from .fused_step import Kernels, fusable, skips_on_device, step_fused, worth_fusing
 from .packed_step import Pack, step_with_packs
 from .policy import Policy
 from .segmented_step import (Run, Strides, flat_grads, grad_strides, plan_runs, segment_numel_for, step_runs,
@@ -340,7 +341,7 @@ class _Plan:
     master pairing, which happens when a group is bound).
     """
 
-    __slots__ = ("buckets", "own", "layout", "runs", "decide_on", "packs")
+    __slots__ = ("buckets", "own", "layout", "runs", "decide_on", "packs", "fuse")
 
     def __init__(self, buckets: List[_Bucket], own: List[List[torch.Tensor]],
                  layout: List[Tuple[List[torch.Tensor], int]]) -> None:
@@ -351,6 +352,8 @@ class _Plan:
         self.runs: Optional[List[Run]] = None  # a segmented step's runs, planned at the first one
         #: the device the overflow decision stays on (see MixedPrecisionOptimizer._decide), or None
         self.decide_on: Any = _UNKNOWN
+        #: whether the step uses compile_step's kernels (see MixedPrecisionOptimizer._fuses), or None
+        self.fuse: Optional[bool] = None
 
     def devices(self) -> set:
         return {b.device for b in self.buckets} | {p.device for params in self.own for p in params}
@@ -490,7 +493,10 @@ class MixedPrecisionOptimizer:
                    compiled by ``torch.compile`` that reads each low-precision gradient and writes the
                    low-precision weight in the same pass as the update (:mod:`fxamp.fused_step`): no
                    float32 gradient at all, and about 28 instead of 40 bytes of memory traffic per
-                   parameter for AdamW.  The first step compiles (seconds; cached on disk by inductor).
+                   parameter for AdamW.  The first step compiles (10-30 s on 2 CPU cores; cached on
+                   disk by inductor).  Only where it pays: when the masters the kernels would take
+                   hold ``fused_step.FUSED_MIN_TOTAL`` elements (3 M for Adam/AdamW, 1 M for SGD),
+                   else the step is the one without ``compile_step`` and nothing is compiled.
                    With Adam/AdamW the overflow decision stays on the device where it would without
                    (a fused inner optimizer on one CUDA device); SGD's is read on the host.  Not
                    bitwise the inner optimizer's step (a few float32 ulps on the masters).  Raises
@@ -691,7 +697,7 @@ class MixedPrecisionOptimizer:
         if plan.decide_on is _UNKNOWN:
             plan.decide_on = None
             devices = plan.devices()
-            if self.compile_step and not skips_on_device(self.optimizer):
+            if self._fuses(plan) and not skips_on_device(self.optimizer):
                 return None
             if (getattr(self.optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
                     and next(iter(devices)).type in _DECIDE_ON):
@@ -713,6 +719,12 @@ class MixedPrecisionOptimizer:
             yield
         finally:
             del opt.found_inf, opt.grad_scale
+
+    @property
+    def compiled_step_active(self) -> bool:
+        """Whether ``step()`` steps the masters with ``compile_step``'s compiled kernels: asked for, and
+        the masters hold enough elements for them to pay (``fxamp.fused_step.FUSED_MIN_TOTAL``)."""
+        return self._fuses(self._get_plan())
 
     @property
     def current_scale(self) -> float:
@@ -856,11 +868,21 @@ class MixedPrecisionOptimizer:
             self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if found_inf else None
         self.scaler.finish_unscale(self._client, found_inf)
 
+    def _fuses(self, plan: _Plan) -> bool:
+        """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
+        for them to be faster than the plain step (:func:`fxamp.fused_step.worth_fusing`; decided once
+        a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
+        if self._kernels is None or not plan.buckets:
+            return False
+        if plan.fuse is None:
+            plan.fuse = worth_fusing(self.optimizer, [m for b in plan.buckets for m in b.masters])
+        return plan.fuse
+
     def _segmentable(self, plan: _Plan) -> bool:
         """Whether step() may step the masters a segment at a time (:mod:`fxamp.segmented_step`):
         the gradient buffer is released between steps, the inner optimizer steps each parameter on
         its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse."""
-        if self.compile_step and plan.buckets:  # no float32 gradient at all, at any size
+        if self._fuses(plan):  # (no float32 gradient at all, at any size)
             if steps_per_parameter(self.optimizer):
                 return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
             if not self._hooks_warned:  # step hooks must run once per step, around every parameter
@@ -982,7 +1004,7 @@ class MixedPrecisionOptimizer:
                         plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)),
                                               segment_numel_for(plan.devices()))
                     scale_on = _multiplier(segmented, coef)
-                    if self._kernels is not None:
+                    if self._fuses(plan):
                         step_fused(self.optimizer, plan.runs, scale_on, self._kernels,
                                    lambda runs: step_runs(self.optimizer, runs, scale_on),
                                    segment_numel=segment_numel_for(plan.devices()),

@@ -17,3 +17,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fused_at_any_size(monkeypatch):
+    """compile_step's kernels step these small test models: a real model's step uses them only when its
+    masters hold ``fused_step.FUSED_MIN_TOTAL`` elements (millions), so that threshold goes to 0; the
+    per-master one, ``FUSED_MIN_NUMEL``, is each test's to set."""
+    from fxamp import fused_step
+
+    monkeypatch.setattr(fused_step, "FUSED_MIN_TOTAL", dict.fromkeys(fused_step.FUSED_MIN_TOTAL, 0))

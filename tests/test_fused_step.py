@@ -47,9 +47,12 @@ def batch(step):
 
 @pytest.fixture(autouse=True)
 def every_master_fused(request, monkeypatch):
-    """The tiny test models' masters are all below FUSED_MIN_NUMEL: fuse them all (but in the test of the threshold)."""
+    """The tiny test models' masters are all below FUSED_MIN_NUMEL and together far below FUSED_MIN_TOTAL:
+    fuse them all (but in the tests of those thresholds)."""
     if "threshold" not in request.node.name:
         monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 0)
+    if "total" not in request.node.name:
+        request.getfixturevalue("fused_at_any_size")
 
 
 OPTIMIZERS = {
@@ -305,6 +308,41 @@ def test_threshold_small_masters_take_the_inner_optimizer(monkeypatch):
     for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
         if name != "fc1.weight":
             assert torch.equal(p0, p1), name
+
+
+def low_numel(model):
+    """Elements of ``model``'s low-precision parameters (the masters' sizes) of two or more."""
+    return sum(p.numel() for p in model.parameters() if p.dtype in (BF16, F16) and p.numel() >= 2)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_below_the_total_the_step_is_the_one_without_compile_step(monkeypatch, kind):
+    """When the masters the kernels would take hold fewer than FUSED_MIN_TOTAL elements, the fused
+    path's fixed costs outweigh what it saves: compile_step=True steps exactly as compile_step=False
+    (bitwise, over steps) and compiles nothing; from that many elements on, the kernels step."""
+    make = OPTIMIZERS["adamw" if kind == "adam" else "sgd-nesterov"]
+    numel = low_numel(pair(make)[1][0])
+    monkeypatch.setitem(fused_step.FUSED_MIN_TOTAL, kind, numel + 1)
+    ref, fused = pair(make)
+    for step in range(3):
+        for m, o in (ref, fused):
+            backward(m, o, step)
+            assert o.step() is True
+    assert fused[1]._kernels._compiled == {} and fused[1].compiled_step_active is False
+    for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
+        assert torch.equal(p0, p1), name
+    for a, b in zip(ref[1].master_params(), fused[1].master_params()):
+        assert torch.equal(a, b)
+        s0, s1 = ref[1].optimizer.state.get(a, {}), fused[1].optimizer.state.get(b, {})
+        assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0 if torch.is_tensor(s0[k]))
+
+    monkeypatch.setitem(fused_step.FUSED_MIN_TOTAL, kind, numel)
+    ref, fused = pair(make)
+    for m, o in (ref, fused):
+        backward(m, o, 0)
+        assert o.step() is True
+    assert fused[1]._kernels._compiled and fused[1].compiled_step_active is True  # the kernels stepped
+    assert_same_step(ref, fused)
 
 
 def test_param_groups_schedulers_and_accumulation():
