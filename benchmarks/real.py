@@ -234,6 +234,7 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype,
             w.backward(_loss(fwd(x), y))
             w.step()
 
+        step.optimizer = w  # (the note says when compile_step's kernels are not used)
         return step, lambda: w.zero_grad(set_to_none=True)
     raise ValueError(variant)
 
