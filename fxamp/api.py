@@ -97,6 +97,12 @@ def _set_param(root: nn.Module, dotted: str, value: torch.Tensor) -> None:
     setattr(module, attr, value)
 
 
+def _compile_step_note(opt: MixedPrecisionOptimizer) -> str:
+    if not opt.compile_step or opt.compiled_step_active:
+        return ""
+    return " (not used: the masters are too small for the compiled kernels to pay, see fused_step.FUSED_MIN_TOTAL)"
+
+
 def _options_text(model: nn.Module, opt: MixedPrecisionOptimizer, masters: int) -> str:
     stepped = sum(len(group["params"]) for group in opt.param_groups)
     lines = [
@@ -107,6 +113,6 @@ def _options_text(model: nn.Module, opt: MixedPrecisionOptimizer, masters: int) 
         f"  float32 params: {stepped - masters} stepped directly",
         f"  optimizer     : {type(opt.optimizer).__name__}",
         f"  sync_overflow : {opt.sync_overflow}",
-        f"  compile_step  : {opt.compile_step}",
+        f"  compile_step  : {opt.compile_step}" + _compile_step_note(opt),
     ]
     return "\n".join(lines)

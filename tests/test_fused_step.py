@@ -259,6 +259,21 @@ def test_initialize_passes_it_on():
     torch.testing.assert_close(amp.fc1.weight.float(), model.fc1.weight.detach(), rtol=2 ** -8, atol=0)
 
 
+@pytest.mark.parametrize("total", [None, 0], ids=["default total", "total 0"])
+def test_initialize_verbose_says_whether_the_total_lets_the_kernels_step(monkeypatch, capsys, total):
+    if total is not None:
+        monkeypatch.setattr(fused_step, "FUSED_MIN_TOTAL", dict.fromkeys(fused_step.FUSED_MIN_TOTAL, total))
+    model = Net()
+    fxamp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", dtype=BF16, compile_step=True,
+                     verbose=True)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "compile_step" in x)
+    if total is None:  # this model's masters are far below the default
+        assert line.endswith("True (not used: the masters are too small for the compiled kernels to pay, "
+                             "see fused_step.FUSED_MIN_TOTAL)"), line
+    else:
+        assert line.split(":", 1)[1].strip() == "True", line
+
+
 def test_a_compiler_failure_falls_back_to_the_same_update_eagerly(monkeypatch):
     """What torch.compile raises when it cannot compile (inductor without a C++ compiler: a
     BackendCompilerFailed; the recompile limit) makes that call run eagerly, after one warning; the
