@@ -169,8 +169,9 @@ def prepare(
     scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
                     ``args.max_grad_norm`` for float16.
-    compile_step:   step the float32 masters with one compiled kernel per tensor
-                    (:class:`fxamp.MixedPrecisionOptimizer`'s ``compile_step``; AdamW, Adam, SGD).
+    compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models
+                    large enough for them to pay (:class:`fxamp.MixedPrecisionOptimizer`'s
+                    ``compile_step``; AdamW, Adam, SGD).
     convert_kwargs: passed on to :func:`fxamp.convert`.
     """
     low = resolve_dtype(dtype)

@@ -63,8 +63,9 @@ class FxampPrecision(Precision):
                     (static), ``None``, or a :class:`fxamp.LossScaleConfig`.
     example_inputs: ``{"net": (x,)}``: example inputs for modules torch.fx cannot trace (used by
                     ``fxamp.convert``'s ``torch.export`` front end).
-    compile_step:   step the float32 masters with one compiled kernel per tensor
-                    (:class:`fxamp.MixedPrecisionOptimizer`'s ``compile_step``; AdamW, Adam, SGD).
+    compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models
+                    large enough for them to pay (:class:`fxamp.MixedPrecisionOptimizer`'s
+                    ``compile_step``; AdamW, Adam, SGD).
     convert_kwargs: passed on to :func:`fxamp.convert` (``overrides=``, ``leaf_modules=``...).
     """
 
