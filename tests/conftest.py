@@ -27,3 +27,13 @@ def fused_at_any_size(monkeypatch):
     from fxamp import fused_step
 
     monkeypatch.setattr(fused_step, "FUSED_MIN_TOTAL", dict.fromkeys(fused_step.FUSED_MIN_TOTAL, 0))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """compile_step's kernels step 4 masters a call, not 16: the graph is the same loop, and a cold
+    compile of 4 loops takes a fraction of 16's (CI's fresh virtual environment has no inductor
+    cache: every kernel compiles there).  The test of the chunks keeps the real size."""
+    from fxamp import fused_step
+
+    monkeypatch.setattr(fused_step, "CHUNK", 4)

@@ -141,7 +141,7 @@ def test_segmented_step_is_bitwise_the_plain_step():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_compile_step_matches_the_inner_step(fused, fused_at_any_size):
+def test_compile_step_matches_the_inner_step(fused, fused_at_any_size, small_chunks):
     """compile_step=True on CUDA (inductor's Triton kernels): one step from the same state as the inner
     AdamW (fused or not), the masters within a few float32 ulps of their scale."""
     torch.manual_seed(0)

@@ -53,6 +53,8 @@ def every_master_fused(request, monkeypatch):
         monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 0)
     if "total" not in request.node.name:
         request.getfixturevalue("fused_at_any_size")
+    if "chunk" not in request.node.name:
+        request.getfixturevalue("small_chunks")
 
 
 OPTIMIZERS = {

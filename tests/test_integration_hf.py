@@ -179,7 +179,7 @@ def test_prepare_without_an_example_batch_captures_at_the_first_call(tmp_path):
     assert optimizers[0].skipped_steps == 0 and math.isfinite(mean_eval_loss(model))
 
 
-def test_compile_step_is_passed_on(tmp_path, monkeypatch, fused_at_any_size):
+def test_compile_step_is_passed_on(tmp_path, monkeypatch, fused_at_any_size, small_chunks):
     from fxamp import fused_step
 
     monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 0)  # the test model's masters are small

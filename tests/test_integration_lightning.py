@@ -321,7 +321,7 @@ def test_gradient_accumulation():
     assert all(p.grad is None for p in model.net.parameters() if p.dtype == torch.float16)  # cleared after the step
 
 
-def test_compile_step_is_passed_on(monkeypatch, fused_at_any_size):
+def test_compile_step_is_passed_on(monkeypatch, fused_at_any_size, small_chunks):
     """FxampPrecision(compile_step=True): the wrappers step the masters with the compiled kernels (all of
     them here: the threshold is lowered for these small layers), landing where the plain step lands."""
     from fxamp import fused_step

@@ -184,7 +184,7 @@ def test_a_loop_that_never_reads_the_scaler_does_not_pile_up_catch_ups(on_device
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["", "clip"])
-def test_compile_step_skips_on_the_device_as_on_the_host(monkeypatch, dtype, clip, fused_at_any_size):
+def test_compile_step_skips_on_the_device_as_on_the_host(monkeypatch, dtype, clip, fused_at_any_size, small_chunks):
     """compile_step=True with a fused AdamW: the Adam kernel takes the device's flag (and the fallback
     steps of the small and float32 parameters the fused inner optimizer's), bit for bit the
     host-decided compiled step through two planted overflows; skipped steps advance no step count."""
@@ -201,7 +201,7 @@ def test_compile_step_skips_on_the_device_as_on_the_host(monkeypatch, dtype, cli
     assert steps == {4.0}
 
 
-def test_compile_step_with_sgd_decides_on_the_host(on_device, fused_at_any_size):
+def test_compile_step_with_sgd_decides_on_the_host(on_device, fused_at_any_size, small_chunks):
     """SGD's kernel has no flag (its first momentum step cannot be told from a skipped one)."""
     _run(torch.float16, 3, poison=(1,), compile_step=True, deferred_expected=False,
          make=lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True))
