@@ -18,8 +18,8 @@ The state stays the inner optimizer's (``exp_avg``, ``exp_avg_sq``, ``step``;
 checkpoints do not see the difference.  Not bitwise torch's step: the compiler fuses and may
 contract multiply-adds (the masters agree to a few float32 ulps, see tests/test_fused_step.py).
 The first step of each kind compiles (10-30 s on 2 CPU cores; inductor caches the kernel on disk).
-Only where it pays: a model whose masters hold fewer than :data:`FUSED_MIN_TOTAL` elements (a few
-million) is stepped as without ``compile_step``, and nothing is compiled.
+Only where it pays: a model whose masters hold fewer than :data:`FUSED_MIN_TOTAL` elements (0.25 to
+3 million, by optimizer) is stepped as without ``compile_step``, and nothing is compiled.
 
 Where :class:`fxamp.MixedPrecisionOptimizer` keeps the overflow decision on the device (one CUDA
 device, a fused inner optimizer: see its ``step``), the Adam kernel takes the flag and skips there
@@ -145,15 +145,18 @@ CHUNK = 16
 #: of its own, ~30 us; 4096 took ~1 ms off the ResNet-50's step of 30 ms on the EPYC.)
 FUSED_MIN_NUMEL = 4096
 
-#: per kind, the elements the kernels must have to step (in masters of at least FUSED_MIN_NUMEL
-#: elements) for a step to use them; with fewer, ``compile_step=True`` steps as without it, and
-#: nothing is compiled.  The fused path has fixed costs, ~0.3-0.7 ms a step on a 2-core EPYC (a call
-#: of 16 masters ~75 us, the in-place check, the scalars computed on the device), against ~12 bytes
-#: of traffic saved per element: measured there, masters of 0.5 M elements stepped 1.2-2.2x slower
-#: fused (AdamW and SGD), 2 M 1.05x (AdamW) and 0.8-0.9x (SGD), 4 M 0.86-0.98x (AdamW), 16 M
-#: 0.67-0.74x and 0.57-0.68x.  (A model this small does not need the float32 gradients gone
-#: either: 4 bytes a parameter, a few MiB.)
-FUSED_MIN_TOTAL: Dict[str, int] = {"adam": 3 * 1024 * 1024, "sgd": 1024 * 1024}
+#: per kind, and ``_fused`` when the inner optimizer is torch's fused one: the elements the kernels
+#: must have to step (in masters of at least FUSED_MIN_NUMEL elements) for a step to use them; with
+#: fewer, ``compile_step=True`` steps as without it, and nothing is compiled.  The fused path has
+#: fixed costs, ~0.3-0.7 ms a step on a 2-core EPYC (a call of 16 masters ~75 us, the in-place
+#: check, the kernels' scalars computed on the device), against what it saves: ~12 bytes of traffic
+#: per element, and the inner optimizer's own passes, many for torch's default CPU loop over the
+#: tensors, one for a fused optimizer.  ``python -m benchmarks.fused_crossover`` measures it; there,
+#: compiled/plain crossed 1 at ~0.1 M elements (AdamW, loop or foreach), 0.5-1 M (SGD), 2-4 M
+#: (fused AdamW and SGD); at 16 M it was 0.35x, 0.64x and 0.72x.  (A model this small does not
+#: need the float32 gradients gone either: 4 bytes a parameter.)
+FUSED_MIN_TOTAL: Dict[str, int] = {"adam": 256 * 1024, "sgd": 512 * 1024,
+                                   "adam_fused": 3 * 1024 * 1024, "sgd_fused": 2 * 1024 * 1024}
 
 _ADAM_KEYS = {"amsgrad": False, "capturable": False, "differentiable": False}
 _SGD_KEYS = {"differentiable": False}
@@ -188,8 +191,9 @@ def fusable(optimizer: Any) -> Optional[str]:
 def worth_fusing(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
     """Whether the kernels would step enough of ``masters`` (:data:`FUSED_MIN_TOTAL` elements, in
     masters of at least :data:`FUSED_MIN_NUMEL`) to be faster than the inner optimizer's step."""
+    key = _kind(optimizer) + ("_fused" if all(g.get("fused") for g in optimizer.param_groups) else "")
     least = max(FUSED_MIN_NUMEL, 2)  # (as step_fused: lengths 0 and 1 are specialized)
-    return sum(n for n in (m.numel() for m in masters) if n >= least) >= FUSED_MIN_TOTAL[_kind(optimizer)]
+    return sum(n for n in (m.numel() for m in masters) if n >= least) >= FUSED_MIN_TOTAL[key]
 
 
 def skips_on_device(optimizer: Any) -> bool:

@@ -495,7 +495,8 @@ class MixedPrecisionOptimizer:
                    float32 gradient at all, and about 28 instead of 40 bytes of memory traffic per
                    parameter for AdamW.  The first step compiles (10-30 s on 2 CPU cores; cached on
                    disk by inductor).  Only where it pays: when the masters the kernels would take
-                   hold ``fused_step.FUSED_MIN_TOTAL`` elements (3 M for Adam/AdamW, 1 M for SGD),
+                   hold ``fused_step.FUSED_MIN_TOTAL`` elements (0.25 M for Adam/AdamW, 0.5 M for
+                   SGD, 2-3 M for torch's fused ones, whose own step is already one pass),
                    else the step is the one without ``compile_step`` and nothing is compiled.
                    With Adam/AdamW the overflow decision stays on the device where it would without
                    (a fused inner optimizer on one CUDA device); SGD's is read on the host.  Not

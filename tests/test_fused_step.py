@@ -332,13 +332,17 @@ def low_numel(model):
     return sum(p.numel() for p in model.parameters() if p.dtype in (BF16, F16) and p.numel() >= 2)
 
 
-@pytest.mark.parametrize("kind", ["adam", "sgd"])
-def test_below_the_total_the_step_is_the_one_without_compile_step(monkeypatch, kind):
-    """When the masters the kernels would take hold fewer than FUSED_MIN_TOTAL elements, the fused
-    path's fixed costs outweigh what it saves: compile_step=True steps exactly as compile_step=False
-    (bitwise, over steps) and compiles nothing; from that many elements on, the kernels step."""
-    make = OPTIMIZERS["adamw" if kind == "adam" else "sgd-nesterov"]
+@pytest.mark.parametrize("name, kind", [("adamw", "adam"), ("sgd-nesterov", "sgd"), ("adamw-fused", "adam_fused")])
+def test_below_the_total_the_step_is_the_one_without_compile_step(monkeypatch, name, kind):
+    """When the masters the kernels would take hold fewer than FUSED_MIN_TOTAL elements (of the
+    optimizer's kind, and ``_fused`` for torch's fused one), the fused path's fixed costs outweigh
+    what it saves: compile_step=True steps exactly as compile_step=False (bitwise, over steps) and
+    compiles nothing; from that many elements on, the kernels step."""
+    make = (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)) if name == "adamw-fused" \
+        else OPTIMIZERS[name]
     numel = low_numel(pair(make)[1][0])
+    for other in set(fused_step.FUSED_MIN_TOTAL) - {kind}:  # only this kind's threshold decides
+        monkeypatch.setitem(fused_step.FUSED_MIN_TOTAL, other, 0)
     monkeypatch.setitem(fused_step.FUSED_MIN_TOTAL, kind, numel + 1)
     ref, fused = pair(make)
     for step in range(3):
