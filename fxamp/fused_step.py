@@ -192,8 +192,13 @@ def worth_fusing(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
     """Whether the kernels would step enough of ``masters`` (:data:`FUSED_MIN_TOTAL` elements, in
     masters of at least :data:`FUSED_MIN_NUMEL`) to be faster than the inner optimizer's step."""
     key = _kind(optimizer) + ("_fused" if all(g.get("fused") for g in optimizer.param_groups) else "")
-    least = max(FUSED_MIN_NUMEL, 2)  # (as step_fused: lengths 0 and 1 are specialized)
-    return sum(n for n in (m.numel() for m in masters) if n >= least) >= FUSED_MIN_TOTAL[key]
+    return sum(n for n in (m.numel() for m in masters) if _takes(n)) >= FUSED_MIN_TOTAL[key]
+
+
+def _takes(numel: int, min_numel: Optional[int] = None) -> bool:
+    """Whether a master of ``numel`` elements is long enough for the kernels: ``min_numel`` (default
+    :data:`FUSED_MIN_NUMEL`), and never 0 or 1, lengths dynamo specializes (a graph each)."""
+    return numel >= max(FUSED_MIN_NUMEL if min_numel is None else min_numel, 2)
 
 
 def skips_on_device(optimizer: Any) -> bool:
@@ -461,7 +466,6 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
     runs the inner optimizer with the same flag): the kernels skip there, writing everything back
     as it was, and the step counts are not advanced, as torch's fused Adam does.  None: the host
     decided that this step runs."""
-    min_numel = FUSED_MIN_NUMEL if min_numel is None else min_numel
     kind = _kind(optimizer)
     groups = optimizer.param_groups
     scales: Dict[torch.device, torch.Tensor] = {}
@@ -477,7 +481,7 @@ def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[
         for low, master in run.pairs:
             if low.grad is None:
                 master.grad = None
-            elif master.numel() >= max(min_numel, 2) and _fits(master, low, low.grad):  # (0, 1: specialized)
+            elif _takes(master.numel(), min_numel) and _fits(master, low, low.grad):
                 fast.setdefault((run.group, master.device), []).append((low, master))
             else:
                 rest.setdefault((run.group, master.device), []).append((low, master))
