@@ -20,6 +20,8 @@ import torch
 from tabulate import tabulate
 
 import fxamp
+from benchmarks.real import cpu_flags
+from benchmarks.run import _cpu_name
 from fxamp import fused_step
 
 #: (masters, elements each): 0.5 M to 16 M elements in all
@@ -99,7 +101,11 @@ def main(argv=None) -> int:
             rows.append([kind, f"{count} x {numel}", f"{count * numel / 1e6:.2f} M", f"{a:.3f}", f"{b:.3f}",
                          f"{b / a:.2f}x"])
             print(f"  {kind} {count} x {numel} done", file=sys.stderr)
-    print(f"fused_crossover: {args.device}, {args.dtype}, torch {torch.__version__}, "
+    if device.type == "cuda":
+        machine = torch.cuda.get_device_name(device)
+    else:  # (the CPU's name and its low-precision flags: the crossover moves with them)
+        machine = _cpu_name() + ", " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu_flags().items())
+    print(f"fused_crossover: {machine}; {args.dtype}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); FUSED_MIN_TOTAL now: "
           + ", ".join(f"{k} {v / 2 ** 20:g} Mi elements" for k, v in current.items()))
     print(tabulate(rows, headers=["optimizer", "masters", "elements", "plain ms", "compiled ms", "compiled/plain"],
