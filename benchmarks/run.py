@@ -30,7 +30,8 @@ Benchmarks (``--only`` picks some):
 A full run (no --quick/--tiny/--only, --size real) writes ``benchmarks/results.json`` (on CUDA,
 ``benchmarks/results-cuda-<dtype>.json``); any other run
 writes to a scratch file in the temp directory (the path is printed) unless ``--json PATH`` says
-where.  Prints the same records as a table.
+where.  Prints the same records as a table.  ``--show FILE`` prints a saved run's table again;
+``--targets FILE...`` prints every target of several saved runs side by side (a column per run).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -937,6 +939,84 @@ def table(records: Sequence[Record], fmt: str = "github") -> str:
     return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
 
 
+#: the size words of a model's name (d768, h12, L2, b4, s128, vocab8192, conv16, 64px): dropped to line up
+#: the same model measured at another size on another machine (CPU and GPU sizes differ)
+_SIZE_WORD = re.compile(r"^(?:(?:d|h|L|b|s|vocab|conv)\d+|\d+px),?$")
+#: a clause of a target that names the ratio it is judged on ("<= 0.90x autocast", ">= 1.05x autocast")
+_CLAUSE = re.compile(r"(<=|>=)\s*([\d.]+)x\s+(fp32|autocast|limit|compile\(autocast\))")
+
+
+def _model_kind(model: str) -> str:
+    return " ".join(w for w in model.split() if not _SIZE_WORD.match(w)).rstrip(",")
+
+
+def _variant_kind(variant: str) -> str:
+    return re.sub(r"\b(?:bf16|fp16) params", "bf16/fp16 params", variant)  # the optimizer rows
+
+
+def _judged(r: Record, pure: Optional[Record] = None) -> str:
+    """The ratios a target is judged on, as the table prints them ("0.95x"; "0.95x, 1.27x" for two clauses),
+    and, for a target against autocast, what ``pure`` (the no-cast limit of the same run) scores on it."""
+    values = []
+    for _, _, key in _CLAUSE.findall(r.target):
+        if key == "compile(autocast)":  # (kept in the note: vs_autocast is against eager autocast)
+            m = re.search(r"([\d.]+)x compile\(autocast\)", r.note)
+            values.append(f"{m.group(1)}x" if m else "?")
+        else:
+            v = getattr(r, f"vs_{key}")
+            values.append("?" if v is None else f"{v:.2f}x")
+            if key == "autocast" and pure is not None and pure.vs_autocast is not None:
+                values[-1] += f" (pure {pure.vs_autocast:.2f}x)"
+    return ", ".join(values)
+
+
+def _machine(meta: Dict[str, Any]) -> str:
+    """A results file's column title: the device (with AMX when the CPU has it), dtype and commit."""
+    name = re.sub(r"\((?:R|TM)\)|\bProcessor\b|\bCPU\b|@.*$", "", meta["device_name"])
+    name = re.sub(r"\s+", " ", name).strip()
+    if meta.get("cpu_flags", {}).get("amx_bf16"):
+        name += " AMX"
+    return f"{name}, {meta['dtype']}, {meta.get('commit') or meta.get('fxamp', '')}"
+
+
+def targets_table(saved: Sequence[Dict[str, Any]], fmt: str = "github") -> str:
+    """Every target of several saved runs side by side: one row per benchmark, model (size words left
+    out, so the CPU and GPU sizes of a model share a row) and variant; per run, the ratio it is
+    judged on and whether it was met ("(pure 0.95x)": what pure low precision, ``model.to(dtype)`` with no
+    cast at all, scores in the same run, where it ran: a target it misses no cast strategy can meet on
+    that machine); the targets (CPU and GPU ones may differ) in the last column."""
+    from tabulate import tabulate
+
+    rows: Dict[Tuple[str, str, str], Dict[int, Record]] = {}
+    pure: Dict[Tuple[int, str, str], Record] = {}  # (run, benchmark, model): its pure low-precision row
+    for i, run in enumerate(saved):
+        for d in run["records"]:
+            r = Record.from_json(d)
+            if r.variant.startswith("pure "):
+                pure[(i, r.benchmark, r.model)] = r
+            if r.met is not None:
+                rows.setdefault((r.benchmark, _model_kind(r.model), _variant_kind(r.variant)), {})[i] = r
+    # a row only some runs have (a GPU-only target) goes with its benchmark and model, not at the end
+    first: Dict[Any, int] = {}
+    for key in rows:
+        first.setdefault(key[0], len(first))
+        first.setdefault(key[:2], len(first))
+    table_rows = []
+    for (bench, model, variant), per_run in sorted(rows.items(), key=lambda kv: (first[kv[0][0]], first[kv[0][:2]])):
+        cells = []
+        for i in range(len(saved)):
+            r = per_run.get(i)
+            cells.append("" if r is None else
+                         f"{_judged(r, pure.get((i, r.benchmark, r.model)))} {'yes' if r.met else 'NO'}".strip())
+        targets = list(dict.fromkeys(r.target for r in per_run.values()))
+        table_rows.append([bench, model, variant, *cells, " / ".join(targets)])
+    met = [sum(1 for d in run["records"] if d.get("met") is True) for run in saved]
+    missed = [sum(1 for d in run["records"] if d.get("met") is False) for run in saved]
+    headers = ["benchmark", "model", "variant"] + [f"{_machine(run['meta'])} ({m} met, {n} missed)"
+                                                   for run, m, n in zip(saved, met, missed)] + ["target"]
+    return tabulate(table_rows, headers=headers, tablefmt=fmt, disable_numparse=True)
+
+
 def _meta(s: Settings, args: argparse.Namespace, wall: float, load_start: List[float]) -> Dict[str, Any]:
     if s.cuda:
         device_name = torch.cuda.get_device_name(s.device)
@@ -1063,7 +1143,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "file in the temp directory for --quick/--tiny/--only/--size tiny)")
     p.add_argument("--no-json", action="store_true", help="print only")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved results.json and exit (runs nothing)")
+    p.add_argument("--targets", nargs="+", metavar="JSON",
+                   help="print every target of these saved results side by side, a column per run, and exit "
+                        "(runs nothing): e.g. benchmarks/results*.json")
     args = p.parse_args(argv)
+
+    if args.targets:
+        saved = []
+        for path in args.targets:
+            try:
+                with open(path) as f:
+                    run = json.load(f)
+                if not isinstance(run.get("records"), list) or "device_name" not in run.get("meta", {}):
+                    raise ValueError("no meta.device_name or records")
+                saved.append(run)
+            except (OSError, ValueError, AttributeError) as e:
+                print(f"error: {path} is not a results file that python -m benchmarks wrote "
+                      f"({type(e).__name__}: {e})", file=sys.stderr)
+                return 2
+        for path, run in zip(args.targets, saved):
+            print(f"{_machine(run['meta'])}: {path}, {run['meta']['date']}")
+        print(targets_table(saved))
+        return 0
 
     if args.show:
         with open(args.show) as f:

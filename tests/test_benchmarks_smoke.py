@@ -88,3 +88,66 @@ def test_profile_real_runs(model, extra, unit, capsys):
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("## ")] == \
         ["## autocast", "## pure bf16", "## fxamp O2"]
     assert f"ms per {unit}" in out
+
+
+def _saved(device_name, commit, records, **meta):
+    return {"meta": {"device_name": device_name, "dtype": "bfloat16", "commit": commit,
+                     "date": "2026-11-23T00:00:00+00:00", **meta},
+            "records": [dict(dict(median=1.0, unit="ms", vs_fp32=None, vs_autocast=None, vs_limit=None, peak_mib=None,
+                                  target="", met=None, note=""), **r) for r in records]}
+
+
+def test_targets_lines_up_every_target_across_runs(tmp_path, capsys):
+    """``--targets``: one row per benchmark, model (its size words left out, so a CPU and a GPU size share
+    a row) and variant; per run, the ratio the target is judged on and whether it was met."""
+    from benchmarks import run
+
+    cpu = _saved("Intel(R) Xeon(R) Processor (2 cores)", "aaa1111", [
+        dict(benchmark="train step (AdamW)", model="GPT d768 h12 L2 vocab8192 b2 s128", variant="fxamp O2",
+             vs_autocast=0.8949, target="<= 0.90x autocast", met=True),
+        dict(benchmark="train step (AdamW)", model="GPT d768 h12 L2 vocab8192 b2 s128", variant="compile(fxamp O2)",
+             vs_autocast=1.2, target="<= 1.00x compile(autocast)", met=False, note="cold compile 1 s; 1.04x compile(autocast)"),
+        dict(benchmark="train step", model="linear-chain 200x16, b4", variant="fxamp O2", vs_autocast=0.71,
+             vs_fp32=1.12, target="<= 0.75x autocast, <= 1.10x fp32", met=False),
+        dict(benchmark="train step", model="linear-chain 200x16, b4", variant="fp32"),  # no target: no row
+        dict(benchmark="train step (AdamW)", model="GPT d768 h12 L2 vocab8192 b2 s128", variant="pure bf16",
+             vs_autocast=0.861),  # the no-cast limit, shown beside the targets against autocast
+    ], cpu_flags={"amx_bf16": True})
+    gpu = _saved("NVIDIA H100 80GB HBM3", "bbb2222", [
+        dict(benchmark="train step (AdamW)", model="GPT d768 h12 L12 vocab50257 b8 s1024", variant="fxamp O2",
+             vs_autocast=0.93, target="<= 0.95x autocast", met=True),
+        dict(benchmark="train step (AdamW)", model="GPT d768 h12 L12 vocab50257 b8 s1024", variant="fxamp O1",
+             vs_autocast=1.01, target="<= 1.00x autocast", met=False),
+    ])
+    paths = []
+    for i, saved in enumerate((cpu, gpu)):
+        paths.append(str(tmp_path / f"r{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(saved, f)
+    assert run.main(["--targets", *paths]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    header, body = rows[0], rows[1:]
+    assert header[3] == "Intel Xeon (2 cores) AMX, bfloat16, aaa1111 (1 met, 2 missed)"
+    assert header[4] == "NVIDIA H100 80GB HBM3, bfloat16, bbb2222 (1 met, 1 missed)"
+    by_key = {tuple(r[:3]): r[3:] for r in body}
+    assert by_key[("train step (AdamW)", "GPT", "fxamp O2")] == \
+        ["0.89x (pure 0.86x) yes", "0.93x yes", "<= 0.90x autocast / <= 0.95x autocast"]
+    assert by_key[("train step (AdamW)", "GPT", "compile(fxamp O2)")][:2] == ["1.04x NO", ""]
+    assert by_key[("train step (AdamW)", "GPT", "fxamp O1")][:2] == ["", "1.01x NO"]
+    assert by_key[("train step", "linear-chain 200x16", "fxamp O2")][0] == "0.71x, 1.12x NO"
+    assert len(body) == 4  # the fp32 row has no target
+    # the GPU-only O1 row sits with the other GPT training rows, not after other benchmarks
+    assert [r[:3] for r in body].index(["train step (AdamW)", "GPT", "fxamp O1"]) < \
+        [r[:3] for r in body].index(["train step", "linear-chain 200x16", "fxamp O2"])
+
+
+def test_targets_of_a_file_that_is_not_a_results_file_fails_cleanly(tmp_path, capsys):
+    from benchmarks import run
+
+    bad = tmp_path / "notes.json"
+    bad.write_text("[1, 2]")
+    assert run.main(["--targets", str(tmp_path / "missing.json")]) == 2
+    assert run.main(["--targets", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") and "not a results file" in line for line in err)
