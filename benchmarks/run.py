@@ -7,8 +7,9 @@ around each timed block on CUDA).  Ratios are against float32 eager (``vs_fp32``
 
 Benchmarks (``--only`` picks some):
 
-  train      forward + backward + optimizer step: fp32, autocast (+GradScaler for float16),
-             fxamp O1, fxamp O2 + MixedPrecisionOptimizer
+  train      forward + backward + optimizer step: fp32, autocast (+GradScaler for float16), pure
+             low precision (``model.to(dtype)``: the no-cast limit, ``vs_limit``), fxamp O1,
+             fxamp O2 + MixedPrecisionOptimizer
   inference  eval() + no_grad forward, same variants; also checks O1 never serves a stale weight
   memory     bytes saved for backward (saved_tensors_hooks, unique storages): activations only
              (the figure; targets use it), and everything saved incl. parameters and their cast
@@ -386,24 +387,59 @@ def _forwards(build: Callable[[], nn.Module], s: Settings, train: bool,
             O2: lambda x: g2(x).float(), "_models": (m0, m1, g1, g2)}
 
 
+def _pure(s: Settings) -> str:
+    """The no-cast limit's row name: "pure bf16" or "pure fp16" (as in the real-size suite)."""
+    return "pure fp16" if s.fp16 else "pure bf16"
+
+
+def _pure_model(build: Callable[[], nn.Module], s: Settings, train: bool) -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights as every other variant
+    return build().to(s.device).train(train).to(s.dtype)
+
+
+def _pure_step(build: Callable[[], nn.Module], x: torch.Tensor, s: Settings) -> Callable[[], None]:
+    """The no-cast limit: ``model.to(dtype)``, stepped by the same plain optimizer on its low-precision
+    parameters (no loss scaling, no master weights): what the target rows cannot beat by placing casts."""
+    m = _pure_model(build, s, train=True)
+    opt = _sgd(m.parameters())
+    xl = x.to(s.dtype)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        _loss(m(xl)).backward()
+        opt.step()
+
+    return step
+
+
+def _with_limit(recs: Dict[str, Record], pure: str) -> None:
+    """Fill every row's ``vs_limit``: its ratio to the pure low-precision row measured in the same rounds."""
+    for r in recs.values():
+        r.vs_limit = _ratio(r.median, recs[pure].median)
+
+
 # --------------------------------------------------------------------------------------------
 # 1. training step overhead
 
 
 def bench_train(s: Settings) -> List[Record]:
     records = []
+    pure = _pure(s)
     for name, build, make_x in _models(s):
         x = make_x()
         steps, notes = _train_steps(build, x, s)
+        steps[pure] = _pure_step(build, x, s)
+        notes[pure] = f"model.to({_short(s.dtype)}), plain SGD"
         inner = 1 if s.tiny else (5 if "chain" in name else 3)
         times = _interleaved(steps, s, inner=inner)
         recs = _timing_records("train step", name, times, 1e3, "ms", notes)
         for v in (O1, O2):
             if v not in recs:
                 recs[v] = Record("train step", name, v, None, "ms", note=notes.get(v, ""))
+        _with_limit(recs, pure)
         _check(recs[O1], vs_autocast=1.0)
         _check(recs[O2], vs_autocast=0.75, vs_fp32=1.10)
-        records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
+        records += [recs[k] for k in (FP32, AUTOCAST, pure, O1, O2)]
     return records
 
 
@@ -426,6 +462,7 @@ def _stale_check(g1: nn.Module, build: Callable[[], nn.Module], x: torch.Tensor,
 
 def bench_inference(s: Settings) -> List[Record]:
     records = []
+    pure = _pure(s)
     for name, build, make_x in _models(s):
         x = make_x()
         fwd = _forwards(build, s, train=False)
@@ -437,16 +474,20 @@ def bench_inference(s: Settings) -> List[Record]:
                     f(x)
             return call
 
+        pure_model = _pure_model(build, s, train=False)
+        fwd[pure] = lambda x, m=pure_model: m(x.to(s.dtype)).float()
         inner = 1 if s.tiny else (10 if "chain" in name else 5)
         times = _interleaved({k: run(f) for k, f in fwd.items()}, s, inner=inner)
         fresh = _stale_check(models[2], build, x, s)
-        notes = {O1: "fresh after in-place update" if fresh else "STALE weight served"}
+        notes = {O1: "fresh after in-place update" if fresh else "STALE weight served",
+                 pure: f"model.to({_short(s.dtype)})"}
         recs = _timing_records("inference", name, times, 1e3, "ms", notes)
+        _with_limit(recs, pure)
         _check(recs[O1], vs_autocast=0.6)
         if not fresh:
             recs[O1].met = False
         recs[O1].extra["fresh_after_update"] = fresh
-        records += [recs[k] for k in (FP32, AUTOCAST, O1, O2)]
+        records += [recs[k] for k in (FP32, AUTOCAST, pure, O1, O2)]
     return records
 
 

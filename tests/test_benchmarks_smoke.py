@@ -39,7 +39,13 @@ def test_quick_tiny_writes_table_and_json(tmp_path):
         assert KEYS <= set(r), r
         assert r["median"] is None or r["median"] >= 0, r
     variants = {r["variant"] for r in records if r["benchmark"] == "train step"}
-    assert variants == {"fp32", "autocast", "fxamp O1", "fxamp O2"}
+    assert variants == {"fp32", "autocast", "pure bf16", "fxamp O1", "fxamp O2"}
+    # the small suite has the no-cast limit too: every train and inference row is measured against it
+    for r in records:
+        if r["benchmark"] in ("train step", "inference"):
+            assert r["vs_limit"] == pytest.approx(
+                r["median"] / next(p["median"] for p in records if p["benchmark"] == r["benchmark"]
+                                   and p["model"] == r["model"] and p["variant"] == "pure bf16")), r
     # every timed variant ran (the optimizer wrapper is available), and O1 never served a stale weight
     assert all(r["median"] is not None for r in records if r["benchmark"] == "train step")
     assert all(r["fresh_after_update"] for r in records if r["benchmark"] == "inference" and r["variant"] == "fxamp O1")
