@@ -387,11 +387,6 @@ def _forwards(build: Callable[[], nn.Module], s: Settings, train: bool,
             O2: lambda x: g2(x).float(), "_models": (m0, m1, g1, g2)}
 
 
-def _pure(s: Settings) -> str:
-    """The no-cast limit's row name: "pure bf16" or "pure fp16" (as in the real-size suite)."""
-    return "pure fp16" if s.fp16 else "pure bf16"
-
-
 def _pure_model(build: Callable[[], nn.Module], s: Settings, train: bool) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights as every other variant
     return build().to(s.device).train(train).to(s.dtype)
@@ -424,7 +419,9 @@ def _with_limit(recs: Dict[str, Record], pure: str) -> None:
 
 def bench_train(s: Settings) -> List[Record]:
     records = []
-    pure = _pure(s)
+    from benchmarks import real as R
+
+    pure = R.limit_name(s.dtype)  # the real-size suite's name for the no-cast limit
     for name, build, make_x in _models(s):
         x = make_x()
         steps, notes = _train_steps(build, x, s)
@@ -462,7 +459,9 @@ def _stale_check(g1: nn.Module, build: Callable[[], nn.Module], x: torch.Tensor,
 
 def bench_inference(s: Settings) -> List[Record]:
     records = []
-    pure = _pure(s)
+    from benchmarks import real as R
+
+    pure = R.limit_name(s.dtype)  # the real-size suite's name for the no-cast limit
     for name, build, make_x in _models(s):
         x = make_x()
         fwd = _forwards(build, s, train=False)
@@ -1000,14 +999,11 @@ def _judged(r: Record, pure: Optional[Record] = None) -> str:
     and, for a target against autocast, what ``pure`` (the no-cast limit of the same run) scores on it."""
     values = []
     for _, _, key in _CLAUSE.findall(r.target):
-        if key == "compile(autocast)":  # (kept in the note: vs_autocast is against eager autocast)
-            m = re.search(r"([\d.]+)x compile\(autocast\)", r.note)
-            values.append(f"{m.group(1)}x" if m else "?")
-        else:
-            v = getattr(r, f"vs_{key}")
-            values.append("?" if v is None else f"{v:.2f}x")
-            if key == "autocast" and pure is not None and pure.vs_autocast is not None:
-                values[-1] += f" (pure {pure.vs_autocast:.2f}x)"
+        # (against compiled autocast: its own field, as vs_autocast is against eager autocast)
+        v = r.extra.get("vs_compile_autocast") if key == "compile(autocast)" else getattr(r, f"vs_{key}")
+        values.append("?" if v is None else f"{v:.2f}x")
+        if key == "autocast" and pure is not None and pure.vs_autocast is not None:
+            values[-1] += f" (pure {pure.vs_autocast:.2f}x)"
     return ", ".join(values)
 
 
