@@ -1,6 +1,6 @@
 """Where ``compile_step`` starts to pay: ``python -m benchmarks.fused_crossover [--device cuda]``.
 
-The measurement behind ``fxamp.fused_step.FUSED_MIN_TOTAL``: for AdamW and SGD (momentum), masters of
+The measurement behind ``fxamp.training.kernels.FUSED_MIN_TOTAL``: for AdamW and SGD (momentum), masters of
 growing total size (low-precision parameters with gradients set, no model), the wrapper's step
 with the compiled kernels against its plain step, both forced (the threshold is lifted for the
 compiled side), medians of interleaved rounds.  A ratio under 1.00 means the kernels pay at that
@@ -22,7 +22,7 @@ from tabulate import tabulate
 import fxamp
 from benchmarks.real import cpu_flags
 from benchmarks.run import _cpu_name
-from fxamp import fused_step
+from fxamp.training import kernels as fused_step
 
 #: (masters, elements each): 0.5 M to 16 M elements in all
 SIZES: Tuple[Tuple[int, int], ...] = ((4, 4096), (16, 4096), (4, 32768), (16, 32768), (8, 131072), (16, 131072),

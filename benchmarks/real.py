@@ -11,7 +11,7 @@ For each model: a training step (AdamW) and an inference forward, in these varia
   fxamp O2        ``fxamp.convert(m, "O2")`` + ``fxamp.MixedPrecisionOptimizer`` (float32 masters)
   fxamp O2 (compiled step)  the same with ``compile_step=True`` (training rows only: the masters are
                   stepped by one compiled kernel that reads the bfloat16 gradient and writes the
-                  bfloat16 weight, :mod:`fxamp.fused_step`)
+                  bfloat16 weight, :mod:`fxamp.training.kernels`)
   compile(...)    ``torch.compile`` of the autocast model and of the O2 module (``--compile`` only;
                   training rows of the decoder and the ResNet: a cold compile takes a minute here);
                   the O2 one steps with ``compile_step=True`` (who compiles the model compiles the

@@ -5,18 +5,18 @@ conditional / unsafe), and returns a ``GraphModule`` with explicit casts: no aut
 patched.
 """
 
-from .classify import classify
-from .graph import Decision
-from .convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
-from .debug import OverflowInfo, overflow_info
+from .conversion.classify import classify
+from .conversion.graph import Decision
+from .conversion.convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
+from .conversion.debug import OverflowInfo, overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
-from .lazy import LazyConverted
-from .loss_scale import LossScaleConfig, LossScaler, ScaleKind
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
+from .conversion.lazy import LazyConverted
+from .training.loss_scale import LossScaleConfig, LossScaler, ScaleKind
+from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .api import initialize
-from .optim import MixedPrecisionOptimizer
+from .training.optimizer import MixedPrecisionOptimizer
 from .policy import Policy
-from .report import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
+from .reporting import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
 __version__ = "0.1.0"
 

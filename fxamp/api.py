@@ -1,7 +1,7 @@
 """``initialize()``: convert a model and wrap its optimizer in one call, as ``apex.amp.initialize`` did.
 
 The one module that knows both halves: :mod:`fxamp.convert` (the graph rewrite) and
-:mod:`fxamp.optim` (the training wrapper), which do not import each other.
+:mod:`fxamp.training.optimizer` (the training wrapper), which do not import each other.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from .convert import convert, policy_of
-from .optim import LOW_DTYPES, LossScaleArg, MixedPrecisionOptimizer, check_optimizer
+from .conversion.convert import convert, policy_of
+from .training.optimizer import LossScaleArg, MixedPrecisionOptimizer, check_optimizer
+from .dtypes import LOW
 from .policy import Policy
 
 __all__ = ["initialize"]
@@ -58,7 +59,7 @@ def initialize(
                     f"parameter of the model; build the optimizer on model.parameters(), or convert the "
                     f"model yourself and wrap an optimizer built on the converted module's parameters"
                 )
-            if p.dtype in LOW_DTYPES:
+            if p.dtype in LOW:
                 raise ValueError(
                     f"the optimizer's parameter {name_of[id(p)]!r} is already {p.dtype}; initialize() expects "
                     f"the float32 model (call model.float() first) or use MixedPrecisionOptimizer directly"
@@ -77,7 +78,7 @@ def initialize(
                 continue  # shared (O0/O1), or unused by the traced graph
             if c.shape != p.shape:  # pragma: no cover - convert keeps shapes
                 raise ValueError(f"{name_of[id(p)]!r} changed shape in conversion: {tuple(p.shape)} -> {tuple(c.shape)}")
-            if c.dtype in LOW_DTYPES:
+            if c.dtype in LOW:
                 pairs.append((p, c))
             else:  # a float32 copy (norms under O2): share the original's, as O1 does
                 for alias in conv_named[id(c)]:  # type: ignore[index]

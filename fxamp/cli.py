@@ -221,7 +221,7 @@ def _report(args: argparse.Namespace) -> int:
     import torch
 
     from .policy import resolve_policy
-    from .report import report
+    from .reporting import report
 
     # validate everything on the command line before loading the model
     positional, named = parse_inputs(args.input)
@@ -287,7 +287,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _load_overrides(path: Optional[str]) -> dict:
-    from .report import load_overrides
+    from .reporting import load_overrides
 
     if path is None:
         return {}
@@ -306,7 +306,7 @@ def _tune(args: argparse.Namespace) -> int:
     import torch
 
     from .policy import resolve_policy
-    from .report import autotune, save_overrides
+    from .reporting import autotune, save_overrides
 
     shapes = [parse_input(text) for text in args.input]
     if not shapes:
@@ -345,9 +345,9 @@ def _tune(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .convert import conversion_info, convert
+    from .conversion.convert import conversion_info, convert
     from .errors import TraceError
-    from .lazy import LazyConverted
+    from .conversion.lazy import LazyConverted
     from .policy import resolve_policy
 
     positional, named = parse_inputs(args.input)
@@ -440,7 +440,7 @@ def _write(text: str, path: Optional[str]) -> None:
 
 
 def _parse_only(text: Optional[str]) -> Tuple[str, ...]:
-    from .op_lists import Category
+    from .conversion.op_lists import Category
 
     if text is None:
         return ()

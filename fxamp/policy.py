@@ -15,45 +15,12 @@ from typing import Optional, Union
 
 import torch
 
-from .dtypes import LOW
+from .dtypes import CASTABLE, LOW, dtype_name, parse_dtype
 
 __all__ = ["Policy", "PRESETS", "resolve_policy", "parse_dtype"]
 
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-_VALID = (torch.float32, torch.float16, torch.bfloat16)
 _KEYS = ("params", "compute", "unsafe", "norms", "output")
 PRESETS = ("O0", "O1", "O2", "O3")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(value: Union[str, torch.dtype], *, what: str = "dtype") -> torch.dtype:
-    """Turn ``torch.float16`` or one of its names (``"float16"``, ``"fp16"``, ``"half"``…) into a dtype."""
-    if isinstance(value, torch.dtype):
-        if value not in _VALID:
-            raise ValueError(
-                f"{what}={value} is not supported; use one of float32, float16, bfloat16"
-            )
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-    raise ValueError(
-        f"{what}={value!r} is not a dtype fxamp understands; "
-        f"use a torch dtype or one of {sorted(_DTYPE_NAMES)}"
-    )
 
 
 @dataclass(frozen=True)
@@ -89,7 +56,7 @@ class Policy:
         if self.compute == torch.float32 and lows:
             raise ValueError(
                 f"policy {self} has compute=float32 but stores or runs something in "
-                f"{_name(lows.pop())}; with compute=float32 every other dtype must be float32 too"
+                f"{dtype_name(lows.pop())}; with compute=float32 every other dtype must be float32 too"
             )
         if self.output is not None and self.output == torch.float64:  # pragma: no cover
             raise ValueError("output=float64 is not supported")
@@ -105,7 +72,7 @@ class Policy:
         """
         low = parse_dtype(dtype)
         if low not in LOW:
-            raise ValueError(f"dtype={_name(low)} is not a low-precision dtype; use float16 or bfloat16")
+            raise ValueError(f"dtype={dtype_name(low)} is not a low-precision dtype; use float16 or bfloat16")
         name = name.strip().upper() if isinstance(name, str) else name
         f32 = torch.float32
         if name == "O0":
@@ -142,7 +109,7 @@ class Policy:
         return cls(**fields)
 
     def __str__(self) -> str:
-        parts = [f"{k}={_name(getattr(self, k)) if getattr(self, k) is not None else 'keep'}" for k in _KEYS]
+        parts = [f"{k}={dtype_name(getattr(self, k)) if getattr(self, k) is not None else 'keep'}" for k in _KEYS]
         return ",".join(parts)
 
     # -- derived ------------------------------------------------------------------------------
@@ -168,7 +135,7 @@ def resolve_policy(
     if isinstance(policy, Policy):
         if dtype is not None and parse_dtype(dtype) != policy.compute and policy.enabled:
             raise ValueError(
-                f"dtype={dtype} contradicts the policy's compute={_name(policy.compute)}; pass one or the other"
+                f"dtype={dtype} contradicts the policy's compute={dtype_name(policy.compute)}; pass one or the other"
             )
         return policy
     if not isinstance(policy, str):
@@ -178,7 +145,7 @@ def resolve_policy(
             raise ValueError("keep_norms_fp32 applies to the preset O3; in a policy string say norms=float32")
         parsed = Policy.parse(policy)
         if dtype is not None and parse_dtype(dtype) != parsed.compute:
-            raise ValueError(f"dtype={dtype} contradicts compute={_name(parsed.compute)} in {policy!r}")
+            raise ValueError(f"dtype={dtype} contradicts compute={dtype_name(parsed.compute)} in {policy!r}")
         return parsed
     if keep_norms_fp32 and policy.strip().upper() != "O3":
         raise ValueError(f"keep_norms_fp32 only applies to O3 (O1 and O2 always keep norms in float32), not {policy!r}")

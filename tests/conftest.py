@@ -24,7 +24,7 @@ def fused_at_any_size(monkeypatch):
     """compile_step's kernels step these small test models: a real model's step uses them only when its
     masters hold ``fused_step.FUSED_MIN_TOTAL`` elements (millions), so that threshold goes to 0; the
     per-master one, ``FUSED_MIN_NUMEL``, is each test's to set."""
-    from fxamp import fused_step
+    from fxamp.training import kernels as fused_step
 
     monkeypatch.setattr(fused_step, "FUSED_MIN_TOTAL", dict.fromkeys(fused_step.FUSED_MIN_TOTAL, 0))
 
@@ -34,6 +34,6 @@ def small_chunks(monkeypatch):
     """compile_step's kernels step 4 masters a call, not 16: the graph is the same loop, and a cold
     compile of 4 loops takes a fraction of 16's (CI's fresh virtual environment has no inductor
     cache: every kernel compiles there).  The test of the chunks keeps the real size."""
-    from fxamp import fused_step
+    from fxamp.training import kernels as fused_step
 
     monkeypatch.setattr(fused_step, "CHUNK", 4)

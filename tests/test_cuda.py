@@ -200,7 +200,7 @@ def test_the_host_never_waits_for_a_step(dtype, width):
             result = opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert isinstance(result, fxamp.optim.StepResult)
+        assert isinstance(result, fxamp.training.optimizer.StepResult)
         if i == 1:
             weights = [p.detach().clone() for p in model.parameters()]
             state = copy.deepcopy(opt.optimizer.state_dict()["state"])

@@ -16,29 +16,35 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fxamp"
 
-#: lower numbers are lower stages; a module may import only modules of its own stage or lower
+#: lower numbers are lower stages; a module may import only modules of its own stage or lower.
+#: The top level holds the vocabulary both wings share; each wing has its own order inside.
 STAGES: Dict[str, int] = {
-    "errors": 0, "op_lists": 0,
-    "graph": 1,
-    "dtypes": 2,
-    "policy": 3, "runtime": 3,
-    "info": 4, "loss_scale": 4, "distributed": 4, "segmented_step": 4, "packed_step": 4,
-    "fused_step": 4,
-    "capture": 5,  # and every capture.* module
-    "optim": 5,
-    "classify": 6,
-    "rewrite": 7, "attention": 7,
-    "debug": 7,  # an opt-in rewrite pass
-    "pipeline": 8, "lazy": 8,
-    "convert": 9,
+    "errors": 0, "dtypes": 0,
+    "policy": 1,
+    "info": 2,  # ConversionInfo: what conversion leaves on a module and training reads
+    # the conversion wing, top to bottom
+    "conversion": 3, "conversion.op_lists": 3,
+    "conversion.graph": 4,
+    "conversion.inference": 5, "conversion.runtime": 5,
+    "conversion.capture": 6,  # and every conversion.capture.* module
+    "conversion.classify": 7,
+    "conversion.rewrite": 8, "conversion.attention": 8, "conversion.debug": 8,
+    "conversion.pipeline": 9, "conversion.lazy": 9,
+    "conversion.convert": 10,
+    # the training wing
+    "training": 3, "training.distributed": 3, "training.loss_scale": 3,
+    "training.step": 4, "training.packed_step": 4,
+    "training.kernels": 5,
+    "training.optimizer": 6,
 }
-TOP = 10  # api, report, integrations and other features built on the pipeline
-ENTRY = {"__init__": 12, "__main__": 12, "cli": 11}
+WINGS = ("conversion", "training")
+TOP = 11  # reporting/, integrations/, api and other features built on both wings
+ENTRY = {"__init__": 14, "__main__": 14, "cli": 13, "lightning": 13, "api": 12}
 
 
 def _stage(module: str) -> int:
-    if module.startswith("capture."):
-        return STAGES["capture"]
+    if module.startswith("conversion.capture."):
+        return STAGES["conversion.capture"]
     return ENTRY.get(module, STAGES.get(module, TOP))
 
 
@@ -111,9 +117,11 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 def test_the_import_reader_sees_function_level_and_relative_imports():
     graph = _imports()
-    assert "graph" in graph["classify"] and "dtypes" in graph["classify"]
-    assert "capture" in graph["convert"]
-    assert {"capture.fx", "capture.export", "capture.modes"} <= graph["capture"]
+    assert "conversion.graph" in graph["conversion.classify"] and "dtypes" in graph["conversion.classify"]
+    assert "conversion.capture" in graph["conversion.convert"]
+    assert {"conversion.capture.fx", "conversion.capture.export", "conversion.capture.modes"} <= \
+        graph["conversion.capture"]
+    assert "training.loss_scale" in graph["training.optimizer"]
 
 
 def test_no_import_cycles():
@@ -124,26 +132,62 @@ def test_no_import_cycles():
 def test_no_import_points_up_the_pipeline():
     upward = [f"{m} (stage {_stage(m)}) imports {n} (stage {_stage(n)})"
               for m, targets in _imports().items() for n in sorted(targets)
-              if _stage(n) > _stage(m) and not (m == "capture" and n.startswith("capture."))]
+              if _stage(n) > _stage(m)
+              and not (m == "conversion.capture" and n.startswith("conversion.capture."))]
     assert not upward, "imports against the pipeline's direction:\n" + "\n".join(upward)
 
 
-def test_training_half_does_not_import_the_conversion_half():
+def _wing(module: str) -> str:
+    return module.split(".")[0]
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_a_wing_imports_only_itself_and_the_shared_top_level(wing):
+    """Conversion never imports training and vice versa; only the entry points join them."""
+    shared = {m for m in STAGES if "." not in m and m not in WINGS}
+    crossing = [f"{m} imports {n}" for m, targets in _imports().items() if _wing(m) == wing
+                for n in sorted(targets) if _wing(n) != wing and n not in shared]
+    assert not crossing, f"the {wing} wing reaches outside itself:\n" + "\n".join(crossing)
+
+
+def test_the_shared_top_level_imports_no_wing():
     graph = _imports()
-    for module in ("optim", "segmented_step", "packed_step", "loss_scale", "distributed"):
-        reach, todo = set(), [module]
-        while todo:
-            for n in graph[todo.pop()]:
-                if n not in reach:
-                    reach.add(n)
-                    todo.append(n)
-        assert not reach & {"convert", "classify", "rewrite", "capture"}, (module, sorted(reach))
+    for module in (m for m in STAGES if "." not in m and m not in WINGS):
+        assert not {_wing(n) for n in graph[module]} & {*WINGS, "reporting", "integrations"}, (module, graph[module])
 
 
-@pytest.mark.parametrize("module", ["capture.fx", "capture.export", "capture.modes", "capture.common"])
+def test_the_top_level_is_small():
+    """The top level shows the wings; at most ten modules beside them."""
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 10, top
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == \
+        {"conversion", "training", "reporting", "integrations"}
+
+
+def test_every_module_is_listed_in_a_stage_or_is_a_top_feature():
+    unknown = [m for m in _imports() if _stage(m) == TOP and _wing(m) not in ("reporting", "integrations")]
+    assert not unknown, f"modules with no stage in STAGES: {unknown}"
+
+
+def test_every_module_imports_by_its_dotted_name():
+    """No function shadows a module: ``import fxamp.reporting.build`` works for every module."""
+    import importlib
+
+    for module in sorted(_imports()):
+        name = "fxamp" if module == "__init__" else f"fxamp.{module}"
+        if module in ("integrations.lightning", "lightning"):
+            pytest.importorskip("lightning")
+        if module == "integrations.hf":
+            pytest.importorskip("transformers")
+        imported = importlib.import_module(name)
+        assert imported.__name__ == name, (module, imported)
+
+
+@pytest.mark.parametrize("module", ["conversion.capture.fx", "conversion.capture.export",
+                                    "conversion.capture.modes", "conversion.capture.common"])
 def test_nothing_outside_capture_imports_its_private_names(module):
     for path in PACKAGE.rglob("*.py"):
-        if _module_name(path).startswith("capture"):
+        if _module_name(path).startswith("conversion.capture"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith(module.split(".")[-1]):

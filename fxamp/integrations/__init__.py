@@ -16,6 +16,8 @@ from typing import Any, Union
 
 import torch
 
+from ..dtypes import LOW, parse_dtype
+
 __all__ = ["resolve_dtype"]
 
 
@@ -25,19 +27,17 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-_DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-    "16": torch.float16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "16-mixed": torch.float16, "16-true": torch.float16,
-}
+#: Lightning's precision strings, beside the dtype names of ``fxamp.dtypes.NAMES``
+_PRECISIONS = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "16": "float16", "16-mixed": "float16",
+               "16-true": "float16"}
 
 
 def resolve_dtype(dtype: Union[str, int, torch.dtype]) -> torch.dtype:
     """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` or ``"16"``/``16``/``"fp16"``/``torch.float16`` → the torch dtype."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return dtype  # type: ignore[return-value]
-    key = str(dtype).lower()
-    if key in _DTYPES:
-        return _DTYPES[key]
+    key = dtype if isinstance(dtype, torch.dtype) else _PRECISIONS.get(str(dtype).lower(), str(dtype))
+    try:
+        return parse_dtype(key, allowed=LOW)
+    except ValueError:
+        pass
     raise ValueError(f"dtype={dtype!r} is not a low-precision dtype fxamp trains in; use 'bf16' (bfloat16) "
                      f"or '16' (float16, with dynamic loss scaling)")

@@ -1,0 +1,91 @@
+"""Capture: turn an ``nn.Module`` into a ``torch.fx.GraphModule`` the later stages can classify.
+
+:func:`capture` is the only entry point.  It picks a front end (``fx.py``: ``torch.fx`` symbolic
+tracing, no inputs needed; ``export.py``: ``torch.export``, from example inputs), captures in
+both training and eval mode (``modes.py``), has the front end give the graph the original's module
+tree and names, and makes the mode flags the capture baked in switchable again::
+
+    capture(model)
+      ├─ front end: FxFrontEnd, or ExportFrontEnd (forced, or when fx fails and inputs were given)
+      ├─ modes.capture_in_both_modes(model, front.trace)    # two graphs, keep one, notes
+      ├─ front.adopt(gm)                                     # original module tree, names
+      ├─ modes.make_modes_switchable(gm, mode)               # dropout / batch-norm flags
+      └─ front.finish(gm)                                    # front-end fix-ups, notes
+
+Both front ends return a graph whose module tree, parameters and buffers are the original
+model's, under the same names, so ``state_dict`` keys never change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch.nn as nn
+
+from ...errors import TraceError
+from ...info import conversion_info
+from .common import Captured, FrontEnd, LeafSpec
+from .export import ExportFrontEnd
+from .fx import FxFrontEnd
+from .modes import capture_in_both_modes, make_modes_switchable, training_mode
+
+__all__ = ["Captured", "LeafSpec", "capture", "training_mode"]
+
+FRONTENDS = ("auto", "fx", "export")
+
+
+def capture(
+    model: nn.Module,
+    *,
+    frontend: str = "auto",
+    leaf_modules: Sequence[LeafSpec] = (),
+    example_inputs: Optional[Tuple[Any, ...]] = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    dynamic: Union[bool, str] = True,
+    dynamic_shapes: Any = None,
+    fx_error: Optional[TraceError] = None,
+) -> Captured:
+    """Capture ``model`` as a graph.
+
+    frontend: ``"fx"`` (symbolic tracing, no inputs needed), ``"export"`` (``torch.export``, needs
+    example inputs) or ``"auto"``: fx first, export when fx fails and example inputs were given.
+    fx_error: with ``"export"``: torch.fx's error when the caller already knows it fails (fxamp's
+    lazily capturing module); notes and errors then read as for ``"auto"``'s fallback.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend={frontend!r} is not one of {', '.join(map(repr, FRONTENDS))}")
+    if conversion_info(model) is not None:
+        raise ValueError("this module was already converted by fxamp; convert the original model instead")
+    has_inputs = example_inputs is not None or example_kwargs is not None
+
+    def export(fallback_from: Optional[TraceError]) -> Captured:
+        return _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
+                                          dynamic_shapes=dynamic_shapes,
+                                          leaf_modules=leaf_modules, fallback_from=fallback_from))
+
+    if frontend == "export":
+        return export(fx_error)
+    try:
+        return _run(model, FxFrontEnd(model, leaf_modules))
+    except TraceError as e:
+        if frontend == "auto" and has_inputs:
+            return export(e)
+        raise
+
+
+def _run(model: nn.Module, front: FrontEnd) -> Captured:
+    try:
+        gm, mode, mode_notes = capture_in_both_modes(model, front.trace)
+    except TraceError:
+        raise
+    except Exception as e:  # torch.export raises many types; all mean "could not capture"
+        raise front.error(e) from e
+    only_mode = mode if mode_notes else None  # notes from capture_in_both_modes: the modes' graphs differ
+    front.adopt(gm)
+    mode_notes += make_modes_switchable(gm, mode)
+    finish_notes = front.finish(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode)

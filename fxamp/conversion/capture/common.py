@@ -1,0 +1,80 @@
+"""What the front ends share: the :class:`Captured` result, the :class:`FrontEnd` protocol, and
+finding the user's line in a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import List, Optional, Protocol, Type, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ...errors import TraceError
+
+__all__ = ["Captured", "FrontEnd", "LeafSpec", "user_frame", "warn"]
+
+LeafSpec = Union[str, Type[nn.Module]]
+
+_FXAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass
+class Captured:
+    """A captured graph and how it was captured."""
+
+    graph_module: fx.GraphModule
+    frontend: str  # "fx" or "export"
+    notes: List[str] = field(default_factory=list)  # what the front end decided, for the report
+    only_mode: Optional[bool] = None  # the training mode the graph is right in when the modes differ; None: both
+
+
+class FrontEnd(Protocol):
+    """One way of turning a module into a graph; ``fxamp.conversion.capture.capture`` drives it.
+
+    The driver calls ``trace`` once per mode (``capture.modes.capture_in_both_modes``), turns any
+    exception other than a ``TraceError`` into one with ``error``, then ``adopt`` (give the graph
+    the original's module tree and names), makes the baked mode flags switchable, and ``finish``
+    (the front end's last fix-ups; returns its notes).
+    """
+
+    name: str
+
+    def lead_notes(self) -> List[str]: ...
+
+    def trace(self) -> fx.GraphModule: ...
+
+    def error(self, e: BaseException) -> TraceError: ...
+
+    def adopt(self, gm: fx.GraphModule) -> None: ...
+
+    def finish(self, gm: fx.GraphModule) -> List[str]: ...
+
+
+def user_frame(e: BaseException, skip_torch_fx_only: bool = False) -> Optional[traceback.FrameSummary]:
+    """The innermost traceback frame outside torch and fxamp (the user's line), or None.
+
+    ``skip_torch_fx_only``: fall back to the innermost frame outside torch.fx and fxamp when no
+    user frame exists (a failure inside torch.nn code is still worth naming).
+    """
+    frames = traceback.extract_tb(e.__traceback__)
+    outside = [f for f in frames if not f.filename.startswith((os.path.join(_TORCH_DIR, "fx"), _FXAMP_DIR))]
+    user = [f for f in outside if not f.filename.startswith(_TORCH_DIR)]
+    if user:
+        return user[-1]
+    if skip_torch_fx_only:
+        return (outside or frames or [None])[-1]
+    return None
+
+
+def warn(message: str) -> None:
+    """``warnings.warn`` pointing at the user's call (the first frame outside fxamp), prefixed ``fxamp:``."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FXAMP_DIR):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"fxamp: {message}", stacklevel=level)

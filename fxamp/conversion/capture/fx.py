@@ -1,0 +1,222 @@
+"""The ``torch.fx`` front end: symbolic tracing, no example inputs needed.
+
+``torch.fx.symbolic_trace`` runs with torch.nn modules as leaves; then the simple leaf modules
+(Linear, ConvNd, PReLU, Embedding) are *inlined* into their functional form, so their weights
+become graph values that can be cast once and shared::
+
+    linear = self.fc(x)         ==>     fc_weight = self.fc.weight;  fc_bias = self.fc.bias
+                                        linear = F.linear(x, fc_weight, fc_bias)   # meta[graph.MODULE] = ("fc", nn.Linear)
+
+A tied weight is read under one name (its first), so it is cast once whoever uses it.
+torch.nn's transformers are not leaves: they are traced through their reference path
+(``capture/transformer.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...errors import TraceError
+from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
+from ..runtime import attention, call_module_cast, cast, cast_weights, multi_head_attention
+from .common import LeafSpec, user_frame
+from .constants import fit_fill_values, fit_scalar
+from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
+
+__all__ = ["FxFrontEnd"]
+
+
+class FxFrontEnd:
+    """``torch.fx`` symbolic tracing with ``leaf_modules`` kept opaque (see :class:`~fxamp.conversion.capture.common.FrontEnd`)."""
+
+    name = "fx"
+
+    def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
+        self.model = model
+        self.leaf_types, self.leaf_paths = _split_leaves(model, leaf_modules)
+
+    def lead_notes(self) -> List[str]:
+        return []
+
+    def trace(self) -> fx.GraphModule:
+        model = self.model
+        tracer = _Tracer(self.leaf_types, self.leaf_paths)
+        # Trace a shallow copy: the tracer stores tensor constants as attributes of the root, and
+        # the user's model must not change.
+        root = copy.copy(model)
+        root.__dict__ = dict(model.__dict__)
+        if FORWARDS.get(type(model)) is not None:  # a torch.nn transformer at the root
+            root.__class__ = traced_class(type(model))
+        try:
+            graph = tracer.trace(root)
+        except Exception as e:  # anything torch.fx raises while running forward on proxies
+            raise _trace_error(model, tracer, e) from e
+        for node in graph.nodes:
+            if isinstance(node.type, str):
+                # a postponed annotation (``from __future__ import annotations``, or fxamp's own
+                # forward): the generated code would hold the string as a global, which pickling
+                # (torch.save of the converted module) cannot import; annotations change nothing else
+                node.type = None
+        return fx.GraphModule(root, graph, class_name=type(model).__name__)
+
+    def error(self, e: BaseException) -> TraceError:  # pragma: no cover - trace() raises TraceError itself
+        return TraceError(f"torch.fx could not trace {type(self.model).__name__}: {e}", short=str(e), original=e)
+
+    def adopt(self, gm: fx.GraphModule) -> None:
+        mirror_module_tree(gm, self.model)
+        _canonicalize_get_attrs(gm, self.model)
+        _inline_simple_modules(gm)
+
+    def finish(self, gm: fx.GraphModule) -> List[str]:
+        return fit_fill_values(gm)
+
+
+class _Tracer(fx.Tracer):
+    # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
+    # the generated code when it unpickles a GraphModule).
+    def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
+        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, attention, multi_head_attention,
+                                             fit_scalar, canonical_masks, causal_hint, fast_path_padding))
+        self._leaf_types = leaf_types
+        self._leaf_paths = leaf_paths
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
+            return True
+        if type(m) in FORWARDS:  # torch.nn's transformers: traced into (capture/transformer.py)
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        body = FORWARDS.get(type(m))
+        if body is not None:  # their reference path, without the checks that choose the inference fast path
+            forward = functools.partial(body, m)
+        return super().call_module(m, forward, args, kwargs)
+
+
+def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[Tuple[type, ...], Tuple[str, ...]]:
+    types, paths = [], []
+    names = dict(model.named_modules())
+    for leaf in leaf_modules:
+        if isinstance(leaf, type) and issubclass(leaf, nn.Module):
+            types.append(leaf)
+        elif isinstance(leaf, str):
+            if leaf not in names:
+                raise ValueError(
+                    f"leaf_modules: {leaf!r} is not a submodule path of {type(model).__name__}; "
+                    f"some paths it has: {', '.join(list(names)[1:6]) or '(none)'}"
+                )
+            paths.append(leaf)
+        else:
+            raise TypeError(f"leaf_modules takes nn.Module classes or module paths (str), not {leaf!r}")
+    return tuple(types), tuple(paths)
+
+
+def _trace_error(model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:
+    stack = list(getattr(tracer, "module_stack", {}).keys())
+    path = next((p for p in reversed(stack) if p), "")
+    owner = dict(model.named_modules()).get(path, model)
+    where = _user_frame(e)
+    msg_first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    short = f"{type(e).__name__}: {msg_first}"
+    hint_path = repr(path) if path else "a submodule path such as 'encoder'"
+    finfo = ("    torch.finfo(x.dtype) needs a real dtype, which a traced value does not have; with "
+             "example_inputs=(...) torch.export captures it, and fxamp fits the constant to the dtype the op "
+             "runs in.\n" if "finfo" in str(e) else "")
+    text = (
+        f"torch.fx could not trace {type(owner).__name__} "
+        f"(module {('at ' + repr(path)) if path else 'at the root'}){where}:\n"
+        f"    {short}\n{finfo}"
+        f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (it then runs whole, "
+        f"in float32 unless you override its category), convert its submodules separately, or pass "
+        f"example_inputs=(...) so fxamp captures the model with torch.export instead."
+    )
+    return TraceError(text, short=short, module_path=path, original=e)
+
+
+def _user_frame(e: BaseException) -> str:
+    frame = user_frame(e, skip_torch_fx_only=True)
+    if frame is None:
+        return ""
+    code = f": `{frame.line.strip()}`" if frame.line else ""
+    return f", {frame.filename}:{frame.lineno}{code}"
+
+
+def _canonicalize_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Name each tied parameter by one path, so one value is cast once whoever uses it."""
+    canonical = canonical_names(model)
+    for node in gm.graph.find_nodes(op="get_attr"):
+        try:
+            value = fetch_attr(gm, node.target)
+        except AttributeError:
+            continue
+        name = canonical.get(id(value))
+        if name is not None and name != node.target:
+            node.target = name
+    dedupe_get_attrs(gm.graph)
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    g = nn.modules.module
+    return bool(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    )
+
+
+_CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
+           nn.ConvTranspose3d: F.conv_transpose3d}
+
+
+def _functional_form(m: nn.Module, node: fx.Node) -> Optional[Tuple[Any, List[Any], Tuple[Any, ...]]]:
+    """(function, tensor attribute names, extra args) when ``m(x)`` equals ``function(x, *tensors, *extra)``."""
+    kind = type(m)
+    if len(node.args) != 1 or node.kwargs or _has_hooks(m):
+        return None
+    if kind is nn.Linear:
+        return F.linear, ["weight", "bias"], ()
+    if kind in _CONV and m.padding_mode == "zeros":
+        return _CONV[kind], ["weight", "bias"], (m.stride, m.padding, m.dilation, m.groups)
+    if kind in _CONV_T and m.padding_mode == "zeros":
+        return _CONV_T[kind], ["weight", "bias"], (m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+    if kind is nn.PReLU:
+        return F.prelu, ["weight"], ()
+    if kind is nn.Embedding and m.max_norm is None:  # max_norm renormalises the table in place
+        return F.embedding, ["weight"], (m.padding_idx, None, m.norm_type, m.scale_grad_by_freq, m.sparse)
+    return None
+
+
+def _inline_simple_modules(gm: fx.GraphModule) -> None:
+    """Replace ``call_module`` of plain Linear/ConvNd/PReLU/Embedding with the functional call over get_attr weights.
+
+    The weight then is a graph value: cast once per forward however many nodes use it (tied
+    weights included), stored in low precision by O2, and visible in the report.
+    """
+    modules = dict(gm.named_modules())
+    canonical = canonical_names(gm)
+    graph = gm.graph
+    for node in list(graph.find_nodes(op="call_module")):
+        m = modules[node.target]
+        form = _functional_form(m, node)
+        if form is None:
+            continue
+        fn, attrs, extra = form
+        with graph.inserting_before(node):
+            tensors = []
+            for attr in attrs:
+                t = getattr(m, attr)
+                tensors.append(None if t is None else graph.get_attr(canonical.get(id(t), f"{node.target}.{attr}")))
+            new = graph.call_function(fn, (node.args[0], *tensors, *extra))
+        new.meta = dict(node.meta)
+        new.meta[MODULE] = (str(node.target), type(m))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    dedupe_get_attrs(graph)

@@ -1,0 +1,104 @@
+"""``convert()``: trace → classify → rewrite, returning a plain ``GraphModule`` that runs mixed precision."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .capture import LeafSpec, capture
+from .classify import ModuleOverrides, NodeOverrides
+from ..errors import TraceError
+from ..info import ConversionInfo, conversion_info, policy_of
+from .lazy import LazyConverted
+from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
+from .pipeline import rewrite_captured
+from ..policy import Policy, resolve_policy
+from .rewrite import CACHE_NAME
+
+__all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
+
+
+def convert(
+    model: nn.Module,
+    policy: Union[str, Policy] = "O1",
+    *,
+    dtype: Union[str, torch.dtype, None] = None,
+    keep_norms_fp32: bool = False,
+    overrides: Optional[Mapping[OpKey, Union[str, Category, OpEntry]]] = None,
+    module_overrides: Optional[ModuleOverrides] = None,
+    node_overrides: Optional[NodeOverrides] = None,
+    op_lists: Optional[OpLists] = None,
+    leaf_modules: Sequence[LeafSpec] = (),
+    example_inputs: Optional[Tuple[Any, ...]] = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    frontend: str = "auto",
+    dynamic: Union[bool, str] = True,
+    dynamic_shapes: Any = None,
+    weight_cache: bool = True,
+    debug_overflow: Union[bool, str] = False,
+) -> nn.Module:
+    """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
+
+    policy:           ``"O0"``..``"O3"``, a ``"params=...,compute=..."`` string, or a :class:`Policy`.
+    dtype:            the low-precision dtype for a preset (float16 by default, or bfloat16).
+    keep_norms_fp32:  O3 only: keep normalisation layers in float32 (apex's keep_batchnorm_fp32).
+    overrides:        change op categories: ``{torch.exp: "neutral", nn.GELU: "unsafe", "Tensor.sum": ...}``.
+    module_overrides: change every op under a module path: ``{"encoder.layers.3": "unsafe"}``.
+    node_overrides:   change one op, by its node name as ``fxamp.report`` shows it (``{"add_1": "unsafe"}``):
+                      for an op in the model's own ``forward``, which no module path covers alone.
+                      Names belong to one capture: check them in the report of the same front end.
+    op_lists:         replace the default op lists altogether (``overrides`` apply on top).
+    leaf_modules:     module classes or paths that torch.fx must not trace into (a float32 leaf holding
+                      more than 10% of the parameters is noted and warned about).
+    example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
+                      ``frontend="export"``).
+    dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),
+                      ``"all"`` every dim, False none; ``dynamic_shapes`` goes to ``torch.export`` as given.
+    weight_cache:     reuse low-precision weight copies (leaf modules' too) across no-grad calls until a weight changes.
+    debug_overflow:   True: record the first node whose output (forward) or gradient (backward) has
+                      inf/NaN (``fxamp.overflow_info(amp)``); ``"raise"``: raise there.  See ``fxamp.conversion.debug``.
+
+    Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
+    given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
+    ``torch.export`` at its first call and again for each new call signature; its parameters exist
+    at once, in their storage dtypes, so an optimizer can be built before the first call.
+
+    The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
+    O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
+    """
+    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32)
+    lists = op_lists if op_lists is not None else DEFAULT_OP_LISTS
+    if not isinstance(lists, OpLists):
+        raise TypeError(f"op_lists must be an fxamp.OpLists, not {type(lists).__name__}")
+    if overrides:
+        lists = lists.with_overrides(overrides)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
+    has_inputs = example_inputs is not None or example_kwargs is not None
+    changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
+    source = copy.deepcopy(model) if changes_storage else model
+    lazy_options = dict(op_lists=lists, module_overrides=module_overrides, node_overrides=node_overrides,
+                        dynamic=dynamic, weight_cache=weight_cache,
+                        debug_overflow=debug_overflow)
+    if frontend == "export" and not has_inputs:
+        return LazyConverted(source, pol, owns_model=changes_storage, **lazy_options)
+    try:
+        captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
+                           example_kwargs=example_kwargs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    except TraceError as e:
+        if frontend != "auto" or has_inputs or leaf_modules:
+            raise  # export was tried already, or cannot help (leaf_modules)
+        return LazyConverted(source, pol, owns_model=changes_storage, fx_error=e, **lazy_options)
+    return rewrite_captured(captured, pol, lists, module_overrides, weight_cache=weight_cache,
+                            debug_overflow=debug_overflow, node_overrides=node_overrides)
+
+
+def clear_cast_cache(module: nn.Module) -> None:
+    """Drop cached low-precision weight copies (needed only after writing weights through ``.data``)."""
+    cache = getattr(module, CACHE_NAME, None)  # a LazyConverted's clears every capture's cache
+    if cache is not None:
+        cache.clear()

@@ -1,0 +1,180 @@
+"""The contract between fxamp's passes: the ``node.meta`` keys they exchange, the :class:`Decision`
+record, and the one copy of each graph helper they share.
+
+Who writes and who reads each key (``docs/DESIGN.md`` draws the whole flow):
+
+========================  ==================================  ======================================
+key                       written by                          read by
+========================  ==================================  ======================================
+``DECISION`` "fxamp"      ``classify.annotate``               ``rewrite``, ``report``
+``CAST``  "fxamp_cast"    ``rewrite.insert_casts``            ``dtypes.DtypeInference``, ``report``
+``ATTR``  "fxamp_attr"    ``rewrite.lower_attribute_reads``   ``attr_target`` (rewrite, dtypes, report)
+``MODULE`` "fxamp_module" ``capture.fx`` (inlined leaf calls)  ``module_path_of``, ``report``
+========================  ==================================  ======================================
+
+A ``DECISION`` is a :class:`Decision`; a ``CAST`` is ``(source node, dtype)``; an ``ATTR`` is the
+dotted name of the parameter or buffer the node reads; a ``MODULE`` is ``(module path, class)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .op_lists import Category, Source
+
+__all__ = [
+    "DECISION", "CAST", "ATTR", "MODULE", "Decision",
+    "fetch_attr", "attr_target", "module_path_of", "clean_export_path", "node_arg", "replace_node_arg",
+    "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node",
+]
+
+DECISION = "fxamp"
+CAST = "fxamp_cast"
+ATTR = "fxamp_attr"
+MODULE = "fxamp_module"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What fxamp does with one node.
+
+    op:       qualified op name (``torch.nn.functional.linear``, ``Tensor.sum``, ``torch.nn.LayerNorm``).
+    category: where the op sits (a conditional op keeps CONDITIONAL).
+    reason:   the rule that decided, in words.
+    compute:  the dtype its floating inputs are cast to before it runs; None: as they arrive.
+    norm:     a normalisation op (its parameters follow ``Policy.norms``).
+    source:   where the rule came from (:class:`~fxamp.conversion.op_lists.Source`).
+    module:   the module path the node belongs to ("" for the root).
+    resolved: what the node behaves as: its category, or for a conditional op the category its
+              condition chose (safe, neutral or unsafe).
+    """
+
+    op: str
+    category: Category
+    reason: str
+    compute: Optional[torch.dtype]
+    norm: bool = False
+    source: Source = Source.OP_LIST
+    module: str = ""
+    resolved: Optional[Category] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source", Source(self.source))
+        if self.resolved is None:
+            object.__setattr__(self, "resolved", self.category)
+
+
+def fetch_attr(module: nn.Module, target: str) -> Any:
+    """The object at dotted path ``target`` below ``module`` (``"layers.0.weight"``)."""
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def attr_target(node: fx.Node) -> Optional[str]:
+    """The dotted name of the parameter, buffer or constant a node reads, or None."""
+    if node.op == "get_attr":
+        return str(node.target)
+    return node.meta.get(ATTR)
+
+
+def module_path_of(node: fx.Node) -> str:
+    """The module path a node belongs to: a call_module's target, else the innermost module it was traced in."""
+    if node.op == "call_module":
+        return str(node.target)
+    if MODULE in node.meta:
+        return node.meta[MODULE][0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return clean_export_path(list(stack.values())[-1][0])
+    return ""
+
+
+def clean_export_path(path: str) -> str:
+    """``"L['self'].encoder.layers[3]"`` (torch.export's spelling) -> ``"encoder.layers.3"``."""
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):].lstrip(".")
+    return path.replace("[", ".").replace("]", "").replace("'", "").replace("..", ".")
+
+
+def node_arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    """An argument given by position ``index`` or keyword ``name``, else ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def replace_node_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
+    """Set the argument at position ``index`` / keyword ``name``, wherever the node passes it."""
+    if len(node.args) > index:
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def canonical_names(model: nn.Module) -> Dict[int, str]:
+    """``id(tensor) -> its first dotted name`` for every parameter and buffer (tied ones: one name)."""
+    names: Dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), name)
+    return names
+
+
+def dedupe_get_attrs(graph: fx.Graph) -> None:
+    """Keep one ``get_attr`` node per target (the first in graph order)."""
+    first: Dict[str, fx.Node] = {}
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        keep = first.setdefault(node.target, node)
+        if keep is not node:
+            node.replace_all_uses_with(keep)
+            graph.erase_node(node)
+
+
+def mirror_module_tree(gm: fx.GraphModule, model: nn.Module, keep_buffers: bool = True) -> None:
+    """Give ``gm`` exactly the original's children, parameters and buffers, in order.
+
+    ``GraphModule`` copies only the attributes its graph uses (and rebuilds inlined parents as
+    bare Modules); mirroring the original keeps ``state_dict`` keys, unused parameters and
+    submodule classes intact.  With ``keep_buffers``, tensor constants the tracer made
+    (``_tensor_constant0``) stay as non-persistent buffers, so ``state_dict`` keys stay the original's.
+    """
+    # nn.Module's own tables (_modules/_parameters/_buffers): the public iterators drop duplicate
+    # names (a module or tensor registered twice) and cannot clear a module, and the
+    # non-persistent set has no public reader; copying the tables is the only exact mirror.
+    constants = ({k: v for k, v in gm._buffers.items() if k not in model._buffers and k not in model._modules}
+                 if keep_buffers else {})
+    for table in (gm._modules, gm._parameters, gm._buffers):
+        table.clear()
+    for name, p in model._parameters.items():
+        gm.register_parameter(name, p)
+    for name, b in model._buffers.items():
+        gm.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+    for name, m in model._modules.items():
+        gm.add_module(name, m)
+    for name, t in constants.items():
+        gm.register_buffer(name, t, persistent=False)
+    gm.training = model.training
+
+
+def rename_node(graph: fx.Graph, node: fx.Node, name: str) -> None:
+    """Give ``node`` the name an erased node had, so users (and the report) keep knowing it by that name.
+
+    FX never frees an erased node's name; its namespace has no public way to, so this reaches
+    into ``_graph_namespace._used_names`` and fails loudly (not silently) if FX renames it.
+    """
+    used = getattr(getattr(graph, "_graph_namespace", None), "_used_names", None)
+    if not isinstance(used, set):  # pragma: no cover - only if torch.fx changes its internals
+        raise RuntimeError("fxamp: torch.fx's graph namespace changed (no _used_names set); "
+                           "please report this with your torch version")
+    used.discard(name)
+    node._rename(name)

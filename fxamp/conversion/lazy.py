@@ -1,0 +1,525 @@
+"""A converted module that captures at its first call: :class:`LazyConverted`.
+
+``fxamp.convert(model, policy)`` returns one when torch.fx cannot trace ``model`` and no example
+inputs were given (or with ``frontend="export"`` and no inputs).  ``torch.export`` needs inputs, so
+the graph is captured at the first call, from the real arguments, and again for each new call
+*signature*::
+
+    amp = fxamp.convert(gpt2, "O2", dtype=torch.bfloat16)     # parameters exist now, in their dtypes
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters()), model=amp)
+    amp(ids, labels=ids)                           # captures (ids, labels)            -> graph 1
+    amp(ids2, labels=ids2)                         # same signature, other sizes       -> graph 1
+    amp(ids, attention_mask=mask, labels=ids)      # another signature                 -> graph 2
+
+    forward(*args, **kwargs)
+      ├─ signature: positional count, sorted keyword names, per tensor leaf dtype, device and which
+      │  sizes are 0/1 (export specialises those), other leaves' values; None keywords dropped
+      ├─ cache hit (LRU, ``max_signatures``)  → that graph
+      └─ miss → capture(frontend="export") on the shared module tree, parameters float32 for the
+         capture only → classify → rewrite with the storage kept (casts where a consumer wants
+         another dtype) → cache; a note in ``conversion_info(amp).notes`` and one INFO log line
+
+Parameters and storage.  The module is made at ``convert`` time, before any graph exists, so the
+storage dtype of each parameter is predicted from the module tree (:func:`predict_storage`):
+linear, convolution, embedding, attention and recurrent layers' tensors in ``policy.params``,
+normalisation layers' in ``policy.norms``, everything else float32 (O3: ``policy.params``), float
+buffers outside those layers float32.  Every capture reads the same parameter and buffer objects,
+the children of this module (the original's children, under the same names, so ``state_dict``
+keys are the original's); the graphs are not children.
+
+A captured graph that depends on the training mode (the two modes capture different graphs) is
+cached for that mode only; ``train()``/``eval()`` then capture again at the next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import inspect
+import logging
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .capture import capture
+from .classify import ModuleOverrides, NodeOverrides
+from ..info import INFO_ATTR, ConversionInfo
+from .pipeline import rewrite_captured
+from ..dtypes import short_name
+from ..errors import TraceError
+from .op_lists import DEFAULT_OP_LISTS, OpLists
+from ..policy import Policy
+from .rewrite import CACHE_NAME
+
+__all__ = ["LazyConverted", "predict_storage"]
+
+logger = logging.getLogger("fxamp")
+
+#: layers whose tensors feed low-precision ops (matmuls, convolutions, lookups)
+_LOW_LAYERS: Tuple[type, ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag,
+                                 nn.MultiheadAttention, nn.RNNBase)
+#: class names of other libraries' linear layers (Hugging Face GPT-2's ``Conv1D`` is a transposed linear)
+_LOW_LAYER_NAMES = ("Conv1D",)
+_NORMS: Tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+                            nn.RMSNorm)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, _NORMS) or "norm" in type(m).__name__.lower()
+
+
+def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
+    """The dtype each float32 parameter and buffer of ``model`` will be stored in, by name, without a graph.
+
+    Layers of :data:`_LOW_LAYERS` (and ``Conv1D``): ``policy.params``; normalisation layers (a norm
+    class, or ``Norm`` in the class name): ``policy.norms``; other modules' parameters float32, or
+    ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  A tensor tied
+    across modules follows the most specific owner: a norm, else a layer (BERT's decoder bias).
+    """
+    # per tensor: (strength, dtype); a norm's claim beats a layer's, a layer's beats any other module's
+    claims: Dict[int, Tuple[int, torch.dtype]] = {}
+    names: Dict[int, List[str]] = collections.defaultdict(list)
+    others = policy.params if policy.unsafe != torch.float32 else torch.float32
+    for path, m in model.named_modules(remove_duplicate=False):
+        if _is_norm(m):
+            strength, param_dtype, buffer_dtype = 2, policy.norms, policy.norms
+        elif isinstance(m, _LOW_LAYERS) or type(m).__name__ in _LOW_LAYER_NAMES:
+            strength, param_dtype, buffer_dtype = 1, policy.params, policy.params
+        else:
+            strength, param_dtype, buffer_dtype = 0, others, torch.float32
+        # the module's own tables: named_parameters() hides duplicate names and cannot re-bind in place
+        for table, dtype in ((m._parameters, param_dtype), (m._buffers, buffer_dtype)):
+            for name, t in table.items():
+                if t is not None and t.dtype == torch.float32:
+                    names[id(t)].append(f"{path}.{name}" if path else name)
+                    if id(t) not in claims or claims[id(t)][0] < strength:
+                        claims[id(t)] = (strength, dtype)
+    out: Dict[str, torch.dtype] = {}
+    for key, (_, dtype) in claims.items():
+        for name in names[key]:
+            out[name] = dtype
+    return out
+
+
+def _store(model: nn.Module, storage: Dict[str, torch.dtype]) -> None:
+    """Re-bind the tensors ``storage`` names to low-precision copies (tied tensors stay tied)."""
+    replaced: Dict[int, torch.Tensor] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in list(getattr(m, kind).items()):
+                dtype = storage.get(f"{path}.{name}" if path else name)
+                if t is None or dtype is None or dtype == t.dtype:
+                    continue
+                new = replaced.get(id(t))
+                if new is None:
+                    data = t.detach().to(dtype)
+                    new = nn.Parameter(data, requires_grad=t.requires_grad) if kind == "_parameters" else data
+                    replaced[id(t)] = new
+                setattr(m, name, new)  # setattr, so RNNs refresh their flat weights
+
+
+_MISSING = object()
+
+
+class _Entry:
+    """One capture: the converted graph module, what it was captured for, and its own (unshared) modules."""
+
+    def __init__(self, gm: fx.GraphModule, description: str, own_modules: List[nn.Module], number: int):
+        self.gm = gm
+        self.description = description
+        self.own_modules = own_modules  # the mode flag, the weight cache, higher-order-op bodies
+        self.number = number  # captures made before this one
+
+
+class _Options:
+    """The convert options each capture is rewritten with; immutable, so copies share it."""
+
+    def __init__(self, op_lists: OpLists, module_overrides: Optional[ModuleOverrides], weight_cache: bool,
+                 debug_overflow: Union[bool, str] = False, node_overrides: Optional[NodeOverrides] = None):
+        self.op_lists = op_lists
+        self.module_overrides = module_overrides
+        self.node_overrides = node_overrides
+        self.weight_cache = weight_cache
+        self.debug_overflow = debug_overflow
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Options":
+        return self
+
+    def __reduce__(self) -> Any:  # OpLists holds a mappingproxy: pickle its entries (None: the defaults)
+        lists = None if self.op_lists is DEFAULT_OP_LISTS else dict(self.op_lists)
+        return (_rebuild_options, (lists, self.module_overrides, self.weight_cache, self.debug_overflow,
+                                   self.node_overrides))
+
+
+def _rebuild_options(lists: Optional[Dict[Any, Any]], module_overrides: Any, weight_cache: bool,
+                     debug_overflow: Union[bool, str] = False, node_overrides: Any = None) -> _Options:
+    return _Options(DEFAULT_OP_LISTS if lists is None else OpLists(lists), module_overrides, weight_cache,
+                    debug_overflow, node_overrides)
+
+
+class _Forward:
+    """``LazyConverted.forward``: calls the lazy forward, and shows the original ``forward``'s signature
+    to ``inspect.signature`` (the Hugging Face Trainer keeps only the dataset columns it names)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: "LazyConverted"):
+        self.owner = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.owner._fxamp_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.owner.__dict__["_fxamp_root"].forward)
+
+
+class _ForwardDescriptor:
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        return cls._fxamp_forward if obj is None else _Forward(obj)
+
+
+class LazyConverted(nn.Module):
+    """A converted module that captures its graph with ``torch.export`` at the first call, and again
+    for each new call signature (see the module docstring).  Made by :func:`fxamp.convert`.
+
+    Its children, parameters and buffers are the original's (for O2/O3 a copy's, in their storage
+    dtypes); ``state_dict`` keys are the original's.  ``graph_module`` is the graph the latest call
+    ran; ``graph_modules()`` lists every cached one (each a converted ``GraphModule`` that
+    ``fxamp.report`` accepts).  ``max_signatures`` bounds the cache (least recently used evicted).
+    """
+
+    max_signatures: int = 8
+
+    def __init__(self, model: nn.Module, policy: Policy, *, owns_model: bool, op_lists: OpLists,
+                 module_overrides: Optional[ModuleOverrides] = None, dynamic: Union[bool, str] = True,
+                 weight_cache: bool = True, fx_error: Optional[TraceError] = None,
+                 debug_overflow: Union[bool, str] = False, node_overrides: Optional[NodeOverrides] = None):
+        super().__init__()
+        if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
+            root = copy.copy(model)
+            root.__dict__ = dict(model.__dict__)
+            for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+                root.__dict__[table] = copy.copy(model.__dict__[table])
+        else:
+            root = model
+        storage = predict_storage(root, policy) if policy.enabled else {}
+        _store(root, storage)
+        d = self.__dict__
+        # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both
+        for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            d[table] = root.__dict__[table]
+        d["_fxamp_root"] = root
+        d["_fxamp_policy"] = policy
+        d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
+        d["_fxamp_options"] = _Options(op_lists, module_overrides, weight_cache, debug_overflow, node_overrides)
+        d["_fxamp_dynamic"] = dynamic
+        d["_fxamp_fx_error"] = fx_error
+        d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
+        d["_fxamp_last"] = None
+        d["_fxamp_captures"] = 0
+        why = (f"torch.fx could not trace the model ({fx_error.short})" if fx_error is not None
+               else "frontend='export' without example inputs")
+        d["_fxamp_notes"] = [f"{why}: captures with torch.export at the first call, and again for each new call "
+                             f"signature (other keyword arguments, input rank or dtype)"]
+        self.training = model.training
+
+    # -- what it reports ---------------------------------------------------------------------
+    @property
+    def _fxamp_info(self) -> ConversionInfo:
+        return ConversionInfo(self._fxamp_policy, "export", tuple(self._fxamp_notes),
+                              signatures=tuple(e.description for e in self._entries()))
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The converted graph module the latest call ran."""
+        if self._fxamp_last is None:
+            raise RuntimeError("this module captures its graph at the first call: call it once (with the inputs "
+                               "you will use), then read graph_module")
+        return self._fxamp_last.gm
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The graph the latest call ran.  Before the first call there is none: torch.fx's error, when
+        torch.fx could not trace the model, is raised again (what ``convert`` raised before it could
+        wait for the inputs)."""
+        if self._fxamp_last is None and self._fxamp_fx_error is not None:
+            e = self._fxamp_fx_error
+            raise TraceError(f"{e} (this module captures with torch.export at its first call: call it once, "
+                             f"then read its graph)", short=e.short, module_path=e.module_path,
+                             original=e.original) from e
+        return self.graph_module.graph
+
+    @property
+    def code(self) -> str:
+        """The Python code of the graph the latest call ran."""
+        return self.graph_module.code
+
+    def graph_modules(self) -> List[fx.GraphModule]:
+        """Every cached converted graph module, in the order they were captured."""
+        return [e.gm for e in self._entries()]
+
+    def _entries(self) -> List[_Entry]:
+        return sorted(self._fxamp_cache.values(), key=lambda e: e.number)
+
+    @property
+    def _fxamp_weight_cache(self) -> "_WeightCaches":
+        """What ``fxamp.clear_cast_cache`` clears: every capture's cache of low-precision weights."""
+        return _WeightCaches(self)
+
+    # -- calling -----------------------------------------------------------------------------
+    forward = _ForwardDescriptor()
+
+    def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        key = _signature(args, kwargs)
+        cache = self._fxamp_cache
+        entry_key = (key, None) if (key, None) in cache else (key, self.training)
+        entry = cache.get(entry_key)
+        if entry is None:
+            entry = self._capture(key, args, kwargs)
+        else:
+            cache.move_to_end(entry_key)
+        self.__dict__["_fxamp_last"] = entry
+        gm = entry.gm
+        gm.training = self.training
+        for m in entry.own_modules:
+            m.training = self.training
+        if self._parameters or self._buffers:  # root-level tensors: the same objects as ours
+            gm._parameters.update(self._parameters)
+            gm._buffers.update(self._buffers)
+        return gm(*args, **kwargs)
+
+    def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
+        root = self._fxamp_root
+        root.training = self.training
+        description = _describe(root, args, kwargs)
+        with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
+            captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
+                               dynamic=self._fxamp_dynamic, fx_error=self._fxamp_fx_error)
+            restore.also(captured.graph_module)
+        options = self._fxamp_options
+        gm = rewrite_captured(captured, self._fxamp_policy, options.op_lists, options.module_overrides,
+                              weight_cache=options.weight_cache, debug_overflow=options.debug_overflow,
+                              node_overrides=options.node_overrides, storage="keep",
+                              notes=[f"captured at a call with {description}; parameter storage "
+                                     f"predicted from the module tree (fxamp.LazyConverted)"])
+        mode = captured.only_mode
+        if mode is not None:
+            description += f" ({'training' if mode else 'eval'} mode)"
+        shared = {id(m) for m in self._modules.values()}
+        own = [sub for m in gm._modules.values() if id(m) not in shared for sub in m.modules()]
+        self.__dict__["_fxamp_captures"] += 1
+        entry = _Entry(gm, description, own, self._fxamp_captures)
+        cache = self._fxamp_cache
+        notes = self._fxamp_notes
+        if len(cache) >= max(1, self.max_signatures):
+            _, old = cache.popitem(last=False)
+            notes.append(f"evicted the capture for {old.description}: least recently used, and "
+                         f"max_signatures={self.max_signatures} are kept")
+            logger.info("fxamp: %s", notes[-1])
+        cache[(key, mode)] = entry
+        notes.append(f"captured {description} (signature {len(cache)} of at most {self.max_signatures})")
+        logger.info("fxamp: %s with torch.export", notes[-1])
+        return entry
+
+    # -- nn.Module plumbing --------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and children as any module; then the original root's own data attributes
+        (a Hugging Face ``config``), read-only.  Its methods are not offered: they would run the
+        unconverted forward."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            root = self.__dict__.get("_fxamp_root")
+            value = root.__dict__.get(name, _MISSING) if root is not None else _MISSING
+            if value is not _MISSING and not callable(value):
+                return value
+            if root is not None and (callable(value) or callable(getattr(type(root), name, None))):
+                raise AttributeError(_method_message(type(root), name)) from None
+            raise
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
+        # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and
+        # modules live outside the shared tree, so they are reached through their tables here
+        super()._apply(fn, recurse)
+        for entry in self._fxamp_cache.values():  # what the graphs own: constants, their modules' tensors
+            gm = entry.gm
+            for name, b in list(gm._buffers.items()):
+                if b is not None and name not in self._buffers:
+                    gm._buffers[name] = fn(b)
+            for m in gm._modules.values():
+                if m in entry.own_modules:
+                    m._apply(fn)
+        return self
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickling and deepcopy drop the captured graphs (graphs from torch.export do not pickle): a
+        copy captures again at its first call."""
+        state = dict(self.__dict__)
+        state["_fxamp_cache"] = collections.OrderedDict()
+        state["_fxamp_last"] = None
+        state["_fxamp_notes"] = list(self._fxamp_notes)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        root = self.__dict__["_fxamp_root"]
+        for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            self.__dict__[table] = root.__dict__[table]  # keep the tables shared after unpickling
+
+    def extra_repr(self) -> str:
+        return (f"policy={self._fxamp_policy}, captures at the first call "
+                f"({len(self._fxamp_cache)} of at most {self.max_signatures} signatures cached)")
+
+
+def _method_message(cls: type, name: str) -> str:
+    """Why a converted module has no ``name`` although the original ``cls`` has that method, and what to do."""
+    what = (f"'{name}' is a method of the original {cls.__name__}, which fxamp.LazyConverted does not offer: "
+            "it would run the original, unconverted forward, or call this module with inputs no capture "
+            "can take")
+    original = ("Call it on the original model: for O0/O1 it shares this module's parameters; for O2/O3 "
+                "fxamp.convert worked on a copy, so load the trained weights into it first: "
+                "model.load_state_dict(opt.fp32_state_dict(amp)) (the float32 masters of a "
+                "MixedPrecisionOptimizer) or model.load_state_dict(amp.state_dict()) (the same keys)")
+    if name == "generate":
+        return (f"{what} (generation passes a key/value cache object to every forward, which torch.export "
+                f"cannot take as an input).  {original}, and generate under torch.autocast(device_type, "
+                "dtype) or after model.to(dtype).  fxamp converts what runs one forward per batch: "
+                "training, scoring, evaluation")
+    return f"{what}.  {original}"
+
+
+class _WeightCaches:
+    """``clear()`` every capture's low-precision weight cache."""
+
+    def __init__(self, module: LazyConverted):
+        self.module = module
+
+    def clear(self) -> None:
+        for gm in self.module.graph_modules():
+            cache = getattr(gm, CACHE_NAME, None)
+            if cache is not None:
+                cache.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Signatures
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        # export specialises sizes 0 and 1: a call with such a size gets its own capture
+        return ("tensor", leaf.dtype, leaf.device.type, tuple(min(int(s), 2) for s in leaf.shape))
+    if isinstance(leaf, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return (type(leaf).__name__, leaf)
+    return (type(leaf).__name__, repr(leaf))
+
+
+def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """What decides the graph: the argument structure, tensor dtypes, ranks, 0/1 sizes, other values."""
+    Tensor = torch.Tensor
+    if all(type(a) is Tensor for a in args) and all(type(v) is Tensor for v in kwargs.values()):
+        # the common call, plain tensors only: no pytree (this runs at every call)
+        return (len(args), tuple(sorted(kwargs)),
+                tuple((t.dtype, t.device.type, tuple(s if s < 2 else 2 for s in t.shape))
+                      for t in (*args, *(kwargs[k] for k in sorted(kwargs)))))
+    leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
+    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves))
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{short_name(value.dtype)}[" + ",".join("*" if s > 1 else str(s) for s in value.shape) + "]"
+    leaves = pytree.tree_leaves(value)
+    if leaves and any(isinstance(leaf, torch.Tensor) for leaf in leaves) or len(leaves) > 1:
+        return type(value).__name__ + "(" + ", ".join(_describe_value(v) for v in leaves) + ")"
+    return repr(value)
+
+
+def _describe(root: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+    """``(input_ids=i64[*,*], labels=i64[*,*])``: the arguments by name, * for a dynamic size."""
+    try:
+        signature = inspect.signature(root.forward)
+        bound = signature.bind(*args, **kwargs).arguments
+        named = []
+        for name, value in bound.items():
+            param = signature.parameters[name]
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                named.extend(value.items())
+            elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+                named.extend((f"*{name}[{i}]", v) for i, v in enumerate(value))
+            else:
+                named.append((name, value))
+    except (TypeError, ValueError):
+        named = [(f"args[{i}]", v) for i, v in enumerate(args)] + list(kwargs.items())
+    return "(" + ", ".join(f"{name}={_describe_value(v)}" for name, v in named) + ")"
+
+
+# ---------------------------------------------------------------------------------------------
+# Float32 parameters for the capture only
+# ---------------------------------------------------------------------------------------------
+
+
+class _Restore:
+    """Puts the stored tensors back: in the model's modules, and in the graph modules named by ``also``."""
+
+    def __init__(self, model: nn.Module, originals: Dict[int, torch.Tensor]):
+        self.model = model
+        self.originals = originals  # id(float32 stand-in) -> stored tensor
+        self.graphs: List[nn.Module] = []
+
+    def also(self, gm: nn.Module) -> None:
+        self.graphs.append(gm)
+
+    def __call__(self) -> None:
+        modules = {id(m): m for m in self.model.modules()}
+        for gm in self.graphs:
+            modules.update((id(m), m) for m in gm.modules())
+        for m in modules.values():
+            for kind in ("_parameters", "_buffers"):
+                for name, t in list(getattr(m, kind).items()):
+                    if t is not None and id(t) in self.originals:
+                        setattr(m, name, self.originals[id(t)])
+
+
+class _float32_for_capture:
+    """Within: every parameter and buffer of ``model`` named in ``stored_low`` is a float32 stand-in.
+
+    The model's forward was written for float32 tensors (``F.linear(x, self.weight)`` with a float32
+    ``x``): torch.export traces it with float32 tensors, and the rewrite then sees the stored dtypes
+    and casts where needed.  Parameters' stand-ins are uninitialised (export traces with fake
+    values); buffers' are real copies (a forward may read their values).
+    """
+
+    def __init__(self, model: nn.Module, stored_low: frozenset):
+        self.model = model
+        self.stored_low = stored_low
+
+    def __enter__(self) -> _Restore:
+        stand_in: Dict[int, torch.Tensor] = {}
+        originals: Dict[int, torch.Tensor] = {}
+        for path, m in self.model.named_modules(remove_duplicate=False):
+            for kind in ("_parameters", "_buffers"):
+                for name, t in list(getattr(m, kind).items()):
+                    if t is None or (f"{path}.{name}" if path else name) not in self.stored_low \
+                            or not t.is_floating_point() or t.dtype == torch.float32:
+                        continue
+                    new = stand_in.get(id(t))
+                    if new is None:
+                        if kind == "_parameters":
+                            new = nn.Parameter(torch.empty_like(t, dtype=torch.float32), requires_grad=t.requires_grad)
+                        else:
+                            new = t.detach().float()
+                        stand_in[id(t)] = new
+                        originals[id(new)] = t
+                    setattr(m, name, new)
+        self.restore = _Restore(self.model, originals)
+        return self.restore
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()

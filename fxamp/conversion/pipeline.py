@@ -1,0 +1,95 @@
+"""classify → rewrite over a captured graph: what ``convert()`` and the lazily capturing module share.
+
+``rewrite_captured`` annotates every node with its :class:`~fxamp.conversion.graph.Decision`, chooses (or
+keeps) parameter storage, lowers parameter reads, inserts the casts, optionally the overflow
+checks, and attaches the :class:`~fxamp.info.ConversionInfo`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, List, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .attention import low_precision_attention
+from .capture import Captured
+from .classify import ModuleOverrides, NodeOverrides, annotate
+from .debug import add_overflow_checks
+from ..info import INFO_ATTR, ConversionInfo
+from .op_lists import OpLists
+from ..policy import Policy
+from .rewrite import cast_kept_storage, insert_casts, lower_attribute_reads, store_params
+
+__all__ = ["rewrite_captured", "FLOAT32_LEAF_SHARE"]
+
+
+def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
+                     module_overrides: Optional[ModuleOverrides] = None, *, weight_cache: bool = True,
+                     storage: str = "decide", notes: Sequence[str] = (),
+                     debug_overflow: Union[bool, str] = False,
+                     node_overrides: Optional[NodeOverrides] = None) -> fx.GraphModule:
+    """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
+
+    storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
+    (``store_params``); ``"keep"``: the parameters already have their dtypes (a lazily capturing
+    module made them before any graph existed), and consumers that want another dtype get a cast.
+    notes: put before the capture's own notes.
+    debug_overflow: add the checks of :mod:`fxamp.conversion.debug` (``"raise"``: raise at the first inf/NaN).
+    """
+    if storage not in ("decide", "keep"):
+        raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
+    gm = captured.graph_module
+    decisions = annotate(gm, policy, op_lists, module_overrides, node_overrides)
+    if policy.enabled:
+        if storage == "decide":
+            store_params(gm, decisions, policy)
+        else:
+            cast_kept_storage(gm, decisions, policy)
+        lower_attribute_reads(gm)
+        insert_casts(gm, decisions, policy, weight_cache=weight_cache)
+        low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
+        gm.graph.lint()
+        gm.recompile()
+    if debug_overflow:
+        add_overflow_checks(gm, raise_on_overflow=debug_overflow == "raise")
+    leaf_notes = _float32_leaves(gm, decisions) if policy.enabled else []
+    for note in leaf_notes:
+        warnings.warn(f"fxamp: {note}", stacklevel=3)
+    info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes) + tuple(leaf_notes))
+    # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
+    setattr(gm, INFO_ATTR, info)
+    gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
+    return gm
+
+
+#: a float32 leaf holding more of the parameters than this is reported and warned about
+FLOAT32_LEAF_SHARE = 0.10
+
+
+def _float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Any]) -> List[str]:
+    """Opaque leaf modules that run in float32 with a large share of the model's work.
+
+    No inputs exist at convert time, so the share of FLOPs is estimated by the share of parameters;
+    norms (float32 by design) and embedding lookups (parameters without FLOPs) are left out.
+    """
+    total = sum(p.numel() for p in gm.parameters())
+    notes = []
+    for node, d in decisions.items():
+        if node.op != "call_module" or d.compute != torch.float32 or d.norm:
+            continue
+        m = gm.get_submodule(str(node.target))
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
+        if share > FLOAT32_LEAF_SHARE:
+            notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
+                         f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
+                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
+                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
+                         f"or use frontend='export'")
+    return notes
+
+

@@ -1,0 +1,325 @@
+"""The few functions a converted module's generated forward calls (the casts fxamp inserts).
+
+They are plain functions over tensors: no global state, nothing patched, traceable by
+``torch.compile``.  ``cast`` decides at run time, like autocast's own cast, whether a value is a
+tensor it may cast, so conversion works without example inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import OrderedDict
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..dtypes import CASTABLE, LOW
+
+__all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "multi_head_attention",
+           "WeightCastCache"]
+
+
+def cast(x: Any, dtype: torch.dtype) -> Any:
+    """``x.to(dtype)`` if ``x`` is a float16/bfloat16/float32 tensor of another dtype, else ``x`` unchanged.
+
+    Containers torch passes between modules are cast element by element, keeping their type:
+    lists and tuples (``torch.cat``'s argument, an LSTM's ``(h, c)``), named tuples, plain dicts,
+    and a ``PackedSequence``, of which only ``.data`` is cast (its ``batch_sizes`` and indices are
+    integer tensors, and float64 is never cast anyway).
+    """
+    if isinstance(x, torch.Tensor):
+        if x.dtype != dtype and x.dtype in CASTABLE:
+            return _to(x, dtype)
+        return x
+    kind = type(x)
+    if kind in (list, tuple):
+        return kind(cast(v, dtype) for v in x)
+    if isinstance(x, tuple) and hasattr(kind, "_fields"):  # a named tuple (PackedSequence too), field by field
+        return x._replace(**{f: cast(v, dtype) for f, v in zip(kind._fields, x)})
+    if kind in (dict, OrderedDict):
+        return kind((k, cast(v, dtype)) for k, v in x.items())
+    return x
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, the copy made dense and row-major unless ``x`` is (dense) channels-last.
+
+    The cast copies anyway, so choosing the copy's layout is free, and a strided copy can be very
+    slow downstream: ``F.linear`` on a non-contiguous 3-D input (the transposed input of an
+    exported ``nn.MultiheadAttention``) folds into one ``addmm`` only when the input is contiguous
+    or the weight requires grad; otherwise ``at::matmul`` expands the weight to a batch of copies
+    (one per sequence position) and calls ``bmm``, which materialises every copy: 2 s instead of
+    15 ms for a 768 -> 2304 bfloat16 projection of 256 tokens with the no-grad weight cache's
+    weights.  Channels-last activations keep their layout (convolutions want it).
+    """
+    if x.is_contiguous():
+        return x.to(dtype)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x.to(dtype)
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return x.to(dtype)
+    return x.to(dtype, memory_format=torch.contiguous_format)
+
+
+def cast_dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cast of a tensor whose dtype is known to differ from ``dtype``: :func:`cast` without its checks.
+
+    For ``rewrite.py``'s casts of values whose dtype it inferred (where it emits a plain
+    ``x.to(dtype)``, which keeps a transposed input's strides; see :func:`_to`).
+    """
+    return _to(x, dtype)
+
+
+class WeightCastCache(nn.Module):
+    """Low-precision copies of float32 weights, reused while the weight is unchanged.
+
+    Used only where no autograd graph is needed (``no_grad``/``inference_mode``, or a weight that
+    does not require grad); training casts every forward, as autocast does.  An entry is reused
+    only while the weight is the same object with the same storage and version counter, so an
+    optimizer step, ``load_state_dict`` or any in-place write invalidates it.  (Writes through
+    ``.data`` bypass the version counter: call :meth:`clear` after those.)
+
+    It holds no parameters or buffers, so it adds nothing to ``state_dict``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._entries: Dict[Tuple[str, torch.dtype], Tuple[Any, int, int, torch.Tensor]] = {}
+        self._batches: Dict[Tuple[Tuple[str, ...], torch.dtype], Tuple[Any, ...]] = {}
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+        entry = self._entries.get((key, dtype))
+        if entry is not None:
+            ref, version, ptr, value = entry
+            # Tensor._version: autograd's in-place write counter, which torch exposes no other way
+            if ref() is weight and version == weight._version and ptr == weight.data_ptr():
+                return value
+        value = weight.detach().to(dtype)
+        self._entries[(key, dtype)] = (weakref.ref(weight), weight._version, weight.data_ptr(), value)
+        return value
+
+    def get_all(self, weights: Tuple[torch.Tensor, ...], dtype: torch.dtype, keys: Tuple[str, ...]) -> Tuple[torch.Tensor, ...]:
+        """``get`` for a whole forward's weights at once: one validity check pass, one lookup."""
+        entry = self._batches.get((keys, dtype))
+        if entry is not None:
+            refs, versions, ptrs, values = entry
+            if (all(r() is w for r, w in zip(refs, weights))
+                    and versions == tuple(w._version for w in weights)
+                    and ptrs == tuple(w.data_ptr() for w in weights)):
+                return values
+        values = tuple(self.get(w, dtype, k) for w, k in zip(weights, keys))
+        self._batches[(keys, dtype)] = (tuple(weakref.ref(w) for w in weights), tuple(w._version for w in weights),
+                                        tuple(w.data_ptr() for w in weights), values)
+        return values
+
+    def clear(self) -> None:
+        """Forget every cached copy (after writing weights through ``.data``)."""
+        self._entries.clear()
+        self._batches.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # the cache is derived data: copies and pickles start empty
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state["_entries"] = {}
+        state["_batches"] = {}
+        return state
+
+    def __deepcopy__(self, memo):
+        new = WeightCastCache()
+        new.training = self.training
+        return new
+
+    def extra_repr(self) -> str:
+        return f"entries={len(self._entries)}"
+
+
+def cast_weights(
+    cache: WeightCastCache, weights: Tuple[torch.Tensor, ...], dtype: torch.dtype, keys: Tuple[str, ...]
+) -> Tuple[torch.Tensor, ...]:
+    """Cast a forward's float32 weights for low-precision ops, all in one call.
+
+    With autograd recording (training) a weight that requires grad is cast afresh, as autocast
+    does; otherwise (``no_grad``, frozen weights) the cached copy is reused until the weight changes.
+    """
+    if torch.compiler.is_compiling():
+        return tuple(w.to(dtype) for w in weights)
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        trained = [i for i, w in enumerate(weights) if w.requires_grad]
+        if len(trained) == len(weights):
+            return _CastWeights.apply(dtype, *weights)
+        out = [cache.get(w, dtype, k) for w, k in zip(weights, keys)]
+        for i, low in zip(trained, _CastWeights.apply(dtype, *(weights[i] for i in trained))):
+            out[i] = low
+        return tuple(out)
+    return cache.get_all(weights, dtype, keys)
+
+
+class _CastWeights(torch.autograd.Function):
+    """All of a forward's weight casts as one autograd node.
+
+    One node instead of one ``ToCopyBackward`` per weight: the backward hands the low-precision
+    gradients back and the autograd engine casts each to its weight's dtype (float32) in C++.
+    """
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *weights: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # unused weights keep grad None
+        return tuple(w.to(dtype) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
+def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
+                     _fxamp_cache: Optional[Tuple[WeightCastCache, str]] = None, **kwargs: Any) -> Any:
+    """Run a leaf module with its float parameters and buffers (and float inputs) cast to ``dtype``.
+
+    For leaf modules whose weights stay float32 (O1) but that run in low precision (RNNs,
+    MultiheadAttention): the cast copies are differentiable, so gradients reach the float32
+    parameters.  ``_fxamp_cache``, ``(cache, module path)``, is the converted module's weight
+    cache: where no autograd graph is recorded for a tensor (``no_grad``, frozen weights) its copy
+    is reused until it changes, as :func:`cast_weights` does for the other weights (an
+    ``nn.MultiheadAttention`` in inference then runs PyTorch's fused fast path with no cast at all).
+    """
+    cache, path = (None, "") if _fxamp_cache is None or torch.compiler.is_compiling() else _fxamp_cache
+    grad = torch.is_grad_enabled()
+
+    def low(name: str, t: torch.Tensor) -> torch.Tensor:
+        if cache is None or t.dtype == dtype or t.dtype not in CASTABLE or (grad and t.requires_grad):
+            return cast(t, dtype)
+        return cache.get(t, dtype, f"{path}.{name}")
+
+    tensors = {name: low(name, t) for name, t in module.named_parameters()}
+    tensors.update({name: low(name, t) for name, t in module.named_buffers()})
+    done: Dict[int, Any] = {}
+
+    def once(value: Any) -> Any:  # one input passed twice (query is key is value) is cast once, and stays one
+        if id(value) not in done:
+            done[id(value)] = cast(value, dtype)
+        return done[id(value)]
+
+    args = tuple(once(a) for a in args)
+    kwargs = {k: once(v) for k, v in kwargs.items()}
+    return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+
+
+try:
+    _SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default
+except (AttributeError, RuntimeError):  # pragma: no cover (older torch)
+    _SAFE_SOFTMAX = None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: Any = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` that saves low-precision probabilities when dropout is on (CPU).
+
+    PyTorch's CPU SDPA with dropout takes its math path, which computes and saves the probabilities
+    in float32.  Here, on CPU with float16/bfloat16 inputs and dropout on, attention is computed in
+    the inputs' dtype: ``softmax(q·scale @ kᵀ + mask)`` (the softmax kernel accumulates in float32)
+    → dropout → ``@ v``.  Otherwise (no dropout, float32, another device) it is SDPA itself.
+    Placed by :func:`fxamp.conversion.attention.low_precision_attention`.
+    """
+    if (dropout_p == 0.0 or q.device.type != "cpu" or q.dtype not in LOW
+            or k.dtype != q.dtype or v.dtype != q.dtype):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+    L, S = q.size(-2), k.size(-2)
+    s = (1.0 / math.sqrt(q.size(-1))) if scale is None else scale
+    scores = (q * s) @ k.transpose(-2, -1)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    # a fully masked row gives zeros, not NaN, as SDPA's math path (its _safe_softmax)
+    # (the aten op, not torch._safe_softmax: torch.compile traces the former, breaks the graph on the latter)
+    probs = _SAFE_SOFTMAX(scores, -1) if _SAFE_SOFTMAX is not None else torch.softmax(scores, dim=-1)
+    return F.dropout(probs, dropout_p, training=True) @ v
+
+
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights",
+             "is_causal")
+_MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
+
+
+def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *args: Any,
+                         _fxamp_cache: Optional[Tuple[WeightCastCache, str]] = None, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` in ``dtype``, saving low-precision probabilities when dropout is on (CPU).
+
+    ``nn.MultiheadAttention`` in training with dropout calls SDPA's CPU math path, which saves its
+    probabilities in float32.  For the common form (batched inputs, packed same-size projections,
+    no bias_k/bias_v/add_zero_attn, ``need_weights=False``, training, dropout > 0, on CPU) this is
+    ``F.multi_head_attention_forward``'s own steps with :func:`attention` in their middle: the
+    projections, the merged float mask, attention, the output projection.  Anything else is the
+    module itself (through :func:`call_module_cast` when its parameters are not in ``dtype``, with
+    the weight cache ``_fxamp_cache``).  Placed by :func:`fxamp.conversion.attention.low_precision_attention`
+    (O1: instead of ``call_module_cast``).
+    """
+    bound = dict(zip(_MHA_ARGS, _MHA_DEFAULTS))
+    bound.update(zip(_MHA_ARGS, args))
+    bound.update(kwargs)
+    m, query = module, bound["query"]
+    if (bound["need_weights"] or not m.training or m.dropout == 0.0 or not m._qkv_same_embed_dim
+            or m.bias_k is not None or m.bias_v is not None or m.add_zero_attn or query.dim() != 3
+            or query.device.type != "cpu" or dtype not in LOW):
+        if all(p.dtype == dtype for p in m.parameters()):
+            return m(*args, **kwargs)
+        return call_module_cast(m, dtype, *args, _fxamp_cache=_fxamp_cache, **kwargs)
+    same = query is bound["key"] and bound["key"] is bound["value"]
+    if same:  # (cast once: three casts of one tensor would be three copies)
+        query = key = value = cast(query, dtype)
+    else:
+        query, key, value = (cast(bound[k], dtype) for k in ("query", "key", "value"))
+    if not m.batch_first:  # (L, N, E) -> (N, L, E)
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    n, tgt, embed = query.shape
+    src, heads = key.shape[1], m.num_heads
+    head_dim = embed // heads
+    w, b = cast(m.in_proj_weight, dtype), cast(m.in_proj_bias, dtype) if m.in_proj_bias is not None else None
+    if same:
+        q, k, v = F.linear(query, w, b).chunk(3, dim=-1)
+    else:
+        ws, bs = w.chunk(3), b.chunk(3) if b is not None else (None, None, None)
+        q, k, v = (F.linear(t, wi, bi) for t, wi, bi in zip((query, key, value), ws, bs))
+    q = q.reshape(n, tgt, heads, head_dim).transpose(1, 2)
+    k = k.reshape(n, src, heads, head_dim).transpose(1, 2)
+    v = v.reshape(n, src, heads, head_dim).transpose(1, 2)
+    mask, causal = _mha_mask(bound["attn_mask"], bound["key_padding_mask"], bool(bound["is_causal"]),
+                             n, heads, tgt, src, dtype)
+    out = attention(q, k, v, mask, m.dropout, causal)
+    out = out.transpose(1, 2).reshape(n, tgt, embed)
+    out = F.linear(out, cast(m.out_proj.weight, dtype),
+                   cast(m.out_proj.bias, dtype) if m.out_proj.bias is not None else None)
+    return (out if m.batch_first else out.transpose(0, 1)), None
+
+
+def _float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """nn.MultiheadAttention's masks: True (bool) means masked out; float masks are added."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _mha_mask(attn_mask: Any, key_padding_mask: Any, is_causal: bool, n: int, heads: int, tgt: int, src: int,
+              dtype: torch.dtype) -> Tuple[Any, bool]:
+    """The (mask, is_causal) ``F.multi_head_attention_forward`` hands SDPA with ``need_weights=False``."""
+    if is_causal and key_padding_mask is None:
+        return None, True  # the causal hint alone (a given attn_mask is the causal mask)
+    mask = None
+    if attn_mask is not None:
+        mask = _float_mask(attn_mask, dtype)
+        mask = mask.view(1, 1, tgt, src) if mask.dim() == 2 else mask.view(n, heads, tgt, src)
+    if key_padding_mask is not None:
+        pad = _float_mask(key_padding_mask, dtype).view(n, 1, 1, src)
+        mask = pad if mask is None else mask + pad
+    return mask, False
+
