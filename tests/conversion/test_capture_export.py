@@ -448,7 +448,7 @@ def test_data_dependent_control_flow_is_named(frontend):
         fxamp.convert(Gated(), example_inputs=(torch.randn(2, 8),), frontend=frontend)
     text = str(info.value)
     assert "could not capture Gate (module at 'gate'): data-dependent control flow at " in text
-    assert re.search(r"test_export\.py:\d+: `if x\.sum\(\) > 0:`", text)
+    assert re.search(r"test_capture_export\.py:\d+: `if x\.sum\(\) > 0:`", text)
     assert "leaf_modules=['gate']" in text and "convert its submodules separately" in text
     assert info.value.module_path == "gate"
     assert info.value.__cause__ is not None  # the torch.export error, chained
