@@ -101,7 +101,7 @@ def _set_param(root: nn.Module, dotted: str, value: torch.Tensor) -> None:
 def _compile_step_note(opt: MixedPrecisionOptimizer) -> str:
     if not opt.compile_step or opt.compiled_step_active:
         return ""
-    return " (not used: the masters are too small for the compiled kernels to pay, see fused_step.FUSED_MIN_TOTAL)"
+    return " (not used: the masters are too small for the compiled kernels to pay, see fxamp.training.kernels.FUSED_MIN_TOTAL)"
 
 
 def _options_text(model: nn.Module, opt: MixedPrecisionOptimizer, masters: int) -> str:

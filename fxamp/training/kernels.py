@@ -450,8 +450,8 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
     _launch(kernels, "sgd_momentum", items, torch.tensor(rows, dtype=torch.float32, device=device), (nesterov,))
 
 
-def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
-               kernels: Kernels, fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
+def step_fused(optimizer: Any, kernels: Kernels, runs: Sequence[Run],
+               scale_on: Optional[Callable[[torch.device], torch.Tensor]], fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
                segment_numel: int = SEGMENT_NUMEL, found: Optional[torch.Tensor] = None) -> None:
     """Step ``runs`` (:func:`~fxamp.training.step.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
