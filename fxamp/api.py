@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from .conversion.convert import convert, policy_of
-from .training.optimizer import LossScaleArg, MixedPrecisionOptimizer, check_optimizer
+from .training.loss_scale import LossScaleOption
+from .training.optimizer import MixedPrecisionOptimizer, check_optimizer
 from .dtypes import LOW
 from .policy import Policy
 
@@ -24,7 +25,7 @@ def initialize(
     policy: Union[str, Policy] = "O1",
     *,
     dtype: Union[str, torch.dtype, None] = None,
-    loss_scale: LossScaleArg = "auto",
+    loss_scale: LossScaleOption = "auto",
     sync_overflow: bool = True,
     process_group: Optional[Any] = None,
     verbose: bool = False,

@@ -15,14 +15,12 @@ decision global.  O2-style low-precision storage under FSDP is not tested.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .loss_scale import DeviceFlag, FoundInf
-
-__all__ = ["agree", "all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "reduces_on_device"]
+__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "reduces_on_device"]
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
@@ -63,19 +61,3 @@ def all_reduce_overflow_on_device(flag: torch.Tensor, group: Optional[Any] = Non
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
-
-def agree(flags: FoundInf, device: Optional[torch.device], sync: bool, group: Optional[Any] = None
-          ) -> Tuple[Union[bool, DeviceFlag], bool]:
-    """The one place a step's overflow is decided: ``(verdict, local)``.
-
-    ``device`` None: decided on the host, ``verdict`` a bool (the flags of every device read, and
-    with ``sync`` the maximum over ``group``'s ranks), ``local`` whether this rank overflowed.
-    Otherwise the flag stays on ``device`` (agreed there with ``sync``; :func:`reduces_on_device`
-    must hold): ``verdict`` is a :class:`DeviceFlag` the host reads only when asked, ``local`` False.
-    """
-    if device is not None:
-        flag = flags.flag_on(device)
-        return DeviceFlag(all_reduce_overflow_on_device(flag, group) if sync else flag), False
-    local = flags.found()
-    found = all_reduce_overflow(local, group) if sync else local
-    return bool(found.item()), bool(local.item())

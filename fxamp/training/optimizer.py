@@ -19,14 +19,9 @@ optimizer attached to it)::
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
                             \\________________step()________________/
 
-``step()`` copies low-precision gradients into the masters' float32 ``.grad``, divides every
-gradient by the scale and checks it for inf/NaN in one fused kernel per (device, dtype), agrees
-on the result across ranks, then steps or skips (a skip changes no weight, master or optimizer
-state) and updates the scale (see :class:`fxamp.LossScaler`).  At scale 1 (bfloat16's default)
-there is nothing to divide: a float32 CPU gradient buffer is only read for the check.  On a GPU
-with a fused inner optimizer the result is not read on the host: the flag goes to the optimizer's
-kernel, which skips on the device, and the host learns the outcome at the next iteration's start
-(see :meth:`MixedPrecisionOptimizer.step`).
+A skip changes no weight, master or optimizer state.  On a GPU with a fused inner optimizer the
+verdict is not read on the host: its kernel skips on the device, and the host learns the outcome
+at the next iteration's start (see :meth:`MixedPrecisionOptimizer.step`).
 
 The step itself is :mod:`fxamp.training.step`, one engine: plan runs, check, then per run unscale
 into a float32 segment, step the inner optimizer on the run's masters and refresh the low weights.
@@ -49,22 +44,20 @@ The wrapped optimizer may be any object that behaves like one (``param_groups``,
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from . import step as engine
-from .distributed import agree, reduces_on_device
+from .check import FoundInf, StepResult, agree
+from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from ..info import policy_of
-from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, Stage
+from .loss_scale import LossScaleOption, LossScaler, Stage, scaler_for
 from .kernels import Kernels, fusable, skips_on_device, step_fused, worth_fusing
-from ..policy import Policy
 
 __all__ = ["MixedPrecisionOptimizer", "StepResult", "check_optimizer"]
 
@@ -81,31 +74,6 @@ class _StateDictError(ValueError, KeyError):
     def __str__(self) -> str:  # KeyError's would quote the message
         return str(self.args[0]) if self.args else ""
 
-
-LossScaleArg = Union[str, float, None, LossScaleConfig, LossScaler]
-
-
-class StepResult:
-    """What ``step()`` returns when the overflow decision stayed on the GPU: truthy if it stepped.
-
-    ``bool()`` waits for the check (not for the step): ignore it, and the host never waits.
-    """
-
-    __slots__ = ("_verdict",)
-
-    def __init__(self, verdict: DeviceFlag) -> None:
-        self._verdict = verdict
-
-    def __bool__(self) -> bool:
-        return not bool(self._verdict)
-
-    def __eq__(self, other: object) -> bool:
-        return bool(self) == other if isinstance(other, bool) else NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"StepResult(stepped={bool(self)})" if self._verdict.ready() else "StepResult(pending)"
 
 
 def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
@@ -142,9 +110,10 @@ def check_optimizer(optimizer: Any) -> None:
 class MixedPrecisionOptimizer:
     """Wrap ``optimizer`` (any ``torch.optim.Optimizer``, or an object like one) with float32 masters and loss scaling.
 
-    loss_scale:    ``"auto"`` (dynamic for float16, none for bfloat16 — read from ``model``'s fxamp
+    loss_scale:    a :data:`~fxamp.training.loss_scale.LossScaleOption` (:func:`~fxamp.training.loss_scale.scaler_for`):
+                   ``"auto"`` (dynamic for float16, none for bfloat16 — read from ``model``'s fxamp
                    policy, else from the parameters' dtypes; dynamic when all are float32 and no
-                   policy says otherwise), ``"dynamic"``, a number (static), ``None``/``"none"``, a
+                   policy says otherwise), ``"dynamic"``, ``"none"``, ``"static:<scale>"``, a
                    :class:`LossScaleConfig`, or a :class:`LossScaler` shared with other optimizers.
     model:         the module the parameters belong to: names parameters in reports and errors,
                    and is the default for :meth:`fp32_state_dict`.
@@ -158,15 +127,8 @@ class MixedPrecisionOptimizer:
                    parameter, no allocation per step) and never segments the step (below).
     compile_step:  step the masters of a stock ``torch.optim.AdamW``, ``Adam`` or ``SGD`` with a kernel
                    compiled by ``torch.compile`` that reads each low-precision gradient and writes the
-                   low-precision weight in the same pass as the update (:mod:`fxamp.training.kernels`): no
-                   float32 gradient at all, and about 28 instead of 40 bytes of memory traffic per
-                   parameter for AdamW.  The first step compiles (10-30 s on 2 CPU cores; cached on
-                   disk by inductor).  Only where it pays: when the masters the kernels would take
-                   hold ``kernels.FUSED_MIN_TOTAL`` elements (0.25 M for Adam/AdamW, 0.5 M for
-                   SGD, 2-3 M for torch's fused ones, whose own step is already one pass),
-                   else the step is the one without ``compile_step`` and nothing is compiled.
-                   With Adam/AdamW the overflow decision stays on the device where it would without
-                   (a fused inner optimizer on one CUDA device); SGD's is read on the host.  Not
+                   low-precision weight in the same pass as the update (:mod:`fxamp.training.kernels`,
+                   which says when it pays: ``FUSED_MIN_TOTAL``; below it nothing is compiled).  Not
                    bitwise the inner optimizer's step (a few float32 ulps on the masters).  Raises
                    ValueError for another optimizer or an option the kernels lack (amsgrad,
                    capturable, differentiable).
@@ -180,7 +142,7 @@ class MixedPrecisionOptimizer:
         self,
         optimizer: Any,
         *,
-        loss_scale: LossScaleArg = "auto",
+        loss_scale: LossScaleOption = "auto",
         model: Optional[nn.Module] = None,
         sync_overflow: bool = True,
         process_group: Optional[Any] = None,
@@ -213,7 +175,7 @@ class MixedPrecisionOptimizer:
         self._plan: Optional[engine.Plan] = None  # built at the first unscale_(), see _get_plan()
         for group in optimizer.param_groups:
             self._bind_group(group)
-        self.scaler, self._owns_scaler = _resolve_scaler(loss_scale, model, list(self.master_params()) + self._lows)
+        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()) + self._lows)
         self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
         self._skipped = 0  # steps skipped (skipped_steps) ...
         self._due: Optional[engine.Check] = None  # ... and the last step, if decided on the device and not yet counted
@@ -335,7 +297,7 @@ class MixedPrecisionOptimizer:
         self._due = None
         if bool(due.verdict):
             self._skipped += 1
-            self._overflow = self._which_overflowed(due.in_place)
+            self._overflow = engine.which_overflowed(self.master_params(), self._low_of_master, due.in_place)
         else:
             self._overflow = None
         if due.update:
@@ -461,7 +423,7 @@ class MixedPrecisionOptimizer:
             self.scaler.finish_unscale(self._client, False)
             return check
         if local:  # rare: note which tensors overflowed, before clipping can spread NaNs
-            self._overflow = self._which_overflowed(in_place)
+            self._overflow = engine.which_overflowed(self.master_params(), self._low_of_master, in_place)
         else:  # clean here; on another rank, perhaps
             self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if verdict else None
         self.scaler.finish_unscale(self._client, verdict)
@@ -583,20 +545,6 @@ class MixedPrecisionOptimizer:
             with torch.no_grad():
                 torch._foreach_copy_(self._lows, self._masters)
 
-    def _which_overflowed(self, in_place: bool = False) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """The parameters whose gradients were checked, and which of them hold an inf/NaN: the masters'
-        gradients, or with ``in_place`` (a segmented step) their low-precision parameters'."""
-        checked, grads = [], []
-        for p in self.master_params():
-            low = self._low_of.get(id(p))
-            g = low.grad if in_place and low is not None else p.grad
-            if g is not None:
-                checked.append(p)
-                grads.append(g)
-        dense = [g._values() if g.is_sparse else g for g in grads]  # (uncoalesced values too)
-        maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
-        return checked, ~torch.isfinite(maxabs)
-
     def _check_params(self) -> None:
         n = sum(len(g["params"]) for g in self.optimizer.param_groups)
         if n != self._nparams:
@@ -700,35 +648,3 @@ class MixedPrecisionOptimizer:
                 f"{self._nparams - len(self._masters)} float32 params, {self.scaler})")
 
 
-def _resolve_scaler(loss_scale: LossScaleArg, model: Optional[nn.Module],
-                    params: Sequence[torch.Tensor]) -> Tuple[LossScaler, bool]:
-    if isinstance(loss_scale, LossScaler):
-        return loss_scale, False
-    if isinstance(loss_scale, LossScaleConfig):
-        return LossScaler(loss_scale), True
-    if loss_scale is None or loss_scale == "none":
-        return LossScaler(LossScaleConfig.none()), True
-    if loss_scale == "dynamic":
-        return LossScaler(LossScaleConfig.dynamic()), True
-    if loss_scale == "auto":
-        return LossScaler(_auto_config(model, params)), True
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return LossScaler(LossScaleConfig.static(float(loss_scale))), True
-    raise ValueError(
-        f"loss_scale={loss_scale!r} is not understood; use 'auto', 'dynamic', a number (static), None, "
-        f"a LossScaleConfig, or a LossScaler shared with other optimizers"
-    )
-
-
-def _auto_config(model: Optional[nn.Module], params: Sequence[torch.Tensor]) -> LossScaleConfig:
-    policy: Optional[Policy] = None
-    if model is not None:
-        policy = policy_of(model) or policy_of(getattr(model, "module", model))  # DDP keeps it in .module
-    if policy is not None:
-        low = policy.compute
-    else:
-        dtypes = {p.dtype for p in params}
-        low = torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes else None
-    if low in (torch.bfloat16, torch.float32):
-        return LossScaleConfig.none()
-    return LossScaleConfig.dynamic()

@@ -35,19 +35,20 @@ The runs take one of two shapes:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch._utils import _unflatten_dense_tensors
 
-from .loss_scale import DeviceFlag, FoundInf
+from .check import DeviceFlag, FoundInf
 
 __all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "GRAD_SEGMENT_NUMEL", "CAT_NUMEL",
            "RELEASE_MIN_BYTES", "DECIDE_ON", "segment_numel_for", "Run", "Bucket", "Plan", "Check",
            "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "flat_grads", "grad_strides",
-           "unscale", "check_in_place", "clip_in_place", "clip_factor", "step", "refresh"]
+           "unscale", "check_in_place", "clip_in_place", "clip_factor", "step", "refresh", "which_overflowed"]
 
 #: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
 #: every run, so this is all the step adds to the memory of the low-precision gradients; a few
@@ -624,3 +625,19 @@ def refresh(plan: Plan) -> None:
     with torch.no_grad():
         for bucket in plan.buckets:
             torch._foreach_copy_(bucket.lows, bucket.masters)
+
+
+def which_overflowed(params: Iterator[torch.Tensor], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+                     in_place: bool) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """The parameters whose gradients were checked, and which of them hold an inf/NaN: the masters'
+    gradients, or with ``in_place`` (a segmented step) their low-precision parameters'."""
+    checked, grads = [], []
+    for p in params:
+        low = low_of(p)
+        g = low.grad if in_place and low is not None else p.grad
+        if g is not None:
+            checked.append(p)
+            grads.append(g)
+    dense = [g._values() if g.is_sparse else g for g in grads]  # (uncoalesced values too)
+    maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
+    return checked, ~torch.isfinite(maxabs)

@@ -271,7 +271,7 @@ def test_initialize_verbose_says_whether_the_total_lets_the_kernels_step(monkeyp
     line = next(x for x in capsys.readouterr().out.splitlines() if "compile_step" in x)
     if total is None:  # this model's masters are far below the default
         assert line.endswith("True (not used: the masters are too small for the compiled kernels to pay, "
-                             "see fused_step.FUSED_MIN_TOTAL)"), line
+                             "see fxamp.training.kernels.FUSED_MIN_TOTAL)"), line
     else:
         assert line.split(":", 1)[1].strip() == "True", line
 

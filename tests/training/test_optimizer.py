@@ -612,7 +612,7 @@ def test_param_group_added_behind_the_wrappers_back(o2):
 def test_bad_arguments():
     model = fxamp.convert(net(), "O2")
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"loss_scale='fast' is not understood; use 'auto', 'dynamic', a number"):
+    with pytest.raises(ValueError, match=r"loss_scale='fast' is not understood; use 'auto', 'dynamic', 'none', 'static:<scale>'"):
         MixedPrecisionOptimizer(sgd, loss_scale="fast")
     opt = MixedPrecisionOptimizer(sgd)
     with pytest.raises(TypeError, match="already a MixedPrecisionOptimizer"):
