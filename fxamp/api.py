@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from .conversion.convert import convert, policy_of
-from .training.optimizer import LossScaleArg, MixedPrecisionOptimizer, check_optimizer
+from .training.loss_scale import LossScaleOption
+from .training.optimizer import MixedPrecisionOptimizer, check_optimizer
 from .dtypes import LOW
 from .policy import Policy
 
@@ -24,7 +25,7 @@ def initialize(
     policy: Union[str, Policy] = "O1",
     *,
     dtype: Union[str, torch.dtype, None] = None,
-    loss_scale: LossScaleArg = "auto",
+    loss_scale: LossScaleOption = "auto",
     sync_overflow: bool = True,
     process_group: Optional[Any] = None,
     verbose: bool = False,
@@ -101,7 +102,7 @@ def _set_param(root: nn.Module, dotted: str, value: torch.Tensor) -> None:
 def _compile_step_note(opt: MixedPrecisionOptimizer) -> str:
     if not opt.compile_step or opt.compiled_step_active:
         return ""
-    return " (not used: the masters are too small for the compiled kernels to pay, see fused_step.FUSED_MIN_TOTAL)"
+    return " (not used: the masters are too small for the compiled kernels to pay, see fxamp.training.kernels.FUSED_MIN_TOTAL)"
 
 
 def _options_text(model: nn.Module, opt: MixedPrecisionOptimizer, masters: int) -> str:

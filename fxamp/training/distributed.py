@@ -60,3 +60,4 @@ def all_reduce_overflow_on_device(flag: torch.Tensor, group: Optional[Any] = Non
     out = flag.clone()
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
+

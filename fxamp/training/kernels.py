@@ -141,7 +141,7 @@ CHUNK = 16
 #: runs of a segment, see :func:`step_fused`): in a call of :data:`CHUNK` a master costs ~8 us of
 #: guards, views and planning, which a pass over fewer elements does not save (12 bytes per element
 #: less traffic, ~1 ns per element); the smallest masters are packed into one storage besides
-#: (``fxamp.training.optimizer._CAT_NUMEL``, 1024), which a chunk cannot take.  (32768 when each master was a call
+#: (``fxamp.training.step.CAT_NUMEL``, 1024), which a chunk cannot take.  (32768 when each master was a call
 #: of its own, ~30 us; 4096 took ~1 ms off the ResNet-50's step of 30 ms on the EPYC.)
 FUSED_MIN_NUMEL = 4096
 
@@ -450,8 +450,8 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
     _launch(kernels, "sgd_momentum", items, torch.tensor(rows, dtype=torch.float32, device=device), (nesterov,))
 
 
-def step_fused(optimizer: Any, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
-               kernels: Kernels, fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
+def step_fused(optimizer: Any, kernels: Kernels, runs: Sequence[Run],
+               scale_on: Optional[Callable[[torch.device], torch.Tensor]], fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
                segment_numel: int = SEGMENT_NUMEL, found: Optional[torch.Tensor] = None) -> None:
     """Step ``runs`` (:func:`~fxamp.training.step.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``

@@ -37,9 +37,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import LossScaleError, OptimizerStateError
+from ..info import policy_of
+from .check import DeviceFlag, FoundInf
 
-__all__ = ["ScaleKind", "LossScaleConfig", "LossScaler", "Stage", "ScalerClient", "FoundInf", "DeviceFlag",
-           "unscale_and_check_", "note_non_finite_"]
+__all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "LossScaler", "Stage", "ScalerClient", "scaler_for"]
 
 
 class ScaleKind(str, enum.Enum):
@@ -54,6 +55,11 @@ class ScaleKind(str, enum.Enum):
 
 
 _KINDS = ", ".join(repr(k.value) for k in ScaleKind)
+_OPTIONS = ("'auto', 'dynamic', 'none', 'static:<scale>' (e.g. 'static:1024'), a LossScaleConfig, or a "
+            "LossScaler shared with other optimizers")
+
+#: what ``loss_scale=`` takes (:func:`scaler_for`): a string shorthand, a config, or a shared scaler
+LossScaleOption = Union[str, "LossScaleConfig", "LossScaler"]
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,8 @@ class LossScaleConfig:
     """
 
     kind: ScaleKind = ScaleKind.DYNAMIC
-    #: the first scale; None picks 2**16 (dynamic) or 1 (none); required for static
-    init_scale: Optional[float] = None
+    #: the first scale (:meth:`of`, :meth:`none` and :meth:`static` pick it for the other kinds)
+    init_scale: float = 2.0**16
     #: multiply the scale by this after ``growth_interval`` clean steps in a row
     growth_factor: float = 2.0
     #: multiply the scale by this on an overflow (once ``hysteresis`` overflows are used up)
@@ -83,21 +89,14 @@ class LossScaleConfig:
     hysteresis: int = 1
 
     def __post_init__(self) -> None:
-        try:
-            kind = ScaleKind(self.kind)
-        except ValueError:
-            raise ValueError(f"kind={self.kind!r} is not a loss scale kind; use one of {_KINDS}") from None
-        object.__setattr__(self, "kind", kind)
-        init = self.init_scale
-        if init is None:
-            if kind is ScaleKind.STATIC:
-                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
-            init = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
+        """Validate only (normalising is :meth:`of`'s): a frozen config is never written after construction."""
+        kind, init = self.kind, self.init_scale
+        if not isinstance(kind, ScaleKind):
+            raise TypeError(f"kind={kind!r} must be a ScaleKind; LossScaleConfig.of(kind={kind!r}) takes its string")
         if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init) or init <= 0:
             raise ValueError(f"init_scale={init!r} must be a finite number > 0")
         if kind is ScaleKind.NONE and init != 1.0:
             raise ValueError(f"init_scale={init!r} with kind='none'; the 'none' scale is 1 (use kind='static')")
-        object.__setattr__(self, "init_scale", float(init))
         if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
             raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1")
         if not 0.0 < self.backoff_factor < 1.0:
@@ -114,19 +113,49 @@ class LossScaleConfig:
             )
 
     @classmethod
+    def of(cls, kind: Union[str, ScaleKind] = ScaleKind.DYNAMIC, init_scale: Optional[float] = None,
+           **fields: Any) -> "LossScaleConfig":
+        """The validated constructor with normalising: ``kind`` a :class:`ScaleKind` or its string;
+        ``init_scale`` None picks 2**16 (dynamic) or 1 (none), and is required for static."""
+        try:
+            kind = ScaleKind(kind)
+        except ValueError:
+            raise ValueError(f"kind={kind!r} is not a loss scale kind; use one of {_KINDS}") from None
+        if init_scale is None:
+            if kind is ScaleKind.STATIC:
+                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
+            init_scale = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
+        if isinstance(init_scale, int) and not isinstance(init_scale, bool):
+            init_scale = float(init_scale)
+        return cls(kind=kind, init_scale=init_scale, **fields)
+
+    @classmethod
+    def parse(cls, text: str) -> "LossScaleConfig":
+        """The string shorthand: ``"dynamic"``, ``"none"`` or ``"static:<scale>"`` (``"static:1024"``)."""
+        name, _, value = text.partition(":")
+        if name == "static" and value:
+            try:
+                return cls.static(float(value))
+            except ValueError:
+                pass
+        elif not value and name in ("dynamic", "none"):
+            return cls.of(name)
+        raise ValueError(f"loss_scale={text!r} is not understood; use {_OPTIONS}")
+
+    @classmethod
     def dynamic(cls, **fields: Any) -> "LossScaleConfig":
         """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
-        return cls(kind=ScaleKind.DYNAMIC, **fields)
+        return cls.of(ScaleKind.DYNAMIC, **fields)
 
     @classmethod
     def static(cls, scale: float) -> "LossScaleConfig":
         """A fixed scale."""
-        return cls(kind=ScaleKind.STATIC, init_scale=scale)
+        return cls.of(ScaleKind.STATIC, init_scale=scale)
 
     @classmethod
     def none(cls) -> "LossScaleConfig":
         """No scaling (scale 1); non-finite gradients still skip the step."""
-        return cls(kind=ScaleKind.NONE)
+        return cls.of(ScaleKind.NONE)
 
     def __str__(self) -> str:
         if self.kind is not ScaleKind.DYNAMIC:
@@ -159,70 +188,6 @@ class ScalerClient:
         self._found = False  # the overflow decision of the last unscale
 
 
-class FoundInf:
-    """Divides gradients by the scale and notes any inf/NaN: one flag per device, read once at the end.
-
-    ``inv_scale_on(device)`` gives ``1/scale`` there.  When the scale is 1 (``unit``) a single
-    float32 CPU tensor is only read (a finite sum means finite elements), not read and rewritten.
-    """
-
-    __slots__ = ("inv_scale_on", "unit", "flags")
-
-    def __init__(self, inv_scale_on: Callable[[torch.device], torch.Tensor], unit: bool = False) -> None:
-        self.inv_scale_on = inv_scale_on
-        self.unit = unit
-        self.flags: Dict[torch.device, torch.Tensor] = {}
-
-    def unscale_and_check_(self, tensors: List[torch.Tensor]) -> None:
-        """Divide dense ``tensors`` (one device and dtype) by the scale in place, noting any inf/NaN."""
-        if not tensors:
-            return
-        device = tensors[0].device
-        flag = self.flag_on(device)
-        t = tensors[0]
-        if self.unit and len(tensors) == 1 and t.device.type == "cpu" and t.dtype == torch.float32 \
-                and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
-            return  # nothing to divide, nothing non-finite: an inf or NaN makes the sum inf or NaN
-            # (a finite sum that overflows falls through to the exact kernel below)
-        if not _fused_kernel_takes(t):
-            note_non_finite_(flag, tensors)
-            torch._foreach_mul_(tensors, self.inv_scale_on(device))
-            return
-        # GradScaler's fused kernel: checks each value before multiplying it by 1/scale
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.inv_scale_on(device))
-
-    def check_(self, tensors: List[torch.Tensor]) -> None:
-        """Note any inf/NaN in dense ``tensors`` (one device and dtype) without dividing them.
-
-        On CPU their sums are read first (an inf or NaN makes a sum inf or NaN, so finite sums mean
-        finite elements; half the time of the kernel, which also writes); a non-finite sum, which
-        may be an overflow of finite values, falls through to the exact kernel, multiplying by 1.
-        """
-        if not tensors:
-            return
-        device = tensors[0].device
-        if device.type == "cpu" and bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
-            return  # (on an accelerator this would wait for the device)
-        if not _fused_kernel_takes(tensors[0]):
-            note_non_finite_(self.flag_on(device), tensors)
-            return
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.flag_on(device), torch.ones((), device=device))
-
-    def flag_on(self, device: torch.device) -> torch.Tensor:
-        """The flag of ``device`` (0.0 until an inf/NaN is found there): float32, 0-dim, on ``device``."""
-        flag = self.flags.get(device)
-        if flag is None:
-            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-        return flag
-
-    def found(self) -> torch.Tensor:
-        """1.0 if any tensor held an inf/NaN, else 0.0: a float32 0-dim CPU tensor."""
-        flags = [flag.to("cpu") for flag in self.flags.values()]
-        if not flags:
-            return torch.zeros((), dtype=torch.float32)
-        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-
-
 class _AnyOf:
     """``bool()``: whether any of ``flags`` (bools and :class:`DeviceFlag`) is set; waits only when asked."""
 
@@ -233,44 +198,6 @@ class _AnyOf:
 
     def __bool__(self) -> bool:
         return any(bool(f) for f in self.flags)
-
-
-class DeviceFlag:
-    """An overflow decision left on a CUDA device: a float32 0-dim ``flag`` (1.0: an inf/NaN was found).
-
-    Copied to pinned host memory without waiting; ``bool()`` (True: overflowed) waits for that copy
-    alone, which follows the check on the stream, not for work queued after it.  This is how a
-    step is decided without stopping the host: the inner optimizer skips on the device (its fused
-    kernel reads ``flag``) and the host learns the outcome later, when it needs it.
-    """
-
-    __slots__ = ("flag", "_host", "_event", "_value")
-
-    def __init__(self, flag: torch.Tensor) -> None:
-        self.flag = flag
-        self._event: Optional[Any] = None
-        self._value: Optional[bool] = None
-        if flag.device.type == "cuda":
-            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
-            self._host.copy_(flag, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(flag.device))
-        else:  # (a CPU flag: known at once; the tests run the deferred step this way)
-            self._host = flag
-
-    def ready(self) -> bool:
-        """Whether the outcome is known without waiting."""
-        return self._value is not None or self._event is None or self._event.query()
-
-    def __bool__(self) -> bool:
-        if self._value is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._value = bool(self._host.item() != 0)
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"DeviceFlag({bool(self) if self.ready() else 'pending'})"
 
 
 def _cached_on(cache: Dict[torch.device, torch.Tensor], device: torch.device,
@@ -287,50 +214,6 @@ def _cached_on(cache: Dict[torch.device, torch.Tensor], device: torch.device,
             t = t.to(device)
         cache[device] = t
     return t
-
-
-def _fused_kernel_takes(t: torch.Tensor) -> bool:
-    """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` has a kernel for ``t``: on CPU every
-    floating dtype; on CUDA (and other accelerators) float16, float32 and float64, not bfloat16."""
-    return t.device.type == "cpu" or t.dtype in (torch.float16, torch.float32, torch.float64)
-
-
-def note_non_finite_(flag: torch.Tensor, tensors: List[torch.Tensor]) -> None:
-    """Set ``flag`` (a float32 0-dim tensor on the tensors' device) to 1 if any of ``tensors`` holds an
-    inf or NaN, without waiting for the device.
-
-    For dtypes the fused kernel lacks (bfloat16 on CUDA).  Exact: the 1-norms are summed in float64,
-    where the sum of even a billion of the largest bfloat16/float16 values (3.4e38 each) is finite, so
-    a norm is non-finite exactly when an element is.
-    """
-    try:
-        norms = torch._foreach_norm(tensors, 1, dtype=torch.float64)
-    except (TypeError, RuntimeError):  # pragma: no cover - torch without _foreach_norm's dtype
-        norms = [t.abs().sum(dtype=torch.float64) for t in tensors]
-    bad = torch.logical_not(torch.isfinite(torch.stack(list(norms)))).any().to(flag.dtype)
-    torch.maximum(flag, bad, out=flag)
-
-
-def unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
-    """Multiply ``grads`` in place by ``inv_scale``; return a float32 0-dim CPU tensor, 1.0 if any was inf/NaN.
-
-    One fused kernel per (device, dtype).  Sparse gradients are checked and unscaled through their values.
-    """
-    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        t = g._values() if g.is_sparse else g  # a sparse tensor's values, a view to unscale in place
-        groups[(t.device, t.dtype)].append(t)
-    inv: Dict[torch.device, torch.Tensor] = {}
-
-    def inv_on(device: torch.device) -> torch.Tensor:
-        if device not in inv:
-            inv[device] = inv_scale.to(device=device, dtype=torch.float32)
-        return inv[device]
-
-    check = FoundInf(inv_on)
-    for tensors in groups.values():
-        check.unscale_and_check_(tensors)
-    return check.found()
 
 
 #: the smallest positive normal float32: with min_scale=0 the scale stops here, 1/scale is finite
@@ -438,6 +321,12 @@ class LossScaler:
         at its next iteration anyway; a later call of its catch-up is then a no-op)."""
         if catch_up not in self._behind:
             self._behind.append(catch_up)
+
+    @property
+    def catch_ups(self) -> int:
+        """Optimizers whose device-decided step this scaler has yet to fold in (see :meth:`defer`); reading
+        this does not fold them in."""
+        return len(self._behind)
 
     def _catch_up(self) -> None:
         while self._behind:
@@ -673,3 +562,39 @@ def _list_names(names: Sequence[str], limit: int = 20) -> str:
         return "(none on this rank: another rank overflowed)"
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def scaler_for(loss_scale: LossScaleOption, model: Optional[torch.nn.Module] = None,
+               params: Sequence[torch.Tensor] = ()) -> Tuple[LossScaler, bool]:
+    """The scaler of a ``loss_scale=`` option, and whether the optimizer owns it (not a shared one).
+
+    ``"auto"``: dynamic for float16, none for bfloat16 and float32 (the compute dtype of ``model``'s
+    fxamp policy, else float16 or bfloat16 if one of ``params`` is; dynamic when unknown); ``"dynamic"``, ``"none"``, ``"static:<scale>"``
+    (:meth:`LossScaleConfig.parse`); a :class:`LossScaleConfig`; a :class:`LossScaler` to share.
+    ``None`` and a number are the older spellings of ``"none"`` and ``"static:<number>"``.
+    """
+    if isinstance(loss_scale, LossScaler):
+        return loss_scale, False
+    if isinstance(loss_scale, LossScaleConfig):
+        return LossScaler(loss_scale), True
+    if loss_scale is None:
+        return LossScaler(LossScaleConfig.none()), True
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return LossScaler(LossScaleConfig.static(float(loss_scale))), True
+    if not isinstance(loss_scale, str):
+        raise TypeError(f"loss_scale={loss_scale!r} ({type(loss_scale).__name__}) is not understood; use {_OPTIONS}")
+    if loss_scale == "auto":
+        low = _low_dtype(model, params)
+        auto = LossScaleConfig.none() if low in (torch.bfloat16, torch.float32) else LossScaleConfig.dynamic()
+        return LossScaler(auto), True
+    return LossScaler(LossScaleConfig.parse(loss_scale)), True
+
+
+def _low_dtype(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+    policy = None
+    if model is not None:
+        policy = policy_of(model) or policy_of(getattr(model, "module", model))  # DDP keeps it in .module
+    if policy is not None:
+        return policy.compute
+    dtypes = {p.dtype for p in params}
+    return torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes else None

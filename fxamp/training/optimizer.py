@@ -19,49 +19,22 @@ optimizer attached to it)::
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
                             \\________________step()________________/
 
-``step()`` copies low-precision gradients into the masters' float32 ``.grad``, divides every
-gradient by the scale and checks it for inf/NaN in one fused kernel per (device, dtype), agrees
-on the result across ranks, then steps or skips (a skip changes no weight, master or optimizer
-state) and updates the scale (see :class:`fxamp.LossScaler`).  At scale 1 (bfloat16's default)
-there is nothing to divide: a float32 CPU gradient buffer is only read for the check.  On a GPU
-with a fused inner optimizer the result is not read on the host: the flag goes to the optimizer's
-kernel, which skips on the device, and the host learns the outcome at the next iteration's start
-(see :meth:`MixedPrecisionOptimizer.step`).
+A skip changes no weight, master or optimizer state.  On a GPU with a fused inner optimizer the
+verdict is not read on the host: its kernel skips on the device, and the host learns the outcome
+at the next iteration's start (see :meth:`MixedPrecisionOptimizer.step`).
 
-On a large model the step is bound by memory traffic, not by Python: besides the inner step, the
-wrapper reads the low-precision gradients and writes their float32 copies, reads those for the
-check, and reads the masters to write the low-precision weights.  The copy and the refresh are
-the price of float32 masters under an optimizer that steps float32 tensors only.
-
-The per-step overhead is a handful of foreach calls, not a Python loop over parameters: the
-tensor lists are built once per layout of ``param_groups`` (:class:`_Plan`), and the masters'
-float32 gradients are views into a few flat segments, allocated at each ``unscale_()`` (a few
-allocations, not one per parameter) and overwritten with the sum the low-precision gradients
-accumulated; ``zero_grad()`` unbinds and frees them (from 16 MiB on), so they take no memory during
-the forward and backward, where activations peak (``release_grad_buffer=False`` keeps them; on CPU
-a low-precision staging copy of the small gradients is kept either way).
-
-On a large model (16 MiB of float32 gradients or more) a ``step()`` not preceded by ``unscale_()``
-is *segmented* (:mod:`fxamp.training.step`) when the inner optimizer is a stock per-parameter
-torch optimizer (SGD, Adam, AdamW, ...) without step hooks: the low-precision gradients are
-checked where they are, then the masters are stepped a run of 4 MiB of float32 gradients at a
-time, so a float32 gradient for every master never exists and the step adds 4 MiB (or the
-largest master's gradient, stepped whole), not 4 bytes per parameter, to the peak.  It is
-bitwise the same step; the masters hold no ``.grad`` after it.  ``clip_grad_norm_()`` clips
-without leaving it (norms from the low-precision gradients, the factor applied in ``step()``);
-``unscale_()`` gives every master its float32 gradient at once (to read them), and the plain step.
-
-In the plain step on CPU, the small masters the wrapper made (at most ``_CAT_NUMEL`` elements)
-are stored as the rows of one float32 tensor per (param group, trailing shape) and stepped as
-that tensor (:mod:`fxamp.training.packed_step`): a CPU optimizer dispatches every op per tensor, so 400
-small masters cost 400 times the dispatch of one.  Bitwise the same step, invisible outside it.
-
-With ``compile_step=True`` (a stock AdamW, Adam or SGD, and masters large enough for it to pay:
-``fused_step.FUSED_MIN_TOTAL``) the masters of at least ``fused_step.FUSED_MIN_NUMEL`` elements
-skip all of that: after the same in-place check, one kernel, compiled by ``torch.compile`` and
-called for 16 masters at a time, reads the low-precision gradient and writes the master, the
-optimizer state and the low-precision weight (:mod:`fxamp.training.kernels`); the smaller masters and
-the float32 parameters take the segmented step.
+The step itself is :mod:`fxamp.training.step`, one engine: plan runs, check, then per run unscale
+into a float32 segment, step the inner optimizer on the run's masters and refresh the low weights.
+The plain step is one run of every master (after ``unscale_()``, whose float32 gradients are views
+into a few flat segments, freed by ``zero_grad()`` from 16 MiB on unless ``release_grad_buffer=False``);
+on a large model with a stock per-parameter torch optimizer, a ``step()`` not preceded by
+``unscale_()`` is *segmented*: runs of at most 4 MiB of float32 gradients, so a float32 gradient for
+every master never exists, bitwise the same step (the masters hold no ``.grad`` after it).
+``clip_grad_norm_()`` clips without leaving it (norms from the low-precision gradients, the factor
+applied in ``step()``).  With ``compile_step=True`` (a stock AdamW, Adam or SGD, and masters large
+enough for it to pay: ``kernels.FUSED_MIN_TOTAL``) the runs are stepped by a compiled executor
+(:mod:`fxamp.training.kernels`) that reads the low-precision gradient and writes the master, the
+optimizer state and the low-precision weight in one pass.
 
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
@@ -70,25 +43,21 @@ The wrapped optimizer may be any object that behaves like one (``param_groups``,
 
 from __future__ import annotations
 
-import contextlib
-import math
+import functools
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, reduces_on_device
+from . import step as engine
+from .check import FoundInf, StepResult, agree
+from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from ..info import policy_of
-from .loss_scale import DeviceFlag, FoundInf, LossScaleConfig, LossScaler, Stage
+from .loss_scale import LossScaleOption, LossScaler, Stage, scaler_for
 from .kernels import Kernels, fusable, skips_on_device, step_fused, worth_fusing
-from .packed_step import Pack, step_with_packs
-from ..policy import Policy
-from .step import (Run, Strides, flat_grads, grad_strides, plan_runs, segment_numel_for, step_runs,
-                             steps_per_parameter)
 
 __all__ = ["MixedPrecisionOptimizer", "StepResult", "check_optimizer"]
 
@@ -106,266 +75,6 @@ class _StateDictError(ValueError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-LossScaleArg = Union[str, float, None, LossScaleConfig, LossScaler]
-
-
-#: On CPU, gradients of at most this many elements are gathered by ``torch.cat`` (one kernel per
-#: trailing shape) into a low-precision staging tensor and converted to float32 by one kernel: a
-#: copy per tensor is mostly dispatch for a small tensor (benchmarks/RESULTS.md, the 200-Linear
-#: chain).  Larger ones are copied directly.  The masters of the gathered ones that the wrapper made
-#: are stored and stepped as one tensor per cat run (:mod:`fxamp.training.packed_step`).
-_CAT_NUMEL = 1024
-
-
-#: The masters' float32 gradients are allocated in segments of at most this many elements (16 MiB),
-#: each tensor in one segment (a larger tensor is a segment of its own).  The segments live from
-#: ``unscale_()`` to ``zero_grad()``; a single buffer of a real model's size (82 MB for 20 M
-#: parameters) is above glibc's largest mmap threshold (32 MiB), so it would be mapped afresh and
-#: page-faulted in at every step (43 ms of CPU per step at that size, measured), while segments of
-#: this size are recycled by the heap (5 ms: the copy itself), as a plain optimizer's gradients are.
-_SEGMENT_NUMEL = 4 * 1024 * 1024
-
-#: ``zero_grad()`` frees the masters' gradients of a (device, dtype) only from this many bytes on:
-#: below, re-creating the views costs more than the memory is worth (200 Linear(16, 16): 400 views,
-#: 1.3 ms of a 9.4 ms O2 training step, for 218 KB).
-_RELEASE_MIN_BYTES = 16 * 1024 * 1024
-
-
-class _Bucket:
-    """Low-precision parameters of one (device, dtype), their masters, and the masters' gradients.
-
-    The masters' gradients are views into a few flat segments (``_SEGMENT_NUMEL``), laid out with
-    the strides ``empty_like(master)`` gives, as a fresh gradient would have: allocated at
-    ``unscale_()`` (:meth:`allocate`, a few allocations per step, not one per parameter), bound as
-    the masters' ``.grad`` and overwritten from the low-precision gradients, checked for inf/NaN in
-    one kernel over the segments instead of one per tensor (400 kernels on a 200-layer MLP), and
-    dropped by ``zero_grad()`` (:meth:`release`), so they take no memory during the
-    forward and backward, where activations peak.
-
-    The pairs are reordered: first the groups of small gradients gathered with ``torch.cat``
-    (``cats``: a slice of the lists and the stretch of ``staging`` it fills, see ``_CAT_NUMEL``),
-    whose float32 copies start the first segment (``flats[0]``); then the others.
-    """
-
-    __slots__ = ("device", "lows", "masters", "grads", "flats", "segments", "cats", "staging", "ncat", "nbytes",
-                 "packs")
-
-    def __init__(self, lows: List[torch.Tensor], masters: List[torch.Tensor],
-                 pack_groups: Optional[List[Optional[int]]] = None) -> None:
-        self.device = lows[0].device
-        groups, rest = _cat_groups(lows, masters, pack_groups)
-        pairs = [pair for _, group in groups for pair in group] + rest
-        self.lows = [low for low, _ in pairs]
-        self.masters = [m for _, m in pairs]
-        self.ncat = sum(len(group) for _, group in groups)
-        self.segments = _segments(self.masters, self.ncat)
-        self.nbytes = sum(m.numel() * m.element_size() for m in self.masters)
-        self.flats: Optional[List[torch.Tensor]] = None  # allocated by allocate(), dropped by release()
-        self.grads: Optional[List[torch.Tensor]] = None  # the masters' gradients: views of ``flats``
-        nstaged = sum(m.numel() for m in self.masters[:self.ncat])
-        self.staging = torch.empty(nstaged, dtype=self.lows[0].dtype, device=self.device)
-        self.cats: List[Tuple[slice, torch.Tensor]] = []
-        start = offset = 0
-        for _, group in groups:  # cat along dim 0 fills ``out``: the group's stretch of staging, as one tensor
-            masters_of_group = [m for _, m in group]
-            n = sum(m.numel() for m in masters_of_group)
-            rows = sum(m.shape[0] for m in masters_of_group)
-            out = self.staging[offset:offset + n].view(rows, *masters_of_group[0].shape[1:])
-            self.cats.append((slice(start, start + len(group)), out))
-            start, offset = start + len(group), offset + n
-        self.packs = self.pack([key for key, _ in groups])
-
-    def pack(self, pack_groups: List[Optional[int]]) -> List[Pack]:
-        """A :class:`~fxamp.training.packed_step.Pack` for each cat run with a param group (None: not packed),
-        its gradient the run's stretch of the first segment, which ``copy_in`` fills."""
-        packs, offset = [], 0
-        for (run, out), group in zip(self.cats, pack_groups):
-            if group is not None:
-                packs.append(Pack(group, self.masters[run], _RunGrad(self, run, offset, out.shape)))
-            offset += out.numel()
-        return packs
-
-    def allocate(self) -> None:
-        """Allocate the masters' gradient segments and their views, unless they are still allocated."""
-        if self.grads is None:
-            self.flats, self.grads = _flat_grads(self.masters, self.segments)
-
-    def release(self) -> None:
-        """Drop the segments if they are large (``_RELEASE_MIN_BYTES``); unbind the masters' ``.grad``
-        first, or the segments stay alive through them."""
-        if self.nbytes >= _RELEASE_MIN_BYTES:
-            self.flats = self.grads = None
-
-    def copy_in(self, grads: List[torch.Tensor], check: Optional[Callable[[List[torch.Tensor]], None]] = None) -> None:
-        """Copy dense low-precision gradients, in the order of ``lows``, into the masters' ``grads``.
-
-        Segment by segment, each passed to ``check`` right after it is written, while it is still
-        in cache (a 16 MiB segment; checking all of an 82 MB buffer afterwards reads it from memory).
-        """
-        for k, (first, end, _) in enumerate(self.segments):
-            if k == 0 and self.cats:
-                for run, out in self.cats:
-                    torch.cat(grads[run], out=out)
-                self.flats[0][:self.staging.numel()].copy_(self.staging)
-                first = self.ncat
-            if first < end:  # one call for the segment's list, not one per tensor
-                torch._foreach_copy_(self.grads[first:end], grads[first:end])
-            if check is not None:
-                check([self.flats[k]])
-
-
-class _RunGrad:
-    """A pack's gradient: its cat run's stretch of the bucket's first float32 segment, or None when a
-    member's ``.grad`` is not its view there (missing, sparse, or replaced since ``unscale_()``).
-    An object, not a closure, so a deep copy of the wrapper reads its own bucket."""
-
-    __slots__ = ("bucket", "run", "offset", "shape")
-
-    def __init__(self, bucket: _Bucket, run: slice, offset: int, shape: torch.Size) -> None:
-        self.bucket, self.run, self.offset, self.shape = bucket, run, offset, shape
-
-    def __call__(self) -> Optional[torch.Tensor]:
-        b = self.bucket
-        if b.grads is None:
-            return None
-        for m, g in zip(b.masters[self.run], b.grads[self.run]):
-            if m.grad is not g:
-                return None
-        return b.flats[0][self.offset:self.offset + self.shape.numel()].view(self.shape)
-
-
-_Pair = Tuple[torch.Tensor, torch.Tensor]
-
-
-def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor],
-                pack_groups: Optional[List[Optional[int]]] = None
-                ) -> Tuple[List[Tuple[Optional[int], List[_Pair]]], List[_Pair]]:
-    """Split (low, master) pairs into the groups ``torch.cat`` gathers along dim 0, each with its
-    pack group, and the rest.
-
-    A group: two or more small (``_CAT_NUMEL``) CPU tensors with contiguous gradients, the same
-    shape but for dim 0, and the same ``pack_groups`` entry: the param group of a master that may
-    be packed (one pack steps one group's hyperparameters), None for the others.
-    """
-    groups: Dict[Tuple[Any, ...], List[_Pair]] = {}
-    rest = []
-    for i, (low, m) in enumerate(zip(lows, masters)):
-        if (low.device.type == "cpu" and 0 < m.dim() and m.numel() <= _CAT_NUMEL
-                and m.is_contiguous() and torch.empty_like(m, device="meta").is_contiguous()):
-            key = None if pack_groups is None else pack_groups[i]
-            groups.setdefault((key, tuple(m.shape[1:])), []).append((low, m))
-        else:
-            rest.append((low, m))
-    gathered = [(key, group) for (key, _), group in groups.items() if len(group) > 1]
-    rest += [pair for group in groups.values() if len(group) == 1 for pair in group]
-    return gathered, rest
-
-
-def _segments(masters: List[torch.Tensor], ncat: int) -> List[Tuple[int, int, Strides]]:
-    """``(first, end, strides)`` per gradient segment: runs of consecutive masters of at most
-    ``_SEGMENT_NUMEL`` elements in all (or one larger master); the ``ncat`` staged ones start the first.
-    ``strides``: :func:`~fxamp.training.step.grad_strides` of the segment's masters."""
-    bounds = [0]
-    total = sum(m.numel() for m in masters[:ncat])  # the staged ones start the first segment
-    for i in range(ncat, len(masters)):
-        n = masters[i].numel()
-        if i > bounds[-1] and total + n > _SEGMENT_NUMEL:
-            bounds.append(i)
-            total = 0
-        total += n
-    if bounds[-1] < len(masters):
-        bounds.append(len(masters))
-    return [(first, end, grad_strides(masters[first:end])) for first, end in zip(bounds, bounds[1:])]
-
-
-def _flat_grads(masters: List[torch.Tensor], segments: List[Tuple[int, int, Strides]]
-                ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """The segments, and a view of them per master laid out as ``empty_like(master)`` would be."""
-    flats, views = [], []
-    for first, end, strides in segments:
-        flat, group_views = flat_grads(masters[first:end], strides)
-        flats.append(flat)
-        views.extend(group_views)
-    return flats, views
-
-
-_UNKNOWN = object()
-
-#: device types on which a step's overflow decision stays on the device (tests add "cpu" to run it here)
-_DECIDE_ON = ("cuda",)
-
-
-class _Deferred:
-    """A step decided on the device: its :class:`DeviceFlag`, whether the gradients checked were the
-    low-precision ones (a segmented step), and whether the wrapper updates the scale when it settles."""
-
-    __slots__ = ("verdict", "in_place", "update")
-
-    def __init__(self, verdict: DeviceFlag, in_place: bool) -> None:
-        self.verdict, self.in_place, self.update = verdict, in_place, False
-
-
-class StepResult:
-    """What ``step()`` returns when the overflow decision stayed on the GPU: truthy if it stepped.
-
-    ``bool()`` waits for the check (not for the step): ignore it, and the host never waits.
-    """
-
-    __slots__ = ("_verdict",)
-
-    def __init__(self, verdict: DeviceFlag) -> None:
-        self._verdict = verdict
-
-    def __bool__(self) -> bool:
-        return not bool(self._verdict)
-
-    def __eq__(self, other: object) -> bool:
-        return bool(self) == other if isinstance(other, bool) else NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"StepResult(stepped={bool(self)})" if self._verdict.ready() else "StepResult(pending)"
-
-
-class _Plan:
-    """What a step touches, as lists ready for foreach calls; valid while ``param_groups`` keep their layout.
-
-    buckets: low-precision parameters and their masters, per (device, dtype) of the former
-    own:     the float32 (or float64) parameters the inner optimizer steps directly, per (device, dtype)
-    layout:  each group's ``params`` list and its length when the plan was built (see ``matches``)
-
-    A group added to the inner optimizer, or a ``params`` list replaced or resized, is noticed at
-    the next ``unscale_()``; a parameter swapped into a list in place is not (nor was it by the
-    master pairing, which happens when a group is bound).
-    """
-
-    __slots__ = ("buckets", "own", "layout", "runs", "decide_on", "packs", "fuse")
-
-    def __init__(self, buckets: List[_Bucket], own: List[List[torch.Tensor]],
-                 layout: List[Tuple[List[torch.Tensor], int]]) -> None:
-        self.buckets = buckets
-        self.packs = [pack for b in buckets for pack in b.packs]  # small masters stepped as one tensor
-        self.own = own
-        self.layout = layout
-        self.runs: Optional[List[Run]] = None  # a segmented step's runs, planned at the first one
-        #: the device the overflow decision stays on (see MixedPrecisionOptimizer._decide), or None
-        self.decide_on: Any = _UNKNOWN
-        #: whether the step uses compile_step's kernels (see MixedPrecisionOptimizer._fuses), or None
-        self.fuse: Optional[bool] = None
-
-    def devices(self) -> set:
-        return {b.device for b in self.buckets} | {p.device for params in self.own for p in params}
-
-    def matches(self, groups: List[Dict[str, Any]]) -> bool:
-        """Same groups holding the same lists of the same lengths (the lists are held, so ids are not reused)."""
-        if len(groups) != len(self.layout):
-            return False
-        for group, (params, n) in zip(groups, self.layout):
-            if group["params"] is not params or len(params) != n:
-                return False
-        return True
-
 
 def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
     """True when ``optimizer.zero_grad`` is ``Optimizer.zero_grad`` (no subclass or instance override)."""
@@ -375,79 +84,6 @@ def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
 def _unbind_grads(params: Sequence[torch.Tensor]) -> None:
     for p in params:
         p.grad = None
-
-
-def _bind_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    for p, g in zip(params, grads):
-        if p.grad is not g:
-            p.grad = g
-
-
-def _all_dense(grads: Sequence[Optional[torch.Tensor]]) -> bool:
-    for g in grads:
-        if g is None or g.is_sparse:
-            return False
-    return True
-
-
-def _unscale_masters_(bucket: _Bucket, flags: FoundInf) -> int:
-    """Put the unscaled low-precision gradients of ``bucket`` in its masters' ``.grad``; return how many.
-
-    The masters' gradient tensors are overwritten, not accumulated into: the low-precision ones
-    already hold the sum over every backward since zero_grad().  The check reads the float32
-    copies before unscaling them (GradScaler's order), so it sees exactly the low-precision values.
-    """
-    grads = [p.grad for p in bucket.lows]
-    bucket.allocate()
-    _bind_grads(bucket.masters, bucket.grads)
-    try:  # the usual case, every gradient dense: a few kernels, no per-parameter work
-        bucket.copy_in(grads, flags.unscale_and_check_)
-    except (TypeError, RuntimeError):  # a None gradient (TypeError) or a sparse one: pair by pair
-        # (the segments checked so far are copied and checked again: the same values, the same verdict)
-        return _unscale_pairs_(bucket, grads, flags)
-    return len(grads)
-
-
-def _unscale_pairs_(bucket: _Bucket, grads: List[Optional[torch.Tensor]], flags: FoundInf) -> int:
-    """:func:`_unscale_masters_` when some parameter got no gradient (its master gets none) or a sparse one."""
-    dst, src, values = [], [], []
-    for master, buf, g in zip(bucket.masters, bucket.grads, grads):
-        if g is None:
-            master.grad = None  # not stepped, as the plain optimizer would not step it
-        elif g.is_sparse:
-            master.grad = g.coalesce().float()
-            values.append(master.grad._values())  # the values of a sparse tensor: a view, unscaled in place
-        else:  # bound to ``buf`` already
-            dst.append(buf)
-            src.append(g)
-    if dst:
-        torch._foreach_copy_(dst, src)  # raises what copy_in() ran into, if that was something else
-    if dst or values:
-        flags.unscale_and_check_(dst + values)
-    return len(dst) + len(values)
-
-
-def _unscale_own_(params: List[torch.Tensor], flags: FoundInf) -> int:
-    """Unscale, in place, the gradients of float32 parameters stepped directly (one device and dtype).
-
-    Sparse and missing gradients are looked for first, not caught as in _unscale_masters_: the
-    kernel unscales in place, so failing part way would leave some gradients unscaled.
-    """
-    grads = [p.grad for p in params]
-    if not _all_dense(grads):  # (values of sparse gradients: views, unscaled in place)
-        grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
-    if grads:
-        flags.unscale_and_check_(grads)
-    return len(grads)
-
-
-def _multiplier(flags: FoundInf, coef: Optional[torch.Tensor]) -> Optional[Callable[[torch.device], torch.Tensor]]:
-    """What a segmented step multiplies the copied gradients by: ``1/scale`` times the clip factor, or None for 1."""
-    if coef is None:
-        return None if flags.unit else flags.inv_scale_on
-    if flags.unit:
-        return lambda device: coef.to(device)
-    return lambda device: flags.inv_scale_on(device) * coef.to(device)
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -474,9 +110,10 @@ def check_optimizer(optimizer: Any) -> None:
 class MixedPrecisionOptimizer:
     """Wrap ``optimizer`` (any ``torch.optim.Optimizer``, or an object like one) with float32 masters and loss scaling.
 
-    loss_scale:    ``"auto"`` (dynamic for float16, none for bfloat16 — read from ``model``'s fxamp
+    loss_scale:    a :data:`~fxamp.training.loss_scale.LossScaleOption` (:func:`~fxamp.training.loss_scale.scaler_for`):
+                   ``"auto"`` (dynamic for float16, none for bfloat16 — read from ``model``'s fxamp
                    policy, else from the parameters' dtypes; dynamic when all are float32 and no
-                   policy says otherwise), ``"dynamic"``, a number (static), ``None``/``"none"``, a
+                   policy says otherwise), ``"dynamic"``, ``"none"``, ``"static:<scale>"``, a
                    :class:`LossScaleConfig`, or a :class:`LossScaler` shared with other optimizers.
     model:         the module the parameters belong to: names parameters in reports and errors,
                    and is the default for :meth:`fp32_state_dict`.
@@ -490,15 +127,8 @@ class MixedPrecisionOptimizer:
                    parameter, no allocation per step) and never segments the step (below).
     compile_step:  step the masters of a stock ``torch.optim.AdamW``, ``Adam`` or ``SGD`` with a kernel
                    compiled by ``torch.compile`` that reads each low-precision gradient and writes the
-                   low-precision weight in the same pass as the update (:mod:`fxamp.training.kernels`): no
-                   float32 gradient at all, and about 28 instead of 40 bytes of memory traffic per
-                   parameter for AdamW.  The first step compiles (10-30 s on 2 CPU cores; cached on
-                   disk by inductor).  Only where it pays: when the masters the kernels would take
-                   hold ``fused_step.FUSED_MIN_TOTAL`` elements (0.25 M for Adam/AdamW, 0.5 M for
-                   SGD, 2-3 M for torch's fused ones, whose own step is already one pass),
-                   else the step is the one without ``compile_step`` and nothing is compiled.
-                   With Adam/AdamW the overflow decision stays on the device where it would without
-                   (a fused inner optimizer on one CUDA device); SGD's is read on the host.  Not
+                   low-precision weight in the same pass as the update (:mod:`fxamp.training.kernels`,
+                   which says when it pays: ``FUSED_MIN_TOTAL``; below it nothing is compiled).  Not
                    bitwise the inner optimizer's step (a few float32 ulps on the masters).  Raises
                    ValueError for another optimizer or an option the kernels lack (amsgrad,
                    capturable, differentiable).
@@ -512,7 +142,7 @@ class MixedPrecisionOptimizer:
         self,
         optimizer: Any,
         *,
-        loss_scale: LossScaleArg = "auto",
+        loss_scale: LossScaleOption = "auto",
         model: Optional[nn.Module] = None,
         sync_overflow: bool = True,
         process_group: Optional[Any] = None,
@@ -541,20 +171,17 @@ class MixedPrecisionOptimizer:
         self._lows: List[torch.Tensor] = []  # low-precision model parameters ...
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
-        #: the masters this wrapper created, by id (those it may pack); held, so no id is reused
-        self._made: Dict[int, torch.Tensor] = {}
         self._nparams = 0
-        self._plan: Optional[_Plan] = None  # built at the first unscale_(), see _get_plan()
+        self._plan: Optional[engine.Plan] = None  # built at the first unscale_(), see _get_plan()
         for group in optimizer.param_groups:
             self._bind_group(group)
-        self.scaler, self._owns_scaler = _resolve_scaler(loss_scale, model, list(self.master_params()) + self._lows)
+        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()) + self._lows)
         self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
         self._skipped = 0  # steps skipped (skipped_steps) ...
-        self._due: Optional[_Deferred] = None  # ... and the last step, if decided on the device and not yet counted
-        self._deciding: Optional[_Deferred] = None  # this step's decision on the device, from unscale to step
+        self._due: Optional[engine.Check] = None  # ... and the last step, if decided on the device and not yet counted
+        self._check: Optional[engine.Check] = None  # this step's check, from unscale_() (or clip) to step()
+        #: the parameters checked at the latest overflow, and which of them held an inf/NaN
         self._overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
-        #: set by clip_grad_norm_() for a segmented step: the check's flags and the clip factor
-        self._pending: Optional[Tuple[FoundInf, torch.Tensor]] = None
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:
@@ -570,7 +197,6 @@ class MixedPrecisionOptimizer:
                         for k, v in state.items()
                     }
                 params[j] = master
-                self._made[id(master)] = master
                 self._pair(p, master)
         self._nparams += len(params)
 
@@ -580,34 +206,16 @@ class MixedPrecisionOptimizer:
         self._low_of[id(master)] = low
         self._plan = None
 
-    def _get_plan(self) -> _Plan:
+    def _get_plan(self) -> engine.Plan:
         """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
+        self._check_params()
         plan = self._plan
         if plan is None or not plan.matches(self.optimizer.param_groups):
-            self._check_params()
-            plan = self._plan = self._build_plan()
+            plan = self._plan = engine.Plan(self.optimizer.param_groups, self._low_of_master)
         return plan
 
-    def _build_plan(self) -> _Plan:
-        """Group the inner optimizer's parameters by device and dtype, in their order in ``param_groups``."""
-        pairs: Dict[Tuple[torch.device, torch.dtype, torch.dtype],
-                    Tuple[List[torch.Tensor], List[torch.Tensor], List[Optional[int]]]] = {}
-        own: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-        packing = steps_per_parameter(self.optimizer)
-        for gi, group in enumerate(self.optimizer.param_groups):
-            for master in group["params"]:
-                low = self._low_of.get(id(master))
-                if low is None:
-                    own.setdefault((master.device, master.dtype), []).append(master)
-                    continue
-                lows, masters, pack_groups = pairs.setdefault((low.device, low.dtype, master.dtype), ([], [], []))
-                lows.append(low)
-                masters.append(master)
-                # only masters the wrapper made are packed (an adopted one is the user's tensor)
-                packable = packing and id(master) in self._made and master.requires_grad
-                pack_groups.append(gi if packable else None)
-        layout = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
-        return _Plan([_Bucket(*lists) for lists in pairs.values()], list(own.values()), layout)
+    def _low_of_master(self, master: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._low_of.get(id(master))
 
     def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.
@@ -646,6 +254,17 @@ class MixedPrecisionOptimizer:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    def master_pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(low-precision parameter, its float32 master)`` for every master, in the order they were
+        paired (the order of :meth:`state_dict`'s ``masters``)."""
+        return list(zip(self._lows, self._masters))
+
+    @property
+    def plan(self) -> engine.Plan:
+        """What the next step touches (:class:`fxamp.training.step.Plan`: its buckets of masters and
+        their float32 gradient segments, its runs once a step was segmented); read it, do not change it."""
+        return self._get_plan()
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         return self.optimizer.param_groups
@@ -678,47 +297,11 @@ class MixedPrecisionOptimizer:
         self._due = None
         if bool(due.verdict):
             self._skipped += 1
-            self._overflow = self._which_overflowed(due.in_place)
+            self._overflow = engine.which_overflowed(self.master_params(), self._low_of_master, due.in_place)
         else:
             self._overflow = None
         if due.update:
             self.scaler.update()
-
-    def _decides_on_device(self, plan: "_Plan") -> Optional[torch.device]:
-        """The device on which this step's overflow decision stays (the host does not wait for it), or None.
-
-        When the inner optimizer's step can skip on the device (torch's fused Adam, AdamW, SGD:
-        ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
-        one CUDA device and the flag can be agreed on there (not distributed, or NCCL).  Elsewhere
-        the decision is read on the host, as it always was.  A dynamic scale shared with other
-        optimizers moves in the caller's ``update()``, which reads the flag then: after this step's
-        kernels are queued, so the device still has work while the host waits.
-        """
-        if plan.decide_on is _UNKNOWN:
-            plan.decide_on = None
-            devices = plan.devices()
-            if self._fuses(plan) and not skips_on_device(self.optimizer):
-                return None
-            if (getattr(self.optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
-                    and next(iter(devices)).type in _DECIDE_ON):
-                device = next(iter(devices))
-                if not self.sync_overflow or reduces_on_device(device, self.process_group):
-                    plan.decide_on = device
-        return plan.decide_on
-
-    @contextlib.contextmanager
-    def _inner_skips(self, deciding: Optional[_Deferred]) -> Iterator[None]:
-        """Hand the device's overflow flag to the inner optimizer's step, as GradScaler does (``found_inf``;
-        ``grad_scale`` None: the gradients are unscaled already): its fused kernel skips on the device."""
-        if deciding is None:
-            yield
-            return
-        opt = self.optimizer
-        opt.found_inf, opt.grad_scale = deciding.verdict.flag, None
-        try:
-            yield
-        finally:
-            del opt.found_inf, opt.grad_scale
 
     @property
     def compiled_step_active(self) -> bool:
@@ -760,8 +343,7 @@ class MixedPrecisionOptimizer:
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
         self._settle()
-        self._pending = None
-        self._deciding = None
+        self._check = None
         if set_to_none:
             if not _stock_zero_grad(self.optimizer):
                 self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
@@ -815,33 +397,17 @@ class MixedPrecisionOptimizer:
         :meth:`master_params`, whose gradients are the true ones.
         """
         self._settle()
-        self._check_params()
         flags = self.scaler.start_unscale(self._client)
         plan = self._get_plan()
         with torch.no_grad():
-            checked = sum(_unscale_masters_(b, flags) for b in plan.buckets)
-            checked += sum(_unscale_own_(params, flags) for params in plan.own)
-            self._decide(flags, checked, plan)
+            self._decide(flags, engine.unscale(plan, flags), plan, in_place=False)
 
-    def _check_in_place(self, plan: _Plan) -> FoundInf:
-        """``unscale_()`` for a segmented step: check the low-precision gradients where they are (the
-        float32 parameters' are unscaled in place as usual); the masters get no gradient here."""
-        flags = self.scaler.start_unscale(self._client)
-        with torch.no_grad():
-            checked = 0
-            for bucket in plan.buckets:
-                grads = [p.grad for p in bucket.lows if p.grad is not None]
-                flags.check_(grads)
-                checked += len(grads)
-            checked += sum(_unscale_own_(params, flags) for params in plan.own)
-            self._decide(flags, checked, plan, in_place=True)
-        return flags
+    def _decide(self, flags: FoundInf, checked: int, plan: engine.Plan, in_place: bool) -> engine.Check:
+        """Whether this step overflowed, agreed over ``process_group`` (:func:`~fxamp.training.distributed.agree`);
+        tell the scaler, and keep the step's :class:`~fxamp.training.step.Check` for ``step()``.
 
-    def _decide(self, flags: FoundInf, checked: int, plan: "_Plan", in_place: bool = False) -> None:
-        """Whether this step overflowed, agreed over ``process_group``; tell the scaler.
-
-        On a device where the decision can stay (:meth:`_decides_on_device`) the host does not
-        wait for it: the scaler is told "no overflow" for now, the inner optimizer gets the flag
+        Where the decision stays on the device (:func:`fxamp.training.step.decides_on`) the host does
+        not wait for it: the scaler is told "no overflow" for now, the inner optimizer gets the flag
         and skips on the device, and the outcome is counted when the next iteration starts
         (:meth:`_settle`).  Elsewhere the flag is read here (the host waits for the backward).
         """
@@ -851,24 +417,23 @@ class MixedPrecisionOptimizer:
                 "or backward() ran on another model (if the optimizer was built on the original "
                 "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
             )
-        device = self._decides_on_device(plan)
-        if device is not None:
-            flag = flags.flag_on(device)
-            if self.sync_overflow:
-                flag = all_reduce_overflow_on_device(flag, self.process_group)
-            self._deciding = _Deferred(DeviceFlag(flag), in_place)
+        verdict, local = agree(flags, self._decides_on(plan), self.sync_overflow, self.process_group)
+        check = self._check = engine.Check(flags, in_place, verdict)
+        if check.on_device:
             self.scaler.finish_unscale(self._client, False)
-            return
-        local = flags.found()
-        found = all_reduce_overflow(local, self.process_group) if self.sync_overflow else local
-        found_inf = bool(found.item())
-        if local.item():  # rare: note which tensors overflowed, before clipping can spread NaNs
-            self._overflow = self._which_overflowed(in_place)
+            return check
+        if local:  # rare: note which tensors overflowed, before clipping can spread NaNs
+            self._overflow = engine.which_overflowed(self.master_params(), self._low_of_master, in_place)
         else:  # clean here; on another rank, perhaps
-            self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if found_inf else None
-        self.scaler.finish_unscale(self._client, found_inf)
+            self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if verdict else None
+        self.scaler.finish_unscale(self._client, verdict)
+        return check
 
-    def _fuses(self, plan: _Plan) -> bool:
+    def _decides_on(self, plan: engine.Plan) -> Optional[torch.device]:
+        return engine.decides_on(plan, self.optimizer, self._fuses(plan), skips_on_device(self.optimizer),
+                                 lambda d: not self.sync_overflow or reduces_on_device(d, self.process_group))
+
+    def _fuses(self, plan: engine.Plan) -> bool:
         """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
         for them to be faster than the plain step (:func:`fxamp.training.kernels.worth_fusing`; decided once
         a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
@@ -878,24 +443,21 @@ class MixedPrecisionOptimizer:
             plan.fuse = worth_fusing(self.optimizer, [m for b in plan.buckets for m in b.masters])
         return plan.fuse
 
-    def _segmentable(self, plan: _Plan) -> bool:
+    def _segmentable(self, plan: engine.Plan) -> bool:
         """Whether step() may step the masters a segment at a time (:mod:`fxamp.training.step`):
         the gradient buffer is released between steps, the inner optimizer steps each parameter on
-        its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse."""
-        if self._fuses(plan):  # (no float32 gradient at all, at any size)
-            if steps_per_parameter(self.optimizer):
-                return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
-            if not self._hooks_warned:  # step hooks must run once per step, around every parameter
+        its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse
+        (with ``compile_step``'s kernels at any size: no float32 gradient at all)."""
+        per_parameter = engine.steps_per_parameter(self.optimizer)
+        if self._fuses(plan):
+            if not per_parameter and not self._hooks_warned:  # step hooks must run once per step
                 self._hooks_warned = True
                 warnings.warn("compile_step=True: the optimizer has step hooks, which must see one "
                               "step of every parameter, so it is stepped as it is (not fused)",
                               RuntimeWarning, stacklevel=3)
+        elif not (self.release_grad_buffer and plan.buckets and plan.nbytes() >= engine.RELEASE_MIN_BYTES):
             return False
-        if not (self.release_grad_buffer and plan.buckets and steps_per_parameter(self.optimizer)):
-            return False
-        if sum(b.nbytes for b in plan.buckets) < _RELEASE_MIN_BYTES:
-            return False
-        return all(p.grad is None or not p.grad.is_sparse for b in plan.buckets for p in b.lows)
+        return per_parameter and not plan.has_sparse_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -909,11 +471,10 @@ class MixedPrecisionOptimizer:
         means an overflow: it is returned as is, nothing is clipped, and ``step()`` skips.
         """
         self._settle()
-        if self._pending is not None:  # the masters have no gradients to clip again
+        if self._check is not None and self._check.coef is not None:  # the masters have no gradients to clip again
             raise OptimizerStateError(
                 "clip_grad_norm_() already ran since the last backward(): call it once, between the last "
                 "backward() and step()")
-        self._check_params()
         plan = self._get_plan()
         stage = self.scaler.stage(self._client)
         if not (stage is Stage.SCALED and self._segmentable(plan)):
@@ -922,41 +483,11 @@ class MixedPrecisionOptimizer:
             return torch.nn.utils.clip_grad_norm_(list(self.master_params()), max_norm, norm_type,
                                                   error_if_nonfinite)
         flags = self.scaler.start_unscale(self._client)
-        on_device = self._decides_on_device(plan)
-        norms: List[torch.Tensor] = []
-        own: List[torch.Tensor] = []
+        exact = self._decides_on(plan) is not None  # (exact, and the host does not wait)
         with torch.no_grad():
-            checked = 0
-            for bucket in plan.buckets:
-                grads = [p.grad for p in bucket.lows if p.grad is not None]
-                if not grads:
-                    continue
-                n = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
-                n = n * flags.inv_scale_on(n.device)  # a norm scales with its tensor (the scale: a power of 2)
-                if on_device is not None:  # exact, and the host does not wait
-                    flags.check_(grads)
-                elif not bool(torch.isfinite(n).all()):  # an inf/NaN, or finite values whose norm overflowed
-                    flags.check_(grads)
-                norms.append(n)
-                checked += len(grads)
-            for params in plan.own:
-                checked += _unscale_own_(params, flags)  # unscaled in place, as unscale_() does
-                grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
-                if grads:
-                    norms.append(torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)))
-                    own.extend(grads)
-            self._decide(flags, checked, plan, in_place=True)
-            device = norms[0].device
-            total = torch.linalg.vector_norm(torch.cat([n.to(device) for n in norms]), norm_type)
-            if error_if_nonfinite and not bool(torch.isfinite(total)):
-                raise RuntimeError(
-                    f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
-                    "clipped (with loss scaling an overflow is expected now and then: pass "
-                    "error_if_nonfinite=False and let step() skip)")
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grad_norm_ formula
-            if own:
-                torch._foreach_mul_(own, coef.to(own[0].device))
-        self._pending = (flags, coef)
+            checked, norms, own = engine.clip_in_place(plan, flags, norm_type, exact)
+            check = self._decide(flags, checked, plan, in_place=True)
+            total, check.coef = engine.clip_factor(norms, own, max_norm, norm_type, error_if_nonfinite)
         return total
 
     def step(self, closure: None = None) -> Union[bool, StepResult]:
@@ -978,88 +509,41 @@ class MixedPrecisionOptimizer:
                 "opt.backward(loss) yourself, then call step()"
             )
         self._settle()
-        segmented: Optional[FoundInf] = None
-        coef: Optional[torch.Tensor] = None
         if self.scaler.start_step(self._client) is Stage.SCALED:
-            self._check_params()
             plan = self._get_plan()
             if self._segmentable(plan):
-                segmented = self._check_in_place(plan)
+                flags = self.scaler.start_unscale(self._client)
+                with torch.no_grad():
+                    self._decide(flags, engine.check_in_place(plan, flags), plan, in_place=True)
             else:
                 self.unscale_()
-        elif self._pending is not None:  # clip_grad_norm_() checked in place and chose the factor
-            (segmented, coef), plan = self._pending, self._get_plan()
-        self._pending = None
-        deciding, self._deciding = self._deciding, None
+        check, self._check = self._check, None
         found = self.scaler.found_inf(self._client)  # (False for now when deciding on the device)
         if found:
             self._skipped += 1
             blame = self.overflowed_params
         else:
-            with self._inner_skips(deciding):
-                if segmented is not None:
-                    for pack in plan.packs:
-                        pack.invalidate()  # (its members are stepped run by run)
-                    if plan.runs is None:
-                        plan.runs = plan_runs(self.optimizer.param_groups, lambda m: self._low_of.get(id(m)),
-                                              segment_numel_for(plan.devices()))
-                    scale_on = _multiplier(segmented, coef)
-                    if self._fuses(plan):
-                        step_fused(self.optimizer, plan.runs, scale_on, self._kernels,
-                                   lambda runs: step_runs(self.optimizer, runs, scale_on),
-                                   segment_numel=segment_numel_for(plan.devices()),
-                                   found=None if deciding is None else deciding.verdict.flag)
-                    else:
-                        step_runs(self.optimizer, plan.runs, scale_on)
-                else:
-                    self._step_inner(deciding)
-                    self._refresh()  # (a skip on the device left the masters as they were: the same rounding)
-            blame = self.overflowed_params if deciding is not None else tuple
-        if deciding is not None:
-            self.scaler.record(deciding.verdict, blame, self._client)
-            deciding.update = self._owns_scaler  # (a dynamic scale moves on the outcome: at _settle)
-            self._due = deciding
+            plan = self._plan
+            executor = functools.partial(step_fused, self.optimizer, self._kernels) if self._fuses(plan) else None
+            engine.step(self.optimizer, plan, check, self._low_of_master, executor)
+            blame = self.overflowed_params if check.on_device else tuple
+        if check.on_device:
+            self.scaler.record(check.verdict, blame, self._client)
+            check.update = self._owns_scaler  # (a dynamic scale moves on the outcome: at _settle)
+            self._due = check
             if self._owns_scaler:  # reading the scaler itself settles too (a shared one: the caller's update())
                 self.scaler.defer(self._settle)
-            return StepResult(deciding.verdict)
+            return StepResult(check.verdict)
         self.scaler.record(found, blame, self._client)
         if self._owns_scaler:
             self.scaler.update()
         return not found
 
-    def _step_inner(self, deciding: Optional[_Deferred]) -> None:
-        """The inner optimizer's step, with the packed small masters (:mod:`fxamp.training.packed_step`) when it
-        is still a stock per-parameter one and the decision is on the host."""
-        packs = self._plan.packs if self._plan is not None else []
-        if packs and deciding is None and steps_per_parameter(self.optimizer):
-            step_with_packs(self.optimizer, packs)
-            return
-        for pack in packs:
-            pack.invalidate()
-        self.optimizer.step()
-
     def _refresh(self) -> None:
-        """Round the masters into the low-precision parameters: one ``_foreach_copy_`` per (device, dtype)."""
-        with torch.no_grad():
-            if self._plan is not None:
-                for bucket in self._plan.buckets:
-                    torch._foreach_copy_(bucket.lows, bucket.masters)
-            elif self._lows:
+        """Round the masters into the low-precision parameters (after loading them)."""
+        if self._lows:
+            with torch.no_grad():
                 torch._foreach_copy_(self._lows, self._masters)
-
-    def _which_overflowed(self, in_place: bool = False) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """The parameters whose gradients were checked, and which of them hold an inf/NaN: the masters'
-        gradients, or with ``in_place`` (a segmented step) their low-precision parameters'."""
-        checked, grads = [], []
-        for p in self.master_params():
-            low = self._low_of.get(id(p))
-            g = low.grad if in_place and low is not None else p.grad
-            if g is not None:
-                checked.append(p)
-                grads.append(g)
-        dense = [g._values() if g.is_sparse else g for g in grads]  # (uncoalesced values too)
-        maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
-        return checked, ~torch.isfinite(maxabs)
 
     def _check_params(self) -> None:
         n = sum(len(g["params"]) for g in self.optimizer.param_groups)
@@ -1164,35 +648,3 @@ class MixedPrecisionOptimizer:
                 f"{self._nparams - len(self._masters)} float32 params, {self.scaler})")
 
 
-def _resolve_scaler(loss_scale: LossScaleArg, model: Optional[nn.Module],
-                    params: Sequence[torch.Tensor]) -> Tuple[LossScaler, bool]:
-    if isinstance(loss_scale, LossScaler):
-        return loss_scale, False
-    if isinstance(loss_scale, LossScaleConfig):
-        return LossScaler(loss_scale), True
-    if loss_scale is None or loss_scale == "none":
-        return LossScaler(LossScaleConfig.none()), True
-    if loss_scale == "dynamic":
-        return LossScaler(LossScaleConfig.dynamic()), True
-    if loss_scale == "auto":
-        return LossScaler(_auto_config(model, params)), True
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return LossScaler(LossScaleConfig.static(float(loss_scale))), True
-    raise ValueError(
-        f"loss_scale={loss_scale!r} is not understood; use 'auto', 'dynamic', a number (static), None, "
-        f"a LossScaleConfig, or a LossScaler shared with other optimizers"
-    )
-
-
-def _auto_config(model: Optional[nn.Module], params: Sequence[torch.Tensor]) -> LossScaleConfig:
-    policy: Optional[Policy] = None
-    if model is not None:
-        policy = policy_of(model) or policy_of(getattr(model, "module", model))  # DDP keeps it in .module
-    if policy is not None:
-        low = policy.compute
-    else:
-        dtypes = {p.dtype for p in params}
-        low = torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes else None
-    if low in (torch.bfloat16, torch.float32):
-        return LossScaleConfig.none()
-    return LossScaleConfig.dynamic()

@@ -271,7 +271,7 @@ def test_initialize_verbose_says_whether_the_total_lets_the_kernels_step(monkeyp
     line = next(x for x in capsys.readouterr().out.splitlines() if "compile_step" in x)
     if total is None:  # this model's masters are far below the default
         assert line.endswith("True (not used: the masters are too small for the compiled kernels to pay, "
-                             "see fused_step.FUSED_MIN_TOTAL)"), line
+                             "see fxamp.training.kernels.FUSED_MIN_TOTAL)"), line
     else:
         assert line.split(":", 1)[1].strip() == "True", line
 
@@ -399,7 +399,7 @@ def test_small_masters_are_gathered_into_few_inner_steps(monkeypatch):
     real_step = torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (calls.append(1), real_step(self, *a, **k))[1])
     monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 4096)
-    monkeypatch.setattr(fxamp.training.optimizer, "segment_numel_for", lambda devices: 4096)
+    monkeypatch.setattr(fxamp.training.step, "segment_numel_for", lambda devices: 4096)
     ref, fused = pair(OPTIMIZERS["adamw"])
     for m, o in (ref, fused):
         backward(m, o, 0)
@@ -428,7 +428,7 @@ def test_the_scalars_are_computed_once_per_group_and_device(monkeypatch):
         return lambda *args: (kernels.extend(masters_of(self, args)), kernel(*args))[1]
 
     monkeypatch.setattr(fused_step.Kernels, "__call__", counting)
-    monkeypatch.setattr(fxamp.training.optimizer, "segment_numel_for", lambda devices: 1)  # a run per master
+    monkeypatch.setattr(fxamp.training.step, "segment_numel_for", lambda devices: 1)  # a run per master
 
     def two_groups(params):
         params = list(params)

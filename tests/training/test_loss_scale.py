@@ -7,7 +7,8 @@ import torch
 
 import fxamp
 from fxamp import LossScaleConfig, LossScaleError, LossScaler, OptimizerStateError, ScaleKind
-from fxamp.training.loss_scale import FoundInf, Stage, unscale_and_check_
+from fxamp.training.check import FoundInf, note_non_finite_
+from fxamp.training.loss_scale import Stage
 
 
 def run(scaler, flags, blame=("w",)):
@@ -27,7 +28,7 @@ def test_defaults_are_gradscalers_plus_floor_and_ceiling():
     assert (cfg.min_scale, cfg.max_scale, cfg.hysteresis) == (1.0, 2.0**24, 1)
     assert LossScaleConfig.static(128).init_scale == 128.0
     assert LossScaleConfig.none().init_scale == 1.0
-    assert LossScaleConfig(kind="none") == LossScaleConfig.none()
+    assert LossScaleConfig.of(kind="none") == LossScaleConfig.none() and LossScaleConfig.of("static", 4).init_scale == 4.0
     assert str(LossScaleConfig.static(128)) == "static(128)"
     assert "max_scale=16777216" in str(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -50,7 +51,7 @@ def test_defaults_are_gradscalers_plus_floor_and_ceiling():
 ])
 def test_bad_config_names_value_and_valid_ones(fields, match):
     with pytest.raises(ValueError, match=match):
-        LossScaleConfig(**fields)
+        LossScaleConfig.of(**fields)
 
 
 def test_scaler_takes_a_config_only():
@@ -132,6 +133,18 @@ def test_state_dict_resumes_mid_interval():
         b.load_state_dict({"scale": 1.0})
 
 
+def unscale_and_check_(grads, inv_scale):
+    """FoundInf over mixed dtypes, one call per dtype (sparse: its values); the found flag."""
+    check = FoundInf(lambda device: inv_scale.to(device))
+    by_dtype = {}
+    for g in grads:
+        t = g._values() if g.is_sparse else g
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for tensors in by_dtype.values():
+        check.unscale_and_check_(tensors)
+    return check.found()
+
+
 def test_unscale_and_check_all_dtypes_one_kernel_each():
     grads = [torch.full((3,), 4.0), torch.full((2,), 4.0, dtype=torch.float16),
              torch.full((2,), 4.0, dtype=torch.bfloat16)]
@@ -151,13 +164,13 @@ def test_public_names():
 def test_cached_inverse_scale_follows_the_scale():
     s = LossScaler(LossScaleConfig.dynamic(init_scale=4.0, growth_interval=1))
     cpu = torch.device("cpu")
-    assert float(s._inv_scale_on(cpu)) == 0.25 and s._inv_scale_on(cpu) is s._inv_scale_on(cpu)
+    assert float(s.inv_scale(cpu)) == 0.25 and s.inv_scale(cpu) is s.inv_scale(cpu)
     run(s, [0])
-    assert s.scale == 8.0 and torch.equal(s._inv_scale_on(cpu), s.inv_scale()) and float(s.inv_scale()) == 0.125
+    assert s.scale == 8.0 and torch.equal(s.inv_scale(cpu), s.inv_scale()) and float(s.inv_scale()) == 0.125
     state = s.state_dict()
     state["scale"] = 2.0
     s.load_state_dict(state)
-    assert float(s._inv_scale_on(cpu)) == 0.5
+    assert float(s.inv_scale(cpu)) == 0.5
 
 
 def test_min_scale_zero_never_gives_up_and_never_reaches_zero():
@@ -230,7 +243,6 @@ def test_load_state_dict_refuses_what_is_not_a_state_dict():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_note_non_finite_is_exact(dtype):
-    from fxamp.training.loss_scale import note_non_finite_
 
     big = torch.finfo(dtype).max
     flag = torch.zeros(())
@@ -249,7 +261,7 @@ def test_note_non_finite_is_exact(dtype):
 
 def test_found_inf_without_the_fused_kernel(monkeypatch):
     """FoundInf's two entry points take the fallback for bfloat16 off CPU; forced here: same results."""
-    import fxamp.training.loss_scale as ls
+    import fxamp.training.check as ls
 
     monkeypatch.setattr(ls, "_fused_kernel_takes", lambda t: False)
     inv = torch.tensor(0.25)

@@ -82,9 +82,19 @@ def assert_bitwise(a, b, path="x"):
         assert a == b, path
 
 
+def masters(opt):
+    """The float32 masters, in the order they were paired."""
+    return [m for _, m in opt.master_pairs()]
+
+
+def lows(opt):
+    """The low-precision parameters that have masters, in the same order."""
+    return [low for low, _ in opt.master_pairs()]
+
+
 def refreshed(opt):
     """Every low-precision parameter equals its master rounded."""
-    return all(torch.equal(low, m.to(low.dtype)) for low, m in zip(opt._lows, opt._masters))
+    return all(torch.equal(low, m.to(low.dtype)) for low, m in opt.master_pairs())
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -234,10 +244,10 @@ def test_gradient_accumulation_unscales_the_sum():
     opt.backward(loss_of(model, 0))
     opt.backward(loss_of(model, 1))  # a second micro-batch, or a second loss
     assert opt.stage == "scaled"
-    low = [p.grad.clone() for p in opt._lows]
+    low = [p.grad.clone() for p in lows(opt)]
     opt.unscale_()
     inv = 1.0 / opt.current_scale
-    for g, m in zip(low, opt._masters):
+    for g, m in zip(low, masters(opt)):
         assert torch.equal(m.grad, g.float() * inv)
     assert opt.step() and refreshed(opt)
 
@@ -316,9 +326,9 @@ def test_master_gradients_are_kept_rebound_and_overwritten():
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
     assert train_step(model, opt, 0)
-    grads = [m.grad for m in opt._masters]
-    fc1 = opt._masters[0]
-    assert fc1 is dict(zip(map(id, opt._lows), opt._masters))[id(model.fc1.weight)]
+    grads = [m.grad for m in masters(opt)]
+    fc1 = masters(opt)[0]
+    assert fc1 is dict(zip(map(id, lows(opt)), masters(opt)))[id(model.fc1.weight)]
     # a parameter without a gradient this step: its master has none either, and is not stepped
     opt.zero_grad()
     model.fc1.weight.requires_grad_(False)
@@ -328,26 +338,26 @@ def test_master_gradients_are_kept_rebound_and_overwritten():
     opt.unscale_()
     inv = 1.0 / opt.current_scale
     assert fc1.grad is None
-    for low, m in zip(opt._lows[1:], opt._masters[1:]):
+    for low, m in opt.master_pairs()[1:]:
         assert torch.equal(m.grad, low.grad.float() * inv)
     assert opt.step() and torch.equal(fc1, before) and refreshed(opt)
-    grads = [m.grad for m in opt._masters]
+    grads = [m.grad for m in masters(opt)]
     # the next step binds the segments' views again, holding this step's gradients; masters' grads
     # cleared behind the wrapper's back (the inner optimizer's zero_grad) are bound again too
     opt.backward(loss_of(model, 2))
     opt.optimizer.zero_grad()
     opt.unscale_()
     inv = 1.0 / opt.current_scale
-    assert all(m.grad is g for m, g in zip(opt._masters[1:], grads[1:]))  # no zero_grad() on the wrapper: kept
-    assert opt._masters[0].grad is not None
+    assert all(m.grad is g for m, g in zip(masters(opt)[1:], grads[1:]))  # no zero_grad() on the wrapper: kept
+    assert masters(opt)[0].grad is not None
     opt.zero_grad()
     opt.backward(loss_of(model, 3))
     opt.optimizer.zero_grad()
     opt.unscale_()
     inv = 1.0 / opt.current_scale
-    flats = {f.untyped_storage().data_ptr() for b in opt._plan.buckets for f in b.flats}
-    assert all(m.grad.untyped_storage().data_ptr() in flats for m in opt._masters)
-    for low, m in zip(opt._lows, opt._masters):
+    flats = {f.untyped_storage().data_ptr() for b in opt.plan.buckets for f in b.flats}
+    assert all(m.grad.untyped_storage().data_ptr() in flats for m in masters(opt))
+    for low, m in opt.master_pairs():
         assert torch.equal(m.grad, low.grad.float() * inv)
     assert opt.step() and not torch.equal(fc1, before) and refreshed(opt)
 
@@ -374,7 +384,7 @@ def test_masters_of_mixed_dtypes_and_devices_of_one_optimizer():
           nn.Parameter(torch.randn(5).to(F16)), nn.Parameter(torch.randn(2, dtype=torch.float64)),
           nn.Parameter(torch.randn(6))]
     opt = MixedPrecisionOptimizer(torch.optim.SGD(ps, lr=0.1), loss_scale=8.0)
-    assert [len(b.lows) for b in opt._get_plan().buckets] == [2, 1]
+    assert [len(b.lows) for b in opt.plan.buckets] == [2, 1]
 
     def loss():
         return sum(p.float().square().sum() for p in ps)
@@ -413,7 +423,7 @@ def test_sparse_gradients(loss_scale):
     model = fxamp.convert(Bag(), "O2", dtype=BF16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=loss_scale, model=model)
     i = torch.tensor([[1, 2, 2], [7, 1, 0]])
-    emb = opt._masters[0]
+    emb = masters(opt)[0]
     for step in range(3):
         opt.zero_grad()
         opt.backward(model(i).float().square().mean())
@@ -436,7 +446,7 @@ def test_sparse_gradients(loss_scale):
 
 def test_small_gradients_gathered_by_cat_match_direct_copies(monkeypatch):
     """Small gradients are gathered with torch.cat (by trailing shape), large and 0-dim ones copied one by one."""
-    from fxamp.training import optimizer as optim_module
+    from fxamp.training import step as S
 
     class Mixed(nn.Module):
         def __init__(self):
@@ -451,7 +461,7 @@ def test_small_gradients_gathered_by_cat_match_direct_copies(monkeypatch):
             return self.wide(x) * self.temperature
 
     def train(cat_numel):
-        monkeypatch.setattr(optim_module, "_CAT_NUMEL", cat_numel)
+        monkeypatch.setattr(S, "CAT_NUMEL", cat_numel)
         torch.manual_seed(0)
         # O3: the 0-dim temperature, multiplied into the activations, is stored low too (O2 keeps it float32)
         model = fxamp.convert(Mixed(), "O3")
@@ -462,13 +472,13 @@ def test_small_gradients_gathered_by_cat_match_direct_copies(monkeypatch):
             opt.backward(model(x).float().square().mean())
             opt.unscale_()
             inv = 1.0 / opt.current_scale
-            for low, m in zip(opt._lows, opt._masters):
+            for low, m in opt.master_pairs():
                 assert torch.equal(m.grad, low.grad.float() * inv)
             assert opt.step() and refreshed(opt)
         return opt, snapshot(model, opt)
 
     opt, gathered = train(1024)
-    (bucket,) = opt._plan.buckets
+    (bucket,) = opt.plan.buckets
     assert [out.shape for _, out in bucket.cats] == [(48, 16), (348,)] and bucket.ncat == 7  # + wide.bias
     assert len(bucket.lows) == 9
     _, direct = train(0)
@@ -486,9 +496,9 @@ def test_master_gradients_have_the_masters_strides():
         opt.zero_grad()
         opt.backward(model(x).float().square().mean())
         assert opt.step() and refreshed(opt)
-    for m in opt._masters:
+    for m in masters(opt):
         assert m.grad.shape == m.shape and m.grad.stride() == m.stride()
-    assert opt._masters[0].is_contiguous(memory_format=torch.channels_last)
+    assert masters(opt)[0].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_param_group_added_after_steps_is_stepped():
@@ -498,7 +508,7 @@ def test_param_group_added_after_steps_is_stepped():
     fc2 = model.fc2.weight.detach().clone()
     opt.add_param_group({"params": list(model.fc2.parameters()), "lr": 0.5})
     assert train_step(model, opt, 1) and refreshed(opt)
-    assert len(opt._masters) == 4 and not torch.equal(model.fc2.weight, fc2)
+    assert len(masters(opt)) == 4 and not torch.equal(model.fc2.weight, fc2)
 
 
 def test_an_inner_zero_grad_override_is_honoured():
@@ -595,14 +605,14 @@ def test_param_group_added_behind_the_wrappers_back(o2):
     model2 = fxamp.convert(net(), "O2")
     opt2 = MixedPrecisionOptimizer(torch.optim.SGD(model2.fc1.parameters(), lr=0.1), model=model2)
     opt2.add_param_group({"params": list(model2.fc2.parameters()), "lr": 0.01})
-    assert len(opt2._masters) == 4 and all(p.dtype == F32 for p in opt2.master_params())
+    assert len(masters(opt2)) == 4 and all(p.dtype == F32 for p in opt2.master_params())
     assert train_step(model2, opt2, 0) and refreshed(opt2)
 
 
 def test_bad_arguments():
     model = fxamp.convert(net(), "O2")
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"loss_scale='fast' is not understood; use 'auto', 'dynamic', a number"):
+    with pytest.raises(ValueError, match=r"loss_scale='fast' is not understood; use 'auto', 'dynamic', 'none', 'static:<scale>'"):
         MixedPrecisionOptimizer(sgd, loss_scale="fast")
     opt = MixedPrecisionOptimizer(sgd)
     with pytest.raises(TypeError, match="already a MixedPrecisionOptimizer"):
@@ -646,8 +656,8 @@ def test_existing_state_moves_to_float32_masters():
     old = {id(p): {k: v.clone() for k, v in s.items()} for p, s in adam.state.items()}
     lows = [p for p in model.parameters() if p.dtype == BF16]
     opt = MixedPrecisionOptimizer(adam, model=model)
-    assert len(opt._masters) == len(lows) == 4
-    for low, master in zip(opt._lows, opt._masters):
+    assert len(masters(opt)) == len(lows) == 4
+    for low, master in opt.master_pairs():
         state = adam.state[master]
         assert low not in adam.state and state["exp_avg"].dtype == F32
         assert torch.equal(state["exp_avg"], old[id(low)]["exp_avg"].float())
@@ -705,7 +715,7 @@ def test_fp32_state_dict_loads_into_the_original_model():
     sd = opt.fp32_state_dict()
     assert list(sd) == list(orig.state_dict())
     assert all(v.dtype in (F32, torch.int64) for v in sd.values())
-    for low, master in zip(opt._lows, opt._masters):
+    for low, master in opt.master_pairs():
         key = next(k for k, p in model.named_parameters() if p is low)
         assert torch.equal(sd[key], master)
     fresh = Net()
@@ -744,7 +754,7 @@ def test_initialize_o1_shares_everything(dtype, kind):
     sgd = torch.optim.SGD(orig.parameters(), lr=0.1)
     model, opt = fxamp.initialize(orig, sgd, "O1", dtype=dtype)
     assert all(a is b for a, b in zip(model.parameters(), orig.parameters()))
-    assert opt._masters == [] and opt.scaler.kind == kind
+    assert masters(opt) == [] and opt.scaler.kind == kind
     assert train_step(model, opt, 0)
 
 
@@ -783,7 +793,7 @@ def test_initialize_keeps_tied_weights_tied():
     orig = Tied()
     model, opt = fxamp.initialize(orig, torch.optim.AdamW(orig.parameters(), lr=1e-2), "O2")
     assert model.emb.weight is model.out.weight and model.emb.weight.dtype == F16
-    assert len(opt._masters) == 1
+    assert len(masters(opt)) == 1
     i = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         opt.zero_grad()
@@ -816,23 +826,23 @@ def test_load_state_dict_says_what_it_expected(o2):
 
 def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
     """The masters' gradients live from unscale_() to zero_grad(): views of one segment here, allocated once a step."""
-    from fxamp.training import optimizer as O
+    from fxamp.training import step as S
 
-    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
+    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
     for step in range(3):
         opt.zero_grad()
         assert all(p.grad is None for p in opt.master_params())
-        assert opt._plan is None or all(b.flats is None and b.grads is None for b in opt._plan.buckets)
+        assert opt.plan is None or all(b.flats is None and b.grads is None for b in opt.plan.buckets)
         opt.backward(loss_of(model, step))
         opt.unscale_()
         inv = 1.0 / opt.current_scale
-        for low, m in zip(opt._lows, opt._masters):
+        for low, m in opt.master_pairs():
             assert torch.equal(m.grad, low.grad.float() * inv)  # this step's gradients
-        (bucket,) = opt._plan.buckets
+        (bucket,) = opt.plan.buckets
         assert len(bucket.flats) == 1  # one allocation for the step, not one per parameter
-        storages = {m.grad.untyped_storage().data_ptr() for m in opt._masters}
+        storages = {m.grad.untyped_storage().data_ptr() for m in masters(opt)}
         assert storages == {bucket.flats[0].untyped_storage().data_ptr()}
         assert opt.step()
     opt.zero_grad(set_to_none=False)
@@ -841,11 +851,11 @@ def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
 
 @pytest.mark.parametrize("how", ["release_grad_buffer=False", "small"])
 def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
-    """release_grad_buffer=False, or gradients under _RELEASE_MIN_BYTES: one buffer bound again each step."""
-    from fxamp.training import optimizer as O
+    """release_grad_buffer=False, or gradients under RELEASE_MIN_BYTES: one buffer bound again each step."""
+    from fxamp.training import step as S
 
     if how != "small":
-        monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
                                   release_grad_buffer=how == "small")
@@ -855,18 +865,18 @@ def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
         assert all(p.grad is None for p in opt.master_params())
         opt.backward(loss_of(model, step))
         opt.unscale_()
-        now = [m.grad.data_ptr() for m in opt._masters]
+        now = [m.grad.data_ptr() for m in masters(opt)]
         assert ptrs is None or now == ptrs  # the same buffer, bound again: no allocation per step
         ptrs = now
         assert opt.step()
 
 
 def test_master_gradient_segments_split_large_models():
-    """Masters are packed into segments of at most _SEGMENT_NUMEL elements (one larger tensor alone)."""
-    from fxamp.training import optimizer as O
+    """Masters are packed into segments of at most GRAD_SEGMENT_NUMEL elements (one larger tensor alone)."""
+    from fxamp.training import step as S
 
-    old = O._SEGMENT_NUMEL
-    O._SEGMENT_NUMEL = 3000
+    old = S.GRAD_SEGMENT_NUMEL
+    S.GRAD_SEGMENT_NUMEL = 3000
     try:
         torch.manual_seed(0)
         ref = nn.Sequential(nn.Linear(40, 50), nn.ReLU(), nn.Linear(50, 100), nn.ReLU(), nn.Linear(100, 3))
@@ -876,16 +886,16 @@ def test_master_gradient_segments_split_large_models():
         opt.zero_grad()
         opt.backward(model(x).float().square().mean())
         opt.unscale_()
-        (bucket,) = opt._plan.buckets
+        (bucket,) = opt.plan.buckets
         sizes = [f.numel() for f in bucket.flats]
-        assert sum(sizes) == sum(m.numel() for m in opt._masters)
+        assert sum(sizes) == sum(m.numel() for m in masters(opt))
         assert len(sizes) > 1 and all(n <= 3000 or n == 5000 for n in sizes), sizes  # 5000: the 100x50 weight
-        for low, m in zip(opt._lows, opt._masters):
+        for low, m in opt.master_pairs():
             assert torch.equal(m.grad, low.grad.float())
             assert any(m.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in bucket.flats)
         assert opt.step()
     finally:
-        O._SEGMENT_NUMEL = old
+        S.GRAD_SEGMENT_NUMEL = old
 
 
 class Lookahead:
@@ -1004,7 +1014,7 @@ def test_scale_one_checks_by_reading_only_and_stays_exact():
     for i in range(4):
         poison(model, "fc1.weight", 3e38, index=i)  # finite in bfloat16; the float32 sum is inf
     opt.unscale_()
-    for low, m in zip(opt._lows, opt._masters):
+    for low, m in opt.master_pairs():
         assert torch.equal(m.grad, low.grad.float())
     assert opt.overflowed_params() == [] and opt.step()
     assert not train_step(model, opt, 1, inject=("fc2.bias", NAN)) and opt.overflowed_params() == ["fc2.bias"]
@@ -1027,9 +1037,9 @@ class _Wide(nn.Module):
 
 def _segmented_pair(monkeypatch, make_inner, dtype, segment=700):
     """(segmented, plain) wrappers on identical O2 models; the segmented one cut into runs of <= segment."""
-    from fxamp.training import optimizer as O, step as S
+    from fxamp.training import step as S
 
-    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", segment)
     out = []
     for release in (True, False):  # release_grad_buffer=False: the plain step, every master's gradient at once
@@ -1063,7 +1073,8 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
     sizes = []
     real_flat = S.flat_grads
     monkeypatch.setattr(S, "flat_grads",
-                        lambda masters, strides, flat=None: (sizes.append(flat.numel()), real_flat(masters, strides, flat))[1])
+                        lambda masters, strides, flat=None: (flat is None or sizes.append(flat.numel()),  # (a run's reused segment)
+                                                                 real_flat(masters, strides, flat))[1])
     for step in range(4):
         inject = ("fc2.weight", INF) if step == 2 else None
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
@@ -1076,11 +1087,11 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
         assert seg.overflowed_params() == ref.overflowed_params() == (["fc2.weight"] if inject else [])
         assert_bitwise(snapshot(seg_model, seg), snapshot(ref_model, ref))
         assert seg.current_scale == ref.current_scale
-        assert all(m.grad is None for m in seg._masters)  # the segment was unbound run by run
-        assert all(m.grad is not None for m, low in zip(ref._masters, ref._lows) if low.grad is not None)
-    runs = seg._plan.runs
+        assert all(m.grad is None for m in masters(seg))  # the segment was unbound run by run
+        assert all(m.grad is not None for m, low in (pair[::-1] for pair in ref.master_pairs()) if low.grad is not None)
+    runs = seg.plan.runs
     assert len(runs) >= 4 and {r.group for r in runs} == {0, 1} and any(r.own for r in runs)
-    assert sizes and max(sizes) <= max(S.SEGMENT_NUMEL, max(m.numel() for m in seg._masters))
+    assert sizes and max(sizes) <= max(S.SEGMENT_NUMEL, max(m.numel() for m in masters(seg)))
     assert all(m.grad is None for m in seg_model.unused.parameters())  # no gradient: never stepped
     assert torch.equal(seg_model.unused.weight, ref_model.unused.weight)
 
@@ -1088,9 +1099,9 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
 def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
     """The plain step (every master's gradient at once) after unscale_() (to clip), with a step hook,
     an optimizer subclass or release_grad_buffer=False."""
-    from fxamp.training import optimizer as O
+    from fxamp.training import step as S
 
-    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
 
     class MyAdamW(torch.optim.AdamW):
         pass
@@ -1105,7 +1116,7 @@ def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
             opt.unscale_()
             torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
         assert opt.step()
-        return any(m.grad is not None for m in opt._masters)  # True: the plain step ran
+        return any(m.grad is not None for m in masters(opt))  # True: the plain step ran
 
     assert not run(lambda p: torch.optim.AdamW(p))
     assert run(lambda p: torch.optim.AdamW(p), unscale=True)
@@ -1122,9 +1133,9 @@ def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
 
 
 def test_segmented_step_keeps_lr_schedulers_working(monkeypatch):
-    from fxamp.training import optimizer as O
+    from fxamp.training import step as S
 
-    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
     torch.manual_seed(0)
     model = fxamp.convert(_Wide(), "O2", dtype=BF16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model=model)
@@ -1137,7 +1148,7 @@ def test_segmented_step_keeps_lr_schedulers_working(monkeypatch):
             opt.backward(model(torch.randn(4, 8)).float().sum())
             assert opt.step()
             sched.step()
-    assert opt.optimizer.param_groups[0]["lr"] == 0.125 and opt._plan.runs is not None
+    assert opt.optimizer.param_groups[0]["lr"] == 0.125 and opt.plan.runs is not None
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -1158,7 +1169,7 @@ def test_clip_grad_norm_in_a_segmented_step_is_torch_clip_on_the_masters(dtype, 
             for model in (seg_model, ref_model):
                 model.fc2.weight.grad.view(-1)[1] = INF
         n_seg = seg.clip_grad_norm_(max_norm)
-        assert all(m.grad is None for m in seg._masters)  # nothing float32 allocated for the masters
+        assert all(m.grad is None for m in masters(seg))  # nothing float32 allocated for the masters
         with pytest.raises(OptimizerStateError, match="already ran"):
             seg.clip_grad_norm_(max_norm)  # a second clip would see no master gradients
         ref.unscale_()
@@ -1171,7 +1182,7 @@ def test_clip_grad_norm_in_a_segmented_step_is_torch_clip_on_the_masters(dtype, 
         assert seg.overflowed_params() == ref.overflowed_params()
         for a, b in zip(seg.master_params(), ref.master_params()):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
-        for low, master in zip(seg._lows, seg._masters):
+        for low, master in seg.master_pairs():
             assert torch.equal(low, master.to(low.dtype))  # refreshed from the masters
         assert seg.current_scale == ref.current_scale
 
@@ -1195,13 +1206,13 @@ def test_clip_grad_norm_without_segments_is_torch_clip(monkeypatch):
 def test_segmented_step_with_channels_last_masters_is_the_plain_step(monkeypatch):
     """A segmented run lays its masters' gradients out as empty_like(master) (channels_last here),
     in the reused segment, and steps as the plain step does, bitwise."""
-    from fxamp.training import optimizer as O, step as S
+    from fxamp.training import step as S
 
-    monkeypatch.setattr(O, "_RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
     strides = []
     real_flat = S.flat_grads
-    monkeypatch.setattr(S, "flat_grads", lambda masters, st, flat=None: (strides.append(st), real_flat(masters, st, flat))[1])
+    monkeypatch.setattr(S, "flat_grads", lambda masters, st, flat=None: (flat is None or strides.append(st), real_flat(masters, st, flat))[1])
     x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
     out = []
     for release in (True, False):
@@ -1216,5 +1227,5 @@ def test_segmented_step_with_channels_last_masters_is_the_plain_step(monkeypatch
             assert opt.step()
         out.append((model, opt))
     (seg_model, seg), (ref_model, ref) = out
-    assert seg._plan.runs is not None and any(st is not None for st in strides)  # the strided layout was used
+    assert seg.plan.runs is not None and any(st is not None for st in strides)  # the strided layout was used
     assert_bitwise(snapshot(seg_model, seg), snapshot(ref_model, ref))
