@@ -61,12 +61,21 @@ class Decision:
     norm: bool = False
     source: Source = Source.OP_LIST
     module: str = ""
-    resolved: Optional[Category] = None
+    resolved: Optional[Category] = None  # required: Decision.of fills it in from category
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "source", Source(self.source))
-        if self.resolved is None:
-            object.__setattr__(self, "resolved", self.category)
+        """Checks only: :meth:`of` fills ``resolved`` in."""
+        for name, kind in (("category", Category), ("resolved", Category), ("source", Source)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"Decision's {name} must be a {kind.__name__}, not {getattr(self, name)!r} "
+                                f"(Decision.of sets resolved to the category)")
+
+    @classmethod
+    def of(cls, op: str, category: Category, reason: str, compute: Optional[torch.dtype], *, norm: bool = False,
+           source: Source = Source.OP_LIST, module: str = "", resolved: Optional[Category] = None) -> "Decision":
+        """A decision whose ``resolved`` is its category unless a condition chose another."""
+        return cls(op, category, reason, compute, norm=norm, source=source, module=module,
+                   resolved=category if resolved is None else resolved)
 
 
 def fetch_attr(module: nn.Module, target: str) -> Any:

@@ -45,12 +45,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import capture
-from .classify import ModuleOverrides, NodeOverrides
 from ..info import INFO_ATTR, ConversionInfo
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
-from .op_lists import DEFAULT_OP_LISTS, OpLists
+from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite import CACHE_NAME
 
@@ -134,32 +133,6 @@ class _Entry:
         self.number = number  # captures made before this one
 
 
-class _Options:
-    """The convert options each capture is rewritten with; immutable, so copies share it."""
-
-    def __init__(self, op_lists: OpLists, module_overrides: Optional[ModuleOverrides], weight_cache: bool,
-                 debug_overflow: Union[bool, str] = False, node_overrides: Optional[NodeOverrides] = None):
-        self.op_lists = op_lists
-        self.module_overrides = module_overrides
-        self.node_overrides = node_overrides
-        self.weight_cache = weight_cache
-        self.debug_overflow = debug_overflow
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Options":
-        return self
-
-    def __reduce__(self) -> Any:  # OpLists holds a mappingproxy: pickle its entries (None: the defaults)
-        lists = None if self.op_lists is DEFAULT_OP_LISTS else dict(self.op_lists)
-        return (_rebuild_options, (lists, self.module_overrides, self.weight_cache, self.debug_overflow,
-                                   self.node_overrides))
-
-
-def _rebuild_options(lists: Optional[Dict[Any, Any]], module_overrides: Any, weight_cache: bool,
-                     debug_overflow: Union[bool, str] = False, node_overrides: Any = None) -> _Options:
-    return _Options(DEFAULT_OP_LISTS if lists is None else OpLists(lists), module_overrides, weight_cache,
-                    debug_overflow, node_overrides)
-
-
 class _Forward:
     """``LazyConverted.forward``: calls the lazy forward, and shows the original ``forward``'s signature
     to ``inspect.signature`` (the Hugging Face Trainer keeps only the dataset columns it names)."""
@@ -194,10 +167,8 @@ class LazyConverted(nn.Module):
 
     max_signatures: int = 8
 
-    def __init__(self, model: nn.Module, policy: Policy, *, owns_model: bool, op_lists: OpLists,
-                 module_overrides: Optional[ModuleOverrides] = None, dynamic: Union[bool, str] = True,
-                 weight_cache: bool = True, fx_error: Optional[TraceError] = None,
-                 debug_overflow: Union[bool, str] = False, node_overrides: Optional[NodeOverrides] = None):
+    def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
+                 owns_model: bool, fx_error: Optional[TraceError] = None):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -215,8 +186,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_root"] = root
         d["_fxamp_policy"] = policy
         d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
-        d["_fxamp_options"] = _Options(op_lists, module_overrides, weight_cache, debug_overflow, node_overrides)
-        d["_fxamp_dynamic"] = dynamic
+        d["_fxamp_options"] = options
         d["_fxamp_fx_error"] = fx_error
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         d["_fxamp_last"] = None
@@ -299,12 +269,9 @@ class LazyConverted(nn.Module):
         description = _describe(root, args, kwargs)
         with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
-                               dynamic=self._fxamp_dynamic, fx_error=self._fxamp_fx_error)
+                               dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error)
             restore.also(captured.graph_module)
-        options = self._fxamp_options
-        gm = rewrite_captured(captured, self._fxamp_policy, options.op_lists, options.module_overrides,
-                              weight_cache=options.weight_cache, debug_overflow=options.debug_overflow,
-                              node_overrides=options.node_overrides, storage="keep",
+        gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "
                                      f"predicted from the module tree (fxamp.LazyConverted)"])
         mode = captured.only_mode
