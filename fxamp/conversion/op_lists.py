@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry",
-           "is_inplace", "out_of_place"]
+           "is_inplace", "out_of_place", "keys_for"]
 
 
 class Category(str, enum.Enum):
@@ -285,7 +285,8 @@ def as_entry(value: Union[str, Category, OpEntry], reason: str, source: Source) 
 S, N, C, U = Category.SAFE, Category.NEUTRAL, Category.CONDITIONAL, Category.UNSAFE
 
 
-def _resolve(name: str) -> Iterable[OpKey]:
+def keys_for(name: str) -> Iterable[OpKey]:
+    """The op keys a list name stands for in the installed torch (``"exp"``: torch.exp, Tensor.exp, aten.exp…)."""
     if name.startswith("nn."):
         obj = getattr(nn, name[3:], None)
         return [obj] if isinstance(obj, type) else []
@@ -308,7 +309,7 @@ def _resolve(name: str) -> Iterable[OpKey]:
     # bare name: every spelling that exists
     keys: list = []
     for prefix in ("torch.", "Tensor.", "F.", "aten."):
-        keys.extend(_resolve(prefix + name))
+        keys.extend(keys_for(prefix + name))
     return keys
 
 
@@ -316,7 +317,7 @@ def _build(groups: Iterable[Tuple[str, OpEntry]]) -> Dict[OpKey, OpEntry]:
     table: Dict[OpKey, OpEntry] = {}
     for names, entry in groups:
         for name in names.split():
-            for key in _resolve(name):
+            for key in keys_for(name):
                 table.setdefault(key, entry)
     return table
 
@@ -568,7 +569,7 @@ DEFAULT_OP_LISTS = OpLists(_DEFAULT)
 # ---------------------------------------------------------------------------------------------
 
 def _keys(names: str) -> frozenset:
-    return frozenset(k for name in names.split() for k in _resolve(name))
+    return frozenset(k for name in names.split() for k in keys_for(name))
 
 
 SINGLE_TENSOR_OPS = _keys(

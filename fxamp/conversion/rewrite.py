@@ -38,9 +38,16 @@ from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key
 from ..policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights
 
-__all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME"]
+__all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME",
+           "weight_cache_of"]
 
 CACHE_NAME = "_fxamp_weight_cache"
+
+
+def weight_cache_of(gm: nn.Module) -> Optional[WeightCastCache]:
+    """The cache of low-precision weight copies ``insert_casts`` gave a converted graph module, or None."""
+    cache = getattr(gm, CACHE_NAME, None)
+    return cache if isinstance(cache, WeightCastCache) else None
 
 
 def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
