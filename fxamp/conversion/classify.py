@@ -21,7 +21,7 @@ from ..errors import ConversionError
 from .graph import ATTR, DECISION, Decision, module_path_of
 from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
                        out_of_place)
-from .options import ModuleOverrides, NodeOverrides
+from .options import ConvertOptions, ModuleOverrides, NodeOverrides
 from ..policy import Policy
 
 __all__ = ["classify", "annotate", "ModuleOverrides", "NodeOverrides"]
@@ -30,15 +30,10 @@ __all__ = ["classify", "annotate", "ModuleOverrides", "NodeOverrides"]
 _PINNED = (Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
 
 
-def annotate(
-    gm: fx.GraphModule,
-    policy: Policy,
-    op_lists: OpLists = DEFAULT_OP_LISTS,
-    module_overrides: Optional[ModuleOverrides] = None,
-    node_overrides: Optional[NodeOverrides] = None,
-) -> Dict[fx.Node, Decision]:
-    """:func:`classify`, and record each decision in ``node.meta["fxamp"]``."""
-    decisions = classify(gm, policy, op_lists, module_overrides, node_overrides)
+def annotate(gm: fx.GraphModule, policy: Policy, options: ConvertOptions = ConvertOptions()) -> Dict[fx.Node, Decision]:
+    """:func:`classify` with the options' op lists and overrides, and record each decision in
+    ``node.meta["fxamp"]`` (read it back with ``graph.decision_of``)."""
+    decisions = classify(gm, policy, options.op_lists, options.module_overrides, options.node_overrides)
     for node, decision in decisions.items():
         node.meta[DECISION] = decision
     return decisions

@@ -3,14 +3,16 @@ record, and the one copy of each graph helper they share.
 
 Who writes and who reads each key (``docs/DESIGN.md`` draws the whole flow):
 
-========================  ==================================  ======================================
+========================  ==================================  ==========================================
 key                       written by                          read by
-========================  ==================================  ======================================
-``DECISION`` "fxamp"      ``classify.annotate``               ``rewrite``, ``report``
-``CAST``  "fxamp_cast"    ``rewrite.insert_casts``            ``dtypes.DtypeInference``, ``report``
-``ATTR``  "fxamp_attr"    ``rewrite.lower_attribute_reads``   ``attr_target`` (rewrite, dtypes, report)
-``MODULE`` "fxamp_module" ``capture.fx`` (inlined leaf calls)  ``module_path_of``, ``report``
-========================  ==================================  ======================================
+========================  ==================================  ==========================================
+``DECISION`` "fxamp"      ``classify.annotate``               ``decision_of`` (rewrite, ``reporting``)
+``CAST``  "fxamp_cast"    ``rewrite.insert_casts``            ``cast_of`` (``inference.DtypeInference``,
+                                                              ``reporting``)
+``ATTR``  "fxamp_attr"    ``rewrite.lower_attribute_reads``   ``attr_target`` (rewrite, inference,
+                                                              reporting)
+``MODULE`` "fxamp_module" ``capture.fx`` (inlined leaf calls)  ``module_path_of``, ``reporting``
+========================  ==================================  ==========================================
 
 A ``DECISION`` is a :class:`Decision`; a ``CAST`` is ``(source node, dtype)``; an ``ATTR`` is the
 dotted name of the parameter or buffer the node reads; a ``MODULE`` is ``(module path, class)``.

@@ -42,7 +42,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
     if not isinstance(options, ConvertOptions):
         raise TypeError(f"options must be a ConvertOptions (ConvertOptions.build), not {type(options).__name__}")
     gm = captured.graph_module
-    decisions = annotate(gm, policy, options.op_lists, options.module_overrides, options.node_overrides)
+    decisions = annotate(gm, policy, options)
     if policy.enabled:
         if storage == "decide":
             store_params(gm, decisions, policy)

@@ -9,7 +9,6 @@ import torch.nn as nn
 from fxamp.conversion.capture import capture
 from fxamp.conversion.classify import annotate
 from fxamp.conversion.graph import ATTR, attr_target, cast_of
-from fxamp.conversion.op_lists import DEFAULT_OP_LISTS
 from fxamp.conversion.rewrite import (CACHE_NAME, cast_kept_storage, insert_casts, lower_attribute_reads,
                                       store_params)
 from fxamp.conversion.runtime import cast, cast_weights
@@ -46,7 +45,7 @@ class SharedWeight(nn.Module):
 def classified(model, policy):
     gm = capture(model).graph_module
     pol = resolve_policy(policy)
-    return gm, annotate(gm, pol, DEFAULT_OP_LISTS), pol
+    return gm, annotate(gm, pol), pol
 
 
 def cast_table(gm):

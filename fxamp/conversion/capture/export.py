@@ -3,7 +3,7 @@
 ``torch.export.export(model, args, kwargs).module()`` captures models ``torch.fx.symbolic_trace``
 cannot (Hugging Face transformers, shape-dependent branches…) as a graph of ATen ops
 (``aten.linear.default``, ``aten.scaled_dot_product_attention.default``…).  Its module differs
-from the original in five ways; :func:`capture_export` undoes each one, so the later stages (and
+from the original in five ways; :class:`ExportFrontEnd` undoes each one, so the later stages (and
 the user) see the same module they would get from the fx front end:
 
 1. **Module tree and names.**  The exported module holds the original parameter objects under
