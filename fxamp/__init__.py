@@ -13,6 +13,7 @@ from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateE
 from .conversion.lazy import LazyConverted
 from .training.loss_scale import LossScaleConfig, LossScaler, ScaleKind
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
+from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
 from .training.optimizer import MixedPrecisionOptimizer
 from .policy import Policy
@@ -27,6 +28,9 @@ __all__ = [
     "conversion_info",
     "ConversionInfo",
     "clear_cast_cache",
+    "ConvertOptions",
+    "DebugOverflow",
+    "Dynamic",
     "classify",
     "Decision",
     "Policy",

@@ -43,11 +43,15 @@ class Policy:
     output: Optional[torch.dtype] = torch.float32
 
     def __post_init__(self) -> None:
+        """Checks only: names (``"bfloat16"``) become dtypes in :meth:`of`, :meth:`parse` and :meth:`replace`."""
         for key in _KEYS:
             value = getattr(self, key)
             if key == "output" and value is None:
                 continue
-            object.__setattr__(self, key, parse_dtype(value, what=key))
+            if not isinstance(value, torch.dtype):
+                raise TypeError(f"Policy's {key} must be a torch.dtype, not {value!r}: "
+                                f"write Policy.of({key}={value!r}) to give dtypes by name")
+            parse_dtype(value, what=key)  # one fxamp casts (float64 is a ValueError)
         lows = {d for d in (self.params, self.compute, self.unsafe, self.norms) if d in LOW}
         if len(lows) > 1:
             raise ValueError(
@@ -87,6 +91,12 @@ class Policy:
                          f"'params=float32,compute=float16,output=float32'")
 
     @classmethod
+    def of(cls, **fields: Union[str, torch.dtype, None]) -> "Policy":
+        """A policy from dtypes or their names: ``Policy.of(params="float32", compute="bf16")``; missing
+        keys take the O1 defaults, ``output=None`` leaves outputs as computed."""
+        return cls(**_dtypes(fields))
+
+    @classmethod
     def parse(cls, text: str) -> "Policy":
         """Parse ``"params=float32,compute=bfloat16,output=float32"``; missing keys take the O1 defaults."""
         fields: dict = {}
@@ -118,14 +128,17 @@ class Policy:
         """False for an all-float32 policy (O0): convert then changes nothing."""
         return any(getattr(self, k) != torch.float32 for k in ("params", "compute", "unsafe", "norms"))
 
-    @property
-    def low_dtype(self) -> torch.dtype:
-        """The low-precision dtype of this policy (float32 when there is none)."""
-        return self.compute
+    def replace(self, **changes: Union[str, torch.dtype, None]) -> "Policy":
+        """A copy with some fields changed, given as dtypes or their names (validated again)."""
+        return dataclasses.replace(self, **_dtypes(changes))
 
-    def replace(self, **changes) -> "Policy":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+
+def _dtypes(fields: dict) -> dict:
+    """``{key: dtype or name}`` -> ``{key: dtype}`` (``output`` may be None); unknown keys are a TypeError."""
+    unknown = sorted(set(fields) - set(_KEYS))
+    if unknown:
+        raise TypeError(f"Policy has no field {', '.join(unknown)}; its fields are {', '.join(_KEYS)}")
+    return {k: None if k == "output" and v is None else parse_dtype(v, what=k) for k, v in fields.items()}
 
 
 def resolve_policy(

@@ -24,7 +24,7 @@ STAGES: Dict[str, int] = {
     "info": 2,  # ConversionInfo: what conversion leaves on a module and training reads
     # the conversion wing, top to bottom
     "conversion": 3, "conversion.op_lists": 3,
-    "conversion.graph": 4,
+    "conversion.graph": 4, "conversion.options": 4,
     "conversion.inference": 5, "conversion.runtime": 5,
     "conversion.capture": 6,  # and every conversion.capture.* module
     "conversion.classify": 7,

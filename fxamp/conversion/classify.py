@@ -21,26 +21,19 @@ from ..errors import ConversionError
 from .graph import ATTR, DECISION, Decision, module_path_of
 from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
                        out_of_place)
+from .options import ConvertOptions, ModuleOverrides, NodeOverrides
 from ..policy import Policy
 
 __all__ = ["classify", "annotate", "ModuleOverrides", "NodeOverrides"]
 
-ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
-#: node name (the report's ``node`` column) -> category: one op, wherever it is (a root-level op too)
-NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
 #: the sources that are the user's choice for one place: no later rule of fxamp's changes them
 _PINNED = (Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
 
 
-def annotate(
-    gm: fx.GraphModule,
-    policy: Policy,
-    op_lists: OpLists = DEFAULT_OP_LISTS,
-    module_overrides: Optional[ModuleOverrides] = None,
-    node_overrides: Optional[NodeOverrides] = None,
-) -> Dict[fx.Node, Decision]:
-    """:func:`classify`, and record each decision in ``node.meta["fxamp"]``."""
-    decisions = classify(gm, policy, op_lists, module_overrides, node_overrides)
+def annotate(gm: fx.GraphModule, policy: Policy, options: ConvertOptions = ConvertOptions()) -> Dict[fx.Node, Decision]:
+    """:func:`classify` with the options' op lists and overrides, and record each decision in
+    ``node.meta["fxamp"]`` (read it back with ``graph.decision_of``)."""
+    decisions = classify(gm, policy, options.op_lists, options.module_overrides, options.node_overrides)
     for node, decision in decisions.items():
         node.meta[DECISION] = decision
     return decisions
@@ -242,11 +235,11 @@ def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Opti
         else:
             how = (f"computed out of place in {dtype_name(compute)} and written back into {into.name} with copy_, "
                    "so it and its views change as before, rounded once to their dtype")
-        return Decision(name, Category.UNSAFE, f"in place, unsafe ({entry.reason}): {how}", compute, norm=entry.norm,
+        return Decision.of(name, Category.UNSAFE, f"in place, unsafe ({entry.reason}): {how}", compute, norm=entry.norm,
                         source=entry.source, module=path)
     why = ("an unsafe op writing into a model input or parameter: " if entry is not None
            and entry.category is Category.UNSAFE else "")
-    return Decision(name, Category.NEUTRAL,
+    return Decision.of(name, Category.NEUTRAL,
                     f"in-place op: {why}runs in the dtype of the tensor it writes into (a cast would write into "
                     "a copy)", None, source=Source.GRAPH, module=path)
 
@@ -271,16 +264,16 @@ def _decide(
 ) -> Decision:
     path = module_path_of(node)
     if node.op == "placeholder":
-        return Decision("input", Category.NEUTRAL, "model input: used as given", None, source=Source.GRAPH)
+        return Decision.of("input", Category.NEUTRAL, "model input: used as given", None, source=Source.GRAPH)
     if node.op == "get_attr":
-        return Decision("get_attr", Category.NEUTRAL,
+        return Decision.of("get_attr", Category.NEUTRAL,
                         "parameter, buffer or constant: cast at each use as that use needs", None,
                         source=Source.GRAPH, module=path)
     if node.op == "output":
         if policy.output is None:
-            return Decision("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
+            return Decision.of("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
                             "(Policy.output=None)", None, source=Source.GRAPH)
-        return Decision("output", Category.NEUTRAL,
+        return Decision.of("output", Category.NEUTRAL,
                         f"float16/bfloat16/float32 outputs come back in {dtype_name(policy.output)} (Policy.output)"
                         + (", so a loss computed outside the model runs in float32"
                            if policy.output == torch.float32 else "") + "; float64 outputs stay float64",
@@ -300,11 +293,11 @@ def _decide(
     entry = override if override is not None else op_lists.lookup(target)
     if entry is None:
         if node.op == "call_module":
-            return Decision(name, Category.UNLISTED,
+            return Decision.of(name, Category.UNLISTED,
                             "unlisted leaf module: runs in float32 with float32 parameters (its weights "
                             "cannot be cast from outside); override its class or path to change that",
                             torch.float32, source=Source.DEFAULT, module=path)
-        return Decision(name, Category.UNLISTED,
+        return Decision.of(name, Category.UNLISTED,
                         "on no list: runs in the dtype of its inputs, as autocast does for unlisted ops; "
                         "add it with overrides= to change that", None, source=Source.DEFAULT, module=path)
 
@@ -313,9 +306,9 @@ def _decide(
     if category is Category.CONDITIONAL:
         resolved, why = _resolve_condition(entry, node, done)
         compute = _compute_for(resolved, entry, policy)
-        return Decision(name, Category.CONDITIONAL, why, compute, norm=entry.norm, source=entry.source, module=path,
+        return Decision.of(name, Category.CONDITIONAL, why, compute, norm=entry.norm, source=entry.source, module=path,
                         resolved=resolved)
-    return Decision(name, category, reason, _compute_for(category, entry, policy), norm=entry.norm,
+    return Decision.of(name, category, reason, _compute_for(category, entry, policy), norm=entry.norm,
                     source=entry.source, module=path)
 
 

@@ -14,12 +14,14 @@ from .classify import ModuleOverrides, NodeOverrides
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .lazy import LazyConverted
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
+from .op_lists import Category, OpEntry, OpKey, OpLists
+from .options import ConvertOptions, DebugOverflow, Dynamic
 from .pipeline import rewrite_captured
 from ..policy import Policy, resolve_policy
 from .rewrite import CACHE_NAME
 
-__all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info"]
+__all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info", "ConvertOptions",
+           "DebugOverflow", "Dynamic"]
 
 
 def convert(
@@ -36,10 +38,10 @@ def convert(
     example_inputs: Optional[Tuple[Any, ...]] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     frontend: str = "auto",
-    dynamic: Union[bool, str] = True,
+    dynamic: Union[str, Dynamic] = Dynamic.BATCH,
     dynamic_shapes: Any = None,
     weight_cache: bool = True,
-    debug_overflow: Union[bool, str] = False,
+    debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
 ) -> nn.Module:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
@@ -56,11 +58,16 @@ def convert(
                       more than 10% of the parameters is noted and warned about).
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
                       ``frontend="export"``).
-    dynamic:          export only: True keeps batch and sequence sizes free (image sizes stay static),
-                      ``"all"`` every dim, False none; ``dynamic_shapes`` goes to ``torch.export`` as given.
+    dynamic:          export only, a :class:`~fxamp.Dynamic`: ``"batch"`` keeps batch and sequence sizes free
+                      (image sizes stay static), ``"all"`` every dim, ``"none"`` none; ``dynamic_shapes``
+                      goes to ``torch.export`` as given.
     weight_cache:     reuse low-precision weight copies (leaf modules' too) across no-grad calls until a weight changes.
-    debug_overflow:   True: record the first node whose output (forward) or gradient (backward) has
-                      inf/NaN (``fxamp.overflow_info(amp)``); ``"raise"``: raise there.  See ``fxamp.conversion.debug``.
+    debug_overflow:   a :class:`~fxamp.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
+                      (forward) or gradient (backward) has inf/NaN (``fxamp.overflow_info(amp)``);
+                      ``"raise"`` there.  See ``fxamp.conversion.debug``.
+
+    The keywords from ``overrides`` to ``debug_overflow`` are checked and bundled into one
+    :class:`~fxamp.ConvertOptions` that the capture and the rewrite (now, or at each lazy capture) read.
 
     Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
     given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
@@ -71,30 +78,24 @@ def convert(
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
     pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32)
-    lists = op_lists if op_lists is not None else DEFAULT_OP_LISTS
-    if not isinstance(lists, OpLists):
-        raise TypeError(f"op_lists must be an fxamp.OpLists, not {type(lists).__name__}")
-    if overrides:
-        lists = lists.with_overrides(overrides)
+    options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                                   node_overrides=node_overrides, weight_cache=weight_cache,
+                                   debug_overflow=debug_overflow, dynamic=dynamic)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
-    lazy_options = dict(op_lists=lists, module_overrides=module_overrides, node_overrides=node_overrides,
-                        dynamic=dynamic, weight_cache=weight_cache,
-                        debug_overflow=debug_overflow)
     if frontend == "export" and not has_inputs:
-        return LazyConverted(source, pol, owns_model=changes_storage, **lazy_options)
+        return LazyConverted(source, pol, options, owns_model=changes_storage)
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
-                           example_kwargs=example_kwargs, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+                           example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes)
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
-        return LazyConverted(source, pol, owns_model=changes_storage, fx_error=e, **lazy_options)
-    return rewrite_captured(captured, pol, lists, module_overrides, weight_cache=weight_cache,
-                            debug_overflow=debug_overflow, node_overrides=node_overrides)
+        return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e)
+    return rewrite_captured(captured, pol, options)
 
 
 def clear_cast_cache(module: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """Overflow attribution: which node's output first became inf/NaN, in the forward and in the backward.
 
-``fxamp.convert(model, "O1", debug_overflow=True)`` runs :func:`add_overflow_checks` on the
+``fxamp.convert(model, "O1", debug_overflow="record")`` runs :func:`add_overflow_checks` on the
 converted graph: after every original node it inserts a call of the ``_fxamp_overflow`` monitor
 (an :class:`OverflowMonitor` submodule, with no parameters or buffers, so ``state_dict`` keys do
 not change)::
@@ -143,9 +143,9 @@ def _position(gm: fx.GraphModule):
 
 
 def overflow_info(module: nn.Module) -> OverflowInfo:
-    """Where inf/NaN first appeared in a module converted with ``debug_overflow=True``."""
+    """Where inf/NaN first appeared in a module converted with ``debug_overflow="record"``."""
     monitor = getattr(module, MONITOR_NAME, None)
     if not isinstance(monitor, OverflowMonitor):
         raise ValueError("this module has no overflow checks: convert it with fxamp.convert(model, ..., "
-                         "debug_overflow=True)")
+                         "debug_overflow='record')")
     return monitor.info()

@@ -3,14 +3,16 @@ record, and the one copy of each graph helper they share.
 
 Who writes and who reads each key (``docs/DESIGN.md`` draws the whole flow):
 
-========================  ==================================  ======================================
+========================  ==================================  ==========================================
 key                       written by                          read by
-========================  ==================================  ======================================
-``DECISION`` "fxamp"      ``classify.annotate``               ``rewrite``, ``report``
-``CAST``  "fxamp_cast"    ``rewrite.insert_casts``            ``dtypes.DtypeInference``, ``report``
-``ATTR``  "fxamp_attr"    ``rewrite.lower_attribute_reads``   ``attr_target`` (rewrite, dtypes, report)
-``MODULE`` "fxamp_module" ``capture.fx`` (inlined leaf calls)  ``module_path_of``, ``report``
-========================  ==================================  ======================================
+========================  ==================================  ==========================================
+``DECISION`` "fxamp"      ``classify.annotate``               ``decision_of`` (rewrite, ``reporting``)
+``CAST``  "fxamp_cast"    ``rewrite.insert_casts``            ``cast_of`` (``inference.DtypeInference``,
+                                                              ``reporting``)
+``ATTR``  "fxamp_attr"    ``rewrite.lower_attribute_reads``   ``attr_target`` (rewrite, inference,
+                                                              reporting)
+``MODULE`` "fxamp_module" ``capture.fx`` (inlined leaf calls)  ``module_path_of``, ``reporting``
+========================  ==================================  ==========================================
 
 A ``DECISION`` is a :class:`Decision`; a ``CAST`` is ``(source node, dtype)``; an ``ATTR`` is the
 dotted name of the parameter or buffer the node reads; a ``MODULE`` is ``(module path, class)``.
@@ -19,7 +21,7 @@ dotted name of the parameter or buffer the node reads; a ``MODULE`` is ``(module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -30,7 +32,8 @@ from .op_lists import Category, Source
 __all__ = [
     "DECISION", "CAST", "ATTR", "MODULE", "Decision",
     "fetch_attr", "attr_target", "module_path_of", "clean_export_path", "node_arg", "replace_node_arg",
-    "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node",
+    "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
+    "tensor_slots", "replace_tensors", "rebind",
 ]
 
 DECISION = "fxamp"
@@ -61,12 +64,31 @@ class Decision:
     norm: bool = False
     source: Source = Source.OP_LIST
     module: str = ""
-    resolved: Optional[Category] = None
+    resolved: Optional[Category] = None  # required: Decision.of fills it in from category
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "source", Source(self.source))
-        if self.resolved is None:
-            object.__setattr__(self, "resolved", self.category)
+        """Checks only: :meth:`of` fills ``resolved`` in."""
+        for name, kind in (("category", Category), ("resolved", Category), ("source", Source)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"Decision's {name} must be a {kind.__name__}, not {getattr(self, name)!r} "
+                                f"(Decision.of sets resolved to the category)")
+
+    @classmethod
+    def of(cls, op: str, category: Category, reason: str, compute: Optional[torch.dtype], *, norm: bool = False,
+           source: Source = Source.OP_LIST, module: str = "", resolved: Optional[Category] = None) -> "Decision":
+        """A decision whose ``resolved`` is its category unless a condition chose another."""
+        return cls(op, category, reason, compute, norm=norm, source=source, module=module,
+                   resolved=category if resolved is None else resolved)
+
+
+def decision_of(node: fx.Node) -> Optional[Decision]:
+    """The :class:`Decision` ``classify.annotate`` recorded on ``node`` (``meta[DECISION]``), or None."""
+    return node.meta.get(DECISION)
+
+
+def cast_of(node: fx.Node) -> Optional[Tuple[fx.Node, torch.dtype]]:
+    """``(source node, dtype)`` for a cast the rewrite inserted (``meta[CAST]``), None for any other node."""
+    return node.meta.get(CAST)
 
 
 def fetch_attr(module: nn.Module, target: str) -> Any:
@@ -178,3 +200,61 @@ def rename_node(graph: fx.Graph, node: fx.Node, name: str) -> None:
                            "please report this with your torch version")
     used.discard(name)
     node._rename(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-binding parameters and buffers
+# ---------------------------------------------------------------------------------------------
+
+
+def tensor_slots(module: nn.Module) -> Iterator[Tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(dotted name, owner, attribute, tensor)`` for every registered parameter and buffer below
+    ``module``, a tied or twice-registered tensor once per place it is registered.
+
+    The owners' own ``_parameters``/``_buffers`` tables: ``named_parameters()`` hides duplicate
+    names, and a re-binding must reach every place.
+    """
+    for path, m in module.named_modules(remove_duplicate=False):
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is not None:
+                    yield (f"{path}.{name}" if path else name), m, name, t
+
+
+def replace_tensors(module: nn.Module, new_for: Callable[[str, torch.Tensor], Optional[torch.Tensor]]
+                    ) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """Re-bind every parameter and buffer for which ``new_for(dotted name, tensor)`` gives a
+    replacement (None: keep it).  ``new_for`` is asked once per tensor object, at its first name,
+    so tied tensors stay tied.  ``setattr``, so RNNs refresh their flat weights.  Returns
+    ``{name: (old, new)}`` for every name re-bound."""
+    made: Dict[int, Optional[torch.Tensor]] = {}
+    changed: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, owner, attr, t in list(tensor_slots(module)):
+        if id(t) not in made:
+            made[id(t)] = new_for(name, t)
+        new = made[id(t)]
+        if new is not None and new is not t:
+            setattr(owner, attr, new)
+            changed[name] = (t, new)
+    return changed
+
+
+def rebind(module: nn.Module, dtypes: Mapping[str, torch.dtype], *, values: bool = True
+           ) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """Re-bind the parameters and buffers ``dtypes`` names (dotted, as in ``state_dict``) to copies
+    in those dtypes; tensors already in theirs are left alone, tied tensors stay tied (one copy).
+
+    A parameter's copy is an ``nn.Parameter`` with the same ``requires_grad``.  ``values=False``
+    leaves parameters' copies uninitialised (stand-ins for a trace with fake values); buffers'
+    copies always hold the values (a forward may read them).  Returns ``{name: (old, new)}``.
+    """
+    def new_for(name: str, t: torch.Tensor) -> Optional[torch.Tensor]:
+        dtype = dtypes.get(name)
+        if dtype is None or dtype == t.dtype:
+            return None
+        if isinstance(t, nn.Parameter):
+            data = t.detach().to(dtype) if values else torch.empty_like(t, dtype=dtype)
+            return nn.Parameter(data, requires_grad=t.requires_grad)
+        return t.detach().to(dtype)
+
+    return replace_tensors(module, new_for)

@@ -45,12 +45,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import capture
-from .classify import ModuleOverrides, NodeOverrides
 from ..info import INFO_ATTR, ConversionInfo
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
-from .op_lists import DEFAULT_OP_LISTS, OpLists
+from .graph import rebind, replace_tensors, tensor_slots
+from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite import CACHE_NAME
 
@@ -78,47 +78,42 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     class, or ``Norm`` in the class name): ``policy.norms``; other modules' parameters float32, or
     ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  A tensor tied
     across modules follows the most specific owner: a norm, else a layer (BERT's decoder bias).
+
+    Why this is not :func:`~fxamp.conversion.rewrite.store_params`, and what reconciles the two.
+    ``store_params`` decides from a graph: a tensor is stored low only when every consumer in it
+    runs low.  A lazily capturing module must make its parameters before any graph exists (an
+    optimizer is built on them before the first call), and every later capture shares them, so
+    the storage is predicted here from module classes and never re-decided.  The two may
+    disagree: a ``Linear`` weight also read by an unsafe op, or a layer's bias mixed into the
+    residual stream, is predicted low where ``store_params`` keeps it float32; a custom module's
+    parameter that only a matmul reads stays float32 here.  Each capture is therefore rewritten
+    with ``storage="keep"`` (``pipeline.rewrite_captured``): ``rewrite.cast_kept_storage`` casts a
+    low tensor for every consumer that wants float32 and follows its inputs, and
+    ``rewrite.insert_casts`` casts for every consumer with a compute dtype, so each op computes in
+    the dtype ``convert`` would have given it; only where the tensor is stored (its memory, and the
+    master an optimizer keeps for it) can differ.
     """
     # per tensor: (strength, dtype); a norm's claim beats a layer's, a layer's beats any other module's
     claims: Dict[int, Tuple[int, torch.dtype]] = {}
     names: Dict[int, List[str]] = collections.defaultdict(list)
     others = policy.params if policy.unsafe != torch.float32 else torch.float32
-    for path, m in model.named_modules(remove_duplicate=False):
+    for name, m, attr, t in tensor_slots(model):
+        if t.dtype != torch.float32:
+            continue
         if _is_norm(m):
-            strength, param_dtype, buffer_dtype = 2, policy.norms, policy.norms
+            strength, dtype = 2, policy.norms
         elif isinstance(m, _LOW_LAYERS) or type(m).__name__ in _LOW_LAYER_NAMES:
-            strength, param_dtype, buffer_dtype = 1, policy.params, policy.params
+            strength, dtype = 1, policy.params
         else:
-            strength, param_dtype, buffer_dtype = 0, others, torch.float32
-        # the module's own tables: named_parameters() hides duplicate names and cannot re-bind in place
-        for table, dtype in ((m._parameters, param_dtype), (m._buffers, buffer_dtype)):
-            for name, t in table.items():
-                if t is not None and t.dtype == torch.float32:
-                    names[id(t)].append(f"{path}.{name}" if path else name)
-                    if id(t) not in claims or claims[id(t)][0] < strength:
-                        claims[id(t)] = (strength, dtype)
+            strength, dtype = 0, others if attr in m._parameters else torch.float32
+        names[id(t)].append(name)
+        if id(t) not in claims or claims[id(t)][0] < strength:
+            claims[id(t)] = (strength, dtype)
     out: Dict[str, torch.dtype] = {}
     for key, (_, dtype) in claims.items():
         for name in names[key]:
             out[name] = dtype
     return out
-
-
-def _store(model: nn.Module, storage: Dict[str, torch.dtype]) -> None:
-    """Re-bind the tensors ``storage`` names to low-precision copies (tied tensors stay tied)."""
-    replaced: Dict[int, torch.Tensor] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for name, t in list(getattr(m, kind).items()):
-                dtype = storage.get(f"{path}.{name}" if path else name)
-                if t is None or dtype is None or dtype == t.dtype:
-                    continue
-                new = replaced.get(id(t))
-                if new is None:
-                    data = t.detach().to(dtype)
-                    new = nn.Parameter(data, requires_grad=t.requires_grad) if kind == "_parameters" else data
-                    replaced[id(t)] = new
-                setattr(m, name, new)  # setattr, so RNNs refresh their flat weights
 
 
 _MISSING = object()
@@ -132,32 +127,6 @@ class _Entry:
         self.description = description
         self.own_modules = own_modules  # the mode flag, the weight cache, higher-order-op bodies
         self.number = number  # captures made before this one
-
-
-class _Options:
-    """The convert options each capture is rewritten with; immutable, so copies share it."""
-
-    def __init__(self, op_lists: OpLists, module_overrides: Optional[ModuleOverrides], weight_cache: bool,
-                 debug_overflow: Union[bool, str] = False, node_overrides: Optional[NodeOverrides] = None):
-        self.op_lists = op_lists
-        self.module_overrides = module_overrides
-        self.node_overrides = node_overrides
-        self.weight_cache = weight_cache
-        self.debug_overflow = debug_overflow
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Options":
-        return self
-
-    def __reduce__(self) -> Any:  # OpLists holds a mappingproxy: pickle its entries (None: the defaults)
-        lists = None if self.op_lists is DEFAULT_OP_LISTS else dict(self.op_lists)
-        return (_rebuild_options, (lists, self.module_overrides, self.weight_cache, self.debug_overflow,
-                                   self.node_overrides))
-
-
-def _rebuild_options(lists: Optional[Dict[Any, Any]], module_overrides: Any, weight_cache: bool,
-                     debug_overflow: Union[bool, str] = False, node_overrides: Any = None) -> _Options:
-    return _Options(DEFAULT_OP_LISTS if lists is None else OpLists(lists), module_overrides, weight_cache,
-                    debug_overflow, node_overrides)
 
 
 class _Forward:
@@ -194,10 +163,8 @@ class LazyConverted(nn.Module):
 
     max_signatures: int = 8
 
-    def __init__(self, model: nn.Module, policy: Policy, *, owns_model: bool, op_lists: OpLists,
-                 module_overrides: Optional[ModuleOverrides] = None, dynamic: Union[bool, str] = True,
-                 weight_cache: bool = True, fx_error: Optional[TraceError] = None,
-                 debug_overflow: Union[bool, str] = False, node_overrides: Optional[NodeOverrides] = None):
+    def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
+                 owns_model: bool, fx_error: Optional[TraceError] = None):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -207,7 +174,7 @@ class LazyConverted(nn.Module):
         else:
             root = model
         storage = predict_storage(root, policy) if policy.enabled else {}
-        _store(root, storage)
+        rebind(root, storage)
         d = self.__dict__
         # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -215,8 +182,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_root"] = root
         d["_fxamp_policy"] = policy
         d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
-        d["_fxamp_options"] = _Options(op_lists, module_overrides, weight_cache, debug_overflow, node_overrides)
-        d["_fxamp_dynamic"] = dynamic
+        d["_fxamp_options"] = options
         d["_fxamp_fx_error"] = fx_error
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         d["_fxamp_last"] = None
@@ -299,12 +265,9 @@ class LazyConverted(nn.Module):
         description = _describe(root, args, kwargs)
         with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
-                               dynamic=self._fxamp_dynamic, fx_error=self._fxamp_fx_error)
+                               dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error)
             restore.also(captured.graph_module)
-        options = self._fxamp_options
-        gm = rewrite_captured(captured, self._fxamp_policy, options.op_lists, options.module_overrides,
-                              weight_cache=options.weight_cache, debug_overflow=options.debug_overflow,
-                              node_overrides=options.node_overrides, storage="keep",
+        gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "
                                      f"predicted from the module tree (fxamp.LazyConverted)"])
         mode = captured.only_mode
@@ -477,14 +440,8 @@ class _Restore:
         self.graphs.append(gm)
 
     def __call__(self) -> None:
-        modules = {id(m): m for m in self.model.modules()}
-        for gm in self.graphs:
-            modules.update((id(m), m) for m in gm.modules())
-        for m in modules.values():
-            for kind in ("_parameters", "_buffers"):
-                for name, t in list(getattr(m, kind).items()):
-                    if t is not None and id(t) in self.originals:
-                        setattr(m, name, self.originals[id(t)])
+        for module in [self.model, *self.graphs]:
+            replace_tensors(module, lambda name, t: self.originals.get(id(t)))
 
 
 class _float32_for_capture:
@@ -501,24 +458,8 @@ class _float32_for_capture:
         self.stored_low = stored_low
 
     def __enter__(self) -> _Restore:
-        stand_in: Dict[int, torch.Tensor] = {}
-        originals: Dict[int, torch.Tensor] = {}
-        for path, m in self.model.named_modules(remove_duplicate=False):
-            for kind in ("_parameters", "_buffers"):
-                for name, t in list(getattr(m, kind).items()):
-                    if t is None or (f"{path}.{name}" if path else name) not in self.stored_low \
-                            or not t.is_floating_point() or t.dtype == torch.float32:
-                        continue
-                    new = stand_in.get(id(t))
-                    if new is None:
-                        if kind == "_parameters":
-                            new = nn.Parameter(torch.empty_like(t, dtype=torch.float32), requires_grad=t.requires_grad)
-                        else:
-                            new = t.detach().float()
-                        stand_in[id(t)] = new
-                        originals[id(new)] = t
-                    setattr(m, name, new)
-        self.restore = _Restore(self.model, originals)
+        changed = rebind(self.model, dict.fromkeys(self.stored_low, torch.float32), values=False)
+        self.restore = _Restore(self.model, {id(new): old for old, new in changed.values()})
         return self.restore
 
     def __exit__(self, *exc: Any) -> None:

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry",
-           "is_inplace", "out_of_place"]
+           "is_inplace", "out_of_place", "keys_for"]
 
 
 class Category(str, enum.Enum):
@@ -93,15 +93,27 @@ class OpEntry:
     source: Source = Source.OP_LIST
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "category", _category(self.category))
+        """Checks only: :meth:`of` turns strings into categories."""
+        if not isinstance(self.category, Category):
+            raise TypeError(f"OpEntry's category must be a Category, not {self.category!r}: "
+                            f"write OpEntry.of({self.category!r}, ...) or Category({self.category!r})")
+        if self.fallback is not None and not isinstance(self.fallback, Category):
+            raise TypeError(f"OpEntry's fallback must be a Category or None, not {self.fallback!r}: "
+                            f"write OpEntry.of(..., fallback={self.fallback!r})")
+        if not isinstance(self.source, Source):
+            raise TypeError(f"OpEntry's source must be a Source, not {self.source!r}")
         if self.category is Category.CONDITIONAL:
             if self.condition not in CONDITIONS:
                 raise ValueError(f"a conditional entry needs condition= one of {CONDITIONS}, not {self.condition!r}")
             if self.fallback is None:
                 raise ValueError("a conditional entry needs a fallback category")
-        if self.fallback is not None:
-            object.__setattr__(self, "fallback", _category(self.fallback))
-        object.__setattr__(self, "source", Source(self.source))
+
+    @classmethod
+    def of(cls, category: Union[str, Category], reason: str, *, norm: bool = False, condition: Optional[str] = None,
+           fallback: Union[str, Category, None] = None, source: Union[str, Source] = Source.OP_LIST) -> "OpEntry":
+        """An entry from a category's name (``OpEntry.of("unsafe", "my reason")``), checked."""
+        return cls(_category(category), reason, norm=norm, condition=condition,
+                   fallback=None if fallback is None else _category(fallback), source=Source(source))
 
 
 def _category(value: Union[str, Category]) -> Category:
@@ -225,10 +237,14 @@ class OpLists(Mapping):
                                                     Source.OVERRIDE)
         return OpLists(entries)
 
-    def by_category(self, category: Union[str, Category]) -> Tuple[OpKey, ...]:
-        """The keys listed under one category."""
-        cat = _category(category)
-        return tuple(k for k, e in self._entries.items() if e.category is cat)
+    def __reduce__(self) -> Any:
+        """Pickles as its entries (a mappingproxy does not pickle); the default lists as a reference."""
+        if self is DEFAULT_OP_LISTS:
+            return "DEFAULT_OP_LISTS"
+        return (OpLists, (dict(self._entries),))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "OpLists":
+        return self  # immutable: copies share it
 
 
 def _normalize_key(key: Any) -> OpKey:
@@ -269,7 +285,8 @@ def as_entry(value: Union[str, Category, OpEntry], reason: str, source: Source) 
 S, N, C, U = Category.SAFE, Category.NEUTRAL, Category.CONDITIONAL, Category.UNSAFE
 
 
-def _resolve(name: str) -> Iterable[OpKey]:
+def keys_for(name: str) -> Iterable[OpKey]:
+    """The op keys a list name stands for in the installed torch (``"exp"``: torch.exp, Tensor.exp, aten.exp…)."""
     if name.startswith("nn."):
         obj = getattr(nn, name[3:], None)
         return [obj] if isinstance(obj, type) else []
@@ -292,7 +309,7 @@ def _resolve(name: str) -> Iterable[OpKey]:
     # bare name: every spelling that exists
     keys: list = []
     for prefix in ("torch.", "Tensor.", "F.", "aten."):
-        keys.extend(_resolve(prefix + name))
+        keys.extend(keys_for(prefix + name))
     return keys
 
 
@@ -300,7 +317,7 @@ def _build(groups: Iterable[Tuple[str, OpEntry]]) -> Dict[OpKey, OpEntry]:
     table: Dict[OpKey, OpEntry] = {}
     for names, entry in groups:
         for name in names.split():
-            for key in _resolve(name):
+            for key in keys_for(name):
                 table.setdefault(key, entry)
     return table
 
@@ -552,7 +569,7 @@ DEFAULT_OP_LISTS = OpLists(_DEFAULT)
 # ---------------------------------------------------------------------------------------------
 
 def _keys(names: str) -> frozenset:
-    return frozenset(k for name in names.split() for k in _resolve(name))
+    return frozenset(k for name in names.split() for k in keys_for(name))
 
 
 SINGLE_TENSOR_OPS = _keys(

@@ -8,7 +8,7 @@ checks, and attaches the :class:`~fxamp.info.ConversionInfo`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Mapping, Optional, Sequence, Union
+from typing import Any, List, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -16,45 +16,45 @@ import torch.nn as nn
 
 from .attention import low_precision_attention
 from .capture import Captured
-from .classify import ModuleOverrides, NodeOverrides, annotate
+from .classify import annotate
 from .debug import add_overflow_checks
 from ..info import INFO_ATTR, ConversionInfo
-from .op_lists import OpLists
+from .options import ConvertOptions, DebugOverflow
 from ..policy import Policy
 from .rewrite import cast_kept_storage, insert_casts, lower_attribute_reads, store_params
 
 __all__ = ["rewrite_captured", "FLOAT32_LEAF_SHARE"]
 
 
-def rewrite_captured(captured: Captured, policy: Policy, op_lists: OpLists,
-                     module_overrides: Optional[ModuleOverrides] = None, *, weight_cache: bool = True,
-                     storage: str = "decide", notes: Sequence[str] = (),
-                     debug_overflow: Union[bool, str] = False,
-                     node_overrides: Optional[NodeOverrides] = None) -> fx.GraphModule:
+def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
+                     storage: str = "decide", notes: Sequence[str] = ()) -> fx.GraphModule:
     """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
 
+    options: the op lists, overrides, weight cache and overflow checks (``options.debug_overflow``:
+    the checks of :mod:`fxamp.conversion.debug`); ``options.dynamic`` was the capture's business.
     storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
     (``store_params``); ``"keep"``: the parameters already have their dtypes (a lazily capturing
     module made them before any graph existed), and consumers that want another dtype get a cast.
     notes: put before the capture's own notes.
-    debug_overflow: add the checks of :mod:`fxamp.conversion.debug` (``"raise"``: raise at the first inf/NaN).
     """
     if storage not in ("decide", "keep"):
         raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
+    if not isinstance(options, ConvertOptions):
+        raise TypeError(f"options must be a ConvertOptions (ConvertOptions.build), not {type(options).__name__}")
     gm = captured.graph_module
-    decisions = annotate(gm, policy, op_lists, module_overrides, node_overrides)
+    decisions = annotate(gm, policy, options)
     if policy.enabled:
         if storage == "decide":
             store_params(gm, decisions, policy)
         else:
             cast_kept_storage(gm, decisions, policy)
         lower_attribute_reads(gm)
-        insert_casts(gm, decisions, policy, weight_cache=weight_cache)
+        insert_casts(gm, decisions, policy, weight_cache=options.weight_cache)
         low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
         gm.graph.lint()
         gm.recompile()
-    if debug_overflow:
-        add_overflow_checks(gm, raise_on_overflow=debug_overflow == "raise")
+    if options.debug_overflow is not DebugOverflow.OFF:
+        add_overflow_checks(gm, raise_on_overflow=options.debug_overflow is DebugOverflow.RAISE)
     leaf_notes = _float32_leaves(gm, decisions) if policy.enabled else []
     for note in leaf_notes:
         warnings.warn(f"fxamp: {note}", stacklevel=3)

@@ -33,14 +33,21 @@ import operator
 
 from ..dtypes import CASTABLE, LOW, NOT_FLOAT
 from .inference import DtypeInference
-from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rename_node
+from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rebind, rename_node, tensor_slots
 from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key, out_of_place
 from ..policy import Policy
 from .runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights
 
-__all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME"]
+__all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME",
+           "weight_cache_of"]
 
 CACHE_NAME = "_fxamp_weight_cache"
+
+
+def weight_cache_of(gm: nn.Module) -> Optional[WeightCastCache]:
+    """The cache of low-precision weight copies ``insert_casts`` gave a converted graph module, or None."""
+    cache = getattr(gm, CACHE_NAME, None)
+    return cache if isinstance(cache, WeightCastCache) else None
 
 
 def _storage_for(decision: Decision, policy: Policy) -> torch.dtype:
@@ -66,6 +73,10 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     Consumers are found through views (``w.t()``, ``w.view(...)``, ``w[0]``, splits): a transpose
     follows its input, but the op the transposed weight reaches decides.  Tied parameters stay
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
+
+    This is the one decision of storage from a graph; a :class:`~fxamp.LazyConverted` predicts
+    its storage without one (``lazy.predict_storage``, whose docstring says where the two differ and
+    how ``cast_kept_storage`` and ``insert_casts`` make every op compute as it would here).
     """
     if policy.params == torch.float32 and policy.norms == torch.float32:
         return {}
@@ -99,21 +110,8 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     if not target:
         return {}
 
-    changed: Dict[str, torch.dtype] = {}
-    replaced: Dict[int, torch.Tensor] = {}
-    for mod_name, mod in gm.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for name, t in list(getattr(mod, kind).items()):
-                if t is None or id(t) not in target:
-                    continue
-                new = replaced.get(id(t))
-                if new is None:
-                    data = t.detach().to(target[id(t)])
-                    new = nn.Parameter(data, requires_grad=t.requires_grad) if kind == "_parameters" else data
-                    replaced[id(t)] = new
-                setattr(mod, name, new)  # setattr, so RNNs refresh their flat weights
-                changed[f"{mod_name}.{name}" if mod_name else name] = target[id(t)]
-    return changed
+    names = {name: target[id(t)] for name, _, _, t in tensor_slots(gm) if id(t) in target}
+    return {name: new.dtype for name, (_, new) in rebind(gm, names).items()}
 
 
 #: a table indexed by integer ids: the tensor does not mix into the activations arithmetically

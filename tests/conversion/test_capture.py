@@ -235,7 +235,7 @@ def _shape_note(amp):
     return next(n for n in fxamp.conversion_info(amp).notes if "input sizes" in n)
 
 
-def test_dynamic_true_keeps_batch_and_sequence_and_static_image_sizes():
+def test_dynamic_batch_keeps_batch_and_sequence_and_static_image_sizes():
     x = torch.randn(2, 3, 8, 8)
     amp = fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,))
     assert _shape_note(amp).endswith("x (*, 3, 8, 8)")
@@ -254,8 +254,10 @@ def test_dynamic_true_keeps_batch_and_sequence_and_static_image_sizes():
     amp = fxamp.convert(TokenNet(), "O1", frontend="export", example_inputs=(ids, feats),
                         dynamic_shapes={"ids": {0: dim}, "feats": {0: dim}})
     assert "ids (*, 5), feats (*, 5, 8)" in _shape_note(amp)
-    with pytest.raises(ValueError, match="dynamic='some' is not one of True, 'all', False"):
+    with pytest.raises(ValueError, match="dynamic='some' is not one of 'batch', 'all', 'none'"):
         fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic="some")
+    with pytest.raises(TypeError, match="dynamic=True is no longer accepted: write dynamic='batch'"):
+        fxamp.convert(TinyConvNet(), "O1", frontend="export", example_inputs=(x,), dynamic=True)
 
 
 def test_swin_converts_in_seconds():

@@ -96,7 +96,7 @@ MODELS = {"transformer_encoder": encoder, "transformer_decoder": decoder, "resne
 def test_model(name, policy, dtype):
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
-    # image sizes are static under dynamic=True; the second shape changes them
+    # image sizes are static under dynamic='batch'; the second shape changes them
     amp = check_converted(model, inputs, policy, dtype, **({"dynamic": "all"} if name == "resnet" else {}))
     assert not unlisted_aten_ops(amp)
 
@@ -138,9 +138,9 @@ def test_forced_export_on_a_traceable_model():
     assert isinstance(fxamp.convert(model, "O1", frontend="export"), fxamp.LazyConverted)
 
 
-def test_dynamic_false_freezes_shapes():
+def test_dynamic_none_freezes_shapes():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(3, 4),), frontend="export", dynamic=False)
+    amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(3, 4),), frontend="export", dynamic="none")
     assert any(n.startswith("static shapes") and "(3, 4)" in n for n in fxamp.conversion_info(amp).notes)
     amp(torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="to be equal to 3"):

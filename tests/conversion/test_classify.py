@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
+from fxamp.conversion.graph import decision_of
 from fxamp.conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry
 from dtype_observer import OpDtypes
 from zoo import build, inputs_for
@@ -18,7 +19,7 @@ CONSENSUS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", 
 
 
 def decisions(gm):
-    return {n.name: n.meta["fxamp"] for n in gm.graph.nodes if "fxamp" in n.meta}
+    return {n.name: decision_of(n) for n in gm.graph.nodes if decision_of(n)}
 
 
 @pytest.mark.parametrize("op,category", [
@@ -53,12 +54,12 @@ def test_agrees_with_the_consensus_except_where_documented():
 
     'promote' ops are neutral in fxamp because torch promotes natively; the only other deliberate
     departure is batch norm's norm flag (still neutral). Anything else is a bug in the lists."""
-    from fxamp.conversion.op_lists import _resolve
+    from fxamp.conversion.op_lists import keys_for
 
     mismatches = []
     for record in json.load(open(CONSENSUS)):
         name = record["op"].replace("torch.nn.functional.", "F.").replace("torch.nn.", "nn.")
-        keys = list(_resolve(name))
+        keys = list(keys_for(name))
         if not keys:
             continue
         entry = DEFAULT_OP_LISTS.get(keys[0])
@@ -248,7 +249,7 @@ def test_with_overrides_makes_new_lists():
     lists = DEFAULT_OP_LISTS.with_overrides({torch.exp: "neutral"})
     assert lists.lookup(torch.exp).category is Category.NEUTRAL
     assert DEFAULT_OP_LISTS.lookup(torch.exp).category is Category.UNSAFE
-    custom = lists.with_overrides({torch.tanh: OpEntry("unsafe", "my reason")})
+    custom = lists.with_overrides({torch.tanh: OpEntry.of("unsafe", "my reason")})
     assert custom.lookup(torch.tanh).reason == "my reason"
     amp = fxamp.convert(build("TiedLM"), "O1", op_lists=custom)
     assert decisions(amp)["tanh"].reason == "my reason"

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from fxamp.conversion.graph import attr_target
+from fxamp.conversion.graph import attr_target, cast_of, decision_of
+from fxamp.conversion.rewrite import weight_cache_of
 from dtype_observer import OpDtypes
 from zoo import ZOO, build, inputs_for
 
@@ -31,7 +32,7 @@ def first(out):
 
 
 def decisions(gm):
-    return {n.name: n.meta["fxamp"] for n in gm.graph.nodes if "fxamp" in n.meta}
+    return {n.name: decision_of(n) for n in gm.graph.nodes if decision_of(n)}
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -120,7 +121,7 @@ def test_softmax_between_matmuls_stays_low_elsewhere_float32():
         probs, logp = amp(x)
     inputs = [c.inputs for c in rec.of("_softmax")]
     assert inputs == [(torch.bfloat16,), (torch.float32,), (torch.float32,)]
-    d = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    d = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}
     assert "between low-precision matmul and matmul_1" in d["softmax"].reason  # the attention's
     assert d["softmax"].resolved is fxamp.Category.NEUTRAL
     assert d["softmax_1"].resolved is d["softmax_2"].resolved is fxamp.Category.UNSAFE
@@ -162,7 +163,7 @@ def test_causal_softmax_between_matmuls_stays_low(dtype, make_mask):
     model = Causal()
     x = torch.randn(2, 8, 32)
     amp = fxamp.convert(model, "O2", dtype=dtype)
-    d = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    d = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}
     assert d["softmax"].resolved is fxamp.Category.NEUTRAL, d["softmax"].reason
     with torch.no_grad(), OpDtypes() as rec:
         out = amp(x)
@@ -300,8 +301,8 @@ def test_tied_weights_stay_tied_and_cast_once():
     assert amp.head.weight is amp.emb.weight
     assert amp.head.weight.dtype == torch.float16
     o1 = fxamp.convert(model, "O1", dtype=torch.float16)
-    weight_casts = [n for n in o1.graph.nodes if "fxamp_cast" in n.meta
-                    and attr_target(n.meta["fxamp_cast"][0]) == "emb.weight"]
+    weight_casts = [n for n in o1.graph.nodes if cast_of(n) is not None
+                    and attr_target(cast_of(n)[0]) == "emb.weight"]
     assert len(weight_casts) == 1  # one cast serves the embedding-side and the head-side use
 
 
@@ -443,8 +444,8 @@ def test_mixed_cat_promotes_to_widest():
 def test_explicit_sum_dtype_is_respected():
     amp = fxamp.convert(build("ExplicitSum"), "O1", dtype=torch.float16)
     node = next(n for n in amp.graph.nodes if n.op == "call_method" and n.target == "sum")
-    assert node.meta["fxamp"].category is fxamp.Category.CONDITIONAL
-    assert "dtype=float32" in node.meta["fxamp"].reason
+    assert decision_of(node).category is fxamp.Category.CONDITIONAL
+    assert "dtype=float32" in decision_of(node).reason
     with OpDtypes() as rec:
         amp(inputs_for("ExplicitSum")[0])
     (s,) = [c for c in rec.of("sum") if c.kwargs.get("dtype") == torch.float32]
@@ -480,7 +481,7 @@ def test_inference_weight_cache_is_never_stale():
     x = inputs_for("MLP")[0]
     with torch.no_grad():
         a = amp(x)
-        assert len(amp._fxamp_weight_cache) == 6
+        assert len(weight_cache_of(amp)) == 6
         with OpDtypes() as rec:
             b = amp(x)
         assert torch.equal(a, b)

@@ -1,4 +1,4 @@
-"""Overflow attribution in training (issue 11, part 4): ``convert(..., debug_overflow=True)``."""
+"""Overflow attribution in training (issue 11, part 4): ``convert(..., debug_overflow="record")``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_names_first_forward_node(frontend):
     model, (x,) = planted.Overflows(), planted.batches(1)[0]
-    amp = fxamp.convert(model, "O1", debug_overflow=True, example_inputs=(x,), frontend=frontend)
+    amp = fxamp.convert(model, "O1", debug_overflow="record", example_inputs=(x,), frontend=frontend)
     out = amp(x)
     assert not torch.isfinite(out).all()
     info = fxamp.overflow_info(amp)
@@ -26,7 +26,7 @@ def test_names_first_forward_node(frontend):
 
 def test_names_first_backward_node():
     model, (x,) = planted.Healthy(), planted.batches(1)[0]
-    amp = fxamp.convert(model, "O1", debug_overflow=True)
+    amp = fxamp.convert(model, "O1", debug_overflow="record")
     amp(x)
     amp(x)
     out = amp(x)
@@ -47,9 +47,9 @@ def test_raise_mode():
 def test_off_by_default_costs_nothing():
     amp = fxamp.convert(planted.Healthy(), "O1")
     assert MONITOR_NAME not in amp.code and not hasattr(amp, MONITOR_NAME)
-    with pytest.raises(ValueError, match="convert it with fxamp.convert\\(model, ..., debug_overflow=True\\)"):
+    with pytest.raises(ValueError, match="convert it with fxamp.convert\\(model, ..., debug_overflow='record'\\)"):
         fxamp.overflow_info(amp)
-    dbg = fxamp.convert(planted.Healthy(), "O1", debug_overflow=True)
+    dbg = fxamp.convert(planted.Healthy(), "O1", debug_overflow="record")
     x = planted.batches(1)[0][0]
     with torch.no_grad():
         assert torch.equal(dbg(x), amp(x))

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import fxamp
+from fxamp.conversion.graph import decision_of
 from fxamp.conversion.op_lists import Source
 from fxamp.conversion.runtime import cast
 from dtype_observer import OpDtypes
@@ -182,7 +183,7 @@ def test_float64_model_is_not_cast(policy, dtype, frontend):
     assert out.dtype == torch.float64 and torch.equal(out, model(x))
     assert not rec.casts()
     assert all(p.dtype == torch.float64 for p in amp.parameters())
-    decisions = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    decisions = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}
     linears = [d for d in decisions.values() if d.op.endswith("linear") or d.op.endswith("Linear")]
     assert linears and all(d.compute is None and d.source is Source.FLOAT64 for d in linears)
     assert "float64" in linears[0].reason
@@ -240,7 +241,7 @@ def test_inplace_unsafe_op_on_a_low_precision_activation_runs_in_float32_and_wri
     torch.manual_seed(0)
     model, x = ExpInPlace().eval(), torch.randn(4, 16)
     amp = fxamp.convert(model, "O1", dtype=dtype)
-    d = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}["exp_"]
+    d = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}["exp_"]
     assert d.compute == torch.float32 and d.resolved.value == "unsafe"
     assert "computed out of place in float32 and written back into linear" in d.reason
     with torch.no_grad(), OpDtypes() as rec:
@@ -264,7 +265,7 @@ def test_inplace_op_already_in_its_dtype_stays_in_place():
         amp = fxamp.convert(model, policy, dtype=dtype,
                             overrides={nn.functional.linear: "unsafe"} if policy == "O1" else None)
         assert "copy_" not in amp.code and ".exp_()" in amp.code
-        reason = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}["exp_"].reason
+        reason = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}["exp_"].reason
         assert "runs in place as written" in reason
 
 

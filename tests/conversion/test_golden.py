@@ -6,7 +6,7 @@ import torch
 import fxamp
 import operator
 
-from fxamp.conversion.graph import attr_target
+from fxamp.conversion.graph import attr_target, cast_of
 from fxamp.conversion.runtime import cast, cast_weights
 from zoo import build
 
@@ -18,8 +18,8 @@ def label(node):
 
 
 def casts(gm):
-    return [(label(n.meta["fxamp_cast"][0]), str(n.meta["fxamp_cast"][1]).removeprefix("torch."),
-             next(iter(n.users)).name) for n in gm.graph.nodes if "fxamp_cast" in n.meta]
+    return [(label(cast_of(n)[0]), str(cast_of(n)[1]).removeprefix("torch."),
+             next(iter(n.users)).name) for n in gm.graph.nodes if cast_of(n) is not None]
 
 
 def count(gm, target):
@@ -76,7 +76,7 @@ def test_o0_inserts_nothing():
 
 def test_known_dtypes_use_plain_to_and_unknown_use_checked_cast():
     gm = fxamp.convert(build("MLP"), "O1")
-    kinds = {label(n.meta["fxamp_cast"][0]): (n.op, n.target) for n in gm.graph.nodes if "fxamp_cast" in n.meta}
+    kinds = {label(cast_of(n)[0]): (n.op, n.target) for n in gm.graph.nodes if cast_of(n) is not None}
     assert kinds["x"] == ("call_function", cast)                # an input: checked at run time
     assert kinds["fc1_weight"] == ("call_function", operator.getitem)  # an item of the one cast_weights call
     (batch,) = [n for n in gm.graph.nodes if n.target is cast_weights]

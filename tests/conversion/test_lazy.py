@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.conversion.graph import attr_target
+from fxamp.conversion.rewrite import weight_cache_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -241,7 +242,10 @@ def test_copies_and_pickles_capture_again():
         torch.testing.assert_close(other(x), y)
         assert other.fc.weight is not amp.fc.weight
         assert other.graph_module.fc.weight is other.fc.weight
-        assert other._parameters is other._fxamp_root._parameters
+    fresh = copy.deepcopy(amp)
+    fresh.fc = nn.Linear(amp.fc.in_features, amp.fc.out_features).to(amp.fc.weight.dtype)  # a copy's tables stay the ones its captures read
+    fresh(x)
+    assert fresh.graph_module.fc is fresh.fc
 
 
 def test_clear_cast_cache_reaches_every_capture():
@@ -250,7 +254,10 @@ def test_clear_cast_cache_reaches_every_capture():
     with torch.no_grad():
         amp(torch.randn(2, 3, 8))
         amp(torch.randn(2, 8))
-    fxamp.clear_cast_cache(amp)  # no error; clears each capture's cache
+    caches = [weight_cache_of(gm) for gm in amp.graph_modules()]
+    assert len(caches) == 2 and all(len(c) > 0 for c in caches)
+    fxamp.clear_cast_cache(amp)
+    assert [len(c) for c in caches] == [0, 0]
 
 
 def test_report_reads_the_captured_graph():

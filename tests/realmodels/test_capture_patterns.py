@@ -1,6 +1,6 @@
 """Issue 10's reproducers, as written in the issue (each was a strict xfail until its fix landed).
 
-They are tiny and run by default, except item 9 (a Swin conversion timed with ``dynamic=True``) and
+They are tiny and run by default, except item 9 (a Swin conversion timed with ``dynamic="batch"``) and
 item 8's export-path comparisons, which are ``slow``.
 """
 
@@ -294,7 +294,7 @@ entry = REGISTRY["swin"]
 model = build(entry).eval()
 args, kwargs = entry.inputs(0)
 fxamp.convert(model, "O1", dtype=torch.bfloat16, example_inputs=args, example_kwargs=kwargs, frontend="export",
-              dynamic=True)
+              dynamic="batch")
 """
 
 
@@ -314,5 +314,5 @@ def test_item9_swin_dynamic_converts_quickly():
     try:
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env, capture_output=True)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"convert(swin, dynamic=True) still running after {time.perf_counter() - start:.0f} s")
+        pytest.fail(f"convert(swin, dynamic='batch') still running after {time.perf_counter() - start:.0f} s")
     assert time.perf_counter() - start < 60

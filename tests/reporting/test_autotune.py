@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxamp
+from fxamp.conversion.graph import decision_of
 import planted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,7 +68,7 @@ def test_root_level_op_is_overridden_by_itself():
 
     amp, overrides = fxamp.autotune(Root(), planted.batches())
     assert overrides == {"module_overrides": {}, "node_overrides": {"mul_1": "unsafe"}, "overrides": {}}
-    decisions = {n.name: n.meta["fxamp"] for n in amp.graph.nodes if "fxamp" in n.meta}
+    decisions = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}
     assert decisions["mul"].category.value == "neutral" and decisions["mul"].compute is None  # follows fc: float16
     assert decisions["mul_1"].compute == torch.float32 and decisions["mul_1"].source.value == "node override"
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
+from fxamp.conversion.graph import cast_of, decision_of
 from fxamp.reporting import CSV_COLUMNS, Row
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -164,10 +165,10 @@ def test_report_agrees_with_what_runs():
 
 def test_report_matches_decisions_of_convert(block):
     gm = fxamp.convert(block, "O2")
-    decisions = [n.meta["fxamp"] for n in gm.graph.nodes if "fxamp" in n.meta]
+    decisions = [decision_of(n) for n in gm.graph.nodes if decision_of(n)]
     rep = fxamp.report(block, policy="O2")
     assert [(r.category, r.reason) for r in rep.rows] == [(d.category, d.reason) for d in decisions]
-    assert rep.summary.casts == sum("fxamp_cast" in n.meta for n in gm.graph.nodes)
+    assert rep.summary.casts == sum(cast_of(n) is not None for n in gm.graph.nodes)
 
 
 def test_model_is_not_changed():

@@ -18,12 +18,13 @@ model's, under the same names, so ``state_dict`` keys never change.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union  # noqa: F401
 
 import torch.nn as nn
 
 from ...errors import TraceError
 from ...info import conversion_info
+from ..options import Dynamic
 from .common import Captured, FrontEnd, LeafSpec
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
@@ -41,7 +42,7 @@ def capture(
     leaf_modules: Sequence[LeafSpec] = (),
     example_inputs: Optional[Tuple[Any, ...]] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
-    dynamic: Union[bool, str] = True,
+    dynamic: Dynamic = Dynamic.BATCH,
     dynamic_shapes: Any = None,
     fx_error: Optional[TraceError] = None,
 ) -> Captured:

@@ -3,7 +3,7 @@
 ``torch.export.export(model, args, kwargs).module()`` captures models ``torch.fx.symbolic_trace``
 cannot (Hugging Face transformers, shape-dependent branches…) as a graph of ATen ops
 (``aten.linear.default``, ``aten.scaled_dot_product_attention.default``…).  Its module differs
-from the original in five ways; :func:`capture_export` undoes each one, so the later stages (and
+from the original in five ways; :class:`ExportFrontEnd` undoes each one, so the later stages (and
 the user) see the same module they would get from the fx front end:
 
 1. **Module tree and names.**  The exported module holds the original parameter objects under
@@ -20,12 +20,12 @@ the user) see the same module they would get from the fx front end:
    ``fxamp/conversion/capture/modes.py``, shared with the fx front end, for the rewrite and what happens when the
    modes capture different graphs.
 
-3. **Shapes.**  ``dynamic=True`` marks the dims users change as ``Dim.AUTO``: dim 0 (batch) of every
+3. **Shapes.**  ``dynamic="batch"`` (:class:`~fxamp.conversion.options.Dynamic`) marks the dims users change as ``Dim.AUTO``: dim 0 (batch) of every
    tensor input, dim 1 of integer and bool inputs of rank ≥ 2 (token ids, masks: the sequence) and
    of float inputs of rank 3 (``(batch, length, features)``, or ``(length, batch, features)``);
    image-like float inputs (rank ≥ 4) keep their spatial sizes static, since symbolic heights and
    widths through window attention cost minutes of export time.  ``dynamic="all"`` makes every dim
-   ``Dim.AUTO``; ``dynamic=False`` none; ``dynamic_shapes=`` goes to ``torch.export`` as given.
+   ``Dim.AUTO``; ``dynamic="none"`` none; ``dynamic_shapes=`` goes to ``torch.export`` as given.
    Export keeps a dim symbolic unless the model forces it (a channel count); sizes of 1 in the
    example are specialised, so use examples with batch and length ≥ 2.  The note in
    ``Captured.notes`` says which dimensions stayed dynamic.
@@ -71,6 +71,7 @@ import torch.utils._pytree as pytree
 
 from ...errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
+from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 
@@ -94,7 +95,7 @@ class ExportFrontEnd:
     name = "export"
 
     def __init__(self, model: nn.Module, example_inputs: Optional[Tuple[Any, ...]],
-                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: Union[bool, str] = True,
+                 example_kwargs: Optional[Dict[str, Any]], *, dynamic: Dynamic = Dynamic.BATCH,
                  dynamic_shapes: Any = None, leaf_modules: Sequence[LeafSpec] = (),
                  fallback_from: Optional[TraceError] = None):
         self.model = model
@@ -102,15 +103,14 @@ class ExportFrontEnd:
         self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
         if leaf_modules:
             raise _leaf_modules_error(leaf_modules, self._why())
-        if dynamic not in DYNAMIC:
-            raise ValueError(f"dynamic={dynamic!r} is not one of {', '.join(map(repr, DYNAMIC))} (or pass "
-                             f"dynamic_shapes= for torch.export)")
+        dynamic = parse_option(Dynamic, dynamic, what="dynamic")
         self.dynamic = "given" if dynamic_shapes is not None else dynamic
         self.signature = _signature(model)
         if dynamic_shapes is not None:
             self.dynamic_shapes = dynamic_shapes
-        elif dynamic:
-            self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs, every_dim=dynamic == "all")
+        elif dynamic is not Dynamic.NONE:
+            self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs,
+                                                  every_dim=dynamic is Dynamic.ALL)
         else:
             self.dynamic_shapes = None
         self.dropped: List[str] = []
@@ -189,10 +189,6 @@ def _signature(model: nn.Module) -> Optional[inspect.Signature]:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
         return None
-
-
-#: the values ``dynamic=`` takes: the usual dims, every dim, none
-DYNAMIC = (True, "all", False)
 
 
 def _usual_dims(t: torch.Tensor) -> range:
@@ -427,7 +423,8 @@ class _BindInputs:
                 continue
             for dim, (want, got) in enumerate(zip(sizes, value.shape)):
                 if want is not None and got != want:
-                    how = ("dynamic=True keeps only batch and sequence dims dynamic" if self.dynamic is True else
+                    how = ("dynamic='batch' keeps only batch and sequence dims dynamic"
+                           if self.dynamic is Dynamic.BATCH else
                            f"captured with dynamic={self.dynamic!r}")
                     raise RuntimeError(
                         f"input {name!r} has size {got} in dim {dim}, which the capture kept static: expected it "
@@ -472,7 +469,7 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
-def _shape_note(gm: fx.GraphModule, dynamic: Union[bool, str]) -> str:
+def _shape_note(gm: fx.GraphModule, dynamic: Union[Dynamic, str]) -> str:
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     parts = []
@@ -483,10 +480,10 @@ def _shape_note(gm: fx.GraphModule, dynamic: Union[bool, str]) -> str:
             parts.append(f"{node.name} ({dims})")
     if not parts:
         return "no tensor inputs"
-    how = {True: "dynamic batch and sequence dims (dynamic=True: dim 0, and dim 1 of token/mask and "
-                 "(batch, length, features) inputs; dynamic='all' for every dim, e.g. image sizes)",
-           "all": "every dim dynamic (dynamic='all')",
-           False: "static shapes (dynamic=False)",
+    how = {Dynamic.BATCH: "dynamic batch and sequence dims (dynamic='batch': dim 0, and dim 1 of token/mask "
+                          "and (batch, length, features) inputs; dynamic='all' for every dim, e.g. image sizes)",
+           Dynamic.ALL: "every dim dynamic (dynamic='all')",
+           Dynamic.NONE: "static shapes (dynamic='none')",
            "given": "dynamic_shapes as given"}[dynamic]
     return f"{how}; input sizes, * = dynamic: " + ", ".join(parts)
 

@@ -1,0 +1,43 @@
+"""``fxamp/dtypes.py``: the one dtype vocabulary (sets, names, parsing)."""
+
+import pytest
+import torch
+
+from fxamp.dtypes import CASTABLE, LOW, NAMES, dtype_name, parse_dtype, short_name
+
+
+def test_sets():
+    assert LOW == (torch.float16, torch.bfloat16)
+    assert CASTABLE == (torch.float32, torch.float16, torch.bfloat16)
+    assert torch.float64 not in CASTABLE and set(LOW) < set(CASTABLE)
+    assert set(NAMES.values()) == set(CASTABLE)
+
+
+@pytest.mark.parametrize("text,dtype", [
+    ("float16", torch.float16), ("fp16", torch.float16), ("half", torch.float16), (" HALF ", torch.float16),
+    ("torch.bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float", torch.float32),
+    (torch.float32, torch.float32),
+])
+def test_parse_dtype_accepts_every_name(text, dtype):
+    assert parse_dtype(text) is dtype
+
+
+def test_parse_dtype_errors_name_the_option_and_the_valid_values():
+    with pytest.raises(ValueError, match=r"compute='fp8' is not a dtype fxamp understands; use a torch dtype "
+                                         r"or one of \['bf16', 'bfloat16', 'float', 'float16'"):
+        parse_dtype("fp8", what="compute")
+    with pytest.raises(ValueError, match=r"dtype=torch.float64 is not supported; use one of float32, float16, "
+                                         r"bfloat16"):
+        parse_dtype(torch.float64)
+    with pytest.raises(ValueError, match=r"low='float32' is not a dtype.*\['bf16', 'bfloat16', 'float16', 'fp16', "
+                                         r"'half'\]"):
+        parse_dtype("float32", what="low", allowed=LOW)
+    with pytest.raises(ValueError, match="is not a dtype fxamp understands"):
+        parse_dtype(3)
+
+
+def test_names():
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name("float16") == "float16"
+    assert short_name(torch.float16) == "fp16" and short_name(torch.int64) == "i64"
+    assert short_name("float16|float32") == "fp16|fp32"
+    assert short_name(torch.complex64) == "complex64"  # no short name: the long one
