@@ -163,7 +163,7 @@ def test_state_dict_is_the_inner_optimizers_format():
 def test_float16_loss_scale_and_clipping():
     """The kernel divides by the loss scale and applies clip_grad_norm_'s factor (read from the
     float16 gradients in place), as the inner optimizer's step on unscaled, clipped float32 gradients."""
-    ref, fused = pair(OPTIMIZERS["adamw"], dtype=F16, loss_scale=2.0 ** 12)
+    ref, fused = pair(OPTIMIZERS["adamw"], dtype=F16, loss_scale="static:4096")
     norms = []
     for m, o in (ref, fused):
         norms.append(backward(m, o, 0, clip=0.05))

@@ -111,7 +111,7 @@ OPTIMIZERS = {
 
 # -- equivalence ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["sgd", "adamw", "adamw-foreach", "adamw-fused"])
-@pytest.mark.parametrize("loss_scale", [1.0, None])
+@pytest.mark.parametrize("loss_scale", ["static:1", "none"])
 def test_o0_with_scale_one_is_bitwise_the_plain_optimizer(name, loss_scale):
     ref = net()
     model = fxamp.convert(copy.deepcopy(ref), "O0")
@@ -383,7 +383,7 @@ def test_masters_of_mixed_dtypes_and_devices_of_one_optimizer():
     ps = [nn.Parameter(torch.randn(3).to(F16)), nn.Parameter(torch.randn(4).to(BF16)),
           nn.Parameter(torch.randn(5).to(F16)), nn.Parameter(torch.randn(2, dtype=torch.float64)),
           nn.Parameter(torch.randn(6))]
-    opt = MixedPrecisionOptimizer(torch.optim.SGD(ps, lr=0.1), loss_scale=8.0)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(ps, lr=0.1), loss_scale="static:8")
     assert [len(b.lows) for b in opt.plan.buckets] == [2, 1]
 
     def loss():
@@ -408,7 +408,7 @@ def test_masters_of_mixed_dtypes_and_devices_of_one_optimizer():
     assert opt.overflowed_params() == ["group 0, param 1"]
 
 
-@pytest.mark.parametrize("loss_scale", [None, "dynamic"])
+@pytest.mark.parametrize("loss_scale", ["none", "dynamic"])
 def test_sparse_gradients(loss_scale):
     class Bag(nn.Module):
         def __init__(self):
@@ -668,7 +668,7 @@ def test_existing_state_moves_to_float32_masters():
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_resume_mid_training_is_bitwise(dtype):
-    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_interval=3) if dtype == F16 else None
+    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_interval=3) if dtype == F16 else "none"
 
     def make(seed):
         model = fxamp.convert(net(seed), "O2", dtype=dtype)
