@@ -11,7 +11,7 @@ tiny.  The script
    scale fxamp's dynamic scaler settles on, and a PNG of the histogram of log2|gradient| (the
    paper's Figure 3) with float16's normal and subnormal ranges and the scale's shift;
 2. trains the same model from the same weights on the same batches in float32, in fxamp O2
-   float16 *without* loss scaling (``loss_scale=None``), and in fxamp O2 float16 with fxamp's
+   float16 *without* loss scaling (``loss_scale="none"``), and in fxamp O2 float16 with fxamp's
    dynamic loss scaling (``fxamp.MixedPrecisionOptimizer``), and prints a table.
 
 Unscaled, every gradient value underflows to zero and the float16 model does not learn at all;
@@ -81,7 +81,7 @@ class Run:
     model: Optional[nn.Module] = None
 
 
-def train(name: str, model: nn.Module, data, steps: int, *, policy: Optional[str], loss_scale) -> Run:
+def train(name: str, model: nn.Module, data, steps: int, *, policy: Optional[str], loss_scale: str) -> Run:
     run = Run(name)
     if policy is None:
         net = model
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     data = make_data(8, 8 if args.quick else 32, args.seed)
     model = TokenMLP()
 
-    runs = [train("float32", _copy(model), data, steps, policy=None, loss_scale=None),
-            train("fxamp O2 float16, no loss scaling", _copy(model), data, steps, policy="O2", loss_scale=None),
+    runs = [train("float32", _copy(model), data, steps, policy=None, loss_scale="none"),
+            train("fxamp O2 float16, no loss scaling", _copy(model), data, steps, policy="O2", loss_scale="none"),
             train("fxamp O2 float16, dynamic loss scaling", _copy(model), data, steps, policy="O2",
                   loss_scale="dynamic")]
 

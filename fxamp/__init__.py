@@ -11,7 +11,8 @@ from .conversion.convert import ConversionInfo, clear_cast_cache, conversion_inf
 from .conversion.debug import OverflowInfo, overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .conversion.lazy import LazyConverted
-from .training.loss_scale import LossScaleConfig, LossScaler, ScaleKind
+from .training.config import LossScaleConfig, ScaleKind
+from .training.loss_scale import LossScaler
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .conversion.convert import convert, policy_of
-from .training.loss_scale import LossScaleOption
+from .training.config import LossScaleOption
 from .training.optimizer import MixedPrecisionOptimizer, check_optimizer
 from .dtypes import LOW
 from .policy import Policy

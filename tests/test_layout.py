@@ -32,7 +32,7 @@ STAGES: Dict[str, int] = {
     "conversion.pipeline": 9, "conversion.lazy": 9,
     "conversion.convert": 10,
     # the training wing
-    "training": 3, "training.distributed": 3, "training.check": 3, "training.loss_scale": 3,
+    "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
     "training.step": 4,
     "training.kernels": 5,
     "training.optimizer": 6,

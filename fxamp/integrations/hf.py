@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
+from fxamp.training.config import LossScaleOption
 
 from . import resolve_dtype
 
@@ -153,7 +154,7 @@ def prepare(
     example_batch: Optional[Mapping[str, Any]] = None,
     optimizer: Optional[Callable[[List[Dict[str, Any]]], torch.optim.Optimizer]] = None,
     scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
-    loss_scale: Any = "auto",
+    loss_scale: LossScaleOption = "auto",
     max_grad_norm: Optional[float] = None,
     num_training_steps: Optional[int] = None,
     compile_step: bool = False,
@@ -167,6 +168,8 @@ def prepare(
                     now; without it a model torch.fx cannot trace captures at its first call.
     optimizer:      ``param_groups -> torch optimizer``; default AdamW from ``args``.
     scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
+    loss_scale:     as :class:`fxamp.MixedPrecisionOptimizer`'s (``"auto"``, ``"dynamic"``, ``"none"``,
+                    ``"static:<scale>"``, a ``LossScaleConfig`` or a shared ``LossScaler``).
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
                     ``args.max_grad_norm`` for float16.
     compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models

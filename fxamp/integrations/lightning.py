@@ -44,12 +44,11 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
                       "(or pip install lightning)") from e
 
 import fxamp
+from fxamp.training.config import LossScaleOption, config_for
 
 from . import resolve_dtype
 
 __all__ = ["FxampPrecision"]
-
-LossScaleArg = Union[str, float, None, "fxamp.LossScaleConfig"]
 
 
 class FxampPrecision(Precision):
@@ -59,8 +58,9 @@ class FxampPrecision(Precision):
     dtype:          ``"bf16"`` (default; no loss scaling) or ``"16"``/float16 (dynamic loss scaling).
     modules:        names (dotted paths) of the submodules to convert; default: every direct child
                     module that has parameters (the items of a ModuleList/ModuleDict).
-    loss_scale:     ``"auto"`` (dynamic for float16, none for bfloat16), ``"dynamic"``, a number
-                    (static), ``None``, or a :class:`fxamp.LossScaleConfig`.
+    loss_scale:     ``"auto"`` (dynamic for float16, none for bfloat16), ``"dynamic"``, ``"none"``,
+                    ``"static:<scale>"``, a :class:`fxamp.LossScaleConfig`, or a :class:`fxamp.LossScaler`
+                    to share (``None`` and numbers are refused: write ``"none"``, ``"static:<scale>"``).
     example_inputs: ``{"net": (x,)}``: example inputs for modules torch.fx cannot trace (used by
                     ``fxamp.convert``'s ``torch.export`` front end).
     compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models
@@ -75,7 +75,7 @@ class FxampPrecision(Precision):
         dtype: Union[str, int, torch.dtype] = "bf16",
         *,
         modules: Optional[Sequence[str]] = None,
-        loss_scale: LossScaleArg = "auto",
+        loss_scale: LossScaleOption = "auto",
         example_inputs: Optional[Mapping[str, Tuple[Any, ...]]] = None,
         compile_step: bool = False,
         **convert_kwargs: Any,
@@ -88,8 +88,15 @@ class FxampPrecision(Precision):
         self.convert_kwargs = convert_kwargs
         self.compile_step = bool(compile_step)
         #: one loss scale for every optimizer of the LightningModule (as MixedPrecision's GradScaler)
-        self.scaler = fxamp.LossScaler(_scale_config(loss_scale, self.dtype))
+        self.scaler = loss_scale if isinstance(loss_scale, fxamp.LossScaler) else \
+            fxamp.LossScaler(config_for(loss_scale, self.dtype))
         self._wrappers: List[fxamp.MixedPrecisionOptimizer] = []
+
+    @property
+    def optimizers(self) -> List["fxamp.MixedPrecisionOptimizer"]:
+        """The ``MixedPrecisionOptimizer`` of each optimizer Lightning set up (``connect``), in
+        ``configure_optimizers()``'s order; [] before ``fit``.  A new list: the plugin keeps its own."""
+        return list(self._wrappers)
 
     # -- the model ---------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -261,18 +268,3 @@ def _networks(module: nn.Module, prefix: str = "") -> List[str]:
         else:
             names.append(prefix + name)
     return names
-
-
-def _scale_config(loss_scale: LossScaleArg, dtype: torch.dtype) -> "fxamp.LossScaleConfig":
-    if isinstance(loss_scale, fxamp.LossScaleConfig):
-        return loss_scale
-    if loss_scale == "auto":
-        return fxamp.LossScaleConfig.none() if dtype == torch.bfloat16 else fxamp.LossScaleConfig.dynamic()
-    if loss_scale == "dynamic":
-        return fxamp.LossScaleConfig.dynamic()
-    if loss_scale is None or loss_scale == "none":
-        return fxamp.LossScaleConfig.none()
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return fxamp.LossScaleConfig.static(float(loss_scale))
-    raise ValueError(f"loss_scale={loss_scale!r} is not understood; use 'auto', 'dynamic', a number (static), "
-                     f"None, or an fxamp.LossScaleConfig")

@@ -2,6 +2,10 @@
 
 ``optimizer`` (``MixedPrecisionOptimizer``: masters, public API, state_dict) drives ``step`` (the
 one engine: plan runs -> check -> per run unscale, step, refresh), over ``loss_scale`` (the scale
-and the stage machine) and ``distributed`` (overflow agreed by every rank); ``kernels`` is the
-compiled executor of a run (``compile_step=True``).  Nothing here imports the conversion wing.
+and the whole stage machine: the check, the overflow decision host- or device-decided, the
+stages).  A step goes through these three files; a fourth only under an initialized
+``torch.distributed`` (``distributed``: overflow agreed by every rank) or with ``compile_step=True``
+(``kernels``: the compiled executor of a run, imported only then: it brings ``torch._dynamo``).
+``config`` (``LossScaleConfig``, the ``loss_scale=`` option) is read at construction, never by a
+step.  Nothing here imports the conversion wing.
 """

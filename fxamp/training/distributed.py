@@ -11,6 +11,10 @@ FSDP: keep float32 parameters in the model (fxamp O1, or FSDP's own
 values, and wrap the optimizer built on the sharded parameters: every parameter is then stepped
 directly (no master copies), each rank checks its own shard, and this all-reduce makes the skip
 decision global.  O2-style low-precision storage under FSDP is not tested.
+
+A step visits this module (a fourth file after optimizer -> step -> loss_scale) only when
+``torch.distributed`` is initialized and ``sync_overflow`` is on
+(:func:`fxamp.training.loss_scale.ranks_to_agree`).
 """
 
 from __future__ import annotations

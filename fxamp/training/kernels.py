@@ -26,6 +26,10 @@ device, a fused inner optimizer: see its ``step``), the Adam kernel takes the fl
 (everything written back as it was, the step counts not advanced, as torch's fused Adam does), and
 the bias corrections are computed on the device from the step counts: the host never waits.
 SGD's decision is read on the host.
+
+The fourth file of a step with ``compile_step`` (optimizer -> step -> loss_scale, and this module's
+:meth:`Kernels.step` as the executor of the runs).  Imported by the wrapper only when
+``compile_step=True`` is asked for: it brings ``torch._dynamo``, which ``import fxamp`` does not.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import torch
 
 from .step import SEGMENT_NUMEL, Run, cut_runs
 
-__all__ = ["fusable", "worth_fusing", "skips_on_device", "Kernels", "step_fused", "FUSED_MIN_NUMEL",
-           "FUSED_MIN_TOTAL"]
+__all__ = ["fusable", "worth_fusing", "skips_on_device", "Kernels", "step_fused", "adam_rows", "KERNELS",
+           "DistinctLengths", "CHUNK", "FUSED_MIN_NUMEL", "FUSED_MIN_TOTAL"]
 
 
 def _adam_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -208,7 +212,9 @@ def skips_on_device(optimizer: Any) -> bool:
     return _kind(optimizer) == "adam"
 
 
-_RAW: Dict[str, Callable[..., None]] = {
+#: the update functions by name, each compiled at its first call (:class:`Kernels`); a ``_many`` one steps
+#: :data:`CHUNK` masters a call
+KERNELS: Dict[str, Callable[..., None]] = {
     "adam": _adam, "adam_skip": _adam_skip, "sgd_momentum": _sgd_momentum, "sgd": _sgd,
     "adam_many": _adam_many, "adam_skip_many": _adam_skip_many, "sgd_momentum_many": _sgd_momentum_many,
     "sgd_many": _sgd_many}
@@ -220,19 +226,52 @@ _COMPILE_ERRORS = tuple(c for c in (getattr(torch._dynamo.exc, "TorchDynamoExcep
 
 
 class Kernels:
-    """The kernels of one wrapper, compiled at their first call (``torch.compile``, ``dynamic=True``),
-    and the scratch tensors that pad a call to :data:`CHUNK` masters.
+    """The kernels of one wrapper's ``optimizer`` (a :func:`fusable` one), compiled at their first call
+    (``torch.compile``, ``dynamic=True``), the scratch tensors that pad a call to :data:`CHUNK` masters,
+    and the calls' kept plans.  :meth:`step` is the executor of a step's runs.
 
     Where compiling fails (no C++ compiler for inductor, or dynamo's recompile limit reached by a
     new dtype or layout) that call runs the same function eagerly, after one warning per kernel: the
     same update, at the cost of one pass over memory per operation.  A failure is raised while
     compiling, before the kernel writes anything."""
 
-    def __init__(self) -> None:
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
         self._compiled: Dict[str, Callable[..., None]] = {}
         self._warned: set = set()
         self._pads: Dict[Tuple[Any, ...], List[Tuple[torch.Tensor, ...]]] = {}
         self._plans: Dict[Tuple[Any, ...], Any] = {}
+
+    @property
+    def compiled(self) -> Tuple[str, ...]:
+        """The names (:data:`KERNELS`) of the kernels compiled so far, sorted; () until a step used them."""
+        return tuple(sorted(self._compiled))
+
+    @property
+    def skips_on_device(self) -> bool:
+        """:func:`skips_on_device` of the optimizer."""
+        return skips_on_device(self.optimizer)
+
+    def worth(self, masters: Sequence[torch.Tensor]) -> bool:
+        """:func:`worth_fusing` of the optimizer and ``masters``."""
+        return worth_fusing(self.optimizer, masters)
+
+    def step(self, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
+             fallback: Callable[[Sequence[Run]], None], *, segment_numel: int = SEGMENT_NUMEL,
+             found: Optional[torch.Tensor] = None) -> None:
+        """:func:`step_fused` of the optimizer with these kernels: the executor of a step's runs
+        (:func:`fxamp.training.step.step`)."""
+        step_fused(self.optimizer, self, runs, scale_on, fallback, segment_numel=segment_numel, found=found)
+
+    def scratch(self) -> List[torch.Tensor]:
+        """The scratch tensors that pad calls (:meth:`pad`): never a master, nothing reads what they hold."""
+        return [t for pads in self._pads.values() for pad in pads for t in pad]
+
+    def kept_tensors(self) -> List[torch.Tensor]:
+        """The tensors the kept plans (:meth:`plan`) hold: views of the masters, their optimizer state and
+        the low-precision weights, kept between steps (not the gradients, new every step)."""
+        return [t for _, (_, chunks) in self._plans.values()
+                for _, columns, _, _ in chunks for column in columns if column for t in column]
 
     def __call__(self, name: str) -> Callable[..., None]:
         compiled = self._compiled.get(name)
@@ -240,13 +279,13 @@ class Kernels:
             # size_asserts: inductor's wrapper re-checks every input's sizes and strides, which
             # dynamo's guards have just checked: ~30 of a call's ~105 us over 16 masters (EPYC)
             compiled = self._compiled[name] = torch.compile(
-                _RAW[name], dynamic=True, fullgraph=True,
+                KERNELS[name], dynamic=True, fullgraph=True,
                 options={"cpp.dynamic_threads": True, "size_asserts": False})
-        raw = _RAW[name]
+        raw = KERNELS[name]
 
         def call(*args: Any) -> None:
             try:
-                with _no_duck_shapes():
+                with DistinctLengths():
                     compiled(*args)
             except _COMPILE_ERRORS as e:
                 if name not in self._warned:
@@ -285,7 +324,7 @@ class Kernels:
         return pads[:count]
 
 
-class _no_duck_shapes:
+class DistinctLengths:
     """While a kernel may compile: every master's length its own symbol.  Dynamo's default gives equal
     lengths one symbol and guards that they stay equal, so calls over masters of other equal lengths
     would compile again, up to the recompile limit (torch's own message names this setting).  Set and
@@ -382,7 +421,7 @@ def _fits(master: torch.Tensor, low: torch.Tensor, grad: torch.Tensor) -> bool:
             and grad.shape == master.shape == low.shape)
 
 
-def _adam_rows(group: Dict[str, Any], steps: Sequence[torch.Tensor], scale: torch.Tensor,
+def adam_rows(group: Dict[str, Any], steps: Sequence[torch.Tensor], scale: torch.Tensor,
                decoupled: bool) -> torch.Tensor:
     """The kernel's scalars (see :func:`_adam`) for each of ``steps``, as rows of a float32 tensor on
     ``scale``'s device, computed there in float64: the host reads neither the step counts nor the
@@ -416,7 +455,7 @@ def _step_adam(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torc
         states.append(state)
         steps.append(state["step"])
     torch._foreach_add_(steps, 1)
-    table = _adam_rows(group, steps, scale, decoupled)
+    table = adam_rows(group, steps, scale, decoupled)
     items = [(master, low.grad, state["exp_avg"], state["exp_avg_sq"], low)
              for (low, master), state in zip(pairs, states)]
     if found is None:

@@ -1,13 +1,9 @@
-"""Loss scaling: a frozen :class:`LossScaleConfig` and the :class:`LossScaler` state machine.
+"""The loss scale and the whole stage machine of a step: the scale, the check, the decision (host- or
+device-decided), the stages.
 
-Float16 gradients underflow: backpropagating ``loss * scale`` keeps them representable, and the
-gradients are divided by ``scale`` (in float32) before the optimizer sees them.  Three kinds:
-
-* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`LossScaler`.
-* ``"static"``: a fixed scale.
-* ``"none"`` (the default for bfloat16 and float32): the scale is 1.
-
-Whatever the kind, a step whose gradients hold an inf or NaN is skipped.
+Float16 gradients underflow: the backward runs on ``loss * scale`` and the gradients are divided by
+``scale`` (in float32) before the optimizer sees them; the kinds and the ``loss_scale=`` option are
+:mod:`fxamp.training.config`'s (construction time: a step never visits it).
 
 The scaler owns the whole iteration, as ``torch.amp.GradScaler`` does per optimizer: the scale,
 the overflow decision and where each optimizer stands.  An optimizer ``attach()``-es once and
@@ -16,153 +12,207 @@ passes its :class:`ScalerClient` to the scaler's methods; it never reads the sca
     client = scaler.attach()                          # READY
     loss = scaler.scale_loss(loss, client)            # -> SCALED (every client of this scaler)
     check = scaler.start_unscale(client)              # SCALED -> (unscaling)
-    check.unscale_and_check_(grads)                   #   fused check + divide, per device
-    scaler.finish_unscale(client, check.found())      # -> UNSCALED, the decision kept
+    check.unscale_and_check_(grads)                   #   fused check + divide, per device (FoundInf)
+    verdict, local = agree(check, device, sync)       #   the one decision: host bool or DeviceFlag
+    scaler.finish_unscale(client, verdict)            # -> UNSCALED, the decision kept
     if scaler.start_step(client) is Stage.SCALED: ... # step() without unscale_(): unscale first
     found = scaler.found_inf(client)                  # step, or skip if found
     scaler.record(found, blame, client)               # -> STEPPED
     scaler.update()                                   # next generation: every client READY
 
 A call out of this order raises :class:`OptimizerStateError` saying what to call instead.
+
+A step's path through the files: :mod:`fxamp.training.optimizer` (``step()``) -> :mod:`fxamp.training.step`
+(the engine) -> this module (stage, check, decision, scale update); a fourth only under an
+initialized ``torch.distributed`` (:mod:`fxamp.training.distributed`, the all-reduce of the flag)
+or with ``compile_step`` (:mod:`fxamp.training.kernels`, the compiled executor of the runs).
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from ..errors import LossScaleError, OptimizerStateError
-from ..info import policy_of
-from .check import DeviceFlag, FoundInf
+from .config import LossScaleConfig, LossScaleOption, ScaleKind, compute_dtype, config_for
+from .distributed import all_reduce_overflow, all_reduce_overflow_on_device
 
-__all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "LossScaler", "Stage", "ScalerClient", "scaler_for"]
-
-
-class ScaleKind(str, enum.Enum):
-    """How the loss scale behaves; a ``str`` so ``"dynamic"`` and ``ScaleKind.DYNAMIC`` are interchangeable."""
-
-    DYNAMIC = "dynamic"
-    STATIC = "static"
-    NONE = "none"
-
-    def __str__(self) -> str:
-        return self.value
+__all__ = ["LossScaler", "Stage", "ScalerClient", "scaler_for", "FoundInf", "DeviceFlag", "StepResult", "agree",
+           "ranks_to_agree", "note_non_finite_", "fused_kernel_takes"]
 
 
-_KINDS = ", ".join(repr(k.value) for k in ScaleKind)
-_OPTIONS = ("'auto', 'dynamic', 'none', 'static:<scale>' (e.g. 'static:1024'), a LossScaleConfig, or a "
-            "LossScaler shared with other optimizers")
+class FoundInf:
+    """Divides gradients by the scale and notes any inf/NaN: one flag per device, read once at the end.
 
-#: what ``loss_scale=`` takes (:func:`scaler_for`): a string shorthand, a config, or a shared scaler
-LossScaleOption = Union[str, "LossScaleConfig", "LossScaler"]
-
-
-@dataclass(frozen=True)
-class LossScaleConfig:
-    """How to scale the loss; validated at construction.
-
-    ``LossScaleConfig()`` is dynamic scaling with the defaults of ``torch.amp.GradScaler`` plus a
-    floor, a ceiling and DeepSpeed's hysteresis.  The fields other than ``kind`` and
-    ``init_scale`` matter only to dynamic scaling.
+    ``inv_scale_on(device)`` gives ``1/scale`` there.  When the scale is 1 (``unit``) a single
+    float32 CPU tensor is only read (a finite sum means finite elements), not read and rewritten.
     """
 
-    kind: ScaleKind = ScaleKind.DYNAMIC
-    #: the first scale (:meth:`of`, :meth:`none` and :meth:`static` pick it for the other kinds)
-    init_scale: float = 2.0**16
-    #: multiply the scale by this after ``growth_interval`` clean steps in a row
-    growth_factor: float = 2.0
-    #: multiply the scale by this on an overflow (once ``hysteresis`` overflows are used up)
-    backoff_factor: float = 0.5
-    #: clean steps in a row before the scale grows
-    growth_interval: int = 2000
-    #: an overflow at this scale raises LossScaleError: the model is diverging (0: never; the
-    #: scale then stops at the smallest normal float32, whose inverse is still finite)
-    min_scale: float = 1.0
-    #: the scale never grows past this
-    max_scale: float = 2.0**24
-    #: overflows tolerated (skipped, scale kept) before backing off; refilled when the scale grows
-    hysteresis: int = 1
+    __slots__ = ("inv_scale_on", "unit", "flags")
 
-    def __post_init__(self) -> None:
-        """Validate only (normalising is :meth:`of`'s): a frozen config is never written after construction."""
-        kind, init = self.kind, self.init_scale
-        if not isinstance(kind, ScaleKind):
-            raise TypeError(f"kind={kind!r} must be a ScaleKind; LossScaleConfig.of(kind={kind!r}) takes its string")
-        if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init) or init <= 0:
-            raise ValueError(f"init_scale={init!r} must be a finite number > 0")
-        if kind is ScaleKind.NONE and init != 1.0:
-            raise ValueError(f"init_scale={init!r} with kind='none'; the 'none' scale is 1 (use kind='static')")
-        if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
-            raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be in (0, 1)")
-        for name in ("growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if not 0.0 <= self.min_scale <= self.max_scale:
-            raise ValueError(f"min_scale={self.min_scale!r} and max_scale={self.max_scale!r} need 0 <= min_scale <= max_scale")
-        if kind is ScaleKind.DYNAMIC and not self.min_scale <= init <= self.max_scale:
-            raise ValueError(
-                f"init_scale={init!r} is outside [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]"
-            )
+    def __init__(self, inv_scale_on: Callable[[torch.device], torch.Tensor], unit: bool = False) -> None:
+        self.inv_scale_on = inv_scale_on
+        self.unit = unit
+        self.flags: Dict[torch.device, torch.Tensor] = {}
 
-    @classmethod
-    def of(cls, kind: Union[str, ScaleKind] = ScaleKind.DYNAMIC, init_scale: Optional[float] = None,
-           **fields: Any) -> "LossScaleConfig":
-        """The validated constructor with normalising: ``kind`` a :class:`ScaleKind` or its string;
-        ``init_scale`` None picks 2**16 (dynamic) or 1 (none), and is required for static."""
-        try:
-            kind = ScaleKind(kind)
-        except ValueError:
-            raise ValueError(f"kind={kind!r} is not a loss scale kind; use one of {_KINDS}") from None
-        if init_scale is None:
-            if kind is ScaleKind.STATIC:
-                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
-            init_scale = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
-        if isinstance(init_scale, int) and not isinstance(init_scale, bool):
-            init_scale = float(init_scale)
-        return cls(kind=kind, init_scale=init_scale, **fields)
+    def unscale_and_check_(self, tensors: List[torch.Tensor]) -> None:
+        """Divide dense ``tensors`` (one device and dtype) by the scale in place, noting any inf/NaN."""
+        if not tensors:
+            return
+        device = tensors[0].device
+        flag = self.flag_on(device)
+        t = tensors[0]
+        if self.unit and len(tensors) == 1 and t.device.type == "cpu" and t.dtype == torch.float32 \
+                and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
+            return  # nothing to divide, nothing non-finite: an inf or NaN makes the sum inf or NaN
+            # (a finite sum that overflows falls through to the exact kernel below)
+        if not fused_kernel_takes(t):
+            note_non_finite_(flag, tensors)
+            torch._foreach_mul_(tensors, self.inv_scale_on(device))
+            return
+        # GradScaler's fused kernel: checks each value before multiplying it by 1/scale
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self.inv_scale_on(device))
 
-    @classmethod
-    def parse(cls, text: str) -> "LossScaleConfig":
-        """The string shorthand: ``"dynamic"``, ``"none"`` or ``"static:<scale>"`` (``"static:1024"``)."""
-        name, _, value = text.partition(":")
-        if name == "static" and value:
-            try:
-                return cls.static(float(value))
-            except ValueError:
-                pass
-        elif not value and name in ("dynamic", "none"):
-            return cls.of(name)
-        raise ValueError(f"loss_scale={text!r} is not understood; use {_OPTIONS}")
+    def check_(self, tensors: List[torch.Tensor]) -> None:
+        """Note any inf/NaN in dense ``tensors`` (one device and dtype) without dividing them.
 
-    @classmethod
-    def dynamic(cls, **fields: Any) -> "LossScaleConfig":
-        """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
-        return cls.of(ScaleKind.DYNAMIC, **fields)
+        On CPU their sums are read first (an inf or NaN makes a sum inf or NaN, so finite sums mean
+        finite elements; half the time of the kernel, which also writes); a non-finite sum, which
+        may be an overflow of finite values, falls through to the exact kernel, multiplying by 1.
+        """
+        if not tensors:
+            return
+        device = tensors[0].device
+        if device.type == "cpu" and bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all()):
+            return  # (on an accelerator this would wait for the device)
+        if not fused_kernel_takes(tensors[0]):
+            note_non_finite_(self.flag_on(device), tensors)
+            return
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, self.flag_on(device), torch.ones((), device=device))
 
-    @classmethod
-    def static(cls, scale: float) -> "LossScaleConfig":
-        """A fixed scale."""
-        return cls.of(ScaleKind.STATIC, init_scale=scale)
+    def flag_on(self, device: torch.device) -> torch.Tensor:
+        """The flag of ``device`` (0.0 until an inf/NaN is found there): float32, 0-dim, on ``device``."""
+        flag = self.flags.get(device)
+        if flag is None:
+            flag = self.flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return flag
 
-    @classmethod
-    def none(cls) -> "LossScaleConfig":
-        """No scaling (scale 1); non-finite gradients still skip the step."""
-        return cls.of(ScaleKind.NONE)
+    def found(self) -> torch.Tensor:
+        """1.0 if any tensor held an inf/NaN, else 0.0: a float32 0-dim CPU tensor."""
+        flags = [flag.to("cpu") for flag in self.flags.values()]
+        if not flags:
+            return torch.zeros((), dtype=torch.float32)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
 
-    def __str__(self) -> str:
-        if self.kind is not ScaleKind.DYNAMIC:
-            return f"{self.kind}" if self.kind is ScaleKind.NONE else f"static({self.init_scale:g})"
-        return (f"dynamic(init_scale={self.init_scale:.8g}, growth_factor={self.growth_factor:g}, "
-                f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
-                f"min_scale={self.min_scale:.8g}, max_scale={self.max_scale:.8g}, hysteresis={self.hysteresis})")
+
+class DeviceFlag:
+    """An overflow decision left on a CUDA device: a float32 0-dim ``flag`` (1.0: an inf/NaN was found).
+
+    Copied to pinned host memory without waiting; ``bool()`` (True: overflowed) waits for that copy
+    alone, which follows the check on the stream, not for work queued after it.  This is how a
+    step is decided without stopping the host: the inner optimizer skips on the device (its fused
+    kernel reads ``flag``) and the host learns the outcome later, when it needs it.
+    """
+
+    __slots__ = ("flag", "_host", "_event", "_value")
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.flag = flag
+        self._event: Optional[Any] = None
+        self._value: Optional[bool] = None
+        if flag.device.type == "cuda":
+            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(flag.device))
+        else:  # (a CPU flag: known at once; the tests run the deferred step this way)
+            self._host = flag
+
+    def ready(self) -> bool:
+        """Whether the outcome is known without waiting."""
+        return self._value is not None or self._event is None or self._event.query()
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = bool(self._host.item() != 0)
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"DeviceFlag({bool(self) if self.ready() else 'pending'})"
+
+
+def fused_kernel_takes(t: torch.Tensor) -> bool:
+    """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` has a kernel for ``t``: on CPU every
+    floating dtype; on CUDA (and other accelerators) float16, float32 and float64, not bfloat16."""
+    return t.device.type == "cpu" or t.dtype in (torch.float16, torch.float32, torch.float64)
+
+
+def note_non_finite_(flag: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    """Set ``flag`` (a float32 0-dim tensor on the tensors' device) to 1 if any of ``tensors`` holds an
+    inf or NaN, without waiting for the device.
+
+    For dtypes the fused kernel lacks (bfloat16 on CUDA).  Exact: the 1-norms are summed in float64,
+    where the sum of even a billion of the largest bfloat16/float16 values (3.4e38 each) is finite, so
+    a norm is non-finite exactly when an element is.
+    """
+    try:
+        norms = torch._foreach_norm(tensors, 1, dtype=torch.float64)
+    except (TypeError, RuntimeError):  # pragma: no cover - torch without _foreach_norm's dtype
+        norms = [t.abs().sum(dtype=torch.float64) for t in tensors]
+    bad = torch.logical_not(torch.isfinite(torch.stack(list(norms)))).any().to(flag.dtype)
+    torch.maximum(flag, bad, out=flag)
+
+
+def ranks_to_agree(sync: bool) -> bool:
+    """Whether a step with ``sync_overflow=sync`` agrees with other ranks: ``sync`` and an initialized
+    ``torch.distributed`` (else :mod:`fxamp.training.distributed` has nothing to do: a step does not visit it)."""
+    return sync and dist.is_available() and dist.is_initialized()
+
+
+def agree(flags: FoundInf, device: Optional[torch.device], sync: bool, group: Optional[Any] = None
+          ) -> Tuple[Union[bool, DeviceFlag], bool]:
+    """The one place a step's overflow is decided: ``(verdict, local)``.
+
+    ``device`` None: decided on the host, ``verdict`` a bool (the flags of every device read, and
+    with ``sync`` the maximum over ``group``'s ranks), ``local`` whether this rank overflowed.
+    Otherwise the flag stays on ``device`` (agreed there with ``sync``; :func:`reduces_on_device`
+    must hold): ``verdict`` is a :class:`DeviceFlag` the host reads only when asked, ``local`` False.
+    """
+    sync = ranks_to_agree(sync)
+    if device is not None:
+        flag = flags.flag_on(device)
+        return DeviceFlag(all_reduce_overflow_on_device(flag, group) if sync else flag), False
+    local = flags.found()
+    found = all_reduce_overflow(local, group) if sync else local
+    return bool(found.item()), bool(local.item())
+
+
+class StepResult:
+    """What ``step()`` returns when the overflow decision stayed on the GPU: truthy if it stepped.
+
+    ``bool()`` waits for the check (not for the step): ignore it, and the host never waits.
+    """
+
+    __slots__ = ("_verdict",)
+
+    def __init__(self, verdict: DeviceFlag) -> None:
+        self._verdict = verdict
+
+    def __bool__(self) -> bool:
+        return not bool(self._verdict)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, bool) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepResult(stepped={bool(self)})" if self._verdict.ready() else "StepResult(pending)"
 
 
 class Stage(str, enum.Enum):
@@ -563,38 +613,14 @@ def _list_names(names: Sequence[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
-
 def scaler_for(loss_scale: LossScaleOption, model: Optional[torch.nn.Module] = None,
                params: Sequence[torch.Tensor] = ()) -> Tuple[LossScaler, bool]:
     """The scaler of a ``loss_scale=`` option, and whether the optimizer owns it (not a shared one).
 
-    ``"auto"``: dynamic for float16, none for bfloat16 and float32 (the compute dtype of ``model``'s
-    fxamp policy, else float16 or bfloat16 if one of ``params`` is; dynamic when unknown); ``"dynamic"``, ``"none"``, ``"static:<scale>"``
-    (:meth:`LossScaleConfig.parse`); a :class:`LossScaleConfig`; a :class:`LossScaler` to share.
-    ``None`` and a number are the older spellings of ``"none"`` and ``"static:<number>"``.
+    A :class:`LossScaler` is shared as it is; anything else is :func:`fxamp.training.config.config_for`'s
+    (``"auto"`` reads the compute dtype of ``model``'s fxamp policy, else of ``params``:
+    :func:`~fxamp.training.config.compute_dtype`).
     """
     if isinstance(loss_scale, LossScaler):
         return loss_scale, False
-    if isinstance(loss_scale, LossScaleConfig):
-        return LossScaler(loss_scale), True
-    if loss_scale is None:
-        return LossScaler(LossScaleConfig.none()), True
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return LossScaler(LossScaleConfig.static(float(loss_scale))), True
-    if not isinstance(loss_scale, str):
-        raise TypeError(f"loss_scale={loss_scale!r} ({type(loss_scale).__name__}) is not understood; use {_OPTIONS}")
-    if loss_scale == "auto":
-        low = _low_dtype(model, params)
-        auto = LossScaleConfig.none() if low in (torch.bfloat16, torch.float32) else LossScaleConfig.dynamic()
-        return LossScaler(auto), True
-    return LossScaler(LossScaleConfig.parse(loss_scale)), True
-
-
-def _low_dtype(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
-    policy = None
-    if model is not None:
-        policy = policy_of(model) or policy_of(getattr(model, "module", model))  # DDP keeps it in .module
-    if policy is not None:
-        return policy.compute
-    dtypes = {p.dtype for p in params}
-    return torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes else None
+    return LossScaler(config_for(loss_scale, compute_dtype(model, params))), True

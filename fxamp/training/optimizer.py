@@ -23,8 +23,10 @@ A skip changes no weight, master or optimizer state.  On a GPU with a fused inne
 verdict is not read on the host: its kernel skips on the device, and the host learns the outcome
 at the next iteration's start (see :meth:`MixedPrecisionOptimizer.step`).
 
-The step itself is :mod:`fxamp.training.step`, one engine: plan runs, check, then per run unscale
-into a float32 segment, step the inner optimizer on the run's masters and refresh the low weights.
+The step itself is :mod:`fxamp.training.step`, one engine: plan runs, check, then per run unscale into
+a float32 segment, step the inner optimizer on the run's masters and refresh the low weights.  A
+step's path: this module -> ``step`` -> ``loss_scale`` (the stage, the check, the decision, the
+scale); ``distributed`` too under torch.distributed, ``kernels`` with ``compile_step``.
 The plain step is one run of every master (after ``unscale_()``, whose float32 gradients are views
 into a few flat segments, freed by ``zero_grad()`` from 16 MiB on unless ``release_grad_buffer=False``);
 on a large model with a stock per-parameter torch optimizer, a ``step()`` not preceded by
@@ -43,25 +45,26 @@ The wrapped optimizer may be any object that behaves like one (``param_groups``,
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from . import step as engine
-from .check import FoundInf, StepResult, agree
+from .config import LossScaleOption
 from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from .loss_scale import LossScaleOption, LossScaler, Stage, scaler_for
-from .kernels import Kernels, fusable, skips_on_device, step_fused, worth_fusing
+from .loss_scale import FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree, scaler_for
+
+if TYPE_CHECKING:
+    from .kernels import Kernels  # (imported by __init__ with compile_step=True only: it brings torch.compile's)
 
 __all__ = ["MixedPrecisionOptimizer", "StepResult", "check_optimizer"]
 
-#: the parameter dtypes that get float32 masters
+#: the layout of state_dict() (its "format")
 _FORMAT = 1
 _STATE_KEYS = ("optimizer", "masters", "scaler", "skipped_steps", "format")
 #: what the wrapper uses of the optimizer it wraps (a duck-typed one needs them all)
@@ -75,15 +78,9 @@ class _StateDictError(ValueError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-
 def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
     """True when ``optimizer.zero_grad`` is ``Optimizer.zero_grad`` (no subclass or instance override)."""
     return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
-
-
-def _unbind_grads(params: Sequence[torch.Tensor]) -> None:
-    for p in params:
-        p.grad = None
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -110,11 +107,12 @@ def check_optimizer(optimizer: Any) -> None:
 class MixedPrecisionOptimizer:
     """Wrap ``optimizer`` (any ``torch.optim.Optimizer``, or an object like one) with float32 masters and loss scaling.
 
-    loss_scale:    a :data:`~fxamp.training.loss_scale.LossScaleOption` (:func:`~fxamp.training.loss_scale.scaler_for`):
+    loss_scale:    a :data:`~fxamp.training.config.LossScaleOption` (:func:`~fxamp.training.loss_scale.scaler_for`):
                    ``"auto"`` (dynamic for float16, none for bfloat16 — read from ``model``'s fxamp
                    policy, else from the parameters' dtypes; dynamic when all are float32 and no
                    policy says otherwise), ``"dynamic"``, ``"none"``, ``"static:<scale>"``, a
-                   :class:`LossScaleConfig`, or a :class:`LossScaler` shared with other optimizers.
+                   :class:`LossScaleConfig`, or a :class:`LossScaler` shared with other optimizers
+                   (``None`` and numbers are refused: write ``"none"``, ``"static:<scale>"``).
     model:         the module the parameters belong to: names parameters in reports and errors,
                    and is the default for :meth:`fp32_state_dict`.
     sync_overflow: all-reduce the overflow decision over ``process_group`` when torch.distributed
@@ -150,10 +148,15 @@ class MixedPrecisionOptimizer:
         compile_step: bool = False,
     ) -> None:
         check_optimizer(optimizer)
-        if compile_step:
+        #: ``compile_step``'s :class:`~fxamp.training.kernels.Kernels` (what it compiled and keeps); None without it
+        self.kernels: Optional[Kernels] = None
+        if compile_step:  # torch.compile's modules (torch._dynamo) are imported here, not by `import fxamp`
+            from .kernels import Kernels, fusable
+
             why = fusable(optimizer)
             if why is not None:
                 raise ValueError(f"compile_step=True: {why}; pass compile_step=False to step it as it is")
+            self.kernels = Kernels(optimizer)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
         self.optimizer = optimizer
@@ -162,7 +165,6 @@ class MixedPrecisionOptimizer:
         self.process_group = process_group
         self.release_grad_buffer = bool(release_grad_buffer)
         self.compile_step = bool(compile_step)
-        self._kernels: Optional[Kernels] = Kernels() if compile_step else None
         self._hooks_warned = False
         self._names: Dict[int, str] = {}
         if model is not None:
@@ -347,8 +349,8 @@ class MixedPrecisionOptimizer:
         if set_to_none:
             if not _stock_zero_grad(self.optimizer):
                 self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
-            _unbind_grads(list(self.master_params()))  # what Optimizer.zero_grad does, whatever the inner one did
-            _unbind_grads(self._lows)
+            for p in [*self.master_params(), *self._lows]:  # what Optimizer.zero_grad does, whatever the inner one did
+                p.grad = None
             if self.release_grad_buffer and self._plan is not None:
                 for bucket in self._plan.buckets:
                     bucket.release()
@@ -403,14 +405,11 @@ class MixedPrecisionOptimizer:
             self._decide(flags, engine.unscale(plan, flags), plan, in_place=False)
 
     def _decide(self, flags: FoundInf, checked: int, plan: engine.Plan, in_place: bool) -> engine.Check:
-        """Whether this step overflowed, agreed over ``process_group`` (:func:`~fxamp.training.distributed.agree`);
-        tell the scaler, and keep the step's :class:`~fxamp.training.step.Check` for ``step()``.
-
-        Where the decision stays on the device (:func:`fxamp.training.step.decides_on`) the host does
-        not wait for it: the scaler is told "no overflow" for now, the inner optimizer gets the flag
-        and skips on the device, and the outcome is counted when the next iteration starts
-        (:meth:`_settle`).  Elsewhere the flag is read here (the host waits for the backward).
-        """
+        """Whether this step overflowed (:func:`~fxamp.training.loss_scale.agree`); tell the scaler, keep the
+        step's :class:`~fxamp.training.step.Check` for ``step()``.  Where the decision stays on the device
+        (:func:`fxamp.training.step.decides_on`) the host does not wait: the scaler is told "no overflow"
+        for now, the inner optimizer gets the flag and skips on the device, and the outcome is counted
+        when the next iteration starts (:meth:`_settle`).  Elsewhere the flag is read here."""
         if not checked:
             raise OptimizerStateError(
                 "no parameter of this optimizer has a gradient: the loss does not depend on them, "
@@ -430,17 +429,18 @@ class MixedPrecisionOptimizer:
         return check
 
     def _decides_on(self, plan: engine.Plan) -> Optional[torch.device]:
-        return engine.decides_on(plan, self.optimizer, self._fuses(plan), skips_on_device(self.optimizer),
-                                 lambda d: not self.sync_overflow or reduces_on_device(d, self.process_group))
+        host_only = self._fuses(plan) and not self.kernels.skips_on_device
+        return engine.decides_on(plan, self.optimizer, host_only, lambda d: not ranks_to_agree(self.sync_overflow)
+                                 or reduces_on_device(d, self.process_group))
 
     def _fuses(self, plan: engine.Plan) -> bool:
         """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
-        for them to be faster than the plain step (:func:`fxamp.training.kernels.worth_fusing`; decided once
+        for them to be faster than the plain step (:meth:`fxamp.training.kernels.Kernels.worth`; decided once
         a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
-        if self._kernels is None or not plan.buckets:
+        if self.kernels is None or not plan.buckets:
             return False
         if plan.fuse is None:
-            plan.fuse = worth_fusing(self.optimizer, [m for b in plan.buckets for m in b.masters])
+            plan.fuse = self.kernels.worth([m for b in plan.buckets for m in b.masters])
         return plan.fuse
 
     def _segmentable(self, plan: engine.Plan) -> bool:
@@ -524,7 +524,7 @@ class MixedPrecisionOptimizer:
             blame = self.overflowed_params
         else:
             plan = self._plan
-            executor = functools.partial(step_fused, self.optimizer, self._kernels) if self._fuses(plan) else None
+            executor = self.kernels.step if self._fuses(plan) else None
             engine.step(self.optimizer, plan, check, self._low_of_master, executor)
             blame = self.overflowed_params if check.on_device else tuple
         if check.on_device:
@@ -646,5 +646,3 @@ class MixedPrecisionOptimizer:
     def __repr__(self) -> str:
         return (f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, {len(self._masters)} float32 masters, "
                 f"{self._nparams - len(self._masters)} float32 params, {self.scaler})")
-
-

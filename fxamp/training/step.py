@@ -1,15 +1,18 @@
 """The step engine: plan runs -> check -> per run: unscale into a segment, step, refresh.
 
 ``MixedPrecisionOptimizer.step()`` (:mod:`fxamp.training.optimizer`) is this engine; the
-optimizer keeps the masters and the public API, :mod:`fxamp.training.loss_scale` the scale and
-the stages.  One step, in order::
+optimizer keeps the masters and the public API, :mod:`fxamp.training.loss_scale` the scale, the
+check and the stages.  A step's path through the files is optimizer -> step (this module) ->
+loss_scale, and no other: a fourth only under an initialized ``torch.distributed``
+(:mod:`fxamp.training.distributed`: the flag's all-reduce) or with ``compile_step``
+(:mod:`fxamp.training.kernels`: the compiled executor of the runs).  One step, in order::
 
     plan     the step's tensor lists (Plan: per (device, dtype) a Bucket of low-precision
              parameters and their float32 masters; the float32 parameters stepped directly;
              the runs of a segmented step), built once per layout of ``param_groups``
     check    every gradient for inf/NaN (FoundInf, one fused kernel per device and dtype), the
              verdict agreed across ranks and read on the host or left on the device
-             (:func:`fxamp.training.distributed.agree`: the one place that decides)
+             (:func:`fxamp.training.loss_scale.agree`: the one place that decides)
     per run  copy the run's low-precision gradients into a float32 segment divided by the
              scale, step the inner optimizer on the run's masters (or the compiled executor
              of :mod:`fxamp.training.kernels`), refresh the low weights (``torch._foreach_copy_``)
@@ -30,7 +33,7 @@ The runs take one of two shapes:
   updated from its own gradient and state with its group's hyperparameters
   (tests/training/test_optimizer.py).  After it the masters hold no ``.grad``.
 
-``compile_step=True`` is a second executor for the runs (:func:`fxamp.training.kernels.step_fused`).
+``compile_step=True`` is a second executor for the runs (:meth:`fxamp.training.kernels.Kernels.step`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch._utils import _unflatten_dense_tensors
 
-from .check import DeviceFlag, FoundInf
+from .loss_scale import DeviceFlag, FoundInf
 
 __all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "GRAD_SEGMENT_NUMEL", "CAT_NUMEL",
            "RELEASE_MIN_BYTES", "DECIDE_ON", "segment_numel_for", "Run", "Bucket", "Plan", "Check",
@@ -415,20 +418,21 @@ class Plan:
         return any(p.grad is not None and p.grad.is_sparse for b in self.buckets for p in b.lows)
 
 
-def decides_on(plan: Plan, optimizer: Any, fuses: bool, skips_on_device: bool, reduces_on_device: Callable[[torch.device], bool]) -> Optional[torch.device]:
+def decides_on(plan: Plan, optimizer: Any, host_only: bool, reduces_on_device: Callable[[torch.device], bool]
+               ) -> Optional[torch.device]:
     """The device on which this step's overflow decision stays (the host does not wait for it), or None;
     decided once per plan.
 
     When the inner optimizer's step can skip on the device (torch's fused Adam, AdamW, SGD:
     ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
     one device of a type in :data:`DECIDE_ON` and the flag can be agreed on there
-    (``reduces_on_device``), and with ``compile_step`` the kernels too skip on the device
-    (``skips_on_device``).  Elsewhere the decision is read on the host.
+    (``reduces_on_device``), unless the step's executor reads the decision on the host
+    (``host_only``: ``compile_step``'s SGD kernels).  Elsewhere the decision is read on the host.
     """
     if plan.decide_on is _UNKNOWN:
         plan.decide_on = None
         devices = plan.devices()
-        if fuses and not skips_on_device:
+        if host_only:
             return None
         if (getattr(optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
                 and next(iter(devices)).type in DECIDE_ON):
@@ -594,8 +598,7 @@ def step(optimizer: Any, plan: Plan, check: Check, low_of: Callable[[torch.Tenso
 
     Plain (``check.in_place`` False): the masters hold their float32 gradients already, one
     ``optimizer.step()`` steps them all.  Segmented: the runs of :func:`plan_runs`, through
-    :func:`step_runs`, or ``executor`` (``compile_step``'s: :func:`fxamp.training.kernels.step_fused`
-    bound to its optimizer and kernels) with ``step_runs`` for what it does not take.  A device-decided step hands the flag to the inner optimizer, as GradScaler does
+    :func:`step_runs`, or ``executor`` (``compile_step``'s: :meth:`fxamp.training.kernels.Kernels.step`) with ``step_runs`` for what it does not take.  A device-decided step hands the flag to the inner optimizer, as GradScaler does
     (``found_inf``; ``grad_scale`` None: the gradients are unscaled already): its fused kernel skips.
     """
     found = check.verdict.flag if check.on_device else None

@@ -332,5 +332,24 @@ def test_compile_step_is_passed_on(monkeypatch, fused_at_any_size, small_chunks)
         L.seed_everything(0, verbose=False)
         model, plugin = Digits(), FxampPrecision("O2", dtype="bf16", compile_step=compile_step)
         losses.append(fit(model, trainer(plugin, max_epochs=1)))
-        assert [w.compile_step for w in plugin._wrappers] == [compile_step]
+        assert [w.compile_step for w in plugin.optimizers] == [compile_step]
     assert abs(losses[1] - losses[0]) / losses[0] < 0.01, losses
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, r"loss_scale=None is not accepted: write loss_scale='none'"),
+    (128, r"loss_scale=128 is not accepted: write loss_scale='static:128'"),
+    (1024.0, r"loss_scale=1024\.0 is not accepted: write loss_scale='static:1024'"),
+])
+def test_the_old_spellings_of_loss_scale_are_refused(value, message):
+    with pytest.raises(TypeError, match=message):
+        FxampPrecision("O2", dtype="16", loss_scale=value)
+
+
+def test_loss_scale_takes_the_optimizers_forms():
+    assert FxampPrecision("O2", dtype="16", loss_scale="static:128").scaler.scale == 128.0
+    assert FxampPrecision("O2", dtype="16").scaler.kind == "dynamic"
+    assert FxampPrecision("O2", dtype="bf16").scaler.kind == "none"
+    shared = fxamp.LossScaler(fxamp.LossScaleConfig.none())
+    assert FxampPrecision("O2", dtype="16", loss_scale=shared).scaler is shared
+    assert FxampPrecision("O2").optimizers == []

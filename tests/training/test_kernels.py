@@ -8,6 +8,9 @@ contracts multiply-adds; bitwise is not promised), the low-precision weights to 
 import contextlib
 import copy
 import io
+import os
+import subprocess
+import sys
 import types
 import warnings
 
@@ -112,7 +115,7 @@ def masters_of(kernels, args):
     """The masters a kernel call steps (``args[0]``: one, or a list padded with the scratch tensors of ``kernels``)."""
     if torch.is_tensor(args[0]):
         return [args[0]]
-    pads = {id(t) for tuples in kernels._pads.values() for pad in tuples for t in pad}
+    pads = {id(t) for t in kernels.scratch()}
     return [m for m in args[0] if id(m) not in pads]
 
 
@@ -163,7 +166,7 @@ def test_state_dict_is_the_inner_optimizers_format():
 def test_float16_loss_scale_and_clipping():
     """The kernel divides by the loss scale and applies clip_grad_norm_'s factor (read from the
     float16 gradients in place), as the inner optimizer's step on unscaled, clipped float32 gradients."""
-    ref, fused = pair(OPTIMIZERS["adamw"], dtype=F16, loss_scale=2.0 ** 12)
+    ref, fused = pair(OPTIMIZERS["adamw"], dtype=F16, loss_scale="static:4096")
     norms = []
     for m, o in (ref, fused):
         norms.append(backward(m, o, 0, clip=0.05))
@@ -349,7 +352,7 @@ def test_below_the_total_the_step_is_the_one_without_compile_step(monkeypatch, n
         for m, o in (ref, fused):
             backward(m, o, step)
             assert o.step() is True
-    assert fused[1]._kernels._compiled == {} and fused[1].compiled_step_active is False
+    assert fused[1].kernels.compiled == () and fused[1].compiled_step_active is False
     for (name, p0), p1 in zip(ref[0].named_parameters(), fused[0].parameters()):
         assert torch.equal(p0, p1), name
     for a, b in zip(ref[1].master_params(), fused[1].master_params()):
@@ -362,7 +365,7 @@ def test_below_the_total_the_step_is_the_one_without_compile_step(monkeypatch, n
     for m, o in (ref, fused):
         backward(m, o, 0)
         assert o.step() is True
-    assert fused[1]._kernels._compiled and fused[1].compiled_step_active is True  # the kernels stepped
+    assert fused[1].kernels.compiled and fused[1].compiled_step_active is True  # the kernels stepped
     assert_same_step(ref, fused)
 
 
@@ -419,8 +422,8 @@ def test_the_scalars_are_computed_once_per_group_and_device(monkeypatch):
     was ~0.2 ms of small ops per run, 2-4 ms a step on a GPT or ResNet): runs of one master each
     here, two groups, and the step still matches the inner optimizer's."""
     rows, kernels = [], []
-    real_rows = fused_step._adam_rows
-    monkeypatch.setattr(fused_step, "_adam_rows", lambda *a: (rows.append(len(a[1])), real_rows(*a))[1])
+    real_rows = fused_step.adam_rows
+    monkeypatch.setattr(fused_step, "adam_rows", lambda *a: (rows.append(len(a[1])), real_rows(*a))[1])
     real_call = fused_step.Kernels.__call__
 
     def counting(self, name):
@@ -500,11 +503,11 @@ def test_masters_are_stepped_a_chunk_a_call_by_one_graph(monkeypatch, duck_shape
 
     monkeypatch.setattr(fused_step.Kernels, "__call__", counting)
     if duck_shapes:
-        monkeypatch.setattr(fused_step, "_no_duck_shapes", contextlib.nullcontext)
+        monkeypatch.setattr(fused_step, "DistinctLengths", contextlib.nullcontext)
     # a code object of its own, so the graphs counted are this test's (dynamo caches per code object)
-    real = fused_step._sgd_momentum_many
+    real = fused_step.KERNELS["sgd_momentum_many"]
     fresh = types.FunctionType(real.__code__.replace(co_name=f"_sgd_momentum_many_{duck_shapes}"), real.__globals__)
-    monkeypatch.setitem(fused_step._RAW, "sgd_momentum_many", fresh)
+    monkeypatch.setitem(fused_step.KERNELS, "sgd_momentum_many", fresh)
     lengths = [n + 1000 for n in [40, 40, 44, 44, 48, 52, 52, 52, 56, 60, 64, 68, 72, 76, 80, 84, 44, 46, 46, 90]]
     ref, fused = flat_pair(lengths, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True))
     for grads in flat_steps(lengths, 3):
@@ -548,8 +551,7 @@ def test_a_loaded_checkpoint_frees_the_state_it_replaced():
     fused[1].load_state_dict(torch.load(buf))
     flat_step(ref, steps[1]), flat_step(fused, steps[1])
     assert_same_flat_step(ref, fused)
-    kept = [t for _, (singles, chunks) in fused[1]._kernels._plans.values()
-            for _, columns, _, _ in chunks for column in columns if column for t in column]
+    kept = fused[1].kernels.kept_tensors()
     assert kept and not old & {t.data_ptr() for t in kept}
 
 
@@ -583,3 +585,19 @@ def test_errors_that_are_not_the_compilers_are_raised(monkeypatch):
     backward(m, o, 0)
     with pytest.raises(RuntimeError, match="out of memory"):
         o.step()
+
+
+def test_import_fxamp_leaves_the_compiler_alone():
+    """``import fxamp`` does not import torch._dynamo (~1.5 s); the compiled step's module comes with the
+    first ``compile_step=True``, and only then (a torch optimizer's constructor imports torch._dynamo itself)."""
+    code = ("import sys, torch, fxamp\n"
+            "assert 'torch._dynamo' not in sys.modules and 'fxamp.training.kernels' not in sys.modules\n"
+            "opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))\n"
+            "assert 'fxamp.training.kernels' not in sys.modules and opt.kernels is None\n"
+            "opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1),\n"
+            "                                    compile_step=True)\n"
+            "assert 'fxamp.training.kernels' in sys.modules and opt.kernels.compiled == ()\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's fxamp
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr

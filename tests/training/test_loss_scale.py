@@ -7,8 +7,7 @@ import torch
 
 import fxamp
 from fxamp import LossScaleConfig, LossScaleError, LossScaler, OptimizerStateError, ScaleKind
-from fxamp.training.check import FoundInf, note_non_finite_
-from fxamp.training.loss_scale import Stage
+from fxamp.training.loss_scale import FoundInf, Stage, note_non_finite_
 
 
 def run(scaler, flags, blame=("w",)):
@@ -261,9 +260,9 @@ def test_note_non_finite_is_exact(dtype):
 
 def test_found_inf_without_the_fused_kernel(monkeypatch):
     """FoundInf's two entry points take the fallback for bfloat16 off CPU; forced here: same results."""
-    import fxamp.training.check as ls
+    import fxamp.training.loss_scale as ls
 
-    monkeypatch.setattr(ls, "_fused_kernel_takes", lambda t: False)
+    monkeypatch.setattr(ls, "fused_kernel_takes", lambda t: False)
     inv = torch.tensor(0.25)
     f = ls.FoundInf(lambda device: inv)
     ts = [torch.full((6,), 8.0, dtype=torch.bfloat16), torch.full((2, 3), -4.0, dtype=torch.bfloat16)]

@@ -111,7 +111,7 @@ OPTIMIZERS = {
 
 # -- equivalence ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["sgd", "adamw", "adamw-foreach", "adamw-fused"])
-@pytest.mark.parametrize("loss_scale", [1.0, None])
+@pytest.mark.parametrize("loss_scale", ["static:1", "none"])
 def test_o0_with_scale_one_is_bitwise_the_plain_optimizer(name, loss_scale):
     ref = net()
     model = fxamp.convert(copy.deepcopy(ref), "O0")
@@ -383,7 +383,7 @@ def test_masters_of_mixed_dtypes_and_devices_of_one_optimizer():
     ps = [nn.Parameter(torch.randn(3).to(F16)), nn.Parameter(torch.randn(4).to(BF16)),
           nn.Parameter(torch.randn(5).to(F16)), nn.Parameter(torch.randn(2, dtype=torch.float64)),
           nn.Parameter(torch.randn(6))]
-    opt = MixedPrecisionOptimizer(torch.optim.SGD(ps, lr=0.1), loss_scale=8.0)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(ps, lr=0.1), loss_scale="static:8")
     assert [len(b.lows) for b in opt.plan.buckets] == [2, 1]
 
     def loss():
@@ -408,7 +408,7 @@ def test_masters_of_mixed_dtypes_and_devices_of_one_optimizer():
     assert opt.overflowed_params() == ["group 0, param 1"]
 
 
-@pytest.mark.parametrize("loss_scale", [None, "dynamic"])
+@pytest.mark.parametrize("loss_scale", ["none", "dynamic"])
 def test_sparse_gradients(loss_scale):
     class Bag(nn.Module):
         def __init__(self):
@@ -632,6 +632,33 @@ def test_initialize_refuses_a_parameter_not_in_the_model():
         fxamp.initialize(orig, adam, "O2")
 
 
+# -- one type per loss_scale= option ------------------------------------------------------------
+@pytest.mark.parametrize("value, message", [
+    (None, r"loss_scale=None is not accepted: write loss_scale='none' \(no scaling; .*Valid forms: 'auto', "),
+    (128, r"loss_scale=128 is not accepted: write loss_scale='static:128' \(a fixed scale\)\. Valid forms: 'auto'"),
+    (2.0 ** 12, r"loss_scale=4096\.0 is not accepted: write loss_scale='static:4096'"),
+    (0.5, r"loss_scale=0\.5 is not accepted: write loss_scale='static:0\.5'"),
+    (True, r"loss_scale=True \(bool\) is not accepted; use 'auto', 'dynamic', 'none', 'static:<scale>'"),
+    (torch.tensor(8.0), r"loss_scale=tensor\(8\.\) \(Tensor\) is not accepted; use 'auto', .* a LossScaler"),
+])
+def test_the_old_spellings_of_loss_scale_are_refused(value, message):
+    """``None`` and plain numbers were ``"none"`` and ``"static:<scale>"``: each is refused, naming the
+    form to write (by the wrapper, fxamp.initialize and what they share, config_for)."""
+    model = fxamp.convert(net(), "O2")
+    with pytest.raises(TypeError, match=message):
+        MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=value, model=model)
+    orig = net()
+    with pytest.raises(TypeError, match=message):
+        fxamp.initialize(orig, torch.optim.SGD(orig.parameters(), lr=0.1), "O2", loss_scale=value)
+
+
+@pytest.mark.parametrize("text, kind, scale", [("static:128", "static", 128.0), ("static:0.5", "static", 0.5),
+                                              ("none", "none", 1.0), ("dynamic", "dynamic", 2.0 ** 16)])
+def test_what_the_refusals_say_to_write_is_accepted(text, kind, scale):
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), loss_scale=text)
+    assert opt.scaler.kind == kind and opt.scaler.scale == scale
+
+
 # -- the auto loss scale ----------------------------------------------------------------------
 @pytest.mark.parametrize("policy,dtype,kind", [
     ("O2", F16, "dynamic"), ("O2", BF16, "none"), ("O1", F16, "dynamic"), ("O1", BF16, "none"),
@@ -668,7 +695,7 @@ def test_existing_state_moves_to_float32_masters():
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_resume_mid_training_is_bitwise(dtype):
-    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_interval=3) if dtype == F16 else None
+    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_interval=3) if dtype == F16 else "none"
 
     def make(seed):
         model = fxamp.convert(net(seed), "O2", dtype=dtype)

@@ -1,0 +1,191 @@
+"""How to scale the loss: :class:`ScaleKind`, the frozen :class:`LossScaleConfig`, and the parsing of
+``loss_scale=`` (:data:`LossScaleOption`, :func:`config_for`).
+
+Float16 gradients underflow: backpropagating ``loss * scale`` keeps them representable, and the
+gradients are divided by ``scale`` (in float32) before the optimizer sees them.  Three kinds:
+
+* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`fxamp.LossScaler`.
+* ``"static"``: a fixed scale.
+* ``"none"`` (the default for bfloat16 and float32): the scale is 1.
+
+Whatever the kind, a step whose gradients hold an inf or NaN is skipped.
+
+Construction time only: a :class:`fxamp.MixedPrecisionOptimizer` (or ``FxampPrecision``) reads its
+``loss_scale=`` here once and builds a :class:`~fxamp.training.loss_scale.LossScaler`; a step never
+visits this module (its path is optimizer -> step -> loss_scale, see :mod:`fxamp.training.step`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..info import policy_of
+
+__all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "OPTIONS", "config_for", "compute_dtype"]
+
+
+class ScaleKind(str, enum.Enum):
+    """How the loss scale behaves; a ``str`` so ``"dynamic"`` and ``ScaleKind.DYNAMIC`` are interchangeable."""
+
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_KINDS = ", ".join(repr(k.value) for k in ScaleKind)
+#: the valid forms of ``loss_scale=``, as error messages name them
+OPTIONS = ("'auto', 'dynamic', 'none', 'static:<scale>' (e.g. 'static:1024'), a LossScaleConfig, or a "
+           "LossScaler shared with other optimizers")
+
+#: what ``loss_scale=`` takes (:func:`~fxamp.training.loss_scale.scaler_for`): a string shorthand
+#: (``"auto"``, ``"dynamic"``, ``"none"``, ``"static:<scale>"``), a config, or a shared scaler; one
+#: type per option (``None`` and plain numbers are refused: :func:`config_for`)
+LossScaleOption = Union[str, "LossScaleConfig", "LossScaler"]
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """How to scale the loss; validated at construction.
+
+    ``LossScaleConfig()`` is dynamic scaling with the defaults of ``torch.amp.GradScaler`` plus a
+    floor, a ceiling and DeepSpeed's hysteresis.  The fields other than ``kind`` and
+    ``init_scale`` matter only to dynamic scaling.
+    """
+
+    kind: ScaleKind = ScaleKind.DYNAMIC
+    #: the first scale (:meth:`of`, :meth:`none` and :meth:`static` pick it for the other kinds)
+    init_scale: float = 2.0**16
+    #: multiply the scale by this after ``growth_interval`` clean steps in a row
+    growth_factor: float = 2.0
+    #: multiply the scale by this on an overflow (once ``hysteresis`` overflows are used up)
+    backoff_factor: float = 0.5
+    #: clean steps in a row before the scale grows
+    growth_interval: int = 2000
+    #: an overflow at this scale raises LossScaleError: the model is diverging (0: never; the
+    #: scale then stops at the smallest normal float32, whose inverse is still finite)
+    min_scale: float = 1.0
+    #: the scale never grows past this
+    max_scale: float = 2.0**24
+    #: overflows tolerated (skipped, scale kept) before backing off; refilled when the scale grows
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        """Validate only (normalising is :meth:`of`'s): a frozen config is never written after construction."""
+        kind, init = self.kind, self.init_scale
+        if not isinstance(kind, ScaleKind):
+            raise TypeError(f"kind={kind!r} must be a ScaleKind; LossScaleConfig.of(kind={kind!r}) takes its string")
+        if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init) or init <= 0:
+            raise ValueError(f"init_scale={init!r} must be a finite number > 0")
+        if kind is ScaleKind.NONE and init != 1.0:
+            raise ValueError(f"init_scale={init!r} with kind='none'; the 'none' scale is 1 (use kind='static')")
+        if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
+            raise ValueError(f"growth_factor={self.growth_factor!r} must be a finite number > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={self.backoff_factor!r} must be in (0, 1)")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not 0.0 <= self.min_scale <= self.max_scale:
+            raise ValueError(f"min_scale={self.min_scale!r} and max_scale={self.max_scale!r} need 0 <= min_scale <= max_scale")
+        if kind is ScaleKind.DYNAMIC and not self.min_scale <= init <= self.max_scale:
+            raise ValueError(
+                f"init_scale={init!r} is outside [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]"
+            )
+
+    @classmethod
+    def of(cls, kind: Union[str, ScaleKind] = ScaleKind.DYNAMIC, init_scale: Optional[float] = None,
+           **fields: Any) -> "LossScaleConfig":
+        """The validated constructor with normalising: ``kind`` a :class:`ScaleKind` or its string;
+        ``init_scale`` None picks 2**16 (dynamic) or 1 (none), and is required for static."""
+        try:
+            kind = ScaleKind(kind)
+        except ValueError:
+            raise ValueError(f"kind={kind!r} is not a loss scale kind; use one of {_KINDS}") from None
+        if init_scale is None:
+            if kind is ScaleKind.STATIC:
+                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
+            init_scale = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
+        if isinstance(init_scale, int) and not isinstance(init_scale, bool):
+            init_scale = float(init_scale)
+        return cls(kind=kind, init_scale=init_scale, **fields)
+
+    @classmethod
+    def parse(cls, text: str) -> "LossScaleConfig":
+        """The string shorthand: ``"dynamic"``, ``"none"`` or ``"static:<scale>"`` (``"static:1024"``)."""
+        name, _, value = text.partition(":")
+        if name == "static" and value:
+            try:
+                return cls.static(float(value))
+            except ValueError:
+                pass
+        elif not value and name in ("dynamic", "none"):
+            return cls.of(name)
+        raise ValueError(f"loss_scale={text!r} is not understood; use {OPTIONS}")
+
+    @classmethod
+    def dynamic(cls, **fields: Any) -> "LossScaleConfig":
+        """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
+        return cls.of(ScaleKind.DYNAMIC, **fields)
+
+    @classmethod
+    def static(cls, scale: float) -> "LossScaleConfig":
+        """A fixed scale."""
+        return cls.of(ScaleKind.STATIC, init_scale=scale)
+
+    @classmethod
+    def none(cls) -> "LossScaleConfig":
+        """No scaling (scale 1); non-finite gradients still skip the step."""
+        return cls.of(ScaleKind.NONE)
+
+    def __str__(self) -> str:
+        if self.kind is not ScaleKind.DYNAMIC:
+            return f"{self.kind}" if self.kind is ScaleKind.NONE else f"static({self.init_scale:g})"
+        return (f"dynamic(init_scale={self.init_scale:.8g}, growth_factor={self.growth_factor:g}, "
+                f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
+                f"min_scale={self.min_scale:.8g}, max_scale={self.max_scale:.8g}, hysteresis={self.hysteresis})")
+
+
+def config_for(loss_scale: Union[str, LossScaleConfig], low: Optional[torch.dtype]) -> LossScaleConfig:
+    """The config of a ``loss_scale=`` option other than a shared scaler.
+
+    ``"auto"``: none when ``low`` (the compute dtype: :func:`compute_dtype`) is bfloat16 or float32,
+    else dynamic; ``"dynamic"``, ``"none"``, ``"static:<scale>"``
+    (:meth:`LossScaleConfig.parse`); a :class:`LossScaleConfig` as it is.  ``None`` and plain numbers,
+    the older spellings of ``"none"`` and ``"static:<scale>"``, raise TypeError naming the form to
+    write, as does any other type.
+    """
+    if isinstance(loss_scale, LossScaleConfig):
+        return loss_scale
+    if loss_scale is None:
+        raise TypeError("loss_scale=None is not accepted: write loss_scale='none' (no scaling; non-finite "
+                        f"gradients still skip the step). Valid forms: {OPTIONS}")
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        scale = int(loss_scale) if float(loss_scale).is_integer() else loss_scale
+        raise TypeError(f"loss_scale={loss_scale!r} is not accepted: write loss_scale='static:{scale!r}' "
+                        f"(a fixed scale). Valid forms: {OPTIONS}")
+    if not isinstance(loss_scale, str):
+        raise TypeError(f"loss_scale={loss_scale!r} ({type(loss_scale).__name__}) is not accepted; use {OPTIONS}")
+    if loss_scale == "auto":
+        return LossScaleConfig.none() if low in (torch.bfloat16, torch.float32) else LossScaleConfig.dynamic()
+    return LossScaleConfig.parse(loss_scale)
+
+
+def compute_dtype(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Optional[torch.dtype]:
+    """What ``"auto"`` scales for: the compute dtype of ``model``'s fxamp policy, else float16 or bfloat16
+    if one of ``params`` is; None when unknown (all float32, no policy)."""
+    policy = None
+    if model is not None:
+        policy = policy_of(model) or policy_of(getattr(model, "module", model))  # DDP keeps it in .module
+    if policy is not None:
+        return policy.compute
+    dtypes = {p.dtype for p in params}
+    return torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes else None
