@@ -143,6 +143,9 @@ def _first_difference(a: fx.GraphModule, b: fx.GraphModule) -> Optional[fx.Node]
 _HANDLED_ARGS = {**_ATTENTION, **_BATCH_NORM_FLAGS}
 #: node.meta key (this module only): ``[(index or keyword, value in eval mode, value in training mode)]``
 _MODE_ARGS = "fxamp_mode_args"
+#: node.meta key (this module only), on batch norms of a graph compared with the other mode's: whether
+#: its ``training`` flag differed between the modes (it follows the module's mode, so it may be rebound)
+_FLAG_FOLLOWS_MODE = "fxamp_flag_follows_mode"
 
 
 def _literal(value: Any) -> bool:
@@ -196,6 +199,9 @@ def _mode_dependent_args(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> O
     marks: Dict[fx.Node, List[Tuple[Any, Any, Any]]] = {}
     for t, e in zip(_op_nodes(train_gm), _op_nodes(eval_gm)):
         handled = _HANDLED_ARGS.get(t.target) if t.op == "call_function" else None
+        if t.op == "call_function" and t.target in _BATCH_NORM_FLAGS:
+            index, name = _BATCH_NORM_FLAGS[t.target]
+            t.meta[_FLAG_FOLLOWS_MODE] = not _same(_arg(t, index, name), _arg(e, index, name))
         found = []
         keys = [(i, None) for i in range(max(len(t.args), len(e.args)))]
         keys += [(None, k) for k in sorted(set(t.kwargs) | set(e.kwargs))]
@@ -339,9 +345,12 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
                 lost += 1
         elif target in _BATCH_NORM_FLAGS:
             index, name = _BATCH_NORM_FLAGS[target]
+            follows = node.meta.pop(_FLAG_FOLLOWS_MODE, None)
+            if follows is None:  # not compared with the other mode's capture: only a BatchNorm's own call
+                follows = _runs_batch_norm_module(owners, node)
             if target is aten.batch_norm.default and _batch_norm_to_module(gm, owners, node):
                 count("batch norm")
-            elif node_arg(node, index, name, False) is captured_in:
+            elif follows and node_arg(node, index, name, False) is captured_in:
                 replace_node_arg(node, index, name, owners.flag(node))
                 count("functional batch norm")
     notes = []
@@ -351,6 +360,16 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
     if lost:
         notes.append(f"captured in eval mode: {lost} attention call(s) have dropout_p=0 baked in, in train() too")
     return notes
+
+
+def _runs_batch_norm_module(owners: _Owners, node: fx.Node) -> bool:
+    """A batch norm traced inside a torch ``BatchNorm`` with running statistics: its flag is the module's mode.
+
+    Any other ``F.batch_norm`` may pass a constant on purpose (weight standardisation normalises a
+    weight with ``training=True`` and no statistics, in both modes), so its flag is left as captured.
+    """
+    m = owners.module(node)
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and node_arg(node, 1, "running_mean", None) is not None
 
 
 def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) -> bool:

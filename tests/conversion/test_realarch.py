@@ -1,0 +1,67 @@
+"""Patterns found on real architectures: what a capture must keep (constant batch-norm flags, a graph
+per mode, stored errors that pin nothing)."""
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+
+BF16 = torch.bfloat16
+
+
+class StdConv(nn.Conv2d):
+    """Weight standardisation as timm's ``ScaledStdConv2d`` writes it: a batch norm over the weight,
+    ``training=True`` and no running statistics in both modes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.full((self.out_channels,), 1.5))
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                         weight=(self.gain * 0.5).view(-1), training=True, momentum=0., eps=1e-6)
+        return F.conv2d(x, w.reshape_as(self.weight), self.bias, self.stride, self.padding)
+
+
+class StdConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = StdConv(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).mean((2, 3))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_constant_batch_norm_flag_is_not_rebound_to_the_modules_mode(frontend, policy):
+    torch.manual_seed(0)
+    model = StdConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    kwargs = {"example_inputs": (x,)} if frontend == "export" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(model, policy, dtype=BF16, frontend=frontend, **kwargs)
+    amp.train()
+    amp(x).float().sum().backward()  # O2 used to fail here: "mixed dtype (CPU)"
+    # a fresh conversion for eval: training above moved the O2 copy's running statistics
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(model, policy, dtype=BF16, frontend=frontend, **kwargs).eval()
+    ref = model(x)
+    with torch.autocast("cpu", BF16):
+        auto = model(x)
+    got = amp(x)  # used to fail: "running_mean must be defined in evaluation mode"
+    assert _rel(got, ref) < max(4 * _rel(auto, ref), 1e-2)
