@@ -183,7 +183,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_policy"] = policy
         d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
         d["_fxamp_options"] = options
-        d["_fxamp_fx_error"] = fx_error
+        d["_fxamp_fx_error"] = _detached(fx_error)
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         d["_fxamp_last"] = None
         d["_fxamp_captures"] = 0
@@ -367,6 +367,26 @@ class _WeightCaches:
             cache = getattr(gm, CACHE_NAME, None)
             if cache is not None:
                 cache.clear()
+
+
+def _detached(e: Optional[TraceError]) -> Optional[TraceError]:
+    """A copy of ``e`` (and of the error it wraps) that holds no traceback.
+
+    A traceback holds its frames, and their locals: ``convert``'s ``model`` among them, so a stored
+    error would keep the user's original model (gigabytes) alive after ``del model``.  The text,
+    ``short`` and ``module_path`` are all a later message needs.
+    """
+    if e is None:
+        return None
+    original = e.original
+    if original is not None:
+        # a fresh exception of the same message: the caught one's traceback, cause and context
+        # (torch.fx's frames, holding the traced module) are dropped with it
+        try:
+            original = type(original)(*original.args)
+        except Exception:  # a constructor that does not take its own args back
+            original = RuntimeError(f"{type(e.original).__name__}: {e.original}")
+    return TraceError(str(e), short=e.short, module_path=e.module_path, original=original)
 
 
 # ---------------------------------------------------------------------------------------------

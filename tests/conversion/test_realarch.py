@@ -65,3 +65,29 @@ def test_a_constant_batch_norm_flag_is_not_rebound_to_the_modules_mode(frontend,
         auto = model(x)
     got = amp(x)  # used to fail: "running_mean must be defined in evaluation mode"
     assert _rel(got, ref) < max(4 * _rel(auto, ref), 1e-2)
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.dim() == 2:  # torch.fx: a Proxy cannot be a bool; torch.export captures it
+            return self.fc(x)
+        return self.fc(x).flatten(1)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_lazily_converted_module_does_not_keep_the_original_model_alive(policy):
+    model = Untraceable()
+    alive = weakref.ref(model)
+    amp = fxamp.convert(model, policy, dtype=BF16)
+    assert isinstance(amp, fxamp.LazyConverted)
+    del model
+    gc.collect()
+    assert alive() is None  # the stored torch.fx error's traceback held convert's `model`
+    with pytest.raises(fxamp.TraceError, match=r"(?s)torch.fx could not trace Untraceable.*call it once"):
+        amp.graph  # the stored error still says what failed
+    x = torch.randn(2, 8)
+    assert amp(x).dtype == torch.float32
