@@ -91,3 +91,27 @@ def test_a_lazily_converted_module_does_not_keep_the_original_model_alive(policy
         amp.graph  # the stored error still says what failed
     x = torch.randn(2, 8)
     assert amp(x).dtype == torch.float32
+
+
+def test_stochastic_depth_converted_with_example_inputs_holds_a_graph_per_mode():
+    """HF ConvNeXt with drop_path_rate > 0, converted in training mode through torch.export: after
+    eval() the output is the original's eval output (stochastic depth off), not a random one."""
+    from transformers import ConvNextConfig, ConvNextModel
+
+    torch.manual_seed(0)
+    cfg = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, drop_path_rate=0.5,
+                         image_size=16)
+    model = ConvNextModel(cfg).train()
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "the graph follows training mode" warning
+        amp = fxamp.convert(model, "O0", example_inputs=(x,))
+    assert "fxamp holds a graph per mode" in fxamp.conversion_info(amp).notes[0]
+    model.eval()
+    amp.eval()
+    ref = model(x).last_hidden_state
+    assert torch.equal(amp(x).last_hidden_state, ref)
+    assert torch.equal(amp(x).last_hidden_state, ref)
+    amp.train()
+    outs = [amp(x).last_hidden_state for _ in range(4)]
+    assert any(not torch.equal(outs[0], o) for o in outs[1:])  # stochastic depth is on again

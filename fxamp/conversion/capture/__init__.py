@@ -45,6 +45,7 @@ def capture(
     dynamic: Dynamic = Dynamic.BATCH,
     dynamic_shapes: Any = None,
     fx_error: Optional[TraceError] = None,
+    graph_per_mode: bool = False,
 ) -> Captured:
     """Capture ``model`` as a graph.
 
@@ -52,6 +53,8 @@ def capture(
     example inputs) or ``"auto"``: fx first, export when fx fails and example inputs were given.
     fx_error: with ``"export"``: torch.fx's error when the caller already knows it fails (fxamp's
     lazily capturing module); notes and errors then read as for ``"auto"``'s fallback.
+    graph_per_mode: the caller keeps a graph per mode when the export front end's two modes capture
+    different graphs (``Captured.only_mode``): no warning then, and the note says so.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
@@ -62,9 +65,12 @@ def capture(
     has_inputs = example_inputs is not None or example_kwargs is not None
 
     def export(fallback_from: Optional[TraceError]) -> Captured:
-        return _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
-                                          dynamic_shapes=dynamic_shapes,
-                                          leaf_modules=leaf_modules, fallback_from=fallback_from))
+        captured = _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
+                                              dynamic_shapes=dynamic_shapes,
+                                              leaf_modules=leaf_modules, fallback_from=fallback_from),
+                        graph_per_mode=graph_per_mode)
+        captured.fx_error = fallback_from
+        return captured
 
     if frontend == "export":
         return export(fx_error)
@@ -76,9 +82,9 @@ def capture(
         raise
 
 
-def _run(model: nn.Module, front: FrontEnd) -> Captured:
+def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Captured:
     try:
-        gm, mode, mode_notes = capture_in_both_modes(model, front.trace)
+        gm, mode, mode_notes = capture_in_both_modes(model, front.trace, graph_per_mode=graph_per_mode)
     except TraceError:
         raise
     except Exception as e:  # torch.export raises many types; all mean "could not capture"

@@ -34,6 +34,13 @@ When the two captures differ otherwise (a ``DropPath`` that returns its input un
 ``self.training``, any other branch on the mode), no single graph is right in both modes: the
 capture of the model's current mode is kept, its dropout and batch-norm flags still switch, and a
 note and a warning name the first op that differs.  Convert in the mode you will use the result in.
+With torch.export the caller can do better (``graph_per_mode``): ``convert`` with example inputs
+and the lazily capturing module hold a graph per mode, the other mode captured at its first call.
+
+A batch norm's flag is rebound only where it follows the module's mode: it differs between the two
+captures, or (one capture) the call is a ``BatchNorm``'s own with running statistics.  A constant
+flag stays: weight standardisation (timm's ``ScaledStdConv2d``) normalises a weight with
+``F.batch_norm(w, None, None, training=True)`` in both modes.
 Limitation: a dropout written with a literal ``training=True`` (or ``False`` in an eval-mode
 capture) follows the module's mode.
 """
@@ -231,10 +238,14 @@ def _where(node: fx.Node) -> str:
 
 
 def capture_in_both_modes(
-    model: nn.Module, capture: Callable[[], fx.GraphModule]
+    model: nn.Module, capture: Callable[[], fx.GraphModule], *, graph_per_mode: bool = False
 ) -> Tuple[fx.GraphModule, bool, List[str]]:
     """Run ``capture`` in the model's current mode and in the other; returns (graph, the mode it was
-    captured in, notes).  The training-mode graph when the two agree, else the current mode's."""
+    captured in, notes).  The training-mode graph when the two agree, else the current mode's.
+
+    graph_per_mode: the caller keeps a graph per mode (captures the other mode when it is used), so
+    graphs that differ are no warning, and the note says so.
+    """
     current = model.training
     with training_mode(model, current):
         first = capture()  # errors here are the front end's errors
@@ -256,9 +267,12 @@ def capture_in_both_modes(
     else:
         what = "a different op"
     op = diff.target if isinstance(diff.target, str) else getattr(diff.target, "__name__", str(diff.target))
-    note = (f"training and eval mode capture different graphs (first at {op}{_where(diff)}: {what}): the graph "
-            f"follows {_mode(current)} mode, the mode at capture; train()/eval() switch only its dropout and "
-            f"batch norms. Convert in the mode you will run it in.")
+    head = f"training and eval mode capture different graphs (first at {op}{_where(diff)}: {what})"
+    if graph_per_mode:
+        return first, current, [f"{head}: a graph per mode; this one is for {_mode(current)} mode, the other "
+                                f"mode's is captured at its first call"]
+    note = (f"{head}: the graph follows {_mode(current)} mode, the mode at capture; train()/eval() switch only "
+            f"its dropout and batch norms. Convert in the mode you will run it in.")
     warn(note)
     return first, current, [note]
 
