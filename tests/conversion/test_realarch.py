@@ -115,3 +115,52 @@ def test_stochastic_depth_converted_with_example_inputs_holds_a_graph_per_mode()
     amp.train()
     outs = [amp(x).last_hidden_state for _ in range(4)]
     assert any(not torch.equal(outs[0], o) for o in outs[1:])  # stochastic depth is on again
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if self.training else 1.0)
+
+
+def _count_exports(monkeypatch):
+    import torch.export
+
+    calls = []
+    real = torch.export.export
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].training)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    return calls
+
+
+def test_a_model_whose_code_never_reads_training_is_exported_once(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Dropout(0.5), nn.Flatten(), nn.Linear(288, 4))
+    twin = __import__("copy").deepcopy(model)
+    calls = _count_exports(monkeypatch)
+    amp = fxamp.convert(model, "O0", example_inputs=(torch.randn(2, 3, 8, 8),), frontend="export")
+    assert calls == [True]  # one export, in training mode
+    assert any(n.startswith("captured once, in training mode") for n in fxamp.conversion_info(amp).notes)
+    x = torch.randn(4, 3, 8, 8)
+    for mode in ("train", "eval"):  # dropout and batch norm still follow train()/eval()
+        getattr(amp, mode)()
+        getattr(twin, mode)()
+        torch.manual_seed(1)
+        out = amp(x)
+        torch.manual_seed(1)
+        assert torch.equal(out, twin(x)), mode
+
+
+def test_a_model_whose_code_reads_training_is_exported_in_both_modes(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    amp = fxamp.convert(TrainingBranch().eval(), "O0", example_inputs=(torch.randn(2, 8),), frontend="export")
+    assert sorted(calls) == [False, True]
+    notes = " ".join(fxamp.conversion_info(amp).notes)
+    assert "captured in training and in eval mode: the code of <root> (TrainingBranch) reads self.training" in notes

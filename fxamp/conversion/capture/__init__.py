@@ -7,7 +7,8 @@ tree and names, and makes the mode flags the capture baked in switchable again::
 
     capture(model)
       ├─ front end: FxFrontEnd, or ExportFrontEnd (forced, or when fx fails and inputs were given)
-      ├─ modes.capture_in_both_modes(model, front.trace)    # two graphs, keep one, notes
+      ├─ modes.capture_modes(model, front.trace)            # once if no code reads self.training,
+      │                                                     # else both modes: two graphs, keep one
       ├─ front.adopt(gm)                                     # original module tree, names
       ├─ modes.make_modes_switchable(gm, mode)               # dropout / batch-norm flags
       └─ front.finish(gm)                                    # front-end fix-ups, notes
@@ -28,7 +29,7 @@ from ..options import Dynamic
 from .common import Captured, FrontEnd, LeafSpec
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
-from .modes import capture_in_both_modes, make_modes_switchable, training_mode
+from .modes import capture_modes, make_modes_switchable, training_mode
 
 __all__ = ["Captured", "LeafSpec", "capture", "training_mode"]
 
@@ -84,12 +85,11 @@ def capture(
 
 def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Captured:
     try:
-        gm, mode, mode_notes = capture_in_both_modes(model, front.trace, graph_per_mode=graph_per_mode)
+        gm, mode, mode_notes, only_mode = capture_modes(model, front.trace, graph_per_mode=graph_per_mode)
     except TraceError:
         raise
     except Exception as e:  # torch.export raises many types; all mean "could not capture"
         raise front.error(e) from e
-    only_mode = mode if mode_notes else None  # notes from capture_in_both_modes: the modes' graphs differ
     front.adopt(gm)
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)

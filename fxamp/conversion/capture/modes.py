@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -59,7 +60,8 @@ import torch.nn.functional as F
 from ..graph import fetch_attr, module_path_of, node_arg, replace_node_arg
 from .common import warn
 
-__all__ = ["ModeFlag", "training_mode", "capture_in_both_modes", "make_modes_switchable"]
+__all__ = ["ModeFlag", "training_mode", "mode_reader", "capture_modes", "capture_in_both_modes",
+           "make_modes_switchable"]
 
 aten = torch.ops.aten
 
@@ -275,6 +277,78 @@ def capture_in_both_modes(
             f"its dropout and batch norms. Convert in the mode you will run it in.")
     warn(note)
     return first, current, [note]
+
+
+#: torch.nn's layers whose reads of ``self.training`` a single capture handles: their dropout and
+#: batch-norm flags are rewritten by :func:`make_modes_switchable`
+_MODE_HANDLED_MODULES = ("torch.nn.modules.dropout", "torch.nn.modules.batchnorm")
+
+
+def _reads_training(code: types.CodeType) -> bool:
+    """Whether ``code`` (or a function nested in it) reads an attribute called ``training``."""
+    if "training" in code.co_names or "training" in code.co_consts:  # .training, getattr(m, "training")
+        return True
+    return any(isinstance(c, types.CodeType) and _reads_training(c) for c in code.co_consts)
+
+
+def _codes(value: Any) -> Iterator[types.CodeType]:
+    """The code objects of a function, method, property or staticmethod found in a class namespace,
+    and of the functions a decorator wrapped (``__wrapped__``)."""
+    for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
+        depth = 0
+        while f is not None and depth < 8:
+            code = getattr(f, "__code__", None)
+            if isinstance(code, types.CodeType):
+                yield code
+            f, depth = getattr(f, "__wrapped__", None), depth + 1
+
+
+def _runs_in_forward(name: str) -> bool:
+    """Methods that may run in a forward: not ``train``/``eval`` (they set the flag), not set-up dunders."""
+    return name not in ("train", "eval") and (not name.startswith("__") or name == "__call__")
+
+
+def mode_reader(model: nn.Module) -> Optional[str]:
+    """The first module (``"path (Class)"``) whose own code reads ``training``, or None.
+
+    torch.nn's dropout and batch-norm layers are left out (their flags are rewritten on any
+    capture), as is ``nn.Module`` itself (``train()``/``eval()`` only set the flag).  Every other
+    class in each module's MRO is read at the bytecode level, with the module's forward hooks:
+    a model none of whose code reads the flag computes the same graph in both modes.
+    """
+    seen: Dict[type, bool] = {}
+    for path, m in model.named_modules():
+        classes = [c for c in type(m).__mro__ if c not in (nn.Module, object)]
+        if type(m).__module__ in _MODE_HANDLED_MODULES:
+            classes = []
+        for cls in classes:
+            if cls not in seen:
+                seen[cls] = any(_reads_training(code) for name, value in vars(cls).items()
+                                if _runs_in_forward(name) for code in _codes(value))
+            if seen[cls]:
+                return f"{path or '<root>'} ({type(m).__name__})"
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+        if any(_reads_training(code) for h in hooks for code in _codes(h)):
+            return f"{path or '<root>'} ({type(m).__name__}, a forward hook)"
+    return None
+
+
+def capture_modes(
+    model: nn.Module, capture: Callable[[], fx.GraphModule], *, graph_per_mode: bool = False
+) -> Tuple[fx.GraphModule, bool, List[str], Optional[bool]]:
+    """Capture once (training mode) when no code of ``model`` reads ``training`` (:func:`mode_reader`),
+    else in both modes (:func:`capture_in_both_modes`).  Returns (graph, the mode it was captured in,
+    notes, the one mode the graph is right in or None when it is right in both); a note says which."""
+    reader = mode_reader(model)
+    if reader is None:
+        with training_mode(model, True):
+            gm = capture()
+        return gm, True, ["captured once, in training mode: no module's code reads self.training besides "
+                          "torch.nn's dropout and batch-norm layers, whose flags train()/eval() switch"], None
+    gm, mode, notes = capture_in_both_modes(model, capture, graph_per_mode=graph_per_mode)
+    only_mode = mode if notes else None  # notes from capture_in_both_modes: the modes' graphs differ
+    return gm, mode, notes + [f"captured in training and in eval mode: the code of {reader} reads "
+                              f"self.training, so the graph may depend on the mode"], only_mode
 
 
 def _mode(training: bool) -> str:
