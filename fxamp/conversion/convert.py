@@ -72,7 +72,10 @@ def convert(
     Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
     given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
     ``torch.export`` at its first call and again for each new call signature; its parameters exist
-    at once, in their storage dtypes, so an optimizer can be built before the first call.
+    at once, in their storage dtypes, so an optimizer can be built before the first call.  A
+    ``LazyConverted`` also when torch.export's training and eval captures differ (stochastic depth):
+    it holds the example inputs' graph for the current mode and captures the other mode at its
+    first call in that mode, so ``train()``/``eval()`` switch the whole computation.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
@@ -90,12 +93,25 @@ def convert(
         return LazyConverted(source, pol, options, owns_model=changes_storage)
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
-                           example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes)
+                           example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes,
+                           graph_per_mode=dynamic_shapes is None)
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
         return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e)
+    if captured.only_mode is not None and captured.frontend == "export" and dynamic_shapes is None:
+        # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
+        # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
+        amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
+                            lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"))
+        amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
+        return amp
     return rewrite_captured(captured, pol, options)
+
+
+_PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
+                  "fxamp.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
+                  "mode's is captured with torch.export at its first call, as is each new call signature")
 
 
 def clear_cast_cache(module: nn.Module) -> None:

@@ -44,7 +44,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .capture import capture
+from .capture import Captured, capture
 from ..info import INFO_ATTR, ConversionInfo
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
@@ -164,7 +164,7 @@ class LazyConverted(nn.Module):
     max_signatures: int = 8
 
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
-                 owns_model: bool, fx_error: Optional[TraceError] = None):
+                 owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -183,14 +183,14 @@ class LazyConverted(nn.Module):
         d["_fxamp_policy"] = policy
         d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
         d["_fxamp_options"] = options
-        d["_fxamp_fx_error"] = fx_error
+        d["_fxamp_fx_error"] = _detached(fx_error)
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         d["_fxamp_last"] = None
         d["_fxamp_captures"] = 0
         why = (f"torch.fx could not trace the model ({fx_error.short})" if fx_error is not None
                else "frontend='export' without example inputs")
-        d["_fxamp_notes"] = [f"{why}: captures with torch.export at the first call, and again for each new call "
-                             f"signature (other keyword arguments, input rank or dtype)"]
+        d["_fxamp_notes"] = [lead_note or f"{why}: captures with torch.export at the first call, and again for each "
+                                          f"new call signature (other keyword arguments, input rank or dtype)"]
         self.training = model.training
 
     # -- what it reports ---------------------------------------------------------------------
@@ -265,12 +265,32 @@ class LazyConverted(nn.Module):
         description = _describe(root, args, kwargs)
         with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
-                               dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error)
+                               dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
+                               graph_per_mode=True)
             restore.also(captured.graph_module)
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "
                                      f"predicted from the module tree (fxamp.LazyConverted)"])
-        mode = captured.only_mode
+        return self._store(key, description, captured.only_mode, gm)
+
+    def adopt_capture(self, captured: Captured, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Cache a capture made from ``args``/``kwargs`` before this module existed (``convert`` with
+        example inputs, when the two modes capture different graphs), as if a call had made it.
+
+        ``captured`` must have been made from this module's original, with float32 parameters.
+        """
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        gm = captured.graph_module
+        gm._parameters.update(self._parameters)  # root-level tensors: the ones in their storage dtypes
+        gm._buffers.update(self._buffers)
+        description = _describe(self._fxamp_root, args, kwargs)
+        gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
+                              notes=[f"captured at convert time from the example inputs {description}; parameter "
+                                     f"storage predicted from the module tree (fxamp.LazyConverted)"])
+        self._store(_signature(args, kwargs), description, captured.only_mode, gm)
+
+    def _store(self, key: Any, description: str, mode: Optional[bool], gm: fx.GraphModule) -> _Entry:
+        """Cache a converted graph for ``key`` (and ``mode`` when it is right in one mode only)."""
         if mode is not None:
             description += f" ({'training' if mode else 'eval'} mode)"
         shared = {id(m) for m in self._modules.values()}
@@ -367,6 +387,26 @@ class _WeightCaches:
             cache = getattr(gm, CACHE_NAME, None)
             if cache is not None:
                 cache.clear()
+
+
+def _detached(e: Optional[TraceError]) -> Optional[TraceError]:
+    """A copy of ``e`` (and of the error it wraps) that holds no traceback.
+
+    A traceback holds its frames, and their locals: ``convert``'s ``model`` among them, so a stored
+    error would keep the user's original model (gigabytes) alive after ``del model``.  The text,
+    ``short`` and ``module_path`` are all a later message needs.
+    """
+    if e is None:
+        return None
+    original = e.original
+    if original is not None:
+        # a fresh exception of the same message: the caught one's traceback, cause and context
+        # (torch.fx's frames, holding the traced module) are dropped with it
+        try:
+            original = type(original)(*original.args)
+        except Exception:  # a constructor that does not take its own args back
+            original = RuntimeError(f"{type(e.original).__name__}: {e.original}")
+    return TraceError(str(e), short=e.short, module_path=e.module_path, original=original)
 
 
 # ---------------------------------------------------------------------------------------------

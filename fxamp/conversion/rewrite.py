@@ -303,10 +303,29 @@ def insert_casts(
             else:
                 node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
                 node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
+        elif d is not None and d.norm and node.op == "call_function":
+            _cast_norm_tensors(node, policy.norms, casts)
         if isinstance(into, fx.Node):
             casts.forget(into)  # casts of it made before this write hold its old values
     casts.finish()
     return casts.count
+
+
+#: the statistics and affine arguments of the batch/instance norm functions (positions 1-4 in each schema)
+_NORM_TENSORS = ("running_mean", "running_var", "weight", "bias")
+
+
+def _cast_norm_tensors(node: fx.Node, dtype: torch.dtype, casts: "_Casts") -> None:
+    """A norm that follows its input still takes its weight, bias and statistics in ``policy.norms``.
+
+    The kernels take a low-precision input with float32 tensors, but not a float32 input with
+    low-precision ones ("mixed dtype (CPU)"): a weight computed from a low-precision parameter
+    (weight standardisation's ``F.batch_norm(w, None, None, weight=gain * scale)``) gets a cast.
+    """
+    node.args = tuple(casts.to(a, dtype, node) if 1 <= i <= 4 and isinstance(a, fx.Node) else a
+                      for i, a in enumerate(node.args))
+    node.kwargs = {k: casts.to(v, dtype, node) if k in _NORM_TENSORS and isinstance(v, fx.Node) else v
+                   for k, v in node.kwargs.items()}
 
 
 def _write_back(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, casts: "_Casts") -> None:

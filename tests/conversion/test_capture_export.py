@@ -252,19 +252,34 @@ class StochasticDepth(nn.Module):
         return x + y
 
 
-@pytest.mark.parametrize("frontend", ["fx", "export"])
-def test_mode_dependent_branches_follow_the_mode_at_capture(frontend):
+def test_mode_dependent_branches_follow_the_mode_at_capture():
     model = StochasticDepth().eval()
-    amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(2, 8),), frontend=frontend).eval()
+    with pytest.warns(UserWarning, match="the graph follows eval mode"):
+        amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(2, 8),), frontend="fx").eval()
     notes = " ".join(fxamp.conversion_info(amp).notes)
     assert "training and eval mode capture different graphs" in notes
     assert "the graph follows eval mode, the mode at capture" in notes
-    if frontend == "export":  # export records source lines
-        assert "`y = y * torch.empty_like(y[:, :1]).bernoulli_(0.5) / 0.5`" in notes
     x = torch.randn(4, 8)
     torch.testing.assert_close(amp(x), model(x), atol=1e-2, rtol=1e-2)  # right for the mode it was captured in
     amp.train()
     assert not torch.equal(amp(x), amp(x))  # its dropout still switches
+
+
+def test_mode_dependent_branches_get_a_graph_per_mode_with_torch_export():
+    model = StochasticDepth().eval()
+    amp = fxamp.convert(model, "O1", example_inputs=(torch.randn(2, 8),), frontend="export").eval()
+    assert isinstance(amp, fxamp.LazyConverted)
+    assert "fxamp holds a graph per mode" in fxamp.conversion_info(amp).notes[0]
+    notes = " ".join(fxamp.conversion_info(amp.graph_modules()[0]).notes)
+    assert "`y = y * torch.empty_like(y[:, :1]).bernoulli_(0.5) / 0.5`" in notes  # export records source lines
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(amp(x), model(x), atol=1e-2, rtol=1e-2)
+    model.train()
+    amp.train()
+    torch.manual_seed(3)
+    out = amp(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(out, model(x), atol=1e-2, rtol=1e-2)  # the training graph: its branch, same draws
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

@@ -7,7 +7,8 @@ tree and names, and makes the mode flags the capture baked in switchable again::
 
     capture(model)
       ├─ front end: FxFrontEnd, or ExportFrontEnd (forced, or when fx fails and inputs were given)
-      ├─ modes.capture_in_both_modes(model, front.trace)    # two graphs, keep one, notes
+      ├─ modes.capture_modes(model, front.trace)            # once if no code reads self.training,
+      │                                                     # else both modes: two graphs, keep one
       ├─ front.adopt(gm)                                     # original module tree, names
       ├─ modes.make_modes_switchable(gm, mode)               # dropout / batch-norm flags
       └─ front.finish(gm)                                    # front-end fix-ups, notes
@@ -28,7 +29,7 @@ from ..options import Dynamic
 from .common import Captured, FrontEnd, LeafSpec
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
-from .modes import capture_in_both_modes, make_modes_switchable, training_mode
+from .modes import capture_modes, make_modes_switchable, training_mode
 
 __all__ = ["Captured", "LeafSpec", "capture", "training_mode"]
 
@@ -45,6 +46,7 @@ def capture(
     dynamic: Dynamic = Dynamic.BATCH,
     dynamic_shapes: Any = None,
     fx_error: Optional[TraceError] = None,
+    graph_per_mode: bool = False,
 ) -> Captured:
     """Capture ``model`` as a graph.
 
@@ -52,6 +54,8 @@ def capture(
     example inputs) or ``"auto"``: fx first, export when fx fails and example inputs were given.
     fx_error: with ``"export"``: torch.fx's error when the caller already knows it fails (fxamp's
     lazily capturing module); notes and errors then read as for ``"auto"``'s fallback.
+    graph_per_mode: the caller keeps a graph per mode when the export front end's two modes capture
+    different graphs (``Captured.only_mode``): no warning then, and the note says so.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
@@ -62,9 +66,12 @@ def capture(
     has_inputs = example_inputs is not None or example_kwargs is not None
 
     def export(fallback_from: Optional[TraceError]) -> Captured:
-        return _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
-                                          dynamic_shapes=dynamic_shapes,
-                                          leaf_modules=leaf_modules, fallback_from=fallback_from))
+        captured = _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
+                                              dynamic_shapes=dynamic_shapes,
+                                              leaf_modules=leaf_modules, fallback_from=fallback_from),
+                        graph_per_mode=graph_per_mode)
+        captured.fx_error = fallback_from
+        return captured
 
     if frontend == "export":
         return export(fx_error)
@@ -76,14 +83,13 @@ def capture(
         raise
 
 
-def _run(model: nn.Module, front: FrontEnd) -> Captured:
+def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Captured:
     try:
-        gm, mode, mode_notes = capture_in_both_modes(model, front.trace)
+        gm, mode, mode_notes, only_mode = capture_modes(model, front.trace, graph_per_mode=graph_per_mode)
     except TraceError:
         raise
     except Exception as e:  # torch.export raises many types; all mean "could not capture"
         raise front.error(e) from e
-    only_mode = mode if mode_notes else None  # notes from capture_in_both_modes: the modes' graphs differ
     front.adopt(gm)
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)

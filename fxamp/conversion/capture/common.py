@@ -32,6 +32,7 @@ class Captured:
     frontend: str  # "fx" or "export"
     notes: List[str] = field(default_factory=list)  # what the front end decided, for the report
     only_mode: Optional[bool] = None  # the training mode the graph is right in when the modes differ; None: both
+    fx_error: Optional[TraceError] = None  # torch.fx's error when torch.export ran as its fallback
 
 
 class FrontEnd(Protocol):

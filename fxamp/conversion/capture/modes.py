@@ -34,6 +34,13 @@ When the two captures differ otherwise (a ``DropPath`` that returns its input un
 ``self.training``, any other branch on the mode), no single graph is right in both modes: the
 capture of the model's current mode is kept, its dropout and batch-norm flags still switch, and a
 note and a warning name the first op that differs.  Convert in the mode you will use the result in.
+With torch.export the caller can do better (``graph_per_mode``): ``convert`` with example inputs
+and the lazily capturing module hold a graph per mode, the other mode captured at its first call.
+
+A batch norm's flag is rebound only where it follows the module's mode: it differs between the two
+captures, or (one capture) the call is a ``BatchNorm``'s own with running statistics.  A constant
+flag stays: weight standardisation (timm's ``ScaledStdConv2d``) normalises a weight with
+``F.batch_norm(w, None, None, training=True)`` in both modes.
 Limitation: a dropout written with a literal ``training=True`` (or ``False`` in an eval-mode
 capture) follows the module's mode.
 """
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -52,7 +60,8 @@ import torch.nn.functional as F
 from ..graph import fetch_attr, module_path_of, node_arg, replace_node_arg
 from .common import warn
 
-__all__ = ["ModeFlag", "training_mode", "capture_in_both_modes", "make_modes_switchable"]
+__all__ = ["ModeFlag", "training_mode", "mode_reader", "capture_modes", "capture_in_both_modes",
+           "make_modes_switchable"]
 
 aten = torch.ops.aten
 
@@ -143,6 +152,9 @@ def _first_difference(a: fx.GraphModule, b: fx.GraphModule) -> Optional[fx.Node]
 _HANDLED_ARGS = {**_ATTENTION, **_BATCH_NORM_FLAGS}
 #: node.meta key (this module only): ``[(index or keyword, value in eval mode, value in training mode)]``
 _MODE_ARGS = "fxamp_mode_args"
+#: node.meta key (this module only), on batch norms of a graph compared with the other mode's: whether
+#: its ``training`` flag differed between the modes (it follows the module's mode, so it may be rebound)
+_FLAG_FOLLOWS_MODE = "fxamp_flag_follows_mode"
 
 
 def _literal(value: Any) -> bool:
@@ -196,6 +208,9 @@ def _mode_dependent_args(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> O
     marks: Dict[fx.Node, List[Tuple[Any, Any, Any]]] = {}
     for t, e in zip(_op_nodes(train_gm), _op_nodes(eval_gm)):
         handled = _HANDLED_ARGS.get(t.target) if t.op == "call_function" else None
+        if t.op == "call_function" and t.target in _BATCH_NORM_FLAGS:
+            index, name = _BATCH_NORM_FLAGS[t.target]
+            t.meta[_FLAG_FOLLOWS_MODE] = not _same(_arg(t, index, name), _arg(e, index, name))
         found = []
         keys = [(i, None) for i in range(max(len(t.args), len(e.args)))]
         keys += [(None, k) for k in sorted(set(t.kwargs) | set(e.kwargs))]
@@ -225,10 +240,14 @@ def _where(node: fx.Node) -> str:
 
 
 def capture_in_both_modes(
-    model: nn.Module, capture: Callable[[], fx.GraphModule]
+    model: nn.Module, capture: Callable[[], fx.GraphModule], *, graph_per_mode: bool = False
 ) -> Tuple[fx.GraphModule, bool, List[str]]:
     """Run ``capture`` in the model's current mode and in the other; returns (graph, the mode it was
-    captured in, notes).  The training-mode graph when the two agree, else the current mode's."""
+    captured in, notes).  The training-mode graph when the two agree, else the current mode's.
+
+    graph_per_mode: the caller keeps a graph per mode (captures the other mode when it is used), so
+    graphs that differ are no warning, and the note says so.
+    """
     current = model.training
     with training_mode(model, current):
         first = capture()  # errors here are the front end's errors
@@ -250,11 +269,86 @@ def capture_in_both_modes(
     else:
         what = "a different op"
     op = diff.target if isinstance(diff.target, str) else getattr(diff.target, "__name__", str(diff.target))
-    note = (f"training and eval mode capture different graphs (first at {op}{_where(diff)}: {what}): the graph "
-            f"follows {_mode(current)} mode, the mode at capture; train()/eval() switch only its dropout and "
-            f"batch norms. Convert in the mode you will run it in.")
+    head = f"training and eval mode capture different graphs (first at {op}{_where(diff)}: {what})"
+    if graph_per_mode:
+        return first, current, [f"{head}: a graph per mode; this one is for {_mode(current)} mode, the other "
+                                f"mode's is captured at its first call"]
+    note = (f"{head}: the graph follows {_mode(current)} mode, the mode at capture; train()/eval() switch only "
+            f"its dropout and batch norms. Convert in the mode you will run it in.")
     warn(note)
     return first, current, [note]
+
+
+#: torch.nn's layers whose reads of ``self.training`` a single capture handles: their dropout and
+#: batch-norm flags are rewritten by :func:`make_modes_switchable`
+_MODE_HANDLED_MODULES = ("torch.nn.modules.dropout", "torch.nn.modules.batchnorm")
+
+
+def _reads_training(code: types.CodeType) -> bool:
+    """Whether ``code`` (or a function nested in it) reads an attribute called ``training``."""
+    if "training" in code.co_names or "training" in code.co_consts:  # .training, getattr(m, "training")
+        return True
+    return any(isinstance(c, types.CodeType) and _reads_training(c) for c in code.co_consts)
+
+
+def _codes(value: Any) -> Iterator[types.CodeType]:
+    """The code objects of a function, method, property or staticmethod found in a class namespace,
+    and of the functions a decorator wrapped (``__wrapped__``)."""
+    for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
+        depth = 0
+        while f is not None and depth < 8:
+            code = getattr(f, "__code__", None)
+            if isinstance(code, types.CodeType):
+                yield code
+            f, depth = getattr(f, "__wrapped__", None), depth + 1
+
+
+def _runs_in_forward(name: str) -> bool:
+    """Methods that may run in a forward: not ``train``/``eval`` (they set the flag), not set-up dunders."""
+    return name not in ("train", "eval") and (not name.startswith("__") or name == "__call__")
+
+
+def mode_reader(model: nn.Module) -> Optional[str]:
+    """The first module (``"path (Class)"``) whose own code reads ``training``, or None.
+
+    torch.nn's dropout and batch-norm layers are left out (their flags are rewritten on any
+    capture), as is ``nn.Module`` itself (``train()``/``eval()`` only set the flag).  Every other
+    class in each module's MRO is read at the bytecode level, with the module's forward hooks:
+    a model none of whose code reads the flag computes the same graph in both modes.
+    """
+    seen: Dict[type, bool] = {}
+    for path, m in model.named_modules():
+        classes = [c for c in type(m).__mro__ if c not in (nn.Module, object)]
+        if type(m).__module__ in _MODE_HANDLED_MODULES:
+            classes = []
+        for cls in classes:
+            if cls not in seen:
+                seen[cls] = any(_reads_training(code) for name, value in vars(cls).items()
+                                if _runs_in_forward(name) for code in _codes(value))
+            if seen[cls]:
+                return f"{path or '<root>'} ({type(m).__name__})"
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+        if any(_reads_training(code) for h in hooks for code in _codes(h)):
+            return f"{path or '<root>'} ({type(m).__name__}, a forward hook)"
+    return None
+
+
+def capture_modes(
+    model: nn.Module, capture: Callable[[], fx.GraphModule], *, graph_per_mode: bool = False
+) -> Tuple[fx.GraphModule, bool, List[str], Optional[bool]]:
+    """Capture once (training mode) when no code of ``model`` reads ``training`` (:func:`mode_reader`),
+    else in both modes (:func:`capture_in_both_modes`).  Returns (graph, the mode it was captured in,
+    notes, the one mode the graph is right in or None when it is right in both); a note says which."""
+    reader = mode_reader(model)
+    if reader is None:
+        with training_mode(model, True):
+            gm = capture()
+        return gm, True, ["captured once, in training mode: no module's code reads self.training besides "
+                          "torch.nn's dropout and batch-norm layers, whose flags train()/eval() switch"], None
+    gm, mode, notes = capture_in_both_modes(model, capture, graph_per_mode=graph_per_mode)
+    only_mode = mode if notes else None  # notes from capture_in_both_modes: the modes' graphs differ
+    return gm, mode, notes + [f"captured in training and in eval mode: the code of {reader} reads "
+                              f"self.training, so the graph may depend on the mode"], only_mode
 
 
 def _mode(training: bool) -> str:
@@ -339,9 +433,12 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
                 lost += 1
         elif target in _BATCH_NORM_FLAGS:
             index, name = _BATCH_NORM_FLAGS[target]
+            follows = node.meta.pop(_FLAG_FOLLOWS_MODE, None)
+            if follows is None:  # not compared with the other mode's capture: only a BatchNorm's own call
+                follows = _runs_batch_norm_module(owners, node)
             if target is aten.batch_norm.default and _batch_norm_to_module(gm, owners, node):
                 count("batch norm")
-            elif node_arg(node, index, name, False) is captured_in:
+            elif follows and node_arg(node, index, name, False) is captured_in:
                 replace_node_arg(node, index, name, owners.flag(node))
                 count("functional batch norm")
     notes = []
@@ -351,6 +448,16 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
     if lost:
         notes.append(f"captured in eval mode: {lost} attention call(s) have dropout_p=0 baked in, in train() too")
     return notes
+
+
+def _runs_batch_norm_module(owners: _Owners, node: fx.Node) -> bool:
+    """A batch norm traced inside a torch ``BatchNorm`` with running statistics: its flag is the module's mode.
+
+    Any other ``F.batch_norm`` may pass a constant on purpose (weight standardisation normalises a
+    weight with ``training=True`` and no statistics, in both modes), so its flag is left as captured.
+    """
+    m = owners.module(node)
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and node_arg(node, 1, "running_mean", None) is not None
 
 
 def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) -> bool:

@@ -1,0 +1,166 @@
+"""Patterns found on real architectures: what a capture must keep (constant batch-norm flags, a graph
+per mode, stored errors that pin nothing)."""
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+
+BF16 = torch.bfloat16
+
+
+class StdConv(nn.Conv2d):
+    """Weight standardisation as timm's ``ScaledStdConv2d`` writes it: a batch norm over the weight,
+    ``training=True`` and no running statistics in both modes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.full((self.out_channels,), 1.5))
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                         weight=(self.gain * 0.5).view(-1), training=True, momentum=0., eps=1e-6)
+        return F.conv2d(x, w.reshape_as(self.weight), self.bias, self.stride, self.padding)
+
+
+class StdConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = StdConv(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).mean((2, 3))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_constant_batch_norm_flag_is_not_rebound_to_the_modules_mode(frontend, policy):
+    torch.manual_seed(0)
+    model = StdConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    kwargs = {"example_inputs": (x,)} if frontend == "export" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(model, policy, dtype=BF16, frontend=frontend, **kwargs)
+    amp.train()
+    amp(x).float().sum().backward()  # O2 used to fail here: "mixed dtype (CPU)"
+    # a fresh conversion for eval: training above moved the O2 copy's running statistics
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(model, policy, dtype=BF16, frontend=frontend, **kwargs).eval()
+    ref = model(x)
+    with torch.autocast("cpu", BF16):
+        auto = model(x)
+    got = amp(x)  # used to fail: "running_mean must be defined in evaluation mode"
+    assert _rel(got, ref) < max(4 * _rel(auto, ref), 1e-2)
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.dim() == 2:  # torch.fx: a Proxy cannot be a bool; torch.export captures it
+            return self.fc(x)
+        return self.fc(x).flatten(1)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_lazily_converted_module_does_not_keep_the_original_model_alive(policy):
+    model = Untraceable()
+    alive = weakref.ref(model)
+    amp = fxamp.convert(model, policy, dtype=BF16)
+    assert isinstance(amp, fxamp.LazyConverted)
+    del model
+    gc.collect()
+    assert alive() is None  # the stored torch.fx error's traceback held convert's `model`
+    with pytest.raises(fxamp.TraceError, match=r"(?s)torch.fx could not trace Untraceable.*call it once"):
+        amp.graph  # the stored error still says what failed
+    x = torch.randn(2, 8)
+    assert amp(x).dtype == torch.float32
+
+
+def test_stochastic_depth_converted_with_example_inputs_holds_a_graph_per_mode():
+    """HF ConvNeXt with drop_path_rate > 0, converted in training mode through torch.export: after
+    eval() the output is the original's eval output (stochastic depth off), not a random one."""
+    from transformers import ConvNextConfig, ConvNextModel
+
+    torch.manual_seed(0)
+    cfg = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, drop_path_rate=0.5,
+                         image_size=16)
+    model = ConvNextModel(cfg).train()
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "the graph follows training mode" warning
+        amp = fxamp.convert(model, "O0", example_inputs=(x,))
+    assert "fxamp holds a graph per mode" in fxamp.conversion_info(amp).notes[0]
+    model.eval()
+    amp.eval()
+    ref = model(x).last_hidden_state
+    assert torch.equal(amp(x).last_hidden_state, ref)
+    assert torch.equal(amp(x).last_hidden_state, ref)
+    amp.train()
+    outs = [amp(x).last_hidden_state for _ in range(4)]
+    assert any(not torch.equal(outs[0], o) for o in outs[1:])  # stochastic depth is on again
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if self.training else 1.0)
+
+
+def _count_exports(monkeypatch):
+    import torch.export
+
+    calls = []
+    real = torch.export.export
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].training)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    return calls
+
+
+def test_a_model_whose_code_never_reads_training_is_exported_once(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Dropout(0.5), nn.Flatten(), nn.Linear(288, 4))
+    twin = __import__("copy").deepcopy(model)
+    calls = _count_exports(monkeypatch)
+    amp = fxamp.convert(model, "O0", example_inputs=(torch.randn(2, 3, 8, 8),), frontend="export")
+    assert calls == [True]  # one export, in training mode
+    assert any(n.startswith("captured once, in training mode") for n in fxamp.conversion_info(amp).notes)
+    x = torch.randn(4, 3, 8, 8)
+    for mode in ("train", "eval"):  # dropout and batch norm still follow train()/eval()
+        getattr(amp, mode)()
+        getattr(twin, mode)()
+        torch.manual_seed(1)
+        out = amp(x)
+        torch.manual_seed(1)
+        assert torch.equal(out, twin(x)), mode
+
+
+def test_a_model_whose_code_reads_training_is_exported_in_both_modes(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    amp = fxamp.convert(TrainingBranch().eval(), "O0", example_inputs=(torch.randn(2, 8),), frontend="export")
+    assert sorted(calls) == [False, True]
+    notes = " ".join(fxamp.conversion_info(amp).notes)
+    assert "captured in training and in eval mode: the code of <root> (TrainingBranch) reads self.training" in notes
