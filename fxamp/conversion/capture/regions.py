@@ -8,9 +8,9 @@ What is not a tensor op is not recorded by itself:
   higher-order-op regions (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``); torch.fx records
   nothing of them, so the fx front end refuses a model that has one (:func:`fx_region_error`) and
   ``capture``/``convert`` go to torch.export (from the example inputs, or at the first call);
-- ``torch.utils.checkpoint.checkpoint(block, ...)``: both front ends trace through it; the
-  rewrite then calls the rewritten block under ``checkpoint`` again (``conversion/checkpoint.py``),
-  found from the nodes whose stack trace passes through the ``checkpoint(...)`` line;
+- ``torch.utils.checkpoint.checkpoint(block, ...)``: both front ends trace through it, so the
+  converted block saves its activations; each such call is noted and warned with its line
+  (:func:`capture_notes`; keeping the checkpoint is not done yet);
 - forward hooks on the root: export traces them into the graph; the fx front end registers them
   on the converted module (:func:`copy_root_hooks`);
 - Python state changed in ``forward`` (``self.calls += 1``, a cache on ``self``) and ``print``:
@@ -29,7 +29,7 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -175,10 +175,6 @@ def confirmed(findings: Iterable[Tuple[str, nn.Module, Finding]], graphs: Sequen
     """The findings some captured node was made inside (the branch ran at capture)."""
     frames = [frames_of(n) for g in graphs for n in g.nodes]
     return [x for x in findings if any(_inside(fr, x[2]) for fr in frames)]
-
-
-def nodes_inside(graph: fx.Graph, f: Finding) -> List[fx.Node]:
-    return [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr") and _inside(frames_of(n), f)]
 
 
 def region_note(path: str, f: Finding) -> str:
