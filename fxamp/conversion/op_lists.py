@@ -556,6 +556,13 @@ _GROUPS = [
 
 _DEFAULT = _build(_GROUPS)
 _DEFAULT[getattr] = OpEntry(N, "attribute access (x.shape, x.dtype): no arithmetic")
+# torch.export's regions for ``with torch.no_grad()`` / ``torch.autocast(...)`` inside forward: the region
+# runs as the user wrote it (grad mode, autocast state) and, taking float32 inputs, computes what they meant
+for _region in ("wrap_with_set_grad_enabled", "wrap_with_autocast"):
+    _DEFAULT[getattr(torch.ops.higher_order, _region)] = OpEntry(U, (
+        "a no_grad/set_grad_enabled/autocast region of forward: runs as written (its grad mode, its autocast "
+        "state), its float inputs cast to float32 at the region boundary (an autocast(enabled=False) island "
+        "is float32 on purpose)"))
 
 #: The lists fxamp uses unless told otherwise.
 DEFAULT_OP_LISTS = OpLists(_DEFAULT)

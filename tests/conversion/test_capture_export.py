@@ -553,7 +553,8 @@ def test_a_no_grad_region_in_forward_is_kept_and_noted_by_the_export_front_end()
     amp = fxamp.convert(Frozen(), "O1", dtype=torch.bfloat16, example_inputs=(torch.randn(2, 8),),
                         frontend="export")
     notes = fxamp.conversion_info(amp).notes
-    assert any(n.startswith("higher-order op regions (wrap_with_set_grad_enabled) run as captured") for n in notes)
+    assert any(n.startswith("region `with torch.no_grad():` at ") and "kept (wrap_with_set_grad_enabled): runs in "
+               "its grad mode" in n for n in notes)
     amp(torch.randn(2, 8)).sum().backward()
     assert amp.a.weight.grad is None and amp.a.bias.grad is None
     assert amp.b.weight.grad is not None

@@ -30,6 +30,7 @@ from .common import Captured, FrontEnd, LeafSpec
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
 from .modes import capture_modes, make_modes_switchable, training_mode
+from .regions import capture_notes
 
 __all__ = ["Captured", "LeafSpec", "capture", "training_mode"]
 
@@ -93,6 +94,7 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     front.adopt(gm)
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)
+    finish_notes += capture_notes(model, gm, front.name, getattr(front, "opaque", ()))
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode)

@@ -74,6 +74,7 @@ from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module
 from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
+from .regions import region_notes
 
 __all__ = ["ExportFrontEnd"]
 
@@ -148,11 +149,7 @@ class ExportFrontEnd:
         notes = [_shape_note(gm, self.dynamic)] + fit_fill_values(gm)
         if relaxed:
             notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
-        regions = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
-                          if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
-        if regions:
-            notes.append("higher-order op regions (" + ", ".join(regions) + ") run as captured: the ops inside "
-                         "keep the dtypes they receive")
+        notes += region_notes(self.model, gm, self.subgraphs)
         if self.dropped:
             notes.append("outputs of type " + ", ".join(sorted(set(self.dropped))) + " cannot be returned by "
                          "torch.export: they come back as None")

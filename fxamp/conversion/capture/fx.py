@@ -27,6 +27,7 @@ from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirro
 from ..runtime import attention, call_module_cast, cast, cast_weights, multi_head_attention
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values, fit_scalar
+from .regions import confirmed, copy_root_hooks, fx_region_error, scan
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
 __all__ = ["FxFrontEnd"]
@@ -40,6 +41,8 @@ class FxFrontEnd:
     def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
         self.model = model
         self.leaf_types, self.leaf_paths = _split_leaves(model, leaf_modules)
+        self.opaque = tuple(p for p, m in model.named_modules()
+                            if p and (p in self.leaf_paths or isinstance(m, self.leaf_types)))
 
     def lead_notes(self) -> List[str]:
         return []
@@ -47,6 +50,7 @@ class FxFrontEnd:
     def trace(self) -> fx.GraphModule:
         model = self.model
         tracer = _Tracer(self.leaf_types, self.leaf_paths)
+        tracer.record_stack_traces = True  # where each node came from: regions and checkpoint calls (regions.py)
         # Trace a shallow copy: the tracer stores tensor constants as attributes of the root, and
         # the user's model must not change.
         root = copy.copy(model)
@@ -63,6 +67,9 @@ class FxFrontEnd:
                 # forward): the generated code would hold the string as a global, which pickling
                 # (torch.save of the converted module) cannot import; annotations change nothing else
                 node.type = None
+        for path, _, f in confirmed(scan(model, self.opaque), [graph]):
+            if f.kind in ("grad", "autocast"):  # torch.fx records nothing of it: refuse rather than drop it
+                raise fx_region_error(model, path, f)
         return fx.GraphModule(root, graph, class_name=type(model).__name__)
 
     def error(self, e: BaseException) -> TraceError:  # pragma: no cover - trace() raises TraceError itself
@@ -74,7 +81,7 @@ class FxFrontEnd:
         _inline_simple_modules(gm)
 
     def finish(self, gm: fx.GraphModule) -> List[str]:
-        return fit_fill_values(gm)
+        return fit_fill_values(gm) + copy_root_hooks(self.model, gm)
 
 
 class _Tracer(fx.Tracer):

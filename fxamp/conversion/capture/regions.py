@@ -1,0 +1,274 @@
+"""What ``forward`` means beyond its ops, which a capture could drop without a word.
+
+Both front ends run ``forward`` once (per mode) on stand-in values and record the tensor ops.
+What is not a tensor op is not recorded by itself:
+
+- ``with torch.no_grad():`` / ``torch.enable_grad()`` / ``torch.set_grad_enabled(...)`` /
+  ``torch.inference_mode()`` and ``with torch.autocast(...):`` regions.  torch.export keeps them as
+  higher-order-op regions (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``); torch.fx records
+  nothing of them, so the fx front end refuses a model that has one (:func:`fx_region_error`) and
+  ``capture``/``convert`` go to torch.export (from the example inputs, or at the first call);
+- ``torch.utils.checkpoint.checkpoint(block, ...)``: both front ends trace through it, so the
+  converted block saves its activations; each such call is noted and warned with its line
+  (:func:`capture_notes`; keeping the checkpoint is not done yet);
+- forward hooks on the root: export traces them into the graph; the fx front end registers them
+  on the converted module (:func:`copy_root_hooks`);
+- Python state changed in ``forward`` (``self.calls += 1``, a cache on ``self``) and ``print``:
+  they run once, at capture; each is noted with its line (:func:`python_state_notes`).
+
+Findings come from each module's ``forward`` source (``inspect`` + ``ast``); regions and
+checkpoint calls count only when a captured node's stack trace passes through them (a branch
+that did not run at capture is not a finding).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ...errors import TraceError
+from .common import warn
+
+__all__ = ["Finding", "scan", "confirmed", "frames_of", "fx_region_error", "region_note", "python_state_notes",
+           "copy_root_hooks", "region_notes", "capture_notes", "CHECKPOINT_CALLS"]
+
+_GRAD = {"no_grad", "enable_grad", "set_grad_enabled", "inference_mode"}
+_AUTOCAST = {"autocast"}
+#: the names a checkpoint call goes by (``torch.utils.checkpoint.checkpoint``, ``checkpoint_sequential``)
+CHECKPOINT_CALLS = {"checkpoint", "checkpoint_sequential"}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One construct in a ``forward``'s source: what, where (file, first and last line), the code."""
+
+    kind: str  # "grad", "autocast", "checkpoint", "state", "print"
+    file: str
+    line: int
+    end: int
+    code: str  # the source line, stripped
+    owner: str  # the class whose forward holds it
+    body: Tuple[int, int] = (0, 0)  # a region's body lines; a call's own line range otherwise
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _dotted(expr: ast.AST) -> str:
+    if isinstance(expr, ast.Attribute):
+        return f"{_dotted(expr.value)}.{expr.attr}"
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Call):
+        return _dotted(expr.func)
+    return ""
+
+
+def _self_attr(target: ast.AST, self_name: str) -> Optional[str]:
+    """``attr`` when ``target`` writes ``self.attr`` (or an item of it), else None."""
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == self_name:
+        return target.attr
+    return None
+
+
+def _scan_class(cls: type) -> List[Finding]:
+    fwd = getattr(cls, "forward", None)
+    try:
+        file = inspect.getsourcefile(fwd)
+        lines, start = inspect.getsourcelines(fwd)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (TypeError, OSError, SyntaxError, IndentationError):
+        return []  # no source (a builtin, a REPL class): nothing to scan
+    file = os.path.abspath(file or "")
+    func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if func is None:
+        return []
+    self_name = func.args.args[0].arg if func.args.args else "self"
+    off = start - 1
+    out: List[Finding] = []
+
+    def add(kind: str, node: ast.AST, body: Tuple[int, int]) -> None:
+        line = node.lineno + off
+        code = lines[node.lineno - 1].strip() if node.lineno - 1 < len(lines) else ""
+        out.append(Finding(kind, file, line, (getattr(node, "end_lineno", None) or node.lineno) + off, code,
+                           cls.__name__, (body[0] + off, body[1] + off)))
+
+    for dec in func.decorator_list:  # @torch.no_grad() on forward: the whole body is the region
+        name = _dotted(dec).rsplit(".", 1)[-1]
+        if name in _GRAD | _AUTOCAST:
+            add("grad" if name in _GRAD else "autocast", dec, (func.body[0].lineno, func.end_lineno or 0))
+    for node in ast.walk(func):
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                name = _dotted(item.context_expr).rsplit(".", 1)[-1]
+                if name in _GRAD | _AUTOCAST:
+                    add("grad" if name in _GRAD else "autocast", node,
+                        (node.body[0].lineno, node.end_lineno or node.lineno))
+        elif isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name.rsplit(".", 1)[-1] in CHECKPOINT_CALLS:
+                add("checkpoint", node, (node.lineno, node.end_lineno or node.lineno))
+            elif name == "print":
+                add("print", node, (node.lineno, node.lineno))
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                attr = _self_attr(t, self_name)
+                if attr is not None:
+                    add("state:" + attr, node, (node.lineno, node.end_lineno or node.lineno))
+    return out
+
+
+def scan(model: nn.Module, skip: Sequence[str] = ()) -> List[Tuple[str, nn.Module, Finding]]:
+    """Every finding in the ``forward`` of ``model`` and its submodules outside torch, with the module's path.
+
+    skip: module paths not traced into (leaf modules): they and their children are not scanned.
+    """
+    found: List[Tuple[str, nn.Module, Finding]] = []
+    cache: Dict[type, List[Finding]] = {}
+    for path, m in model.named_modules():
+        if any(path == s or path.startswith(s + ".") for s in skip if s):
+            continue
+        cls = type(m)
+        if cls.__module__.startswith("torch.") or cls.__module__.startswith("fxamp."):
+            continue
+        if cls not in cache:
+            cache[cls] = _scan_class(cls)
+        found.extend((path, m, f) for f in cache[cls])
+    return found
+
+
+def frames_of(node: fx.Node) -> List[Tuple[str, int]]:
+    """The (file, line) frames of a node's recorded stack trace, outermost first."""
+    trace = node.meta.get("stack_trace") or ""
+    return [(os.path.abspath(f), int(n)) for f, n in _FRAME.findall(trace)]
+
+
+def _inside(frames: List[Tuple[str, int]], f: Finding) -> bool:
+    """Whether a node with these frames was made inside the finding's body (a deeper call counts)."""
+    for i, (file, line) in enumerate(frames):
+        if file != f.file:
+            continue
+        if f.kind == "checkpoint":
+            if f.line <= line <= f.end and i < len(frames) - 1:  # made by the checkpointed callable
+                return True
+        elif f.body[0] <= line <= f.body[1]:
+            return True
+    return False
+
+
+def confirmed(findings: Iterable[Tuple[str, nn.Module, Finding]], graphs: Sequence[fx.Graph]
+              ) -> List[Tuple[str, nn.Module, Finding]]:
+    """The findings some captured node was made inside (the branch ran at capture)."""
+    frames = [frames_of(n) for g in graphs for n in g.nodes]
+    return [x for x in findings if any(_inside(fr, x[2]) for fr in frames)]
+
+
+def region_note(path: str, f: Finding) -> str:
+    return f"`{f.code}` at {f.where} ({f.owner}{' at ' + repr(path) if path else ''})"
+
+
+def fx_region_error(model: nn.Module, path: str, f: Finding) -> TraceError:
+    """torch.fx records nothing of a grad-mode or autocast region: refuse, naming the line and the fix."""
+    what = ("a grad-mode region (its parameters would be trained)" if f.kind == "grad" else
+            "an autocast region (a float32 island would run in low precision)")
+    short = f"`{f.code}` at {f.where} is not recorded by torch.fx"
+    return TraceError(
+        f"torch.fx cannot keep {what}: {region_note(path, f)}. What to do: use frontend='auto' (the default) or "
+        f"'export', with or without example_inputs=(...): torch.export then captures the model (at the first "
+        f"call when no inputs are given) and keeps the region", short=short, module_path=path)
+
+
+def python_state_notes(found: Iterable[Tuple[str, nn.Module, Finding]], frontend: str) -> List[str]:
+    """One note per ``self.<attr> = ...`` (not a parameter, buffer or submodule) and ``print`` in forward."""
+    notes = []
+    for path, m, f in found:
+        if f.kind.startswith("state:"):
+            attr = f.kind.split(":", 1)[1]
+            value = getattr(m, attr, None)
+            if isinstance(value, (torch.Tensor, nn.Module)):
+                continue  # a buffer, parameter or submodule: a tensor update is an op, captured as such
+            notes.append(f"forward sets self.{attr} at {region_note(path, f)}: it ran once, at capture "
+                         f"({frontend}); the converted module does not run it. Keep that state outside "
+                         f"the model's forward, or keep the module opaque (leaf_modules=)")
+        elif f.kind == "print":
+            notes.append(f"forward calls print at {region_note(path, f)}: it ran at capture ({frontend}), "
+                         f"not at each call of the converted module")
+    for note in notes:
+        warn(note)
+    return notes
+
+
+def copy_root_hooks(model: nn.Module, gm: nn.Module) -> List[str]:
+    """Register the root's forward / backward hooks on the converted module (torch.fx does not trace them:
+    it calls ``forward``, not the module).  They are the user's callables; they now receive the
+    converted module."""
+    count = 0
+    for hook_id, hook in model._forward_pre_hooks.items():
+        gm.register_forward_pre_hook(hook, with_kwargs=hook_id in model._forward_pre_hooks_with_kwargs)
+        count += 1
+    for hook_id, hook in model._forward_hooks.items():
+        gm.register_forward_hook(hook, with_kwargs=hook_id in model._forward_hooks_with_kwargs,
+                                 always_call=hook_id in model._forward_hooks_always_called)
+        count += 1
+    for hook in model._backward_pre_hooks.values():
+        gm.register_full_backward_pre_hook(hook)
+        count += 1
+    for hook in model._backward_hooks.values():
+        gm.register_full_backward_hook(hook)
+        count += 1
+    if not count:
+        return []
+    return [f"{count} hook(s) registered on the root {type(model).__name__} are registered on the converted "
+            f"module too: they run around the converted forward and receive the converted module"]
+
+
+def region_notes(model: nn.Module, gm: fx.GraphModule, subgraphs: Sequence[nn.Module]) -> List[str]:
+    """torch.export's higher-order-op regions, one note each: which line, and how it runs converted."""
+    hops = sorted({str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    if not hops:
+        return []
+    graphs = [gm.graph] + [m.graph for m in subgraphs if isinstance(m, fx.GraphModule)]
+    found = [x for x in confirmed(scan(model), graphs) if x[2].kind in ("grad", "autocast")]
+    notes = []
+    for path, _, f in found:
+        if f.kind == "grad":
+            how = "runs in its grad mode (nothing under torch.no_grad() is trained)"
+        elif re.search(r"enabled\s*=\s*False", f.code):
+            how = "a float32 island: runs with autocast off"
+        else:
+            how = ("runs under torch.autocast as written: fxamp's casts stop at its boundary and autocast "
+                   "picks the dtypes inside")
+        notes.append(f"region {region_note(path, f)} kept ({', '.join(hops)}): {how}; its float inputs are "
+                     f"cast to float32 at the region boundary")
+    if not notes:  # a region the source scan does not see (a helper function's, a library's)
+        notes.append("higher-order op regions (" + ", ".join(hops) + ") kept: each runs as written, its float "
+                     "inputs cast to float32 at the region boundary")
+    return notes
+
+
+def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Sequence[str] = ()) -> List[str]:
+    """Notes (and warnings) for what ran once at capture: Python state, ``print``, checkpoint calls."""
+    found = scan(model, skip)
+    notes = python_state_notes(found, frontend)
+    graphs = [gm.graph] + [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+    for path, _, f in confirmed([x for x in found if x[2].kind == "checkpoint"], graphs):
+        notes.append(f"activation checkpointing at {region_note(path, f)} was traced through ({frontend}): the "
+                     f"converted block's activations are saved for backward. What to do: convert the "
+                     f"checkpointed block separately and checkpoint the converted block")
+        warn(notes[-1])
+    return notes

@@ -1,0 +1,204 @@
+"""What the model meant beyond its ops: grad-mode and autocast regions, activation checkpointing,
+root hooks, Python state in forward (fxamp/conversion/capture/regions.py).
+
+Each is either kept with its meaning, on the fx and the export front end and through lazy capture,
+or noted in one line naming the source line.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import fxamp
+from fxamp.errors import TraceError
+from dtype_observer import OpDtypes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+class Frozen(nn.Module):
+    """A low-precision value flows into a no_grad region: nothing under it may be trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        with torch.no_grad():
+            y = self.a(h)
+        return self.b(h) + y
+
+
+class Island(nn.Module):
+    """A float32 island (autocast off) between low-precision layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.post = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        with torch.autocast("cpu", enabled=False):
+            y = self.a(h).exp()
+        return self.post(y)
+
+
+def _paths(model, x):
+    """The model converted by each capture path: fx's fallback to export, export, lazy capture."""
+    return {
+        "auto with inputs": lambda pol: fxamp.convert(model, pol, dtype=BF16, example_inputs=(x,)),
+        "export": lambda pol: fxamp.convert(model, pol, dtype=BF16, example_inputs=(x,), frontend="export"),
+        "lazy": lambda pol: fxamp.convert(model, pol, dtype=BF16),
+    }
+
+
+def test_the_fx_front_end_refuses_a_no_grad_region_naming_the_line_and_the_fix():
+    with pytest.raises(TraceError, match=r"torch.fx cannot keep a grad-mode region .*`with torch.no_grad\(\):` at "
+                                         r".*test_regions.py:\d+ \(Frozen\)\. What to do: use frontend='auto'"):
+        fxamp.convert(Frozen(), "O1", dtype=BF16, frontend="fx")
+
+
+@pytest.mark.parametrize("path", ["auto with inputs", "export", "lazy"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_no_grad_region_trains_nothing_under_it(path, policy):
+    torch.manual_seed(0)
+    model, x = Frozen(), torch.randn(4, 8)
+    amp = _paths(model, x)[path](policy)
+    out = amp(x)
+    out.float().sum().backward()
+    assert amp.a.weight.grad is None and amp.a.bias.grad is None
+    assert amp.b.weight.grad is not None and amp.pre.weight.grad is not None
+    with torch.no_grad():
+        ref = model(x)
+    assert torch.allclose(out.float(), ref, rtol=0.05, atol=0.05)
+    if path != "lazy":
+        assert any("`with torch.no_grad():` at" in n and "kept (wrap_with_set_grad_enabled)" in n
+                   for n in fxamp.conversion_info(amp).notes)
+
+
+@pytest.mark.parametrize("path", ["auto with inputs", "export", "lazy"])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_an_autocast_disabled_island_runs_in_float32(path, policy):
+    torch.manual_seed(0)
+    model, x = Island(), torch.randn(4, 8)
+    amp = _paths(model, x)[path](policy)
+    amp(x)  # a lazy module captures here
+    with OpDtypes() as rec:
+        out = amp(x)
+    assert [c.inputs for c in rec.of("addmm")] == [(BF16,) * 3, (F32,) * 3, (BF16,) * 3]
+    assert [c.inputs for c in rec.of("exp")] == [(F32,)]
+    if policy == "O2" and path != "lazy":  # the island's weights stay float32 (lazy capture predicts storage)
+        assert amp.a.weight.dtype == F32 and amp.pre.weight.dtype == BF16
+    assert torch.allclose(out.float(), model(x), rtol=0.05, atol=0.05)
+
+
+def test_an_island_note_names_the_line_and_fx_refuses_the_island():
+    x = torch.randn(4, 8)
+    amp = fxamp.convert(Island(), "O1", dtype=BF16, example_inputs=(x,))
+    notes = fxamp.conversion_info(amp).notes
+    assert notes[0].startswith("torch.fx could not trace the model (`with torch.autocast(\"cpu\", enabled=False):` at ")
+    assert any("a float32 island: runs with autocast off; its float inputs are cast to float32" in n for n in notes)
+    with pytest.raises(TraceError, match=r"torch.fx cannot keep an autocast region \(a float32 island would run in "
+                                         r"low precision\): `with torch.autocast\(\"cpu\", enabled=False\):` at "):
+        fxamp.convert(Island(), "O1", dtype=BF16, frontend="fx")
+
+
+def test_an_enabled_autocast_region_in_forward_is_noted():
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.a(x).float()
+
+    amp = fxamp.convert(Autocast(), "O1", example_inputs=(torch.randn(4, 8),))
+    assert any("runs under torch.autocast as written: fxamp's casts stop at its boundary" in n
+               for n in fxamp.conversion_info(amp).notes)
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_hooks_on_the_root_still_run(frontend):
+    torch.manual_seed(0)
+    model, x = Hooked(), torch.randn(4, 8)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model.register_forward_hook(lambda m, args, out: calls.append(1) or out + 100)
+    ref = model(x)
+    calls.clear()
+    amp = fxamp.convert(model, "O0", example_inputs=(x,), frontend=frontend)
+    assert torch.equal(amp(x), ref)  # O0: bitwise, the hooks included
+    if frontend == "fx":  # the hooks are the user's, called at each call (export traced them into the graph)
+        assert calls == [1]
+        assert any("2 hook(s) registered on the root Hooked are registered on the converted module" in n
+                   for n in fxamp.conversion_info(amp).notes)
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        print("forward")
+        return self.a(x)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_python_state_and_print_in_forward_are_noted_with_their_line(frontend, capsys):
+    with pytest.warns(UserWarning, match=r"fxamp: forward sets self.calls at `self.calls \+= 1` at "
+                                         r".*test_regions.py:\d+ \(Counting\): it ran once, at capture"):
+        amp = fxamp.convert(Counting(), "O1", example_inputs=(torch.randn(4, 8),), frontend=frontend)
+    notes = fxamp.conversion_info(amp).notes
+    assert any(n.startswith("forward calls print at `print(\"forward\")` at ") for n in notes)
+    capsys.readouterr()
+    amp(torch.randn(4, 8))
+    assert capsys.readouterr().out == ""  # what the note says: print does not run converted
+
+
+def test_a_module_without_such_constructs_gets_no_notes_or_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp = fxamp.convert(Hooked(), "O1", dtype=BF16)
+    # the one note left says how the modes were captured (capture/modes.py), nothing of regions
+    assert [n for n in fxamp.conversion_info(amp).notes if not n.startswith("captured once, in training mode")] == []
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        return checkpoint(self.b, self.a(x), use_reentrant=False)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_activation_checkpointing_traced_through_is_noted_with_its_line(frontend):
+    with pytest.warns(UserWarning, match=r"fxamp: activation checkpointing at `return checkpoint\(self.b, "
+                                         r"self.a\(x\), use_reentrant=False\)` at .*test_regions.py:\d+ "
+                                         r"\(Checkpointed\) was traced through"):
+        amp = fxamp.convert(Checkpointed(), "O1", dtype=BF16, example_inputs=(torch.randn(4, 8),),
+                            frontend=frontend)
+    assert any("the converted block's activations are saved for backward" in n
+               for n in fxamp.conversion_info(amp).notes)
