@@ -54,6 +54,22 @@ def test_metric_and_tolerance():
         fxamp.autotune(model, batches, metric=max_abs)
 
 
+def test_one_criterion_never_one_ignored():
+    model, batches = planted.Underflows(), planted.batches()
+    with pytest.raises(ValueError, match=r"one criterion: min_sqnr_db=40 or metric= with tolerance=, not both"):
+        fxamp.autotune(model, batches, min_sqnr_db=40, metric=lambda r, o: 0.0, tolerance=1e-2)
+    with pytest.raises(ValueError, match=r"tolerance=0.01 bounds metric=, which was not given"):
+        fxamp.autotune(model, batches, tolerance=1e-2)
+
+
+def test_a_metric_may_return_a_one_element_tensor():
+    model, batches = planted.Underflows(), planted.batches()
+    _, overrides = fxamp.autotune(model, batches, metric=lambda r, o: (r - o).abs().max(), tolerance=1e-2)
+    assert overrides["module_overrides"] == {"shrink": "unsafe"}
+    with pytest.raises(TypeError, match=r"metric must return a number .* not a tensor of shape \(4, 8\)"):
+        fxamp.autotune(model, batches, metric=lambda r, o: (r - o).abs(), tolerance=1e-2)
+
+
 def test_root_level_op_is_overridden_by_itself():
     """An op in the model's own forward is a unit of its own (node_overrides): the square that overflows
     moves to float32, the scaling by 200 (the same op, operator.mul) stays in low precision."""
