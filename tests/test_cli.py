@@ -159,6 +159,10 @@ def _run(capsys, *argv):
     (["report", "bad.py:Good", "--input", "2,4", "--input", "3"], 1, r"forward takes 1 input \(x\); 2 example"),
     (["report", "bad.py:Good", "--output", "no/such/dir/r.txt"], 1, r"cannot write 'no/such/dir/r.txt'"),
     (["report", "bad.py:Good", "--input", "2,0"], 2, r"--input '2,0': a shape"),
+    (["report", "bad.py:Good", "--input", "-1,4"], 2, r"--input '-1,4': a shape is comma-separated positive sizes"),
+    (["report", "bad.py:Good", "-i", "-2,4"], 2, r"--input '-2,4': a shape is comma-separated positive sizes"),
+    (["report", "bad.py:Good", "--input", "foo=2,4"], 1, r"Good: the model's forward has no argument 'foo'; "
+                                                        r"its arguments are x$"),
     (["report", "bad.py:Good", "--input", "2,4:complex"], 2, r"unknown dtype 'complex'; use one of"),
     (["report", "bad.py:Good", "--dtype", "float32"], 2, r"dtype=float32 is not a low-precision dtype"),
     (["report", "bad.py:Good", "--policy", "compute=int8"], 2, r"compute='int8' is not a dtype"),
@@ -260,6 +264,8 @@ def test_report_gradients_and_plot(capsys, tmp_path):
     (["--input", "4,16", "--plot", "x.png"], "--plot draws the gradient histogram: add --gradients"),
     (["--input", "4,16", "--numerics", "--compare", "O2"], "--numerics does not apply to --compare"),
     (["--input", "4,16", "--numerics", "--batches", "0"], "--batches 0: give a positive number"),
+    (["--input", "4,16", "--batches", "3"], "--batches 3 is the number of batches --numerics measures: add --numerics"),
+    (["--input", "4,16", "--gradients", "--batches", "2"], "--batches 2 is the number of batches --numerics measures"),
 ])
 def test_report_issue11_usage_errors(capsys, argv, message):
     rc, _, err = _run(capsys, "report", PLANTED + ":Healthy", *argv)
@@ -366,3 +372,14 @@ def test_convert_saves_a_model_torch_fx_cannot_trace(capsys, tmp_path):
     assert isinstance(loaded, fxamp.LazyConverted) and loaded(torch.randn(5, 4)).shape == (5, 4)
     rc, out, err = _run(capsys, "convert", f"{src}:LenModel", "--code")
     assert rc == 0 and "pass --input to see the graph's code" in out
+
+
+def test_the_default_dtype_is_autocasts_for_the_device_and_is_printed(in_workdir, capsys):
+    note = "note: dtype=bfloat16 (autocast's default on cpu; pass dtype= to choose)"
+    rc, out, err = _run(capsys, "report", "bad.py:Good", "--input", "2,4")
+    assert rc == 0, err
+    assert "compute=bfloat16" in out.splitlines()[0] and note in out
+    rc, out, err = _run(capsys, "report", "bad.py:Good", "--input", "2,4", "--dtype", "float16")
+    assert rc == 0 and "compute=float16" in out.splitlines()[0] and "autocast's default" not in out
+    rc, out, err = _run(capsys, "convert", "bad.py:Good", "--input", "2,4", "--code")
+    assert rc == 0 and "compute=bfloat16" in out.splitlines()[0] and out.splitlines()[1] == note
