@@ -74,7 +74,7 @@ def workdir(tmp_path_factory):
 SUBPROCESS_CASES = {
     "help": (["--help"], 0, r"usage: fxamp .*report"),
     "report_help": (["report", "--help"], 0, r"--input SHAPE\[:DTYPE\].*--policy.*--format \{table,json,csv\}"),
-    "table": (["report", "clipkg.models:build", "--input", "2,4"], 0, r"fxamp report: Good"),
+    "table": (["report", "clipkg.models:build", "--input", "2,4", "--dtype", "float16"], 0, r"fxamp report: Good"),
     "missing_module": (["report", "no_such_pkg.models:Net"], 1, r"no module named 'no_such_pkg'"),
     "untraceable": (["report", "bad.py:Untraceable"], 1,
                     r"torch.fx could not trace Untraceable .*control flow.*--leaf-module PATH"),
@@ -188,7 +188,7 @@ def test_no_command_prints_help(capsys):
 
 
 def test_formats_and_output_file(in_workdir, capsys):
-    rc, out, _ = _run(capsys, "report", "bad.py:instance", "--format", "csv", "--only", "safe")
+    rc, out, _ = _run(capsys, "report", "bad.py:instance", "--format", "csv", "--only", "safe", "--dtype", "float16")
     assert rc == 0
     records = list(csv.DictReader(io.StringIO(out)))
     assert [r["node"] for r in records if r["record"] == "node"] == ["linear"]
@@ -211,7 +211,7 @@ def test_integer_inputs_and_compare(capsys):
     assert rc == 0
     assert re.search(r"^ids +input .*·→-→i64", out, re.M)
     assert re.search(r'^embedding +embed: embedding +neutral .* i64,fp32→fp32→fp32', out, re.M)
-    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--input", "2,64", "--compare", "O2")
+    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--input", "2,64", "--compare", "O2", "-d", "float16")
     assert rc == 0
     assert "fxamp compare: TinyMLP" in out and re.search(r"^fc1_weight .* fp32 → fp16", out, re.M)
 
@@ -243,11 +243,13 @@ PLANTED = os.path.join(ROOT, "tests", "planted.py")
 
 
 def test_report_numerics(capsys):
-    rc, out, err = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--batches", "2")
+    rc, out, err = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--batches", "2",
+                        "--dtype", "float16")
     assert rc == 0, err
     assert "SQNR dB" in out and "worst op: mul_1" in out and "numerics over 2 batches" in out
     assert re.search(r"^mul_1 .* -inf ◀", out, re.M)
-    rc, out, _ = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--format", "json")
+    rc, out, _ = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--format", "json",
+                    "--dtype", "float16")
     assert json.loads(out)["numerics_summary"]["culprit"] == "mul_1"
 
 
@@ -275,12 +277,12 @@ def test_report_issue11_usage_errors(capsys, argv, message):
 def test_tune_then_report_with_overrides(capsys, tmp_path):
     path = tmp_path / "overrides.json"
     rc, out, err = _run(capsys, "tune", PLANTED + ":TwoCulprits", "--input", "4,16", "--min-sqnr", "30",
-                        "--save", str(path))
+                        "--save", str(path), "--dtype", "float16")
     assert rc == 0, err
     assert "2 units to float32" in out and f"overrides written to {path}" in out
     assert json.loads(path.read_text())["module_overrides"] == {"energy": "unsafe", "shrink": "unsafe"}
     rc, out, err = _run(capsys, "report", PLANTED + ":TwoCulprits", "--input", "4,16", "--overrides", str(path),
-                        "--numerics", "--format", "json")
+                        "--numerics", "--format", "json", "--dtype", "float16")
     assert rc == 0, err
     data = json.loads(out)
     assert data["numerics_summary"]["output_sqnr_db"] > 30
