@@ -9,19 +9,17 @@ spelling); 1 the model could not be loaded, built, traced, converted or run.  Er
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import importlib
-import importlib.util
 import io
 import logging
-import os
 import pickle
 import sys
 import traceback
 from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
-__all__ = ["main", "load_model", "parse_input", "parse_inputs"]
+from .cli_model import ModelError, UsageError, load_model, one_line
+
+__all__ = ["main", "load_model", "parse_input", "parse_inputs", "UsageError", "ModelError"]
 
 _DESCRIPTION = "fxamp: ahead-of-time mixed precision for PyTorch, as a torch.fx graph rewrite."
 _REPORT_HELP = "show what each op of a model runs in (safe/neutral/conditional/unsafe), why, and where casts go"
@@ -84,12 +82,8 @@ _INPUT_DTYPES = {
 }
 
 
-class UsageError(Exception):
-    """The command line is wrong (exit code 2)."""
-
-
-class ModelError(Exception):
-    """The model could not be loaded, built, traced, converted or run (exit code 1)."""
+_DTYPE_HELP = ("low-precision dtype of a preset: float16 or bfloat16 (default: autocast's for the model's device, "
+               "bfloat16 on CPU; the report's notes say which)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,7 +107,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "repeat for each forward argument")
     p.add_argument("--policy", "-p", default="O1",
                    help="O0, O1, O2, O3 or a string such as 'params=float32,compute=bfloat16' (default: O1)")
-    p.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
+    p.add_argument("--dtype", "-d", default=None, help=_DTYPE_HELP)
     p.add_argument("--keep-norms-fp32", action="store_true", help="O3 only: keep normalisation layers in float32")
     p.add_argument("--format", "-f", default="table", choices=("table", "json", "csv"), help="output format")
     p.add_argument("--only", default=None, metavar="CATEGORIES",
@@ -129,12 +123,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", action="store_true",
                    help="also run float32 and the converted model side by side (needs --input): SQNR per node, "
                         "the culprit and the worst op")
-    p.add_argument("--batches", type=int, default=1, metavar="N",
-                   help="with --numerics/--gradients: measure N random input batches (default 1)")
+    p.add_argument("--batches", type=int, default=None, metavar="N",
+                   help="with --numerics: measure N random input batches (default 1)")
     p.add_argument("--overrides", default=None, metavar="FILE",
                    help="apply overrides saved by 'fxamp tune --save FILE'")
     p.add_argument("--gradients", action="store_true",
-                   help="run one backward (loss: the output's mean square) and report float16 gradient underflow "
+                   help="run one backward (loss: a scalar output, else the outputs' mean square) and report float16 gradient underflow "
                         "and the loss scale that avoids it (needs --input)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="with --gradients: draw the histogram of log2|gradient| with float16's range (matplotlib)")
@@ -146,7 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
                    help="an example input, e.g. 8,3,32,32 or 2,16:int64; repeat for each forward argument")
     t.add_argument("--policy", "-p", default="O1", help="the policy to start from (default: O1)")
-    t.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
+    t.add_argument("--dtype", "-d", default=None, help=_DTYPE_HELP)
     t.add_argument("--min-sqnr", type=float, default=30.0, metavar="DB",
                    help="the output's SQNR against float32 that must hold on every batch, in dB (default 30)")
     t.add_argument("--batches", type=int, default=2, metavar="N", help="random input batches to check (default 2)")
@@ -163,7 +157,7 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--input", "-i", action="append", default=[], metavar="SHAPE[:DTYPE]",
                    help="an example input (as for report); the converted module is run once on them")
     c.add_argument("--policy", "-p", default="O1", help="O0, O1, O2, O3 or a 'params=...,compute=...' string")
-    c.add_argument("--dtype", "-d", default=None, help="low-precision dtype of a preset: float16 (default) or bfloat16")
+    c.add_argument("--dtype", "-d", default=None, help=_DTYPE_HELP)
     c.add_argument("--keep-norms-fp32", action="store_true", help="O3 only: keep normalisation layers in float32")
     c.add_argument("--leaf-module", action="append", default=[], metavar="PATH",
                    help="a submodule path torch.fx must not trace into (repeatable)")
@@ -179,6 +173,13 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    joined: List[str] = []
+    for a in argv:  # argparse takes the "-1,64" of "--input -1,64" for a flag: keep it a shape, refused as one
+        if joined and joined[-1] in ("--input", "-i") and a[:1] == "-" and a[1:2].isdigit():
+            joined[-1] = f"--input={a}"
+        else:
+            joined.append(a)
+    argv = joined
     debug = "--debug" in argv
     parser = _build_parser()
     try:
@@ -197,19 +198,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:  # pragma: no cover
         return 130
     except Exception as e:  # a bug in fxamp: still one line, unless --debug
-        return _fail(ModelError(f"{type(e).__name__}: {_one_line(str(e))} (rerun with --debug for the traceback)"),
+        return _fail(ModelError(f"{type(e).__name__}: {one_line(str(e))} (rerun with --debug for the traceback)"),
                      1, debug, cause=e)
 
 
 def _fail(e: Exception, code: int, debug: bool, cause: Optional[BaseException] = None) -> int:
     if debug:
         traceback.print_exception(cause or e.__cause__ or e, file=sys.stderr)
-    print(f"fxamp: error: {_one_line(str(e))}", file=sys.stderr)
+    print(f"fxamp: error: {one_line(str(e))}", file=sys.stderr)
     return code
-
-
-def _one_line(text: str) -> str:
-    return " ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +239,9 @@ def _report(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} does not apply to --compare; report each policy with {flag} instead")
     if args.plot and not args.gradients:
         raise UsageError("--plot draws the gradient histogram: add --gradients")
+    if args.batches is not None and not args.numerics:  # --gradients runs the first batch only
+        raise UsageError(f"--batches {args.batches} is the number of batches --numerics measures: add --numerics")
+    args.batches = 1 if args.batches is None else args.batches
     if args.batches < 1:
         raise UsageError(f"--batches {args.batches}: give a positive number of batches")
     overrides = _load_overrides(args.overrides)
@@ -379,6 +379,7 @@ def _convert(args: argparse.Namespace) -> int:
         raise ModelError(_explain(e, name, has_inputs=has_inputs)) from e
     info = conversion_info(amp)
     lines = [f"fxamp convert: {name}  policy {info.policy if info is not None else args.policy}"]
+    lines += [f"note: {note}" for note in (info.notes if info is not None else ()) if note.startswith("dtype=")]
     if out is not None:
         leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         lines.append("outputs: " + ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in leaves))
@@ -395,7 +396,7 @@ def _convert(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ModelError(f"cannot save to {args.output!r}: {e.strerror or e}") from e
         except (RuntimeError, pickle.PicklingError, AttributeError, TypeError) as e:  # a missing folder; a model
-            raise ModelError(f"cannot save to {args.output!r}: {_one_line(str(e))}") from e  # that cannot pickle
+            raise ModelError(f"cannot save to {args.output!r}: {one_line(str(e))}") from e  # that cannot pickle
         lines.append(f"saved to {args.output}: torch.load({args.output!r}, weights_only=False) where fxamp is installed"
                      + ("; it captures with torch.export again at its first call (exported graphs do not pickle)"
                         if lazy else ""))
@@ -504,141 +505,10 @@ def _make_input(shape: Tuple[int, ...], dtype: str) -> Any:
     return torch.randint(0, 2, shape, dtype=dt)  # small values: valid token ids and indices
 
 
-# ---------------------------------------------------------------------------------------------
-# loading MODEL
-# ---------------------------------------------------------------------------------------------
-
-
-def load_model(spec: str) -> Tuple[Any, str]:
-    """Load ``path/to/file.py:Name`` or ``package.module:Name`` and return ``(module instance, Name)``.
-
-    ``Name(key=literal, ...)`` builds a class or calls a function with keyword arguments (Python
-    literals only, read with ``ast.literal_eval``).  ``sys.path`` is as it was afterwards.
-    """
-    import torch.nn as nn
-
-    head, paren, rest = spec.partition("(")
-    where, sep, name = head.rpartition(":")
-    if not sep or not where or not name:
-        raise UsageError(f"MODEL {spec!r} must be path/to/file.py:Name or package.module:Name")
-    call_kwargs = _parse_call(spec, name, paren + rest) if paren else None
-    saved_path = list(sys.path)
-    try:
-        if where.endswith(".py") or "/" in where or os.sep in where:
-            namespace = _load_file(where)
-        else:
-            namespace = _import(where)
-        return _build(namespace, where, name, call_kwargs, nn.Module)
-    finally:
-        sys.path[:] = saved_path  # the model's directory (or the working directory) is on it only while loading
-
-
-def _parse_call(spec: str, name: str, text: str) -> Dict[str, Any]:
-    """``(d=64, act="gelu")`` → ``{"d": 64, "act": "gelu"}``: keyword arguments whose values are literals."""
-    usage = (f"MODEL {spec!r}: arguments are written Name(key=value, ...) with Python literals as values, "
-             f"e.g. {name}(d=64, act='gelu')")
-    try:
-        call = ast.parse(f"_{text}", mode="eval").body
-    except SyntaxError:
-        raise UsageError(usage) from None
-    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.func.id != "_":
-        raise UsageError(usage)
-    if call.args or any(k.arg is None for k in call.keywords):
-        raise UsageError(f"{usage} (keyword arguments only)")
-    kwargs: Dict[str, Any] = {}
-    for k in call.keywords:
-        try:
-            kwargs[k.arg] = ast.literal_eval(k.value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise UsageError(f"{usage}; {k.arg}={ast.unparse(k.value)} is not a literal") from None
-    return kwargs
-
-
-def _build(namespace: Any, where: str, name: str, call_kwargs: Optional[Dict[str, Any]],
-           module_type: type) -> Tuple[Any, str]:
-    """``namespace.<name>``: a module instance, or the result of building the class or calling the function."""
-    obj: Any = namespace
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            candidates = _candidates(namespace)
-            hint = f"; it defines {', '.join(candidates)}" if candidates else ""
-            raise ModelError(f"{where} has no attribute {name!r}{hint}")
-        obj = getattr(obj, part)
-    if isinstance(obj, module_type):
-        if call_kwargs is not None:
-            raise ModelError(f"{name} in {where} is a module instance, not a class or function: it takes no arguments")
-        return obj, name
-    if isinstance(obj, type) and issubclass(obj, module_type) or callable(obj) and not isinstance(obj, type):
-        shown = f"{name}({', '.join(f'{k}={v!r}' for k, v in (call_kwargs or {}).items())})"
-        try:
-            built = obj(**(call_kwargs or {}))
-        except Exception as e:
-            hint = ("MODEL must build with no arguments: give them as Name(key=value, ...) or point at a function "
-                    "that builds it" if call_kwargs is None else "check the arguments")
-            raise ModelError(f"could not build {shown}: {type(e).__name__}: {_one_line(str(e))}; {hint}") from e
-        if not isinstance(built, module_type):
-            raise ModelError(f"{shown} returned an object of type {type(built).__name__}, not an nn.Module")
-        return built, name
-    raise ModelError(f"{name!r} in {where} is an object of type {type(obj).__name__}, not an nn.Module subclass, a module instance "
-                     f"or a function returning a module")
-
-
-def _load_file(path: str) -> Any:
-    if os.path.isdir(path):
-        raise ModelError(f"{path!r} is a directory: MODEL is path/to/file.py:Name (a Python file in it) or "
-                         f"package.module:Name (with the package's parent directory as the working directory)")
-    if not os.path.isfile(path):
-        raise ModelError(f"no such file: {path!r}")
-    directory = os.path.dirname(os.path.abspath(path))
-    stem = os.path.splitext(os.path.basename(path))[0]
-    module_name = f"_fxamp_model_{stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ModelError(f"cannot load {path!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # so dataclasses, pickling and torch.fx find the module
-    sys.path.insert(0, directory)  # the file may import its neighbours
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(module_name, None)
-        raise ModelError(f"error while running {path}: {type(e).__name__}: {_one_line(str(e))}") from e
-    finally:
-        if sys.path and sys.path[0] == directory:
-            sys.path.pop(0)
-    return module
-
-
-def _import(name: str) -> Any:
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name and (name == e.name or name.startswith(e.name + ".")):
-            raise ModelError(f"no module named {e.name!r} (MODEL {name}:...; for a file, write path/to/file.py:Name)") from e
-        raise ModelError(f"error while importing {name}: {type(e).__name__}: {_one_line(str(e))}") from e
-    except Exception as e:
-        raise ModelError(f"error while importing {name}: {type(e).__name__}: {_one_line(str(e))}") from e
-
-
-def _candidates(namespace: Any) -> List[str]:
-    import torch.nn as nn
-
-    own = getattr(namespace, "__name__", None)
-    found = []
-    for key, value in vars(namespace).items():
-        if key.startswith("_"):
-            continue
-        if isinstance(value, type) and issubclass(value, nn.Module) and value.__module__ == own:
-            found.append(key)
-    return found[:10]
-
-
 def _explain(e: Exception, name: str, *, has_inputs: bool) -> str:
     from .errors import FxampError, TraceError
 
-    text = _one_line(str(e))
+    text = one_line(str(e))
     if isinstance(e, TraceError):
         hint = " On the command line: --leaf-module PATH keeps a submodule opaque"
         return text + hint + ("." if has_inputs else "; --input SHAPE lets fxamp fall back to torch.export.")

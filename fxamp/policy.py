@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn as nn
 
 from .dtypes import CASTABLE, LOW, dtype_name, parse_dtype
 
-__all__ = ["Policy", "PRESETS", "resolve_policy", "parse_dtype"]
+__all__ = ["Policy", "PRESETS", "resolve_policy", "parse_dtype", "default_dtype", "device_type_of"]
 
 _KEYS = ("params", "compute", "unsafe", "norms", "output")
 PRESETS = ("O0", "O1", "O2", "O3")
@@ -141,10 +142,36 @@ def _dtypes(fields: dict) -> dict:
     return {k: None if k == "output" and v is None else parse_dtype(v, what=k) for k, v in fields.items()}
 
 
+def device_type_of(model: nn.Module) -> str:
+    """The device type of ``model``'s first parameter or buffer (``"cpu"`` for a model without any)."""
+    for t in model.parameters():
+        return t.device.type
+    for t in model.buffers():
+        return t.device.type
+    return "cpu"
+
+
+def default_dtype(device_type: str) -> Tuple[torch.dtype, str]:
+    """The low-precision dtype a preset gets without ``dtype=``: autocast's default for ``device_type``
+    (bfloat16 on CPU, float16 on CUDA), and the note that says so.
+
+    As autocast does: float16 on a CPU without float16 kernels is several times slower than float32.
+    """
+    try:
+        low = torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device autocast does not know (meta)
+        low = None
+    if low not in LOW:
+        return torch.float16, f"dtype=float16 (autocast has no default on {device_type}; pass dtype= to choose)"
+    return low, f"dtype={dtype_name(low)} (autocast's default on {device_type}; pass dtype= to choose)"
+
+
 def resolve_policy(
-    policy: Union[str, Policy], dtype: Union[str, torch.dtype, None] = None, *, keep_norms_fp32: bool = False
+    policy: Union[str, Policy], dtype: Union[str, torch.dtype, None] = None, *, keep_norms_fp32: bool = False,
+    device_type: str = "cpu",
 ) -> Policy:
-    """Accept a :class:`Policy`, a preset name (``"O2"``) or a ``key=dtype`` string; ``dtype`` picks the low precision."""
+    """Accept a :class:`Policy`, a preset name (``"O2"``) or a ``key=dtype`` string; ``dtype`` picks the low
+    precision of a preset, by default autocast's for ``device_type`` (:func:`default_dtype`)."""
     if isinstance(policy, Policy):
         if dtype is not None and parse_dtype(dtype) != policy.compute and policy.enabled:
             raise ValueError(
@@ -162,4 +189,5 @@ def resolve_policy(
         return parsed
     if keep_norms_fp32 and policy.strip().upper() != "O3":
         raise ValueError(f"keep_norms_fp32 only applies to O3 (O1 and O2 always keep norms in float32), not {policy!r}")
-    return Policy.from_preset(policy, torch.float16 if dtype is None else dtype, keep_norms_fp32=keep_norms_fp32)
+    low = default_dtype(device_type)[0] if dtype is None else dtype
+    return Policy.from_preset(policy, low, keep_norms_fp32=keep_norms_fp32)

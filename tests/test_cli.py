@@ -74,7 +74,7 @@ def workdir(tmp_path_factory):
 SUBPROCESS_CASES = {
     "help": (["--help"], 0, r"usage: fxamp .*report"),
     "report_help": (["report", "--help"], 0, r"--input SHAPE\[:DTYPE\].*--policy.*--format \{table,json,csv\}"),
-    "table": (["report", "clipkg.models:build", "--input", "2,4"], 0, r"fxamp report: Good"),
+    "table": (["report", "clipkg.models:build", "--input", "2,4", "--dtype", "float16"], 0, r"fxamp report: Good"),
     "missing_module": (["report", "no_such_pkg.models:Net"], 1, r"no module named 'no_such_pkg'"),
     "untraceable": (["report", "bad.py:Untraceable"], 1,
                     r"torch.fx could not trace Untraceable .*control flow.*--leaf-module PATH"),
@@ -159,6 +159,10 @@ def _run(capsys, *argv):
     (["report", "bad.py:Good", "--input", "2,4", "--input", "3"], 1, r"forward takes 1 input \(x\); 2 example"),
     (["report", "bad.py:Good", "--output", "no/such/dir/r.txt"], 1, r"cannot write 'no/such/dir/r.txt'"),
     (["report", "bad.py:Good", "--input", "2,0"], 2, r"--input '2,0': a shape"),
+    (["report", "bad.py:Good", "--input", "-1,4"], 2, r"--input '-1,4': a shape is comma-separated positive sizes"),
+    (["report", "bad.py:Good", "-i", "-2,4"], 2, r"--input '-2,4': a shape is comma-separated positive sizes"),
+    (["report", "bad.py:Good", "--input", "foo=2,4"], 1, r"Good: the model's forward has no argument 'foo'; "
+                                                        r"its arguments are x$"),
     (["report", "bad.py:Good", "--input", "2,4:complex"], 2, r"unknown dtype 'complex'; use one of"),
     (["report", "bad.py:Good", "--dtype", "float32"], 2, r"dtype=float32 is not a low-precision dtype"),
     (["report", "bad.py:Good", "--policy", "compute=int8"], 2, r"compute='int8' is not a dtype"),
@@ -184,7 +188,7 @@ def test_no_command_prints_help(capsys):
 
 
 def test_formats_and_output_file(in_workdir, capsys):
-    rc, out, _ = _run(capsys, "report", "bad.py:instance", "--format", "csv", "--only", "safe")
+    rc, out, _ = _run(capsys, "report", "bad.py:instance", "--format", "csv", "--only", "safe", "--dtype", "float16")
     assert rc == 0
     records = list(csv.DictReader(io.StringIO(out)))
     assert [r["node"] for r in records if r["record"] == "node"] == ["linear"]
@@ -207,7 +211,7 @@ def test_integer_inputs_and_compare(capsys):
     assert rc == 0
     assert re.search(r"^ids +input .*·→-→i64", out, re.M)
     assert re.search(r'^embedding +embed: embedding +neutral .* i64,fp32→fp32→fp32', out, re.M)
-    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--input", "2,64", "--compare", "O2")
+    rc, out, _ = _run(capsys, "report", EXAMPLES + ":TinyMLP", "--input", "2,64", "--compare", "O2", "-d", "float16")
     assert rc == 0
     assert "fxamp compare: TinyMLP" in out and re.search(r"^fc1_weight .* fp32 → fp16", out, re.M)
 
@@ -239,11 +243,13 @@ PLANTED = os.path.join(ROOT, "tests", "planted.py")
 
 
 def test_report_numerics(capsys):
-    rc, out, err = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--batches", "2")
+    rc, out, err = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--batches", "2",
+                        "--dtype", "float16")
     assert rc == 0, err
     assert "SQNR dB" in out and "worst op: mul_1" in out and "numerics over 2 batches" in out
     assert re.search(r"^mul_1 .* -inf ◀", out, re.M)
-    rc, out, _ = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--format", "json")
+    rc, out, _ = _run(capsys, "report", PLANTED + ":Overflows", "--input", "4,16", "--numerics", "--format", "json",
+                    "--dtype", "float16")
     assert json.loads(out)["numerics_summary"]["culprit"] == "mul_1"
 
 
@@ -260,6 +266,8 @@ def test_report_gradients_and_plot(capsys, tmp_path):
     (["--input", "4,16", "--plot", "x.png"], "--plot draws the gradient histogram: add --gradients"),
     (["--input", "4,16", "--numerics", "--compare", "O2"], "--numerics does not apply to --compare"),
     (["--input", "4,16", "--numerics", "--batches", "0"], "--batches 0: give a positive number"),
+    (["--input", "4,16", "--batches", "3"], "--batches 3 is the number of batches --numerics measures: add --numerics"),
+    (["--input", "4,16", "--gradients", "--batches", "2"], "--batches 2 is the number of batches --numerics measures"),
 ])
 def test_report_issue11_usage_errors(capsys, argv, message):
     rc, _, err = _run(capsys, "report", PLANTED + ":Healthy", *argv)
@@ -269,12 +277,12 @@ def test_report_issue11_usage_errors(capsys, argv, message):
 def test_tune_then_report_with_overrides(capsys, tmp_path):
     path = tmp_path / "overrides.json"
     rc, out, err = _run(capsys, "tune", PLANTED + ":TwoCulprits", "--input", "4,16", "--min-sqnr", "30",
-                        "--save", str(path))
+                        "--save", str(path), "--dtype", "float16")
     assert rc == 0, err
     assert "2 units to float32" in out and f"overrides written to {path}" in out
     assert json.loads(path.read_text())["module_overrides"] == {"energy": "unsafe", "shrink": "unsafe"}
     rc, out, err = _run(capsys, "report", PLANTED + ":TwoCulprits", "--input", "4,16", "--overrides", str(path),
-                        "--numerics", "--format", "json")
+                        "--numerics", "--format", "json", "--dtype", "float16")
     assert rc == 0, err
     data = json.loads(out)
     assert data["numerics_summary"]["output_sqnr_db"] > 30
@@ -366,3 +374,14 @@ def test_convert_saves_a_model_torch_fx_cannot_trace(capsys, tmp_path):
     assert isinstance(loaded, fxamp.LazyConverted) and loaded(torch.randn(5, 4)).shape == (5, 4)
     rc, out, err = _run(capsys, "convert", f"{src}:LenModel", "--code")
     assert rc == 0 and "pass --input to see the graph's code" in out
+
+
+def test_the_default_dtype_is_autocasts_for_the_device_and_is_printed(in_workdir, capsys):
+    note = "note: dtype=bfloat16 (autocast's default on cpu; pass dtype= to choose)"
+    rc, out, err = _run(capsys, "report", "bad.py:Good", "--input", "2,4")
+    assert rc == 0, err
+    assert "compute=bfloat16" in out.splitlines()[0] and note in out
+    rc, out, err = _run(capsys, "report", "bad.py:Good", "--input", "2,4", "--dtype", "float16")
+    assert rc == 0 and "compute=float16" in out.splitlines()[0] and "autocast's default" not in out
+    rc, out, err = _run(capsys, "convert", "bad.py:Good", "--input", "2,4", "--code")
+    assert rc == 0 and "compute=bfloat16" in out.splitlines()[0] and out.splitlines()[1] == note

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import fxamp
-from fxamp.policy import Policy, resolve_policy
+from fxamp.policy import Policy, default_dtype, device_type_of, resolve_policy
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -58,3 +58,14 @@ def test_invalid_dtype_and_combinations():
         resolve_policy(2)
     with pytest.raises(ValueError, match="unknown policy"):
         fxamp.convert(torch.nn.Linear(2, 2), "fast")
+
+
+def test_a_preset_without_dtype_takes_autocasts_default_for_the_device():
+    assert resolve_policy("O1").compute == torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert resolve_policy("O2", device_type="cuda").params == torch.float16  # autocast's CUDA default
+    assert resolve_policy("O1", "float16").compute == torch.float16  # an explicit dtype wins
+    assert default_dtype("cpu") == (torch.bfloat16, "dtype=bfloat16 (autocast's default on cpu; pass dtype= to choose)")
+    assert default_dtype("meta") == (torch.float16, "dtype=float16 (autocast has no default on meta; pass dtype= "
+                                                    "to choose)")
+    assert device_type_of(torch.nn.Linear(2, 2)) == "cpu" and device_type_of(torch.nn.ReLU()) == "cpu"
+    assert device_type_of(torch.nn.Linear(2, 2, device="meta")) == "meta"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -24,7 +24,7 @@ from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_
 from .options import ConvertOptions, ModuleOverrides, NodeOverrides
 from ..policy import Policy
 
-__all__ = ["classify", "annotate", "ModuleOverrides", "NodeOverrides"]
+__all__ = ["classify", "annotate", "unused_overrides", "ModuleOverrides", "NodeOverrides"]
 
 #: the sources that are the user's choice for one place: no later rule of fxamp's changes them
 _PINNED = (Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
@@ -37,6 +37,29 @@ def annotate(gm: fx.GraphModule, policy: Policy, options: ConvertOptions = Conve
     for node, decision in decisions.items():
         node.meta[DECISION] = decision
     return decisions
+
+
+def unused_overrides(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
+    """A note for each of the user's op ``overrides`` that no op of the graph looks up, so it changed nothing.
+
+    Module and node overrides name places in one model (an unknown one is an error); op keys are
+    general (one set may serve many models), so an unused one is a note, not an error.
+    """
+    if not options.override_keys:
+        return []
+    modules = dict(gm.named_modules())
+    seen = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            seen.add(type(modules[str(node.target)]))
+        elif node.op in ("call_function", "call_method"):
+            seen.add(op_key(node.target))
+            plain = out_of_place(node.op, node.target)  # an in-place op is classified as its plain form
+            if plain is not None:
+                seen.add(op_key(plain))
+    return [f"overrides: {op_name(key)} matches no op of the captured graph, so it changes nothing (the model "
+            f"has no such module or call, or the front end traced into the module); check the key in fxamp.report"
+            for key in options.override_keys if key not in seen]
 
 
 def classify(

@@ -17,7 +17,7 @@ from .lazy import LazyConverted
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic
 from .pipeline import rewrite_captured
-from ..policy import Policy, resolve_policy
+from ..policy import Policy, default_dtype, device_type_of, resolve_policy
 from .rewrite import CACHE_NAME
 
 __all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info", "ConvertOptions",
@@ -46,7 +46,8 @@ def convert(
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
     policy:           ``"O0"``..``"O3"``, a ``"params=...,compute=..."`` string, or a :class:`Policy`.
-    dtype:            the low-precision dtype for a preset (float16 by default, or bfloat16).
+    dtype:            the low-precision dtype of a preset: float16 or bfloat16; by default autocast's for the
+                      model's device (bfloat16 on CPU, float16 on CUDA), said in ``conversion_info(...).notes``.
     keep_norms_fp32:  O3 only: keep normalisation layers in float32 (apex's keep_batchnorm_fp32).
     overrides:        change op categories: ``{torch.exp: "neutral", nn.GELU: "unsafe", "Tensor.sum": ...}``.
     module_overrides: change every op under a module path: ``{"encoder.layers.3": "unsafe"}``.
@@ -80,17 +81,21 @@ def convert(
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
-    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
+    device_type = device_type_of(model)
+    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
+    # a preset without dtype= follows autocast's per-device default: say which dtype that chose
+    chosen = (default_dtype(device_type)[1],) if dtype is None and isinstance(policy, str) and "=" not in policy \
+        and pol.enabled else ()
     options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                                    node_overrides=node_overrides, weight_cache=weight_cache,
                                    debug_overflow=debug_overflow, dynamic=dynamic)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
     if frontend == "export" and not has_inputs:
-        return LazyConverted(source, pol, options, owns_model=changes_storage)
+        return LazyConverted(source, pol, options, owns_model=changes_storage, notes=chosen)
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes,
@@ -98,15 +103,16 @@ def convert(
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
-        return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e)
+        return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen)
     if captured.only_mode is not None and captured.frontend == "export" and dynamic_shapes is None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
         # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
-                            lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"))
+                            lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"),
+                            notes=chosen)
         amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
         return amp
-    return rewrite_captured(captured, pol, options)
+    return rewrite_captured(captured, pol, options, notes=chosen)
 
 
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "

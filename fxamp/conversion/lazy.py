@@ -37,7 +37,7 @@ import collections
 import copy
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -164,7 +164,8 @@ class LazyConverted(nn.Module):
     max_signatures: int = 8
 
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
-                 owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None):
+                 owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None,
+                 notes: Sequence[str] = ()):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -189,7 +190,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_captures"] = 0
         why = (f"torch.fx could not trace the model ({fx_error.short})" if fx_error is not None
                else "frontend='export' without example inputs")
-        d["_fxamp_notes"] = [lead_note or f"{why}: captures with torch.export at the first call, and again for each "
+        d["_fxamp_notes"] = [*notes, lead_note or f"{why}: captures with torch.export at the first call, and again for each "
                                           f"new call signature (other keyword arguments, input rank or dtype)"]
         self.training = model.training
 

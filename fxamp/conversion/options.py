@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Type, TypeVar, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
-from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists
+from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists, op_key
 
 __all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option"]
 
@@ -100,6 +100,8 @@ class ConvertOptions:
     weight_cache:     reuse low-precision weight copies across no-grad calls.
     debug_overflow:   :class:`DebugOverflow`.
     dynamic:          :class:`Dynamic` (``torch.export`` captures only).
+    override_keys:    the op keys of the user's ``overrides`` (already in ``op_lists``), so that the
+                      classification can say which of them matched no op of the graph.
     """
 
     op_lists: OpLists = field(default_factory=lambda: DEFAULT_OP_LISTS)
@@ -108,6 +110,7 @@ class ConvertOptions:
     weight_cache: bool = True
     debug_overflow: DebugOverflow = DebugOverflow.OFF
     dynamic: Dynamic = Dynamic.BATCH
+    override_keys: Tuple[OpKey, ...] = ()
 
     def __post_init__(self) -> None:
         checks = (("op_lists", OpLists, "an fxamp.OpLists"), ("weight_cache", bool, "a bool"),
@@ -121,6 +124,8 @@ class ConvertOptions:
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
                 raise TypeError(f"{name} must be a dict or None, not {type(value).__name__}")
+        if not isinstance(self.override_keys, tuple):
+            raise TypeError(f"override_keys must be a tuple, not {type(self.override_keys).__name__}")
 
     @classmethod
     def build(
@@ -138,6 +143,9 @@ class ConvertOptions:
         lists = op_lists if op_lists is not None else DEFAULT_OP_LISTS
         if not isinstance(lists, OpLists):
             raise TypeError(f"op_lists must be an fxamp.OpLists, not {type(lists).__name__}")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"overrides must be a mapping such as {{torch.exp: 'neutral', nn.GELU: 'unsafe'}}, "
+                            f"not {type(overrides).__name__}")
         if overrides:
             lists = lists.with_overrides(overrides)
         if not isinstance(weight_cache, bool):
@@ -147,7 +155,8 @@ class ConvertOptions:
                    node_overrides=_frozen_mapping(node_overrides, "node_overrides"),
                    weight_cache=weight_cache,
                    debug_overflow=parse_option(DebugOverflow, debug_overflow, what="debug_overflow"),
-                   dynamic=parse_option(Dynamic, dynamic, what="dynamic"))
+                   dynamic=parse_option(Dynamic, dynamic, what="dynamic"),
+                   override_keys=tuple(op_key(k) for k in (overrides or {})))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertOptions":
         return self  # immutable: copies of a converted module share it

@@ -16,12 +16,13 @@ import torch.nn as nn
 
 from .attention import low_precision_attention
 from .capture import Captured
-from .classify import annotate
+from .classify import annotate, unused_overrides
 from .debug import add_overflow_checks
 from ..info import INFO_ATTR, ConversionInfo
 from .options import ConvertOptions, DebugOverflow
 from ..policy import Policy
 from .rewrite import cast_kept_storage, insert_casts, lower_attribute_reads, store_params
+from .runtime import name_failing_nodes
 
 __all__ = ["rewrite_captured", "FLOAT32_LEAF_SHARE"]
 
@@ -55,13 +56,14 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         gm.recompile()
     if options.debug_overflow is not DebugOverflow.OFF:
         add_overflow_checks(gm, raise_on_overflow=options.debug_overflow is DebugOverflow.RAISE)
-    leaf_notes = _float32_leaves(gm, decisions) if policy.enabled else []
+    leaf_notes = (_float32_leaves(gm, decisions) if policy.enabled else []) + unused_overrides(gm, options)
     for note in leaf_notes:
         warnings.warn(f"fxamp: {note}", stacklevel=3)
     info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes) + tuple(leaf_notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
+    name_failing_nodes(gm)  # torch's message, the node named; not torch.fx's dump of the generated code
     return gm
 
 

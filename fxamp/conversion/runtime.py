@@ -8,18 +8,23 @@ tensor it may cast, so conversion works without example inputs.
 from __future__ import annotations
 
 import math
+import re
+import traceback
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..dtypes import CASTABLE, LOW
+from ..errors import FxampError
+from .graph import decision_of
 
 __all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "multi_head_attention",
-           "WeightCastCache"]
+           "WeightCastCache", "NodeErrors", "name_failing_nodes"]
 
 
 def cast(x: Any, dtype: torch.dtype) -> Any:
@@ -323,3 +328,51 @@ def _mha_mask(attn_mask: Any, key_padding_mask: Any, is_causal: bool, n: int, he
         mask = pad if mask is None else mask + pad
     return mask, False
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-time errors: torch's message, with the converted node named (no generated-code dump)
+# ---------------------------------------------------------------------------------------------
+
+_NODE_LINE = re.compile(r"\s*(\w+)\s*=")  # the generated forward assigns each node's value to its name
+
+
+class NodeErrors:
+    """How a converted ``GraphModule`` is called (its ``_wrapped_call``, which ``GraphModule.__call__``
+    looks up on the instance): as before, but an error raised by one of its nodes keeps torch's own
+    message, followed by the node's name and op, instead of torch.fx printing the generated code
+    and its traceback to stderr first.  Holds nothing: it pickles and deep-copies as it is.
+    """
+
+    def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        try:
+            # the class's __call__ resolved at each call (torch.fx's tracer patches nn.Module.__call__)
+            return super(type(gm), gm).__call__(*args, **kwargs)
+        except FxampError:
+            raise  # fxamp's own errors (debug_overflow="raise") name their node already
+        except Exception as e:
+            frames = [f for f in traceback.extract_tb(e.__traceback__) if "eval_with_key" in f.filename]
+            if not frames or getattr(e, "fxamp_node", None) is not None:
+                raise  # not from this module's generated code, or an inner converted module named its node
+            match = _NODE_LINE.match(frames[-1].line or "")
+            name = match.group(1) if match else None
+            node = next((n for n in gm.graph.nodes if n.name == name), None)
+            if node is None:
+                raise
+            e.fxamp_node = node.name  # type: ignore[attr-defined]
+            d = decision_of(node)
+            where = f" ({d.op}{f' in module {d.module!r}' if d.module else ''})" if d is not None else ""
+            said = f"[raised by the converted module's node {node.name!r}{where}]"
+            if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, KeyError):
+                e.args = (f"{e.args[0]} {said}",)
+            else:
+                e.add_note(said)
+            if "eval_with_key" in traceback.extract_tb(e.__traceback__)[-1].filename:
+                raise e.with_traceback(None) from None  # raised by the generated line itself: nothing below it
+            raise
+
+
+def name_failing_nodes(gm: fx.GraphModule) -> None:
+    """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy and pickling."""
+    gm._wrapped_call = NodeErrors()
+    gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call

@@ -73,7 +73,7 @@ def report(
                     zero or keep only as subnormals, and the loss scale fxamp's dynamic scaler would
                     settle on (``Report.gradients``, see :mod:`fxamp.reporting.gradients`).
     loss_fn:        with ``gradients``: ``loss_fn(output) -> scalar``; default: the model's own
-                    ``output.loss``, else the mean square of its float outputs.
+                    ``output.loss``, else a 0-dim output (the loss), else the mean square of its float outputs.
     plot:           with ``gradients``: write the histogram of log2|gradient| to this PNG (matplotlib).
     policy, dtype:  as for ``convert`` (default ``"O1"``).  A module that ``convert`` already
                     returned is reported as it is (then pass no policy or options).

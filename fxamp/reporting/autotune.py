@@ -67,7 +67,7 @@ def autotune(
     policy: Union[str, Policy] = "O1",
     *,
     dtype: Union[str, torch.dtype, None] = None,
-    min_sqnr_db: Optional[float] = 30.0,
+    min_sqnr_db: Optional[float] = None,
     metric: Optional[Callable[[Any, Any], float]] = None,
     tolerance: Optional[float] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
@@ -79,7 +79,8 @@ def autotune(
 
     inputs:      a tuple of forward arguments, or a list of such tuples (batches; all must hold).
     min_sqnr_db: the output's SQNR against float32, in dB, on every batch (default 30).
-    metric:      instead, ``metric(out_fp32, out_amp) -> float``, an error that must stay ``<= tolerance``.
+    metric:      instead, ``metric(out_fp32, out_amp) -> float`` (or a one-element tensor), an error that
+                 must stay ``<= tolerance``.  Give one criterion: both is an error, never one ignored.
     verbose:     print the search and the chosen overrides.
     convert_options: as for :func:`fxamp.convert` (``frontend``, ``leaf_modules``, ``overrides``, ...).
 
@@ -87,10 +88,19 @@ def autotune(
     """
     if policy_of(model) is not None:
         raise ValueError("autotune needs the original float32 model: pass it, not the module fxamp.convert returned")
+    if metric is not None and min_sqnr_db is not None:
+        raise ValueError(f"autotune takes one criterion: min_sqnr_db={min_sqnr_db!r} or metric= with tolerance=, "
+                         f"not both")
     if metric is not None and tolerance is None:
         raise ValueError("metric= needs tolerance=: the largest metric(out_fp32, out_amp) that is acceptable")
-    if metric is None and (min_sqnr_db is None or not isinstance(min_sqnr_db, (int, float))):
-        raise ValueError(f"min_sqnr_db must be a number of dB (such as 30.0), not {min_sqnr_db!r}; or pass metric=")
+    if metric is None and tolerance is not None:
+        raise ValueError(f"tolerance={tolerance!r} bounds metric=, which was not given: pass metric=callable(out_fp32, "
+                         f"out_amp), or min_sqnr_db= alone")
+    if metric is None:
+        min_sqnr_db = 30.0 if min_sqnr_db is None else min_sqnr_db
+        if isinstance(min_sqnr_db, bool) or not isinstance(min_sqnr_db, (int, float)):
+            raise ValueError(f"min_sqnr_db must be a number of dB (such as 30.0), not {min_sqnr_db!r}; "
+                             f"or pass metric=")
     batches = as_batches(inputs)
     if not batches:
         raise ValueError("autotune compares outputs: pass inputs (a tuple of forward arguments, or a list of them)")
@@ -111,7 +121,17 @@ def autotune(
             refs = [model(*b, **kwargs) for b in batches]
 
         def score(out_ref: Any, out: Any) -> float:
-            return metric(out_ref, out) if metric is not None else sqnr(out_ref, out)
+            if metric is None:
+                return sqnr(out_ref, out)
+            value = metric(out_ref, out)
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+                value = value.item()  # the natural (out - ref).abs().max()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                        else type(value).__name__)
+                raise TypeError(f"metric must return a number (a float, or a one-element tensor), not {what}: "
+                                f"reduce it, e.g. (out_amp - out_fp32).abs().max()")
+            return float(value)
 
         def holds(value: float) -> bool:
             if math.isnan(value):

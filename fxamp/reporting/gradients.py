@@ -10,7 +10,8 @@ largest |g|.  The loss scale is what fxamp's dynamic scaler settles on: it start
 power of two ``s ≤ 2¹⁶`` with ``max|g|·s < 65504``.
 
 The loss: ``loss_fn(output)`` if given; else the output's own loss (``output.loss``, a Hugging
-Face ``ModelOutput``, or ``output["loss"]``); else the mean square of the float outputs,
+Face ``ModelOutput``, or ``output["loss"]``); else the output itself when it is a 0-dim float tensor
+(a ``forward`` that returns its loss); else the mean square of the float outputs,
 ``sum(out.float().pow(2).mean())`` — a stand-in whose gradients have the scale of the outputs.
 
 :func:`plot_histogram` draws Micikevicius et al. (2017), Figure 3, for your model: the histogram
@@ -124,12 +125,15 @@ def settled_scale(max_abs: float, cap: float = SCALE_CAP) -> float:
 
 
 def default_loss(output: Any) -> Tuple[torch.Tensor, str]:
-    """The model's own loss if it returns one, else the mean square of its float outputs."""
+    """The model's own loss if it returns one (``output.loss``, or a 0-dim output), else the mean square of its
+    float outputs."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss.float(), "output.loss"
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+        return output.float(), "the output (a scalar: the model returns its loss)"  # squaring it would rescale it
     leaves = [t for t in float_leaves(output) if t.requires_grad]
     if not leaves:
         raise ValueError("the model's output has no float tensor that requires grad: pass loss_fn=callable(output)")

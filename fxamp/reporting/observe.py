@@ -56,6 +56,11 @@ def bind_inputs(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: D
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     args = list(inputs or ())
     variadic = any(str(n.target).startswith("*") for n in placeholders)
+    names = {str(n.target) for n in placeholders} | {n.name for n in placeholders}
+    unknown = [k for k in kwargs if k not in names]
+    if unknown and not variadic:  # named, so a misspelt keyword is not reported as a missing input
+        raise ValueError(f"the model's forward has no argument {', '.join(map(repr, unknown))}; its arguments are "
+                         f"{', '.join(str(p.target) for p in placeholders) or 'none'}")
     if len(args) > len(placeholders) and not variadic:
         raise ValueError(f"the model's forward takes {len(placeholders)} input{'s' if len(placeholders) != 1 else ''} "
                          f"({', '.join(str(p.target) for p in placeholders)}); {len(args)} example inputs were given")
@@ -69,7 +74,8 @@ def bind_inputs(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: D
         else:
             raise ValueError(f"the model's forward takes {len(placeholders)} inputs ("
                              f"{', '.join(p.target for p in placeholders)}); {len(inputs or ())} example inputs "
-                             f"were given")
+                             f"were given{' and ' + ', '.join(kwargs) + ' by keyword' if kwargs else ''}, "
+                             f"not {n.target}")
     return args
 
 

@@ -121,7 +121,7 @@ class ShapeBranch(nn.Module):
 
 def test_auto_falls_back_to_export_and_says_why():
     layer = ShapeBranch()  # (nn.TransformerEncoderLayer, the example before, is now traced by torch.fx)
-    amp = fxamp.convert(layer, "O1", example_inputs=(torch.randn(2, 5, 16),))
+    amp = fxamp.convert(layer, "O1", example_inputs=(torch.randn(2, 5, 16),), dtype=torch.float16)
     assert fxamp.conversion_info(amp).frontend == "export"
     assert fxamp.conversion_info(amp).notes[0].startswith("torch.fx could not trace the model (")
     assert "captured with torch.export instead" in fxamp.conversion_info(amp).notes[0]

@@ -149,7 +149,7 @@ def test_unlisted_function_follows_inputs_and_unlisted_module_runs_float32():
         def forward(self, x):
             return self.custom(torch.special.i0(self.fc(x)))
 
-    amp = fxamp.convert(M(), "O2", leaf_modules=[Custom])
+    amp = fxamp.convert(M(), "O2", leaf_modules=[Custom], dtype=torch.float16)
     d = decisions(amp)
     assert d["special_i0"].category is Category.UNLISTED and d["special_i0"].compute is None
     assert d["custom"].category is Category.UNLISTED and d["custom"].compute == torch.float32
@@ -183,7 +183,7 @@ def test_module_path_overrides():
         def forward(self, x):
             return self.b(self.a(x))
 
-    amp = fxamp.convert(Net(), "O1", module_overrides={"b": "unsafe"})
+    amp = fxamp.convert(Net(), "O1", module_overrides={"b": "unsafe"}, dtype=torch.float16)
     d = decisions(amp)
     assert d["linear"].category is Category.SAFE
     assert d["linear_1"].category is Category.UNSAFE and d["linear_1"].source == "module override"
@@ -208,7 +208,7 @@ class RootOps(nn.Module):
 
 def test_node_overrides_change_one_root_level_op():
     amp = fxamp.convert(RootOps(), "O1", node_overrides={"mul_1": "unsafe", "linear_1": "unsafe"},
-                        module_overrides={"head": "safe"})  # a node override beats a module override
+                        module_overrides={"head": "safe"}, dtype=torch.float16)  # a node override beats a module override
     d = decisions(amp)
     assert d["mul"].category is Category.NEUTRAL and d["mul"].source == "op list"
     assert d["mul_1"].category is Category.UNSAFE and d["mul_1"].source == "node override"
@@ -218,7 +218,7 @@ def test_node_overrides_change_one_root_level_op():
     muls = rec.of("mul")
     assert [c.inputs[0] for c in muls] == [torch.float16, torch.float32]  # the other mul stays low
     assert rec.of("addmm")[1].inputs == (torch.float32,) * 3
-    rep = fxamp.report(RootOps(), torch.randn(2, 8), node_overrides={"mul_1": "unsafe"})
+    rep = fxamp.report(RootOps(), torch.randn(2, 8), node_overrides={"mul_1": "unsafe"}, dtype=torch.float16)
     row = next(r for r in rep.rows if r.node == "mul_1")
     assert row.source == "node override" and row.compute == "float32"
 
@@ -234,13 +234,13 @@ def test_node_overrides_are_checked():
 
 def test_node_overrides_reach_a_lazy_conversion():
     """frontend="export" without example inputs captures at the first call: the names are checked there."""
-    amp = fxamp.convert(RootOps(), "O1", frontend="export", node_overrides={"mul_1": "unsafe"})
+    amp = fxamp.convert(RootOps(), "O1", frontend="export", node_overrides={"mul_1": "unsafe"}, dtype=torch.float16)
     x = torch.randn(2, 8)
     amp(x)  # captures (running the model in float32 once)
     with OpDtypes() as rec:
         amp(x)
     assert [c.inputs[0] for c in rec.of("mul")] == [torch.float16, torch.float32]
-    bad = fxamp.convert(RootOps(), "O1", frontend="export", node_overrides={"nope": "unsafe"})
+    bad = fxamp.convert(RootOps(), "O1", frontend="export", node_overrides={"nope": "unsafe"}, dtype=torch.float16)
     with pytest.raises(ValueError, match="no node 'nope'"):
         bad(x)
 

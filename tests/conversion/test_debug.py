@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_names_first_forward_node(frontend):
     model, (x,) = planted.Overflows(), planted.batches(1)[0]
-    amp = fxamp.convert(model, "O1", debug_overflow="record", example_inputs=(x,), frontend=frontend)
+    amp = fxamp.convert(model, "O1", debug_overflow="record", example_inputs=(x,), frontend=frontend, dtype=torch.float16)
     out = amp(x)
     assert not torch.isfinite(out).all()
     info = fxamp.overflow_info(amp)
@@ -26,7 +26,7 @@ def test_names_first_forward_node(frontend):
 
 def test_names_first_backward_node():
     model, (x,) = planted.Healthy(), planted.batches(1)[0]
-    amp = fxamp.convert(model, "O1", debug_overflow="record")
+    amp = fxamp.convert(model, "O1", debug_overflow="record", dtype=torch.float16)
     amp(x)
     amp(x)
     out = amp(x)
@@ -39,7 +39,7 @@ def test_names_first_backward_node():
 
 
 def test_raise_mode():
-    amp = fxamp.convert(planted.Overflows(), "O1", debug_overflow="raise")
+    amp = fxamp.convert(planted.Overflows(), "O1", debug_overflow="raise", dtype=torch.float16)
     with pytest.raises(fxamp.FxampError, match=r"the output of mul_1 \(operator.mul in energy\) has inf/NaN"):
         amp(planted.batches(1)[0][0])
 

@@ -127,7 +127,7 @@ class ViewsToSafeOps(nn.Module):
 def test_o2_keeps_a_weight_float32_when_its_views_end_in_an_unlisted_op():
     torch.manual_seed(0)
     model, x = CustomMatmul().eval(), torch.randn(4, 16)
-    amp = fxamp.convert(model, "O2", frontend="export", example_inputs=(x,))
+    amp = fxamp.convert(model, "O2", frontend="export", example_inputs=(x,), dtype=torch.float16)
     assert amp.w.dtype == torch.float32 and amp.fc.weight.dtype == torch.float16
     with torch.no_grad():
         assert sqnr(model(x), amp(torch.randn(4, 16).copy_(x))) > 45.0
@@ -137,7 +137,7 @@ def test_o2_keeps_a_weight_float32_when_its_views_end_in_an_unlisted_op():
 def test_o2_stores_a_weight_low_when_its_views_all_end_in_safe_ops(frontend):
     torch.manual_seed(0)
     model, x = ViewsToSafeOps().eval(), torch.randn(4, 16)
-    amp = fxamp.convert(model, "O2", frontend=frontend, example_inputs=(x,))
+    amp = fxamp.convert(model, "O2", frontend=frontend, example_inputs=(x,), dtype=torch.float16)
     assert amp.w.dtype == torch.float16
     with torch.no_grad():
         assert sqnr(model(x), amp(x)) > 45.0
@@ -193,7 +193,7 @@ def test_float64_model_is_not_cast(policy, dtype, frontend):
 def test_mixed_float32_float64_model_casts_only_the_float32_part(policy):
     torch.manual_seed(0)
     model, x = HalfDouble().eval(), torch.randn(4, 16)
-    amp = fxamp.convert(model, policy)
+    amp = fxamp.convert(model, policy, dtype=torch.float16)
     with torch.no_grad():
         ref_h, ref_y = model(x)
         with OpDtypes() as rec:
@@ -299,7 +299,7 @@ class LinearWeightToUnlistedOp(nn.Module):
 def test_lazy_o2_casts_kept_low_storage_for_an_unlisted_op_reached_through_a_view():
     torch.manual_seed(0)
     model, x = LinearWeightToUnlistedOp().eval(), torch.randn(4, 16)
-    amp = fxamp.convert(model, "O2", frontend="export")  # no inputs: storage predicted, kept at capture
+    amp = fxamp.convert(model, "O2", frontend="export", dtype=torch.float16)  # no inputs: storage predicted, kept at capture
     assert isinstance(amp, fxamp.LazyConverted) and amp.proj.weight.dtype == torch.float16
     with torch.no_grad():
         assert sqnr(model(x), amp(x)) > 30.0

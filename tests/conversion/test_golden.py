@@ -94,7 +94,7 @@ def test_one_cast_per_value_and_dtype():
         def forward(self, x):
             return self.a(x) + self.b(x) + torch.exp(x) + torch.log(x.abs())
 
-    gm = fxamp.convert(TwoUses(), "O1")
+    gm = fxamp.convert(TwoUses(), "O1", dtype=torch.float16)
     sources = [(s, d) for s, d, _ in casts(gm)]
     assert len(sources) == len(set(sources))
     assert sources.count(("x", "float16")) == 1
@@ -102,7 +102,7 @@ def test_one_cast_per_value_and_dtype():
 
 def test_parameters_are_read_through_owner_dicts():
     """No getattr chain per tensor: each owner module is fetched once, each tensor is a dict lookup."""
-    gm = fxamp.convert(build("ResNet"), "O2")
+    gm = fxamp.convert(build("ResNet"), "O2", dtype=torch.float16)
     assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "." in str(n.target)]
     assert "._parameters" in gm.code and "._modules" in gm.code
     reads = {attr_target(n) for n in gm.graph.nodes if attr_target(n)}

@@ -92,7 +92,7 @@ def test_issue_example():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512))
     example = torch.randint(0, 512, (2, 16))
-    amp = fxamp.convert(model, policy="O1", example_inputs=(example,))  # falls back to torch.export
+    amp = fxamp.convert(model, policy="O1", example_inputs=(example,), dtype=torch.float16)  # falls back to torch.export
     out = amp(torch.randint(0, 512, (4, 24)))  # another batch and length
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithCrossAttentions)
     assert out.logits.shape == (4, 24, 512) and out.logits.dtype == torch.float32

@@ -30,14 +30,14 @@ def rewritten(policy="O2", options=ConvertOptions(), **kwargs):
     """A float32 copy of the model (the capture shares its children, which O2 re-binds), and the rewrite."""
     model = Net()
     reference = copy.deepcopy(model)
-    return reference, rewrite_captured(capture(model), resolve_policy(policy), options, **kwargs)
+    return reference, rewrite_captured(capture(model), resolve_policy(policy, "float16"), options, **kwargs)
 
 
 def test_decide_stores_low_and_attaches_the_info():
     model, gm = rewritten("O2", notes=["first"])
     assert gm.fc.weight.dtype == torch.float16 and gm.norm.weight.dtype == torch.float32
     info = fxamp.conversion_info(gm)
-    assert info.policy == resolve_policy("O2") and info.frontend == "fx" and info.notes[0] == "first"
+    assert info.policy == resolve_policy("O2", "float16") and info.frontend == "fx" and info.notes[0] == "first"
     decided = {n.name: decision_of(n).compute for n in gm.graph.nodes if decision_of(n) is not None}
     assert decided == {"x": None, "fc_weight": None, "fc_bias": None, "linear": torch.float16, "norm": torch.float32, "exp": torch.float32,
                        "output": torch.float32}
@@ -48,13 +48,13 @@ def test_decide_stores_low_and_attaches_the_info():
 def test_keep_leaves_storage_and_casts_instead():
     model = Net()
     model.fc.weight.data = model.fc.weight.data.half()  # storage made beforehand (a LazyConverted's)
-    gm = rewrite_captured(capture(model), resolve_policy("O2"), storage="keep")
+    gm = rewrite_captured(capture(model), resolve_policy("O2", "float16"), storage="keep")
     assert gm.fc.bias.dtype == torch.float32  # not re-bound: the consumer gets a cast
     assert ("fc.bias", torch.float16) in {(attr_target(c[0]), c[1]) for c in map(cast_of, gm.graph.nodes) if c}
     with pytest.raises(ValueError, match="storage='maybe' is not 'decide' or 'keep'"):
-        rewrite_captured(capture(Net()), resolve_policy("O1"), storage="maybe")
+        rewrite_captured(capture(Net()), resolve_policy("O1", "float16"), storage="maybe")
     with pytest.raises(TypeError, match="options must be a ConvertOptions"):
-        rewrite_captured(capture(Net()), resolve_policy("O1"), {"weight_cache": False})
+        rewrite_captured(capture(Net()), resolve_policy("O1", "float16"), {"weight_cache": False})
 
 
 def test_o0_changes_nothing_and_is_bitwise():
@@ -87,7 +87,7 @@ def test_a_large_float32_leaf_is_noted_and_warned_about():
 
     model = Leafy()
     with pytest.warns(UserWarning, match=r"leaf module 'custom' \(Bilinear\) runs whole in float32 and holds"):
-        gm = rewrite_captured(capture(model, leaf_modules=[nn.Bilinear]), resolve_policy("O1"),
+        gm = rewrite_captured(capture(model, leaf_modules=[nn.Bilinear]), resolve_policy("O1", "float16"),
                               ConvertOptions.build(overrides={nn.Bilinear: "unsafe"}))
     assert any("leaf module 'custom'" in n for n in fxamp.conversion_info(gm).notes)
     assert 0 < FLOAT32_LEAF_SHARE < 1

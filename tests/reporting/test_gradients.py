@@ -60,6 +60,26 @@ def test_default_loss_is_mean_square_or_own_loss():
     assert rep.gradients.loss == pytest.approx(float(model(x).pow(2).mean()), rel=1e-5)
 
 
+class _ReturnsItsLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc(x), y)
+
+
+def test_a_scalar_output_is_the_loss_not_squared():
+    torch.manual_seed(0)
+    model, x, y = _ReturnsItsLoss(), torch.randn(4, 16), torch.randn(4, 16)
+    g = fxamp.report(model, (x, y), gradients=True).gradients
+    assert g.loss_from == "the output (a scalar: the model returns its loss)"
+    assert g.loss == pytest.approx(float(model(x, y)), rel=1e-5)
+    model(x, y).backward()  # the gradients of the loss itself, not of mean(loss ** 2)
+    fc = next(s for s in g.params if s.name == "fc.weight")
+    assert fc.max_abs == pytest.approx(float(model.fc.weight.grad.abs().max()), rel=1e-5)
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "grads.png"

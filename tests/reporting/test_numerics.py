@@ -28,8 +28,8 @@ def _end_to_end(model, amp, batches):
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 def test_output_sqnr_matches_end_to_end(frontend, policy):
     model, batches = planted.Healthy().eval(), planted.batches(3)
-    rep = fxamp.report(model, batches, policy, numerics=True, frontend=frontend)
-    amp = fxamp.convert(model, policy, example_inputs=batches[0], frontend=frontend).eval()
+    rep = fxamp.report(model, batches, policy, numerics=True, frontend=frontend, dtype=torch.float16)
+    amp = fxamp.convert(model, policy, example_inputs=batches[0], frontend=frontend, dtype=torch.float16).eval()
     direct = _end_to_end(model, amp, batches)
     assert 50 < direct < 90
     assert rep["output"].numerics.sqnr_db == pytest.approx(direct, abs=0.1)
@@ -53,7 +53,7 @@ def test_min_over_batches():
                                                    ("Underflows", "mul", "underflow"),
                                                    ("Unlisted", "special_i0", "overflow")])
 def test_worst_op_is_the_planted_culprit(frontend, name, culprit, column):
-    rep = fxamp.report(getattr(planted, name)(), planted.batches(), numerics=True, frontend=frontend)
+    rep = fxamp.report(getattr(planted, name)(), planted.batches(), numerics=True, frontend=frontend, dtype=torch.float16)
     s = rep.numerics_summary
     assert (s.worst, s.culprit) == (culprit, culprit)
     assert [r.node for r in rep.rows if r.numerics and r.numerics.culprit] == [culprit]
@@ -64,14 +64,14 @@ def test_worst_op_is_the_planted_culprit(frontend, name, culprit, column):
 
 
 def test_overflow_counts_nonfinite():
-    rep = fxamp.report(planted.Overflows(), planted.batches(), numerics=True)
+    rep = fxamp.report(planted.Overflows(), planted.batches(), numerics=True, dtype=torch.float16)
     n = rep["mul_1"].numerics
     assert n.sqnr_db == -math.inf and n.nonfinite > 0 and n.overflow >= n.nonfinite / (2 * 64)  # max over batches; counts add up
     assert rep["linear"].numerics.nonfinite == 0
 
 
 def test_json_and_csv():
-    rep = fxamp.report(planted.Underflows(), planted.batches(), numerics=True)
+    rep = fxamp.report(planted.Underflows(), planted.batches(), numerics=True, dtype=torch.float16)
     data = json.loads(rep.to_json())
     assert data["version"] == 2
     assert data["numerics_summary"] == {"output_sqnr_db": pytest.approx(rep.numerics_summary.output_sqnr_db),

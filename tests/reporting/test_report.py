@@ -30,7 +30,7 @@ def _mlp_input():
 @pytest.fixture(scope="module")
 def mlp_report():
     torch.manual_seed(0)
-    return fxamp.report(models.TinyMLP(), _mlp_input())
+    return fxamp.report(models.TinyMLP(), _mlp_input(), dtype=torch.float16)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_golden_mlp_summary(mlp_report):
 
 
 def test_static_report_without_inputs():
-    rep = fxamp.report(models.TinyMLP())
+    rep = fxamp.report(models.TinyMLP(), dtype=torch.float16)
     assert rep.inputs == ()
     assert rep["x"].output_dtype == "runtime"
     assert rep["linear"].input_dtypes == ("runtime", "float32", "float32")
@@ -104,7 +104,7 @@ def test_static_report_without_inputs():
     assert rep.summary.flops is None and rep.summary.low_share is None and rep.summary.noop_casts is None
     assert "unknown without example inputs" in str(rep)
     # the same categories and casts as with inputs: both come from the converted graph
-    with_inputs = fxamp.report(models.TinyMLP(), _mlp_input())
+    with_inputs = fxamp.report(models.TinyMLP(), _mlp_input(), dtype=torch.float16)
     assert [(r.node, r.category, r.resolved, len(r.casts)) for r in rep.rows] == \
         [(r.node, r.category, r.resolved, len(r.casts)) for r in with_inputs.rows]
 
@@ -153,9 +153,9 @@ def test_default_table_fits_120_columns_and_never_cuts_words(name, shape):
 def test_report_agrees_with_what_runs():
     torch.manual_seed(0)
     model = models.TinyMLP()
-    rep = fxamp.report(model, _mlp_input())
+    rep = fxamp.report(model, _mlp_input(), dtype=torch.float16)
     with OpDtypes() as rec:
-        fxamp.convert(model, "O1")(_mlp_input())
+        fxamp.convert(model, "O1", dtype=torch.float16)(_mlp_input())
     matmuls = rec.of("addmm", "mm", "linear")
     assert len(matmuls) == sum(r.op.endswith("linear") for r in rep.rows) == 3
     assert all(set(c.inputs) == {torch.float16} for c in matmuls)
@@ -175,7 +175,7 @@ def test_model_is_not_changed():
     torch.manual_seed(0)
     model = models.TinyCNN().train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    rep = fxamp.report(model, torch.randn(2, 3, 8, 8), policy="O2")
+    rep = fxamp.report(model, torch.randn(2, 3, 8, 8), policy="O2", dtype=torch.float16)
     assert all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in model.state_dict().items())
     assert rep["conv1_weight"].output_dtype == "float16"  # O2 stores it low, in its own copy
     assert model.conv1.weight.dtype == torch.float32
@@ -198,10 +198,10 @@ def test_report_of_a_converted_module():
 
 def test_flops_conv_and_attention(block, block_input):
     torch.manual_seed(0)
-    cnn = fxamp.report(models.TinyCNN(), torch.randn(2, 3, 8, 8))
+    cnn = fxamp.report(models.TinyCNN(), torch.randn(2, 3, 8, 8), dtype=torch.float16)
     convs = [r for r in cnn.rows if r.op.endswith("conv2d")]
     assert [r.flops for r in convs] == [2 * (2 * 8 * 8 * 8) * 3 * 9, 2 * (2 * 16 * 4 * 4) * 8 * 9]
-    rep = fxamp.report(block, block_input)
+    rep = fxamp.report(block, block_input, dtype=torch.float16)
     sdpa = rep["scaled_dot_product_attention"]
     b, h, t, e = 2, 4, 8, 8
     assert sdpa.flops == 2 * b * h * t * t * (e + e) + 3 * b * h * t * t
@@ -227,21 +227,21 @@ def test_dtype_leak_lint(block, block_input):
 
 
 def test_diff_between_policies(block, block_input):
-    diff = fxamp.compare(block, block_input, ("O1", "O2"))
+    diff = fxamp.compare(block, block_input, ("O1", "O2"), dtype=torch.float16)
     changed = {r.node: r for r in diff.rows}
     assert changed["qkv_weight"].output_a == "float32" and changed["qkv_weight"].output_b == "float16"
     assert "norm1" not in changed and "x" not in changed
     assert "mul" not in changed  # gamma stays float32 under O2 (it enters the activations directly)
-    o3 = {r.node: r for r in fxamp.compare(block, block_input, ("O1", "O3")).rows}
+    o3 = {r.node: r for r in fxamp.compare(block, block_input, ("O1", "O3"), dtype=torch.float16).rows}
     assert (o3["mul"].compute_a, o3["mul"].compute_b) == ("float32", "float16")
     assert diff.summary_b.casts < diff.summary_a.casts
     text = str(diff)
     assert "fp32 → fp16" in text and "A: O1" in text and "B: O2" in text
     assert json.loads(diff.to_json())["rows"]
-    a = fxamp.report(block, block_input)
+    a = fxamp.report(block, block_input, dtype=torch.float16)
     assert not a.diff(a).rows
     with pytest.raises(ValueError, match="different graphs"):
-        a.diff(fxamp.report(models.TinyMLP()))
+        a.diff(fxamp.report(models.TinyMLP(), dtype=torch.float16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def _validate(value, schema, path="$"):
 
 @pytest.mark.parametrize("with_inputs", [True, False])
 def test_json_schema(block, block_input, with_inputs):
-    rep = fxamp.report(block, block_input if with_inputs else None)
+    rep = fxamp.report(block, block_input if with_inputs else None, dtype=torch.float16)
     data = json.loads(rep.to_json())
     _validate(data, REPORT_SCHEMA)
     assert len(data["rows"]) == len(rep)
@@ -380,7 +380,7 @@ def test_leaf_modules_run_whole():
             h, _ = self.rnn(x)
             return self.mlp(h)
 
-    rep = fxamp.report(Net(), torch.randn(2, 3, 8), leaf_modules=["mlp"])
+    rep = fxamp.report(Net(), torch.randn(2, 3, 8), leaf_modules=["mlp"], dtype=torch.float16)
     rnn = next(r for r in rep.rows if r.module == "rnn")
     assert (rnn.kind, rnn.category.value, rnn.compute) == ("call_module", "safe", "float16")
     assert [str(c) for c in rnn.casts] == ["rnn.*→fp16"]  # weights cast inside call_module_cast
@@ -398,10 +398,10 @@ def test_example_kwargs_and_input_count():
         def forward(self, x, shift: float = 0.0):
             return self.fc(x) + shift
 
-    rep = fxamp.report(Two(), torch.randn(2, 4))
+    rep = fxamp.report(Two(), torch.randn(2, 4), dtype=torch.float16)
     assert rep["linear"].compute == "float16"
     with pytest.raises(ValueError, match="forward takes 2 inputs .*3 example inputs"):
-        fxamp.report(Two(), (torch.randn(2, 4), torch.randn(1), torch.randn(1)))
+        fxamp.report(Two(), (torch.randn(2, 4), torch.randn(1), torch.randn(1)), dtype=torch.float16)
 
 
 def test_run_failure_names_the_node():
@@ -418,6 +418,6 @@ def test_each_example_model(name):
         "TinyTransformerBlock": torch.randn(2, 6, 32)}[name]
     model = cls()
     assert model(x).dtype == torch.float32  # runnable as it is
-    rep = fxamp.report(model, x)
+    rep = fxamp.report(model, x, dtype=torch.float16)
     assert rep.summary.low_share > 0.9
     assert all(r.compute in ("float16", "float32", "-") for r in rep.rows if r.is_op)

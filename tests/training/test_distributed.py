@@ -39,7 +39,7 @@ def _free_port():
 
 def _train(rank, sync):
     torch.manual_seed(0)  # same weights on both ranks
-    model = fxamp.convert(Net(), "O2")
+    model = fxamp.convert(Net(), "O2", dtype=torch.float16)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(ddp.parameters(), lr=1e-2), model=ddp,
                                         sync_overflow=sync)

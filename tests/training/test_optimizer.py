@@ -758,7 +758,7 @@ def test_initialize_o2_makes_the_original_parameters_the_masters(capsys):
     adam = torch.optim.AdamW(orig.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)
     params = list(orig.parameters())
-    model, opt = fxamp.initialize(orig, adam, "O2", verbose=True)
+    model, opt = fxamp.initialize(orig, adam, "O2", verbose=True, dtype=torch.float16)
     out = capsys.readouterr().out
     assert "policy        : params=float16,compute=float16" in out and "dynamic(init_scale=65536" in out
     assert opt.optimizer is adam and list(opt.master_params()) == params
@@ -818,7 +818,7 @@ def test_initialize_keeps_tied_weights_tied():
 
     torch.manual_seed(0)
     orig = Tied()
-    model, opt = fxamp.initialize(orig, torch.optim.AdamW(orig.parameters(), lr=1e-2), "O2")
+    model, opt = fxamp.initialize(orig, torch.optim.AdamW(orig.parameters(), lr=1e-2), "O2", dtype=torch.float16)
     assert model.emb.weight is model.out.weight and model.emb.weight.dtype == F16
     assert len(masters(opt)) == 1
     i = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,95 @@
+"""What a user asked for is used, said or refused: the default dtype (and the note that names it), options
+of the wrong type, op overrides that match nothing, and run-time errors that name the converted node."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+
+
+CPU_NOTE = "dtype=bfloat16 (autocast's default on cpu; pass dtype= to choose)"
+
+
+def test_a_cpu_model_defaults_to_bfloat16_and_says_so():
+    model, x = _net(), torch.randn(2, 8)
+    amp = fxamp.convert(model, "O1")
+    assert fxamp.policy_of(amp).compute == torch.bfloat16
+    assert fxamp.conversion_info(amp).notes[0] == CPU_NOTE
+    with torch.no_grad():
+        with torch.autocast("cpu"):  # autocast's own default on CPU: the same numbers
+            expected = model(x)
+        assert torch.allclose(amp(x), expected.float(), atol=1e-2)
+    assert CPU_NOTE in str(fxamp.report(model, (x,)))  # and the report shows the note
+
+
+def test_an_explicit_dtype_or_policy_wins_and_needs_no_note():
+    model = _net()
+    for amp in (fxamp.convert(model, "O2", dtype=torch.float16), fxamp.convert(model, "compute=float16"),
+                fxamp.convert(model, fxamp.Policy.from_preset("O1", "float16"))):
+        assert fxamp.policy_of(amp).compute == torch.float16
+        assert not any("autocast's default" in n for n in fxamp.conversion_info(amp).notes)
+    o0_notes = fxamp.conversion_info(fxamp.convert(model, "O0")).notes  # nothing runs in low precision
+    assert not any("autocast's default" in n for n in o0_notes)
+
+
+def test_a_lazily_capturing_module_says_which_dtype_it_chose():
+    amp = fxamp.convert(_net(), "O2", frontend="export")
+    assert isinstance(amp, fxamp.LazyConverted)
+    assert fxamp.conversion_info(amp).notes[0] == CPU_NOTE
+    assert dict(amp.named_parameters())["0.weight"].dtype == torch.bfloat16
+
+
+def test_options_of_the_wrong_type_are_refused():
+    with pytest.raises(TypeError, match="weight_cache must be True or False, not 'no'"):
+        fxamp.convert(_net(), "O1", weight_cache="no")
+    with pytest.raises(TypeError, match=r"overrides must be a mapping such as \{torch.exp: 'neutral'.*not list"):
+        fxamp.convert(_net(), "O1", overrides=[nn.GELU])
+    with pytest.raises(TypeError, match="module_overrides must be a mapping .* not list"):
+        fxamp.convert(_net(), "O1", module_overrides=["0"])
+
+
+def test_an_op_override_that_matches_nothing_is_said():
+    with pytest.warns(UserWarning, match="overrides: torch.nn.Conv2d matches no op of the captured graph"):
+        amp = fxamp.convert(_net(), "O1", dtype=torch.float16, overrides={nn.Conv2d: "unsafe", nn.GELU: "unsafe"})
+    notes = fxamp.conversion_info(amp).notes
+    assert [n for n in notes if n.startswith("overrides:")] == [
+        "overrides: torch.nn.Conv2d matches no op of the captured graph, so it changes nothing (the model has no "
+        "such module or call, or the front end traced into the module); check the key in fxamp.report"]
+    gelu = next(r for r in fxamp.report(amp).rows if r.op.endswith("GELU"))
+    assert gelu.compute == "float32"  # the override that matched was used
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.randn(2, 5), r"^mat1 and mat2 shapes cannot be multiplied \(2x5 and 8x8\) \[raised by the converted "
+                        r"module's node 'linear' \(torch.nn.functional.linear in module '0'\)\]$"),
+    (torch.ones(2, 8, dtype=torch.long), r"^mat1 and mat2 must have the same dtype, but got Long and BFloat16 "
+                                          r"\[raised by the converted module's node 'linear'"),
+])
+def test_a_run_time_error_is_torchs_message_with_the_node_named(bad, match, capfd):
+    amp = fxamp.convert(_net(), "O1", dtype=torch.bfloat16)
+    for module in (amp, copy.deepcopy(amp)):
+        with pytest.raises(RuntimeError, match=match):
+            module(bad)
+    assert capfd.readouterr().err == ""  # no dump of the generated code before it
+
+
+def test_an_error_inside_a_leaf_module_keeps_its_traceback_and_names_the_node():
+    class Picky(nn.Module):
+        def forward(self, x):
+            raise ValueError("Picky wants 3 features")
+
+    model = nn.Sequential(nn.Linear(8, 8), Picky())
+    amp = fxamp.convert(model, "O1", dtype=torch.float16, leaf_modules=[Picky])
+    with pytest.raises(ValueError, match=r"^Picky wants 3 features \[raised by the converted module's node '_1'") as e:
+        amp(torch.randn(2, 8))
+    assert any("Picky wants 3 features" in str(entry.statement) for entry in e.traceback)  # where it was raised
