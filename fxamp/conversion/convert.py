@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .capture import LeafSpec, capture
 from .classify import ModuleOverrides, NodeOverrides
+from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .lazy import LazyConverted
@@ -83,6 +84,7 @@ def convert(
                                    debug_overflow=debug_overflow, dynamic=dynamic)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
+    _refuse_other_low_dtype(model, pol)
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
@@ -96,6 +98,20 @@ def convert(
             raise  # export was tried already, or cannot help (leaf_modules)
         return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e)
     return rewrite_captured(captured, pol, options)
+
+
+def _refuse_other_low_dtype(model: nn.Module, policy: Policy) -> None:
+    """A model already in one low dtype converted to compute in the other (a bfloat16 model with a float16
+    policy): every op would cast the stored weights, and float16 cannot hold bfloat16's range."""
+    if not policy.enabled:
+        return
+    low = policy.compute if policy.compute != torch.float32 else policy.params
+    for name, p in model.named_parameters():
+        if p.dtype in LOW and p.dtype != low:
+            raise ValueError(
+                f"fxamp.convert: the model's parameters are already {dtype_name(p.dtype)} ({name!r}) but the "
+                f"policy computes in {dtype_name(low)}; convert the float32 model (model.float() first) with "
+                f"dtype={dtype_name(low)}, or keep {dtype_name(p.dtype)} with dtype={dtype_name(p.dtype)}")
 
 
 def clear_cast_cache(module: nn.Module) -> None:

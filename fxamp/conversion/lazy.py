@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import capture
-from ..info import INFO_ATTR, ConversionInfo
+from ..info import INFO_ATTR, ConversionInfo, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
@@ -53,6 +53,7 @@ from .graph import rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite import CACHE_NAME
+from .runtime import refuse_dtype_change
 
 __all__ = ["LazyConverted", "predict_storage"]
 
@@ -181,7 +182,7 @@ class LazyConverted(nn.Module):
         else:
             root = model
         storage = predict_storage(root, policy) if policy.enabled else {}
-        rebind(root, storage)
+        watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
         d = self.__dict__
         # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -320,6 +321,9 @@ class LazyConverted(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
         # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and
         # modules live outside the shared tree, so they are reached through their tables here
+        policy = self._fxamp_policy
+        if policy.enabled:  # before any tensor changes: the stored dtypes are what every capture assumes
+            refuse_dtype_change(fn, tuple(dict.fromkeys((torch.float32, policy.params, policy.norms))), str(policy))
         super()._apply(fn, recurse)
         for entry in self._fxamp_cache.values():  # what the graphs own: constants, their modules' tensors
             gm = entry.gm

@@ -58,11 +58,11 @@ from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from .loss_scale import LossScaleOption, LossScaler, Stage, scaler_for
 from .kernels import Kernels, fusable, skips_on_device, step_fused, worth_fusing
+from .ownership import mark_master, refuse_foreign_model, refuse_wrapped
 
 __all__ = ["MixedPrecisionOptimizer", "StepResult", "check_optimizer"]
 
-#: the parameter dtypes that get float32 masters
-_FORMAT = 1
+_FORMAT = 1  # of state_dict()'s layout
 _STATE_KEYS = ("optimizer", "masters", "scaler", "skipped_steps", "format")
 #: what the wrapper uses of the optimizer it wraps (a duck-typed one needs them all)
 _OPTIMIZER_ATTRS = ("param_groups", "state", "step", "zero_grad", "state_dict", "load_state_dict")
@@ -73,7 +73,6 @@ class _StateDictError(ValueError, KeyError):
 
     def __str__(self) -> str:  # KeyError's would quote the message
         return str(self.args[0]) if self.args else ""
-
 
 
 def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
@@ -87,11 +86,11 @@ def _unbind_grads(params: Sequence[torch.Tensor]) -> None:
 
 
 def check_optimizer(optimizer: Any) -> None:
-    """Raise TypeError unless ``optimizer`` is a torch optimizer or has what the wrapper uses of one."""
+    """Raise TypeError unless ``optimizer`` is a torch optimizer or like one; OptimizerStateError if already wrapped."""
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the torch optimizer once")
     if isinstance(optimizer, torch.optim.Optimizer):
-        return
+        return refuse_wrapped(optimizer)  # a second wrapper would step the first one's masters, which get no gradient
     missing = [name for name in _OPTIMIZER_ATTRS if not hasattr(optimizer, name)]
     if missing:
         raise TypeError(
@@ -105,6 +104,7 @@ def check_optimizer(optimizer: Any) -> None:
             f"{type(optimizer).__name__}.param_groups must be a list of dicts each with a 'params' list, as "
             f"torch.optim.Optimizer's (the wrapper swaps float32 masters into those lists)"
         )
+    refuse_wrapped(optimizer)
 
 
 class MixedPrecisionOptimizer:
@@ -205,6 +205,7 @@ class MixedPrecisionOptimizer:
         self._masters.append(master)
         self._low_of[id(master)] = low
         self._plan = None
+        mark_master(low, master)
 
     def _get_plan(self) -> engine.Plan:
         """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
@@ -623,13 +624,12 @@ class MixedPrecisionOptimizer:
         self._overflow = None
 
     def fp32_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
-        """``model.state_dict()`` in float32, low-precision parameters taken from the masters.
-
-        Loads into the original, unconverted model.  ``model`` defaults to the one given at construction.
-        """
+        """``model.state_dict()`` in float32, low-precision parameters taken from the masters: loads into the
+        original, unconverted model.  ``model`` defaults to the one given at construction; one it does not step is refused."""
         model = model if model is not None else self.model
         if model is None:
             raise ValueError("fp32_state_dict() needs the model: pass it here or as MixedPrecisionOptimizer(..., model=model)")
+        refuse_foreign_model(model, [*self._lows, *self.master_params()])
         master_of = {id(low): m for low, m in zip(self._lows, self._masters)}
         out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         for key, value in model.state_dict(keep_vars=True).items():
