@@ -45,7 +45,11 @@ Limits:
 * Hugging Face models defeat torch.fx: without ``example_batch=`` the model is a
   ``fxamp.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
   again for a batch with other keys, e.g. at evaluation without ``labels``); its parameters exist
-  at once, so the optimizer is built here as usual.
+  at once, so the optimizer is built here as usual.  Its class shows the original ``forward``'s
+  signature, so the Trainer finds ``labels`` and ``evaluate()`` reports ``eval_loss``;
+* ``Trainer(model=model, ...)`` without ``optimizers=`` would step the low-precision weights with
+  the Trainer's own AdamW: a RuntimeWarning says so once (when the optimizer built here has not
+  been stepped for more than ``gradient_accumulation_steps`` training forwards).
 """
 
 from __future__ import annotations

@@ -334,3 +334,21 @@ def test_compile_step_is_passed_on(monkeypatch, fused_at_any_size, small_chunks)
         losses.append(fit(model, trainer(plugin, max_epochs=1)))
         assert [w.compile_step for w in plugin._wrappers] == [compile_step]
     assert abs(losses[1] - losses[0]) / losses[0] < 0.01, losses
+
+
+def test_validate_a_lazily_converted_network_like_an_eager_one():
+    """frontend="export" without example inputs: the network captures at its first call (a LazyConverted),
+    shows the original forward's signature on its class (what frameworks inspect), and validates as the
+    network converted at once does."""
+    import inspect
+
+    L.seed_everything(0, verbose=False)
+    eager, lazy = Digits(), Digits()
+    lazy.load_state_dict(eager.state_dict())
+    val = loaders()[1]
+    expected = trainer(FxampPrecision("O2", dtype="bf16")).validate(eager, val, verbose=False)[0]["val_loss"]
+    got = trainer(FxampPrecision("O2", dtype="bf16", frontend="export")).validate(lazy, val, verbose=False)
+    assert isinstance(lazy.net, fxamp.LazyConverted)
+    assert list(inspect.signature(type(lazy.net).forward).parameters) == ["self", "input"]
+    assert list(inspect.signature(lazy.net.forward).parameters) == ["input"]
+    assert got[0]["val_loss"] == pytest.approx(expected, rel=1e-3)
