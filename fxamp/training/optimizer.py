@@ -173,9 +173,9 @@ class MixedPrecisionOptimizer:
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
         self._nparams = 0
         self._plan: Optional[engine.Plan] = None  # built at the first unscale_(), see _get_plan()
+        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
         for group in optimizer.param_groups:
             self._bind_group(group)
-        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()) + self._lows)
         self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
         self._skipped = 0  # steps skipped (skipped_steps) ...
         self._due: Optional[engine.Check] = None  # ... and the last step, if decided on the device and not yet counted
