@@ -6,14 +6,17 @@ without importing the conversion pipeline.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
+from .dtypes import LOW
 from .policy import Policy
 
-__all__ = ["ConversionInfo", "INFO_ATTR", "conversion_info", "policy_of"]
+__all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "conversion_info", "policy_of", "watch_for_masters"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,42 @@ def policy_of(module: nn.Module) -> Optional[Policy]:
     """The policy a module was converted with, or None if fxamp did not convert it."""
     info = conversion_info(module)
     return None if info is None else info.policy
+
+
+#: set to True on a float16/bfloat16 parameter by the ``MixedPrecisionOptimizer`` that keeps its
+#: float32 master (and on the master); the converted module's first-gradient check reads it.  The
+#: two wings meet here: conversion installs the check, training sets the mark.
+MASTERED = "_fxamp_mastered"
+
+#: what a converted module's low-precision parameters without float32 masters get at their first gradient
+NO_MASTERS = ("fxamp: the converted module's {dtype} parameters got gradients but no MixedPrecisionOptimizer "
+              "keeps float32 masters for them: a plain torch optimizer would update them in place in {dtype}, "
+              "without masters or loss scaling; wrap it: fxamp.MixedPrecisionOptimizer(torch.optim.AdamW("
+              "amp.parameters()), model=amp) and call opt.backward(loss), or fxamp.initialize(model, optimizer)")
+
+
+def watch_for_masters(params: Iterable[torch.Tensor]) -> None:
+    """Warn once, at the first gradient any of ``params`` gets, if none has a float32 master by then.
+
+    ``params``: a converted module's new parameters; its float16/bfloat16 ones that require grad
+    are watched (conversion made them: the hooks are on fxamp's own tensors).  The hooks remove themselves after that first gradient: one check
+    per module, nothing on later backward passes.  A copy of the module (deepcopy, pickling) does
+    not keep them: tensors' hooks are not copied.
+    """
+    unique = {id(p): p for p in params if isinstance(p, nn.Parameter) and p.requires_grad
+              and p.dtype in LOW}  # (tied parameters: once)
+    params = list(unique.values())
+    if not params:
+        return
+    handles: List[torch.utils.hooks.RemovableHandle] = []
+
+    def first_gradient(param: torch.Tensor) -> None:
+        if not handles:
+            return  # (another parameter of this module was first, in this same backward)
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+        if not any(getattr(p, MASTERED, False) for p in params):
+            warnings.warn(NO_MASTERS.format(dtype=str(param.dtype).removeprefix("torch.")), RuntimeWarning, stacklevel=2)
+
+    handles.extend(p.register_post_accumulate_grad_hook(first_gradient) for p in params)

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .capture import LeafSpec, capture
 from .classify import ModuleOverrides, NodeOverrides
+from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .lazy import LazyConverted
@@ -91,6 +92,7 @@ def convert(
     options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                                    node_overrides=node_overrides, weight_cache=weight_cache,
                                    debug_overflow=debug_overflow, dynamic=dynamic)
+    _refuse_other_low_dtype(model, pol)
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = copy.deepcopy(model) if changes_storage else model
@@ -118,6 +120,20 @@ def convert(
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
                   "fxamp.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
                   "mode's is captured with torch.export at its first call, as is each new call signature")
+
+
+def _refuse_other_low_dtype(model: nn.Module, policy: Policy) -> None:
+    """A model already in one low dtype converted to compute in the other (a bfloat16 model with a float16
+    policy): every op would cast the stored weights, and float16 cannot hold bfloat16's range."""
+    if not policy.enabled:
+        return
+    low = policy.compute if policy.compute != torch.float32 else policy.params
+    for name, p in model.named_parameters():
+        if p.dtype in LOW and p.dtype != low:
+            raise ValueError(
+                f"fxamp.convert: the model's parameters are already {dtype_name(p.dtype)} ({name!r}) but the "
+                f"policy computes in {dtype_name(low)}; convert the float32 model (model.float() first) with "
+                f"dtype={dtype_name(low)}, or keep {dtype_name(p.dtype)} with dtype={dtype_name(p.dtype)}")
 
 
 def clear_cast_cache(module: nn.Module) -> None:

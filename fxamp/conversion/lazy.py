@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import Captured, capture
-from ..info import INFO_ATTR, ConversionInfo
+from ..info import INFO_ATTR, ConversionInfo, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
@@ -53,6 +53,7 @@ from .graph import rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite import CACHE_NAME
+from .runtime import refuse_dtype_change
 
 __all__ = ["LazyConverted", "predict_storage"]
 
@@ -129,26 +130,33 @@ class _Entry:
         self.number = number  # captures made before this one
 
 
-class _Forward:
-    """``LazyConverted.forward``: calls the lazy forward, and shows the original ``forward``'s signature
-    to ``inspect.signature`` (the Hugging Face Trainer keeps only the dataset columns it names)."""
+def _with_signature(root: nn.Module) -> type:
+    """A subclass of :class:`LazyConverted` for one module, whose ``forward`` shows ``root.forward``'s signature.
 
-    __slots__ = ("owner",)
+    The Hugging Face Trainer reads ``inspect.signature(type(model).forward)``, on the *class*: the
+    label names (``labels``; without them ``evaluate()`` returns no ``eval_loss``) and the dataset
+    columns to keep.  torch.fx gives each ``GraphModule`` a class of its own for the same reason
+    (its generated ``forward``); this is that, for the forward that captures at the first call.
+    Pickling goes through :class:`LazyConverted` itself (``__reduce_ex__``), which makes it again.
+    """
+    try:
+        signature = inspect.signature(root.forward)
+    except (TypeError, ValueError):  # pragma: no cover - a forward inspect cannot read: keep *args, **kwargs
+        return LazyConverted
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
-    def __init__(self, owner: "LazyConverted"):
-        self.owner = owner
+    def forward(self: "LazyConverted", *args: Any, **kwargs: Any) -> Any:
+        return self._fxamp_forward(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.owner._fxamp_forward(*args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.owner.__dict__["_fxamp_root"].forward)
+    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+    forward.__doc__ = getattr(type(root).forward, "__doc__", None)
+    return type(LazyConverted.__name__, (LazyConverted,), {"forward": forward, "__module__": __name__,
+                                                            "__qualname__": LazyConverted.__qualname__})
 
 
-class _ForwardDescriptor:
-    def __get__(self, obj: Any, cls: Any = None) -> Any:
-        return cls._fxamp_forward if obj is None else _Forward(obj)
+def _new_lazy() -> "LazyConverted":
+    """Unpickling: an empty :class:`LazyConverted`; ``__setstate__`` gives it its class with the signature."""
+    return LazyConverted.__new__(LazyConverted)
 
 
 class LazyConverted(nn.Module):
@@ -175,7 +183,7 @@ class LazyConverted(nn.Module):
         else:
             root = model
         storage = predict_storage(root, policy) if policy.enabled else {}
-        rebind(root, storage)
+        watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
         d = self.__dict__
         # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -193,6 +201,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_notes"] = [*notes, lead_note or f"{why}: captures with torch.export at the first call, and again for each "
                                           f"new call signature (other keyword arguments, input rank or dtype)"]
         self.training = model.training
+        self.__class__ = _with_signature(root)
 
     # -- what it reports ---------------------------------------------------------------------
     @property
@@ -238,7 +247,11 @@ class LazyConverted(nn.Module):
         return _WeightCaches(self)
 
     # -- calling -----------------------------------------------------------------------------
-    forward = _ForwardDescriptor()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the graph captured for this call's signature, capturing it first if there is none.
+
+        Each instance's class shows the original ``forward``'s signature (:func:`_with_signature`)."""
+        return self._fxamp_forward(*args, **kwargs)
 
     def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -329,6 +342,9 @@ class LazyConverted(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
         # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and
         # modules live outside the shared tree, so they are reached through their tables here
+        policy = self._fxamp_policy
+        if policy.enabled:  # before any tensor changes: the stored dtypes are what every capture assumes
+            refuse_dtype_change(fn, tuple(dict.fromkeys((torch.float32, policy.params, policy.norms))), str(policy))
         super()._apply(fn, recurse)
         for entry in self._fxamp_cache.values():  # what the graphs own: constants, their modules' tensors
             gm = entry.gm
@@ -349,9 +365,14 @@ class LazyConverted(nn.Module):
         state["_fxamp_notes"] = list(self._fxamp_notes)
         return state
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # the class is this instance's own (_with_signature), which pickle cannot find by name
+        return (_new_lazy, (), self.__getstate__())
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         root = self.__dict__["_fxamp_root"]
+        self.__class__ = _with_signature(root)
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             self.__dict__[table] = root.__dict__[table]  # keep the tables shared after unpickling
 

@@ -35,8 +35,9 @@ from ..dtypes import CASTABLE, LOW, NOT_FLOAT
 from .inference import DtypeInference
 from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rebind, rename_node, tensor_slots
 from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key, out_of_place
+from ..info import watch_for_masters
 from ..policy import Policy
-from .runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights
+from .runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights, check_storage
 
 __all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME",
            "weight_cache_of"]
@@ -78,6 +79,8 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     its storage without one (``lazy.predict_storage``, whose docstring says where the two differ and
     how ``cast_kept_storage`` and ``insert_casts`` make every op compute as it would here).
     """
+    # the dtypes decided here are the ones every cast of the graph assumes: .half() on it is refused
+    check_storage(gm, tuple(dict.fromkeys((torch.float32, policy.params, policy.norms))), str(policy))
     if policy.params == torch.float32 and policy.norms == torch.float32:
         return {}
     modules = dict(gm.named_modules())
@@ -111,7 +114,9 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
         return {}
 
     names = {name: target[id(t)] for name, _, _, t in tensor_slots(gm) if id(t) in target}
-    return {name: new.dtype for name, (_, new) in rebind(gm, names).items()}
+    changed = rebind(gm, names)
+    watch_for_masters(new for _, new in changed.values())  # a plain torch optimizer would step them in place
+    return {name: new.dtype for name, (_, new) in changed.items()}
 
 
 #: a table indexed by integer ids: the tensor does not mix into the activations arithmetically

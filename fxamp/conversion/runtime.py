@@ -24,6 +24,7 @@ from ..errors import FxampError
 from .graph import decision_of
 
 __all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "multi_head_attention",
+           "StorageCheck", "check_storage", "refuse_dtype_change",
            "WeightCastCache", "NodeErrors", "name_failing_nodes"]
 
 
@@ -376,3 +377,62 @@ def name_failing_nodes(gm: fx.GraphModule) -> None:
     """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy and pickling."""
     gm._wrapped_call = NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+
+
+# ---------------------------------------------------------------------------------------------
+# The storage dtypes a converted module keeps
+# ---------------------------------------------------------------------------------------------
+
+
+def refuse_dtype_change(fn: Any, dtypes: Tuple[torch.dtype, ...], policy: str) -> None:
+    """Raise TypeError if ``fn``, a function ``nn.Module._apply`` maps over tensors, changes any of ``dtypes``.
+
+    ``.half()``, ``.float()``, ``.to(torch.float64)`` and ``.to(device, dtype)`` reach a module only as
+    such a function, so it is asked what it makes of an empty tensor of each stored dtype (``.to(device)``
+    keeps them: allowed).  A function that fails on the probe is not a cast: allowed.
+    """
+    for dtype in dtypes:
+        try:
+            probe = fn(torch.empty(0, dtype=dtype))
+        except Exception:  # e.g. a device this process cannot reach: not a dtype change either
+            continue
+        if isinstance(probe, torch.Tensor) and probe.dtype != dtype:
+            old, new = (str(d).removeprefix("torch.") for d in (dtype, probe.dtype))
+            raise TypeError(
+                f"this would make a converted module's {old} tensors {new}, but its casts assume the storage "
+                f"its policy chose ({policy}): convert the original model at the precision you want "
+                f"(fxamp.convert(model, policy, dtype=...)) instead of .half()/.float()/.to(dtype); .to(device) is fine")
+
+
+class StorageCheck(nn.Module):
+    """The first child of a converted ``GraphModule``: refuses a dtype change of its tensors (``.half()``...).
+
+    ``nn.Module._apply`` (behind ``.to()``, ``.half()``, ``.float()``, ``.cuda()``) visits children before
+    parameters, so this refuses before any tensor changed.  A child module, not a hook: it survives
+    deepcopy and pickling with the module, and nothing of torch is patched.  It holds no tensor.
+    """
+
+    def __init__(self, dtypes: Tuple[torch.dtype, ...], policy: str) -> None:
+        super().__init__()
+        self.dtypes = tuple(dtypes)
+        self.policy = policy
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "StorageCheck":
+        refuse_dtype_change(fn, self.dtypes, self.policy)
+        return self
+
+    def extra_repr(self) -> str:
+        return "keeps " + ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+
+
+#: the converted module's attribute holding its :class:`StorageCheck`
+STORAGE_CHECK_NAME = "_fxamp_storage_check"
+
+
+def check_storage(gm: nn.Module, dtypes: Tuple[torch.dtype, ...], policy: str) -> None:
+    """Make a :class:`StorageCheck` the first child of ``gm`` (first: ``_apply`` visits it before any other)."""
+    children = dict(gm._modules)
+    children.pop(STORAGE_CHECK_NAME, None)
+    gm._modules.clear()
+    gm._modules[STORAGE_CHECK_NAME] = StorageCheck(dtypes, policy)
+    gm._modules.update(children)

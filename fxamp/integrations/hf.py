@@ -45,11 +45,16 @@ Limits:
 * Hugging Face models defeat torch.fx: without ``example_batch=`` the model is a
   ``fxamp.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
   again for a batch with other keys, e.g. at evaluation without ``labels``); its parameters exist
-  at once, so the optimizer is built here as usual.
+  at once, so the optimizer is built here as usual.  Its class shows the original ``forward``'s
+  signature, so the Trainer finds ``labels`` and ``evaluate()`` reports ``eval_loss``;
+* ``Trainer(model=model, ...)`` without ``optimizers=`` would step the low-precision weights with
+  the Trainer's own AdamW: a RuntimeWarning says so once (when the optimizer built here has not
+  been stepped for more than ``gradient_accumulation_steps`` training forwards).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -103,16 +108,28 @@ class _GradThroughScaled(torch.autograd.Function):
         return None, grad
 
 
-def _loss_hook(opt: fxamp.MixedPrecisionOptimizer) -> Callable[..., Any]:
+def _loss_hook(opt: fxamp.MixedPrecisionOptimizer, accumulation: int) -> Callable[..., Any]:
+    # training forwards that found the loss of an earlier one still unstepped: more than the
+    # Trainer's gradient accumulation means another optimizer steps the model (optimizers= forgotten)
+    unstepped = [0]
+
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
             return output
         loss, put = _find_loss(output)
         if loss is None or not loss.requires_grad:
             return output
+        unstepped[0] = unstepped[0] + 1 if opt.stage == "scaled" else 0
+        if unstepped[0] == accumulation:  # once: the count only grows from here
+            warnings.warn(_FORGOTTEN, RuntimeWarning, stacklevel=2)
         return put(_GradThroughScaled.apply(loss, opt.scale_loss(loss)))
 
     return hook
+
+
+_FORGOTTEN = ("fxamp: the optimizer hf.prepare() built is not being stepped, so another optimizer updates the "
+              "model's low-precision weights in place, without float32 masters or loss scaling; pass "
+              "Trainer(..., optimizers=optimizers) with the (optimizer, scheduler) prepare() returned")
 
 
 def _find_loss(output: Any) -> Tuple[Optional[torch.Tensor], Callable[[torch.Tensor], Any]]:
@@ -177,6 +194,9 @@ def prepare(
                     ``compile_step``; AdamW, Adam, SGD).
     convert_kwargs: passed on to :func:`fxamp.convert`.
     """
+    if isinstance(args, Mapping) or not hasattr(args, "learning_rate"):
+        raise TypeError(f"hf.prepare() takes the transformers.TrainingArguments the Trainer gets, not "
+                        f"{type(args).__name__}: prepare(model, TrainingArguments(output_dir=..., ...), ...)")
     low = resolve_dtype(dtype)
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ValueError("TrainingArguments(bf16=True/fp16=True) turns on torch.autocast, which fxamp replaces; "
@@ -214,7 +234,7 @@ def prepare(
                              "set TrainingArguments(max_steps=...) or pass num_training_steps= (or scheduler=)")
         sched = get_scheduler(args.lr_scheduler_type, inner, num_warmup_steps=args.get_warmup_steps(steps),
                               num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
-    amp.register_forward_hook(_loss_hook(opt))
+    amp.register_forward_hook(_loss_hook(opt, max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))))
     tied = _tied_aliases(amp)
     if tied:
         amp.register_state_dict_post_hook(_untie_hook(tied))

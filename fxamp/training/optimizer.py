@@ -58,6 +58,7 @@ from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from .loss_scale import FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree, scaler_for
+from .ownership import mark_master, refuse_foreign_model, refuse_wrapped
 
 if TYPE_CHECKING:
     from .kernels import Kernels  # (imported by __init__ with compile_step=True only: it brings torch.compile's)
@@ -84,11 +85,11 @@ def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def check_optimizer(optimizer: Any) -> None:
-    """Raise TypeError unless ``optimizer`` is a torch optimizer or has what the wrapper uses of one."""
+    """Raise TypeError unless ``optimizer`` is a torch optimizer or like one; OptimizerStateError if already wrapped."""
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the torch optimizer once")
     if isinstance(optimizer, torch.optim.Optimizer):
-        return
+        return refuse_wrapped(optimizer)  # a second wrapper would step the first one's masters, which get no gradient
     missing = [name for name in _OPTIMIZER_ATTRS if not hasattr(optimizer, name)]
     if missing:
         raise TypeError(
@@ -102,6 +103,7 @@ def check_optimizer(optimizer: Any) -> None:
             f"{type(optimizer).__name__}.param_groups must be a list of dicts each with a 'params' list, as "
             f"torch.optim.Optimizer's (the wrapper swaps float32 masters into those lists)"
         )
+    refuse_wrapped(optimizer)
 
 
 class MixedPrecisionOptimizer:
@@ -175,9 +177,9 @@ class MixedPrecisionOptimizer:
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
         self._nparams = 0
         self._plan: Optional[engine.Plan] = None  # built at the first unscale_(), see _get_plan()
+        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
         for group in optimizer.param_groups:
             self._bind_group(group)
-        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()) + self._lows)
         self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
         self._skipped = 0  # steps skipped (skipped_steps) ...
         self._due: Optional[engine.Check] = None  # ... and the last step, if decided on the device and not yet counted
@@ -207,6 +209,7 @@ class MixedPrecisionOptimizer:
         self._masters.append(master)
         self._low_of[id(master)] = low
         self._plan = None
+        mark_master(low, master)
 
     def _get_plan(self) -> engine.Plan:
         """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
@@ -623,13 +626,12 @@ class MixedPrecisionOptimizer:
         self._overflow = None
 
     def fp32_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
-        """``model.state_dict()`` in float32, low-precision parameters taken from the masters.
-
-        Loads into the original, unconverted model.  ``model`` defaults to the one given at construction.
-        """
+        """``model.state_dict()`` in float32, low-precision parameters taken from the masters: loads into the
+        original, unconverted model.  ``model`` defaults to the one given at construction; one it does not step is refused."""
         model = model if model is not None else self.model
         if model is None:
             raise ValueError("fp32_state_dict() needs the model: pass it here or as MixedPrecisionOptimizer(..., model=model)")
+        refuse_foreign_model(model, [*self._lows, *self.master_params()])
         master_of = {id(low): m for low, m in zip(self._lows, self._masters)}
         out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
         for key, value in model.state_dict(keep_vars=True).items():

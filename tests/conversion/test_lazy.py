@@ -227,8 +227,8 @@ def test_state_dict_round_trips_before_and_after_the_first_call():
     assert not torch.equal(amp(x), y)  # the graph reads the live parameter
     amp.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
     torch.testing.assert_close(amp(x), y)
-    amp.to(torch.device("cpu")).float()  # .to()/.float() reach every capture's tensors
-    assert amp.fc.weight.dtype == torch.float32
+    amp.to(torch.device("cpu"))  # .to(device) reaches every capture's tensors (a dtype change is refused)
+    assert amp.fc.weight.dtype == torch.bfloat16
     assert amp.graph_module.fc.weight is amp.fc.weight
 
 

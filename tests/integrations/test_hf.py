@@ -187,3 +187,41 @@ def test_compile_step_is_passed_on(tmp_path, monkeypatch, fused_at_any_size, sma
     t.train()
     assert t.optimizer.compile_step and t.optimizer.skipped_steps == 0
     assert math.isfinite(t.evaluate()["eval_loss"])
+
+
+def test_lazy_path_evaluate_returns_eval_loss_like_the_example_batch_path(tmp_path):
+    """Without example_batch the model is a LazyConverted: the Trainer must still find ``labels`` in its
+    forward's signature (on the class), or evaluate() returns no eval_loss."""
+    a = args(tmp_path, 1)
+    eager, eager_opts = hf.prepare(gpt2(), a, "O2", dtype="bf16", example_batch=example_batch())
+    lazy, lazy_opts = hf.prepare(gpt2(), a, "O2", dtype="bf16")
+    assert isinstance(lazy, fxamp.LazyConverted)
+    expected = transformers.Trainer(model=eager, args=a, optimizers=eager_opts, eval_dataset=VAL).evaluate()
+    trainer = transformers.Trainer(model=lazy, args=a, optimizers=lazy_opts, eval_dataset=VAL)
+    assert trainer.label_names == ["labels"]
+    got = trainer.evaluate()
+    assert "eval_loss" in got, got
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-3)
+
+
+def test_prepare_refuses_a_dict_for_training_arguments():
+    with pytest.raises(TypeError, match="takes the transformers.TrainingArguments the Trainer gets, not dict"):
+        hf.prepare(gpt2(), {"learning_rate": 1e-3, "max_steps": 10}, "O2", example_batch=example_batch())
+
+
+def test_forgotten_optimizers_warns_once_with_the_fix(tmp_path):
+    """Trainer(model=...) without optimizers=: its own AdamW steps the bfloat16 weights, no masters."""
+    a = args(tmp_path, 4)
+    model, _ = hf.prepare(gpt2(), a, "O2", dtype="bf16", example_batch=example_batch())
+    trainer = transformers.Trainer(model=model, args=a, train_dataset=TRAIN)
+    with pytest.warns(RuntimeWarning, match=r"pass Trainer\(\.\.\., optimizers=optimizers\)") as record:
+        trainer.train()
+    assert sum("not being stepped" in str(w.message) for w in record) == 1
+
+
+def test_optimizers_passed_with_gradient_accumulation_does_not_warn(tmp_path, recwarn):
+    a = args(tmp_path, 3, gradient_accumulation_steps=3)
+    trainer = fxamp_trainer(a)
+    trainer.train()
+    assert not [w for w in recwarn if "not being stepped" in str(w.message)]
+    assert trainer.optimizer.skipped_steps == 0

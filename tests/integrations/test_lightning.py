@@ -353,3 +353,21 @@ def test_loss_scale_takes_the_optimizers_forms():
     shared = fxamp.LossScaler(fxamp.LossScaleConfig.none())
     assert FxampPrecision("O2", dtype="16", loss_scale=shared).scaler is shared
     assert FxampPrecision("O2").optimizers == []
+
+
+def test_validate_a_lazily_converted_network_like_an_eager_one():
+    """frontend="export" without example inputs: the network captures at its first call (a LazyConverted),
+    shows the original forward's signature on its class (what frameworks inspect), and validates as the
+    network converted at once does."""
+    import inspect
+
+    L.seed_everything(0, verbose=False)
+    eager, lazy = Digits(), Digits()
+    lazy.load_state_dict(eager.state_dict())
+    val = loaders()[1]
+    expected = trainer(FxampPrecision("O2", dtype="bf16")).validate(eager, val, verbose=False)[0]["val_loss"]
+    got = trainer(FxampPrecision("O2", dtype="bf16", frontend="export")).validate(lazy, val, verbose=False)
+    assert isinstance(lazy.net, fxamp.LazyConverted)
+    assert list(inspect.signature(type(lazy.net).forward).parameters) == ["self", "input"]
+    assert list(inspect.signature(lazy.net.forward).parameters) == ["input"]
+    assert got[0]["val_loss"] == pytest.approx(expected, rel=1e-3)

@@ -1,0 +1,150 @@
+"""Training-loop traps fxamp must not let pass silently: a plain torch optimizer on low-precision
+weights, two wrappers on one optimizer, masters read into another model, a model already in the
+other low dtype, and ``.half()`` on a converted module."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from fxamp.errors import OptimizerStateError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NO_MASTERS = "no MixedPrecisionOptimizer keeps float32 masters"
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.ln(self.fc(x))))
+
+
+def net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def converted(policy="O2", frontend="auto"):
+    return fxamp.convert(net(), policy, dtype=torch.bfloat16, frontend=frontend)
+
+
+X = torch.randn(8, 16)
+
+
+def loss_of(amp):
+    return amp(X).square().mean()
+
+
+@pytest.mark.parametrize("frontend", ["auto", "export"])  # export without inputs: a LazyConverted
+def test_a_plain_torch_optimizer_on_low_weights_warns_once_with_the_fix(frontend):
+    amp = converted(frontend=frontend)
+    opt = torch.optim.AdamW(amp.parameters(), lr=1e-3)
+    with pytest.warns(RuntimeWarning, match=r"fxamp\.MixedPrecisionOptimizer\(torch\.optim\.AdamW\(amp\.parameters"
+                                            r"\(\)\), model=amp\)") as record:
+        loss_of(amp).backward()
+    assert sum(NO_MASTERS in str(w.message) for w in record) == 1
+    assert "bfloat16 parameters" in str(record[0].message)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per module: the next backward says nothing
+        loss_of(amp).backward()
+
+
+@pytest.mark.parametrize("how", ["wrapper", "initialize"])
+def test_a_mixed_precision_optimizer_silences_it(how, recwarn):
+    if how == "wrapper":
+        amp = converted()
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-3), model=amp)
+    else:
+        model = net()
+        amp, opt = fxamp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", dtype="bf16")
+    before = amp.fc.weight.detach().clone()
+    opt.backward(loss_of(amp))
+    assert opt.step()
+    assert not torch.equal(amp.fc.weight, before)
+    assert not [w for w in recwarn if NO_MASTERS in str(w.message)]
+
+
+def test_o1_has_no_low_weights_and_does_not_warn(recwarn):
+    amp = converted("O1")
+    loss_of(amp).backward()
+    assert amp.fc.weight.grad.dtype == torch.float32
+    assert not [w for w in recwarn if NO_MASTERS in str(w.message)]
+
+
+def test_a_second_wrapper_on_the_same_optimizer_is_refused():
+    amp = converted()
+    inner = torch.optim.AdamW(amp.parameters(), lr=1e-3)
+    first = fxamp.MixedPrecisionOptimizer(inner, model=amp)
+    with pytest.raises(OptimizerStateError, match="already wrapped by a MixedPrecisionOptimizer.*keep using the first"):
+        fxamp.MixedPrecisionOptimizer(inner, model=amp)
+    with pytest.raises(OptimizerStateError, match="already wrapped"):
+        fxamp.initialize(net(), inner, "O2", dtype="bf16")
+    before = amp.fc.weight.detach().clone()
+    first.backward(loss_of(amp))
+    assert first.step() and not torch.equal(amp.fc.weight, before)  # the first one still steps
+    # a new torch optimizer on the same model is a fresh start, not a second wrapper
+    fxamp.MixedPrecisionOptimizer(torch.optim.SGD(amp.parameters(), lr=0.1), model=amp)
+
+
+def test_fp32_state_dict_refuses_a_model_the_masters_do_not_belong_to():
+    amp, other = converted(), converted()
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-3), model=amp)
+    with pytest.raises(ValueError, match="none of this Net's parameters is stepped by this optimizer"):
+        opt.fp32_state_dict(net())
+    with pytest.raises(ValueError, match="none of this .* parameters is stepped"):
+        opt.fp32_state_dict(other)
+    state = opt.fp32_state_dict(amp)
+    assert state["fc.weight"].dtype == torch.float32
+    assert torch.equal(state["fc.weight"], amp.fc.weight.float())  # the masters of amp's weights
+    net().load_state_dict(state)
+
+
+def test_fp32_state_dict_of_initialize_reads_the_original_or_the_converted_module():
+    model = net()
+    amp, opt = fxamp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", dtype="bf16")
+    a, b = opt.fp32_state_dict(amp), opt.fp32_state_dict(model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("model_dtype, policy_dtype", [(torch.bfloat16, torch.float16),
+                                                       (torch.float16, torch.bfloat16)])
+def test_a_model_already_in_the_other_low_dtype_is_refused_at_convert(model_dtype, policy_dtype):
+    with pytest.raises(ValueError, match=rf"already {str(model_dtype)[6:]} \('fc.weight'\) but the policy computes "
+                                         rf"in {str(policy_dtype)[6:]}; convert the float32 model"):
+        fxamp.convert(net().to(model_dtype), "O2", dtype=policy_dtype)
+    amp = fxamp.convert(net().to(model_dtype), "O2", dtype=model_dtype)  # the same low dtype: fine
+    assert amp(X).dtype == torch.float32
+
+
+@pytest.mark.parametrize("frontend", ["auto", "export"])
+@pytest.mark.parametrize("change", ["half", "double", "float", "to_float64"])
+def test_a_dtype_change_of_a_converted_module_is_refused_and_changes_nothing(frontend, change):
+    amp = converted(frontend=frontend)
+    expected = amp(X)
+    for target in (amp, copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):
+        with pytest.raises(TypeError, match=r"convert the original model at the precision you want"):
+            target.to(torch.float64) if change == "to_float64" else getattr(target, change)()
+        assert target.fc.weight.dtype == torch.bfloat16 and target.ln.weight.dtype == torch.float32
+        torch.testing.assert_close(target(X), expected, rtol=0, atol=0)
+    amp.to(torch.device("cpu"))  # a device move is fine
+    torch.testing.assert_close(amp(X), expected, rtol=0, atol=0)
+
+
+def test_o1_float_is_allowed_its_weights_are_float32():
+    amp = converted("O1")
+    expected = amp(X)
+    amp.float()
+    torch.testing.assert_close(amp(X), expected, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="float32 tensors float16"):
+        amp.half()
