@@ -193,3 +193,10 @@ def test_nothing_outside_capture_imports_its_private_names(module):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith(module.split(".")[-1]):
                 assert not any(a.name.startswith("_") for a in node.names), (path, ast.dump(node))
+
+
+def test_no_module_is_over_650_lines():
+    """A module a newcomer reads in one sitting: past ~650 lines it holds two jobs."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 650}
+    assert not long, long
