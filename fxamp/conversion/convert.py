@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import LeafSpec, capture
+from .graph import replace_tensors, tensor_slots
 from .classify import ModuleOverrides, NodeOverrides
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
@@ -88,9 +89,9 @@ def convert(
         raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
-    source = copy.deepcopy(model) if changes_storage else model
+    source = _copy_tree(model) if changes_storage else model
     if frontend == "export" and not has_inputs:
-        return LazyConverted(source, pol, options, owns_model=changes_storage)
+        return _own_storage(LazyConverted(source, pol, options, owns_model=changes_storage), model)
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes,
@@ -98,15 +99,37 @@ def convert(
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
-        return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e)
+        return _own_storage(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e), model)
     if captured.only_mode is not None and captured.frontend == "export" and dynamic_shapes is None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
         # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
                             lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"))
         amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
-        return amp
-    return rewrite_captured(captured, pol, options)
+        return _own_storage(amp, model) if changes_storage else amp
+    gm = rewrite_captured(captured, pol, options)
+    return _own_storage(gm, model) if changes_storage else gm
+
+
+def _copy_tree(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose registered parameters and buffers are still the original's tensors.
+
+    O2/O3 re-bind most of them to low-precision copies made from the original directly; a full deep
+    copy first would hold a second float32 model while those are made (peak 2.5x the model instead of
+    1.5x for bfloat16).  :func:`_own_storage` copies whatever is still shared once the storage is chosen.
+    """
+    return copy.deepcopy(model, memo={id(t): t for _, _, _, t in tensor_slots(model)})
+
+
+def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
+    """Copy the parameters and buffers ``module`` still shares with ``original`` (those that stayed float32,
+    such as norms' under O2): training the converted module updates them in place, and the model passed
+    in must never change.  A deep copy of each keeps a parameter's class and attributes, as a deep copy of
+    the model did; tied tensors stay tied."""
+    theirs = {id(t) for _, _, _, t in tensor_slots(original)}
+    memo: Dict[int, Any] = {}
+    replace_tensors(module, lambda _name, t: copy.deepcopy(t, memo) if id(t) in theirs else None)
+    return module
 
 
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
