@@ -245,3 +245,49 @@ def test_o2_keeps_tied_parameters_tied_and_o1_shares_the_originals():
     assert mine("1").weight is not model[1].weight and torch.equal(mine("1").weight, model[1].weight)
     amp1 = fxamp.convert(model, "O1", dtype=BF16)
     assert amp1.get_submodule("1").weight is model[1].weight  # O1 shares, as documented
+
+
+# -- a loss that checks label values: export's failure first, advice about what the user passed ----------
+
+
+class HFStyleLM(nn.Module):
+    """Hugging Face's pattern: torch.fx fails on the inputs check (every argument is a Proxy, never None),
+    torch.export on the loss's check of label values."""
+
+    def __init__(self, vocab=10):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, 8)
+        self.out = nn.Linear(8, vocab)
+
+    def forward(self, input_ids=None, inputs_embeds=None, labels=None):
+        if input_ids is not None and inputs_embeds is not None:
+            raise ValueError("You cannot specify both input_ids and inputs_embeds")
+        logits = self.out(self.emb(input_ids) if inputs_embeds is None else inputs_embeds)
+        if labels is None:
+            return logits
+        if labels.max() >= self.vocab:
+            raise ValueError("labels out of range")
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_a_label_check_failure_comes_before_the_unrelated_fx_failure():
+    ids = torch.randint(0, 10, (2, 5))
+    with pytest.raises(fxamp.TraceError, match=r"^torch\.export could not capture HFStyleLM .*data-dependent") as info:
+        fxamp.convert(HFStyleLM(), "O1", example_kwargs={"input_ids": ids, "labels": ids})
+    text = str(info.value)
+    assert "Convert without labels= in example_kwargs" in text
+    assert text.index("labels.max()") < text.index("You cannot specify both")  # torch.fx's, last
+    assert "(torch.export ran because torch.fx could not trace the model (ValueError: You cannot specify" in text
+
+
+def test_a_lazy_capture_talks_about_the_calls_arguments():
+    ids = torch.randint(0, 10, (2, 5))
+    amp = fxamp.convert(HFStyleLM(), "O1")
+    assert isinstance(amp, fxamp.LazyConverted)
+    with pytest.raises(fxamp.TraceError, match=r"^torch\.export could not capture HFStyleLM") as info:
+        amp(input_ids=ids, labels=ids)
+    text = str(info.value)
+    assert "example_kwargs" not in text  # the user passed none
+    assert "Call the converted module without labels=" in text
+    assert amp(input_ids=ids).shape == (2, 5, 10)  # and the fix it names works
