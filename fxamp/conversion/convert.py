@@ -87,6 +87,9 @@ def convert(
                                    debug_overflow=debug_overflow, dynamic=dynamic)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):  # torch.fx and torch.export read Python code, not TorchScript
+        raise TypeError(f"fxamp.convert cannot capture a TorchScript module ({type(model).__name__}, from "
+                        f"torch.jit.script/trace): convert the Python nn.Module it was made from instead")
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
     source = _copy_tree(model) if changes_storage else model

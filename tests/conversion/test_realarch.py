@@ -291,3 +291,55 @@ def test_a_lazy_capture_talks_about_the_calls_arguments():
     assert "example_kwargs" not in text  # the user passed none
     assert "Call the converted module without labels=" in text
     assert amp(input_ids=ids).shape == (2, 5, 10)  # and the fix it names works
+
+
+# -- inputs torch.export's own checks used to reject with an internal assertion -----------------------------
+
+
+class KwargsModel(nn.Module):
+    """Hugging Face's signature: named inputs, then ``**kwargs`` that take the keys a batch adds."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        if input_ids.dim() == 2:  # torch.fx: a Proxy cannot be a bool; torch.export captures it
+            return self.fc(input_ids) + kwargs["bias"]
+        return input_ids
+
+
+def test_an_input_that_reaches_var_keyword_is_captured_with_dynamic_sizes():
+    """Used to fail in torch.export: "Must provide a tree_name when there might be a mismatch"."""
+    torch.manual_seed(0)
+    model = KwargsModel()
+    x = torch.randn(2, 8)
+    amp = fxamp.convert(model, "O1", dtype=BF16, example_kwargs={"input_ids": x, "bias": x})
+    assert "bias (*, 8)" in " ".join(fxamp.conversion_info(amp).notes)
+    y = torch.randn(5, 8)  # another batch size
+    ref = model(input_ids=y, bias=y)
+    with torch.autocast("cpu", BF16):
+        auto = model(input_ids=y, bias=y)
+    assert _rel(amp(input_ids=y, bias=y), ref) <= max(2 * _rel(auto, ref), 1e-3)
+
+
+def test_a_torchscript_module_is_refused_with_what_to_do():
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8)))
+    with pytest.raises(TypeError, match="cannot capture a TorchScript module .*convert the Python nn.Module"):
+        fxamp.convert(scripted, "O1", example_inputs=(torch.randn(2, 8),))
+    with pytest.raises(TypeError, match="cannot capture a TorchScript module"):
+        fxamp.convert(scripted, "O2")
+
+
+def test_var_positional_forward_is_captured():
+    class Star(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, *args):
+            return self.fc(args[0]) + args[1] if args[0].dim() == 2 else args[0]
+
+    x = torch.randn(2, 8)
+    amp = fxamp.convert(Star(), "O1", dtype=BF16, example_inputs=(x, x))
+    assert amp(torch.randn(4, 8), torch.randn(4, 8)).dtype == torch.float32

@@ -131,7 +131,8 @@ class ExportFrontEnd:
     def trace(self) -> fx.GraphModule:
         from torch.export import export  # heavy: imported only when used
 
-        root = _export_root(self.model, self.dropped)  # copied per capture: it carries the mode being captured
+        # copied per capture: it carries the mode being captured
+        root = _export_root(self.model, self.dropped, self.signature, self.kwargs)
         with _quiet_torch_logs():
             return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
 
@@ -226,7 +227,10 @@ def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            shapes[name] = {k: _dims(v, every_dim) for k, v in value.items()}
+            # as top-level names: the export root's signature names them (_export_root), since torch.export
+            # fails on a **kwargs entry in dynamic_shapes ("Must provide a tree_name when there might be a
+            # mismatch", torch 2.9)
+            shapes.update({k: _dims(v, every_dim) for k, v in value.items()})
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             shapes[name] = tuple(_dims(v, every_dim) for v in value)
         else:
@@ -237,12 +241,15 @@ def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...
 _RETURNABLE = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
+def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspect.Signature] = None,
+                 kwargs: Sequence[str] = ()) -> nn.Module:
     """A shallow copy of ``model`` (same submodules and tensors) whose forward drops unreturnable outputs.
 
     torch.export can only return pytrees of tensors and scalars; a value of another type (a cache
     object) is replaced by None, its type name recorded in ``dropped``.  The user's model is not
-    touched: the copy has its own ``__dict__``.
+    touched: the copy has its own ``__dict__``.  Keyword inputs that reach ``forward``'s ``**kwargs``
+    become keyword-only parameters of the copy's signature, which torch.export reads: its dynamic
+    shapes then name them, as for any other argument.
     """
     root = copy.copy(model)
     root.__dict__ = dict(model.__dict__)
@@ -258,6 +265,13 @@ def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
 
         return pytree.tree_map(keep, forward(*args, **kwargs))
 
+    var_keyword = [p for p in (signature.parameters.values() if signature else ())
+                   if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if var_keyword:
+        params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        named = {p.name for p in params}
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs if k not in named]
+        forward_returning_pytree.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     root.forward = forward_returning_pytree
     return root
 
