@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import LeafSpec, capture
+from .graph import replace_tensors, tensor_slots
 from .classify import ModuleOverrides, NodeOverrides
 from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
@@ -92,12 +93,19 @@ def convert(
     options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                                    node_overrides=node_overrides, weight_cache=weight_cache,
                                    debug_overflow=debug_overflow, dynamic=dynamic)
+    if isinstance(model, torch.jit.ScriptModule):  # torch.fx and torch.export read Python code, not TorchScript
+        raise TypeError(f"fxamp.convert cannot capture a TorchScript module ({type(model).__name__}, from "
+                        f"torch.jit.script/trace): convert the Python nn.Module it was made from instead")
     _refuse_other_low_dtype(model, pol)
     has_inputs = example_inputs is not None or example_kwargs is not None
     changes_storage = pol.params != torch.float32 or pol.norms != torch.float32
-    source = copy.deepcopy(model) if changes_storage else model
+    source = _copy_tree(model) if changes_storage else model
+
+    def owned(module: nn.Module) -> nn.Module:  # O0/O1 share the original's tensors on purpose
+        return _own_storage(module, model) if changes_storage else module
+
     if frontend == "export" and not has_inputs:
-        return LazyConverted(source, pol, options, owns_model=changes_storage, notes=chosen)
+        return owned(LazyConverted(source, pol, options, owns_model=changes_storage, notes=chosen))
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes,
@@ -105,7 +113,7 @@ def convert(
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
-        return LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen)
+        return owned(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen))
     if captured.only_mode is not None and captured.frontend == "export" and dynamic_shapes is None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
         # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
@@ -113,8 +121,29 @@ def convert(
                             lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"),
                             notes=chosen)
         amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
-        return amp
-    return rewrite_captured(captured, pol, options, notes=chosen)
+        return owned(amp)
+    return owned(rewrite_captured(captured, pol, options, notes=chosen))
+
+
+def _copy_tree(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose registered parameters and buffers are still the original's tensors.
+
+    O2/O3 re-bind most of them to low-precision copies made from the original directly; a full deep
+    copy first would hold a second float32 model while those are made (peak 2.5x the model instead of
+    1.5x for bfloat16).  :func:`_own_storage` copies whatever is still shared once the storage is chosen.
+    """
+    return copy.deepcopy(model, memo={id(t): t for _, _, _, t in tensor_slots(model)})
+
+
+def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
+    """Copy the parameters and buffers ``module`` still shares with ``original`` (those that stayed float32,
+    such as norms' under O2): training the converted module updates them in place, and the model passed
+    in must never change.  A deep copy of each keeps a parameter's class and attributes, as a deep copy of
+    the model did; tied tensors stay tied."""
+    theirs = {id(t) for _, _, _, t in tensor_slots(original)}
+    memo: Dict[int, Any] = {}
+    replace_tensors(module, lambda _name, t: copy.deepcopy(t, memo) if id(t) in theirs else None)
+    return module
 
 
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "

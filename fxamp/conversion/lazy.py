@@ -280,7 +280,7 @@ class LazyConverted(nn.Module):
         with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
-                               graph_per_mode=True)
+                               graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "

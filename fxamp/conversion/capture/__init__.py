@@ -48,6 +48,7 @@ def capture(
     dynamic_shapes: Any = None,
     fx_error: Optional[TraceError] = None,
     graph_per_mode: bool = False,
+    at_call: bool = False,
 ) -> Captured:
     """Capture ``model`` as a graph.
 
@@ -57,6 +58,8 @@ def capture(
     lazily capturing module); notes and errors then read as for ``"auto"``'s fallback.
     graph_per_mode: the caller keeps a graph per mode when the export front end's two modes capture
     different graphs (``Captured.only_mode``): no warning then, and the note says so.
+    at_call: the example inputs are a call's (fxamp's lazily capturing module): errors name the call's
+    arguments, not ``example_kwargs``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
@@ -69,7 +72,8 @@ def capture(
     def export(fallback_from: Optional[TraceError]) -> Captured:
         captured = _run(model, ExportFrontEnd(model, example_inputs, example_kwargs, dynamic=dynamic,
                                               dynamic_shapes=dynamic_shapes,
-                                              leaf_modules=leaf_modules, fallback_from=fallback_from),
+                                              leaf_modules=leaf_modules, fallback_from=fallback_from,
+                                              at_call=at_call),
                         graph_per_mode=graph_per_mode)
         captured.fx_error = fallback_from
         return captured

@@ -90,7 +90,8 @@ class ExportFrontEnd:
     """``torch.export`` from example inputs, made to look like the original (see the module docstring).
 
     fallback_from: the fx front end's error when export runs because torch.fx failed (``"auto"``);
-    the notes and errors then say so.
+    the notes and errors then say so.  at_call: the inputs are a call's (a lazily capturing module),
+    not example inputs the user wrote; errors then talk about the call's arguments.
     """
 
     name = "export"
@@ -98,8 +99,9 @@ class ExportFrontEnd:
     def __init__(self, model: nn.Module, example_inputs: Optional[Tuple[Any, ...]],
                  example_kwargs: Optional[Dict[str, Any]], *, dynamic: Dynamic = Dynamic.BATCH,
                  dynamic_shapes: Any = None, leaf_modules: Sequence[LeafSpec] = (),
-                 fallback_from: Optional[TraceError] = None):
+                 fallback_from: Optional[TraceError] = None, at_call: bool = False):
         self.model = model
+        self.at_call = at_call
         self.fallback_from = fallback_from
         self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
         if leaf_modules:
@@ -130,12 +132,13 @@ class ExportFrontEnd:
     def trace(self) -> fx.GraphModule:
         from torch.export import export  # heavy: imported only when used
 
-        root = _export_root(self.model, self.dropped)  # copied per capture: it carries the mode being captured
+        # copied per capture: it carries the mode being captured
+        root = _export_root(self.model, self.dropped, self.signature, self.kwargs)
         with _quiet_torch_logs():
             return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
 
     def error(self, e: BaseException) -> TraceError:
-        return _export_error(self.model, e, self._why(), tuple(self.kwargs))
+        return _export_error(self.model, e, self._why(), tuple(self.kwargs), self.at_call)
 
     def adopt(self, gm: fx.GraphModule) -> None:
         _restore_train_eval(gm)
@@ -221,7 +224,10 @@ def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
-            shapes[name] = {k: _dims(v, every_dim) for k, v in value.items()}
+            # as top-level names: the export root's signature names them (_export_root), since torch.export
+            # fails on a **kwargs entry in dynamic_shapes ("Must provide a tree_name when there might be a
+            # mismatch", torch 2.9)
+            shapes.update({k: _dims(v, every_dim) for k, v in value.items()})
         elif kind is inspect.Parameter.VAR_POSITIONAL:
             shapes[name] = tuple(_dims(v, every_dim) for v in value)
         else:
@@ -232,12 +238,15 @@ def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...
 _RETURNABLE = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
+def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspect.Signature] = None,
+                 kwargs: Sequence[str] = ()) -> nn.Module:
     """A shallow copy of ``model`` (same submodules and tensors) whose forward drops unreturnable outputs.
 
     torch.export can only return pytrees of tensors and scalars; a value of another type (a cache
     object) is replaced by None, its type name recorded in ``dropped``.  The user's model is not
-    touched: the copy has its own ``__dict__``.
+    touched: the copy has its own ``__dict__``.  Keyword inputs that reach ``forward``'s ``**kwargs``
+    become keyword-only parameters of the copy's signature, which torch.export reads: its dynamic
+    shapes then name them, as for any other argument.
     """
     root = copy.copy(model)
     root.__dict__ = dict(model.__dict__)
@@ -253,6 +262,13 @@ def _export_root(model: nn.Module, dropped: List[str]) -> nn.Module:
 
         return pytree.tree_map(keep, forward(*args, **kwargs))
 
+    var_keyword = [p for p in (signature.parameters.values() if signature else ())
+                   if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if var_keyword:
+        params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        named = {p.name for p in params}
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs if k not in named]
+        forward_returning_pytree.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     root.forward = forward_returning_pytree
     return root
 
@@ -546,46 +562,58 @@ def _is_data_dependent(e: BaseException) -> bool:
 _LABEL_LIKE = re.compile(r"label|target|^y$|^y_|answer|positions$", re.IGNORECASE)
 
 
-def _label_hint(kwargs: Sequence[str], code: str) -> str:
-    """The fix when a loss inside forward checks label values (``if labels.max() >= vocab: raise``), or ''."""
+def _label_hint(kwargs: Sequence[str], code: str, at_call: bool = False) -> str:
+    """The fix when a loss inside forward checks label values (``if labels.max() >= vocab: raise``), or ''.
+
+    at_call: the capture runs at a call of a lazily capturing module, whose inputs are the call's
+    keyword arguments (the user never wrote example_kwargs)."""
     names = [k for k in kwargs if _LABEL_LIKE.search(k)]
     if not names:
         return ""
     named = [k for k in names if re.search(rf"\b{re.escape(k)}\b", code)]
     which = ", ".join(f"{k}=" for k in (named or names))
-    why = "that line checks the values of" if named else "example_kwargs include"
+    source = "the call's keyword arguments" if at_call else "example_kwargs"
+    why = "that line checks the values of" if named else f"{source} include"
+    fix = (f"Call the converted module without {which}" if at_call else
+           f"Convert without {which} in example_kwargs")
     return (f"What to do: {why} {which}, and a check on label values (a loss inside forward) cannot be "
-            f"captured. Convert without {which} in example_kwargs (forward then returns the logits) and "
+            f"captured. {fix} (forward then returns the logits) and "
             f"compute the loss outside the converted module, in float32 "
             f"(F.cross_entropy(logits.float().flatten(0, -2), labels.flatten())).")
 
 
 def _export_error(model: nn.Module, e: BaseException, why: Optional[str],
-                  kwargs: Sequence[str] = ()) -> TraceError:
+                  kwargs: Sequence[str] = (), at_call: bool = False) -> TraceError:
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
     short = f"{type(e).__name__}: {first}"
     where = _source_line(e)
     path, owner = _owner_of_line(model, where[0], where[1]) if where else ("", model)
     at = f"{where[0]}:{where[1]}" + (f": `{where[2]}`" if where[2] else "") if where else ""
     module = f"{type(owner).__name__} (module {('at ' + repr(path)) if path else 'at the root'})"
-    prefix = f"{why}, and torch.export" if why else "torch.export"
     hint_path = repr(path) if path else "'<submodule>'"
+    inputs = "the call's arguments" if at_call else "example_inputs/example_kwargs"
     if _is_data_dependent(e):
-        todo = _label_hint(kwargs, where[2] if where else "") or (
+        # export's failure is the one to fix: torch.fx's (tried first) often fails elsewhere, for a
+        # reason export does not share (HF's "cannot specify both input_ids and inputs_embeds")
+        todo = _label_hint(kwargs, where[2] if where else "", at_call) or (
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end; it then "
             f"runs whole, in float32), convert its submodules separately "
             f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), or write the branch with "
             f"torch.where / torch.cond.")
         text = (
-            f"{prefix} could not capture {module}: data-dependent control flow at {at or 'an unknown line'}.\n"
+            f"torch.export could not capture {module}: data-dependent control flow at "
+            f"{at or 'an unknown line'}.\n"
             f"    The branch depends on tensor values, which neither torch.fx nor torch.export can "
             f"record in one graph ({short}).\n{todo}"
         )
+        if why:
+            text += f"\n(torch.export ran because {why}.)"
     else:
+        prefix = f"{why}, and torch.export" if why else "torch.export"
         text = (
             f"{prefix} could not capture {module}{(', ' + at) if at else ''}:\n    {short}\n"
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end), convert "
-            f"its submodules separately, or check that example_inputs/example_kwargs are what forward "
+            f"its submodules separately, or check that {inputs} are what forward "
             f"expects."
         )
     return TraceError(text, short=short, module_path=path, original=e)
