@@ -173,8 +173,9 @@ def table(rep: Any, *, wide: bool = False) -> str:
             break
     lines = [header(rep), ""]
     lines.append(text)
-    if any(c.effective is False for r in rep.rows for c in r.casts):
-        lines.append("(a→fp16): a run-time checked cast that changed nothing for these inputs")
+    idle = next((c for r in rep.rows for c in r.casts if c.effective is False), None)
+    if idle is not None:  # the legend shows a cast of this report's own dtype
+        lines.append(f"(a→{short_name(idle.dtype)}): a run-time checked cast that changed nothing for these inputs")
     if not wide:
         lines.append("*: conditional, resolved for this node")
         lines.append("reasons shortened: --wide, JSON and CSV have them in full")

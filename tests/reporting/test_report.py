@@ -421,3 +421,13 @@ def test_each_example_model(name):
     rep = fxamp.report(model, x, dtype=torch.float16)
     assert rep.summary.low_share > 0.9
     assert all(r.compute in ("float16", "float32", "-") for r in rep.rows if r.is_op)
+
+
+def test_the_idle_cast_legend_shows_a_cast_of_this_report():
+    """The legend of ``(a→dtype)`` names the dtype of a cast the table shows, not a fixed float16."""
+    from models import TinyTransformerBlock
+
+    text = str(fxamp.report(TinyTransformerBlock(), (torch.randn(2, 8, 32),), dtype=torch.bfloat16))
+    assert "(x→fp32)" in text  # the input cast in front of norm1: already float32
+    assert "(a→fp32): a run-time checked cast that changed nothing for these inputs" in text
+    assert "a→fp16" not in text
