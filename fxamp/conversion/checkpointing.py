@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set
 
 import torch.fx as fx
+import torch.nn as nn
 
 from .capture.regions import CHECKPOINT, CheckpointMark, traced_through_note
 from .runtime import cast_weights, checkpointed
@@ -56,19 +57,25 @@ def keep_checkpoints(gm: fx.GraphModule, frontend: str) -> List[str]:
             regions.setdefault(mark.region, []).append(node)
     notes: List[str] = []
     kept: Dict[str, int] = {}
+    mark_kwargs = {}
     for number in sorted(regions):
         nodes = regions[number]
         mark = nodes[0].meta[CHECKPOINT]
-        if _keep(gm, nodes, mark):
+        mark_kwargs[mark.where] = mark.kwargs
+        why = _keep(gm, nodes, mark)
+        if why is None:
             kept[mark.where] = kept.get(mark.where, 0) + 1
         else:
-            note = traced_through_note(mark.where, frontend, "a value leaves its block and comes back into it")
+            for node in nodes:
+                node.meta.pop(CHECKPOINT, None)
+            note = traced_through_note(mark.where, frontend, why)
             warnings.warn(f"fxamp: {note}", stacklevel=4)
             notes.append(note)
     for where, count in kept.items():
         calls = f" ({count} calls)" if count > 1 else ""
         notes.append(f"activation checkpointing at {where} kept{calls}: the converted block runs under "
-                     f"torch.utils.checkpoint.checkpoint; its weight casts run once per forward outside it")
+                     f"torch.utils.checkpoint.checkpoint({', '.join(f'{k}={v!r}' for k, v in mark_kwargs[where])}); "
+                     f"its weight casts are made inside it, and again when backward recomputes it")
     if regions:
         gm.graph.lint()
         gm.recompile()
@@ -131,38 +138,42 @@ def _convex(region: Set[fx.Node]) -> bool:
     return True
 
 
-def _keep(gm: fx.GraphModule, marked: List[fx.Node], mark: CheckpointMark) -> bool:
+def _keep(gm: fx.GraphModule, marked: List[fx.Node], mark: CheckpointMark) -> Optional[str]:
+    """Move the region into a checkpointed call; None when done, else why it was not."""
     graph = gm.graph
-    _split_weight_casts(graph, _region(graph, marked))
+    _split_weight_casts(graph, _region(graph, marked))  # the same computation, in two calls
     region = _region(graph, marked)
     if not _convex(region):
-        for node in marked:
-            node.meta.pop(CHECKPOINT, None)
-        return False
+        return "a value leaves its block and comes back into it"
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = sorted(region, key=order.__getitem__)
     first, last = nodes[0], nodes[-1]
-    span = [n for n in graph.nodes if order[first] <= order[n] <= order[last] and n not in region]
 
-    # the block's inputs (values from outside, the modules it calls) and outputs (values used after it)
+    # the block's inputs (values from outside, then the modules it calls) and outputs (values used after it)
     inputs: List[fx.Node] = []
     for node in nodes:
         for value in node.all_input_nodes:
             if value not in region and value not in inputs:
                 inputs.append(value)
-    modules: Dict[str, fx.Node] = {}
-    for node in nodes:
-        if node.op == "call_module" and str(node.target) not in modules:
-            with graph.inserting_before(first):
-                modules[str(node.target)] = graph.get_attr(str(node.target))
+    modules = list(dict.fromkeys(str(n.target) for n in nodes if n.op == "call_module"))
     outputs = [n for n in nodes if any(u not in region for u in n.users)]
+    try:
+        block = _block(graph, nodes, inputs, modules, outputs)
+    except Exception as e:  # a node fx cannot copy: the graph is unchanged, the block runs unkept
+        return f"its block could not be rebuilt: {type(e).__name__}: {e}"
+    name, i = f"{BLOCK_NAME}_{mark.region}", 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{BLOCK_NAME}_{mark.region}_{i}"
+    gm.add_module(name, block)
 
     # the outside nodes between its first and last node: those it needs go before it, the rest after
+    span = [n for n in graph.nodes if order[first] <= order[n] <= order[last] and n not in region]
     needed: Set[fx.Node] = set()
     todo = list(inputs)
     while todo:
         node = todo.pop()
-        if node in needed or node not in order or order[node] < order[first]:
+        if node in needed or order[node] < order[first]:
             continue
         needed.add(node)
         todo.extend(node.all_input_nodes)
@@ -170,37 +181,11 @@ def _keep(gm: fx.GraphModule, marked: List[fx.Node], mark: CheckpointMark) -> bo
         if node in needed and node.op != "placeholder":  # (a placeholder is bound at the call, wherever it is)
             first.prepend(node)
 
-    # the block as a graph of its own: inputs become placeholders, each module call a call of an input
-    sub = fx.Graph()
-    sub._tracer_cls = graph._tracer_cls  # unpickling traces its code again with fxamp's tracer
-    sub._tracer_extras = getattr(graph, "_tracer_extras", None)
-    env: Dict[fx.Node, fx.Node] = {}
-    for value in [*inputs, *modules.values()]:
-        env[value] = sub.placeholder(value.name)
-        env[value].meta = {k: v for k, v in value.meta.items() if k != CHECKPOINT}
-    for node in nodes:
-        if node.op == "call_module":
-            module = env[modules[str(node.target)]]
-            new = sub.call_method("__call__", (module, *fx.map_arg(node.args, env.__getitem__)),
-                                  fx.map_arg(node.kwargs, env.__getitem__))
-            new.meta = dict(node.meta)
-        else:
-            new = sub.node_copy(node, env.__getitem__)
-        new.meta.pop(CHECKPOINT, None)
-        env[node] = new
-    sub.output(tuple(env[o] for o in outputs))
-    block = fx.GraphModule(gm, sub, class_name="CheckpointedBlock")
-    name, i = f"{BLOCK_NAME}_{mark.region}", 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"{BLOCK_NAME}_{mark.region}_{i}"
-    gm.add_module(name, block)
-
     # the call, its outputs, then the outside nodes that came after the block's first node
-    with graph.inserting_after(last):
+    with graph.inserting_before(last.next):  # in this order, after the block's last node
+        module_nodes = [graph.get_attr(target) for target in modules]
         block_node = graph.get_attr(name)
-    with graph.inserting_after(block_node):
-        call = graph.call_function(checkpointed, (block_node, *inputs, *modules.values()), dict(mark.kwargs))
+        call = graph.call_function(checkpointed, (block_node, *inputs, *module_nodes), dict(mark.kwargs))
     after = call
     results = {}
     for k, out in enumerate(outputs):
@@ -216,4 +201,29 @@ def _keep(gm: fx.GraphModule, marked: List[fx.Node], mark: CheckpointMark) -> bo
         out.replace_all_uses_with(value, delete_user_cb=lambda user: user not in region)
     for node in reversed(nodes):
         graph.erase_node(node)
-    return True
+    return None
+
+
+def _block(graph: fx.Graph, nodes: List[fx.Node], inputs: List[fx.Node], modules: List[str],
+           outputs: List[fx.Node]) -> fx.GraphModule:
+    """The region as a graph module of its own: inputs and modules become placeholders, a module call a
+    call of its placeholder; it holds no parameter and no module."""
+    sub = fx.Graph()
+    sub._tracer_cls = graph._tracer_cls  # unpickling traces its code again with fxamp's tracer
+    sub._tracer_extras = getattr(graph, "_tracer_extras", None)
+    env: Dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = sub.placeholder(value.name)
+        env[value].meta = {k: v for k, v in value.meta.items() if k != CHECKPOINT}
+    called = {target: sub.placeholder(target.replace(".", "_") + "_module") for target in modules}
+    for node in nodes:
+        if node.op == "call_module":
+            new = sub.call_method("__call__", (called[str(node.target)], *fx.map_arg(node.args, env.__getitem__)),
+                                  fx.map_arg(node.kwargs, env.__getitem__))
+            new.meta = dict(node.meta)
+        else:
+            new = sub.node_copy(node, env.__getitem__)
+        new.meta.pop(CHECKPOINT, None)
+        env[node] = new
+    sub.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(nn.Module(), sub, class_name="CheckpointedBlock")
