@@ -28,7 +28,7 @@ STAGES: Dict[str, int] = {
     "conversion.inference": 5, "conversion.runtime": 5,
     "conversion.capture": 6,  # and every conversion.capture.* module
     "conversion.classify": 7,
-    "conversion.rewrite": 8, "conversion.attention": 8, "conversion.debug": 8,
+    "conversion.rewrite": 8, "conversion.attention": 8, "conversion.debug": 8, "conversion.checkpointing": 8,
     "conversion.pipeline": 9, "conversion.lazy": 9,
     "conversion.convert": 10,
     # the training wing

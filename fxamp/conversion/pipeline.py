@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from .attention import low_precision_attention
 from .capture import Captured
+from .checkpointing import keep_checkpoints
 from .classify import annotate, unused_overrides
 from .debug import add_overflow_checks
 from ..info import INFO_ATTR, ConversionInfo
@@ -59,6 +60,8 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
     leaf_notes = (_float32_leaves(gm, decisions) if policy.enabled else []) + unused_overrides(gm, options)
     for note in leaf_notes:
         warnings.warn(f"fxamp: {note}", stacklevel=3)
+    # after the casts (and overflow checks) exist: each checkpointed block takes its casts along
+    leaf_notes += keep_checkpoints(gm, captured.frontend)
     info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes) + tuple(leaf_notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)

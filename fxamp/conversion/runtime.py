@@ -25,7 +25,7 @@ from .graph import decision_of
 
 __all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "multi_head_attention",
            "StorageCheck", "check_storage", "refuse_dtype_change",
-           "WeightCastCache", "NodeErrors", "name_failing_nodes"]
+           "WeightCastCache", "NodeErrors", "name_failing_nodes", "checkpointed"]
 
 
 def cast(x: Any, dtype: torch.dtype) -> Any:
@@ -181,6 +181,17 @@ class _CastWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, *grads)
+
+
+def checkpointed(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(block, *args, **kwargs)``: a block the user checkpointed.
+
+    A function of its own so that torch.fx keeps it a call when it traces a converted module again
+    (unpickling) instead of tracing through ``checkpoint``.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(block, *args, **kwargs)
 
 
 def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,

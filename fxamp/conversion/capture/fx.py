@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ...errors import TraceError
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
-from ..runtime import attention, call_module_cast, cast, cast_weights, multi_head_attention
+from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values, fit_scalar
 from .regions import confirmed, copy_root_hooks, fx_region_error, scan
@@ -88,7 +88,8 @@ class _Tracer(fx.Tracer):
     # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
-        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, attention, multi_head_attention,
+        super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, checkpointed, attention,
+                                             multi_head_attention,
                                              fit_scalar, canonical_masks, causal_hint, fast_path_padding))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths

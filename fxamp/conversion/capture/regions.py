@@ -8,9 +8,11 @@ What is not a tensor op is not recorded by itself:
   higher-order-op regions (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``); torch.fx records
   nothing of them, so the fx front end refuses a model that has one (:func:`fx_region_error`) and
   ``capture``/``convert`` go to torch.export (from the example inputs, or at the first call);
-- ``torch.utils.checkpoint.checkpoint(block, ...)``: both front ends trace through it, so the
-  converted block saves its activations; each such call is noted and warned with its line
-  (:func:`capture_notes`; keeping the checkpoint is not done yet);
+- ``torch.utils.checkpoint.checkpoint(block, ...)``: both front ends trace through it.  The nodes
+  the checkpointed callable made are marked (``meta[CHECKPOINT]``, one region per call, by
+  :func:`mark_checkpoints`), and after the rewrite ``conversion/checkpointing.py`` runs each
+  region as a checkpointed call of the rewritten block; a call whose block cannot be told apart
+  (or ``checkpoint_sequential``) is noted and warned with its line as traced through;
 - forward hooks on the root: export traces them into the graph; the fx front end registers them
   on the converted module (:func:`copy_root_hooks`);
 - Python state changed in ``forward`` (``self.calls += 1``, a cache on ``self``) and ``print``:
@@ -38,14 +40,38 @@ import torch.nn as nn
 from ...errors import TraceError
 from .common import warn
 
-__all__ = ["Finding", "scan", "confirmed", "frames_of", "fx_region_error", "region_note", "python_state_notes",
-           "copy_root_hooks", "region_notes", "capture_notes", "CHECKPOINT_CALLS"]
+__all__ = ["Finding", "CallInfo", "scan", "confirmed", "frames_of", "fx_region_error", "region_note",
+           "python_state_notes", "copy_root_hooks", "region_notes", "capture_notes", "mark_checkpoints",
+           "traced_through_note", "CheckpointMark", "CHECKPOINT", "CHECKPOINT_CALLS"]
 
 _GRAD = {"no_grad", "enable_grad", "set_grad_enabled", "inference_mode"}
 _AUTOCAST = {"autocast"}
 #: the names a checkpoint call goes by (``torch.utils.checkpoint.checkpoint``, ``checkpoint_sequential``)
 CHECKPOINT_CALLS = {"checkpoint", "checkpoint_sequential"}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+#: ``node.meta[CHECKPOINT]``: the :class:`CheckpointMark` of a node the checkpointed callable made
+CHECKPOINT = "fxamp_checkpoint"
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """What a ``checkpoint(...)`` call's source says: the callable, its arguments, its keywords."""
+
+    name: str  # "checkpoint" or "checkpoint_sequential"
+    callee: str  # the first argument as written ("self.block", "layer"), "" if not a plain name
+    simple_args: bool  # the other arguments are names or constants: nothing is computed on the line
+    kwargs: Tuple[Tuple[str, object], ...]  # keywords with literal values (use_reentrant=False, ...)
+    opaque: Tuple[str, ...]  # keywords whose value is not a literal (context_fn=...)
+
+
+@dataclass(frozen=True)
+class CheckpointMark:
+    """One checkpointed call: its region number, where it is written, the keywords to call checkpoint with."""
+
+    region: int
+    where: str  # region_note() of the call
+    kwargs: Tuple[Tuple[str, object], ...]
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class Finding:
     code: str  # the source line, stripped
     owner: str  # the class whose forward holds it
     body: Tuple[int, int] = (0, 0)  # a region's body lines; a call's own line range otherwise
+    call: Optional[CallInfo] = None  # a checkpoint call's arguments
 
     @property
     def where(self) -> str:
@@ -100,11 +127,11 @@ def _scan_class(cls: type) -> List[Finding]:
     off = start - 1
     out: List[Finding] = []
 
-    def add(kind: str, node: ast.AST, body: Tuple[int, int]) -> None:
+    def add(kind: str, node: ast.AST, body: Tuple[int, int], call: Optional[CallInfo] = None) -> None:
         line = node.lineno + off
         code = lines[node.lineno - 1].strip() if node.lineno - 1 < len(lines) else ""
         out.append(Finding(kind, file, line, (getattr(node, "end_lineno", None) or node.lineno) + off, code,
-                           cls.__name__, (body[0] + off, body[1] + off)))
+                           cls.__name__, (body[0] + off, body[1] + off), call))
 
     for dec in func.decorator_list:  # @torch.no_grad() on forward: the whole body is the region
         name = _dotted(dec).rsplit(".", 1)[-1]
@@ -120,7 +147,7 @@ def _scan_class(cls: type) -> List[Finding]:
         elif isinstance(node, ast.Call):
             name = _dotted(node.func)
             if name.rsplit(".", 1)[-1] in CHECKPOINT_CALLS:
-                add("checkpoint", node, (node.lineno, node.end_lineno or node.lineno))
+                add("checkpoint", node, (node.lineno, node.end_lineno or node.lineno), _call_info(node, name))
             elif name == "print":
                 add("print", node, (node.lineno, node.lineno))
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
@@ -130,6 +157,27 @@ def _scan_class(cls: type) -> List[Finding]:
                 if attr is not None:
                     add("state:" + attr, node, (node.lineno, node.end_lineno or node.lineno))
     return out
+
+
+def _simple(expr: ast.AST) -> bool:
+    """A name, a constant or an attribute of a name: evaluating it makes no graph node."""
+    if isinstance(expr, ast.Starred):
+        expr = expr.value
+    while isinstance(expr, ast.Attribute):
+        expr = expr.value
+    return isinstance(expr, (ast.Name, ast.Constant))
+
+
+def _call_info(node: ast.Call, name: str) -> CallInfo:
+    callee = _dotted(node.args[0]) if node.args and isinstance(node.args[0], (ast.Name, ast.Attribute)) else ""
+    kwargs, opaque = [], []
+    for kw in node.keywords:
+        try:
+            kwargs.append((kw.arg, ast.literal_eval(kw.value)))
+        except (ValueError, TypeError, SyntaxError):
+            opaque.append(kw.arg or "**")
+    return CallInfo(name.rsplit(".", 1)[-1], callee, all(_simple(a) for a in node.args[1:]), tuple(kwargs),
+                    tuple(opaque))
 
 
 def scan(model: nn.Module, skip: Sequence[str] = ()) -> List[Tuple[str, nn.Module, Finding]]:
@@ -261,14 +309,117 @@ def region_notes(model: nn.Module, gm: fx.GraphModule, subgraphs: Sequence[nn.Mo
     return notes
 
 
+def traced_through_note(where: str, frontend: str, why: str) -> str:
+    """The note (and warning text) for a checkpoint call whose block runs without checkpointing."""
+    return (f"activation checkpointing at {where} was traced through ({frontend}): the converted block's "
+            f"activations are saved for backward ({why}). What to do: convert the checkpointed block "
+            f"separately and checkpoint the converted block")
+
+
+def _module_paths(node: fx.Node) -> List[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [str(v[0]) for v in stack.values() if isinstance(v, tuple) and v]
+
+
+def _call_frame(frames: List[Tuple[str, int]], f: Finding) -> Optional[int]:
+    """The index of the frame on the call's lines that called deeper, or None."""
+    for i, (file, line) in enumerate(frames[:-1]):
+        if file == f.file and f.line <= line <= f.end:
+            return i
+    return None
+
+
+def _callee_path(path: str, m: nn.Module, callee: str) -> Optional[str]:
+    """The module path of ``self.a.b`` (the checkpointed callable) when it is a submodule, else None."""
+    parts = callee.split(".")
+    if len(parts) < 2 or parts[0] != "self":
+        return None
+    value: object = m
+    for part in parts[1:]:
+        value = getattr(value, part, None)
+    if not isinstance(value, nn.Module):
+        return None
+    return ".".join(p for p in [path, *parts[1:]] if p)
+
+
+def mark_checkpoints(found: Iterable[Tuple[str, nn.Module, Finding]], gm: fx.GraphModule, frontend: str,
+                     first_region: int = 0) -> List[str]:
+    """Mark the nodes each ``checkpoint(...)`` call's callable made (``meta[CHECKPOINT]``); notes for the rest.
+
+    A node is the callable's when its stack trace passes through the call's line and goes deeper:
+    through ``torch/utils/checkpoint.py`` (the fx front end records every frame), inside the
+    callable's module (``self.block``: its ``nn_module_stack``), or anywhere deeper when the other
+    arguments compute nothing (``checkpoint(layer, h)``).  Consecutive nodes of one call are one
+    region; a loop's calls of different modules are one region each.
+    """
+    notes: List[str] = []
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    region = first_region
+    for path, m, f in found:
+        where = region_note(path, f)
+        info = f.call
+        if info is None or info.name != "checkpoint" or info.opaque:
+            why = ("checkpoint_sequential is not kept" if info is not None and info.name != "checkpoint" else
+                   f"its keyword(s) {', '.join(info.opaque)} are not literals fxamp can pass on" if info else "")
+            notes.append(traced_through_note(where, frontend, why or "its call could not be read"))
+            continue
+        target = _callee_path(path, m, info.callee)
+        kwargs = dict(info.kwargs)
+        kwargs.setdefault("use_reentrant", False)
+        runs: List[List[fx.Node]] = []
+        open_run, run_key = False, None
+        ambiguous = False
+        for node in ops:
+            frames = frames_of(node)
+            i = _call_frame(frames, f)
+            if i is None:
+                if node.meta.get("stack_trace"):
+                    open_run = False  # an op of the model between two calls: the next call is a new region
+                continue
+            deeper = frames[i + 1:]
+            if any(file.endswith(_CHECKPOINT_FILE) for file, _ in deeper):
+                inside = deeper[0][0].endswith(_CHECKPOINT_FILE)
+            elif target is not None:
+                inside = target in _module_paths(node)
+            elif info.simple_args:
+                inside = True
+            else:
+                ambiguous = True
+                break
+            if not inside:
+                open_run = False
+                continue
+            below = [p for p in _module_paths(node) if p and not (path == p or path.startswith(p + "."))]
+            top = target or (below[0] if below else None)
+            if not open_run or (top and run_key and top != run_key):  # a loop's next call: another module
+                runs.append([])
+                open_run, run_key = True, top
+            elif run_key is None:
+                run_key = top
+            runs[-1].append(node)
+        if ambiguous or not runs:
+            notes.append(traced_through_note(
+                where, frontend, "its block's ops could not be told apart from those computing its arguments: "
+                "pass the arguments as plain names" if ambiguous else "no op of its block was captured"))
+            continue
+        for run in runs:
+            for node in run:
+                node.meta[CHECKPOINT] = CheckpointMark(region, where, tuple(kwargs.items()))
+            region += 1
+    return notes
+
+
 def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Sequence[str] = ()) -> List[str]:
-    """Notes (and warnings) for what ran once at capture: Python state, ``print``, checkpoint calls."""
+    """Notes (and warnings) for what ran once at capture (Python state, ``print``); checkpoint calls marked.
+
+    A checkpoint call whose block cannot be marked is noted and warned here; the marked ones are
+    kept or noted after the rewrite (``conversion/checkpointing.py``).
+    """
     found = scan(model, skip)
     notes = python_state_notes(found, frontend)
     graphs = [gm.graph] + [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
-    for path, _, f in confirmed([x for x in found if x[2].kind == "checkpoint"], graphs):
-        notes.append(f"activation checkpointing at {region_note(path, f)} was traced through ({frontend}): the "
-                     f"converted block's activations are saved for backward. What to do: convert the "
-                     f"checkpointed block separately and checkpoint the converted block")
-        warn(notes[-1])
+    calls = confirmed([x for x in found if x[2].kind == "checkpoint"], graphs)
+    for note in mark_checkpoints(calls, gm, frontend):
+        notes.append(note)
+        warn(note)
     return notes
