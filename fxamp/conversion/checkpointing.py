@@ -38,9 +38,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.regions import CHECKPOINT, CheckpointMark, traced_through_note
+from .graph import CAST, rename_node
 from .runtime import cast_weights, checkpointed
 
-__all__ = ["keep_checkpoints", "BLOCK_NAME"]
+__all__ = ["keep_checkpoints", "checkpoint_calls", "inline_checkpoints_", "BLOCK_NAME"]
 
 #: the sub-``GraphModule`` of the i-th checkpointed block is the child ``f"{BLOCK_NAME}_{i}"``
 BLOCK_NAME = "_fxamp_checkpoint"
@@ -218,8 +219,9 @@ def _block(graph: fx.Graph, nodes: List[fx.Node], inputs: List[fx.Node], modules
     called = {target: sub.placeholder(target.replace(".", "_") + "_module") for target in modules}
     for node in nodes:
         if node.op == "call_module":
-            new = sub.call_method("__call__", (called[str(node.target)], *fx.map_arg(node.args, env.__getitem__)),
-                                  fx.map_arg(node.kwargs, env.__getitem__))
+            new = sub.create_node("call_method", "__call__",
+                                  (called[str(node.target)], *fx.map_arg(node.args, env.__getitem__)),
+                                  fx.map_arg(node.kwargs, env.__getitem__), name=node.name)
             new.meta = dict(node.meta)
         else:
             new = sub.node_copy(node, env.__getitem__)
@@ -227,3 +229,68 @@ def _block(graph: fx.Graph, nodes: List[fx.Node], inputs: List[fx.Node], modules
         env[node] = new
     sub.output(tuple(env[o] for o in outputs))
     return fx.GraphModule(nn.Module(), sub, class_name="CheckpointedBlock")
+
+
+def checkpoint_calls(gm: fx.GraphModule) -> List[fx.Node]:
+    """The nodes of ``gm`` that call a checkpointed block."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is checkpointed]
+
+
+def inline_checkpoints_(gm: fx.GraphModule) -> int:
+    """Put each checkpointed block's ops back in ``gm``'s own graph, in place; returns how many blocks.
+
+    The report's view of a converted module: every op in one graph, with its decision and the casts
+    in front of it (checkpointing changes what backward keeps, not what forward computes).  Call it
+    on a copy: the module then no longer checkpoints.
+    """
+    graph = gm.graph
+    calls = checkpoint_calls(gm)
+    attrs = {a for call in calls for a in call.args if isinstance(a, fx.Node) and a.op == "get_attr"}
+    for call in calls:
+        block_node, args = call.args[0], call.args[1:]
+        block = gm.get_submodule(str(block_node.target))
+        placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
+        env: Dict[fx.Node, fx.Node] = dict(zip(placeholders, args))
+        module_of = {p: str(a.target) for p, a in zip(placeholders, args) if a.op == "get_attr" and _is_module(gm, a)}
+        names = {n.name for n in graph.nodes}
+        result = None
+        with graph.inserting_before(call):
+            for node in block.graph.nodes:
+                if node.op == "placeholder":
+                    continue
+                if node.op == "output":
+                    result = fx.map_arg(node.args[0], env.__getitem__)
+                    break
+                if node.op == "call_method" and node.target == "__call__" and node.args[0] in module_of:
+                    new = graph.call_module(module_of[node.args[0]], fx.map_arg(node.args[1:], env.__getitem__),
+                                            fx.map_arg(node.kwargs, env.__getitem__))
+                    new.meta = dict(node.meta)
+                else:
+                    new = graph.node_copy(node, env.__getitem__)
+                if new.name != node.name and node.name not in names:
+                    rename_node(graph, new, node.name)  # the name it had before keep_checkpoints moved it
+                names.add(new.name)
+                env[node] = new
+        for user in list(call.users):  # out = checkpointed(...); y = out[k]
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(call)
+    for node in attrs:
+        if not node.users:
+            graph.erase_node(node)  # the blocks, and the modules only they were called with
+    by_name = {n.name: n for n in graph.nodes}
+    for node in graph.nodes:  # a cast whose source moved into a block (and now back): point it at the copy
+        if CAST in node.meta and node.meta[CAST][0].name in by_name:
+            source, dtype = node.meta[CAST]
+            node.meta[CAST] = (by_name[source.name], dtype)
+    if calls:
+        graph.lint()
+        gm.recompile()
+    return len(calls)
+
+
+def _is_module(gm: fx.GraphModule, node: fx.Node) -> bool:
+    try:
+        return isinstance(gm.get_submodule(str(node.target)), nn.Module)
+    except AttributeError:
+        return False

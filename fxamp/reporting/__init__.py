@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..conversion.checkpointing import checkpoint_calls, inline_checkpoints_
 from ..conversion.convert import convert, policy_of
 from ..conversion.lazy import LazyConverted
 from ..policy import Policy
@@ -106,6 +107,9 @@ def report(
         source = copy.deepcopy(model) if (inputs is not None or example_kwargs) else model
         gm = convert(source, "O1" if policy is None else policy, dtype=dtype, example_inputs=inputs,
                      example_kwargs=example_kwargs, **convert_options)
+    if checkpoint_calls(gm):  # every op in one table: the blocks run inline in the report's own copy
+        gm = copy.deepcopy(gm) if gm is model else gm
+        inline_checkpoints_(gm)
     observed = observe(gm, inputs, example_kwargs or {}) if (inputs is not None or example_kwargs) else None
     rep = build(gm, type(model).__name__, inputs or (), example_kwargs or {}, observed)
     if numerics:

@@ -431,3 +431,37 @@ def test_the_idle_cast_legend_shows_a_cast_of_this_report():
     assert "(x→fp32)" in text  # the input cast in front of norm1: already float32
     assert "(a→fp32): a run-time checked cast that changed nothing for these inputs" in text
     assert "a→fp16" not in text
+
+
+class _Block(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.a, self.b = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.checkpointed:
+            from torch.utils.checkpoint import checkpoint
+
+            y = checkpoint(self.b, h, use_reentrant=False)
+        else:
+            y = self.b(h)
+        return y.softmax(-1)
+
+
+def test_a_checkpointed_block_is_reported_op_by_op_as_without_checkpointing():
+    """The report inlines kept checkpoints (in its own copy): the same rows as the unchecked model."""
+    def table(rep):  # by node: a parameter read may stand elsewhere in the inlined graph
+        return {r.node: (r.op, r.module, r.resolved.value, r.input_dtypes, r.compute, r.output_dtype,
+                         tuple(str(c) for c in r.casts)) for r in rep.rows}
+
+    x = torch.randn(2, 8)
+    plain = fxamp.report(_Block(False), (x,), dtype=torch.bfloat16)
+    kept = fxamp.report(_Block(True), (x,), dtype=torch.bfloat16)
+    assert any("activation checkpointing at" in n and "kept" in n for n in kept.notes)
+    assert table(kept) == table(plain)
+    amp = fxamp.convert(_Block(True), "O1", dtype=torch.bfloat16)
+    assert table(fxamp.report(amp)) == table(fxamp.report(fxamp.convert(_Block(False), "O1", dtype=torch.bfloat16)))
+    out = amp(x)  # the converted module itself still checkpoints: the report inlined a copy
+    assert "checkpointed" in amp.code and torch.isfinite(out).all()
