@@ -281,7 +281,8 @@ class LazyConverted(nn.Module):
     def _key(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The cache key of a call: its signature, and the sizes of the dims its capture kept static."""
         key = _signature(args, kwargs)
-        static_sizes = self._fxamp_static.get(key)
+        # setdefault: a module pickled before this table existed has none
+        static_sizes = self.__dict__.setdefault("_fxamp_static", {}).get(key)
         return key if static_sizes is None else (key, static_sizes(args, kwargs))
 
     def _learn_static(self, gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -289,7 +290,7 @@ class LazyConverted(nn.Module):
         and return the call's key with their sizes: another size of one of them captures again."""
         static_sizes = gm.meta.get(STATIC_SIZES)
         if static_sizes is not None and static_sizes(args, kwargs):
-            self._fxamp_static[_signature(args, kwargs)] = static_sizes
+            self.__dict__.setdefault("_fxamp_static", {})[_signature(args, kwargs)] = static_sizes
         return self._key(args, kwargs)
 
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
