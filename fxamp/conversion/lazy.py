@@ -13,7 +13,9 @@ the graph is captured at the first call, from the real arguments, and again for 
 
     forward(*args, **kwargs)
       ├─ signature: positional count, sorted keyword names, per tensor leaf dtype, device and which
-      │  sizes are 0/1 (export specialises those), other leaves' values; None keywords dropped
+      │  sizes are 0/1 (export specialises those), other leaves' values; None keywords dropped; and,
+      │  once a capture of that signature kept dims static (image sizes under dynamic='batch', a
+      │  sequence dim the model loops over), the call's sizes of those dims: a new size captures again
       ├─ cache hit (LRU, ``max_signatures``)  → that graph
       └─ miss → capture(frontend="export") on the shared module tree, parameters float32 for the
          capture only → classify → rewrite with the storage kept (casts where a consumer wants
@@ -45,6 +47,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import Captured, capture
+from .capture.shapes import STATIC_SIZES
 from ..info import INFO_ATTR, ConversionInfo, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
@@ -194,6 +197,8 @@ class LazyConverted(nn.Module):
         d["_fxamp_options"] = options
         d["_fxamp_fx_error"] = _detached(fx_error)
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
+        # signature -> static_sizes(args, kwargs) of its latest capture: the sizes of the dims it kept static
+        d["_fxamp_static"] = {}
         d["_fxamp_last"] = None
         d["_fxamp_captures"] = 0
         why = (f"torch.fx could not trace the model ({fx_error.short})" if fx_error is not None
@@ -255,7 +260,7 @@ class LazyConverted(nn.Module):
 
     def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        key = _signature(args, kwargs)
+        key = self._key(args, kwargs)
         cache = self._fxamp_cache
         entry_key = (key, None) if (key, None) in cache else (key, self.training)
         entry = cache.get(entry_key)
@@ -273,15 +278,31 @@ class LazyConverted(nn.Module):
             gm._buffers.update(self._buffers)
         return gm(*args, **kwargs)
 
+    def _key(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The cache key of a call: its signature, and the sizes of the dims its capture kept static."""
+        key = _signature(args, kwargs)
+        # setdefault: a module pickled before this table existed has none
+        static_sizes = self.__dict__.setdefault("_fxamp_static", {}).get(key)
+        return key if static_sizes is None else (key, static_sizes(args, kwargs))
+
+    def _learn_static(self, gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Remember which dims this capture kept static (torch.export fixed them, or dynamic= asked it),
+        and return the call's key with their sizes: another size of one of them captures again."""
+        static_sizes = gm.meta.get(STATIC_SIZES)
+        if static_sizes is not None and static_sizes(args, kwargs):
+            self.__dict__.setdefault("_fxamp_static", {})[_signature(args, kwargs)] = static_sizes
+        return self._key(args, kwargs)
+
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
         root = self._fxamp_root
         root.training = self.training
-        description = _describe(root, args, kwargs)
         with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
                                graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
+        key = self._learn_static(captured.graph_module, args, kwargs)
+        description = _describe(root, args, kwargs, _static(captured.graph_module, args, kwargs))
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "
                                      f"predicted from the module tree (fxamp.LazyConverted)"])
@@ -297,11 +318,12 @@ class LazyConverted(nn.Module):
         gm = captured.graph_module
         gm._parameters.update(self._parameters)  # root-level tensors: the ones in their storage dtypes
         gm._buffers.update(self._buffers)
-        description = _describe(self._fxamp_root, args, kwargs)
+        description = _describe(self._fxamp_root, args, kwargs, _static(gm, args, kwargs))
+        key = self._learn_static(gm, args, kwargs)
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at convert time from the example inputs {description}; parameter "
                                      f"storage predicted from the module tree (fxamp.LazyConverted)"])
-        self._store(_signature(args, kwargs), description, captured.only_mode, gm)
+        self._store(key, description, captured.only_mode, gm)
 
     def _store(self, key: Any, description: str, mode: Optional[bool], gm: fx.GraphModule) -> _Entry:
         """Cache a converted graph for ``key`` (and ``mode`` when it is right in one mode only)."""
@@ -361,6 +383,7 @@ class LazyConverted(nn.Module):
         copy captures again at its first call."""
         state = dict(self.__dict__)
         state["_fxamp_cache"] = collections.OrderedDict()
+        state["_fxamp_static"] = {}
         state["_fxamp_last"] = None
         state["_fxamp_notes"] = list(self._fxamp_notes)
         return state
@@ -457,17 +480,31 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves))
 
 
-def _describe_value(value: Any) -> str:
+def _static(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Dict[int, int]]:
+    """Input name -> {dim: size} for the dims this capture kept static (a new size captures again)."""
+    static_sizes = gm.meta.get(STATIC_SIZES)
+    out: Dict[str, Dict[int, int]] = {}
+    for name, dim, size in static_sizes(args, kwargs) if static_sizes is not None else ():
+        out.setdefault(name, {})[dim] = size
+    return out
+
+
+def _describe_value(value: Any, static: Optional[Dict[int, int]] = None) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{short_name(value.dtype)}[" + ",".join("*" if s > 1 else str(s) for s in value.shape) + "]"
+        static = static or {}
+        return f"{short_name(value.dtype)}[" + ",".join(
+            "*" if s > 1 and i not in static else str(s) for i, s in enumerate(value.shape)) + "]"
     leaves = pytree.tree_leaves(value)
     if leaves and any(isinstance(leaf, torch.Tensor) for leaf in leaves) or len(leaves) > 1:
         return type(value).__name__ + "(" + ", ".join(_describe_value(v) for v in leaves) + ")"
     return repr(value)
 
 
-def _describe(root: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
-    """``(input_ids=i64[*,*], labels=i64[*,*])``: the arguments by name, * for a dynamic size."""
+def _describe(root: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+              static: Optional[Dict[str, Dict[int, int]]] = None) -> str:
+    """``(input_ids=i64[*,*], labels=i64[*,*])``: the arguments by name, * for a dynamic size (``static``:
+    input name -> {dim: size} of the dims the capture kept static, written as their sizes)."""
+    static = static or {}
     try:
         signature = inspect.signature(root.forward)
         bound = signature.bind(*args, **kwargs).arguments
@@ -482,7 +519,7 @@ def _describe(root: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) ->
                 named.append((name, value))
     except (TypeError, ValueError):
         named = [(f"args[{i}]", v) for i, v in enumerate(args)] + list(kwargs.items())
-    return "(" + ", ".join(f"{name}={_describe_value(v)}" for name, v in named) + ")"
+    return "(" + ", ".join(f"{name}={_describe_value(v, static.get(name))}" for name, v in named) + ")"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,13 +22,17 @@ the user) see the same module they would get from the fx front end:
 
 3. **Shapes.**  ``dynamic="batch"`` (:class:`~fxamp.conversion.options.Dynamic`) marks the dims users change as ``Dim.AUTO``: dim 0 (batch) of every
    tensor input, dim 1 of integer and bool inputs of rank ≥ 2 (token ids, masks: the sequence) and
-   of float inputs of rank 3 (``(batch, length, features)``, or ``(length, batch, features)``);
-   image-like float inputs (rank ≥ 4) keep their spatial sizes static, since symbolic heights and
-   widths through window attention cost minutes of export time.  ``dynamic="all"`` makes every dim
-   ``Dim.AUTO``; ``dynamic="none"`` none; ``dynamic_shapes=`` goes to ``torch.export`` as given.
-   Export keeps a dim symbolic unless the model forces it (a channel count); sizes of 1 in the
-   example are specialised, so use examples with batch and length ≥ 2.  The note in
-   ``Captured.notes`` says which dimensions stayed dynamic.
+   of float inputs of rank 2 and 3 (``(batch, samples)`` waveforms, ``(batch, length, features)``,
+   or ``(length, batch, features)``); image-like float inputs (rank ≥ 4) keep their spatial sizes
+   static, since symbolic heights and widths through window attention cost minutes of export time.
+   ``dynamic="all"`` makes every dim ``Dim.AUTO``; ``dynamic="none"`` none; ``dynamic_shapes=``
+   goes to ``torch.export`` as given.  ``Dim.AUTO`` lets what the model does decide: export keeps
+   a dim symbolic unless the model fixes it (a ``Linear`` over a ``(batch, features)`` input, a
+   Python loop over the positions, a ``view`` to a constant size); sizes of 0 and 1 in the example
+   are specialised too, so use examples with batch and length ≥ 2.  The note in ``Captured.notes``
+   says which dims stayed dynamic, and names each dim asked dynamic that the capture fixed; a call
+   with another size of such a dim is refused with that reason (a lazily capturing module captures
+   again instead, :mod:`fxamp.conversion.lazy`).
 
 4. **Inputs and outputs.**  The module is called with the original ``forward``'s signature
    (positional or keyword, as the original allows); non-tensor inputs given at capture
@@ -75,6 +79,8 @@ from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 from .regions import region_notes
+from .shapes import STATIC_SIZES, asked_dims, fixed_dims, shape_note
+from .shapes import dynamic_shapes as usual_dynamic_shapes
 
 __all__ = ["ExportFrontEnd"]
 
@@ -112,10 +118,13 @@ class ExportFrontEnd:
         if dynamic_shapes is not None:
             self.dynamic_shapes = dynamic_shapes
         elif dynamic is not Dynamic.NONE:
-            self.dynamic_shapes = _dynamic_shapes(self.signature, self.args, self.kwargs,
-                                                  every_dim=dynamic is Dynamic.ALL)
+            self.dynamic_shapes = usual_dynamic_shapes(self.signature, self.args, self.kwargs,
+                                                        every_dim=dynamic is Dynamic.ALL)
         else:
             self.dynamic_shapes = None
+        # top-level input name -> the dims asked dynamic (BATCH/ALL), to name those the capture fixed
+        self.asked = asked_dims(self.signature, self.args, self.kwargs, self.dynamic_shapes) \
+            if dynamic_shapes is None else {}
         self.dropped: List[str] = []
         self.subgraphs: List[nn.Module] = []
 
@@ -147,9 +156,10 @@ class ExportFrontEnd:
     def finish(self, gm: fx.GraphModule) -> List[str]:
         relaxed = _relax_dtype_asserts(gm, self.subgraphs)
         dedupe_get_attrs(gm.graph)
-        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs, self.dynamic)
+        fixed = fixed_dims(gm, self.asked)
+        _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs, self.dynamic, fixed)
         gm.graph.eliminate_dead_code()
-        notes = [_shape_note(gm, self.dynamic)] + fit_fill_values(gm)
+        notes = [shape_note(gm, self.dynamic, fixed)] + fit_fill_values(gm)
         if relaxed:
             notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")
         notes += region_notes(self.model, gm, self.subgraphs)
@@ -189,50 +199,6 @@ def _signature(model: nn.Module) -> Optional[inspect.Signature]:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
         return None
-
-
-def _usual_dims(t: torch.Tensor) -> range:
-    """The dims users change between calls: batch; the sequence of token ids, masks and ``(batch, length, features)``."""
-    if t.dim() == 0:
-        return range(0)
-    if t.dim() >= 2 and (not t.is_floating_point() or t.dim() == 3):
-        return range(2)
-    return range(1)
-
-
-def _dims(value: Any, every_dim: bool) -> Any:
-    """``{dim: Dim.AUTO}`` for the dynamic dims of every tensor in ``value`` (same structure), None elsewhere."""
-    from torch.export import Dim
-
-    def spec(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return {i: Dim.AUTO for i in (range(leaf.dim()) if every_dim else _usual_dims(leaf))}
-        return None
-
-    return pytree.tree_map(spec, value)
-
-
-def _dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                    every_dim: bool) -> Any:
-    if signature is None:  # pragma: no cover
-        return None
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"example inputs do not fit the model's forward{signature}: {e}") from None
-    shapes: Dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            # as top-level names: the export root's signature names them (_export_root), since torch.export
-            # fails on a **kwargs entry in dynamic_shapes ("Must provide a tree_name when there might be a
-            # mismatch", torch 2.9)
-            shapes.update({k: _dims(v, every_dim) for k, v in value.items()})
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            shapes[name] = tuple(_dims(v, every_dim) for v in value)
-        else:
-            shapes[name] = _dims(value, every_dim)
-    return shapes
 
 
 _RETURNABLE = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -387,13 +353,15 @@ class _BindInputs:
     """
 
     def __init__(self, signature: inspect.Signature, positional: Tuple[str, ...], keywords: Tuple[str, ...],
-                 constants: Dict[str, Any], static: Dict[str, Tuple[Optional[int], ...]], dynamic: Any):
+                 constants: Dict[str, Any], static: Dict[str, Tuple[Optional[int], ...]], dynamic: Any,
+                 fixed: Optional[Dict[str, Dict[int, str]]] = None):
         self.signature = signature
         self.positional = positional
         self.keywords = keywords
         self.constants = constants
         self.static = static  # input name -> its size per dim, None where dynamic
         self.dynamic = dynamic  # the dynamic= the capture ran with, for the error
+        self.fixed = fixed or {}  # input name -> {dim: why} where the model fixed a dim asked dynamic
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
@@ -401,12 +369,7 @@ class _BindInputs:
         except TypeError as e:
             raise TypeError(f"{e} (the converted module takes the original forward's arguments: "
                             f"{self.signature})") from None
-        given: Dict[str, Any] = {}
-        for name, value in bound.arguments.items():
-            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-                given.update(value)
-            else:
-                given[name] = value
+        given = self._by_name(bound.arguments)
         captured = self.positional + self.keywords
         extra = [n for n in given if n not in captured and not self._is_default(n, given[n])]
         for name in captured:
@@ -428,6 +391,29 @@ class _BindInputs:
         self._check_static_sizes(given)
         return tuple(given[n] for n in self.positional), {n: given[n] for n in self.keywords}
 
+    def _by_name(self, arguments: Dict[str, Any]) -> Dict[str, Any]:
+        given: Dict[str, Any] = {}
+        for name, value in arguments.items():
+            if self.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                given.update(value)
+            else:
+                given[name] = value
+        return given
+
+    def static_sizes(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+        """The sizes a call gives the dims this capture kept static, ``((name, dim, size), ...)``: a
+        lazily capturing module keys its cache on them, so that a new size captures again."""
+        try:
+            given = self._by_name(self.signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            return ()  # the call's own error comes from __call__
+        out = []
+        for name, sizes in self.static.items():
+            value = given.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() == len(sizes):
+                out.extend((name, dim, int(value.shape[dim])) for dim, want in enumerate(sizes) if want is not None)
+        return tuple(out)
+
     def _check_static_sizes(self, given: Dict[str, Any]) -> None:
         """Name the fxamp option when a dim the capture kept static changes (export's own check names its API)."""
         for name, sizes in self.static.items():
@@ -435,6 +421,13 @@ class _BindInputs:
             if not isinstance(value, torch.Tensor) or value.dim() != len(sizes):
                 continue
             for dim, (want, got) in enumerate(zip(sizes, value.shape)):
+                why = self.fixed.get(name, {}).get(dim)
+                if want is not None and got != want and why is not None:
+                    raise RuntimeError(
+                        f"input {name!r} has size {got} in dim {dim}, which the capture asked dynamic but the "
+                        f"model fixed at {want} ({why}). What to do: call with size {want}, convert one module "
+                        f"per size, or convert with frontend='export' and no example inputs: that module "
+                        f"captures again for each new size")
                 if want is not None and got != want:
                     how = ("dynamic='batch' keeps only batch and sequence dims dynamic"
                            if self.dynamic is Dynamic.BATCH else
@@ -457,7 +450,8 @@ class _BindInputs:
 
 
 def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Signature],
-                             args: Tuple[Any, ...], kwargs: Dict[str, Any], dynamic: Any) -> None:
+                             args: Tuple[Any, ...], kwargs: Dict[str, Any], dynamic: Any,
+                             fixed: Optional[Dict[str, Dict[int, str]]] = None) -> None:
     if signature is None:  # pragma: no cover
         return
     params = list(signature.parameters.values())
@@ -478,27 +472,9 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and node.name in signature.parameters:
             static[node.name] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
-    hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic)
+    hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic, fixed)
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-
-
-def _shape_note(gm: fx.GraphModule, dynamic: Union[Dynamic, str]) -> str:
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
-    parts = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            dims = ", ".join(str(d) if is_concrete_int(d) else "*" for d in val.shape)
-            parts.append(f"{node.name} ({dims})")
-    if not parts:
-        return "no tensor inputs"
-    how = {Dynamic.BATCH: "dynamic batch and sequence dims (dynamic='batch': dim 0, and dim 1 of token/mask "
-                          "and (batch, length, features) inputs; dynamic='all' for every dim, e.g. image sizes)",
-           Dynamic.ALL: "every dim dynamic (dynamic='all')",
-           Dynamic.NONE: "static shapes (dynamic='none')",
-           "given": "dynamic_shapes as given"}[dynamic]
-    return f"{how}; input sizes, * = dynamic: " + ", ".join(parts)
+    gm.meta[STATIC_SIZES] = hook.static_sizes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""Which input dims a ``torch.export`` capture keeps dynamic, and the note that says so truthfully.
+
+``dynamic="batch"`` asks ``Dim.AUTO`` for the dims users change between calls (:func:`usual_dims`);
+``Dim.AUTO`` lets the model decide: torch.export keeps a dim symbolic unless the model's code fixes
+it, and then returns a plain size without failing.  :func:`fixed_dims` finds those dims after the
+capture, :func:`shape_note` names them ("dim 1 of x is static: the model specialised it (...)"),
+and the export front end's call-time check refuses another size with the same reason; a lazily
+capturing module keys its cache on those sizes (:data:`STATIC_SIZES`) and captures again.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..options import Dynamic
+
+__all__ = ["STATIC_SIZES", "asked_dims", "dynamic_shapes", "fixed_dims", "shape_note", "usual_dims"]
+
+#: ``gm.meta`` key of a captured graph module's ``static_sizes(args, kwargs)``: the sizes a call
+#: gives the dims the capture kept static (set by the export front end's input binding)
+STATIC_SIZES = "fxamp_static_sizes"
+
+
+def usual_dims(t: torch.Tensor) -> range:
+    """The dims users change between calls: batch; the sequence of token ids, masks, ``(batch, samples)``
+    waveforms and ``(batch, length, features)``.  Not the sizes of images (rank ≥ 4 floats): see the
+    module docstring.  A 2-D float may be ``(batch, features)`` instead: the model's first layer then
+    fixes dim 1 (``Dim.AUTO``), and the shape note says so."""
+    if t.dim() == 0:
+        return range(0)
+    if t.dim() >= 2 and (not t.is_floating_point() or t.dim() <= 3):
+        return range(2)
+    return range(1)
+
+
+def asked_dims(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               shapes: Any) -> Dict[str, Tuple[int, ...]]:
+    """Top-level tensor input name -> the dims ``shapes`` (made by :func:`dynamic_shapes`) asks dynamic."""
+    if signature is None or not isinstance(shapes, dict):
+        return {}
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:  # pragma: no cover - dynamic_shapes raised already
+        return {}
+    flat = {**{k: v for k, v in bound.items()
+               if signature.parameters[k].kind is not inspect.Parameter.VAR_KEYWORD},
+            **next((v for k, v in bound.items()
+                    if signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD), {})}
+    return {name: tuple(shapes[name]) for name, value in flat.items()
+            if isinstance(value, torch.Tensor) and isinstance(shapes.get(name), dict)}
+
+
+def fixed_dims(gm: fx.GraphModule, asked: Dict[str, Tuple[int, ...]]) -> Dict[str, Dict[int, str]]:
+    """Input name -> {dim: why} for each dim asked dynamic that the capture made static.
+
+    With ``Dim.AUTO`` torch.export does not fail when the model fixes a dim: the placeholder's size
+    comes back as a plain int.  The note and the call-time check then tell the truth about it.
+    """
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    fixed: Dict[str, Dict[int, str]] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if node.name not in asked or not isinstance(val, torch.Tensor):
+            continue
+        for dim in asked[node.name]:
+            if dim < val.dim() and is_concrete_int(val.shape[dim]):
+                size = int(val.shape[dim])
+                why = (f"the example has size {size} there, and torch.export specialises sizes 0 and 1: "
+                       f"capture with a size of at least 2" if size < 2 else
+                       f"its code depends on the size being {size}: a Python loop or range over it, a view "
+                       f"or reshape to a constant size, or a layer of that width")
+                fixed.setdefault(node.name, {})[dim] = why
+    return fixed
+
+
+def _dims(value: Any, every_dim: bool) -> Any:
+    """``{dim: Dim.AUTO}`` for the dynamic dims of every tensor in ``value`` (same structure), None elsewhere."""
+    from torch.export import Dim
+
+    def spec(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return {i: Dim.AUTO for i in (range(leaf.dim()) if every_dim else usual_dims(leaf))}
+        return None
+
+    return pytree.tree_map(spec, value)
+
+
+def dynamic_shapes(signature: Optional[inspect.Signature], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    every_dim: bool) -> Any:
+    if signature is None:  # pragma: no cover
+        return None
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"example inputs do not fit the model's forward{signature}: {e}") from None
+    shapes: Dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            # as top-level names: the export root's signature names them (_export_root), since torch.export
+            # fails on a **kwargs entry in dynamic_shapes ("Must provide a tree_name when there might be a
+            # mismatch", torch 2.9)
+            shapes.update({k: _dims(v, every_dim) for k, v in value.items()})
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(_dims(v, every_dim) for v in value)
+        else:
+            shapes[name] = _dims(value, every_dim)
+    return shapes
+
+
+def shape_note(gm: fx.GraphModule, dynamic: Union[Dynamic, str],
+                fixed: Optional[Dict[str, Dict[int, str]]] = None) -> str:
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    parts = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = ", ".join(str(d) if is_concrete_int(d) else "*" for d in val.shape)
+            parts.append(f"{node.name} ({dims})")
+    if not parts:
+        return "no tensor inputs"
+    how = {Dynamic.BATCH: "dynamic batch and sequence dims (dynamic='batch': dim 0, and dim 1 of token/mask, "
+                          "(batch, samples) and (batch, length, features) inputs; dynamic='all' for every dim, "
+                          "e.g. image sizes)",
+           Dynamic.ALL: "every dim dynamic (dynamic='all')",
+           Dynamic.NONE: "static shapes (dynamic='none')",
+           "given": "dynamic_shapes as given"}[dynamic]
+    note = f"{how}; input sizes, * = dynamic: " + ", ".join(parts)
+    for name, dims in (fixed or {}).items():
+        for dim, why in dims.items():
+            note += f"; dim {dim} of {name} is static: the model specialised it ({why})"
+    return note

@@ -1,0 +1,132 @@
+"""Which input dims a torch.export capture keeps dynamic: decided by what the model does with them.
+
+A ``(batch, samples)`` waveform keeps its length dynamic; a dim the model fixes (a Python loop over
+the positions, a size of 1 in the example) is named static in the shape note and refused with that
+reason at a call; a lazily capturing module captures again for a new size of a dim kept static.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from dtype_observer import OpDtypes
+
+
+class ConvAudio(nn.Module):
+    """Raw audio ``(batch, samples)``: a strided Conv1d over ``(batch, 1, samples)``, pooled."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 8, 5, stride=2)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, wave):
+        return self.fc(torch.relu(self.conv(wave.unsqueeze(1))).mean(-1))
+
+
+class LoopOverPositions(nn.Module):
+    """A recurrence written as a Python loop: torch.export unrolls it, fixing the sequence length."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.fc(x[:, t]) + h)
+        return h
+
+
+class TinyConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3))
+
+
+def _shape_note(amp):
+    return next(n for n in fxamp.conversion_info(amp).notes if "input sizes" in n)
+
+
+def _close(got, want):
+    assert got.dtype == torch.float32  # O1 returns the output in float32
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+def test_waveform_length_stays_dynamic_and_a_second_clip_length_runs():
+    torch.manual_seed(0)
+    model = ConvAudio()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="export",
+                        example_inputs=(torch.randn(2, 64),))
+    note = _shape_note(amp)
+    assert "wave (*, *)" in note and "static" not in note.split("input sizes")[1]
+    for shape in [(2, 64), (3, 40), (1, 57)]:
+        wave = torch.randn(*shape)
+        with OpDtypes() as rec:
+            got = amp(wave)
+        _close(got, model(wave))
+        convs = rec.of("convolution")
+        assert convs and all(set(c.inputs) == {torch.bfloat16} for c in convs)  # the conv ran in bf16
+
+
+def test_loop_over_positions_is_named_static_and_another_length_is_refused_with_the_reason():
+    torch.manual_seed(0)
+    model = LoopOverPositions()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="export",
+                        example_inputs=(torch.randn(2, 5, 8),))
+    note = _shape_note(amp)
+    assert "x (*, 5, 8)" in note
+    assert "dim 1 of x is static: the model specialised it (its code depends on the size being 5: a Python " \
+           "loop or range over it" in note
+    x = torch.randn(3, 5, 8)  # the batch stayed dynamic
+    _close(amp(x), model(x))
+    with pytest.raises(RuntimeError, match=r"input 'x' has size 6 in dim 1, which the capture asked dynamic but the "
+                                           r"model fixed at 5 \(.*\)\. What to do: call with size 5.*frontend='export' "
+                                           r"and no example inputs"):
+        amp(torch.randn(2, 6, 8))
+
+
+def test_a_size_of_one_in_the_example_is_named_static_with_that_reason():
+    model = ConvAudio()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="export", example_inputs=(torch.randn(1, 64),))
+    assert "dim 0 of wave is static: the model specialised it (the example has size 1 there, and torch.export " \
+           "specialises sizes 0 and 1: capture with a size of at least 2)" in _shape_note(amp)
+    with pytest.raises(RuntimeError, match="input 'wave' has size 2 in dim 0, which the capture asked dynamic"):
+        amp(torch.randn(2, 64))
+
+
+def test_lazy_module_captures_again_for_a_new_length_the_model_fixed():
+    torch.manual_seed(0)
+    model = LoopOverPositions()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="export")
+    for shape in [(2, 5, 8), (3, 5, 8), (2, 6, 8), (4, 5, 8)]:
+        x = torch.randn(*shape)
+        _close(amp(x), model(x))
+    signatures = fxamp.conversion_info(amp).signatures
+    assert len(amp.graph_modules()) == 2 and len(signatures) == 2  # lengths 5 and 6; batch sizes shared
+    assert signatures == ("(x=fp32[*,5,8])", "(x=fp32[*,6,8])")  # * only for the dims left dynamic
+
+
+def test_lazy_module_captures_again_for_a_new_image_size():
+    torch.manual_seed(0)
+    model = TinyConvNet()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="export")
+    for shape in [(2, 3, 8, 8), (3, 3, 8, 8), (2, 3, 6, 10)]:
+        x = torch.randn(*shape)
+        _close(amp(x), model(x))
+    assert len(amp.graph_modules()) == 2
+    assert fxamp.conversion_info(amp).signatures == ("(x=fp32[*,3,8,8])", "(x=fp32[*,3,6,10])")
+
+
+def test_lazy_module_keeps_one_capture_for_waveforms_of_any_length():
+    torch.manual_seed(0)
+    model = ConvAudio()
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="export")
+    for shape in [(2, 64), (3, 40), (2, 33)]:
+        wave = torch.randn(*shape)
+        _close(amp(wave), model(wave))
+    assert len(amp.graph_modules()) == 1
