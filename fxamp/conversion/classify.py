@@ -106,22 +106,31 @@ def _widen_for_float32_users(gm: fx.GraphModule, policy: Policy, op_lists: OpLis
     nodes = list(gm.graph.nodes)
     for node in nodes:  # infer dtypes in graph order: asked last node first, the inference would recurse
         float_inputs(node)  # through the whole graph (RecursionError on a deep one)
+    modules = dict(gm.named_modules())
     for node in reversed(nodes):
         d = decisions[node]
         if (d.category is not Category.CONDITIONAL or d.resolved is not Category.NEUTRAL or d.compute is not None
-                or d.source in _PINNED or node.op not in ("call_function", "call_method")
+                or d.source in _PINNED or node.op not in ("call_function", "call_method", "call_module")
                 or is_inplace(node.op, node.target)):
             continue
-        entry = op_lists.lookup(node.target)
-        if entry is None or entry.condition != "float32_users" or not float_inputs(node):
+        module = modules[str(node.target)] if node.op == "call_module" else None
+        entry = op_lists.lookup(type(module) if module is not None else node.target)
+        # a leaf module (nn.Embedding) reads its own float table; its ids are no float input
+        floats = any(p.is_floating_point() for p in module.parameters()) if module is not None else float_inputs(node)
+        if entry is None or entry.condition != "float32_users" or not floats:
             continue
-        users = _consumers(node, _runs_float32, decisions, float_inputs)
+        lookup = "embedding" in d.op.lower()
+        # a lookup widens only for ops float32 by their own list (a norm straight after, ModernBERT):
+        # behind a widened sum (BERT, GPT-2) O2 keeps the table low, which those models can afford
+        users = _consumers(node, _runs_float32_listed if lookup else _runs_float32, decisions, float_inputs)
         if users:
+            what = ("looking up in float32 keeps the table's bits (O2 keeps the table float32, as autocast does)"
+                    if lookup else "adding in float32 keeps the bits they would keep; an "
+                    "addition saves nothing for backward, so casting its inputs costs no memory")
             decisions[node] = dataclasses.replace(
                 d, compute=torch.float32, resolved=Category.UNSAFE,
                 reason=(f"only float32 ops use it ({', '.join(u.name for u in users[:3])}"
-                        f"{', …' if len(users) > 3 else ''}): adding in float32 keeps the bits they would keep; "
-                        "an addition saves nothing for backward, so casting its inputs costs no memory"))
+                        f"{', …' if len(users) > 3 else ''}): {what}"))
 
 
 def _has_float64_input(node: fx.Node, modules: Dict[str, nn.Module], infer: DtypeInference) -> bool:
@@ -196,6 +205,10 @@ def _runs_low(d: Decision) -> bool:
 
 def _runs_float32(d: Decision) -> bool:
     return d.compute == torch.float32
+
+
+def _runs_float32_listed(d: Decision) -> bool:
+    return d.compute == torch.float32 and d.category is not Category.CONDITIONAL
 
 
 def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> Dict[str, OpEntry]:

@@ -530,8 +530,10 @@ _GROUPS = [
      "Tensor.cpu Tensor.cuda aten._to_copy aten.to",
      OpEntry(N, "an explicit cast or move written by the user: respected as written")),
     ("F.embedding F.embedding_bag embedding_bag nn.Embedding nn.EmbeddingBag aten._embedding_bag aten.embedding",
-     OpEntry(N, "embedding lookup is a gather: the output has the table's dtype (low precision when O2 "
-                "stores the table low)")),
+     OpEntry(C, "embedding lookup is a gather with the table's dtype; when only float32 ops use it (a norm "
+                "straight after, as in ModernBERT, or a float32 sum of embeddings) it looks up in float32, so "
+                "O2 keeps that table float32 as autocast does (a low table loses bits no later op gets back)",
+             condition="float32_users", fallback=N)),
     ("F.dropout F.dropout1d F.dropout2d F.dropout3d F.alpha_dropout F.feature_alpha_dropout dropout "
      "alpha_dropout feature_alpha_dropout aten.dropout aten.native_dropout aten.bernoulli aten.feature_dropout "
      "nn.Dropout nn.Dropout1d nn.Dropout2d nn.Dropout3d nn.AlphaDropout nn.FeatureAlphaDropout",

@@ -33,7 +33,7 @@ def decisions(gm):
     (operator.add, "conditional"), ("Tensor.add", "conditional"), (torch.ops.aten.add.Tensor, "conditional"),
     (torch.sub, "conditional"), (torch.mul, "neutral"),
     (F.relu, "neutral"), (torch.cat, "neutral"), (nn.BatchNorm2d, "neutral"), (operator.getitem, "neutral"),
-    ("Tensor.view", "neutral"), (F.embedding, "neutral"), (nn.Dropout, "neutral"),
+    ("Tensor.view", "neutral"), (F.embedding, "conditional"), (nn.Dropout, "neutral"),
 ])
 def test_default_lists(op, category):
     entry = DEFAULT_OP_LISTS.lookup(op)

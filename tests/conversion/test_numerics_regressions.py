@@ -1,0 +1,68 @@
+"""Numerics regressions against torch.autocast: fxamp's SQNR against float32 within 3 dB of autocast's.
+
+Each test builds a tiny model whose decision once cost more than 3 dB and pins the fix.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fxamp
+
+transformers = pytest.importorskip("transformers")
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return 10 * math.log10(ref.pow(2).sum().item() / (out - ref).pow(2).sum().item())
+
+
+def _modernbert() -> torch.nn.Module:
+    # initializer_range 0.1: the embedding norm's share of the output is large enough to see a low table
+    c = transformers.ModernBertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, local_attention=8,
+                                      attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    return transformers.ModernBertModel(c).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_o2_modernbert_embedding_table_stays_float32(dtype):
+    """ModernBERT normalises its token embedding straight away (no sum with positions): under O2 a
+    low-precision table lost 11 dB against autocast; the lookup now runs float32 because only a
+    float32 layer norm uses it, so O2 keeps the table float32."""
+    model = _modernbert()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (2, 8), generator=g)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, -3:] = 0
+    amp = fxamp.convert(model, "O2", dtype=dtype, example_kwargs={"input_ids": ids, "attention_mask": mask},
+                        frontend="export")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = amp(input_ids=ids, attention_mask=mask).last_hidden_state
+        with torch.autocast("cpu", dtype=dtype):
+            auto = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert out.dtype == torch.float32
+    db, db_auto = _sqnr(ref, out), _sqnr(ref, auto.float())
+    assert db >= db_auto - 3.0, f"O2 {dtype}: {db:.1f} dB vs autocast {db_auto:.1f} dB"
+    assert amp.state_dict()["embeddings.tok_embeddings.weight"].dtype == torch.float32
+    assert amp.state_dict()["layers.0.mlp.Wi.weight"].dtype == dtype  # O2 still stores the linears low
+
+
+def test_embedding_lookup_reason_names_its_float32_user():
+    """fxamp.report says why the lookup runs float32."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, ids):
+            return self.norm(self.emb(ids))
+
+    text = fxamp.report(Net(), torch.tensor([[1, 2, 3]]), "O2", dtype=torch.float16).to_json()
+    assert "looking up in float32 keeps the table's bits" in text
