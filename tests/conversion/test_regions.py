@@ -204,3 +204,32 @@ def test_activation_checkpointing_is_kept_and_noted_with_its_line(frontend):
     assert len(notes) == 1 and notes[0].startswith(
         "activation checkpointing at `return checkpoint(self.b, self.a(x), use_reentrant=False)` at ")
     assert "(Checkpointed) kept: the converted block runs under torch.utils.checkpoint.checkpoint" in notes[0]
+
+
+def test_hugging_face_gradient_checkpointing_is_noted_not_dropped_silently():
+    """``gradient_checkpointing_enable()`` checkpoints inside each layer's ``__call__`` (no ``checkpoint(...)``
+    call in any ``forward``): the capture traces through it, and says so once, naming a layer."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 96, (2, 8))
+    with pytest.warns(UserWarning, match=r"gradient checkpointing is on \(2 module\(s\) with gradient_checkpointing="
+                                         r"True, e.g. 'transformer.h.0'\) and was traced through \(export\)"):
+        amp = fxamp.convert(model, "O1", dtype=BF16, example_kwargs={"input_ids": ids})
+    assert any(n.startswith("gradient checkpointing is on") for n in _all_notes(amp))
+
+
+def test_no_gradient_checkpointing_note_without_it():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=1, n_head=4)
+    ids = torch.randint(0, 96, (2, 8))
+    amp = fxamp.convert(transformers.GPT2LMHeadModel(config), "O1", dtype=BF16, example_kwargs={"input_ids": ids})
+    assert not any("gradient checkpointing" in n for n in _all_notes(amp))
+
+
+def _all_notes(amp):
+    """The module's notes, and each held graph's (GPT-2 reads self.training: a graph per mode)."""
+    graphs = amp.graph_modules() if isinstance(amp, fxamp.LazyConverted) else []
+    return [*fxamp.conversion_info(amp).notes, *(n for g in graphs for n in fxamp.conversion_info(g).notes)]

@@ -422,4 +422,23 @@ def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Seq
     for note in mark_checkpoints(calls, gm, frontend):
         notes.append(note)
         warn(note)
+    framework = framework_checkpointing_note(model, frontend)
+    if framework is not None:
+        notes.append(framework)
+        warn(framework)
     return notes
+
+
+def framework_checkpointing_note(model: nn.Module, frontend: str) -> Optional[str]:
+    """The note for checkpointing switched on by a framework flag (Hugging Face's
+    ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on the model and its
+    layers, whose ``__call__`` then checkpoints through a ``functools.partial``): the source scan
+    sees no ``checkpoint(...)`` call, and the capture traces through it."""
+    on = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    if not on:
+        return None
+    layers = [n for n in on if not any(o != n and o.startswith(n + ".") for o in on)] or on
+    return (f"gradient checkpointing is on ({len(layers)} module(s) with gradient_checkpointing=True, e.g. "
+            f"{layers[0]!r}) and was traced through ({frontend}): the converted model saves every layer's "
+            f"activations for backward. What to do: checkpoint blocks with torch.utils.checkpoint.checkpoint "
+            f"in forward (fxamp keeps those calls), or train this model unconverted under torch.autocast")
