@@ -398,6 +398,7 @@ class LazyConverted(nn.Module):
         self.__class__ = _with_signature(root)
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             self.__dict__[table] = root.__dict__[table]  # keep the tables shared after unpickling
+        watch_for_masters(self.parameters())  # (tensor hooks are not copied with the tensors)
 
     def extra_repr(self) -> str:
         return (f"policy={self._fxamp_policy}, captures at the first call "

@@ -23,7 +23,7 @@ from ..info import INFO_ATTR, ConversionInfo
 from .options import ConvertOptions, DebugOverflow
 from ..policy import Policy
 from .rewrite import cast_kept_storage, insert_casts, lower_attribute_reads, store_params
-from .runtime import name_failing_nodes
+from .runtime import as_converted, name_failing_nodes
 
 __all__ = ["rewrite_captured", "FLOAT32_LEAF_SHARE"]
 
@@ -43,7 +43,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
     if not isinstance(options, ConvertOptions):
         raise TypeError(f"options must be a ConvertOptions (ConvertOptions.build), not {type(options).__name__}")
-    gm = captured.graph_module
+    gm = as_converted(captured.graph_module)  # (its copies keep what conversion sets up below)
     decisions = annotate(gm, policy, options)
     if policy.enabled:
         if storage == "decide":

@@ -21,11 +21,13 @@ import torch.nn.functional as F
 
 from ..dtypes import CASTABLE, LOW
 from ..errors import FxampError
+from ..info import watch_for_masters
 from .graph import decision_of
 
 __all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "attention", "multi_head_attention",
            "StorageCheck", "check_storage", "refuse_dtype_change",
-           "WeightCastCache", "NodeErrors", "name_failing_nodes", "checkpointed"]
+           "WeightCastCache", "NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted",
+           "checkpointed"]
 
 
 def cast(x: Any, dtype: torch.dtype) -> Any:
@@ -385,9 +387,56 @@ class NodeErrors:
 
 
 def name_failing_nodes(gm: fx.GraphModule) -> None:
-    """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy and pickling."""
+    """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy (and, for a
+    :class:`ConvertedGraphModule`, pickling)."""
     gm._wrapped_call = NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+
+
+def _rearm(gm: fx.GraphModule) -> None:
+    """What a copy of a converted module needs again: its node-naming call and its first-gradient check
+    (tensor hooks are not copied with the tensors; see :func:`fxamp.info.watch_for_masters`)."""
+    name_failing_nodes(gm)
+    watch_for_masters(gm.parameters())
+
+
+class ConvertedGraphModule(fx.GraphModule):
+    """The class of a converted module captured by torch.fx: a ``GraphModule`` whose copies keep what
+    conversion set up on it.
+
+    ``GraphModule`` rebuilds a plain ``GraphModule`` from its generated code when unpickled (the
+    node-naming call, a class attribute there, is lost) and neither deepcopy nor pickling copies
+    tensor hooks (the check that warns when no ``MixedPrecisionOptimizer`` keeps masters).  Both are
+    set up again on the copy.  (A module captured by torch.export keeps torch's own class.)
+    """
+
+    def __reduce__(self) -> Any:
+        rebuild, args = super().__reduce__()
+        return (_unpickle_converted, (rebuild, args))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertedGraphModule":
+        copied = super().__deepcopy__(memo)
+        _rearm(copied)
+        return copied
+
+
+def as_converted(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as a :class:`ConvertedGraphModule` (same attributes, same graph), if it is a plain
+    ``GraphModule``; a subclass (torch.export's) is returned as it is."""
+    if isinstance(gm, ConvertedGraphModule) or type(gm).__mro__[1] is not fx.GraphModule:
+        return gm
+    converted = ConvertedGraphModule.__new__(ConvertedGraphModule)
+    vars(converted).update(vars(gm))
+    converted.graph = gm.graph  # the graph's owner, and the generated forward on the new class
+    type(converted).__name__ = type(gm).__name__
+    return converted
+
+
+def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...]) -> ConvertedGraphModule:
+    plain = rebuild(*args)
+    converted = as_converted(plain)
+    _rearm(converted)
+    return converted
 
 
 # ---------------------------------------------------------------------------------------------

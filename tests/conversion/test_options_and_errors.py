@@ -4,6 +4,7 @@ of the wrong type, op overrides that match nothing, and run-time errors that nam
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -80,6 +81,9 @@ def test_a_run_time_error_is_torchs_message_with_the_node_named(bad, match, capf
     for module in (amp, copy.deepcopy(amp)):
         with pytest.raises(RuntimeError, match=match):
             module(bad)
+    unpickled = pickle.loads(pickle.dumps(amp))  # rebuilt from its code: the node named, its decision not kept
+    with pytest.raises(RuntimeError, match=match.split(r"'linear'")[0] + "'linear'"):
+        unpickled(bad)
     assert capfd.readouterr().err == ""  # no dump of the generated code before it
 
 

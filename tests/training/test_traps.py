@@ -117,6 +117,22 @@ def test_fp32_state_dict_of_initialize_reads_the_original_or_the_converted_modul
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("frontend", ["auto", "export"])  # export without inputs: a LazyConverted
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_a_copy_of_a_converted_module_still_warns_without_masters(frontend, copy_of):
+    amp = converted(frontend=frontend)
+    twin = copy.deepcopy(amp) if copy_of == "deepcopy" else pickle.loads(pickle.dumps(amp))
+    with pytest.warns(RuntimeWarning, match=NO_MASTERS):
+        loss_of(twin).backward()
+    with pytest.warns(RuntimeWarning, match=NO_MASTERS):  # the original's own check is untouched
+        loss_of(amp).backward()
+    third = copy.deepcopy(amp)
+    fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(third.parameters()), model=third)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a copy with its own masters: quiet
+        loss_of(third).backward()
+
+
 @pytest.mark.parametrize("model_dtype, policy_dtype", [(torch.bfloat16, torch.float16),
                                                        (torch.float16, torch.bfloat16)])
 def test_a_model_already_in_the_other_low_dtype_is_refused_at_convert(model_dtype, policy_dtype):
