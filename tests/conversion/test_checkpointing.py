@@ -182,3 +182,28 @@ def test_a_checkpoint_call_that_cannot_be_kept_is_noted_with_its_line(frontend):
         amp = fxamp.convert(OpaqueKeyword(), "O1", dtype=BF16, example_inputs=(torch.randn(4, 32),),
                             frontend=frontend)
     assert any("was traced through" in n for n in fxamp.conversion_info(amp).notes)
+
+
+def _run_checkpointed(layer, h):
+    return checkpoint(layer, h, use_reentrant=False)
+
+
+class HelperNet(Net):
+    """The checkpoint call sits in a function forward calls, not in forward's own source."""
+
+    def forward(self, x):
+        h = self.pre(x)
+        for layer in self.layers:
+            h = _run_checkpointed(layer, h) if self.ckpt else layer(h)
+        return self.head(h)
+
+
+def test_a_checkpoint_call_in_a_helper_function_is_kept_on_the_fx_front_end():
+    torch.manual_seed(0)
+    model, x = HelperNet(), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=BF16):
+        autocast = _saved_bytes(lambda: model(x))
+    amp = _convert(model, "fx", x=x)
+    assert _saved_bytes(lambda: amp(x)) <= autocast * 1.05
+    notes = [n for n in fxamp.conversion_info(amp).notes if "activation checkpointing" in n]
+    assert len(notes) == 1 and "(_run_checkpointed())" in notes[0] and "kept (2 calls)" in notes[0]

@@ -233,3 +233,48 @@ def _all_notes(amp):
     """The module's notes, and each held graph's (GPT-2 reads self.training: a graph per mode)."""
     graphs = amp.graph_modules() if isinstance(amp, fxamp.LazyConverted) else []
     return [*fxamp.conversion_info(amp).notes, *(n for g in graphs for n in fxamp.conversion_info(g).notes)]
+
+
+def _frozen_half(layer, h):
+    with torch.no_grad():
+        return layer(h)
+
+
+def _float32_island(layer, h):
+    with torch.autocast("cpu", enabled=False):
+        return layer(h).exp()
+
+
+class HelperRegions(nn.Module):
+    """The regions sit in plain functions that forward calls, not in forward's own source."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.b, self.post = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = _frozen_half(self.a, h)
+        return self.post(_float32_island(self.b, h) + y)
+
+
+def test_regions_in_functions_forward_calls_are_seen_on_every_path():
+    with pytest.raises(TraceError, match=r"torch.fx cannot keep a grad-mode region .*`with torch.no_grad\(\):` at "
+                                         r".*test_regions.py:\d+ \(_frozen_half\(\)\)"):
+        fxamp.convert(HelperRegions(), "O1", dtype=BF16, frontend="fx")
+    torch.manual_seed(0)
+    model, x = HelperRegions(), torch.randn(4, 8)
+    amp = fxamp.convert(model, "O1", dtype=BF16, example_inputs=(x,))
+    notes = fxamp.conversion_info(amp).notes
+    assert notes[0].startswith("torch.fx could not trace the model (`with torch.no_grad():` at ")
+    # torch.export's stack traces skip the helper's frame: the regions are kept, the note is general
+    assert any(n.startswith("higher-order op regions (wrap_with_autocast, wrap_with_set_grad_enabled) kept")
+               for n in notes)
+    for converted in (amp, fxamp.convert(model, "O1", dtype=BF16)):  # and lazily captured
+        converted(x)  # (a lazy module captures here)
+        with OpDtypes() as rec:
+            out = converted(x)
+        assert [c.inputs for c in rec.of("exp")] == [(F32,)]
+        out.float().sum().backward()
+        assert converted.a.weight.grad is None and converted.b.weight.grad is not None
+        model.zero_grad(set_to_none=True)

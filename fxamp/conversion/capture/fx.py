@@ -67,7 +67,7 @@ class FxFrontEnd:
                 # forward): the generated code would hold the string as a global, which pickling
                 # (torch.save of the converted module) cannot import; annotations change nothing else
                 node.type = None
-        for path, _, f in confirmed(scan(model, self.opaque), [graph]):
+        for path, _, f in confirmed(scan(model, self.opaque, [graph]), [graph]):
             if f.kind in ("grad", "autocast"):  # torch.fx records nothing of it: refuse rather than drop it
                 raise fx_region_error(model, path, f)
         return fx.GraphModule(root, graph, class_name=type(model).__name__)

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import linecache
 import os
 import re
+import sysconfig
 import textwrap
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -119,19 +121,27 @@ def _scan_class(cls: type) -> List[Finding]:
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (TypeError, OSError, SyntaxError, IndentationError):
         return []  # no source (a builtin, a REPL class): nothing to scan
-    file = os.path.abspath(file or "")
     func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     if func is None:
         return []
+    return _scan_function(func, os.path.abspath(file or ""), lines, start - 1, cls.__name__, state=True)
+
+
+def _scan_function(func: ast.AST, file: str, lines: Sequence[str], off: int, owner: str, *,
+                   state: bool) -> List[Finding]:
+    """The findings in one function's source: ``lines`` holds it, its line ``n`` is the file's ``n + off``.
+
+    state: also ``self.<attr> = ...`` and ``print`` (a module's ``forward``; not a helper function,
+    whose ``self`` may be anything).
+    """
     self_name = func.args.args[0].arg if func.args.args else "self"
-    off = start - 1
     out: List[Finding] = []
 
     def add(kind: str, node: ast.AST, body: Tuple[int, int], call: Optional[CallInfo] = None) -> None:
         line = node.lineno + off
         code = lines[node.lineno - 1].strip() if node.lineno - 1 < len(lines) else ""
         out.append(Finding(kind, file, line, (getattr(node, "end_lineno", None) or node.lineno) + off, code,
-                           cls.__name__, (body[0] + off, body[1] + off), call))
+                           owner, (body[0] + off, body[1] + off), call))
 
     for dec in func.decorator_list:  # @torch.no_grad() on forward: the whole body is the region
         name = _dotted(dec).rsplit(".", 1)[-1]
@@ -148,14 +158,55 @@ def _scan_class(cls: type) -> List[Finding]:
             name = _dotted(node.func)
             if name.rsplit(".", 1)[-1] in CHECKPOINT_CALLS:
                 add("checkpoint", node, (node.lineno, node.end_lineno or node.lineno), _call_info(node, name))
-            elif name == "print":
+            elif name == "print" and state:
                 add("print", node, (node.lineno, node.lineno))
-        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and state:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 attr = _self_attr(t, self_name)
                 if attr is not None:
                     add("state:" + attr, node, (node.lineno, node.end_lineno or node.lineno))
+    return out
+
+
+#: frames in these folders are torch's and fxamp's own, not the model's
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+                 os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+def _functions_in(file: str) -> List[ast.AST]:
+    """Every function defined in ``file`` (its source from ``linecache``: files, and notebook cells)."""
+    lines = linecache.getlines(file)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return []
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _called_functions(graphs: Sequence[fx.Graph], known: Iterable[Finding]) -> List[Finding]:
+    """Regions and checkpoint calls in the functions a captured node's stack passes through that are
+    not a module's ``forward`` (helpers called from ``forward``, a ``forward`` calling a method):
+    the source scan of ``forward`` alone does not see them."""
+    seen = {(f.file, f.line, f.kind) for f in known}
+    places = {(file, line) for g in graphs for n in g.nodes for file, line in frames_of(n)
+              if not file.startswith(_LIBRARY_DIRS) and not file.startswith(_OWN_DIR)}
+    functions: Dict[Tuple[str, int], ast.AST] = {}
+    parsed: Dict[str, List[ast.AST]] = {}
+    for file, line in places:
+        if file not in parsed:
+            parsed[file] = _functions_in(file)
+        around = [f for f in parsed[file] if f.lineno <= line <= (f.end_lineno or f.lineno)]
+        if around:
+            innermost = max(around, key=lambda f: f.lineno)
+            functions[(file, innermost.lineno)] = innermost
+    out: List[Finding] = []
+    for (file, _), func in sorted(functions.items(), key=lambda kv: kv[0]):
+        for f in _scan_function(func, file, linecache.getlines(file), 0, f"{func.name}()", state=False):
+            if (f.file, f.line, f.kind) not in seen:
+                seen.add((f.file, f.line, f.kind))
+                out.append(f)
     return out
 
 
@@ -180,10 +231,13 @@ def _call_info(node: ast.Call, name: str) -> CallInfo:
                     tuple(opaque))
 
 
-def scan(model: nn.Module, skip: Sequence[str] = ()) -> List[Tuple[str, nn.Module, Finding]]:
+def scan(model: nn.Module, skip: Sequence[str] = (), graphs: Sequence[fx.Graph] = ()
+         ) -> List[Tuple[str, Optional[nn.Module], Finding]]:
     """Every finding in the ``forward`` of ``model`` and its submodules outside torch, with the module's path.
 
     skip: module paths not traced into (leaf modules): they and their children are not scanned.
+    graphs: captured graphs; the functions their nodes' stack traces pass through are scanned too
+    (grad-mode and autocast regions, checkpoint calls), with path "" and module None.
     """
     found: List[Tuple[str, nn.Module, Finding]] = []
     cache: Dict[type, List[Finding]] = {}
@@ -196,6 +250,8 @@ def scan(model: nn.Module, skip: Sequence[str] = ()) -> List[Tuple[str, nn.Modul
         if cls not in cache:
             cache[cls] = _scan_class(cls)
         found.extend((path, m, f) for f in cache[cls])
+    if graphs:
+        found.extend(("", None, f) for f in _called_functions(graphs, [f for _, _, f in found]))
     return found
 
 
@@ -291,7 +347,7 @@ def region_notes(model: nn.Module, gm: fx.GraphModule, subgraphs: Sequence[nn.Mo
     if not hops:
         return []
     graphs = [gm.graph] + [m.graph for m in subgraphs if isinstance(m, fx.GraphModule)]
-    found = [x for x in confirmed(scan(model), graphs) if x[2].kind in ("grad", "autocast")]
+    found = [x for x in confirmed(scan(model, graphs=graphs), graphs) if x[2].kind in ("grad", "autocast")]
     notes = []
     for path, _, f in found:
         if f.kind == "grad":
@@ -329,10 +385,10 @@ def _call_frame(frames: List[Tuple[str, int]], f: Finding) -> Optional[int]:
     return None
 
 
-def _callee_path(path: str, m: nn.Module, callee: str) -> Optional[str]:
+def _callee_path(path: str, m: Optional[nn.Module], callee: str) -> Optional[str]:
     """The module path of ``self.a.b`` (the checkpointed callable) when it is a submodule, else None."""
     parts = callee.split(".")
-    if len(parts) < 2 or parts[0] != "self":
+    if m is None or len(parts) < 2 or parts[0] != "self":
         return None
     value: object = m
     for part in parts[1:]:
@@ -415,9 +471,9 @@ def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Seq
     A checkpoint call whose block cannot be marked is noted and warned here; the marked ones are
     kept or noted after the rewrite (``conversion/checkpointing.py``).
     """
-    found = scan(model, skip)
-    notes = python_state_notes(found, frontend)
     graphs = [gm.graph] + [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]
+    found = scan(model, skip, graphs)
+    notes = python_state_notes(found, frontend)
     calls = confirmed([x for x in found if x[2].kind == "checkpoint"], graphs)
     for note in mark_checkpoints(calls, gm, frontend):
         notes.append(note)
