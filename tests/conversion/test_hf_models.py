@@ -124,3 +124,19 @@ def test_labels_give_a_float32_loss_close_to_float32s():
         amp(y)
 
 
+
+
+def test_llama_without_attention_dropout_is_captured_once():
+    """Llama reads self.training only to pick its attention dropout (0.0 by default) and, behind
+    gradient_checkpointing, the cache: one capture serves both modes."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(ids(2, 8),))
+    assert any(n.startswith("captured once, in training mode") for n in fxamp.conversion_info(amp).notes)
+    x = ids(2, 8)
+    with torch.no_grad():
+        train_out = amp.train()(x).logits
+        eval_out = amp.eval()(x).logits
+    assert torch.equal(train_out, eval_out)  # no dropout in either mode

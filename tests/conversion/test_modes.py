@@ -110,3 +110,68 @@ def test_export_batch_norm_becomes_the_original_module():
     assert int(model[1].num_batches_tracked) == before + 1
     gm.eval()(torch.randn(2, 3, 8, 8))
     assert int(model[1].num_batches_tracked) == before + 1
+
+
+class PicksDropout(nn.Module):
+    """The Hugging Face attention pattern: the mode only picks a dropout probability."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.fc, self.attention_dropout = nn.Linear(8, 8), p
+
+    def forward(self, x):
+        p = 0.0 if not self.training else self.attention_dropout
+        h = self.fc(x).unsqueeze(1)
+        return F.scaled_dot_product_attention(h, h, h, dropout_p=p).squeeze(1)
+
+
+@pytest.mark.parametrize("p, captures", [(0.0, 1), (0.1, 2)])
+def test_a_read_that_picks_equal_values_in_both_modes_captures_once(p, captures, monkeypatch):
+    from fxamp.conversion.capture.modes import mode_reader
+    import fxamp
+
+    model = PicksDropout(p)
+    assert (mode_reader(model) is None) == (captures == 1)
+    seen = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: seen.append(model.training) or real(*a, **k))
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, example_inputs=(torch.randn(4, 8),), frontend="export")
+    assert len(seen) == captures
+    notes = fxamp.conversion_info(amp).notes
+    assert any(n.startswith("captured once" if captures == 1 else "captured in training and in eval mode")
+               for n in notes)
+    amp.eval()
+    x = torch.randn(4, 8)
+    assert torch.equal(amp(x), amp(x))  # eval: no dropout either way
+    torch.testing.assert_close(amp(x).float(), model.eval()(x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("source", ["self.training and 0.1 or 0.0", "0.1 if self.training else 0.0"])
+def test_a_read_that_can_differ_still_captures_both_modes(source):
+    from fxamp.conversion.capture.modes import mode_reader
+
+    namespace = {"F": F, "nn": nn}
+    exec(f"class M(nn.Module):\n    def forward(self, x):\n        return F.dropout(x, {source})\n", namespace)
+    assert mode_reader(namespace["M"]()) is not None  # (no source for exec'd code, or values that differ)
+
+
+class GuardedRead(nn.Module):
+    """``self.gradient_checkpointing and self.training``: only matters when checkpointing is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gradient_checkpointing = nn.Linear(8, 8), False
+
+    def forward(self, x):
+        if getattr(self, "gradient_checkpointing", False) and self.training:
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+def test_a_read_guarded_by_a_falsy_flag_does_not_count_until_the_flag_is_on():
+    from fxamp.conversion.capture.modes import mode_reader
+
+    model = GuardedRead()
+    assert mode_reader(model) is None
+    model.gradient_checkpointing = True
+    assert mode_reader(model) == "<root> (GuardedRead)"
