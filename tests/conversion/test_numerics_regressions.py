@@ -66,3 +66,34 @@ def test_embedding_lookup_reason_names_its_float32_user():
 
     text = fxamp.report(Net(), torch.tensor([[1, 2, 3]]), "O2", dtype=torch.float16).to_json()
     assert "looking up in float32 keeps the table's bits" in text
+
+
+def _convnextv2() -> torch.nn.Module:
+    c = transformers.ConvNextV2Config(num_channels=3, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1],
+                                      image_size=32, num_labels=10)
+    torch.manual_seed(0)
+    model = transformers.ConvNextV2ForImageClassification(c).eval()
+    with torch.no_grad():  # GRN's gamma and beta start at zero: give them a trained model's weight in the output
+        for name, p in model.named_parameters():
+            if "grn" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_convnextv2_grn_within_a_db_of_autocast(policy, dtype):
+    """ConvNeXt-V2's global response norm (an L2 norm over the spatial dims, divided by its channel
+    mean) was reported 4.4 dB below autocast in float16; the norm and the mean run float32 and the
+    rest follows them, as autocast's type promotion does: within 1 dB."""
+    model = _convnextv2()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 3
+    amp = fxamp.convert(model, policy, dtype=dtype, example_inputs=(x,))
+    with torch.no_grad():
+        ref = model(x).logits
+        out = amp(x).logits
+        with torch.autocast("cpu", dtype=dtype):
+            auto = model(x).logits
+    rows = [r for r in fxamp.report(amp).rows if r.op.endswith("vector_norm")]
+    assert rows and all(r.compute == "float32" for r in rows)
+    assert _sqnr(ref, out) >= _sqnr(ref, auto.float()) - 1.0
