@@ -1,0 +1,140 @@
+"""Optimizer state in fewer bytes: bfloat16, or 8 bits per element in blocks of 256 with a float32 absmax.
+
+Between steps a compressed state tensor replaces the float32 one in ``optimizer.state[p]`` under
+its own key (``exp_avg``), with the block scales beside it (``exp_avg.absmax``), so the inner
+optimizer's own ``state_dict`` carries the compressed form.  The step decompresses into float32
+(:func:`decompress`), the inner optimizer steps, and :func:`compress` writes the result back.
+
+The 8-bit code is *logarithmic* ("dynamic", as bitsandbytes' dynamic map, here a formula instead
+of a table): ``q = round(K * log2(|x| / absmax))`` per element of a block of 256, so every element
+keeps about the same relative precision (about ±4 %) however far below the block's largest it is.
+A linear code (``round(127 * x / absmax)``) would zero every element of Adam's second moment more
+than 255× below its block's largest, and the update ``m / (sqrt(v) + eps)`` of such an element
+would explode.  A non-zero second moment is never coded as zero (it decodes to the smallest code:
+a smaller update, the safe side); a first moment may underflow to zero (no update, also safe).
+
+Only the state keys of torch's stock Adam, AdamW and SGD are compressed (:data:`SIGNED`,
+:data:`UNSIGNED`); other optimizers keep float32 state (:func:`compressible`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["BLOCK", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
+           "recompress", "quantize", "dequantize", "state_bytes", "update_error"]
+
+#: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
+BLOCK = 256
+#: state keys that may be negative (a sign bit and 7 bits of log-magnitude) ...
+SIGNED = ("exp_avg", "momentum_buffer")
+#: ... and those that are not (8 bits of log-magnitude)
+UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")
+#: the optimizers whose state keys are known; another keeps float32 state
+STOCK = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD"))
+#: codes per octave: signed 7 bits cover 2^-18, unsigned 8 bits 2^-25 below the block's absmax
+_K_SIGNED, _K_UNSIGNED = 7.0, 10.0
+_SUFFIX = ".absmax"
+
+
+def compressible(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s state keys are known (the exact classes of :data:`STOCK`)."""
+    return type(optimizer) in STOCK
+
+
+def quantize(x: torch.Tensor, signed: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``x`` (float32) as 8-bit log codes per block of :data:`BLOCK` (int8 signed, uint8 unsigned) and the blocks' absmax."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    blocks = flat.view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    ratio = blocks.abs() / absmax.clamp_min(torch.finfo(torch.float32).tiny)
+    top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
+    q = torch.round(top + k * torch.log2(ratio.clamp_min(1e-38))).clamp_(0, top)
+    if not signed:
+        q = torch.where(blocks > 0, q.clamp_min(1), q)  # a non-zero second moment never decodes to zero
+        codes = q.to(torch.uint8)
+    else:
+        codes = (q * torch.sign(blocks)).to(torch.int8)
+    return codes.reshape(-1)[:n].view(x.shape), absmax.reshape(-1)
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Float32 values of :func:`quantize`'s codes (code 0 is zero)."""
+    flat = codes.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % BLOCK
+    q = flat.to(torch.float32)
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad)])
+    q = q.view(-1, BLOCK)
+    top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
+    mag = q.abs()
+    value = torch.where(mag > 0, torch.exp2((mag - top) / k), torch.zeros_like(mag)) * absmax.view(-1, 1)
+    if signed:
+        value = value * torch.sign(q)
+    return value.reshape(-1)[:n].view(codes.shape)
+
+
+def compress(state: Dict[str, Any], mode: str) -> None:
+    """Replace ``state``'s float32 moment tensors by their ``mode`` form ("bf16" or "int8"), in place."""
+    for key in SIGNED + UNSIGNED:
+        value = state.get(key)
+        if not torch.is_tensor(value) or value.dtype != torch.float32:
+            continue
+        if mode == "bf16":
+            state[key] = value.to(torch.bfloat16)
+        else:
+            state[key], state[key + _SUFFIX] = quantize(value, key in SIGNED)
+
+
+def decompress(state: Dict[str, Any]) -> None:
+    """Undo :func:`compress`: float32 moments in ``state``, in place."""
+    for key in SIGNED + UNSIGNED:
+        value = state.get(key)
+        if not torch.is_tensor(value) or value.dtype == torch.float32:
+            continue
+        absmax: Optional[torch.Tensor] = state.pop(key + _SUFFIX, None)
+        if absmax is None:
+            state[key] = value.float()
+        else:
+            state[key] = dequantize(value, absmax, key in SIGNED)
+
+
+def recompress(state: Dict[str, Any], mode: str) -> None:
+    """After ``Optimizer.load_state_dict`` (which casts floating state to the parameter's dtype): back to ``mode``."""
+    if mode == "bf16":
+        for key in SIGNED + UNSIGNED:
+            value = state.get(key)
+            if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.bfloat16:
+                state[key] = value.to(torch.bfloat16)  # exact: the values were bfloat16 when saved
+
+
+def state_bytes(mode: str, numel: int, keys: int) -> float:
+    """Bytes per element of ``keys`` state tensors in ``mode``."""
+    per = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[mode]
+    return per * keys if numel else 0.0
+
+
+def update_error(state: Dict[str, Any], mode: str) -> float:
+    """Relative L2 error of Adam's direction ``m / sqrt(v)`` (or SGD's momentum) after a round trip through ``mode``."""
+    m = state.get("exp_avg", state.get("momentum_buffer"))
+    if not torch.is_tensor(m) or m.dtype != torch.float32:
+        return 0.0
+    trip = {k: v for k, v in state.items() if k in SIGNED + UNSIGNED and torch.is_tensor(v)}
+    compress(trip, mode)
+    decompress(trip)
+    v = state.get("exp_avg_sq")
+    if torch.is_tensor(v) and v.dtype == torch.float32:
+        exact = m / (v.sqrt() + 1e-8)
+        approx = trip["exp_avg"] / (trip["exp_avg_sq"].sqrt() + 1e-8)
+    else:
+        exact, approx = m, trip.get("momentum_buffer", m)
+    denom = float(torch.linalg.vector_norm(exact))
+    return 0.0 if denom == 0 or not math.isfinite(denom) else float(torch.linalg.vector_norm(approx - exact)) / denom
