@@ -68,7 +68,7 @@ def decide(ws: Any) -> None:
             if lost < LOST_LIMIT:
                 masters = "stochastic" if low.dtype == torch.bfloat16 else "kahan"
                 reasons.append(f"rounding loses {lost:.1%} of the update: {masters}")
-            elif numel < SMALL:
+            elif numel < config.small:
                 masters = "fp32"
                 reasons.append(f"rounding loses {lost:.0%} of the update, small: fp32")
             else:
@@ -80,7 +80,7 @@ def decide(ws: Any) -> None:
             if not quant.compressible(ws.optimizer):
                 state = "fp32"
                 reasons.append(f"{type(ws.optimizer).__name__}'s state keys unknown: fp32 state")
-            elif numel < SMALL:
+            elif numel < config.small:
                 state = "fp32"
                 reasons.append("small: fp32 state")
             elif err is not None and err < STATE_LIMIT:

@@ -81,17 +81,22 @@ class LeanConfig:
     state:             :class:`StatePrecision` for their optimizer state
     calibration_steps: with ``"auto"``, the first steps run with float32 masters and state and measure
                        (:mod:`fxamp.training.calibrate`); the choice is made after the last of them
+    small:             with ``"auto"``, tensors under this many elements keep float32 where rounding bites,
+                       and float32 state (:data:`fxamp.training.calibrate.SMALL`)
     """
 
     masters: MasterPrecision = MasterPrecision.FP32
     state: StatePrecision = StatePrecision.FP32
     calibration_steps: int = 4
+    small: int = 65536
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "masters", _enum(MasterPrecision, self.masters, "masters"))
         object.__setattr__(self, "state", _enum(StatePrecision, self.state, "state"))
         if not isinstance(self.calibration_steps, int) or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps={self.calibration_steps!r}: a positive int")
+        if not isinstance(self.small, int) or self.small < 0:
+            raise ValueError(f"small={self.small!r}: a non-negative int")
 
     @classmethod
     def preset(cls, name: str) -> "LeanConfig":
@@ -106,7 +111,7 @@ class LeanConfig:
 
     @property
     def auto(self) -> bool:
-        return MasterPrecision.AUTO in (self.masters,) or self.state is StatePrecision.AUTO
+        return self.masters is MasterPrecision.AUTO or self.state is StatePrecision.AUTO
 
     def __str__(self) -> str:
         return f"masters={self.masters},state={self.state}"

@@ -108,12 +108,17 @@ def decompress(state: Dict[str, Any]) -> None:
 
 
 def recompress(state: Dict[str, Any], mode: str) -> None:
-    """After ``Optimizer.load_state_dict`` (which casts floating state to the parameter's dtype): back to ``mode``."""
-    if mode == "bf16":
-        for key in SIGNED + UNSIGNED:
-            value = state.get(key)
-            if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.bfloat16:
-                state[key] = value.to(torch.bfloat16)  # exact: the values were bfloat16 when saved
+    """After ``Optimizer.load_state_dict``, which casts state to the parameter's dtype (the codes too): back
+    to ``mode``'s dtypes, exactly (the values were bfloat16 values, or integer codes, when saved)."""
+    for key in SIGNED + UNSIGNED:
+        value = state.get(key)
+        if not torch.is_tensor(value):
+            continue
+        if key + _SUFFIX in state:
+            state[key] = value.to(torch.int8 if key in SIGNED else torch.uint8)
+            state[key + _SUFFIX] = state[key + _SUFFIX].float()
+        elif mode == "bf16" and value.dtype != torch.bfloat16:
+            state[key] = value.to(torch.bfloat16)
 
 
 def state_bytes(mode: str, numel: int, keys: int) -> float:
