@@ -98,13 +98,14 @@ def decompress(state: Dict[str, Any]) -> None:
     """Undo :func:`compress`: float32 moments in ``state``, in place."""
     for key in SIGNED + UNSIGNED:
         value = state.get(key)
-        if not torch.is_tensor(value) or value.dtype == torch.float32:
+        if not torch.is_tensor(value):
             continue
         absmax: Optional[torch.Tensor] = state.pop(key + _SUFFIX, None)
-        if absmax is None:
+        if absmax is not None:  # (codes cast to float by a loader that knew nothing of them: integers still)
+            state[key] = dequantize(value.to(torch.int8 if key in SIGNED else torch.uint8), absmax.float(),
+                                    key in SIGNED)
+        elif value.dtype != torch.float32:
             state[key] = value.float()
-        else:
-            state[key] = dequantize(value, absmax, key in SIGNED)
 
 
 def recompress(state: Dict[str, Any], mode: str) -> None:
