@@ -295,3 +295,31 @@ def test_modes_the_parameters_or_the_optimizer_cannot_take_are_refused_before_bi
     inner = torch.optim.SGD([nn.Parameter(torch.ones(3)), torch.zeros(3, dtype=torch.long)], lr=0.1)
     with pytest.raises(TypeError, match=r"group 0, param 1 is torch.int64: .* floating-point parameters only"):
         fxamp.MixedPrecisionOptimizer(inner)
+
+
+@pytest.mark.parametrize("masters,state", [("kahan", "int8"), ("stochastic", "bf16"), ("auto", "auto")])
+def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatch):
+    """A large model's step runs a segment at a time, each run through its own workspace; the stochastic
+    stream depends on (seed, tensor, count), not on the order: the same weights as one step over all."""
+    from fxamp.training import step as S
+
+    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+    runs = []
+    for release in (True, False):  # False: the plain step, every master at once
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 32), nn.Linear(32, 4))
+        amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
+                                            release_grad_buffer=release,
+                                            precision=LeanConfig(masters, state, calibration_steps=2, small=100))
+        for step in range(4):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            opt.backward(amp(x).float().square().mean())
+            opt.step()
+        runs.append((amp, opt))
+    (seg, seg_opt), (ref, _) = runs
+    assert seg_opt.plan.runs is not None and len(seg_opt.plan.runs) >= 3  # it was segmented
+    for a, b in zip(seg.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
