@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.memory [--layers 2 --vocab 8192 --seq 64 --batch 2 --steps 6]``
 
-A GPT-2-small-width decoder (d768, 12 heads, :class:`benchmarks.models.DecoderLM`) trained with AdamW in:
+A GPT-2-small-width decoder (d768, 12 heads, :class:`benchmarks.models.DecoderLM`, GPT-2's std-0.02
+initialisation) trained with AdamW (lr 6e-4, the first steps on one random batch) in:
 fp32, ``torch.autocast`` (bf16), pure bf16 (``model.to(bf16)``), fxamp O2 with float32 masters and
 state, and O2 with lean masters/state (kahan + bf16 state, stochastic + int8 state, auto + auto).
 
@@ -31,7 +32,11 @@ import fxamp
 from benchmarks.models import DecoderLM
 from benchmarks.real import cpu_flags, live_storage_bytes, step_peak_bytes
 
-REGIMES = ["fp32", "autocast", "bf16", "O2", "O2 kahan+bf16", "O2 stochastic+int8", "O2 auto+auto"]
+REGIMES = ["fp32", "autocast", "bf16", "O2", "O2 kahan+bf16", "O2 stochastic+int8", "O2 auto+auto",
+           "bf16 optimi-kahan", "bf16 torchao-8bit"]
+#: pure bfloat16 models stepped by other libraries' lean optimizers (rows skipped where they do not import)
+_OTHERS = {"bf16 optimi-kahan": ("optimi", lambda mod, ps: mod.AdamW(ps, lr=6e-4, kahan_sum=True)),
+           "bf16 torchao-8bit": ("torchao.optim", lambda mod, ps: mod.AdamW8bit(ps, lr=6e-4))}
 _LEAN = {"O2 kahan+bf16": ("kahan", "bf16"), "O2 stochastic+int8": ("stochastic", "int8"),
          "O2 auto+auto": ("auto", "auto")}
 
@@ -42,11 +47,17 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
     def loss_of(out):
         return F.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
 
-    if regime in ("fp32", "autocast", "bf16"):
+    if regime in ("fp32", "autocast", "bf16") or regime in _OTHERS:
         m = copy.deepcopy(base)
-        if regime == "bf16":
+        if regime != "fp32" and regime != "autocast":
             m = m.to(torch.bfloat16)
-        opt = torch.optim.AdamW(m.parameters(), lr=6e-4)
+        if regime in _OTHERS:
+            import importlib
+
+            module, make = _OTHERS[regime]
+            opt = make(importlib.import_module(module), m.parameters())
+        else:
+            opt = torch.optim.AdamW(m.parameters(), lr=6e-4)
 
         def step():
             with torch.autocast("cpu", torch.bfloat16, enabled=regime == "autocast"):
@@ -105,16 +116,26 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--tables", action="store_true", help="print the per-tensor table of each lean regime")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: robust to a shared, loaded CPU)")
     a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     base = DecoderLM(vocab=a.vocab, seq=a.seq, d=768, layers=a.layers, heads=12)
+    for m in base.modules():  # GPT-2's initialisation (std 0.02): what "auto" measures depends on the weights' size
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
     x = torch.randint(0, a.vocab, (a.batch, a.seq))
     y = torch.randint(0, a.vocab, (a.batch, a.seq))
     flags = cpu_flags()
     print(f"# GPT d768 L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}, AdamW, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f} M params; torch {torch.__version__}; "
           f"threads {torch.get_num_threads()}; CPU flags {flags}")
-    rows = [measure(r.strip(), base, x, y, a.vocab, a.steps) for r in a.regimes.split(",")]
+    rows = []
+    for r in a.regimes.split(","):
+        try:
+            rows.append(measure(r.strip(), base, x, y, a.vocab, a.steps))
+        except ImportError as e:  # optimi / torchao not installed
+            print(f"# {r.strip()}: skipped ({e})")
     auto = next((r for r in rows if r["regime"] == "autocast"), None)
     from tabulate import tabulate
 

@@ -130,6 +130,10 @@ class Choice:
     count: int = 0  # stochastic roundings done (the stream's position)
 
 
+#: elements per slice of a large lean master's chunked step (4 MiB of float32; whole blocks of quant.CHUNK)
+PIECE = 64 * quant.CHUNK
+
+
 def placeholder(like: torch.Tensor) -> torch.Tensor:
     """A float32 tensor of ``like``'s shape and device holding no memory (a zero, expanded)."""
     return torch.zeros((), dtype=torch.float32, device=like.device).expand(like.shape)
@@ -141,11 +145,14 @@ def _seed_for(seed: int, index: int, count: int) -> int:
 
 def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
     """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction."""
-    bits = x.detach().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    rounded = (bits + noise) & -65536  # (0xFFFF0000): the low 16 bits dropped after adding the noise
-    finite = torch.isfinite(x)
-    out.copy_(torch.where(finite, rounded.view(torch.float32), x))  # exact: the value is a bfloat16
+    bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
+    for start in range(0, bits.numel(), quant.CHUNK):  # (temporaries of a slice, not of the tensor)
+        part = bits[start:start + quant.CHUNK]
+        noise = torch.randint(0, 1 << 16, part.shape, dtype=torch.int32, device=x.device, generator=generator)
+        noise.add_(part).bitwise_and_(-65536)  # (0xFFFF0000): the low 16 bits dropped after adding the noise
+        value = noise.view(torch.float32)
+        finite = torch.isfinite(part.view(torch.float32))
+        dst[start:start + quant.CHUNK] = torch.where(finite, value, part.view(torch.float32))  # exact: a bfloat16
 
 
 class Workspace:
@@ -257,6 +264,54 @@ class Workspace:
                     m.data = placeholder(m)
                 if choice.state != "fp32" and m in self.optimizer.state:
                     quant.compress(self.optimizer.state[m], choice.state)
+
+    def chunks(self, run: Any, optimizer: Any) -> bool:
+        """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
+        larger than :data:`PIECE`, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
+        if len(run.pairs) != 1 or self.calibrating or not quant.compressible(optimizer):
+            return False
+        low, master = run.pairs[0]
+        return self.lean(master) and low.numel() > PIECE and low.is_contiguous()
+
+    def step_chunked(self, optimizer: Any, run: Any, inv_scale_on: Any) -> None:
+        """Step one large lean master :data:`PIECE` elements at a time: each slice's float32 value, gradient
+        and state are built, stepped as a parameter of its own, and written back (weight, term, compressed
+        state), so the step's transient memory is a slice's, not the tensor's.  Bitwise the whole step: the
+        optimizer is elementwise, the slices are whole 8-bit blocks, the stochastic stream runs on in order."""
+        low, master = run.pairs[0]
+        choice, group = self.choices[id(master)], optimizer.param_groups[run.group]
+        state, n = optimizer.state.get(master, {}), low.numel()
+        flat, grad = low.detach().view(-1), low.grad.reshape(-1)
+        term = None if choice.term is None else choice.term.view(-1)
+        inv = None if inv_scale_on is None else inv_scale_on(low.device)
+        gen = None
+        if choice.master == "stochastic":
+            gen = self._generator(low.device)
+            gen.manual_seed(_seed_for(self.seed, self.index[id(master)], choice.count))
+            choice.count += 1
+        new: Dict[str, Any] = {}
+        try:
+            for start in range(0, n, PIECE):
+                sl = slice(start, start + PIECE)
+                with torch.no_grad():
+                    value = flat[sl].float()
+                    if term is not None:
+                        value += term[sl].float()
+                piece = torch.nn.Parameter(value)
+                piece.grad = grad[sl].float() if inv is None else grad[sl].float().mul_(inv)
+                optimizer.state[piece] = quant.slice_state(state, sl, n) if state else {}
+                group["params"] = [piece]
+                optimizer.step()
+                with torch.no_grad():
+                    if gen is not None:
+                        stochastic_round(piece, flat[sl], gen)
+                    else:
+                        flat[sl].copy_(piece)
+                        term[sl].copy_(piece - flat[sl].float())
+                    quant.store_slice(new, optimizer.state.pop(piece), sl, n, master.shape, choice.state)
+        finally:
+            group["params"] = [master]
+        optimizer.state[master] = new
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._gens:

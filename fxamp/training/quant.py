@@ -24,8 +24,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["BLOCK", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
-           "recompress", "quantize", "dequantize", "state_bytes", "update_error"]
+__all__ = ["BLOCK", "CHUNK", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
+           "recompress", "slice_state", "store_slice", "quantize", "dequantize", "state_bytes", "update_error"]
 
 #: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -45,41 +45,76 @@ def compressible(optimizer: Any) -> bool:
     return type(optimizer) in STOCK
 
 
+#: elements per slice of the (de)quantization: a few in-place passes over a slice stay in cache, and
+#: the temporaries of a large tensor are this size, not the tensor's (a multiple of :data:`BLOCK`)
+CHUNK = 64 * BLOCK
+
+
 def quantize(x: torch.Tensor, signed: bool) -> "tuple[torch.Tensor, torch.Tensor]":
     """``x`` (float32) as 8-bit log codes per block of :data:`BLOCK` (int8 signed, uint8 unsigned) and the blocks' absmax."""
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)
     n = flat.numel()
-    pad = (-n) % BLOCK
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    blocks = flat.view(-1, BLOCK)
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
-    ratio = blocks.abs() / absmax.clamp_min(torch.finfo(torch.float32).tiny)
+    nblocks = -(-n // BLOCK)
+    codes = torch.empty(n, dtype=torch.int8 if signed else torch.uint8, device=x.device)
+    absmax = torch.empty(nblocks, dtype=torch.float32, device=x.device)
     top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
-    q = torch.round(top + k * torch.log2(ratio.clamp_min(1e-38))).clamp_(0, top)
-    if not signed:
-        q = torch.where(blocks > 0, q.clamp_min(1), q)  # a non-zero second moment never decodes to zero
-        codes = q.to(torch.uint8)
-    else:
-        codes = (q * torch.sign(blocks)).to(torch.int8)
-    return codes.reshape(-1)[:n].view(x.shape), absmax.reshape(-1)
+    for start in range(0, n, CHUNK):
+        part = flat[start:start + CHUNK]
+        m = part.numel()
+        full = m - m % BLOCK
+        b0 = start // BLOCK
+        if full:
+            blocks = part[:full].view(-1, BLOCK)
+            amax = torch.amax(blocks.abs(), dim=1, keepdim=True)
+            absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
+            q = blocks / amax.clamp_min_(_TINY)
+            _code_(q, top, k, blocks, signed)
+            codes[start:start + full] = q.view(-1)
+        if full < m:  # the last, partial block
+            tail = part[full:]
+            amax = tail.abs().amax()
+            absmax[-1] = amax
+            q = tail / amax.clamp_min(_TINY)
+            _code_(q, top, k, tail, signed)
+            codes[start + full:start + m] = q
+    return codes.view(x.shape), absmax
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
+    """``q`` (|x| / absmax, signed) -> codes in place, as float: ``round(top + k log2 |q|)`` clamped, signed."""
+    q.abs_().clamp_min_(1e-38).log2_().mul_(k).add_(top).round_().clamp_(0, top)
+    if signed:
+        q.copysign_(x)
+    else:  # a non-zero second moment never decodes to zero
+        torch.maximum(q, (x > 0).to(q.dtype), out=q)
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """Float32 values of :func:`quantize`'s codes (code 0 is zero)."""
     flat = codes.reshape(-1)
     n = flat.numel()
-    pad = (-n) % BLOCK
-    q = flat.to(torch.float32)
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad)])
-    q = q.view(-1, BLOCK)
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
     top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
-    mag = q.abs()
-    value = torch.where(mag > 0, torch.exp2((mag - top) / k), torch.zeros_like(mag)) * absmax.view(-1, 1)
-    if signed:
-        value = value * torch.sign(q)
-    return value.reshape(-1)[:n].view(codes.shape)
+    mags = torch.arange(256, dtype=torch.float32, device=codes.device)
+    table = torch.exp2((mags - top) / k)
+    table[0] = 0.0
+    if signed:  # int8 codes -128..127, read through uint8 (two's complement): 128.. are negative
+        table = torch.cat([table[:128], -torch.flip(table[1:129], [0])])
+        flat = flat.view(torch.uint8)
+    for start in range(0, n, CHUNK):
+        part = out[start:start + CHUNK]
+        torch.index_select(table, 0, flat[start:start + CHUNK].to(torch.int32), out=part)
+        m = part.numel()
+        scale = absmax[start // BLOCK:(start + m - 1) // BLOCK + 1]
+        full = m - m % BLOCK
+        if full:
+            part[:full].view(-1, BLOCK).mul_(scale[:full // BLOCK].view(-1, 1))
+        if full < m:
+            part[full:].mul_(scale[-1])
+    return out.view(codes.shape)
 
 
 def compress(state: Dict[str, Any], mode: str) -> None:
@@ -144,3 +179,45 @@ def update_error(state: Dict[str, Any], mode: str) -> float:
         exact, approx = m, trip.get("momentum_buffer", m)
     denom = float(torch.linalg.vector_norm(exact))
     return 0.0 if denom == 0 or not math.isfinite(denom) else float(torch.linalg.vector_norm(approx - exact)) / denom
+
+
+def slice_state(state: Dict[str, Any], sl: slice, n: int) -> Dict[str, Any]:
+    """The float32 state of elements ``sl`` of a tensor of ``n`` elements whose state is ``state`` (compressed
+    or not): moments decompressed for the slice only (``sl`` starts at a multiple of :data:`BLOCK`)."""
+    out: Dict[str, Any] = {}
+    for key, value in state.items():
+        if key.endswith(_SUFFIX):
+            continue
+        if not torch.is_tensor(value) or value.dim() == 0 or value.numel() != n:
+            out[key] = value.clone() if torch.is_tensor(value) else value  # ("step": each slice steps its own copy)
+            continue
+        part = value.reshape(-1)[sl]
+        absmax = state.get(key + _SUFFIX)
+        if absmax is not None:
+            blocks = absmax[sl.start // BLOCK:(sl.start + part.numel() - 1) // BLOCK + 1]
+            out[key] = dequantize(part.to(torch.int8 if key in SIGNED else torch.uint8), blocks.float(), key in SIGNED)
+        else:
+            out[key] = part.float()
+    return out
+
+
+def store_slice(full: Dict[str, Any], piece: Dict[str, Any], sl: slice, n: int, shape: torch.Size, mode: str) -> None:
+    """Write a slice's stepped float32 state ``piece`` into ``full`` (allocated at the first slice) in ``mode``."""
+    for key, value in piece.items():
+        if not torch.is_tensor(value) or value.dim() == 0 or value.numel() != min(sl.stop, n) - sl.start:
+            full[key] = value  # ("step": the last slice's, the same in every slice)
+            continue
+        compressed = mode != "fp32" and key in SIGNED + UNSIGNED
+        if key not in full:
+            dtype = value.dtype if not compressed else torch.bfloat16 if mode == "bf16" else \
+                torch.int8 if key in SIGNED else torch.uint8
+            full[key] = torch.empty(shape, dtype=dtype, device=value.device)
+            if compressed and mode == "int8":
+                full[key + _SUFFIX] = torch.empty(-(-n // BLOCK), dtype=torch.float32, device=value.device)
+        dst = full[key].view(-1)[sl]
+        if compressed and mode == "int8":
+            codes, absmax = quantize(value, key in SIGNED)
+            dst.copy_(codes.view(-1))
+            full[key + _SUFFIX][sl.start // BLOCK:sl.start // BLOCK + absmax.numel()] = absmax
+        else:
+            dst.copy_(value.view(-1))

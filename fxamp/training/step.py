@@ -200,6 +200,9 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
                 for _, m in run.pairs:
                     m.grad = None  # not stepped, as a plain optimizer would not (none left by an unscale_())
                 continue
+            if ws is not None and ws.chunks(run, optimizer):  # a large lean master: a slice at a time
+                ws.step_chunked(optimizer, run, inv_scale_on)
+                continue
             strides = run.strides
             if len(present) < len(run.pairs):
                 for low, m in run.pairs:
@@ -210,7 +213,8 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             masters = [run.pairs[i][1] for i in present]
             device = masters[0].device
             if device not in buffers:
-                buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device),
+                buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
+                                                  and not (ws is not None and ws.chunks(r, optimizer))),
                                               dtype=masters[0].dtype, device=device)
             with torch.no_grad():
                 flat, views = flat_grads(masters, strides, buffers[device])

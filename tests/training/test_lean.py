@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import fxamp
 from fxamp.info import ORIGIN
 from fxamp.training import quant
+from fxamp.training import lean as lean_module
 from fxamp.training.lean import LeanConfig, stochastic_round
 
 MODES = [("fp32", "fp32"), ("kahan", "fp32"), ("stochastic", "fp32"), ("fp32", "int8"), ("kahan", "bf16"),
@@ -305,10 +306,16 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
 
     monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+    monkeypatch.setattr(quant, "CHUNK", 256)  # (the stochastic stream is drawn a CHUNK at a time in both)
+    monkeypatch.setattr(lean_module, "PIECE", 1024)  # fc1's weight (4096) is stepped a slice at a time
+    chunked = []
+    real = lean_module.Workspace.step_chunked
+    monkeypatch.setattr(lean_module.Workspace, "step_chunked",
+                        lambda self, opt, run, inv: (chunked.append(run), real(self, opt, run, inv)))
     runs = []
     for release in (True, False):  # False: the plain step, every master at once
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 32), nn.Linear(32, 4))
+        model = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 4))
         amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                             release_grad_buffer=release,
@@ -321,5 +328,6 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
         runs.append((amp, opt))
     (seg, seg_opt), (ref, _) = runs
     assert seg_opt.plan.runs is not None and len(seg_opt.plan.runs) >= 3  # it was segmented
+    assert chunked if masters != "auto" else True  # (auto: fc1 may keep float32)
     for a, b in zip(seg.parameters(), ref.parameters()):
         assert torch.equal(a, b)
