@@ -99,8 +99,9 @@ ORIGIN = "_fxamp_origin"
 class _Origin:
     """A weak reference to the float32 tensor a low-precision parameter was made from.
 
-    A copy of the module (deepcopy) shares it; pickling drops it (a weak reference cannot be
-    pickled, and an unpickled module has no original): it unpickles as a dead reference."""
+    Pickling drops it (a weak reference cannot be pickled, and an unpickled module has no original):
+    it unpickles as a dead reference; a deep copy of the module shares it where the parameter's
+    attributes are copied (torch's ``Parameter.__deepcopy__`` does not copy them)."""
 
     __slots__ = ("ref",)
 

@@ -174,11 +174,7 @@ class Workspace:
         """Give a new master its modes (the configured ones; float32 while ``"auto"`` calibrates)."""
         masters, state = self.config.masters.value, self.config.state.value
         check_modes(self.optimizer, low, masters, state, name)
-        choice = Choice()
-        if masters != "auto" and state != "auto":
-            choice.reason = "as configured"
-        else:
-            choice.reason = "calibrating"
+        choice = Choice(reason="as configured" if not self.config.auto else "calibrating")
         self.choices[id(master)] = choice
         self.index[id(master)] = index
         self.low_of[id(master)] = low
@@ -389,9 +385,10 @@ def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:
     return all(m == "fp32" and s == "fp32" for m, s in items)
 
 
-def check_params(optimizer: Any, config: LeanConfig) -> None:
-    """Raise before anything changes: a non-float parameter, or a mode no parameter of ``optimizer`` can take."""
-    for i, group in enumerate(optimizer.param_groups):
+def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+    """Raise before anything changes: a non-float parameter, or a mode a parameter of ``groups`` (default:
+    ``optimizer``'s) cannot take."""
+    for i, group in enumerate(optimizer.param_groups if groups is None else groups):
         for j, p in enumerate(group["params"]):
             if not p.is_floating_point():
                 raise TypeError(f"the optimizer's group {i}, param {j} is {p.dtype}: MixedPrecisionOptimizer steps "

@@ -261,6 +261,11 @@ class MixedPrecisionOptimizer:
         Add groups through the wrapper: one added to the inner optimizer directly is refused at the next step.
         """
         self.optimizer.add_param_group(group)
+        try:
+            lean.check_params(self.optimizer, self.precision, groups=self.optimizer.param_groups[-1:])
+        except (TypeError, ValueError):
+            self.optimizer.param_groups.pop()  # nothing changed
+            raise
         before = self._nparams
         self._bind_group(self.optimizer.param_groups[-1])
         assert self._nparams == before + len(self.optimizer.param_groups[-1]["params"])
@@ -627,4 +632,5 @@ class MixedPrecisionOptimizer:
 
     def __repr__(self) -> str:
         return (f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, {len(self._masters)} float32 masters, "
-                f"{self._nparams - len(self._masters)} float32 params, {self.scaler})")
+                f"{self._nparams - len(self._masters)} float32 params, {self.scaler}"
+                + ("" if self._ws is None else f", {self.precision}") + ")")

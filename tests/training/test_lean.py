@@ -331,3 +331,12 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
     assert chunked if masters != "auto" else True  # (auto: fc1 may keep float32)
     for a, b in zip(seg.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_group_added_with_a_mode_its_parameters_cannot_take_is_taken_back():
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(nn.Linear(8, 8).to(torch.bfloat16).parameters()),
+                                        masters="stochastic")
+    groups = len(opt.param_groups)
+    with pytest.raises(ValueError, match="masters='stochastic' rounds into bfloat16 weights"):
+        opt.add_param_group({"params": list(nn.Linear(8, 8).half().parameters())})
+    assert len(opt.param_groups) == groups and "masters=stochastic,state=fp32" in repr(opt)
