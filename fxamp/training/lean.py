@@ -398,9 +398,12 @@ def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[D
 
 
 def seed_from(seed: Union[int, torch.Generator, None]) -> int:
-    """The stochastic rounding's seed: ``seed``, drawn from a generator, or from torch's default one."""
+    """The stochastic rounding's seed: ``seed``, or drawn from a generator; None is 0, the same on every
+    rank, so data-parallel replicas (which see the same averaged gradients) round alike and stay equal."""
     if isinstance(seed, bool) or not (seed is None or isinstance(seed, (int, torch.Generator))):
         raise TypeError(f"seed must be an int or a torch.Generator, not {type(seed).__name__}")
+    if seed is None:
+        return 0
     if isinstance(seed, int):
         return seed
     return int(torch.randint(0, 2 ** 62, (1,), generator=seed))

@@ -128,7 +128,8 @@ class MixedPrecisionOptimizer:
                    ``"kahan"``, ``"stochastic"`` or ``"auto"``; state ``"fp32"``, ``"bf16"``, ``"int8"`` or
                    ``"auto"`` (measured during the first steps: :mod:`fxamp.training.calibrate`).
                    ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead.
-                   ``seed``: of the stochastic rounding (an int or a torch.Generator to draw it from).
+                   ``seed``: of the stochastic rounding (an int, or a torch.Generator to draw it from; default 0,
+                   the same on every rank, so DDP replicas round alike).
 
     The wrapper does not patch ``optimizer``: it replaces float16/bfloat16 parameters in its
     ``param_groups`` by float32 masters (moving any existing state), so LR schedulers built on
@@ -277,7 +278,8 @@ class MixedPrecisionOptimizer:
 
     def master_pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``(low-precision parameter, its float32 master)`` for every master, in the order they were
-        paired (the order of :meth:`state_dict`'s ``masters``)."""
+        paired (the order of :meth:`state_dict`'s ``masters``).  A lean master (``masters="kahan"`` or
+        ``"stochastic"``) is a placeholder between steps: its value is :meth:`fp32_state_dict`'s."""
         return list(zip(self._lows, self._masters))
 
     @property
