@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from benchmarks.models import DecoderLM
+from benchmarks.models import DecoderLM, ResNet50
 from benchmarks.real import cpu_flags, live_storage_bytes, step_peak_bytes
 
 REGIMES = ["fp32", "autocast", "bf16", "O2", "O2 kahan+bf16", "O2 stochastic+int8", "O2 auto+auto",
@@ -47,6 +47,8 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
     def loss_of(out):
         return F.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
 
+    xb = x.to(torch.bfloat16) if x.is_floating_point() else x  # (pure bf16 takes bf16 images)
+
     if regime in ("fp32", "autocast", "bf16") or regime in _OTHERS:
         m = copy.deepcopy(base)
         if regime != "fp32" and regime != "autocast":
@@ -61,7 +63,7 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
 
         def step():
             with torch.autocast("cpu", torch.bfloat16, enabled=regime == "autocast"):
-                loss = loss_of(m(x))
+                loss = loss_of(m(x if regime in ("fp32", "autocast") else xb))
             loss.backward()
             opt.step()
 
@@ -109,6 +111,8 @@ def measure(regime: str, base: nn.Module, x, y, vocab: int, steps: int) -> Dict[
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    ap.add_argument("--px", type=int, default=64, help="ResNet-50's image size")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
@@ -120,20 +124,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    base = DecoderLM(vocab=a.vocab, seq=a.seq, d=768, layers=a.layers, heads=12)
-    for m in base.modules():  # GPT-2's initialisation (std 0.02): what "auto" measures depends on the weights' size
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-    x = torch.randint(0, a.vocab, (a.batch, a.seq))
-    y = torch.randint(0, a.vocab, (a.batch, a.seq))
+    if a.model == "resnet":
+        base, classes = ResNet50(), 1000
+        x, y = torch.randn(a.batch, 3, a.px, a.px), torch.randint(0, 1000, (a.batch,))
+        what = f"ResNet-50 b{a.batch} {a.px}px"
+    else:
+        base, classes = DecoderLM(vocab=a.vocab, seq=a.seq, d=768, layers=a.layers, heads=12), a.vocab
+        for m in base.modules():  # GPT-2's initialisation (std 0.02): what "auto" measures depends on the weights' size
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+        x = torch.randint(0, a.vocab, (a.batch, a.seq))
+        y = torch.randint(0, a.vocab, (a.batch, a.seq))
+        what = f"GPT d768 L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}"
     flags = cpu_flags()
-    print(f"# GPT d768 L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}, AdamW, "
+    print(f"# {what}, AdamW, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f} M params; torch {torch.__version__}; "
           f"threads {torch.get_num_threads()}; CPU flags {flags}")
     rows = []
     for r in a.regimes.split(","):
         try:
-            rows.append(measure(r.strip(), base, x, y, a.vocab, a.steps))
+            rows.append(measure(r.strip(), base, x, y, classes, a.steps))
         except ImportError as e:  # optimi / torchao not installed
             print(f"# {r.strip()}: skipped ({e})")
     auto = next((r for r in rows if r["regime"] == "autocast"), None)
