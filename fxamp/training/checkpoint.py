@@ -100,6 +100,9 @@ def load(opt: Any, state: Any) -> None:
             c = ws.choices[id(m)]
             c.reason, c.lost, c.state_error, c.count = entry[2], entry[3], entry[4], int(entry[5])
     opt._refresh()
+    if ws is not None and precision is None and not ws.config.auto:  # float32 masters saved: now as configured
+        for m in opt._masters:
+            ws.set_modes(m, ws.config.masters.value, ws.config.state.value)
     opt.scaler.load_state_dict(state["scaler"])
     opt._skipped = int(state["skipped_steps"])
     opt.scaler.forget(opt._client)

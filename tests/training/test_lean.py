@@ -340,3 +340,23 @@ def test_a_group_added_with_a_mode_its_parameters_cannot_take_is_taken_back():
     with pytest.raises(ValueError, match="masters='stochastic' rounds into bfloat16 weights"):
         opt.add_param_group({"params": list(nn.Linear(8, 8).half().parameters())})
     assert len(opt.param_groups) == groups and "masters=stochastic,state=fp32" in repr(opt)
+
+
+def test_a_float32_checkpoint_loads_into_a_lean_optimizer_as_configured():
+    torch.manual_seed(0)
+    model = nn.Linear(64, 8).to(torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt.zero_grad()
+    opt.backward(model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum())
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    full = {id(low): m.clone() for low, m in opt.master_pairs()}
+    lean = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), masters="kahan", state="bf16")
+    lean.load_state_dict(saved)
+    for low, m in lean.master_pairs():
+        choice = lean._ws.choices[id(m)]
+        assert (choice.master, choice.state) == ("kahan", "bf16")
+        # weight + term: the float32 master to ~16 significant bits (the term is bfloat16)
+        torch.testing.assert_close(low.float() + choice.term.float(), full[id(low)], rtol=2 ** -15, atol=0)
+        assert not torch.equal(low.float(), full[id(low)])  # (the term carries what the weight lost)
+    assert lean.optimizer.state[lean.master_pairs()[0][1]]["exp_avg"].dtype == torch.bfloat16
