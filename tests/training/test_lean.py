@@ -17,7 +17,7 @@ from fxamp.training import lean as lean_module
 from fxamp.training.lean import LeanConfig, stochastic_round
 
 MODES = [("fp32", "fp32"), ("kahan", "fp32"), ("stochastic", "fp32"), ("fp32", "int8"), ("kahan", "bf16"),
-         ("stochastic", "int8")]
+         ("stochastic", "int8"), ("auto", "auto")]
 
 
 class TinyLM(nn.Module):
@@ -171,7 +171,8 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state):
         model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).to(torch.bfloat16)
         model[1].float()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, fxamp.MixedPrecisionOptimizer(inner, masters=masters, state=state, seed=7, model=model)
+        config = LeanConfig(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
+        return model, fxamp.MixedPrecisionOptimizer(inner, precision=config, seed=7, model=model)
 
     def train(model, opt, n):
         for _ in range(n):
@@ -185,9 +186,11 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state):
     model, opt = build()
     train(model, opt, 3)
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    if state != "fp32":
+    if state not in ("fp32", "auto"):
         assert opt.optimizer.state[opt.master_pairs()[0][1]]["exp_avg"].dtype == \
             {"bf16": torch.bfloat16, "int8": torch.int8}[state]  # the checkpoint carries the compressed state
+    if masters == "auto":
+        assert {c.master for c in opt._ws.choices.values()} != {"fp32"}  # decided, and not all float32
     model, opt = build()
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
