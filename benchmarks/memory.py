@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
     ap.add_argument("--px", type=int, default=64, help="ResNet-50's image size")
+    ap.add_argument("--d", type=int, default=768, help="width (GPT-2 small's by default; heads: d / 64)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
@@ -129,13 +130,13 @@ def main(argv=None) -> int:
         x, y = torch.randn(a.batch, 3, a.px, a.px), torch.randint(0, 1000, (a.batch,))
         what = f"ResNet-50 b{a.batch} {a.px}px"
     else:
-        base, classes = DecoderLM(vocab=a.vocab, seq=a.seq, d=768, layers=a.layers, heads=12), a.vocab
+        base, classes = DecoderLM(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=max(1, a.d // 64)), a.vocab
         for m in base.modules():  # GPT-2's initialisation (std 0.02): what "auto" measures depends on the weights' size
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
         x = torch.randint(0, a.vocab, (a.batch, a.seq))
         y = torch.randint(0, a.vocab, (a.batch, a.seq))
-        what = f"GPT d768 L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}"
+        what = f"GPT d{a.d} L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}"
     flags = cpu_flags()
     print(f"# {what}, AdamW, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f} M params; torch {torch.__version__}; "
