@@ -148,7 +148,10 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
     bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
     for start in range(0, bits.numel(), quant.CHUNK):  # (temporaries of a slice, not of the tensor)
         part = bits[start:start + quant.CHUNK]
-        noise = torch.randint(0, 1 << 16, part.shape, dtype=torch.int32, device=x.device, generator=generator)
+        m = part.numel()  # 16 random bits per element: four from each 64-bit draw (half the generator's work)
+        draws = torch.randint(-2 ** 63, 2 ** 63 - 1, (-(-m // 4),), dtype=torch.int64, device=x.device,
+                              generator=generator)
+        noise = draws.view(torch.int16)[:m].to(torch.int32).bitwise_and_(0xFFFF)
         noise.add_(part).bitwise_and_(-65536)  # (0xFFFF0000): the low 16 bits dropped after adding the noise
         value = noise.view(torch.float32)
         finite = torch.isfinite(part.view(torch.float32))
