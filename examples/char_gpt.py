@@ -142,11 +142,11 @@ def variants(lr: float, example: torch.Tensor):
 
         return model, step, stats, loss_of
 
-    def fx(model, policy, dtype):
+    def fx(model, policy, dtype, **lean):
         # the example batch only fixes which inputs the graph takes (input_ids and labels):
         # batch and sequence sizes stay dynamic
         amp, opt = fxamp.initialize(model, adamw(model.parameters()), policy, dtype=dtype,
-                                    example_inputs=(example,), example_kwargs={"labels": example})
+                                    example_inputs=(example,), example_kwargs={"labels": example}, **lean)
 
         def loss_of(ids):
             return amp(ids, labels=ids).loss  # float32: the loss is on fxamp's float32 list
@@ -168,6 +168,8 @@ def variants(lr: float, example: torch.Tensor):
         "fxamp O1 bfloat16": lambda m: fx(m, "O1", torch.bfloat16),
         "fxamp O2 float16": lambda m: fx(m, "O2", torch.float16),
         "fxamp O2 bfloat16": lambda m: fx(m, "O2", torch.bfloat16),
+        # no float32 master, 8-bit Adam state: 6 bytes per parameter instead of 16 (docs/training.md)
+        "fxamp O2 bfloat16 stochastic+int8": lambda m: fx(m, "O2", torch.bfloat16, masters="stochastic", state="int8"),
     }
 
 

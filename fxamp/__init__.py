@@ -16,6 +16,7 @@ from .training.loss_scale import LossScaler
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
+from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
 from .policy import Policy
 from .reporting import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
@@ -45,6 +46,9 @@ __all__ = [
     "LossScaleError",
     "OptimizerStateError",
     "MixedPrecisionOptimizer",
+    "LeanConfig",
+    "MasterPrecision",
+    "StatePrecision",
     "initialize",
     "LossScaler",
     "LossScaleConfig",

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .conversion.convert import convert, policy_of
 from .training.config import LossScaleOption
+from .training.lean import LeanConfig
 from .training.optimizer import MixedPrecisionOptimizer, check_optimizer
 from .dtypes import LOW
 from .policy import Policy
@@ -30,6 +31,8 @@ def initialize(
     process_group: Optional[Any] = None,
     verbose: bool = False,
     compile_step: bool = False,
+    masters: str = "fp32",
+    state: str = "fp32",
     **convert_kwargs: Any,
 ) -> Tuple[nn.Module, MixedPrecisionOptimizer]:
     """apex-style one call: ``model, opt = fxamp.initialize(model, opt, policy="O2")``.
@@ -42,11 +45,13 @@ def initialize(
     Afterwards train the returned module; the original module holds the float32 masters.
     ``verbose`` prints the options in force, as ``amp.initialize`` did.  ``compile_step`` goes to
     :class:`MixedPrecisionOptimizer` (the masters stepped by one compiled kernel: O2/O3 with AdamW,
-    Adam or SGD).
+    Adam or SGD).  ``masters``/``state``: per-tensor precision, as :class:`MixedPrecisionOptimizer`'s (a
+    lean master leaves the original's parameter an empty placeholder: its value is the converted weight's).
     """
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError("initialize() takes the torch optimizer, not a MixedPrecisionOptimizer")
     check_optimizer(optimizer)
+    lean = LeanConfig(masters, state)  # (a bad mode raises before anything is converted)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
     name_of: Dict[int, str] = {}
@@ -86,10 +91,10 @@ def initialize(
                     _set_param(converted, alias, p)
     opt = MixedPrecisionOptimizer(optimizer, loss_scale=loss_scale, model=converted,
                                   sync_overflow=sync_overflow, process_group=process_group,
-                                  compile_step=compile_step)
-    masters = opt.adopt_masters(pairs)
+                                  compile_step=compile_step, precision=lean)
+    adopted = opt.adopt_masters(pairs)
     if verbose:
-        print(_options_text(converted, opt, masters))
+        print(_options_text(converted, opt, adopted))
     return converted, opt
 
 

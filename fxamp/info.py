@@ -7,6 +7,7 @@ without importing the conversion pipeline.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
@@ -16,7 +17,8 @@ import torch.nn as nn
 from .dtypes import LOW
 from .policy import Policy
 
-__all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "conversion_info", "policy_of", "watch_for_masters"]
+__all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "ORIGIN", "conversion_info", "policy_of", "remember_origin",
+           "origin_of", "watch_for_masters"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,52 @@ def watch_for_masters(params: Iterable[torch.Tensor]) -> None:
             warnings.warn(NO_MASTERS.format(dtype=str(param.dtype).removeprefix("torch.")), RuntimeWarning, stacklevel=2)
 
     handles.extend(p.register_post_accumulate_grad_hook(first_gradient) for p in params)
+
+
+#: set on a float16/bfloat16 parameter that conversion made from a float32 one: a weak reference to
+#: that float32 tensor (the user's original parameter), so a ``MixedPrecisionOptimizer`` built later
+#: takes its master from the exact float32 values instead of widening the rounded copy.  Weak: an
+#: inference-only user keeps no float32 copy alive; once the original model is gone (``convert(Net())``
+#: with no other reference to it) the master is widened from the low-precision copy, as before.
+ORIGIN = "_fxamp_origin"
+
+
+class _Origin:
+    """A weak reference to the float32 tensor a low-precision parameter was made from.
+
+    Pickling drops it (a weak reference cannot be pickled, and an unpickled module has no original):
+    it unpickles as a dead reference; a deep copy of the module shares it where the parameter's
+    attributes are copied (torch's ``Parameter.__deepcopy__`` does not copy them)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, tensor: Optional[torch.Tensor]) -> None:
+        self.ref = None if tensor is None else weakref.ref(tensor)
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        return None if self.ref is None else self.ref()
+
+    def __deepcopy__(self, memo: dict) -> "_Origin":
+        return self
+
+    def __reduce__(self):
+        return (_Origin, (None,))
+
+
+def remember_origin(low: torch.Tensor, original: torch.Tensor) -> None:
+    """Note on ``low`` (a float16/bfloat16 copy conversion made) the float32 tensor it was rounded from."""
+    if low.dtype in LOW and original.dtype == torch.float32 and low.shape == original.shape:
+        setattr(low, ORIGIN, _Origin(original))
+
+
+def origin_of(low: torch.Tensor) -> Optional[torch.Tensor]:
+    """The float32 tensor ``low`` was rounded from, if it is still alive and ``low`` still holds exactly its
+    rounding (a parameter loaded or trained since conversion no longer does); else None."""
+    origin = getattr(low, ORIGIN, None)
+    original = origin() if isinstance(origin, _Origin) else None
+    if original is None or original.shape != low.shape or original.dtype != torch.float32:
+        return None
+    with torch.no_grad():
+        if not torch.equal(original.detach().to(device=low.device, dtype=low.dtype), low.detach()):
+            return None
+    return original

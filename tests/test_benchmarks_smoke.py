@@ -158,3 +158,13 @@ def test_targets_of_a_file_that_is_not_a_results_file_fails_cleanly(tmp_path, ca
     assert run.main(["--targets", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") and "not a results file" in line for line in err)
+
+
+def test_memory_script_prints_the_table_and_the_precision_tables():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--d", "64", "--layers", "1", "--vocab", "256",
+                           "--seq", "16", "--steps", "1", "--regimes", "autocast,O2 stochastic+int8", "--tables"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| O2 stochastic+int8 |" in proc.stdout and "peak vs autocast" in proc.stdout
+    assert "## O2 stochastic+int8" in proc.stdout and "bytes/param" in proc.stdout

@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .op_lists import Category, Source
+from ..info import remember_origin
 
 __all__ = [
     "DECISION", "CAST", "ATTR", "MODULE", "Decision",
@@ -254,7 +255,10 @@ def rebind(module: nn.Module, dtypes: Mapping[str, torch.dtype], *, values: bool
             return None
         if isinstance(t, nn.Parameter):
             data = t.detach().to(dtype) if values else torch.empty_like(t, dtype=dtype)
-            return nn.Parameter(data, requires_grad=t.requires_grad)
+            new = nn.Parameter(data, requires_grad=t.requires_grad)
+            if values:
+                remember_origin(new, t)  # a master is made from ``t``'s exact values (fxamp.info.ORIGIN)
+            return new
         return t.detach().to(dtype)
 
     return replace_tensors(module, new_for)

@@ -175,6 +175,8 @@ def prepare(
     max_grad_norm: Optional[float] = None,
     num_training_steps: Optional[int] = None,
     compile_step: bool = False,
+    masters: str = "fp32",
+    state: str = "fp32",
     **convert_kwargs: Any,
 ) -> Tuple[nn.Module, Tuple[TrainerOptimizer, Any]]:
     """Convert ``model`` and build ``(optimizer, scheduler)`` for ``Trainer(model=..., optimizers=...)``.
@@ -192,12 +194,15 @@ def prepare(
     compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models
                     large enough for them to pay (:class:`fxamp.MixedPrecisionOptimizer`'s
                     ``compile_step``; AdamW, Adam, SGD).
+    masters, state: per-tensor precision of the masters and the optimizer state, as
+                    :class:`fxamp.MixedPrecisionOptimizer`'s (``"auto"``, ``"kahan"``, ``"int8"``...).
     convert_kwargs: passed on to :func:`fxamp.convert`.
     """
     if isinstance(args, Mapping) or not hasattr(args, "learning_rate"):
         raise TypeError(f"hf.prepare() takes the transformers.TrainingArguments the Trainer gets, not "
                         f"{type(args).__name__}: prepare(model, TrainingArguments(output_dir=..., ...), ...)")
     low = resolve_dtype(dtype)
+    lean = fxamp.LeanConfig(masters, state)  # (a bad mode raises before the model is converted)
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ValueError("TrainingArguments(bf16=True/fp16=True) turns on torch.autocast, which fxamp replaces; "
                          "leave both False and pass dtype= to prepare()")
@@ -222,7 +227,7 @@ def prepare(
     else:
         inner = optimizer(groups)
     opt = TrainerOptimizer(inner, max_grad_norm=max_grad_norm, loss_scale=loss_scale, model=amp,
-                           compile_step=compile_step)
+                           compile_step=compile_step, precision=lean)
     if scheduler is not None:
         sched = scheduler(inner)
     else:

@@ -66,6 +66,9 @@ class FxampPrecision(Precision):
     compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models
                     large enough for them to pay (:class:`fxamp.MixedPrecisionOptimizer`'s
                     ``compile_step``; AdamW, Adam, SGD).
+    masters, state: per-tensor precision of the masters and optimizer state, as
+                    :class:`fxamp.MixedPrecisionOptimizer`'s (``"fp32"``, ``"kahan"``/``"stochastic"``,
+                    ``"bf16"``/``"int8"``, ``"auto"``); checked here.
     convert_kwargs: passed on to :func:`fxamp.convert` (``overrides=``, ``leaf_modules=``...).
     """
 
@@ -78,8 +81,11 @@ class FxampPrecision(Precision):
         loss_scale: LossScaleOption = "auto",
         example_inputs: Optional[Mapping[str, Tuple[Any, ...]]] = None,
         compile_step: bool = False,
+        masters: str = "fp32",
+        state: str = "fp32",
         **convert_kwargs: Any,
     ) -> None:
+        self.lean = fxamp.LeanConfig(masters, state)  # (a bad mode raises here, before fit)
         self.policy = policy
         self.dtype = resolve_dtype(dtype)
         self.precision = "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed"  # Lightning's vocabulary
@@ -159,7 +165,7 @@ class FxampPrecision(Precision):
             known = self._wrapper_of(inner, self._wrappers)
             wrappers.append(known if known is not None else
                             fxamp.MixedPrecisionOptimizer(inner, loss_scale=self.scaler, model=model,
-                                                          compile_step=self.compile_step))
+                                                          compile_step=self.compile_step, precision=self.lean))
         self._wrappers = wrappers
         return model, optimizers, lr_schedulers
 

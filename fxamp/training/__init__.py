@@ -7,5 +7,8 @@ stages).  A step goes through these three files; a fourth only under an initiali
 ``torch.distributed`` (``distributed``: overflow agreed by every rank) or with ``compile_step=True``
 (``kernels``: the compiled executor of a run, imported only then: it brings ``torch._dynamo``).
 ``config`` (``LossScaleConfig``, the ``loss_scale=`` option) is read at construction, never by a
-step.  Nothing here imports the conversion wing.
+step.  Per-tensor precision of masters and state (``masters=``/``state=``): ``lean`` (the modes and
+the float32 workspace the engine enters and leaves around each inner step), ``quant`` (bf16/int8
+state), ``calibrate`` (``"auto"``: measure, choose, the table); ``checkpoint`` is the wrapper's
+``state_dict`` layout.  Nothing here imports the conversion wing.
 """

@@ -47,16 +47,18 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
+from . import checkpoint, lean
 from . import step as engine
 from .config import LossScaleOption
 from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
+from ..info import origin_of
 from .loss_scale import FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree, scaler_for
 from .ownership import mark_master, refuse_foreign_model, refuse_wrapped
 
@@ -65,18 +67,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MixedPrecisionOptimizer", "StepResult", "check_optimizer"]
 
-#: the layout of state_dict() (its "format")
-_FORMAT = 1
-_STATE_KEYS = ("optimizer", "masters", "scaler", "skipped_steps", "format")
 #: what the wrapper uses of the optimizer it wraps (a duck-typed one needs them all)
 _OPTIMIZER_ATTRS = ("param_groups", "state", "step", "zero_grad", "state_dict", "load_state_dict")
-
-
-class _StateDictError(ValueError, KeyError):
-    """A checkpoint in the wrong format; a KeyError too, as a missing key was before (numpy's AxisError does the same)."""
-
-    def __str__(self) -> str:  # KeyError's would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
@@ -131,7 +123,13 @@ class MixedPrecisionOptimizer:
                    which says when it pays: ``FUSED_MIN_TOTAL``; below it nothing is compiled).  Not
                    bitwise the inner optimizer's step (a few float32 ulps on the masters).  Raises
                    ValueError for another optimizer or an option the kernels lack (amsgrad,
-                   capturable, differentiable).
+                   capturable, differentiable) or lean masters/state.
+    masters, state: per-tensor precision (:mod:`fxamp.training.lean`): masters ``"fp32"`` (the default),
+                   ``"kahan"``, ``"stochastic"`` or ``"auto"``; state ``"fp32"``, ``"bf16"``, ``"int8"`` or
+                   ``"auto"`` (measured during the first steps: :mod:`fxamp.training.calibrate`).
+                   ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead.
+                   ``seed``: of the stochastic rounding (an int, or a torch.Generator to draw it from; default 0,
+                   the same on every rank, so DDP replicas round alike).
 
     The wrapper does not patch ``optimizer``: it replaces float16/bfloat16 parameters in its
     ``param_groups`` by float32 masters (moving any existing state), so LR schedulers built on
@@ -148,8 +146,16 @@ class MixedPrecisionOptimizer:
         process_group: Optional[Any] = None,
         release_grad_buffer: bool = True,
         compile_step: bool = False,
+        masters: str = "fp32",
+        state: str = "fp32",
+        precision: Optional[Union[str, lean.LeanConfig]] = None,
+        seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         check_optimizer(optimizer)
+        config = lean.resolve(masters, state, precision)
+        lean.check_params(optimizer, config)  # (before anything changes)
+        if compile_step and config.lean:
+            raise ValueError(f"compile_step=True steps float32 masters and state; {config} is lean: pass one or the other")
         #: ``compile_step``'s :class:`~fxamp.training.kernels.Kernels` (what it compiled and keeps); None without it
         self.kernels: Optional[Kernels] = None
         if compile_step:  # torch.compile's modules (torch._dynamo) are imported here, not by `import fxamp`
@@ -177,6 +183,8 @@ class MixedPrecisionOptimizer:
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
         self._nparams = 0
         self._plan: Optional[engine.Plan] = None  # built at the first unscale_(), see _get_plan()
+        self.precision = config
+        self._ws = lean.Workspace(optimizer, config, lean.seed_from(seed)) if config.lean else None
         self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
         for group in optimizer.param_groups:
             self._bind_group(group)
@@ -193,7 +201,9 @@ class MixedPrecisionOptimizer:
         params = group["params"]
         for j, p in enumerate(params):
             if p.dtype in LOW:
-                master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                origin = origin_of(p)  # the float32 tensor conversion rounded p from, if alive: its exact values
+                value = p.detach().float() if origin is None else origin.detach().to(p.device, torch.float32, copy=True)
+                master = nn.Parameter(value, requires_grad=p.requires_grad)
                 state = self.optimizer.state.pop(p, None)
                 if state:
                     self.optimizer.state[master] = {
@@ -210,6 +220,8 @@ class MixedPrecisionOptimizer:
         self._low_of[id(master)] = low
         self._plan = None
         mark_master(low, master)
+        if self._ws is not None:
+            self._ws.add(low, master, len(self._masters) - 1, self._names.get(id(low), "a parameter"))
 
     def _get_plan(self) -> engine.Plan:
         """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
@@ -250,6 +262,11 @@ class MixedPrecisionOptimizer:
         Add groups through the wrapper: one added to the inner optimizer directly is refused at the next step.
         """
         self.optimizer.add_param_group(group)
+        try:
+            lean.check_params(self.optimizer, self.precision, groups=self.optimizer.param_groups[-1:])
+        except (TypeError, ValueError):
+            self.optimizer.param_groups.pop()  # nothing changed
+            raise
         before = self._nparams
         self._bind_group(self.optimizer.param_groups[-1])
         assert self._nparams == before + len(self.optimizer.param_groups[-1]["params"])
@@ -261,7 +278,8 @@ class MixedPrecisionOptimizer:
 
     def master_pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``(low-precision parameter, its float32 master)`` for every master, in the order they were
-        paired (the order of :meth:`state_dict`'s ``masters``)."""
+        paired (the order of :meth:`state_dict`'s ``masters``).  A lean master (``masters="kahan"`` or
+        ``"stochastic"``) is a placeholder between steps: its value is :meth:`fp32_state_dict`'s."""
         return list(zip(self._lows, self._masters))
 
     @property
@@ -528,7 +546,9 @@ class MixedPrecisionOptimizer:
         else:
             plan = self._plan
             executor = self.kernels.step if self._fuses(plan) else None
-            engine.step(self.optimizer, plan, check, self._low_of_master, executor)
+            engine.step(self.optimizer, plan, check, self._low_of_master, executor, self._ws)
+            if self._ws is not None:
+                self._ws.stepped()
             blame = self.overflowed_params if check.on_device else tuple
         if check.on_device:
             self.scaler.record(check.verdict, blame, self._client)
@@ -544,9 +564,10 @@ class MixedPrecisionOptimizer:
 
     def _refresh(self) -> None:
         """Round the masters into the low-precision parameters (after loading them)."""
-        if self._lows:
+        pairs = [(lo, m) for lo, m in zip(self._lows, self._masters) if self._ws is None or not self._ws.lean(m)]
+        if pairs:
             with torch.no_grad():
-                torch._foreach_copy_(self._lows, self._masters)
+                torch._foreach_copy_([lo for lo, _ in pairs], [m for _, m in pairs])
 
     def _check_params(self) -> None:
         n = sum(len(g["params"]) for g in self.optimizer.param_groups)
@@ -570,60 +591,25 @@ class MixedPrecisionOptimizer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Everything needed to resume, with the model's own ``state_dict``:
-
-        optimizer:     the inner optimizer's state_dict (its state is the masters')
-        masters:       the float32 masters, in the order their parameters appear in the optimizer
-        scaler:        :meth:`LossScaler.state_dict`
-        skipped_steps: this optimizer's skipped steps
-        format:        version of this layout
-
-        Tensors are references, as in ``torch.optim.Optimizer.state_dict``; save or deep-copy them.
-        """
+        """Everything needed to resume, with the model's own ``state_dict`` (layout: :mod:`fxamp.training.checkpoint`)."""
         self._settle()
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": [m.detach() for m in self._masters],
-            "scaler": self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "format": _FORMAT,
-        }
+        return checkpoint.save(self)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters."""
-        expected = (f"MixedPrecisionOptimizer.load_state_dict takes the dict MixedPrecisionOptimizer.state_dict() "
-                    f"returned (keys {', '.join(_STATE_KEYS)})")
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{expected}, not {type(state).__name__}; pass opt.state_dict(), or the entry "
-                            f"of the checkpoint you saved it under")
-        missing = sorted(set(_STATE_KEYS) - set(state))
-        if missing:
-            hint = (" (this looks like the inner optimizer's state_dict: load it with opt.optimizer.load_state_dict)"
-                    if {"state", "param_groups"} <= set(state) else "")
-            raise _StateDictError(f"the state_dict lacks {missing}{hint}; {expected}")
-        if state["format"] != _FORMAT:
-            raise ValueError(f"the state_dict has format {state['format']!r}, this version of fxamp reads {_FORMAT}; "
-                             f"{expected}")
-        masters = state["masters"]
-        if not isinstance(masters, (list, tuple)) or not all(torch.is_tensor(m) for m in masters):
-            raise TypeError(f"state_dict['masters'] must be a list of tensors, not {type(masters).__name__}; {expected}")
-        if len(masters) != len(self._masters):
-            raise ValueError(f"the checkpoint has {len(masters)} float32 masters, this optimizer "
-                             f"{len(self._masters)}; build it on the same model and policy")
-        for i, (have, saved) in enumerate(zip(self._masters, masters)):
-            if have.shape != saved.shape:
-                raise ValueError(f"master {i} ({self._name(have)}) has shape {tuple(have.shape)}, the "
-                                 f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
-        self._settle()
-        self.optimizer.load_state_dict(state["optimizer"])
-        if masters:
-            with torch.no_grad():
-                torch._foreach_copy_(self._masters, [m.to(h.device) for m, h in zip(masters, self._masters)])
-        self._refresh()
-        self.scaler.load_state_dict(state["scaler"])
-        self._skipped = int(state["skipped_steps"])
-        self.scaler.forget(self._client)
-        self._overflow = None
+        checkpoint.load(self, state)
+
+    def precision_table(self) -> str:
+        """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""
+        from .calibrate import table
+
+        ws, names = self._ws, self._name
+        rows = [(names(m), self._low_of.get(id(m), m), None if ws is None or id(m) not in ws.choices
+                 else ws.choices[id(m)], lean.state_keys(self.optimizer)) for m in self.master_params()]
+        if ws is None:  # every master float32, as configured
+            rows = [(n, p, lean.Choice() if id(p) != id(m) else None, k)
+                    for (n, p, _, k), m in zip(rows, self.master_params())]
+        return table(rows)
 
     def fp32_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
         """``model.state_dict()`` in float32, low-precision parameters taken from the masters: loads into the
@@ -638,7 +624,8 @@ class MixedPrecisionOptimizer:
             if not isinstance(value, torch.Tensor):
                 out[key] = value
             elif id(value) in master_of:
-                out[key] = master_of[id(value)].detach()
+                m = master_of[id(value)]
+                out[key] = m.detach() if self._ws is None else self._ws.value(m)
             elif value.dtype in LOW:
                 out[key] = value.detach().float()
             else:
@@ -647,4 +634,5 @@ class MixedPrecisionOptimizer:
 
     def __repr__(self) -> str:
         return (f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, {len(self._masters)} float32 masters, "
-                f"{self._nparams - len(self._masters)} float32 params, {self.scaler})")
+                f"{self._nparams - len(self._masters)} float32 params, {self.scaler}"
+                + ("" if self._ws is None else f", {self.precision}") + ")")

@@ -46,12 +46,13 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch._utils import _unflatten_dense_tensors
 
+from .lean import run_step
 from .loss_scale import DeviceFlag, FoundInf
 
 __all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "GRAD_SEGMENT_NUMEL", "CAT_NUMEL",
-           "RELEASE_MIN_BYTES", "DECIDE_ON", "segment_numel_for", "Run", "Bucket", "Plan", "Check",
-           "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "flat_grads", "grad_strides",
-           "unscale", "check_in_place", "clip_in_place", "clip_factor", "step", "refresh", "which_overflowed"]
+           "RELEASE_MIN_BYTES", "DECIDE_ON", "segment_numel_for", "Run", "Bucket", "Plan", "Check", "steps_per_parameter",
+           "plan_runs", "cut_runs", "step_runs", "flat_grads", "grad_strides", "unscale", "check_in_place",
+           "clip_in_place", "clip_factor", "step", "refresh", "which_overflowed"]
 
 #: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
 #: every run, so this is all the step adds to the memory of the low-precision gradients; a few
@@ -179,10 +180,11 @@ def cut_runs(group: int, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], seg
     return runs
 
 
-def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callable[[torch.device], torch.Tensor]]
-              ) -> None:
+def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callable[[torch.device], torch.Tensor]],
+              ws: Any = None) -> None:
     """Step ``optimizer`` run by run (see the module docstring); ``inv_scale_on(device)`` is ``1/scale``
-    there, or None when the scale is 1.  Every group's ``params`` list is restored, even on error."""
+    there, or None when the scale is 1; ``ws``: the :class:`~fxamp.training.lean.Workspace` of lean
+    masters, entered and left around each run.  Every group's ``params`` list is restored, even on error."""
     groups = optimizer.param_groups
     lists = [g["params"] for g in groups]
     buffers: Dict[torch.device, torch.Tensor] = {}  # one segment per device, reused by every run
@@ -198,6 +200,9 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
                 for _, m in run.pairs:
                     m.grad = None  # not stepped, as a plain optimizer would not (none left by an unscale_())
                 continue
+            if ws is not None and ws.chunks(run, optimizer):  # a large lean master: a slice at a time
+                ws.step_chunked(optimizer, run, inv_scale_on)
+                continue
             strides = run.strides
             if len(present) < len(run.pairs):
                 for low, m in run.pairs:
@@ -208,7 +213,8 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             masters = [run.pairs[i][1] for i in present]
             device = masters[0].device
             if device not in buffers:
-                buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device),
+                buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
+                                                  and not (ws is not None and ws.chunks(r, optimizer))),
                                               dtype=masters[0].dtype, device=device)
             with torch.no_grad():
                 flat, views = flat_grads(masters, strides, buffers[device])
@@ -218,9 +224,7 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             for m, v in zip(masters, views):
                 m.grad = v
             try:
-                optimizer.step()
-                with torch.no_grad():
-                    torch._foreach_copy_(lows, masters)
+                run_step(optimizer, ws, masters, lambda: torch._foreach_copy_(lows, masters))
             finally:
                 for m in masters:
                     m.grad = None
@@ -427,8 +431,7 @@ def decides_on(plan: Plan, optimizer: Any, host_only: bool, reduces_on_device: C
     ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
     one device of a type in :data:`DECIDE_ON` and the flag can be agreed on there
     (``reduces_on_device``), unless the step's executor reads the decision on the host
-    (``host_only``: ``compile_step``'s SGD kernels).  Elsewhere the decision is read on the host.
-    """
+    (``host_only``: ``compile_step``'s SGD kernels).  Elsewhere the decision is read on the host."""
     if plan.decide_on is _UNKNOWN:
         plan.decide_on = None
         devices = plan.devices()
@@ -593,28 +596,26 @@ def _unscale_own(params: List[torch.Tensor], flags: FoundInf) -> int:
 # -- per run: unscale, step, refresh --------------------------------------------------------------
 
 def step(optimizer: Any, plan: Plan, check: Check, low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-         executor: Optional[Callable[..., None]] = None) -> None:
+         executor: Optional[Callable[..., None]] = None, ws: Any = None) -> None:
     """Step the inner optimizer on a checked, clean (or device-decided) step, and refresh the low weights.
 
-    Plain (``check.in_place`` False): the masters hold their float32 gradients already, one
-    ``optimizer.step()`` steps them all.  Segmented: the runs of :func:`plan_runs`, through
-    :func:`step_runs`, or ``executor`` (``compile_step``'s: :meth:`fxamp.training.kernels.Kernels.step`) with ``step_runs`` for what it does not take.  A device-decided step hands the flag to the inner optimizer, as GradScaler does
-    (``found_inf``; ``grad_scale`` None: the gradients are unscaled already): its fused kernel skips.
-    """
+    Plain (``check.in_place`` False): the masters hold their float32 gradients, one ``optimizer.step()``.
+    Segmented: the runs of :func:`plan_runs`, through :func:`step_runs`, or ``executor``
+    (:meth:`fxamp.training.kernels.Kernels.step`) with ``step_runs`` for what it does not take.  ``ws``:
+    lean masters' workspace.  A device-decided step hands the flag to the inner optimizer, as
+    GradScaler does (``found_inf``; ``grad_scale`` None): its fused kernel skips."""
     found = check.verdict.flag if check.on_device else None
     if found is not None:
         optimizer.found_inf, optimizer.grad_scale = found, None
     try:
-        if not check.in_place:
-            optimizer.step()
-            refresh(plan)  # (a skip on the device left the masters as they were: the same rounding)
-            return
+        if not check.in_place:  # (a skip on the device left the masters as they were: the same rounding)
+            return run_step(optimizer, ws, [m for b in plan.buckets for m in b.masters], lambda: refresh(plan))
         segment_numel = segment_numel_for(plan.devices())
         if plan.runs is None:
             plan.runs = plan_runs(optimizer.param_groups, low_of, segment_numel)
         scale_on = check.multiplier()
         if executor is None:
-            step_runs(optimizer, plan.runs, scale_on)
+            step_runs(optimizer, plan.runs, scale_on, ws)
         else:
             executor(plan.runs, scale_on, lambda runs: step_runs(optimizer, runs, scale_on),
                      segment_numel=segment_numel, found=found)

@@ -185,15 +185,15 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     assert t.global_step == 6  # Lightning counts the skipped step, as with MixedPrecision's GradScaler
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "16"])
-def test_resume_mid_training_is_bitwise(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,lean", [("bf16", {}), ("16", {}), ("bf16", dict(masters="stochastic", state="int8"))])
+def test_resume_mid_training_is_bitwise(tmp_path, dtype, lean):
     L.seed_everything(0, verbose=False)
-    full_model, full = Digits(), FxampPrecision("O2", dtype=dtype)
+    full_model, full = Digits(), FxampPrecision("O2", dtype=dtype, **lean)
     trainer(full, max_epochs=4, limit_val_batches=0).fit(full_model, loaders()[0])
 
     L.seed_everything(0, verbose=False)
     first_model = Digits()
-    first = trainer(FxampPrecision("O2", dtype=dtype), max_epochs=2, limit_val_batches=0)
+    first = trainer(FxampPrecision("O2", dtype=dtype, **lean), max_epochs=2, limit_val_batches=0)
     first.fit(first_model, loaders()[0])
     ckpt = tmp_path / "mid.ckpt"
     first.save_checkpoint(ckpt)
@@ -201,15 +201,16 @@ def test_resume_mid_training_is_bitwise(tmp_path, dtype):
     assert "FxampPrecision" in saved and len(saved["FxampPrecision"]["optimizers"][0]["masters"]) == 6  # 3 Linear layers
 
     L.seed_everything(1, verbose=False)  # other initial weights: everything must come from the checkpoint
-    resumed_model, resumed = Digits(), FxampPrecision("O2", dtype=dtype)
+    resumed_model, resumed = Digits(), FxampPrecision("O2", dtype=dtype, **lean)
     trainer(resumed, max_epochs=4, limit_val_batches=0).fit(resumed_model, loaders()[0], ckpt_path=ckpt)
 
     a, b = full_model.state_dict(), resumed_model.state_dict()
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert torch.equal(_flat(full.wrapper(full_model.trainer.optimizers[0]).master_params()),
-                       _flat(resumed.wrapper(resumed_model.trainer.optimizers[0]).master_params()))
+    if not lean:  # (lean masters are placeholders between steps: the weights above are the state)
+        assert torch.equal(_flat(full.wrapper(full_model.trainer.optimizers[0]).master_params()),
+                           _flat(resumed.wrapper(resumed_model.trainer.optimizers[0]).master_params()))
     assert full.scaler.state_dict() == resumed.scaler.state_dict()
 
 

@@ -1,0 +1,166 @@
+"""The ``memory`` suite: bytes per parameter at the step and peak training memory, per regime (issue 28).
+
+``python -m benchmarks.memory [--layers 2 --vocab 8192 --seq 64 --batch 2 --steps 6]``
+
+A GPT-2-small-width decoder (d768, 12 heads, :class:`benchmarks.models.DecoderLM`, GPT-2's std-0.02
+initialisation) trained with AdamW (lr 6e-4, the first steps on one random batch) in:
+fp32, ``torch.autocast`` (bf16), pure bf16 (``model.to(bf16)``), fxamp O2 with float32 masters and
+state, and O2 with lean masters/state (kahan + bf16 state, stochastic + int8 state, auto + auto).
+
+* ``B/param``: bytes of every live CPU tensor right after ``step()`` (weights, gradients still bound,
+  masters or terms, optimizer state), less what existed before the model, per parameter: the issue's
+  count "weight + master or compensation + gradient + optimizer state".
+* ``peak MiB``: the state between steps (after ``zero_grad``) plus the highest transient of one step
+  (:func:`benchmarks.real.step_peak_bytes`), as the real-size suite measures it.
+* ``step ms``: median of the timed steps (after the calibration steps of ``"auto"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from benchmarks.models import DecoderLM, ResNet50
+from benchmarks.real import cpu_flags, live_storage_bytes, step_peak_bytes
+
+REGIMES = ["fp32", "autocast", "bf16", "O2", "O2 kahan+bf16", "O2 stochastic+int8", "O2 auto+auto",
+           "bf16 optimi-kahan", "bf16 torchao-8bit"]
+#: pure bfloat16 models stepped by other libraries' lean optimizers (rows skipped where they do not import)
+_OTHERS = {"bf16 optimi-kahan": ("optimi", lambda mod, ps: mod.AdamW(ps, lr=6e-4, kahan_sum=True)),
+           "bf16 torchao-8bit": ("torchao.optim", lambda mod, ps: mod.AdamW8bit(ps, lr=6e-4))}
+_LEAN = {"O2 kahan+bf16": ("kahan", "bf16"), "O2 stochastic+int8": ("stochastic", "int8"),
+         "O2 auto+auto": ("auto", "auto")}
+
+
+def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab: int
+          ) -> Tuple[Callable[[], Any], Callable[[], None], Any]:
+    """``(step, zero_grad, optimizer)`` for ``regime``; ``step`` runs forward, backward and the optimizer step."""
+    def loss_of(out):
+        return F.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
+
+    xb = x.to(torch.bfloat16) if x.is_floating_point() else x  # (pure bf16 takes bf16 images)
+
+    if regime in ("fp32", "autocast", "bf16") or regime in _OTHERS:
+        m = copy.deepcopy(base)
+        if regime != "fp32" and regime != "autocast":
+            m = m.to(torch.bfloat16)
+        if regime in _OTHERS:
+            import importlib
+
+            module, make = _OTHERS[regime]
+            opt = make(importlib.import_module(module), m.parameters())
+        else:
+            opt = torch.optim.AdamW(m.parameters(), lr=6e-4)
+
+        def step():
+            with torch.autocast("cpu", torch.bfloat16, enabled=regime == "autocast"):
+                loss = loss_of(m(x if regime in ("fp32", "autocast") else xb))
+            loss.backward()
+            opt.step()
+
+        return step, lambda: opt.zero_grad(set_to_none=True), opt
+    masters, state = _LEAN.get(regime, ("fp32", "fp32"))
+    amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(
+        torch.optim.AdamW(amp.parameters(), lr=6e-4), model=amp, seed=0,
+        precision=fxamp.LeanConfig(masters, state, calibration_steps=2))
+
+    def step():
+        opt.backward(loss_of(amp(x)))
+        opt.step()
+
+    return step, opt.zero_grad, opt
+
+
+def measure(regime: str, base: nn.Module, x, y, vocab: int, steps: int) -> Dict[str, Any]:
+    nparams = sum(p.numel() for p in base.parameters())
+    gc.collect()
+    before = live_storage_bytes()
+    step, zero, opt = build(regime, base, x, y, vocab)
+    for _ in range(3):  # state exists; auto has calibrated (2 steps)
+        zero()
+        step()
+    at_step = live_storage_bytes() - before
+    times: List[float] = []
+    for _ in range(steps):
+        zero()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    zero()
+    gc.collect()
+    between = live_storage_bytes() - before
+    transient = step_peak_bytes(step)
+    row = {"regime": regime, "bytes_per_param": at_step / nparams, "peak_mib": (between + transient) / 2 ** 20,
+           "step_ms": 1e3 * statistics.median(times)}
+    if isinstance(opt, fxamp.MixedPrecisionOptimizer) and opt.precision.lean:
+        row["table"] = opt.precision_table()
+    del step, zero, opt
+    gc.collect()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    ap.add_argument("--px", type=int, default=64, help="ResNet-50's image size")
+    ap.add_argument("--d", type=int, default=768, help="width (GPT-2 small's by default; heads: d / 64)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--regimes", default=",".join(REGIMES))
+    ap.add_argument("--tables", action="store_true", help="print the per-tensor table of each lean regime")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: robust to a shared, loaded CPU)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    if a.model == "resnet":
+        base, classes = ResNet50(), 1000
+        x, y = torch.randn(a.batch, 3, a.px, a.px), torch.randint(0, 1000, (a.batch,))
+        what = f"ResNet-50 b{a.batch} {a.px}px"
+    else:
+        base, classes = DecoderLM(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=max(1, a.d // 64)), a.vocab
+        for m in base.modules():  # GPT-2's initialisation (std 0.02): what "auto" measures depends on the weights' size
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+        x = torch.randint(0, a.vocab, (a.batch, a.seq))
+        y = torch.randint(0, a.vocab, (a.batch, a.seq))
+        what = f"GPT d{a.d} L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}"
+    flags = cpu_flags()
+    print(f"# {what}, AdamW, "
+          f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f} M params; torch {torch.__version__}; "
+          f"threads {torch.get_num_threads()}; CPU flags {flags}")
+    rows = []
+    for r in a.regimes.split(","):
+        try:
+            rows.append(measure(r.strip(), base, x, y, classes, a.steps))
+        except ImportError as e:  # optimi / torchao not installed
+            print(f"# {r.strip()}: skipped ({e})")
+    auto = next((r for r in rows if r["regime"] == "autocast"), None)
+    from tabulate import tabulate
+
+    body = [[r["regime"], f"{r['bytes_per_param']:.2f}", f"{r['peak_mib']:.0f}",
+             "" if auto is None else f"{r['peak_mib'] / auto['peak_mib']:.2f}", f"{r['step_ms']:.0f}",
+             "" if auto is None else f"{r['step_ms'] / auto['step_ms']:.2f}"] for r in rows]
+    print(tabulate(body, headers=["regime", "B/param", "peak MiB", "peak vs autocast", "step ms", "step vs autocast"],
+                   tablefmt="github", disable_numparse=True))
+    if a.tables:
+        for r in rows:
+            if "table" in r:
+                print(f"\n## {r['regime']}\n{r['table']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,431 @@
+"""Masters and optimizer state chosen per tensor: :class:`LeanConfig` and the float32 :class:`Workspace` of a step.
+
+A low-precision parameter's master is one of (:class:`MasterPrecision`):
+
+* ``"fp32"``: a float32 master kept between steps (4 bytes per element);
+* ``"kahan"``: no master; a compensation term in the weight's dtype beside it (2 bytes), so
+  weight + term carry ~16 significant bits and updates far below the weight's half-ulp add up;
+* ``"stochastic"``: no master, no term; the new float32 value is rounded into the bfloat16 weight
+  stochastically (unbiased), from a seeded stream that is a pure function of (seed, tensor, count),
+  so a step is bitwise resumable from a checkpoint and independent of the order tensors are stepped in.
+
+Its optimizer state is one of (:class:`StatePrecision`) ``"fp32"``, ``"bf16"`` or ``"int8"``
+(:mod:`fxamp.training.quant`; stock Adam/AdamW/SGD only).  ``"auto"`` for either is decided from
+measurement (:mod:`fxamp.training.calibrate`).
+
+The step is unchanged for the inner optimizer: around each ``optimizer.step()`` of the engine
+(:mod:`fxamp.training.step`), :meth:`Workspace.enter` rebuilds each lean master's float32 value
+(weight, plus term) and decompresses its state, the optimizer steps float32 tensors as ever, the
+engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
+(the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
+placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
+identity as a state key.  Any torch optimizer works: it sees float32 tensors only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import quant
+
+__all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
+           "stochastic_round", "placeholder", "run_step", "check_params", "seed_from",
+           "state_keys", "resolve"]
+
+
+class MasterPrecision(str, enum.Enum):
+    """What keeps a low-precision weight's full value between steps."""
+
+    FP32 = "fp32"
+    KAHAN = "kahan"
+    STOCHASTIC = "stochastic"
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StatePrecision(str, enum.Enum):
+    """How the optimizer state of a low-precision weight is stored between steps."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``
+PRESETS = {"O2": ("fp32", "fp32"), "O2-lean": ("auto", "auto")}
+
+
+def _enum(cls, value: Any, option: str):
+    try:
+        return cls(value)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{option}={value!r} is not a valid mode; valid: {valid}") from None
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    """The masters and state of a :class:`~fxamp.MixedPrecisionOptimizer`; validated at construction.
+
+    masters:           :class:`MasterPrecision` for every low-precision parameter
+    state:             :class:`StatePrecision` for their optimizer state
+    calibration_steps: with ``"auto"``, the first steps run with float32 masters and state and measure
+                       (:mod:`fxamp.training.calibrate`); the choice is made after the last of them
+    small:             with ``"auto"``, tensors under this many elements keep float32 where rounding bites,
+                       and float32 state (:data:`fxamp.training.calibrate.SMALL`)
+    """
+
+    masters: MasterPrecision = MasterPrecision.FP32
+    state: StatePrecision = StatePrecision.FP32
+    calibration_steps: int = 4
+    small: int = 65536
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "masters", _enum(MasterPrecision, self.masters, "masters"))
+        object.__setattr__(self, "state", _enum(StatePrecision, self.state, "state"))
+        if not isinstance(self.calibration_steps, int) or self.calibration_steps < 1:
+            raise ValueError(f"calibration_steps={self.calibration_steps!r}: a positive int")
+        if not isinstance(self.small, int) or self.small < 0:
+            raise ValueError(f"small={self.small!r}: a non-negative int")
+
+    @classmethod
+    def preset(cls, name: str) -> "LeanConfig":
+        if name not in PRESETS:
+            raise ValueError(f"precision={name!r} is not a preset; valid: {', '.join(map(repr, PRESETS))}")
+        masters, state = PRESETS[name]
+        return cls(masters, state)
+
+    @property
+    def lean(self) -> bool:
+        return self.masters is not MasterPrecision.FP32 or self.state is not StatePrecision.FP32
+
+    @property
+    def auto(self) -> bool:
+        return self.masters is MasterPrecision.AUTO or self.state is StatePrecision.AUTO
+
+    def __str__(self) -> str:
+        return f"masters={self.masters},state={self.state}"
+
+
+@dataclass
+class Choice:
+    """One master's modes and why (the table of :meth:`~fxamp.MixedPrecisionOptimizer.precision_table`)."""
+
+    master: str = "fp32"
+    state: str = "fp32"
+    reason: str = "as configured"
+    lost: Optional[float] = None  # fraction of the update mass plain rounding loses (measured)
+    state_error: Optional[float] = None  # relative error of the update direction with int8 state (measured)
+    term: Optional[torch.Tensor] = field(default=None, repr=False)  # kahan's compensation
+    count: int = 0  # stochastic roundings done (the stream's position)
+
+
+#: elements per slice of a large lean master's chunked step (4 MiB of float32; whole blocks of quant.CHUNK)
+PIECE = 64 * quant.CHUNK
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor of ``like``'s shape and device holding no memory (a zero, expanded)."""
+    return torch.zeros((), dtype=torch.float32, device=like.device).expand(like.shape)
+
+
+def _seed_for(seed: int, index: int, count: int) -> int:
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
+
+
+def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
+    """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction."""
+    bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
+    for start in range(0, bits.numel(), quant.CHUNK):  # (temporaries of a slice, not of the tensor)
+        part = bits[start:start + quant.CHUNK]
+        m = part.numel()  # 16 random bits per element: four from each 64-bit draw (half the generator's work)
+        draws = torch.randint(-2 ** 63, 2 ** 63 - 1, (-(-m // 4),), dtype=torch.int64, device=x.device,
+                              generator=generator)
+        noise = draws.view(torch.int16)[:m].to(torch.int32).bitwise_and_(0xFFFF)
+        noise.add_(part).bitwise_and_(-65536)  # (0xFFFF0000): the low 16 bits dropped after adding the noise
+        value = noise.view(torch.float32)
+        finite = torch.isfinite(part.view(torch.float32))
+        dst[start:start + quant.CHUNK] = torch.where(finite, value, part.view(torch.float32))  # exact: a bfloat16
+
+
+class Workspace:
+    """Per master: its :class:`Choice`; and the float32 workspace of the step (see the module docstring)."""
+
+    def __init__(self, optimizer: Any, config: LeanConfig, seed: int) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.seed = int(seed)
+        self.choices: Dict[int, Choice] = {}  # id(master) -> choice
+        self.index: Dict[int, int] = {}  # id(master) -> its place in the wrapper's masters
+        self.low_of: Dict[int, torch.Tensor] = {}
+        self.steps = 0  # steps taken (calibration ends after config.calibration_steps)
+        self._old: Dict[int, torch.Tensor] = {}  # calibration: each master before the step
+        self._gens: Dict[torch.device, torch.Generator] = {}
+
+    # -- modes ---------------------------------------------------------------------------------
+    def add(self, low: torch.Tensor, master: torch.Tensor, index: int, name: str) -> None:
+        """Give a new master its modes (the configured ones; float32 while ``"auto"`` calibrates)."""
+        masters, state = self.config.masters.value, self.config.state.value
+        check_modes(self.optimizer, low, masters, state, name)
+        choice = Choice(reason="as configured" if not self.config.auto else "calibrating")
+        self.choices[id(master)] = choice
+        self.index[id(master)] = index
+        self.low_of[id(master)] = low
+        target = (masters if masters != "auto" else "fp32", state if state != "auto" else "fp32")
+        self.set_modes(master, *target)
+
+    def set_modes(self, master: torch.Tensor, masters: str, state: str) -> None:
+        """Switch ``master`` to ``masters``/``state`` between steps, keeping its value and state."""
+        choice, low = self.choices[id(master)], self.low_of[id(master)]
+        with torch.no_grad():
+            if masters != choice.master:
+                if choice.master == "fp32":  # the float32 master becomes the weight (already its rounding) + term
+                    full = master.detach()
+                    if masters == "kahan":
+                        choice.term = (full - low.float()).to(low.dtype)
+                    master.data = placeholder(master)
+                elif masters == "fp32":
+                    master.data = self.value(master)
+                    choice.term = None
+                else:  # kahan <-> stochastic: the term joins the weight, or starts at zero
+                    full = self.value(master)
+                    low.copy_(full)
+                    choice.term = (full - low.float()).to(low.dtype) if masters == "kahan" else None
+                choice.master = masters
+            if state != choice.state:
+                entry = self.optimizer.state.get(master)
+                if entry:
+                    quant.decompress(entry)
+                    if state != "fp32":
+                        quant.compress(entry, state)
+                choice.state = state
+
+    def value(self, master: torch.Tensor) -> torch.Tensor:
+        """The float32 value of ``master`` (a new tensor for a lean one: weight + term)."""
+        choice, low = self.choices[id(master)], self.low_of[id(master)]
+        if choice.master == "fp32":
+            return master.detach()
+        full = low.detach().float()
+        if choice.term is not None:
+            full = full + choice.term.float()
+        return full
+
+    def lean(self, master: torch.Tensor) -> bool:
+        choice = self.choices.get(id(master))
+        return choice is not None and choice.master != "fp32"
+
+    # -- the step ------------------------------------------------------------------------------
+    def enter(self, masters: Sequence[torch.Tensor]) -> None:
+        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones."""
+        calibrating = self.calibrating
+        with torch.no_grad():
+            for m in masters:
+                choice = self.choices.get(id(m))
+                if choice is None:
+                    continue
+                if choice.master != "fp32":
+                    m.data = self.value(m)
+                if choice.state != "fp32" and m in self.optimizer.state:
+                    quant.decompress(self.optimizer.state[m])
+                if calibrating:
+                    self._old[id(m)] = m.detach().clone()
+
+    def leave(self, masters: Sequence[torch.Tensor]) -> None:
+        """After the step and the refresh (the weights hold the round-to-nearest of the new values):
+        the term, or the stochastic rounding; compressed state; placeholders again."""
+        calibrating = self.calibrating
+        with torch.no_grad():
+            for m in masters:
+                choice = self.choices.get(id(m))
+                if choice is None:
+                    continue
+                low = self.low_of[id(m)]
+                if calibrating:
+                    self._measure(m, low, choice)
+                if choice.master == "kahan":
+                    choice.term.copy_(m.detach() - low.float())
+                elif choice.master == "stochastic":
+                    gen = self._generator(m.device)
+                    gen.manual_seed(_seed_for(self.seed, self.index[id(m)], choice.count))
+                    choice.count += 1
+                    stochastic_round(m.detach(), low, gen)
+                if choice.master != "fp32":
+                    m.data = placeholder(m)
+                if choice.state != "fp32" and m in self.optimizer.state:
+                    quant.compress(self.optimizer.state[m], choice.state)
+
+    def chunks(self, run: Any, optimizer: Any) -> bool:
+        """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
+        larger than :data:`PIECE`, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
+        if len(run.pairs) != 1 or self.calibrating or not quant.compressible(optimizer):
+            return False
+        low, master = run.pairs[0]
+        return self.lean(master) and low.numel() > PIECE and low.is_contiguous()
+
+    def step_chunked(self, optimizer: Any, run: Any, inv_scale_on: Any) -> None:
+        """Step one large lean master :data:`PIECE` elements at a time: each slice's float32 value, gradient
+        and state are built, stepped as a parameter of its own, and written back (weight, term, compressed
+        state), so the step's transient memory is a slice's, not the tensor's.  Bitwise the whole step: the
+        optimizer is elementwise, the slices are whole 8-bit blocks, the stochastic stream runs on in order."""
+        low, master = run.pairs[0]
+        choice, group = self.choices[id(master)], optimizer.param_groups[run.group]
+        state, n = optimizer.state.get(master, {}), low.numel()
+        flat, grad = low.detach().view(-1), low.grad.reshape(-1)
+        term = None if choice.term is None else choice.term.view(-1)
+        inv = None if inv_scale_on is None else inv_scale_on(low.device)
+        gen = None
+        if choice.master == "stochastic":
+            gen = self._generator(low.device)
+            gen.manual_seed(_seed_for(self.seed, self.index[id(master)], choice.count))
+            choice.count += 1
+        new: Dict[str, Any] = {}
+        try:
+            for start in range(0, n, PIECE):
+                sl = slice(start, start + PIECE)
+                with torch.no_grad():
+                    value = flat[sl].float()
+                    if term is not None:
+                        value += term[sl].float()
+                piece = torch.nn.Parameter(value)
+                piece.grad = grad[sl].float() if inv is None else grad[sl].float().mul_(inv)
+                optimizer.state[piece] = quant.slice_state(state, sl, n) if state else {}
+                group["params"] = [piece]
+                optimizer.step()
+                with torch.no_grad():
+                    if gen is not None:
+                        stochastic_round(piece, flat[sl], gen)
+                    else:
+                        flat[sl].copy_(piece)
+                        term[sl].copy_(piece - flat[sl].float())
+                    quant.store_slice(new, optimizer.state.pop(piece), sl, n, master.shape, choice.state)
+        finally:
+            group["params"] = [master]
+        optimizer.state[master] = new
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._gens:
+            self._gens[device] = torch.Generator(device=device)
+        return self._gens[device]
+
+    # -- auto ----------------------------------------------------------------------------------
+    @property
+    def calibrating(self) -> bool:
+        return self.config.auto and self.steps < self.config.calibration_steps
+
+    def _measure(self, m: torch.Tensor, low: torch.Tensor, choice: Choice) -> None:
+        from .calibrate import lost_fraction  # (only while calibrating)
+
+        old = self._old.pop(id(m), None)
+        if old is None:
+            return
+        lost = lost_fraction(old, m.detach(), low.dtype)
+        choice.lost = lost if choice.lost is None else max(choice.lost, lost)
+        entry = self.optimizer.state.get(m)
+        if entry:
+            err = quant.update_error(entry, "int8")
+            choice.state_error = err if choice.state_error is None else max(choice.state_error, err)
+
+    def stepped(self) -> None:
+        """One step done (not skipped); after the last calibration step, decide every ``"auto"``."""
+        was = self.calibrating
+        self.steps += 1
+        if was and not self.calibrating:
+            from .calibrate import decide
+
+            decide(self)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self, masters: List[torch.Tensor]) -> Dict[str, Any]:
+        choices = [self.choices[id(m)] for m in masters]
+        return {"seed": self.seed, "steps": self.steps,
+                "modes": [(c.master, c.state, c.reason, c.lost, c.state_error, c.count) for c in choices]}
+
+    def saved_master(self, master: torch.Tensor) -> torch.Tensor:
+        """What ``state_dict()["masters"]`` holds for ``master``: the float32 master, kahan's term, or nothing."""
+        choice = self.choices[id(master)]
+        if choice.master == "fp32":
+            return master.detach()
+        if choice.master == "kahan":
+            return choice.term
+        return torch.empty(0, dtype=self.low_of[id(master)].dtype)
+
+
+def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, name: str) -> None:
+    """Raise ValueError if ``masters``/``state`` cannot apply to ``low`` under ``optimizer``."""
+    if masters == "stochastic" and low.dtype != torch.bfloat16:
+        raise ValueError(f"masters='stochastic' rounds into bfloat16 weights; {name} is {low.dtype}: "
+                         f"pass masters='kahan' or 'fp32' for float16")
+    if state in ("bf16", "int8") and not quant.compressible(optimizer):
+        raise ValueError(f"state={state!r} compresses the state of torch.optim.Adam, AdamW or SGD (their keys are "
+                         f"known); {type(optimizer).__name__} keeps float32 state: pass state='fp32' (or 'auto', "
+                         f"which keeps it float32 for this optimizer)")
+
+
+def resolve(masters: Union[str, MasterPrecision], state: Union[str, StatePrecision],
+            precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
+    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)``."""
+    if precision is None:
+        return LeanConfig(masters, state)
+    if isinstance(precision, LeanConfig):
+        return precision
+    if isinstance(precision, str):
+        return LeanConfig.preset(precision)
+    raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
+                    f"not {type(precision).__name__}")
+
+
+def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:
+    return all(m == "fp32" and s == "fp32" for m, s in items)
+
+
+def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+    """Raise before anything changes: a non-float parameter, or a mode a parameter of ``groups`` (default:
+    ``optimizer``'s) cannot take."""
+    for i, group in enumerate(optimizer.param_groups if groups is None else groups):
+        for j, p in enumerate(group["params"]):
+            if not p.is_floating_point():
+                raise TypeError(f"the optimizer's group {i}, param {j} is {p.dtype}: MixedPrecisionOptimizer steps "
+                                f"floating-point parameters only; leave it out of the optimizer")
+            if p.dtype in (torch.float16, torch.bfloat16):
+                check_modes(optimizer, p, config.masters.value, config.state.value, f"group {i}, param {j}")
+
+
+def seed_from(seed: Union[int, torch.Generator, None]) -> int:
+    """The stochastic rounding's seed: ``seed``, or drawn from a generator; None is 0, the same on every
+    rank, so data-parallel replicas (which see the same averaged gradients) round alike and stay equal."""
+    if isinstance(seed, bool) or not (seed is None or isinstance(seed, (int, torch.Generator))):
+        raise TypeError(f"seed must be an int or a torch.Generator, not {type(seed).__name__}")
+    if seed is None:
+        return 0
+    if isinstance(seed, int):
+        return seed
+    return int(torch.randint(0, 2 ** 62, (1,), generator=seed))
+
+
+def state_keys(optimizer: Any) -> int:
+    """State tensors per element of a parameter: Adam/AdamW 2, SGD 1 with momentum (0 without), else 2."""
+    if type(optimizer) is torch.optim.SGD:
+        return int(any(g.get("momentum", 0) for g in optimizer.param_groups))
+    return 2
+
+
+def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any) -> None:
+    """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
+    workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`)."""
+    if ws is not None:
+        ws.enter(masters)
+    optimizer.step()
+    with torch.no_grad():
+        round_in()
+    if ws is not None:
+        ws.leave(masters)

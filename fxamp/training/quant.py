@@ -1,0 +1,223 @@
+"""Optimizer state in fewer bytes: bfloat16, or 8 bits per element in blocks of 256 with a float32 absmax.
+
+Between steps a compressed state tensor replaces the float32 one in ``optimizer.state[p]`` under
+its own key (``exp_avg``), with the block scales beside it (``exp_avg.absmax``), so the inner
+optimizer's own ``state_dict`` carries the compressed form.  The step decompresses into float32
+(:func:`decompress`), the inner optimizer steps, and :func:`compress` writes the result back.
+
+The 8-bit code is *logarithmic* ("dynamic", as bitsandbytes' dynamic map, here a formula instead
+of a table): ``q = round(K * log2(|x| / absmax))`` per element of a block of 256, so every element
+keeps about the same relative precision (about ±4 %) however far below the block's largest it is.
+A linear code (``round(127 * x / absmax)``) would zero every element of Adam's second moment more
+than 255× below its block's largest, and the update ``m / (sqrt(v) + eps)`` of such an element
+would explode.  A non-zero second moment is never coded as zero (it decodes to the smallest code:
+a smaller update, the safe side); a first moment may underflow to zero (no update, also safe).
+
+Only the state keys of torch's stock Adam, AdamW and SGD are compressed (:data:`SIGNED`,
+:data:`UNSIGNED`); other optimizers keep float32 state (:func:`compressible`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["BLOCK", "CHUNK", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
+           "recompress", "slice_state", "store_slice", "quantize", "dequantize", "state_bytes", "update_error"]
+
+#: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
+BLOCK = 256
+#: state keys that may be negative (a sign bit and 7 bits of log-magnitude) ...
+SIGNED = ("exp_avg", "momentum_buffer")
+#: ... and those that are not (8 bits of log-magnitude)
+UNSIGNED = ("exp_avg_sq", "max_exp_avg_sq")
+#: the optimizers whose state keys are known; another keeps float32 state
+STOCK = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD"))
+#: codes per octave: signed 7 bits cover 2^-18, unsigned 8 bits 2^-25 below the block's absmax
+_K_SIGNED, _K_UNSIGNED = 7.0, 10.0
+_SUFFIX = ".absmax"
+
+
+def compressible(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s state keys are known (the exact classes of :data:`STOCK`)."""
+    return type(optimizer) in STOCK
+
+
+#: elements per slice of the (de)quantization: a few in-place passes over a slice stay in cache, and
+#: the temporaries of a large tensor are this size, not the tensor's (a multiple of :data:`BLOCK`)
+CHUNK = 64 * BLOCK
+
+
+def quantize(x: torch.Tensor, signed: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``x`` (float32) as 8-bit log codes per block of :data:`BLOCK` (int8 signed, uint8 unsigned) and the blocks' absmax."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    nblocks = -(-n // BLOCK)
+    codes = torch.empty(n, dtype=torch.int8 if signed else torch.uint8, device=x.device)
+    absmax = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
+    for start in range(0, n, CHUNK):
+        part = flat[start:start + CHUNK]
+        m = part.numel()
+        full = m - m % BLOCK
+        b0 = start // BLOCK
+        if full:
+            blocks = part[:full].view(-1, BLOCK)
+            amax = torch.amax(blocks.abs(), dim=1, keepdim=True)
+            absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
+            q = blocks / amax.clamp_min_(_TINY)
+            _code_(q, top, k, blocks, signed)
+            codes[start:start + full] = q.view(-1)
+        if full < m:  # the last, partial block
+            tail = part[full:]
+            amax = tail.abs().amax()
+            absmax[-1] = amax
+            q = tail / amax.clamp_min(_TINY)
+            _code_(q, top, k, tail, signed)
+            codes[start + full:start + m] = q
+    return codes.view(x.shape), absmax
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
+    """``q`` (|x| / absmax, signed) -> codes in place, as float: ``round(top + k log2 |q|)`` clamped, signed."""
+    q.abs_().clamp_min_(1e-38).log2_().mul_(k).add_(top).round_().clamp_(0, top)
+    if signed:
+        q.copysign_(x)
+    else:  # a non-zero second moment never decodes to zero
+        torch.maximum(q, (x > 0).to(q.dtype), out=q)
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Float32 values of :func:`quantize`'s codes (code 0 is zero)."""
+    flat = codes.reshape(-1)
+    n = flat.numel()
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
+    mags = torch.arange(256, dtype=torch.float32, device=codes.device)
+    table = torch.exp2((mags - top) / k)
+    table[0] = 0.0
+    if signed:  # int8 codes -128..127, read through uint8 (two's complement): 128.. are negative
+        table = torch.cat([table[:128], -torch.flip(table[1:129], [0])])
+        flat = flat.view(torch.uint8)
+    for start in range(0, n, CHUNK):
+        part = out[start:start + CHUNK]
+        torch.index_select(table, 0, flat[start:start + CHUNK].to(torch.int32), out=part)
+        m = part.numel()
+        scale = absmax[start // BLOCK:(start + m - 1) // BLOCK + 1]
+        full = m - m % BLOCK
+        if full:
+            part[:full].view(-1, BLOCK).mul_(scale[:full // BLOCK].view(-1, 1))
+        if full < m:
+            part[full:].mul_(scale[-1])
+    return out.view(codes.shape)
+
+
+def compress(state: Dict[str, Any], mode: str) -> None:
+    """Replace ``state``'s float32 moment tensors by their ``mode`` form ("bf16" or "int8"), in place."""
+    for key in SIGNED + UNSIGNED:
+        value = state.get(key)
+        if not torch.is_tensor(value) or value.dtype != torch.float32:
+            continue
+        if mode == "bf16":
+            state[key] = value.to(torch.bfloat16)
+        else:
+            state[key], state[key + _SUFFIX] = quantize(value, key in SIGNED)
+
+
+def decompress(state: Dict[str, Any]) -> None:
+    """Undo :func:`compress`: float32 moments in ``state``, in place."""
+    for key in SIGNED + UNSIGNED:
+        value = state.get(key)
+        if not torch.is_tensor(value):
+            continue
+        absmax: Optional[torch.Tensor] = state.pop(key + _SUFFIX, None)
+        if absmax is not None:  # (codes cast to float by a loader that knew nothing of them: integers still)
+            state[key] = dequantize(value.to(torch.int8 if key in SIGNED else torch.uint8), absmax.float(),
+                                    key in SIGNED)
+        elif value.dtype != torch.float32:
+            state[key] = value.float()
+
+
+def recompress(state: Dict[str, Any], mode: str) -> None:
+    """After ``Optimizer.load_state_dict``, which casts state to the parameter's dtype (the codes too): back
+    to ``mode``'s dtypes, exactly (the values were bfloat16 values, or integer codes, when saved)."""
+    for key in SIGNED + UNSIGNED:
+        value = state.get(key)
+        if not torch.is_tensor(value):
+            continue
+        if key + _SUFFIX in state:
+            state[key] = value.to(torch.int8 if key in SIGNED else torch.uint8)
+            state[key + _SUFFIX] = state[key + _SUFFIX].float()
+        elif mode == "bf16" and value.dtype != torch.bfloat16:
+            state[key] = value.to(torch.bfloat16)
+
+
+def state_bytes(mode: str, numel: int, keys: int) -> float:
+    """Bytes per element of ``keys`` state tensors in ``mode``."""
+    per = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[mode]
+    return per * keys if numel else 0.0
+
+
+def update_error(state: Dict[str, Any], mode: str) -> float:
+    """Relative L2 error of Adam's direction ``m / sqrt(v)`` (or SGD's momentum) after a round trip through ``mode``."""
+    m = state.get("exp_avg", state.get("momentum_buffer"))
+    if not torch.is_tensor(m) or m.dtype != torch.float32:
+        return 0.0
+    trip = {k: v for k, v in state.items() if k in SIGNED + UNSIGNED and torch.is_tensor(v)}
+    compress(trip, mode)
+    decompress(trip)
+    v = state.get("exp_avg_sq")
+    if torch.is_tensor(v) and v.dtype == torch.float32:
+        exact = m / (v.sqrt() + 1e-8)
+        approx = trip["exp_avg"] / (trip["exp_avg_sq"].sqrt() + 1e-8)
+    else:
+        exact, approx = m, trip.get("momentum_buffer", m)
+    denom = float(torch.linalg.vector_norm(exact))
+    return 0.0 if denom == 0 or not math.isfinite(denom) else float(torch.linalg.vector_norm(approx - exact)) / denom
+
+
+def slice_state(state: Dict[str, Any], sl: slice, n: int) -> Dict[str, Any]:
+    """The float32 state of elements ``sl`` of a tensor of ``n`` elements whose state is ``state`` (compressed
+    or not): moments decompressed for the slice only (``sl`` starts at a multiple of :data:`BLOCK`)."""
+    out: Dict[str, Any] = {}
+    for key, value in state.items():
+        if key.endswith(_SUFFIX):
+            continue
+        if not torch.is_tensor(value) or value.dim() == 0 or value.numel() != n:
+            out[key] = value.clone() if torch.is_tensor(value) else value  # ("step": each slice steps its own copy)
+            continue
+        part = value.reshape(-1)[sl]
+        absmax = state.get(key + _SUFFIX)
+        if absmax is not None:
+            blocks = absmax[sl.start // BLOCK:(sl.start + part.numel() - 1) // BLOCK + 1]
+            out[key] = dequantize(part.to(torch.int8 if key in SIGNED else torch.uint8), blocks.float(), key in SIGNED)
+        else:
+            out[key] = part.float()
+    return out
+
+
+def store_slice(full: Dict[str, Any], piece: Dict[str, Any], sl: slice, n: int, shape: torch.Size, mode: str) -> None:
+    """Write a slice's stepped float32 state ``piece`` into ``full`` (allocated at the first slice) in ``mode``."""
+    for key, value in piece.items():
+        if not torch.is_tensor(value) or value.dim() == 0 or value.numel() != min(sl.stop, n) - sl.start:
+            full[key] = value  # ("step": the last slice's, the same in every slice)
+            continue
+        compressed = mode != "fp32" and key in SIGNED + UNSIGNED
+        if key not in full:
+            dtype = value.dtype if not compressed else torch.bfloat16 if mode == "bf16" else \
+                torch.int8 if key in SIGNED else torch.uint8
+            full[key] = torch.empty(shape, dtype=dtype, device=value.device)
+            if compressed and mode == "int8":
+                full[key + _SUFFIX] = torch.empty(-(-n // BLOCK), dtype=torch.float32, device=value.device)
+        dst = full[key].view(-1)[sl]
+        if compressed and mode == "int8":
+            codes, absmax = quantize(value, key in SIGNED)
+            dst.copy_(codes.view(-1))
+            full[key + _SUFFIX][sl.start // BLOCK:sl.start // BLOCK + absmax.numel()] = absmax
+        else:
+            dst.copy_(value.view(-1))
