@@ -163,6 +163,8 @@ float16 for a subset) and checks, per model and policy:
 - **training**: 4 AdamW steps (lr 3e-3, loss `mean(out²)`) through `fxamp.MixedPrecisionOptimizer` stay
   within 5% (bfloat16) / 2% (float16) of float32's largest loss at every step, and the loss goes down
   (unless float32's does not either);
+- **training-lean**: the same at O2 bfloat16 with lean masters and state (`masters="stochastic",
+  state="int8"`: bfloat16 weights rounded stochastically, 8-bit Adam moments; 27 models, all pass);
 - **O0** is bitwise equal to the original in eval and in train mode (every dropout set to 0);
 - **float64**: a float64 model with float64 inputs converted O1 bfloat16 comes back float64, unchanged.
 

@@ -35,6 +35,8 @@ DEFAULT = {
     ("nn.MultiheadAttention", "training", "O1", "bfloat16"),
     ("conv-bn-relu", "numerics", "O2", "bfloat16"),
     ("conv-bn-relu", "training", "O2", "float16"),
+    ("gpt2", "training-lean", "O2", "bfloat16"),
+    ("conv-bn-relu", "training-lean", "O2", "bfloat16"),
     ("conv-bn-relu", "o0", None, None),
     ("conv-bn-relu", "float64", "O1", "bfloat16"),
 }
