@@ -1,0 +1,175 @@
+"""Float8 matmuls: numerics against a dequantized float64 reference built here, the float8 dtypes of each GEMM
+(a dispatch recorder), finite scales at the extremes, and torchao's Float8Linear as an oracle where installed."""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fxamp.conversion.float8 import (E4M3, E5M2, amax_to_scale, cost_says, einsum_plan, float8_einsum,
+                                     float8_linear, float8_matmul, to_float8, torchao_default)
+from fxamp.policy import Float8, Float8Recipe
+from tests.dtype_observer import OpDtypes
+
+RECIPES = [r.value for r in Float8Recipe]
+
+
+def quantized(x: torch.Tensor, dtype: torch.dtype, pow2: bool, dim=None) -> torch.Tensor:
+    """The float64 values the GEMM sees: x scaled to the format's max by its amax (over ``dim``), cast, scaled back."""
+    x = x.double()
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    scale = (torch.finfo(dtype).max / amax.clamp(min=1e-12)).float().double()
+    if pow2:
+        scale = 2.0 ** torch.floor(torch.log2(scale))
+    limit = torch.finfo(dtype).max
+    return (x * scale).float().clamp(-limit, limit).to(dtype).double() / scale
+
+
+def reference(recipe: str, x, w, g, pow2: bool):
+    """out = x @ wᵀ, grad_x = g @ w, grad_w = gᵀ @ x, each GEMM on the recipe's dequantized operands, in float64."""
+    if recipe == "tensorwise":
+        out = quantized(x, E4M3, pow2) @ quantized(w, E4M3, pow2).T
+        gx = quantized(g, E5M2, pow2) @ quantized(w, E4M3, pow2)
+        gw = quantized(g, E5M2, pow2).T @ quantized(x, E4M3, pow2)
+        return out, gx, gw
+    out = quantized(x, E4M3, pow2, dim=1) @ quantized(w, E4M3, pow2, dim=1).T
+    if recipe == "rowwise":
+        gx = quantized(g, E4M3, pow2, dim=1) @ quantized(w, E4M3, pow2, dim=0)
+        gw = quantized(g, E4M3, pow2, dim=0).T @ quantized(x, E4M3, pow2, dim=0)
+    else:
+        gx = quantized(g, E4M3, pow2, dim=1) @ quantized(w, E4M3, pow2)
+        gw = g.double().T @ x.double()
+    return out, gx, gw
+
+
+def close(value: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal to the float64 reference up to one rounding to ``dtype`` (the GEMM accumulates in float32)."""
+    tol = {torch.float32: 2e-6, torch.bfloat16: 2 ** -8}[dtype]
+    assert value.dtype == dtype
+    torch.testing.assert_close(value.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spelling", ["tensorwise", "tensorwise:pow2", "rowwise", "rowwise:nopow2", "rowwise_with_gw_hp"])
+def test_linear_forward_and_backward_match_the_dequantized_reference(spelling, dtype):
+    config = Float8.parse(spelling)
+    torch.manual_seed(0)
+    x = (torch.randn(24, 64) * torch.logspace(-2, 2, 24)[:, None]).to(dtype).requires_grad_()  # rows differ
+    w = torch.randn(48, 64).to(dtype).requires_grad_()
+    g = torch.randn(24, 48).to(dtype)
+    out = float8_linear(x, w, None, config)
+    out.backward(g)
+    r_out, r_gx, r_gw = reference(config.recipe.value, x.detach(), w.detach(), g, config.pow2)
+    close(out, r_out, dtype)
+    close(x.grad, r_gx, dtype)
+    if config.recipe is Float8Recipe.ROWWISE_WITH_GW_HP and dtype == torch.bfloat16:  # a bf16 GEMM, not exact
+        torch.testing.assert_close(w.grad.double(), r_gw, rtol=2e-2, atol=2e-2 * r_gw.abs().max().item())
+    else:
+        close(w.grad, r_gw, dtype)
+    # and float8 is not bfloat16: the reference is not the plain matmul
+    assert not torch.equal(out.double(), (x.detach().double() @ w.detach().double().T).to(dtype).double())
+
+
+def test_the_bias_is_added_after_the_gemm_and_gets_its_gradient():
+    torch.manual_seed(1)
+    x, w = torch.randn(8, 32), torch.randn(16, 32)
+    b = torch.randn(16, requires_grad=True)
+    out = float8_linear(x, w, b, Float8())
+    torch.testing.assert_close(out, float8_linear(x, w, None, Float8()) + b, rtol=0, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(b.grad, torch.full((16,), 8.0))
+
+
+@pytest.mark.parametrize("recipe,expected", [
+    ("tensorwise", [(E4M3, E4M3), (E5M2, E4M3), (E5M2, E4M3)]),
+    ("rowwise", [(E4M3, E4M3)] * 3),
+    ("rowwise_with_gw_hp", [(E4M3, E4M3)] * 2),
+])
+def test_each_gemm_runs_in_the_recipes_float8_dtypes(recipe, expected):
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    with OpDtypes() as rec:
+        out = float8_linear(x, w, None, Float8.parse(recipe))
+        out.backward(torch.randn_like(out))
+    scaled = rec.of("_scaled_mm")
+    assert [c.inputs[:2] for c in scaled] == expected
+    assert all(c.outputs == (torch.bfloat16,) for c in scaled)
+    assert out.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    high = [c for c in rec.of("mm", "addmm", "bmm", "matmul") if c.inputs and c.inputs[0] == torch.bfloat16]
+    assert len(high) == (1 if recipe == "rowwise_with_gw_hp" else 0)  # only gw_hp's grad_weight runs in bf16
+
+
+@pytest.mark.parametrize("dtype,amax", [(E4M3, 0.0), (E4M3, 1e-30), (E4M3, 3e38), (E5M2, 0.0), (E5M2, 3e38)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_scales_are_finite_for_all_zero_tiny_and_huge_tensors(dtype, amax, pow2):
+    scale = amax_to_scale(torch.tensor(amax), dtype, pow2)
+    assert torch.isfinite(scale) and scale > 0 and torch.isfinite(scale.reciprocal())
+    x = torch.full((4, 16), amax)
+    x8, s = to_float8(x, dtype, pow2)
+    assert x8.dtype == dtype and torch.isfinite(x8.float() / s).all()
+    if pow2:
+        assert math.log2(scale.item()).is_integer()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("fill", [0.0, 1e37])  # 1e37: the true gradient of w (a sum of 8 rows) stays finite
+def test_all_zero_and_huge_inputs_give_no_nan_or_inf(recipe, fill):
+    x = torch.full((8, 32), fill, requires_grad=True)
+    w = (torch.randn(16, 32) * 1e-38 if fill else torch.randn(16, 32)).requires_grad_()
+    out = float8_linear(x, w, None, Float8.parse(recipe))
+    out.backward(torch.ones_like(out))
+    for t in (out, x.grad, w.grad):
+        assert torch.isfinite(t).all()
+
+
+@pytest.mark.parametrize("equation,a_shape,b_shape", [
+    ("bsk,kn->bsn", (2, 3, 32), (32, 16)), ("bi,oi->bo", (4, 32), (16, 32)), ("kb,kn->nb", (32, 4), (32, 16)),
+])
+def test_einsum_reducing_to_a_matmul_equals_float8_linear(equation, a_shape, b_shape):
+    torch.manual_seed(2)
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    out = float8_einsum(equation, a, b, Float8())
+    ref = torch.einsum(equation, a, b)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0.15, atol=0.15 * ref.abs().max().item())  # float8's error, bounded
+    if equation == "bsk,kn->bsn":
+        torch.testing.assert_close(out, float8_matmul(a, b, Float8()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("equation", ["bij,bjk->bik", "ij,jk,kl->il", "...k,kn->...n", "bk,kk->bk", "ik,kn->ikn"])
+def test_other_einsums_are_not_matmuls(equation):
+    dims = [len(p) for p in equation.split("->")[0].split(",")] + [0]
+    assert einsum_plan(equation, dims[0], dims[1]) is None
+
+
+def test_cost_model_uses_the_table_then_torchaos_thresholds():
+    assert cost_says("cpu", Float8Recipe.TENSORWISE, 8192, 8192)[0] is False  # emulated: never pays
+    assert "measured" in cost_says("cpu", Float8Recipe.TENSORWISE, 64, 64)[1]
+    assert torchao_default(Float8Recipe.TENSORWISE, 4096, 1024)[0] is False
+    assert torchao_default(Float8Recipe.TENSORWISE, 4096, 2048)[0] is True
+    assert torchao_default(Float8Recipe.ROWWISE, 2048, 4096)[0] is False
+    assert torchao_default(Float8Recipe.ROWWISE, 4096, 8192)[0] is True
+    pays, why = cost_says("cuda:NVIDIA H100 80GB HBM3", Float8Recipe.ROWWISE, 8192, 8192)
+    assert pays and "torchao" in why
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_linear_matches_torchaos_float8linear(recipe):
+    """torchao's emulated Float8Linear with the same recipe: forward and both gradients within float32 rounding."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(64, 48)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    theirs = convert_to_float8_training(copy.deepcopy(lin), config=config)
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    x_theirs = x.detach().clone().requires_grad_()
+    g = torch.randn(4, 8, 48)
+    out = float8_linear(x, lin.weight, lin.bias, Float8.parse(recipe))
+    out.backward(g)
+    out_theirs = theirs(x_theirs)
+    out_theirs.backward(g)
+    for mine, ref in ((out, out_theirs), (x.grad, x_theirs.grad), (lin.weight.grad, theirs.weight.grad)):
+        torch.testing.assert_close(mine, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
