@@ -16,6 +16,7 @@ class Call:
     inputs: Tuple[torch.dtype, ...]   # dtypes of floating tensor inputs
     outputs: Tuple[torch.dtype, ...]  # dtypes of floating tensor outputs
     kwargs: dict
+    layouts: Tuple[bool, ...] = ()  # _scaled_mm only: (first operand row-major, second column-major)
 
 
 class OpDtypes(TorchDispatchMode):
@@ -30,7 +31,9 @@ class OpDtypes(TorchDispatchMode):
         out = func(*args, **kwargs)
         floats = lambda tree: tuple(t.dtype for t in tree_leaves(tree)
                                     if isinstance(t, torch.Tensor) and t.is_floating_point())
-        self.calls.append(Call(func.overloadpacket.__name__, floats((args, kwargs)), floats(out), kwargs))
+        layouts = (args[0].is_contiguous(), args[1].t().is_contiguous()) \
+            if func.overloadpacket.__name__ == "_scaled_mm" else ()
+        self.calls.append(Call(func.overloadpacket.__name__, floats((args, kwargs)), floats(out), kwargs, layouts))
         return out
 
     def of(self, *ops: str) -> List[Call]:

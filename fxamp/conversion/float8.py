@@ -30,15 +30,22 @@ accumulation order.  It is slower than a float32 matmul there: float8 is for H10
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
 
-from ..policy import Float8, Float8Recipe
+from ..policy import Float8, Float8Cost, Float8Recipe
+from .graph import DECISION, Decision, Float8Choice, fetch_attr, module_path_of, rename_node
+from .op_lists import Category, Source, op_key
 
 __all__ = ["E4M3", "E5M2", "EPS", "amax_to_scale", "to_float8", "float8_mm", "float8_linear", "float8_matmul",
-           "float8_einsum", "Float8Matmul", "CostTable", "COST_TABLES", "torchao_default", "cost_says", "sqnr_db"]
+           "float8_einsum", "Float8Matmul", "CostTable", "COST_TABLES", "torchao_default", "cost_says", "sqnr_db",
+           "FORCE", "REFUSE", "split_overrides", "choose", "rewrite_float8", "float8_notes", "matmul_shape"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -138,20 +145,22 @@ class Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w_t, None
 
 
-def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: Float8) -> torch.Tensor:
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  config: Union[str, Float8]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the matmul in float8 (x (..., K), weight (N, K)); the bias is added
-    in the output's dtype, after the GEMM."""
+    in the output's dtype, after the GEMM.  ``config``: a :class:`Float8` or its string (as graphs hold it)."""
+    config = Float8.parse(config)  # graphs hold its string: a few string ops, traced away by torch.compile
     out = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), config)
     out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias.to(out.dtype)
 
 
-def float8_matmul(a: torch.Tensor, b: torch.Tensor, config: Float8) -> torch.Tensor:
+def float8_matmul(a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
     """``a @ b`` for ``a`` (..., K) and a 2-D ``b`` (K, N) with the matmul in float8."""
     return float8_linear(a, b.t(), None, config)
 
 
-def float8_einsum(equation: str, a: torch.Tensor, b: torch.Tensor, config: Float8) -> torch.Tensor:
+def float8_einsum(equation: str, a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` for an equation :func:`einsum_plan` accepts, in float8."""
     plan = einsum_plan(equation, a.dim(), b.dim())
     assert plan is not None, equation  # checked when the node was chosen
@@ -251,3 +260,245 @@ def cost_says(device_kind: str, recipe: Float8Recipe, k: int, n: int) -> Tuple[b
         return torchao_default(recipe, k, n)
     s = table.speedup(k, n)
     return s > 1.0, f"measured {s:.2f}x of bfloat16 near K={k}, N={n} on {table.device}"
+
+
+# -- choosing the nodes -----------------------------------------------------------------------------
+
+#: override values (``node_overrides``/``module_overrides``) that decide float8 rather than a category
+FORCE = "float8"  # run these matmuls in float8 whatever the cost model says (still only where float8 can)
+REFUSE = "no_float8"  # keep these matmuls in the policy's compute dtype (bfloat16)
+
+_LINEAR = frozenset(op_key(t) for t in (F.linear, torch.ops.aten.linear.default))
+_MATMUL = frozenset(op_key(t) for t in (torch.matmul, torch.mm, operator.matmul, "matmul", "mm",
+                                         torch.ops.aten.mm.default, torch.ops.aten.matmul.default))
+_EINSUM = frozenset(op_key(t) for t in (torch.einsum, torch.ops.aten.einsum.default))
+#: GEMM dimensions float8 kernels take (cuBLASLt's _scaled_mm: K and N multiples of 16)
+MULTIPLE = 16
+
+
+def split_overrides(overrides: Optional[Mapping[str, Any]]) -> Tuple[Optional[Dict[str, Any]], Dict[str, str]]:
+    """``(category overrides, float8 overrides)``: the values :data:`FORCE` and :data:`REFUSE` go to the second."""
+    if not overrides:
+        return (dict(overrides) if overrides is not None else None), {}
+    f8 = {k: v for k, v in overrides.items() if isinstance(v, str) and v in (FORCE, REFUSE)}
+    rest = {k: v for k, v in overrides.items() if k not in f8}
+    return (rest or None), f8
+
+
+def _tensor_shape(gm: fx.GraphModule, value: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of a parameter/buffer read (get_attr) or of a value torch.export recorded, else None."""
+    if not isinstance(value, fx.Node):
+        return None
+    if value.op == "get_attr":
+        t = fetch_attr(gm, str(value.target))
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+    val = value.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        try:
+            return tuple(int(d) for d in val.shape)
+        except TypeError:  # a symbolic size
+            return None
+    return None
+
+
+def _weight_device(gm: fx.GraphModule, value: Any) -> Optional[torch.device]:
+    if isinstance(value, fx.Node) and value.op == "get_attr":
+        t = fetch_attr(gm, str(value.target))
+        return t.device if isinstance(t, torch.Tensor) else None
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return val.device if isinstance(val, torch.Tensor) else None
+
+
+def matmul_shape(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[str], Optional[Tuple[int, int]], Any]:
+    """``(kind, (K, N), weight node)`` for a matmul float8 could run (kind "linear", "matmul" or "einsum"),
+    with (K, N) None when the second operand is no 2-D tensor of known shape; ``(None, None, None)`` for
+    any other node."""
+    if node.op not in ("call_function", "call_method"):
+        return None, None, None
+    key = op_key(node.target)
+    if key in _LINEAR:
+        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        shape = _tensor_shape(gm, w)
+        return "linear", ((shape[1], shape[0]) if shape is not None and len(shape) == 2 else None), w
+    if key in _MATMUL:
+        if len(node.args) != 2 or node.kwargs:
+            return "matmul", None, None
+        shape = _tensor_shape(gm, node.args[1])
+        return "matmul", ((shape[0], shape[1]) if shape is not None and len(shape) == 2 else None), node.args[1]
+    if key in _EINSUM:
+        eq, operands = _einsum_args(node)
+        if eq is None or len(operands) != 2:
+            return "einsum", None, None
+        a_shape, b_shape = _tensor_shape(gm, operands[0]), _tensor_shape(gm, operands[1])
+        a_dim = a_shape and len(a_shape) or (len(eq.split("->")[0].split(",")[0]) if "->" in eq else 0)
+        plan = einsum_plan(eq, a_dim, len(b_shape)) if b_shape is not None else None
+        if plan is None:
+            return "einsum", None, None
+        k_at = 1 if plan[1] else 0
+        return "einsum", (b_shape[k_at], b_shape[1 - k_at]), operands[1]
+    return None, None, None
+
+
+def _einsum_args(node: fx.Node) -> Tuple[Optional[str], List[Any]]:
+    args = list(node.args)
+    if not args or not isinstance(args[0], str):
+        return None, []
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    return args[0], operands
+
+
+def _device_kind(device: Optional[torch.device]) -> str:
+    if device is None or device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _check_device(device: Optional[torch.device], config: Float8) -> None:
+    """A clear line for a device ``_scaled_mm`` cannot run on (before any graph runs)."""
+    if device is None or device.type == "cpu":
+        return
+    if device.type == "cuda" and not torch.version.hip:
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(f"float8={config} needs a GPU with float8 matmuls (compute capability 8.9 or newer: "
+                             f"Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
+                             f"Drop float8 from the policy (plain 'O2' runs bfloat16)")
+        return
+    if device.type != "cuda":
+        raise ValueError(f"float8={config}: torch._scaled_mm has no float8 matmul on {device.type!r}; "
+                         f"float8 runs on CUDA (compute capability 8.9+) and, emulated, on CPU")
+
+
+def _covering(path: str, overrides: Mapping[str, str]) -> Optional[Tuple[str, str]]:
+    best = None
+    for prefix, value in overrides.items():
+        if path == prefix or path.startswith(prefix + ".") or prefix == "":
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, value)
+    return best
+
+
+def choose(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Any,
+           module_overrides: Mapping[str, str], node_overrides: Mapping[str, str]) -> None:
+    """Give every safe matmul running in the policy's compute dtype a :class:`Float8Choice` (in ``decisions``).
+
+    In order: a node override, then a module override (``"float8"`` / ``"no_float8"``); a matmul whose
+    second operand is no 2-D tensor of known shape, or whose K or N is no multiple of 16, stays bfloat16
+    (a forced one is an error); then the policy's ``cost`` (``always``, or the cost model).
+    """
+    config: Optional[Float8] = policy.float8
+    if config is None:
+        if module_overrides or node_overrides:
+            where = next(iter({**module_overrides, **node_overrides}))
+            raise ValueError(f"overrides: {where!r} asks for {({**module_overrides, **node_overrides})[where]!r}, "
+                             f"but the policy runs no float8; add float8=<recipe> to it ('O2,float8=tensorwise')")
+        return
+    names = {n.name: n for n in gm.graph.nodes}
+    for name in node_overrides:
+        if name not in names:
+            raise ValueError(f"node_overrides: the graph has no node {name!r} (names are fxamp.report's node column)")
+    paths = {p for p, _ in gm.named_modules()}
+    for path in module_overrides:
+        if path not in paths:
+            raise ValueError(f"module_overrides: {path!r} is not a submodule of the model")
+    checked = set()
+    for node, d in list(decisions.items()):
+        kind, kn, weight = matmul_shape(gm, node)
+        if kind is None or d.resolved is not Category.SAFE or d.compute != policy.compute:
+            if node.name in node_overrides and kind is None:
+                raise ValueError(f"node_overrides: {node.name!r} ({d.op}) is not a matmul, so "
+                                 f"{node_overrides[node.name]!r} means nothing for it")
+            continue
+        device = _weight_device(gm, weight)
+        if device not in checked:
+            _check_device(device, config)
+            checked.add(device)
+        choice = _choose_one(node, kind, kn, config, device, module_overrides, node_overrides)
+        decisions[node] = dataclasses.replace(d, float8=choice)
+
+
+def _choose_one(node: fx.Node, kind: str, kn: Optional[Tuple[int, int]], config: Float8,
+                device: Optional[torch.device], module_overrides: Mapping[str, str],
+                node_overrides: Mapping[str, str]) -> Float8Choice:
+    forced = None
+    if node.name in node_overrides:
+        forced = (node_overrides[node.name], Source.NODE_OVERRIDE, f"node {node.name!r}")
+    else:
+        covering = _covering(module_path_of(node), module_overrides)
+        if covering is not None:
+            forced = (covering[1], Source.MODULE_OVERRIDE, f"module {covering[0]!r}")
+    if forced is not None and forced[0] == REFUSE:
+        return Float8Choice(False, f"no_float8 for {forced[2]} (override): runs in bfloat16", forced[1])
+    bad = None
+    if kn is None:
+        bad = (f"its second operand is no 2-D tensor of known shape (a {kind} of two activations, or a batched "
+               f"weight): _scaled_mm takes one 2-D weight")
+    elif kn[0] % MULTIPLE or kn[1] % MULTIPLE:
+        bad = f"K={kn[0]}, N={kn[1]}: float8 GEMMs need K and N multiples of {MULTIPLE}"
+    if bad is not None:
+        if forced is not None:
+            raise ValueError(f"{'node_overrides' if forced[1] is Source.NODE_OVERRIDE else 'module_overrides'}: "
+                             f"{forced[2]} asks for float8 at {node.name} ({node.format_node()}), but {bad}; "
+                             f"drop the override, or pad the layer")
+        return Float8Choice(False, f"kept in bfloat16: {bad}", Source.GRAPH)
+    if forced is not None:
+        return Float8Choice(True, f"float8 for {forced[2]} (override), whatever the cost", forced[1])
+    if config.cost is Float8Cost.ALWAYS:
+        return Float8Choice(True, f"float8 (cost=always; K={kn[0]}, N={kn[1]})", Source.DEFAULT)
+    pays, why = cost_says(_device_kind(device), config.recipe, kn[0], kn[1])
+    if pays:
+        return Float8Choice(True, f"float8: pays at K={kn[0]}, N={kn[1]} ({why})", Source.DEFAULT)
+    return Float8Choice(False, f"kept in bfloat16: too small to pay at K={kn[0]}, N={kn[1]} ({why}); "
+                               f"':always' or a node/module override 'float8' forces it", Source.DEFAULT)
+
+
+def float8_notes(decisions: Mapping[fx.Node, Decision]) -> List[str]:
+    """One line saying how many matmuls run in float8 and which stayed in bfloat16 for their shape."""
+    choices = [(n, d.float8) for n, d in decisions.items() if d.float8 is not None]
+    if not choices:
+        return []
+    chosen = sum(c.chosen for _, c in choices)
+    shape = [n.name for n, c in choices if not c.chosen and c.source is Source.GRAPH]
+    line = f"float8: {chosen} of {len(choices)} matmuls run in float8"
+    if shape:
+        line += (f"; kept in bfloat16 for their shape (see the report): {', '.join(shape[:5])}"
+                 + (", …" if len(shape) > 5 else ""))
+    return [line]
+
+
+def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], config: Float8) -> int:
+    """Replace each chosen matmul (its inputs already cast to bfloat16) by its float8 form; returns how many::
+
+        linear = F.linear(x, w, b)           ==>  linear = float8_linear(x, w, b, "tensorwise")
+        matmul = x @ w                       ==>  matmul = float8_matmul(x, w, "tensorwise")
+        einsum = einsum("bi,ij->bj", x, w)   ==>  einsum = float8_einsum("bi,ij->bj", x, w, "tensorwise")
+    """
+    graph = gm.graph
+    text = str(config)
+    made = 0
+    for node in list(graph.nodes):
+        d = node.meta.get(DECISION)
+        if d is None or d.float8 is None or not d.float8.chosen:
+            continue
+        kind = matmul_shape(gm, node)[0]
+        if kind == "linear":
+            args = list(node.args) + [None] * (3 - len(node.args))
+            x, w = args[0], args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            b = args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            target, new_args = float8_linear, (x, w, b, text)
+        elif kind == "matmul":
+            target, new_args = float8_matmul, (node.args[0], node.args[1], text)
+        else:
+            eq, (a, b) = _einsum_args(node)
+            target, new_args = float8_einsum, (eq, a, b, text)
+        with graph.inserting_before(node):
+            new = graph.call_function(target, new_args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        name = node.name
+        graph.erase_node(node)
+        rename_node(graph, new, name)
+        made += 1
+    return made

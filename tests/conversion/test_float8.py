@@ -94,6 +94,8 @@ def test_each_gemm_runs_in_the_recipes_float8_dtypes(recipe, expected):
         out = float8_linear(x, w, None, Float8.parse(recipe))
         out.backward(torch.randn_like(out))
     scaled = rec.of("_scaled_mm")
+    # the layouts a GPU kernel (and a compiled graph) requires: first operand row-major, second column-major
+    assert all(c.layouts == (True, True) for c in scaled)
     assert [c.inputs[:2] for c in scaled] == expected
     assert all(c.outputs == (torch.bfloat16,) for c in scaled)
     assert out.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
@@ -173,3 +175,144 @@ def test_float8_linear_matches_torchaos_float8linear(recipe):
     out_theirs.backward(g)
     for mine, ref in ((out, out_theirs), (x.grad, x_theirs.grad), (lin.weight.grad, theirs.weight.grad)):
         torch.testing.assert_close(mine, ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
+
+
+# -- the graph rewrite ------------------------------------------------------------------------------
+
+import warnings  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fxamp  # noqa: E402
+from fxamp.conversion.graph import decision_of  # noqa: E402
+
+
+class Matmuls(nn.Module):
+    """Every matmul form float8 takes, one it cannot (K=40), and one of two activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 40)  # N=40 here, K=40 in `back`
+        self.back = nn.Linear(40, 32)
+        self.w = nn.Parameter(torch.randn(32, 16) / 6)
+        self.v = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        h = self.back(torch.relu(self.odd(h)))
+        y = torch.einsum("bi,ij->bj", h, self.w)
+        y = y @ self.v
+        return y @ y.t()  # activations on both sides: stays bfloat16
+
+
+def _targets(amp):
+    return [n.target.__name__ for n in amp.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "__name__", "").startswith("float8_")]
+
+
+def _choices(amp):
+    return {n.name: decision_of(n).float8 for n in amp.graph.nodes
+            if decision_of(n) is not None and decision_of(n).float8 is not None}
+
+
+def _convert(model, policy, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fxamp.convert(model, policy, **kw)
+
+
+def test_always_runs_every_eligible_matmul_in_float8_and_says_why_the_rest_stay():
+    amp = _convert(Matmuls(), "O2,float8=tensorwise:always")
+    assert _targets(amp) == ["float8_linear", "float8_einsum", "float8_matmul"]
+    choices = _choices(amp)
+    assert {n for n, c in choices.items() if c.chosen} == {"linear", "einsum", "matmul"}
+    assert "N=40: float8 GEMMs need K and N multiples of 16" in choices["linear_1"].reason
+    assert "K=40" in choices["linear_2"].reason
+    assert "no 2-D tensor of known shape" in choices["matmul_1"].reason
+    notes = fxamp.conversion_info(amp).notes
+    assert notes[0].startswith("float8: 3 of 6 matmuls run in float8; kept in bfloat16 for their shape")
+    x = torch.randn(4, 32)
+    with OpDtypes() as rec:
+        out = amp(x)
+        out.sum().backward()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    scaled = rec.of("_scaled_mm")
+    # 3 float8 matmuls: forward and grad_weight each, grad_input for the two whose input needs a gradient
+    assert [c.inputs[:2] for c in scaled].count((E4M3, E4M3)) == 3
+    assert [c.inputs[:2] for c in scaled].count((E5M2, E4M3)) == 3 + 2 and len(scaled) == 8
+    assert all(p.grad is not None for p in amp.parameters())
+
+
+def test_the_converted_graph_computes_what_the_float8_functions_do():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    amp = _convert(model, "O2,float8=rowwise:always")
+    x = torch.randn(8, 32)
+    p = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    config = Float8.parse("rowwise")
+    h = torch.relu(float8_linear(x.to(torch.bfloat16), p["0.weight"], p["0.bias"], config))
+    expected = float8_linear(h, p["2.weight"], p["2.bias"], config).float()
+    assert torch.equal(amp(x), expected)
+
+
+def test_on_this_cpu_the_cost_model_keeps_every_matmul_in_bfloat16():
+    amp = _convert(Matmuls(), "O2,float8=tensorwise")
+    assert _targets(amp) == []
+    assert "too small to pay" in _choices(amp)["linear"].reason and "measured 0.30x" in _choices(amp)["linear"].reason
+
+
+def test_overrides_force_or_refuse_float8_per_node_and_per_module():
+    amp = _convert(Matmuls(), "O2,float8=tensorwise", module_overrides={"up": "float8"},
+                   node_overrides={"einsum": "float8"})
+    assert _targets(amp) == ["float8_linear", "float8_einsum"]
+    assert _choices(amp)["linear"].source.value == "module override"
+    amp = _convert(Matmuls(), "O2,float8=tensorwise:always", node_overrides={"einsum": "no_float8"})
+    assert _targets(amp) == ["float8_linear", "float8_matmul"]
+    assert "no_float8" in _choices(amp)["einsum"].reason
+    # a category override still works beside a float8 one, and an unsafe (float32) matmul is no candidate
+    amp = _convert(Matmuls(), "O2,float8=tensorwise:always", node_overrides={"einsum": "unsafe", "matmul": "no_float8"})
+    assert _targets(amp) == ["float8_linear"] and "einsum" not in _choices(amp)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"policy": "O2,float8=tensorwise", "dtype": "float16"}, ValueError, "there is no float8 recipe with float16"),
+    ({"policy": "O2,float8=tensorwise", "node_overrides": {"linear_1": "float8"}}, ValueError,
+     "asks for float8 at linear_1 .* N=40: float8 GEMMs need K and N multiples of 16"),
+    ({"policy": "O2", "node_overrides": {"linear": "float8"}}, ValueError, "the policy runs no float8"),
+    ({"policy": "O2,float8=tensorwise", "node_overrides": {"gelu": "float8"}}, ValueError, "'gelu' .* is not a matmul"),
+    ({"policy": "O2,float8=tensorwise", "node_overrides": {"nope": "no_float8"}}, ValueError, "has no node 'nope'"),
+    ({"policy": "O2,float8=fast"}, ValueError, "'fast' is not a float8 recipe"),
+])
+def test_bad_input_is_one_clear_error(kwargs, error, match):
+    policy = kwargs.pop("policy")
+    with pytest.raises(error, match=match):
+        _convert(Matmuls(), policy, **kwargs)
+
+
+def test_export_capture_chooses_the_same_nodes():
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 40), nn.Linear(40, 16))
+    amp = _convert(model, "O2,float8=tensorwise:always", frontend="export", example_inputs=(torch.randn(4, 32),))
+    chosen = sorted(c.chosen for c in _choices(amp).values())
+    assert chosen == [False, False, True]  # N=40, then K=40
+    assert torch.isfinite(amp(torch.randn(4, 32))).all()
+
+
+def test_torch_compile_of_the_float8_graph_runs_forward_and_backward_bitwise_as_eager():
+    """With inductor's emulate_precision_casts (else it skips the bfloat16 rounding before the float8 cast,
+    and a value may land in the next float8 bucket), compiled and eager agree bit for bit."""
+    import torch._inductor.config as inductor_config
+    torch.manual_seed(5)
+    amp = _convert(nn.Sequential(nn.Linear(32, 64)), "O2,float8=tensorwise:always")
+    x = torch.randn(8, 32)
+    eager = amp(x)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in amp.parameters()]
+    amp.zero_grad()
+    with inductor_config.patch(emulate_precision_casts=True):
+        out = torch.compile(amp)(x)
+        out.sum().backward()
+    assert torch.equal(out, eager)
+    for p, ref in zip(amp.parameters(), grads):
+        assert torch.equal(p.grad, ref)
