@@ -40,12 +40,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..policy import Float8, Float8Cost, Float8Recipe
-from .graph import DECISION, Decision, Float8Choice, fetch_attr, module_path_of, rename_node
+from .graph import DECISION, Decision, Float8Choice, fetch_attr, module_path_of
 from .op_lists import Category, Source, op_key
 
 __all__ = ["E4M3", "E5M2", "EPS", "amax_to_scale", "to_float8", "float8_mm", "float8_linear", "float8_matmul",
            "float8_einsum", "Float8Matmul", "CostTable", "COST_TABLES", "torchao_default", "cost_says", "sqnr_db",
-           "FORCE", "REFUSE", "split_overrides", "choose", "rewrite_float8", "float8_notes", "matmul_shape"]
+           "FORCE", "REFUSE", "PLAIN", "split_overrides", "choose", "rewrite_float8", "float8_notes", "matmul_shape"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -468,6 +468,22 @@ def float8_notes(decisions: Mapping[fx.Node, Decision]) -> List[str]:
     return [line]
 
 
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], config: Any) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _plain_matmul(a: torch.Tensor, b: torch.Tensor, config: Any) -> torch.Tensor:
+    return a @ b
+
+
+def _plain_einsum(equation: str, a: torch.Tensor, b: torch.Tensor, config: Any) -> torch.Tensor:
+    return torch.einsum(equation, a, b)
+
+
+#: each float8 graph function -> the same call without float8 (a float32 reference runs these)
+PLAIN = {float8_linear: _plain_linear, float8_matmul: _plain_matmul, float8_einsum: _plain_einsum}
+
+
 def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], config: Float8) -> int:
     """Replace each chosen matmul (its inputs already cast to bfloat16) by its float8 form; returns how many::
 
@@ -475,10 +491,9 @@ def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], co
         matmul = x @ w                       ==>  matmul = float8_matmul(x, w, "tensorwise")
         einsum = einsum("bi,ij->bj", x, w)   ==>  einsum = float8_einsum("bi,ij->bj", x, w, "tensorwise")
     """
-    graph = gm.graph
     text = str(config)
     made = 0
-    for node in list(graph.nodes):
+    for node in gm.graph.nodes:
         d = node.meta.get(DECISION)
         if d is None or d.float8 is None or not d.float8.chosen:
             continue
@@ -493,12 +508,7 @@ def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], co
         else:
             eq, (a, b) = _einsum_args(node)
             target, new_args = float8_einsum, (eq, a, b, text)
-        with graph.inserting_before(node):
-            new = graph.call_function(target, new_args)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        name = node.name
-        graph.erase_node(node)
-        rename_node(graph, new, name)
+        # the same node (x.matmul(w) was a call_method): its name, meta, and the casts that point at it stay
+        node.op, node.target, node.args, node.kwargs = "call_function", target, new_args, {}
         made += 1
     return made
