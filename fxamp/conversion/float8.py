@@ -24,13 +24,15 @@ On a CPU, ``_scaled_mm`` runs emulated: its result equals the dequantized matmul
 then rounded to the output dtype), so the tests here check the numerics a GPU runs, except the GEMM's
 accumulation order.  It is slower than a float32 matmul there: float8 is for H100-class GPUs.
 
-:func:`eligible` says whether a graph node is a matmul this module can run, and
-:func:`cost_says` whether float8 pays at its shape (:data:`COST_TABLES`).
+:func:`matmul_shape` says whether a graph node is a matmul this module can run (and its K, N),
+:func:`cost_says` whether float8 pays at that shape (:data:`COST_TABLES`), :func:`choose` records the
+choice per node (``Decision.float8``) and :func:`rewrite_float8` swaps the chosen nodes' targets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -44,7 +46,7 @@ from .graph import DECISION, Decision, Float8Choice, fetch_attr, module_path_of
 from .op_lists import Category, Source, op_key
 
 __all__ = ["E4M3", "E5M2", "EPS", "amax_to_scale", "to_float8", "float8_mm", "float8_linear", "float8_matmul",
-           "float8_einsum", "Float8Matmul", "CostTable", "COST_TABLES", "torchao_default", "cost_says", "sqnr_db",
+           "float8_einsum", "float8_addmm", "Float8Matmul", "CostTable", "COST_TABLES", "device_kind", "torchao_default", "cost_says", "sqnr_db",
            "FORCE", "REFUSE", "PLAIN", "split_overrides", "choose", "rewrite_float8", "float8_notes", "matmul_shape"]
 
 E4M3 = torch.float8_e4m3fn
@@ -160,6 +162,11 @@ def float8_matmul(a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) 
     return float8_linear(a, b.t(), None, config)
 
 
+def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
+    """``torch.addmm(bias, a, b)`` (a (M, K), b (K, N); Hugging Face's Conv1D) with the matmul in float8."""
+    return float8_linear(a, b.t(), bias, config)
+
+
 def float8_einsum(equation: str, a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` for an equation :func:`einsum_plan` accepts, in float8."""
     plan = einsum_plan(equation, a.dim(), b.dim())
@@ -224,22 +231,44 @@ class CostTable:
     rows: Tuple[Tuple[int, int, float], ...]
 
     def speedup(self, k: int, n: int) -> float:
-        import math
-
         def dist(row: Tuple[int, int, float]) -> float:
             return abs(math.log2(row[0] / k)) + abs(math.log2(row[1] / n))
 
         return min(self.rows, key=dist)[2]
 
 
-#: device kind (``"cuda:<device name>"`` or ``"cpu"``) -> recipe -> table; where none was measured,
-#: :func:`torchao_default` decides.  The CPU row is this repository's CI machine class: _scaled_mm
-#: runs emulated there, 2-4x slower than a float32 matmul at every size (docs/float8.md).
+#: device kind (:func:`device_kind`) -> recipe -> table; where none was measured, :func:`torchao_default`
+#: decides.  Measured with ``python -m benchmarks.float8_cost`` (benchmarks/RESULTS.md has the runs).  On a
+#: CPU ``_scaled_mm`` runs emulated: it beats bfloat16 only where bfloat16 itself has no fast kernels.
 COST_TABLES: Dict[str, Dict[Float8Recipe, CostTable]] = {
-    "cpu": {recipe: CostTable("cpu: emulated _scaled_mm (any x86 CPU measured)", 256,
-                              ((64, 64, 0.3), (1024, 1024, 0.3), (4096, 4096, 0.3)))
-            for recipe in Float8Recipe},
+    # Intel Xeon (AVX-512, no AVX-512-BF16, no AMX), 1 thread, 2026-11-27
+    "cpu:no-bf16-kernels": {
+        Float8Recipe.TENSORWISE: CostTable("cpu: Intel Xeon, AVX-512, no bf16 kernels", 256,
+                                           ((64, 64, 0.09), (256, 256, 0.95), (1024, 1024, 1.31))),
+        Float8Recipe.ROWWISE: CostTable("cpu: Intel Xeon, AVX-512, no bf16 kernels", 256,
+                                        ((64, 64, 0.32), (256, 256, 0.70), (1024, 1024, 1.19))),
+        Float8Recipe.ROWWISE_WITH_GW_HP: CostTable("cpu: Intel Xeon, AVX-512, no bf16 kernels", 256,
+                                                   ((64, 64, 0.47), (256, 256, 0.84), (1024, 1024, 0.93))),
+    },
 }
+
+
+def device_kind(device: Optional[torch.device]) -> str:
+    """The key of :data:`COST_TABLES` for a device: ``"cuda:<name>"``, or for a CPU its bfloat16 kernels
+    (``"cpu:amx-bf16"``, ``"cpu:avx512-bf16"``, ``"cpu:no-bf16-kernels"``; ``"cpu"`` where unknown)."""
+    if device is None or device.type == "cpu":
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+        except OSError:
+            flags = None
+        if flags is None:
+            return "cpu"
+        return ("cpu:amx-bf16" if "amx_bf16" in flags else "cpu:avx512-bf16" if "avx512_bf16" in flags
+                else "cpu:no-bf16-kernels")
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
 
 
 def torchao_default(recipe: Float8Recipe, k: int, n: int) -> Tuple[bool, str]:
@@ -253,9 +282,10 @@ def torchao_default(recipe: Float8Recipe, k: int, n: int) -> Tuple[bool, str]:
     return pays, f"torchao's H100 thresholds ({rule})"
 
 
-def cost_says(device_kind: str, recipe: Float8Recipe, k: int, n: int) -> Tuple[bool, str]:
-    """Whether float8 pays for a (K, N) matmul on ``device_kind``, and why (the table's row, or torchao's rule)."""
-    table = COST_TABLES.get(device_kind, {}).get(recipe)
+def cost_says(kind: str, recipe: Float8Recipe, k: int, n: int,
+              tables: Mapping[str, Mapping[Float8Recipe, CostTable]] = COST_TABLES) -> Tuple[bool, str]:
+    """Whether float8 pays for a (K, N) matmul on device ``kind``, and why (the table's row, or torchao's rule)."""
+    table = tables.get(kind, {}).get(recipe)
     if table is None:
         return torchao_default(recipe, k, n)
     s = table.speedup(k, n)
@@ -271,6 +301,7 @@ REFUSE = "no_float8"  # keep these matmuls in the policy's compute dtype (bfloat
 _LINEAR = frozenset(op_key(t) for t in (F.linear, torch.ops.aten.linear.default))
 _MATMUL = frozenset(op_key(t) for t in (torch.matmul, torch.mm, operator.matmul, "matmul", "mm",
                                          torch.ops.aten.mm.default, torch.ops.aten.matmul.default))
+_ADDMM = frozenset(op_key(t) for t in (torch.addmm, "addmm", torch.ops.aten.addmm.default))
 _EINSUM = frozenset(op_key(t) for t in (torch.einsum, torch.ops.aten.einsum.default))
 #: GEMM dimensions float8 kernels take (cuBLASLt's _scaled_mm: K and N multiples of 16)
 MULTIPLE = 16
@@ -310,7 +341,7 @@ def _weight_device(gm: fx.GraphModule, value: Any) -> Optional[torch.device]:
 
 
 def matmul_shape(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[str], Optional[Tuple[int, int]], Any]:
-    """``(kind, (K, N), weight node)`` for a matmul float8 could run (kind "linear", "matmul" or "einsum"),
+    """``(kind, (K, N), weight node)`` for a matmul float8 could run (kind "linear", "matmul", "addmm" or "einsum"),
     with (K, N) None when the second operand is no 2-D tensor of known shape; ``(None, None, None)`` for
     any other node."""
     if node.op not in ("call_function", "call_method"):
@@ -325,6 +356,11 @@ def matmul_shape(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[str], Opti
             return "matmul", None, None
         shape = _tensor_shape(gm, node.args[1])
         return "matmul", ((shape[0], shape[1]) if shape is not None and len(shape) == 2 else None), node.args[1]
+    if key in _ADDMM:
+        if len(node.args) != 3 or node.kwargs:  # beta= / alpha=: not a plain bias + matmul
+            return "addmm", None, None
+        shape = _tensor_shape(gm, node.args[2])
+        return "addmm", ((shape[0], shape[1]) if shape is not None and len(shape) == 2 else None), node.args[2]
     if key in _EINSUM:
         eq, operands = _einsum_args(node)
         if eq is None or len(operands) != 2:
@@ -345,14 +381,6 @@ def _einsum_args(node: fx.Node) -> Tuple[Optional[str], List[Any]]:
         return None, []
     operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
     return args[0], operands
-
-
-def _device_kind(device: Optional[torch.device]) -> str:
-    if device is None or device.type == "cpu":
-        return "cpu"
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return device.type
 
 
 def _check_device(device: Optional[torch.device], config: Float8) -> None:
@@ -447,7 +475,7 @@ def _choose_one(node: fx.Node, kind: str, kn: Optional[Tuple[int, int]], config:
         return Float8Choice(True, f"float8 for {forced[2]} (override), whatever the cost", forced[1])
     if config.cost is Float8Cost.ALWAYS:
         return Float8Choice(True, f"float8 (cost=always; K={kn[0]}, N={kn[1]})", Source.DEFAULT)
-    pays, why = cost_says(_device_kind(device), config.recipe, kn[0], kn[1])
+    pays, why = cost_says(device_kind(device), config.recipe, kn[0], kn[1])
     if pays:
         return Float8Choice(True, f"float8: pays at K={kn[0]}, N={kn[1]} ({why})", Source.DEFAULT)
     return Float8Choice(False, f"kept in bfloat16: too small to pay at K={kn[0]}, N={kn[1]} ({why}); "
@@ -476,12 +504,17 @@ def _plain_matmul(a: torch.Tensor, b: torch.Tensor, config: Any) -> torch.Tensor
     return a @ b
 
 
+def _plain_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: Any) -> torch.Tensor:
+    return torch.addmm(bias, a, b)
+
+
 def _plain_einsum(equation: str, a: torch.Tensor, b: torch.Tensor, config: Any) -> torch.Tensor:
     return torch.einsum(equation, a, b)
 
 
 #: each float8 graph function -> the same call without float8 (a float32 reference runs these)
-PLAIN = {float8_linear: _plain_linear, float8_matmul: _plain_matmul, float8_einsum: _plain_einsum}
+PLAIN = {float8_linear: _plain_linear, float8_matmul: _plain_matmul, float8_addmm: _plain_addmm,
+         float8_einsum: _plain_einsum}
 
 
 def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], config: Float8) -> int:
@@ -489,6 +522,7 @@ def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], co
 
         linear = F.linear(x, w, b)           ==>  linear = float8_linear(x, w, b, "tensorwise")
         matmul = x @ w                       ==>  matmul = float8_matmul(x, w, "tensorwise")
+        addmm = addmm(b, x, w)               ==>  addmm = float8_addmm(b, x, w, "tensorwise")
         einsum = einsum("bi,ij->bj", x, w)   ==>  einsum = float8_einsum("bi,ij->bj", x, w, "tensorwise")
     """
     text = str(config)
@@ -505,6 +539,8 @@ def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], co
             target, new_args = float8_linear, (x, w, b, text)
         elif kind == "matmul":
             target, new_args = float8_matmul, (node.args[0], node.args[1], text)
+        elif kind == "addmm":
+            target, new_args = float8_addmm, (*node.args, text)
         else:
             eq, (a, b) = _einsum_args(node)
             target, new_args = float8_einsum, (eq, a, b, text)

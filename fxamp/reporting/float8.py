@@ -25,8 +25,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..conversion.float8 import (E4M3, REFUSE, einsum_plan, float8_linear, float8_einsum, float8_matmul,
-                                 matmul_shape, to_float8)
+from ..conversion.float8 import (E4M3, REFUSE, einsum_plan, float8_addmm, float8_einsum, float8_linear,
+                                 float8_matmul, matmul_shape, to_float8)
 from ..conversion.graph import DECISION
 from ..conversion.convert import policy_of
 from ..policy import Float8, Float8Recipe
@@ -39,7 +39,7 @@ __all__ = ["Float8Measure", "measure_float8", "float8_refusals", "FLOAT8_MIN_SQN
 FLOAT8_MIN_SQNR_DB = 20.0
 
 
-_FLOAT8_FORMS = {float8_linear: "linear", float8_matmul: "matmul", float8_einsum: "einsum"}
+_FLOAT8_FORMS = {float8_linear: "linear", float8_matmul: "matmul", float8_addmm: "addmm", float8_einsum: "einsum"}
 
 
 def _linear_form(gm: fx.GraphModule, node: fx.Node, args: Tuple[Any, ...], kwargs: Dict[str, Any]
@@ -52,6 +52,8 @@ def _linear_form(gm: fx.GraphModule, node: fx.Node, args: Tuple[Any, ...], kwarg
         return x, w, b
     if kind == "matmul":
         return args[0], args[1].t(), None
+    if kind == "addmm":
+        return args[1], args[2].t(), args[0]
     eq = args[0]
     a, b = (args[1], args[2]) if len(args) > 2 and not isinstance(args[1], (list, tuple)) else tuple(args[1])[:2]
     plan = einsum_plan(eq, a.dim(), b.dim())
