@@ -402,7 +402,7 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.randn(48))
 
     def forward(self, x):
-        return torch.addmm(self.bias, x.view(-1, 32), self.weight).view(*x.shape[:-1], 48)
+        return torch.addmm(self.bias, x.view(-1, 32), self.weight).view(x.shape[0], -1, 48)
 
 
 def test_addmm_runs_as_a_float8_linear_with_its_bias():
