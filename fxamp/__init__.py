@@ -17,7 +17,7 @@ from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
 from .training.optimizer import MixedPrecisionOptimizer
-from .policy import Policy
+from .policy import Float8, Float8Cost, Float8Recipe, Policy
 from .reporting import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
 __version__ = "0.1.0"
@@ -35,6 +35,9 @@ __all__ = [
     "classify",
     "Decision",
     "Policy",
+    "Float8",
+    "Float8Recipe",
+    "Float8Cost",
     "Category",
     "OpEntry",
     "OpLists",
