@@ -147,10 +147,20 @@ class Float8Matmul(torch.autograd.Function):
         return grad_x, grad_w_t, None
 
 
+def _traced(fn: Any, *args: Any) -> Optional[fx.Proxy]:
+    """While torch.fx traces a graph's code (unpickling a GraphModule re-traces it), a call of ``fn`` on a
+    Proxy stays one call in the graph instead of being traced into."""
+    proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
+    return None if proxy is None else proxy.tracer.create_proxy("call_function", fn, args, {})
+
+
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   config: Union[str, Float8]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the matmul in float8 (x (..., K), weight (N, K)); the bias is added
     in the output's dtype, after the GEMM.  ``config``: a :class:`Float8` or its string (as graphs hold it)."""
+    traced = _traced(float8_linear, x, weight, bias, config)
+    if traced is not None:
+        return traced
     config = Float8.parse(config)  # graphs hold its string: a few string ops, traced away by torch.compile
     out = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), config)
     out = out.reshape(*x.shape[:-1], out.shape[-1])
@@ -159,16 +169,25 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def float8_matmul(a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
     """``a @ b`` for ``a`` (..., K) and a 2-D ``b`` (K, N) with the matmul in float8."""
+    traced = _traced(float8_matmul, a, b, config)
+    if traced is not None:
+        return traced
     return float8_linear(a, b.t(), None, config)
 
 
 def float8_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
     """``torch.addmm(bias, a, b)`` (a (M, K), b (K, N); Hugging Face's Conv1D) with the matmul in float8."""
+    traced = _traced(float8_addmm, bias, a, b, config)
+    if traced is not None:
+        return traced
     return float8_linear(a, b.t(), bias, config)
 
 
 def float8_einsum(equation: str, a: torch.Tensor, b: torch.Tensor, config: Union[str, Float8]) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` for an equation :func:`einsum_plan` accepts, in float8."""
+    traced = _traced(float8_einsum, equation, a, b, config)
+    if traced is not None:
+        return traced
     plan = einsum_plan(equation, a.dim(), b.dim())
     assert plan is not None, equation  # checked when the node was chosen
     a_perm, b_transposed, out_perm = plan

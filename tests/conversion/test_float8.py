@@ -414,3 +414,12 @@ def test_addmm_runs_as_a_float8_linear_with_its_bias():
     p = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     expected = float8_linear(x.to(torch.bfloat16).view(-1, 32), p["weight"].t(), p["bias"], Float8()).view(2, 4, 48)
     assert torch.equal(amp(x), expected.float())
+
+
+def test_a_float8_module_survives_deepcopy_and_pickling():
+    import pickle
+    amp = _convert(Matmuls(), "O2,float8=rowwise:always")
+    x = torch.randn(4, 32)
+    for other in (copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):  # pickling re-traces the code
+        assert _targets(other) == ["float8_linear", "float8_einsum", "float8_matmul"]
+        assert torch.equal(other(x), amp(x))
