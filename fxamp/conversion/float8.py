@@ -95,6 +95,15 @@ def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
                             scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
 
 
+def _pad_inner(*ts: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Pad dim 0 (the grad_weight GEMM's inner dim M, tokens) with zeros to a multiple of 16: GPU
+    ``_scaled_mm`` takes no other; zero rows add nothing to the product."""
+    extra = -ts[0].shape[0] % 16
+    if not extra:
+        return ts
+    return tuple(torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) for t in ts)
+
+
 class Float8Matmul(torch.autograd.Function):
     """``x @ w_t`` for a 2-D ``x`` (M,K) and ``w_t`` (K,N) in float8, forward and backward, by ``config``'s recipe.
 
@@ -126,7 +135,8 @@ class Float8Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = float8_mm(g8, sg, w8.t(), sw, x_dtype)
             if ctx.needs_input_grad[1]:
-                grad_w_t = float8_mm(g8.t(), sg, x8, sx, w_dtype).t()
+                g8_m, x8_m = _pad_inner(g8, x8)
+                grad_w_t = float8_mm(g8_m.t(), sg, x8_m, sx, w_dtype).t()
             return grad_x, grad_w_t, None
         x, w_t = ctx.saved_tensors
         g8_rows, sg_rows = to_float8(grad, E4M3, pow2, dim=-1)  # per row of grad: grad_x's first operand
@@ -141,6 +151,7 @@ class Float8Matmul(torch.autograd.Function):
             if config.recipe is Float8Recipe.ROWWISE:
                 g8_cols, sg_cols = to_float8(grad, E4M3, pow2, dim=0)  # per N: gradᵀ's rows
                 x8, sx = to_float8(x, E4M3, pow2, dim=0)  # per K
+                g8_cols, x8 = _pad_inner(g8_cols, x8)
                 grad_w_t = float8_mm(g8_cols.t(), sg_cols.t(), x8, sx, w_dtype).t()
             else:
                 grad_w_t = (grad.t().to(w_dtype) @ x.to(w_dtype)).t()

@@ -73,6 +73,22 @@ def test_linear_forward_and_backward_match_the_dequantized_reference(spelling, d
     assert not torch.equal(out.double(), (x.detach().double() @ w.detach().double().T).to(dtype).double())
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_token_count_not_a_multiple_of_16_is_padded_for_the_grad_weight_gemm(recipe):
+    """GPU _scaled_mm wants every inner dim a multiple of 16; grad_weight's is the token count M."""
+    config = Float8.parse(recipe)
+    torch.manual_seed(7)
+    x = torch.randn(10, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    g = torch.randn(10, 16)
+    with OpDtypes() as rec:
+        float8_linear(x, w, None, config).backward(g)
+    assert all(c.shapes[0][1] % 16 == 0 for c in rec.of("_scaled_mm"))
+    _, r_gx, r_gw = reference(recipe, x.detach(), w.detach(), g, config.pow2)
+    close(x.grad, r_gx, torch.float32)
+    close(w.grad, r_gw, torch.float32)
+
+
 def test_the_bias_is_added_after_the_gemm_and_gets_its_gradient():
     torch.manual_seed(1)
     x, w = torch.randn(8, 32), torch.randn(16, 32)
@@ -97,6 +113,7 @@ def test_each_gemm_runs_in_the_recipes_float8_dtypes(recipe, expected):
     scaled = rec.of("_scaled_mm")
     # the layouts a GPU kernel (and a compiled graph) requires: first operand row-major, second column-major
     assert all(c.layouts == (True, True) for c in scaled)
+    assert all(c.shapes[0][1] % 16 == 0 and c.shapes[1][0] % 16 == 0 and c.shapes[1][1] % 16 == 0 for c in scaled)
     assert [c.inputs[:2] for c in scaled] == expected
     assert all(c.outputs == (torch.bfloat16,) for c in scaled)
     assert out.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
