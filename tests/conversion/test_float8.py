@@ -313,6 +313,13 @@ def test_bad_input_is_one_clear_error(kwargs, error, match):
         _convert(Matmuls(), policy, **kwargs)
 
 
+def test_a_device_without_float8_matmuls_is_refused_at_convert():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 64))
+    with pytest.raises(ValueError, match="torch._scaled_mm has no float8 matmul on 'meta'"):
+        _convert(model, "O2,float8=tensorwise")
+
+
 def test_export_capture_chooses_the_same_nodes():
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 40), nn.Linear(40, 16))
     amp = _convert(model, "O2,float8=tensorwise:always", frontend="export", example_inputs=(torch.randn(4, 32),))
