@@ -277,7 +277,8 @@ def resolve_policy(
 ) -> Policy:
     """Accept a :class:`Policy`, a preset name (``"O2"``) or a ``key=dtype`` string; ``dtype`` picks the low
     precision of a preset, by default autocast's for ``device_type`` (:func:`default_dtype`).  A preset may
-    be followed by ``key=value`` parts that change it: ``"O2,float8=rowwise"``."""
+    be followed by ``key=value`` parts that change it: ``"O2,float8=rowwise"`` (bfloat16 unless ``dtype``
+    says otherwise: float8 takes no other)."""
     if isinstance(policy, Policy):
         if dtype is not None and parse_dtype(dtype) != policy.compute and policy.enabled:
             raise ValueError(
@@ -291,7 +292,6 @@ def resolve_policy(
         if "=" not in rest:
             raise ValueError(f"policy {policy!r}: after the preset {head.strip()!r} write key=value parts, "
                              f"such as 'O2,float8=tensorwise'")
-        base = resolve_policy(head, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
         changes: dict = {}
         for part in filter(None, (p.strip() for p in rest.split(","))):
             key, _, value = part.partition("=")
@@ -299,6 +299,9 @@ def resolve_policy(
             if key in changes:
                 raise ValueError(f"policy {policy!r} sets {key} twice")
             changes[key] = None if key == "output" and value.strip().lower() in ("none", "keep") else value.strip()
+        if dtype is None and changes.get("float8") is not None:
+            dtype = torch.bfloat16  # the one dtype float8 recipes take, whatever autocast's default for the device
+        base = resolve_policy(head, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
         try:
             return base.replace(**changes)
         except TypeError as e:

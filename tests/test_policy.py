@@ -97,6 +97,8 @@ def test_a_preset_takes_float8_after_it_and_the_policy_prints_and_parses_back():
     assert Policy.of(compute="bf16", float8=Float8()).float8 == Float8.parse("tensorwise")
     assert "float8" not in str(Policy.from_preset("O2", "bf16"))  # no float8: the string is as before
     assert resolve_policy("O1,float8=tensorwise", "bf16").params == torch.float32
+    # without dtype=, float8 picks bfloat16 even where autocast's default is float16 (CUDA)
+    assert resolve_policy("O2,float8=tensorwise", device_type="cuda").compute == torch.bfloat16
 
 
 @pytest.mark.parametrize("text,dtype,match", [
