@@ -342,6 +342,11 @@ def split_overrides(overrides: Optional[Mapping[str, Any]]) -> Tuple[Optional[Di
     """``(category overrides, float8 overrides)``: the values :data:`FORCE` and :data:`REFUSE` go to the second."""
     if not overrides:
         return (dict(overrides) if overrides is not None else None), {}
+    valid = {c.value for c in Category} | {FORCE, REFUSE}
+    for key, value in overrides.items():
+        if isinstance(value, str) and not isinstance(value, Category) and value not in valid:
+            raise ValueError(f"override {key!r}: {value!r} is neither a category ({', '.join(c.value for c in Category)}) "
+                             f"nor {FORCE!r} / {REFUSE!r}")
     f8 = {k: v for k, v in overrides.items() if isinstance(v, str) and v in (FORCE, REFUSE)}
     rest = {k: v for k, v in overrides.items() if k not in f8}
     return (rest or None), f8

@@ -306,6 +306,8 @@ def test_overrides_force_or_refuse_float8_per_node_and_per_module():
     ({"policy": "O2,float8=tensorwise", "node_overrides": {"gelu": "float8"}}, ValueError, "'gelu' .* is not a matmul"),
     ({"policy": "O2,float8=tensorwise", "node_overrides": {"nope": "no_float8"}}, ValueError, "has no node 'nope'"),
     ({"policy": "O2,float8=fast"}, ValueError, "'fast' is not a float8 recipe"),
+    ({"policy": "O2,float8=tensorwise", "module_overrides": {"up": "fp8"}}, ValueError,
+     "'fp8' is neither a category .* nor 'float8' / 'no_float8'"),
 ])
 def test_bad_input_is_one_clear_error(kwargs, error, match):
     policy = kwargs.pop("policy")
