@@ -353,32 +353,24 @@ def split_overrides(overrides: Optional[Mapping[str, Any]]) -> Tuple[Optional[Di
 
 
 def _tensor_shape(gm: fx.GraphModule, value: Any) -> Optional[Tuple[int, ...]]:
-    """The shape of a parameter/buffer read (get_attr) or of a value torch.export recorded, else None."""
-    if not isinstance(value, fx.Node):
+    """The shape of a parameter, buffer or constant the graph reads (a get_attr), else None: float8 takes
+    weights, not activations (their shapes could be read from torch.export's ``meta["val"]``, on purpose not)."""
+    if not isinstance(value, fx.Node) or value.op != "get_attr":
         return None
-    if value.op == "get_attr":
-        t = fetch_attr(gm, str(value.target))
-        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
-    val = value.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        try:
-            return tuple(int(d) for d in val.shape)
-        except TypeError:  # a symbolic size
-            return None
-    return None
+    t = fetch_attr(gm, str(value.target))
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
 def _weight_device(gm: fx.GraphModule, value: Any) -> Optional[torch.device]:
     if isinstance(value, fx.Node) and value.op == "get_attr":
         t = fetch_attr(gm, str(value.target))
         return t.device if isinstance(t, torch.Tensor) else None
-    val = value.meta.get("val") if isinstance(value, fx.Node) else None
-    return val.device if isinstance(val, torch.Tensor) else None
+    return None
 
 
 def matmul_shape(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[str], Optional[Tuple[int, int]], Any]:
     """``(kind, (K, N), weight node)`` for a matmul float8 could run (kind "linear", "matmul", "addmm" or "einsum"),
-    with (K, N) None when the second operand is no 2-D tensor of known shape; ``(None, None, None)`` for
+    with (K, N) None when the second operand is no 2-D parameter or buffer; ``(None, None, None)`` for
     any other node."""
     if node.op not in ("call_function", "call_method"):
         return None, None, None
@@ -401,8 +393,8 @@ def matmul_shape(gm: fx.GraphModule, node: fx.Node) -> Tuple[Optional[str], Opti
         eq, operands = _einsum_args(node)
         if eq is None or len(operands) != 2:
             return "einsum", None, None
-        a_shape, b_shape = _tensor_shape(gm, operands[0]), _tensor_shape(gm, operands[1])
-        a_dim = a_shape and len(a_shape) or (len(eq.split("->")[0].split(",")[0]) if "->" in eq else 0)
+        b_shape = _tensor_shape(gm, operands[1])
+        a_dim = len(eq.split("->")[0].split(",")[0]) if "->" in eq else 0  # no "..." (einsum_plan refuses it)
         plan = einsum_plan(eq, a_dim, len(b_shape)) if b_shape is not None else None
         if plan is None:
             return "einsum", None, None
@@ -449,7 +441,7 @@ def choose(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Any,
     """Give every safe matmul running in the policy's compute dtype a :class:`Float8Choice` (in ``decisions``).
 
     In order: a node override, then a module override (``"float8"`` / ``"no_float8"``); a matmul whose
-    second operand is no 2-D tensor of known shape, or whose K or N is no multiple of 16, stays bfloat16
+    second operand is no 2-D parameter or buffer, or whose K or N is no multiple of 16, stays bfloat16
     (a forced one is an error); then the policy's ``cost`` (``always``, or the cost model).
     """
     config: Optional[Float8] = policy.float8
@@ -497,8 +489,8 @@ def _choose_one(node: fx.Node, kind: str, kn: Optional[Tuple[int, int]], config:
         return Float8Choice(False, f"no_float8 for {forced[2]} (override): runs in bfloat16", forced[1])
     bad = None
     if kn is None:
-        bad = (f"its second operand is no 2-D tensor of known shape (a {kind} of two activations, or a batched "
-               f"weight): _scaled_mm takes one 2-D weight")
+        bad = (f"its second operand is no 2-D parameter or buffer (a {kind} of two activations, a batched or "
+               f"sliced weight, or an einsum that is no single matmul): float8 takes one 2-D weight")
     elif kn[0] % MULTIPLE or kn[1] % MULTIPLE:
         bad = f"K={kn[0]}, N={kn[1]}: float8 GEMMs need K and N multiples of {MULTIPLE}"
     if bad is not None:
