@@ -158,3 +158,15 @@ def test_targets_of_a_file_that_is_not_a_results_file_fails_cleanly(tmp_path, ca
     assert run.main(["--targets", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") and "not a results file" in line for line in err)
+
+
+def test_float8_benchmarks_run_tiny_on_cpu():
+    """benchmarks/float8_cost.py and float8_gpt.py (prepared for a GPU) run end to end at CPU sizes."""
+    from benchmarks import float8_cost, float8_gpt
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny float8 GEMMs: two threads on a busy machine are far slower
+    try:
+        assert float8_cost.main(["--shapes", "32x32", "--tokens", "16", "--repeat", "1"]) == 0
+        assert float8_gpt.main(["--size", "tiny", "--steps", "3", "--warmup", "1", "--batch", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
