@@ -355,16 +355,15 @@ def test_torch_compile_of_the_float8_graph_runs_forward_and_backward_bitwise_as_
 class TinyBlock(nn.Module):
     def __init__(self, d: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.d, self.heads = d, heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(d, dim=-1))
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+    def forward(self, x):  # torch.fx traces it: no unpacking of shapes
+        parts = self.qkv(self.ln1(x)).split(self.d, dim=-1)
+        q, k, v = (parts[i].unflatten(-1, (self.heads, self.d // self.heads)).transpose(1, 2) for i in range(3))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
