@@ -90,6 +90,18 @@ def test_autotune_keeps_exactly_the_planted_node_in_bfloat16(recipe):
     assert chosen == {"linear", "linear_2"}
 
 
+def test_autotunes_float8_overrides_save_load_and_convert_the_same(tmp_path):
+    torch.manual_seed(3)
+    model = MLP(planted=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp, overrides = autotune(model, [(torch.randn(16, 32),)], "O2,float8=tensorwise:always")
+        fxamp.save_overrides(overrides, str(tmp_path / "o.json"))
+        again = fxamp.convert(model, "O2,float8=tensorwise:always", **fxamp.load_overrides(str(tmp_path / "o.json")))
+    x = torch.randn(4, 32)
+    assert torch.equal(again(x), amp(x))
+
+
 def test_autotune_changes_nothing_on_a_healthy_mlp():
     torch.manual_seed(4)
     with warnings.catch_warnings():
