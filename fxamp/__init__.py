@@ -18,7 +18,7 @@ from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
-from .policy import Policy
+from .policy import Float8, Float8Cost, Float8Recipe, Policy
 from .reporting import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
 __version__ = "0.1.0"
@@ -36,6 +36,9 @@ __all__ = [
     "classify",
     "Decision",
     "Policy",
+    "Float8",
+    "Float8Recipe",
+    "Float8Cost",
     "Category",
     "OpEntry",
     "OpLists",

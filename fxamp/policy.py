@@ -5,11 +5,15 @@ every policy prints to (and parses from) a string of ``key=dtype`` pairs::
 
     >>> str(Policy.from_preset("O2", torch.bfloat16))
     'params=bfloat16,compute=bfloat16,unsafe=float32,norms=float32,output=float32'
+
+A policy may also run its safe matmuls in float8 (:class:`Float8`): ``float8=tensorwise`` (or
+``rowwise``, ``rowwise_with_gw_hp``) after the dtypes, or after a preset: ``"O2,float8=rowwise"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -18,10 +22,92 @@ import torch.nn as nn
 
 from .dtypes import CASTABLE, LOW, dtype_name, parse_dtype
 
-__all__ = ["Policy", "PRESETS", "resolve_policy", "parse_dtype", "default_dtype", "device_type_of"]
+__all__ = ["Policy", "Float8", "Float8Recipe", "Float8Cost", "PRESETS", "resolve_policy", "parse_dtype", "default_dtype", "device_type_of"]
 
 _KEYS = ("params", "compute", "unsafe", "norms", "output")
 PRESETS = ("O0", "O1", "O2", "O3")
+
+
+class Float8Recipe(str, enum.Enum):
+    """How a float8 matmul scales and casts its operands (torchao.float8's recipes, same names)."""
+
+    TENSORWISE = "tensorwise"  # one scale per tensor; e4m3 input and weight, e5m2 gradients
+    ROWWISE = "rowwise"  # one scale per row (of the GEMM's operand); e4m3 everywhere; power-of-two scales
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"  # rowwise, with grad_weight computed in high precision
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Float8Cost(str, enum.Enum):
+    """Which eligible matmuls run in float8: those the cost model says pay, or all of them."""
+
+    AUTO = "auto"  # skip a matmul the cost table (fxamp.conversion.float8) says is too small to pay
+    ALWAYS = "always"  # every eligible matmul, whatever it costs (tests; a CPU, where float8 never pays)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Float8:
+    """Run the policy's safe matmuls (linear, matmul/mm with a 2-D operand, einsum reducing to one) in float8.
+
+    recipe: :class:`Float8Recipe`.
+    pow2:   round every scale down to a power of two (exact in float8's exponent); None: the recipe's
+            default (torchao's: rowwise recipes yes, tensorwise no).
+    cost:   :class:`Float8Cost`.
+
+    Its string form is the recipe with ``:``-separated flags: ``"tensorwise"``, ``"rowwise:always"``,
+    ``"tensorwise:pow2"``, ``"rowwise:nopow2"``.
+    """
+
+    recipe: Float8Recipe = Float8Recipe.TENSORWISE
+    pow2: Optional[bool] = None
+    cost: Float8Cost = Float8Cost.AUTO
+
+    def __post_init__(self) -> None:
+        """Checks the types, and fills ``pow2`` in from the recipe."""
+        if not isinstance(self.recipe, Float8Recipe):
+            raise TypeError(f"Float8's recipe must be a Float8Recipe, not {self.recipe!r}: write "
+                            f"Float8.parse({self.recipe!r}) to give it by name")
+        if not isinstance(self.cost, Float8Cost):
+            raise TypeError(f"Float8's cost must be a Float8Cost, not {self.cost!r}")
+        if self.pow2 is None:
+            object.__setattr__(self, "pow2", self.recipe is not Float8Recipe.TENSORWISE)
+        elif not isinstance(self.pow2, bool):
+            raise TypeError(f"Float8's pow2 must be a bool or None, not {self.pow2!r}")
+
+    @classmethod
+    def parse(cls, text: Union[str, "Float8"]) -> "Float8":
+        """``"rowwise"``, ``"tensorwise:pow2:always"``…: a recipe, then flags (``pow2``/``nopow2``,
+        ``always``/``auto``)."""
+        if isinstance(text, Float8):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"float8 must be a recipe name such as 'tensorwise' or a Float8, not {text!r}")
+        name, *flags = [t.strip().lower() for t in text.split(":")]
+        recipes = ", ".join(repr(r.value) for r in Float8Recipe)
+        try:
+            recipe = Float8Recipe(name)
+        except ValueError:
+            raise ValueError(f"float8={text!r}: {name!r} is not a float8 recipe; use one of {recipes}, "
+                             f"optionally followed by ':pow2', ':nopow2', ':always' or ':auto'") from None
+        fields: dict = {}
+        for flag in flags:
+            key, value = {"pow2": ("pow2", True), "nopow2": ("pow2", False), "always": ("cost", Float8Cost.ALWAYS),
+                          "auto": ("cost", Float8Cost.AUTO)}.get(flag, (None, None))
+            if key is None:
+                raise ValueError(f"float8={text!r}: unknown flag {flag!r}; flags are pow2, nopow2, always, auto")
+            if key in fields:
+                raise ValueError(f"float8={text!r} sets {key} twice")
+            fields[key] = value
+        return cls(recipe, **fields)
+
+    def __str__(self) -> str:
+        flags = [] if self.pow2 == (self.recipe is not Float8Recipe.TENSORWISE) else ["pow2" if self.pow2 else "nopow2"]
+        flags += ["always"] if self.cost is Float8Cost.ALWAYS else []
+        return ":".join([self.recipe.value, *flags])
 
 
 @dataclass(frozen=True)
@@ -35,6 +121,8 @@ class Policy:
     norms:   dtype of normalisation layers' parameters and math (batch/layer/group/rms norm).
     output:  dtype the converted module's float16/bfloat16/float32 outputs come back in (float64
              outputs stay float64: fxamp never casts float64); None leaves them as computed.
+    float8:  None, or a :class:`Float8`: the safe matmuls run in float8 (compute must be bfloat16,
+             the dtype everything around them and their outputs keep).
     """
 
     params: torch.dtype = torch.float32
@@ -42,6 +130,7 @@ class Policy:
     unsafe: torch.dtype = torch.float32
     norms: torch.dtype = torch.float32
     output: Optional[torch.dtype] = torch.float32
+    float8: Optional[Float8] = None
 
     def __post_init__(self) -> None:
         """Checks only: names (``"bfloat16"``) become dtypes in :meth:`of`, :meth:`parse` and :meth:`replace`."""
@@ -65,6 +154,15 @@ class Policy:
             )
         if self.output is not None and self.output == torch.float64:  # pragma: no cover
             raise ValueError("output=float64 is not supported")
+        if self.float8 is not None:
+            if not isinstance(self.float8, Float8):
+                raise TypeError(f"Policy's float8 must be a Float8 or None, not {self.float8!r}: write "
+                                f"Policy.of(float8={self.float8!r}) to give it by name")
+            if self.compute != torch.bfloat16:
+                raise ValueError(
+                    f"float8={self.float8} needs compute=bfloat16, not {dtype_name(self.compute)}: float8 recipes "
+                    f"keep everything around a float8 matmul (and its output) in bfloat16; there is no float8 "
+                    f"recipe with float16. Use dtype=bfloat16 (e.g. 'O2,float8={self.float8}' with dtype='bf16')")
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -107,21 +205,26 @@ class Policy:
                 continue
             key, sep, value = part.partition("=")
             key = key.strip().lower()
-            if not sep or key not in _KEYS:
+            if not sep or key not in _KEYS + ("float8",):
                 raise ValueError(
-                    f"cannot parse {part!r} in policy {text!r}; expected key=dtype with key in {', '.join(_KEYS)}"
+                    f"cannot parse {part!r} in policy {text!r}; expected key=dtype with key in {', '.join(_KEYS)} "
+                    f"(or float8=<recipe>)"
                 )
             if key in fields:
                 raise ValueError(f"policy {text!r} sets {key} twice")
             value = value.strip()
-            fields[key] = None if key == "output" and value.lower() in ("none", "keep") else parse_dtype(value, what=key)
+            if key == "float8":
+                fields[key] = Float8.parse(value)
+            else:
+                fields[key] = None if key == "output" and value.lower() in ("none", "keep") \
+                    else parse_dtype(value, what=key)
         if "compute" not in fields:
             raise ValueError(f"policy {text!r} does not say compute=<dtype>")
         return cls(**fields)
 
     def __str__(self) -> str:
         parts = [f"{k}={dtype_name(getattr(self, k)) if getattr(self, k) is not None else 'keep'}" for k in _KEYS]
-        return ",".join(parts)
+        return ",".join(parts + ([f"float8={self.float8}"] if self.float8 is not None else []))
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -135,11 +238,13 @@ class Policy:
 
 
 def _dtypes(fields: dict) -> dict:
-    """``{key: dtype or name}`` -> ``{key: dtype}`` (``output`` may be None); unknown keys are a TypeError."""
-    unknown = sorted(set(fields) - set(_KEYS))
+    """``{key: dtype or name}`` -> ``{key: dtype}`` (``output`` and ``float8`` may be None; ``float8`` a
+    recipe name or a :class:`Float8`); unknown keys are a TypeError."""
+    unknown = sorted(set(fields) - set(_KEYS) - {"float8"})
     if unknown:
-        raise TypeError(f"Policy has no field {', '.join(unknown)}; its fields are {', '.join(_KEYS)}")
-    return {k: None if k == "output" and v is None else parse_dtype(v, what=k) for k, v in fields.items()}
+        raise TypeError(f"Policy has no field {', '.join(unknown)}; its fields are {', '.join(_KEYS)}, float8")
+    return {k: None if k in ("output", "float8") and v is None else Float8.parse(v) if k == "float8"
+            else parse_dtype(v, what=k) for k, v in fields.items()}
 
 
 def device_type_of(model: nn.Module) -> str:
@@ -171,7 +276,9 @@ def resolve_policy(
     device_type: str = "cpu",
 ) -> Policy:
     """Accept a :class:`Policy`, a preset name (``"O2"``) or a ``key=dtype`` string; ``dtype`` picks the low
-    precision of a preset, by default autocast's for ``device_type`` (:func:`default_dtype`)."""
+    precision of a preset, by default autocast's for ``device_type`` (:func:`default_dtype`).  A preset may
+    be followed by ``key=value`` parts that change it: ``"O2,float8=rowwise"`` (bfloat16 unless ``dtype``
+    says otherwise: float8 takes no other)."""
     if isinstance(policy, Policy):
         if dtype is not None and parse_dtype(dtype) != policy.compute and policy.enabled:
             raise ValueError(
@@ -180,6 +287,25 @@ def resolve_policy(
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a Policy or a string such as 'O1', not {type(policy).__name__}")
+    head, sep, rest = policy.partition(",")
+    if sep and "=" not in head and head.strip().upper() in PRESETS:  # "O2,float8=rowwise": a preset, changed
+        if "=" not in rest:
+            raise ValueError(f"policy {policy!r}: after the preset {head.strip()!r} write key=value parts, "
+                             f"such as 'O2,float8=tensorwise'")
+        changes: dict = {}
+        for part in filter(None, (p.strip() for p in rest.split(","))):
+            key, _, value = part.partition("=")
+            key = key.strip().lower()
+            if key in changes:
+                raise ValueError(f"policy {policy!r} sets {key} twice")
+            changes[key] = None if key == "output" and value.strip().lower() in ("none", "keep") else value.strip()
+        if dtype is None and changes.get("float8") is not None:
+            dtype = torch.bfloat16  # the one dtype float8 recipes take, whatever autocast's default for the device
+        base = resolve_policy(head, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
+        try:
+            return base.replace(**changes)
+        except TypeError as e:
+            raise ValueError(f"policy {policy!r}: {e}") from e
     if "=" in policy:
         if keep_norms_fp32:
             raise ValueError("keep_norms_fp32 applies to the preset O3; in a policy string say norms=float32")

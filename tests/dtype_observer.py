@@ -16,6 +16,8 @@ class Call:
     inputs: Tuple[torch.dtype, ...]   # dtypes of floating tensor inputs
     outputs: Tuple[torch.dtype, ...]  # dtypes of floating tensor outputs
     kwargs: dict
+    layouts: Tuple[bool, ...] = ()  # _scaled_mm only: (first operand row-major, second column-major)
+    shapes: Tuple[Tuple[int, ...], ...] = ()  # _scaled_mm only: its two operands' shapes
 
 
 class OpDtypes(TorchDispatchMode):
@@ -30,7 +32,11 @@ class OpDtypes(TorchDispatchMode):
         out = func(*args, **kwargs)
         floats = lambda tree: tuple(t.dtype for t in tree_leaves(tree)
                                     if isinstance(t, torch.Tensor) and t.is_floating_point())
-        self.calls.append(Call(func.overloadpacket.__name__, floats((args, kwargs)), floats(out), kwargs))
+        scaled = func.overloadpacket.__name__ == "_scaled_mm"
+        layouts = (args[0].is_contiguous(), args[1].t().is_contiguous()) if scaled else ()
+        shapes = (tuple(args[0].shape), tuple(args[1].shape)) if scaled else ()
+        self.calls.append(Call(func.overloadpacket.__name__, floats((args, kwargs)), floats(out), kwargs, layouts,
+                               shapes))
         return out
 
     def of(self, *ops: str) -> List[Call]:

@@ -168,3 +168,15 @@ def test_memory_script_prints_the_table_and_the_precision_tables():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| O2 stochastic+int8 |" in proc.stdout and "peak vs autocast" in proc.stdout
     assert "## O2 stochastic+int8" in proc.stdout and "bytes/param" in proc.stdout
+
+
+def test_float8_benchmarks_run_tiny_on_cpu():
+    """benchmarks/float8_cost.py and float8_gpt.py (prepared for a GPU) run end to end at CPU sizes."""
+    from benchmarks import float8_cost, float8_gpt
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny float8 GEMMs: two threads on a busy machine are far slower
+    try:
+        assert float8_cost.main(["--shapes", "32x32", "--tokens", "16", "--repeat", "1"]) == 0
+        assert float8_gpt.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--batch", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)

@@ -69,3 +69,55 @@ def test_a_preset_without_dtype_takes_autocasts_default_for_the_device():
                                                     "to choose)")
     assert device_type_of(torch.nn.Linear(2, 2)) == "cpu" and device_type_of(torch.nn.ReLU()) == "cpu"
     assert device_type_of(torch.nn.Linear(2, 2, device="meta")) == "meta"
+
+
+# -- float8 ------------------------------------------------------------------------------------------
+
+from fxamp.policy import Float8, Float8Cost, Float8Recipe  # noqa: E402
+
+
+@pytest.mark.parametrize("text,recipe,pow2,cost", [
+    ("tensorwise", Float8Recipe.TENSORWISE, False, Float8Cost.AUTO),
+    ("rowwise", Float8Recipe.ROWWISE, True, Float8Cost.AUTO),  # torchao's rowwise default: power-of-two scales
+    ("rowwise_with_gw_hp:always", Float8Recipe.ROWWISE_WITH_GW_HP, True, Float8Cost.ALWAYS),
+    ("tensorwise:pow2:always", Float8Recipe.TENSORWISE, True, Float8Cost.ALWAYS),
+    ("rowwise:nopow2", Float8Recipe.ROWWISE, False, Float8Cost.AUTO),
+])
+def test_float8_spellings_parse_and_print_back(text, recipe, pow2, cost):
+    f8 = Float8.parse(text)
+    assert (f8.recipe, f8.pow2, f8.cost) == (recipe, pow2, cost)
+    assert str(f8) == text and Float8.parse(str(f8)) == f8
+
+
+def test_a_preset_takes_float8_after_it_and_the_policy_prints_and_parses_back():
+    policy = resolve_policy("O2,float8=rowwise", "bf16")
+    assert policy == Policy.from_preset("O2", "bf16").replace(float8="rowwise")
+    assert str(policy).endswith(",output=float32,float8=rowwise")
+    assert Policy.parse(str(policy)) == policy
+    assert Policy.of(compute="bf16", float8=Float8()).float8 == Float8.parse("tensorwise")
+    assert "float8" not in str(Policy.from_preset("O2", "bf16"))  # no float8: the string is as before
+    assert resolve_policy("O1,float8=tensorwise", "bf16").params == torch.float32
+    # without dtype=, float8 picks bfloat16 even where autocast's default is float16 (CUDA)
+    assert resolve_policy("O2,float8=tensorwise", device_type="cuda").compute == torch.bfloat16
+
+
+@pytest.mark.parametrize("text,dtype,match", [
+    ("O2,float8=tensorwise", "float16", "there is no float8 recipe with float16"),
+    ("O0,float8=tensorwise", "bf16", "needs compute=bfloat16, not float32"),
+    ("O2,float8=int8", "bf16", "'int8' is not a float8 recipe; use one of 'tensorwise', 'rowwise'"),
+    ("O2,float8=rowwise:fast", "bf16", "unknown flag 'fast'"),
+    ("O2,float8=rowwise:pow2:nopow2", "bf16", "sets pow2 twice"),
+    ("O2,float8=rowwise,float8=tensorwise", "bf16", "sets float8 twice"),
+    ("O2,speed=fast", "bf16", "Policy has no field speed"),
+    ("O2,rowwise", "bf16", "write key=value parts"),
+])
+def test_bad_float8_policies_are_one_clear_error(text, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_policy(text, dtype)
+
+
+def test_float8_fields_are_checked_at_construction():
+    with pytest.raises(TypeError, match="write Float8.parse"):
+        Float8("rowwise")
+    with pytest.raises(TypeError, match="write Policy.of"):
+        Policy(params=torch.bfloat16, compute=torch.bfloat16, float8="rowwise")

@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
+from . import float8
 from .inference import DtypeInference
 from ..errors import ConversionError
 from .graph import ATTR, DECISION, Decision, module_path_of
@@ -31,9 +32,13 @@ _PINNED = (Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
 
 
 def annotate(gm: fx.GraphModule, policy: Policy, options: ConvertOptions = ConvertOptions()) -> Dict[fx.Node, Decision]:
-    """:func:`classify` with the options' op lists and overrides, and record each decision in
-    ``node.meta["fxamp"]`` (read it back with ``graph.decision_of``)."""
-    decisions = classify(gm, policy, options.op_lists, options.module_overrides, options.node_overrides)
+    """:func:`classify` with the options' op lists and overrides, then (a policy with ``float8=``) the float8
+    choice of each safe matmul (``float8.choose``: override values ``"float8"``/``"no_float8"`` go there),
+    and record each decision in ``node.meta["fxamp"]`` (read it back with ``graph.decision_of``)."""
+    module_overrides, module_f8 = float8.split_overrides(options.module_overrides)
+    node_overrides, node_f8 = float8.split_overrides(options.node_overrides)
+    decisions = classify(gm, policy, options.op_lists, module_overrides, node_overrides)
+    float8.choose(gm, decisions, policy, module_f8, node_f8)
     for node, decision in decisions.items():
         node.meta[DECISION] = decision
     return decisions

@@ -31,7 +31,7 @@ from .op_lists import Category, Source
 from ..info import remember_origin
 
 __all__ = [
-    "DECISION", "CAST", "ATTR", "MODULE", "Decision",
+    "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice",
     "fetch_attr", "attr_target", "module_path_of", "clean_export_path", "node_arg", "replace_node_arg",
     "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
     "tensor_slots", "replace_tensors", "rebind",
@@ -41,6 +41,20 @@ DECISION = "fxamp"
 CAST = "fxamp_cast"
 ATTR = "fxamp_attr"
 MODULE = "fxamp_module"
+
+
+@dataclass(frozen=True)
+class Float8Choice:
+    """Whether a matmul that could run in float8 (a policy with ``float8=``) does, and why.
+
+    chosen: runs in float8 (``conversion.float8``); False: in the policy's compute dtype (bfloat16).
+    reason: the rule that decided, in words (the shape, the cost model's row, an override).
+    source: :class:`~fxamp.conversion.op_lists.Source`: DEFAULT (cost model), GRAPH (shape), or an override.
+    """
+
+    chosen: bool
+    reason: str
+    source: Source = Source.DEFAULT
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class Decision:
     module:   the module path the node belongs to ("" for the root).
     resolved: what the node behaves as: its category, or for a conditional op the category its
               condition chose (safe, neutral or unsafe).
+    float8:   a :class:`Float8Choice` for a matmul float8 could run (policy with ``float8=``), else None.
     """
 
     op: str
@@ -66,6 +81,7 @@ class Decision:
     source: Source = Source.OP_LIST
     module: str = ""
     resolved: Optional[Category] = None  # required: Decision.of fills it in from category
+    float8: Optional[Float8Choice] = None
 
     def __post_init__(self) -> None:
         """Checks only: :meth:`of` fills ``resolved`` in."""

@@ -19,6 +19,7 @@ from .capture import Captured
 from .checkpointing import keep_checkpoints
 from .classify import annotate, unused_overrides
 from .debug import add_overflow_checks
+from .float8 import float8_notes, rewrite_float8
 from ..info import INFO_ATTR, ConversionInfo
 from .options import ConvertOptions, DebugOverflow
 from ..policy import Policy
@@ -52,12 +53,15 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
             cast_kept_storage(gm, decisions, policy)
         lower_attribute_reads(gm)
         insert_casts(gm, decisions, policy, weight_cache=options.weight_cache)
+        if policy.float8 is not None:
+            rewrite_float8(gm, decisions, policy.float8)
         low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
         gm.graph.lint()
         gm.recompile()
     if options.debug_overflow is not DebugOverflow.OFF:
         add_overflow_checks(gm, raise_on_overflow=options.debug_overflow is DebugOverflow.RAISE)
     leaf_notes = (_float32_leaves(gm, decisions) if policy.enabled else []) + unused_overrides(gm, options)
+    notes = tuple(notes) + tuple(float8_notes(decisions))
     for note in leaf_notes:
         warnings.warn(f"fxamp: {note}", stacklevel=3)
     # after the casts (and overflow checks) exist: each checkpointed block takes its casts along

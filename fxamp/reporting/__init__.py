@@ -35,14 +35,15 @@ from ..policy import Policy
 from .autotune import TuneResult, autotune, load_overrides, save_overrides
 from .build import build
 from .diff import DiffRow, PolicyDiff
-from .formats import CSV_COLUMNS, NUMERICS_COLUMNS
+from .float8 import measure_float8
+from .formats import CSV_COLUMNS, FLOAT8_COLUMNS, NUMERICS_COLUMNS
 from .numerics import as_batches, measure, sqnr
 from .gradients import GradientReport, GradStats, plot_histogram, scan_gradients
 from .observe import bind_inputs, observe
-from .records import CastIn, Lint, NodeNumerics, NumericsSummary, Report, Row, Summary
+from .records import CastIn, Float8Cell, Float8Measure, Lint, NodeNumerics, NumericsSummary, Report, Row, Summary
 
 __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "NodeNumerics", "NumericsSummary", "PolicyDiff", "DiffRow",
-           "CSV_COLUMNS", "NUMERICS_COLUMNS", "report", "compare", "sqnr", "autotune", "save_overrides",
+           "CSV_COLUMNS", "NUMERICS_COLUMNS", "FLOAT8_COLUMNS", "Float8Cell", "Float8Measure", "report", "compare", "sqnr", "autotune", "save_overrides",
            "load_overrides", "TuneResult", "GradientReport", "GradStats", "plot_histogram"]
 
 
@@ -68,7 +69,9 @@ def report(
     numerics:       also run the float32 model and the converted one side by side on every batch
                     (both in eval mode) and add each node's SQNR against float32, max relative
                     error, inf/NaN count and float16 overflow/underflow fractions, the culprit
-                    (first sharp drop) and the worst op (see :mod:`fxamp.reporting.numerics`).
+                    (first sharp drop) and the worst op (see :mod:`fxamp.reporting.numerics`).  Under a
+                    policy with ``float8=``, also each candidate matmul's float8 SQNR against bfloat16
+                    and its amax and scale ranges (the float8 column; :mod:`fxamp.reporting.float8`).
     gradients:      also run one forward and backward of the float32 model on the first batch and
                     report, per parameter and per node, the gradient values float16 would flush to
                     zero or keep only as subnormals, and the loss scale fxamp's dynamic scaler would
@@ -115,7 +118,10 @@ def report(
     if numerics:
         low = policy_of(gm).compute
         per_node, summary = measure(gm, source, batches or [()], example_kwargs or {}, low)
-        rows = tuple(dataclasses.replace(r, numerics=per_node.get(r.node)) for r in rep.rows)
+        f8 = measure_float8(gm, batches or [()], example_kwargs or {})
+        rows = tuple(dataclasses.replace(r, numerics=per_node.get(r.node), float8=r.float8 if r.float8 is None
+                                         else dataclasses.replace(r.float8, measured=f8.get(r.node)))
+                     for r in rep.rows)
         rep = dataclasses.replace(rep, rows=rows, numerics_summary=summary)
     if gradients:
         scan = scan_gradients(gm, source, bind_inputs(gm, inputs, example_kwargs or {}), loss_fn)

@@ -11,6 +11,12 @@
    precision's: an error says so), then bisect for the shortest prefix of the ranking that meets
    it (``log2(units)`` evaluations), and drop any unit of that prefix the tolerance holds without.
 
+Under a policy with ``float8=``, a step comes first: every matmul that runs in float8 is measured
+(:mod:`.float8`: its float8 result against its bfloat16 one) and each one under ``float8_min_sqnr_db``
+is kept in bfloat16 (``node_overrides={name: "no_float8"}``); the search above then runs with those, its
+default output target lowered to ``FLOAT8_OUTPUT_SQNR_DB`` (float8 keeps 3 mantissa bits: a healthy
+network's output lands at 20-25 dB against float32).
+
 The result is ``(converted, overrides)``: ``overrides`` is ``{"module_overrides": {path: "unsafe"},
 "node_overrides": {node name: "unsafe"}, "overrides": {op: "unsafe"}}`` (the user's own overrides,
 and what the search added), keyword arguments :func:`fxamp.convert` accepts as they are
@@ -34,7 +40,8 @@ from ..conversion.convert import convert, policy_of
 from ..errors import FxampError
 from ..conversion.graph import CAST, DECISION, attr_target
 from ..conversion.op_lists import op_name
-from ..policy import Policy
+from ..policy import Policy, device_type_of, resolve_policy
+from .float8 import FLOAT8_MIN_SQNR_DB, float8_refusals, measure_float8
 from .numerics import SideBySide, as_batches, node_drops, sqnr
 from .observe import bind_inputs
 
@@ -42,6 +49,8 @@ __all__ = ["autotune", "save_overrides", "load_overrides", "TuneResult"]
 
 _FLOAT32 = "unsafe"  # the category that puts a node in float32
 _JSON_VERSION = 2  # 2: "node_overrides" (files of version 1 have none)
+#: autotune's default output target (dB against float32) for a policy with float8
+FLOAT8_OUTPUT_SQNR_DB = 15.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class TuneResult:
     evaluations: int
     score_before: float
     score_after: float
+    float8_refused: Tuple[str, ...] = ()  # matmuls kept in bfloat16 for their measured float8 error
 
 
 def autotune(
@@ -73,6 +83,7 @@ def autotune(
     example_kwargs: Optional[Dict[str, Any]] = None,
     verbose: bool = False,
     return_result: bool = False,
+    float8_min_sqnr_db: float = FLOAT8_MIN_SQNR_DB,
     **convert_options: Any,
 ) -> Any:
     """Convert ``model`` with ``policy``, moving the fewest modules/ops to float32 until the output holds.
@@ -82,6 +93,8 @@ def autotune(
     metric:      instead, ``metric(out_fp32, out_amp) -> float`` (or a one-element tensor), an error that
                  must stay ``<= tolerance``.  Give one criterion: both is an error, never one ignored.
     verbose:     print the search and the chosen overrides.
+    float8_min_sqnr_db: a policy with ``float8=``: a float8 matmul whose result falls below this SQNR against
+                 its bfloat16 result (dB, the worst batch) stays in bfloat16 (default 20).
     convert_options: as for :func:`fxamp.convert` (``frontend``, ``leaf_modules``, ``overrides``, ...).
 
     Returns ``(converted, overrides)`` (and a :class:`TuneResult` third with ``return_result=True``).
@@ -96,8 +109,10 @@ def autotune(
     if metric is None and tolerance is not None:
         raise ValueError(f"tolerance={tolerance!r} bounds metric=, which was not given: pass metric=callable(out_fp32, "
                          f"out_amp), or min_sqnr_db= alone")
+    pol = resolve_policy(policy, dtype, device_type=device_type_of(model))
     if metric is None:
-        min_sqnr_db = 30.0 if min_sqnr_db is None else min_sqnr_db
+        default = FLOAT8_OUTPUT_SQNR_DB if pol.float8 is not None else 30.0
+        min_sqnr_db = default if min_sqnr_db is None else min_sqnr_db
         if isinstance(min_sqnr_db, bool) or not isinstance(min_sqnr_db, (int, float)):
             raise ValueError(f"min_sqnr_db must be a number of dB (such as 30.0), not {min_sqnr_db!r}; "
                              f"or pass metric=")
@@ -161,12 +176,22 @@ def autotune(
                 worst = math.nan
             return worst, amp
 
+        refused: Tuple[str, ...] = ()
+        if pol.float8 is not None:  # first: keep in bfloat16 the float8 matmuls whose own error is too large
+            first = build(())
+            measured = measure_float8(first, batches, kwargs)
+            refusals = {k: v for k, v in float8_refusals(first, measured, float8_min_sqnr_db).items()
+                        if k not in user_nodes}
+            user_nodes.update(refusals)
+            refused = tuple(refusals)
+            say(f"fxamp tune: float8 kept out of {len(refused)} matmul{'s' if len(refused) != 1 else ''} under "
+                f"{float8_min_sqnr_db} dB against bfloat16" + (f": {', '.join(refused)}" if refused else ""))
         before, amp = evaluate(())
         target = f"metric <= {tolerance}" if metric is not None else f"SQNR >= {min_sqnr_db} dB"
         say(f"fxamp tune: {type(model).__name__} under {policy}: {_fmt(before, metric)} ({target})")
         if holds(before):
             say("fxamp tune: the tolerance holds as converted; no overrides")
-            result = TuneResult((), (), evaluations, before, before)
+            result = TuneResult((), (), evaluations, before, before, refused)
             return _returned(amp, given(), result, return_result)
 
         ranked = rank_units(amp, model, batches, kwargs)
@@ -204,7 +229,7 @@ def autotune(
         say(f"fxamp tune: {len(chosen)} unit{'s' if len(chosen) != 1 else ''} to float32 after {evaluations} "
             f"evaluations: {', '.join(_unit_name(u) for u in chosen)}; {_fmt(after, metric)}")
         say(json.dumps(overrides_to_json(overrides), indent=2))
-        result = TuneResult(names, tuple(_unit_name(u) for u in chosen), evaluations, before, after)
+        result = TuneResult(names, tuple(_unit_name(u) for u in chosen), evaluations, before, after, refused)
         return _returned(amp, overrides, result, return_result)
     finally:
         for m, mode in modes:

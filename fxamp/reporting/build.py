@@ -21,7 +21,7 @@ from .flops import estimate_flops
 from .formats import unique
 from .lints import find_lints
 from .observe import Meta, Recorder, dtype_of_meta, leaves
-from .records import AS_INPUT, RUNTIME, CastIn, Report, Row, Summary
+from .records import AS_INPUT, RUNTIME, CastIn, Float8Cell, Report, Row, Summary
 
 __all__ = ["build", "DtypeView", "describe_input"]
 
@@ -141,8 +141,9 @@ def _row(node: fx.Node, d: Decision, view: DtypeView, modules: Dict[str, nn.Modu
         op = what
     else:
         op = d.op
+    float8 = None if d.float8 is None else Float8Cell(d.float8.chosen, d.float8.reason, d.float8.source.value)
     return Row(node.name, kind, op, module, d.category, resolved, d.reason, d.source.value, input_dtypes, compute,
-               out or "-", shape, casts, flops)
+               out or "-", shape, casts, flops, float8=float8)
 
 
 def _policy_label(pol: Policy) -> str:

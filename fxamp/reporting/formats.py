@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List
 from ..dtypes import short_name
 from ..conversion.op_lists import Category
 
-__all__ = ["CSV_COLUMNS", "NUMERICS_COLUMNS", "JSON_VERSION", "table", "to_dict", "to_csv", "op_label", "unique",
+__all__ = ["CSV_COLUMNS", "NUMERICS_COLUMNS", "FLOAT8_COLUMNS", "JSON_VERSION", "table", "to_dict", "to_csv", "op_label", "unique",
            "arrow", "human", "flat_summary", "short_reason", "format_db"]
 
 JSON_VERSION = 2  # 2: rows carry "numerics", the report "numerics_summary" and "gradients"
@@ -29,6 +29,9 @@ CSV_COLUMNS = ["record", "node", "kind", "op", "module", "category", "resolved",
                "compute", "output_dtype", "output_shape", "casts", "flops", "value"]
 #: appended to CSV_COLUMNS when the report measured numerics
 NUMERICS_COLUMNS = ["sqnr_db", "max_rel_error", "nonfinite", "overflow", "underflow", "culprit"]
+#: appended when the policy runs float8 (a row per candidate matmul; the measured ones with numerics)
+FLOAT8_COLUMNS = ["float8", "float8_reason", "float8_sqnr_db", "float8_input_amax", "float8_weight_amax",
+                  "float8_scale"]
 
 
 def unique(items: Iterable[str]) -> List[str]:
@@ -147,6 +150,10 @@ def table(rep: Any, *, wide: bool = False) -> str:
         headers = ["node", "op", "category", "reason", "in→compute→out", "casts before"]
     if numerics:
         headers += ["SQNR dB", "rel err", "inf/nan", "ovf/unf"]
+    float8 = any(r.float8 is not None for r in rep.rows)
+    if float8:
+        headers += ["float8"]
+
     def render(widths: Any) -> str:
         body = []
         for r in rep.rows:
@@ -164,6 +171,8 @@ def table(rep: Any, *, wide: bool = False) -> str:
                         dtypes, wrap(casts, casts_w)]
             if numerics:
                 line += _numerics_cells(r.numerics)
+            if float8:
+                line.append(float8_cell(r.float8, wide))
             body.append(line)
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)"
 
@@ -181,6 +190,9 @@ def table(rep: Any, *, wide: bool = False) -> str:
         lines.append("reasons shortened: --wide, JSON and CSV have them in full")
     if numerics:
         lines.append("◀ culprit: the first node where the error jumps (SQNR 20 dB or more below its inputs')")
+    if float8:
+        lines.append("float8: f8 runs in float8, bf16 stays bfloat16 (why: shape, cost, override; --wide says it "
+                     "in full); dB: the float8 result against the bfloat16 one, measured with numerics")
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]
@@ -199,6 +211,16 @@ def _numerics_cells(n: Any) -> List[str]:
     rel = "" if n.max_rel_error is None else f"{n.max_rel_error:.2g}"
     flows = "" if n.overflow is None else f"{100 * n.overflow:.0f}%/{100 * n.underflow:.0f}%"
     return [sqnr, rel, str(n.nonfinite) if n.nonfinite else "", flows]
+
+
+def float8_cell(cell: Any, wide: bool = False) -> str:
+    """``f8 28.1dB``, ``bf16 (shape)``, ``bf16 (cost) 27.9dB``…; ``wide`` adds the reason."""
+    if cell is None:
+        return ""
+    text = "f8" if cell.chosen else "bf16 (" + {"graph": "shape", "default": "cost"}.get(cell.source, "override") + ")"
+    if cell.measured is not None:
+        text += f" {format_db(cell.measured.sqnr_db)}dB"
+    return f"{text}: {cell.reason}" if wide else text
 
 
 def header(rep: Any) -> str:
@@ -255,7 +277,8 @@ def to_csv(rep: Any) -> str:
     With numerics, the columns of :data:`NUMERICS_COLUMNS` follow :data:`CSV_COLUMNS`.
     """
     numerics = any(r.numerics is not None for r in rep.rows)
-    columns = CSV_COLUMNS + (NUMERICS_COLUMNS if numerics else [])
+    float8 = any(r.float8 is not None for r in rep.rows)
+    columns = CSV_COLUMNS + (NUMERICS_COLUMNS if numerics else []) + (FLOAT8_COLUMNS if float8 else [])
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(columns)
@@ -271,6 +294,12 @@ def to_csv(rep: Any) -> str:
                 format_db(n.sqnr_db), "" if n.max_rel_error is None else repr(n.max_rel_error), n.nonfinite,
                 "" if n.overflow is None else repr(n.overflow), "" if n.underflow is None else repr(n.underflow),
                 int(n.culprit)]
+        if float8:
+            c = r.float8
+            m = None if c is None else c.measured
+            line += ["", "", "", "", "", ""] if c is None else [
+                int(c.chosen), c.reason, "" if m is None else format_db(m.sqnr_db),
+                *(("",) * 3 if m is None else (" ".join(map(repr, v)) for v in (m.input_amax, m.weight_amax, m.scale)))]
         w.writerow(line)
     pad = [""] * (len(columns) - len(CSV_COLUMNS))
     blank = [""] * (len(CSV_COLUMNS) - 3)

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..dtypes import LOW
+from ..conversion.float8 import PLAIN
 from ..conversion.graph import CAST, DECISION, attr_target, fetch_attr
 from ..conversion.runtime import call_module_cast, cast_weights
 from .records import NodeNumerics, NumericsSummary
@@ -212,6 +213,8 @@ class SideBySide(fx.Interpreter):
         self.env, self._ref_mode = self.ref_env, True
         try:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if n.op == "call_function" and n.target in PLAIN:  # the float32 twin of a float8 matmul is no float8
+                return PLAIN[n.target](*args, **kwargs)
             if n.op == "call_function" and n.target is call_module_cast:
                 kwargs = {k: v for k, v in kwargs.items() if k != "_fxamp_cache"}
                 return args[0](*args[2:], **kwargs)

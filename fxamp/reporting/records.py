@@ -15,7 +15,7 @@ from . import formats
 from .diff import PolicyDiff, diff_reports
 
 __all__ = ["RUNTIME", "AS_INPUT", "LOW_NAMES", "CastIn", "Row", "Lint", "Summary", "NodeNumerics",
-           "NumericsSummary", "Report", "as_category"]
+           "NumericsSummary", "Report", "as_category", "Float8Measure", "Float8Cell"]
 
 RUNTIME = "runtime"  #: a dtype known only when the model runs
 AS_INPUT = "as input"  #: compute=None: the op runs in the dtype its inputs arrive in
@@ -67,6 +67,53 @@ class NodeNumerics:
         d = asdict(self)
         d["sqnr_db"] = _json_float(self.sqnr_db)
         return d
+
+
+@dataclass(frozen=True)
+class Float8Measure:
+    """One float8 candidate matmul's measured numbers (the worst over the batches; :mod:`.float8`).
+
+    sqnr_db:      SQNR of the float8 result against the bfloat16 one on the same inputs, in dB.
+    input_amax:   (smallest, largest) amax over the input's scaling groups (one per tensor, or per row).
+    weight_amax:  (smallest, largest) amax over the weight's scaling groups.
+    scale:        (smallest, largest) scale over both operands' groups (float8 = value * scale).
+    """
+
+    sqnr_db: float
+    input_amax: Tuple[float, float]
+    weight_amax: Tuple[float, float]
+    scale: Tuple[float, float]
+
+    def merged(self, other: "Float8Measure") -> "Float8Measure":
+        """The worst of two batches: the lower SQNR, the wider ranges."""
+        def span(a: Tuple[float, float], b: Tuple[float, float]) -> Tuple[float, float]:
+            return min(a[0], b[0]), max(a[1], b[1])
+        return Float8Measure(min(self.sqnr_db, other.sqnr_db), span(self.input_amax, other.input_amax),
+                             span(self.weight_amax, other.weight_amax), span(self.scale, other.scale))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"sqnr_db": _json_float(self.sqnr_db), "input_amax": list(self.input_amax),
+                "weight_amax": list(self.weight_amax), "scale": list(self.scale)}
+
+
+@dataclass(frozen=True)
+class Float8Cell:
+    """The float8 column of a matmul a float8 policy could run in float8.
+
+    chosen:   it runs in float8 (else in bfloat16).
+    reason:   why (shape, cost model, override): the node's ``Decision.float8``.
+    source:   where the choice came from (``default`` cost model, ``graph`` shape, an override).
+    measured: its :class:`Float8Measure` (``report(..., numerics=True)``), else None.
+    """
+
+    chosen: bool
+    reason: str
+    source: str
+    measured: Optional[Float8Measure] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"chosen": self.chosen, "reason": self.reason, "source": self.source,
+                "measured": None if self.measured is None else self.measured.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -130,6 +177,7 @@ class Row:
     casts:        casts fxamp inserted in front of it (shared casts appear in every consumer's row).
     flops:        estimated floating point operations (None without example inputs).
     numerics:     measured error against float32 (``report(..., numerics=True)``), else None.
+    float8:       a :class:`Float8Cell` for a matmul a float8 policy could run in float8, else None.
     """
 
     node: str
@@ -147,6 +195,7 @@ class Row:
     casts: Tuple[CastIn, ...]
     flops: Optional[int]
     numerics: Optional[NodeNumerics] = None
+    float8: Optional[Float8Cell] = None
 
     @property
     def is_op(self) -> bool:
@@ -167,6 +216,7 @@ class Row:
         d["output_shape"] = None if self.output_shape is None else list(self.output_shape)
         d["casts"] = [asdict(c) for c in self.casts]
         d["numerics"] = None if self.numerics is None else self.numerics.to_dict()
+        d["float8"] = None if self.float8 is None else self.float8.to_dict()
         return d
 
 
