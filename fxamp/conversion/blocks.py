@@ -1,0 +1,548 @@
+"""In-place conversion, block by block: :func:`convert_blocks` (``fxamp.convert_``).
+
+The user's model object stays; only its repeated layers ("blocks") and a few leaf modules around
+them ("glue") are replaced, each by a converted module of a subclass of its own class that holds
+the same children, parameters, buffers, attributes and hooks::
+
+    convert_blocks(model, policy, options, blocks)
+      ├─ find_blocks: user globs ("model.layers.*"), else the repeated children of every nn.ModuleList
+      ├─ glue: the leaf Linear/Embedding/convolution/norm modules outside blocks (module-level decisions)
+      ├─ families: instances of one class with the same structure; plain attributes that differ between
+      │  them (``layer_idx``) become graph inputs, so one capture serves every instance
+      ├─ storage (O2/O3): lazy.predict_storage over the whole model, re-bound once through the root
+      │  (tied tensors stay tied), before any capture, so an optimizer can be built at once
+      └─ each instance re-registered where the original was (same names: state_dict keys unchanged)
+
+    block(*args, **kwargs)      (the converted block's forward; hooks, checkpointing wrappers run as before)
+      ├─ key: the call's structure (which arguments are None, constants' values, tensors' dtypes)
+      ├─ family.graphs[key] hit → the graph's code, run with ``self`` = this block
+      └─ miss → capture the class's own forward (torch.fx; torch.export from the call's values when fx
+         fails and no argument is an opaque object) → classify → rewrite (storage kept) → cache
+
+A block's graph reads its tensors through ``self`` (``self.mlp._modules['fc']._parameters['weight']``),
+never through the capture's copy, so the graph of one instance runs any instance of its family.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx.graph import _PyTreeCodeGen
+
+from .capture import capture
+from ..dtypes import LOW, short_name
+from .capture.shapes import STATIC_SIZES
+from ..errors import TraceError
+from .graph import rebind
+from ..info import INFO_ATTR, ConversionInfo, conversion_info, watch_for_masters
+from .lazy import _float32_for_capture, _is_norm, predict_storage
+from .options import ConvertOptions
+from .pipeline import rewrite_captured
+from ..policy import Policy
+from .runtime import WeightCastCache
+
+__all__ = ["convert_blocks", "find_blocks", "glue_modules", "converted_modules", "BLOCKS_FRONTEND",
+           "is_converted_block"]
+
+logger = logging.getLogger("fxamp")
+
+#: ConversionInfo.frontend of a model converted in place
+BLOCKS_FRONTEND = "blocks"
+#: leaf modules outside blocks that get module-level decisions (and the policy's outputs)
+_GLUE: Tuple[type, ...] = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_FAMILY = "_fxamp_family"
+_LIFTED = "_fxamp_lifted"
+
+
+def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
+    """Module paths of the blocks: those matching ``patterns`` (globs such as ``"model.layers.*"``), else
+    the children of every ``nn.ModuleList`` that holds two or more modules of one class (outermost only)."""
+    paths = [p for p, _ in model.named_modules() if p]
+    if patterns is not None:
+        if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"blocks= takes a list of module path globs such as ['model.layers.*'], not {patterns!r}")
+        found: List[str] = []
+        for pattern in patterns:
+            hits = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+            if not hits:
+                raise ValueError(f"blocks={list(patterns)!r}: {pattern!r} matches no module of "
+                                 f"{type(model).__name__}; some paths it has: {', '.join(paths[:6])}")
+            found += [p for p in hits if p not in found]
+    else:
+        found = []
+        for path, m in model.named_modules():
+            if not isinstance(m, nn.ModuleList) or any(_inside(path, b) for b in found):
+                continue
+            counts: Dict[type, int] = {}
+            for child in m.children():
+                counts[type(child)] = counts.get(type(child), 0) + 1
+            found += [f"{path}.{name}" if path else name for name, child in m.named_children()
+                      if counts[type(child)] > 1]
+        if not found:
+            raise ValueError(f"fxamp.convert_ found no blocks in {type(model).__name__} (no nn.ModuleList holds "
+                             f"repeated layers): name them, e.g. blocks=['encoder.layers.*']")
+    return [p for p in found if not any(q != p and _inside(p, q) for q in found)]  # outermost only
+
+
+def glue_modules(model: nn.Module, blocks: Sequence[str]) -> List[str]:
+    """Leaf modules outside ``blocks`` that get module-level decisions: linear, embedding, convolution, norms."""
+    return [p for p, m in model.named_modules() if p and not any(_inside(p, b) for b in blocks)
+            and not list(m.children()) and (isinstance(m, _GLUE) or _is_norm(m)) and list(m.parameters())]
+
+
+def _inside(path: str, block: str) -> bool:
+    return path == block or path.startswith(block + ".")
+
+
+def is_converted_block(module: nn.Module) -> bool:
+    """Whether ``module`` is a block (or glue module) that :func:`convert_blocks` converted."""
+    return _FAMILY in module.__dict__
+
+
+def converted_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(path, module)`` of every converted block and glue module of an in-place converted model."""
+    return [(p, m) for p, m in model.named_modules() if is_converted_block(m)]
+
+
+class Family:
+    """Instances of one module class with the same structure: the graphs they share, by call signature.
+
+    lifted:  ``(submodule path, attribute)`` of plain attributes whose values differ between the
+             instances; a capture reads them as graph inputs, so every instance runs its own values.
+    glue:    module-level: the policy's outputs, and the report marks its rows.
+    """
+
+    def __init__(self, cls: type, paths: List[str], policy: Policy, options: ConvertOptions,
+                 lifted: Tuple[Tuple[str, str], ...], glue: bool):
+        self.cls = cls
+        self.paths = paths
+        self.policy = policy if glue else policy.replace(output=None)  # between blocks values stay as computed
+        self.options = options
+        self.lifted = lifted
+        self.glue = glue
+        self.graphs: Dict[Any, "_Graph"] = {}  # (signature, None | the training mode it is right in)
+        self.static: Dict[Any, Callable[..., Any]] = {}  # signature -> the sizes of the dims export kept static
+        self.per_instance = False  # an export capture read a lifted attribute: graphs keyed by their values too
+        self.captures = 0
+        self.capture_seconds = 0.0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Family":
+        new = Family.__new__(Family)
+        memo[id(self)] = new
+        state = self.__getstate__()
+        state["graphs"] = {}
+        state["static"] = {}  # a copy captures again: the graphs hold the original instance's modules
+        state["captures"] = 0
+        state["capture_seconds"] = 0.0
+        new.__setstate__(state)
+        return new
+
+    def run(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        base, leaves, tree = _flatten(args, kwargs)
+        static = self.static.get(base)  # an export capture kept some dims static: their sizes are part of the key
+        key = base if static is None else (base, tuple(static(tuple(leaves), {})))
+        mode = block.training
+        graphs = self.graphs
+        graph = graphs.get((key, None)) or graphs.get((key, mode))
+        if graph is None and self.per_instance:  # export graphs that read a lifted attribute: one per value
+            values = block.__dict__[_LIFTED]
+            graph = graphs.get(((key, values), None)) or graphs.get(((key, values), mode))
+        if graph is None:
+            with self._lock:
+                graph = self._capture(block, base, key, tree, leaves)
+        if graph.lifted:
+            return graph.fn(block, *leaves, *block.__dict__[_LIFTED])
+        return graph.fn(block, *leaves)
+
+    def _capture(self, block: nn.Module, base: Any, key: Any, tree: Any, leaves: List[Any]) -> "_Graph":
+        start = time.perf_counter()
+        names = _leaf_names(tree, len(leaves))
+        what = f"{'glue module' if self.glue else 'block'} {self.paths[0]!r} ({self.cls.__name__})"
+        described = _describe(tree, leaves)
+        lifted = True
+        try:
+            captured = capture(_bound_root(block, self.cls, tree, names, self.lifted), frontend="fx")
+        except TraceError as e:
+            opaque = [type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor)]
+            if opaque:
+                raise TraceError(
+                    f"fxamp.convert_: {what} could not be captured for a call with {described}: torch.fx failed "
+                    f"({e.short}) and torch.export cannot take the {', '.join(opaque)} argument; call the model "
+                    f"without it (use_cache=False for a Hugging Face KV cache), or convert the model whole with "
+                    f"fxamp.convert", short=e.short, module_path=self.paths[0], original=e.original) from e
+            # torch.export bakes Python values in: the lifted attributes are first set to a value that
+            # refuses every use, so a graph that succeeds cannot depend on them and serves every instance;
+            # else each distinct set of values gets its own capture
+            lifted, values = False, None
+            try:
+                captured = self._export(block, tree, names, leaves, (_UNREAD,) * len(self.lifted), e)
+            except Exception:
+                if not self.lifted:
+                    raise
+                self.per_instance = True
+                values = block.__dict__[_LIFTED]
+                captured = self._export(block, tree, names, leaves, values, e)
+            static = captured.graph_module.meta.get(STATIC_SIZES)
+            if base not in self.static and static is not None and static(tuple(leaves), {}):
+                self.static[base] = static
+                key = (base, tuple(static(tuple(leaves), {})))
+            if values is not None:
+                key = (key, values)
+        gm = rewrite_captured(captured, self.policy, self.options, storage="keep",
+                              notes=[f"{what}, shared by {len(self.paths)} instance(s), captured with "
+                                     f"{captured.frontend} for a call with {described}"])
+        _check_extras(gm, block, self.paths)
+        graph = _Graph(gm, _forward_of(gm), described, captured.frontend, lifted)
+        self.graphs[(key, captured.only_mode)] = graph
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
+        logger.info("fxamp: captured %s with %s for a call with %s", what, captured.frontend, described)
+        return graph
+
+    def _export(self, block: nn.Module, tree: Any, names: List[str], leaves: List[Any], values: Tuple[Any, ...],
+                fx_error: TraceError) -> Any:
+        root = _bound_root(block, self.cls, tree, names, self.lifted, values=values)
+        root.training = block.training
+        stored_low = frozenset(n for n, t in itertools.chain(root.named_parameters(), root.named_buffers())
+                               if t.dtype in LOW)
+        with _float32_for_capture(root, stored_low) as restore, torch.enable_grad():
+            captured = capture(root, frontend="export", example_inputs=tuple(leaves), example_kwargs={},
+                               dynamic=self.options.dynamic, fx_error=fx_error, graph_per_mode=True, at_call=True)
+            restore.also(captured.graph_module)
+        return captured
+
+
+def _forward_of(gm: fx.GraphModule) -> Callable[..., Any]:
+    """The graph's code as a function of (self, *leaves).  An exported graph flattens its inputs and
+    unflattens its outputs through ``self._in_spec``/``_out_spec``; the leaves are flat already, so its
+    code is made plain and the outputs are unflattened here (``self`` is the block, not the graph)."""
+    codegen = gm.graph._codegen
+    if not isinstance(codegen, _PyTreeCodeGen):
+        return type(gm).forward
+    out_spec = codegen.pytree_info.out_spec
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    plain = type(gm).forward
+    if out_spec is None:
+        return plain
+
+    def forward(self: nn.Module, *leaves: Any) -> Any:
+        return pytree.tree_unflatten(plain(self, *leaves), out_spec)
+    return forward
+
+
+class _Unread:
+    """Stands for a lifted attribute in a torch.export capture: any use of it fails the capture."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("fxamp: a per-instance attribute was read during the capture")
+
+    __index__ = __int__ = __float__ = __bool__ = __eq__ = __ne__ = __lt__ = __gt__ = __le__ = __ge__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __hash__ = __str__ = __format__ = _refuse
+    __truediv__ = __floordiv__ = __mod__ = __neg__ = __len__ = __iter__ = __getitem__ = __call__ = _refuse
+
+    def __repr__(self) -> str:
+        return "<fxamp: per-instance attribute>"
+
+
+_UNREAD = _Unread()
+
+
+class _Graph:
+    """One capture of a family: the converted graph module (for the report) and its forward code."""
+
+    def __init__(self, gm: fx.GraphModule, fn: Callable[..., Any], description: str, frontend: str,
+                 lifted: bool):
+        self.lifted = lifted  # its forward takes the lifted attributes' values after the call's leaves
+        self.gm = gm
+        self.fn = fn
+        self.description = description
+        self.frontend = frontend
+
+
+def _check_extras(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) -> None:
+    """What a graph reads from ``self`` beyond the block's own tree (higher-order-op bodies, constants):
+    shared by every instance of the family, kept in the family's graph module."""
+    own = set(block._modules) | set(block._parameters) | set(block._buffers)
+    extras = {n: m for n, m in gm._modules.items() if n not in own and n != "_fxamp_weight_cache"}
+    extras.update({n: t for n, t in itertools.chain(gm._parameters.items(), gm._buffers.items()) if n not in own})
+    if extras:
+        raise TraceError(f"fxamp.convert_: the capture of block {paths[0]!r} made attributes its instances do not "
+                         f"have ({', '.join(sorted(extras))}); convert this model whole with fxamp.convert",
+                         short="capture made extra attributes")
+
+
+def _flatten(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, List[Any], Any]:
+    """(key, leaves, tree): tensors and opaque objects become leaves (graph inputs); None, numbers, strings,
+    dtypes stay constants in ``tree`` and in the key."""
+    leaves: List[Any] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+            return ("T", x.dtype)
+        kind = type(x)
+        if kind in (tuple, list):
+            return (kind, tuple(walk(v) for v in x))
+        if kind is dict:
+            return (dict, tuple((k, walk(v)) for k, v in x.items()))
+        if isinstance(x, _SIMPLE):
+            return ("C", kind, x)
+        leaves.append(x)
+        return ("O", kind)
+
+    tree = (tuple(walk(a) for a in args), tuple((k, walk(v)) for k, v in sorted(kwargs.items())))
+    return tree, leaves, tree  # (keywords walked in sorted order: the leaves follow the tree)
+
+
+def _rebuild(tree: Any, leaves: Sequence[Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    it = iter(leaves)
+
+    def build(node: Any) -> Any:
+        tag = node[0]
+        if tag in ("T", "O"):
+            return next(it)
+        if tag == "C":
+            return node[2]
+        if tag is dict:
+            return {k: build(v) for k, v in node[1]}
+        return tag(build(v) for v in node[1])
+
+    args = tuple(build(a) for a in tree[0])
+    kwargs = {k: build(v) for k, v in tree[1]}
+    return args, kwargs
+
+
+def _leaf_names(tree: Any, count: int) -> List[str]:
+    """Placeholder names: the argument's name, with an index for a leaf inside a container."""
+    names: List[str] = []
+
+    def walk(node: Any, name: str) -> None:
+        tag = node[0]
+        if tag in ("T", "O"):
+            names.append(name)
+        elif tag is dict:
+            for k, v in node[1]:
+                walk(v, f"{name}_{k}")
+        elif tag in (tuple, list):
+            for i, v in enumerate(node[1]):
+                walk(v, f"{name}_{i}")
+
+    for i, a in enumerate(tree[0]):
+        walk(a, f"arg{i}")
+    for k, v in tree[1]:
+        walk(v, k)
+    clean = ["".join(c if c.isalnum() or c == "_" else "_" for c in n) for n in names]
+    seen: Dict[str, int] = {}
+    out = []
+    for n in clean:
+        n = n if n and not n[0].isdigit() else f"x_{n}"
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
+    assert len(out) == count
+    return out
+
+
+def _describe(tree: Any, leaves: Sequence[Any]) -> str:
+    args, kwargs = _rebuild(tree, leaves)
+
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{short_name(v.dtype)}[{v.dim()}d]"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(one(x) for x in v) + ")"
+        if isinstance(v, _SIMPLE):
+            return repr(v)
+        return type(v).__name__
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]) or "no arguments"
+
+
+def _bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
+                lifted: Tuple[Tuple[str, str], ...], values: Optional[Tuple[Any, ...]] = None) -> nn.Module:
+    """What torch.fx traces: the block's class's own forward, with the call's constants baked in, its
+    tensors and opaque objects as inputs, and the lifted attributes as inputs set on the submodules
+    for the trace only."""
+    lifted_names = [f"_fxamp_attr_{p.replace('.', '_')}_{a}" if p else f"_fxamp_attr_{a}" for p, a in lifted]
+    if values is not None:  # set as constants, not taken as inputs (torch.export)
+        scope_values = {f"_v{i}": v for i, v in enumerate(values)}
+        lifted_names, given = [], ", ".join(scope_values)
+    else:
+        scope_values, given = {}, ", ".join(lifted_names)
+    params = ", ".join(["self", *names, *lifted_names])
+    scope: Dict[str, Any] = dict(scope_values)
+    exec(f"def forward({params}):\n    return _call(self, ({', '.join(names)}{',' if names else ''}), "
+         f"({given}{',' if given else ''}))\n", scope)
+
+    def _call(self: nn.Module, leaves: Tuple[Any, ...], values: Tuple[Any, ...]) -> Any:
+        args, kwargs = _rebuild(tree, leaves)
+        owners = [(self.get_submodule(p) if p else self, a) for p, a in lifted]
+        old = [o.__dict__.get(a) for o, a in owners]
+        for (owner, attr), v in zip(owners, values):
+            owner.__dict__[attr] = v
+        try:
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            for (owner, attr), v in zip(owners, old):
+                owner.__dict__[attr] = v
+
+    scope["forward"].__globals__["_call"] = _call
+    traced = type(cls.__name__, (cls,), {"forward": scope["forward"], "__module__": cls.__module__})
+    root = traced.__new__(traced)
+    root.__dict__ = {k: v for k, v in block.__dict__.items() if k not in (_FAMILY, _LIFTED, INFO_ATTR)}
+    for table in ("_parameters", "_buffers", "_modules"):
+        root.__dict__[table] = dict(block.__dict__[table])
+    return root
+
+
+# -- the converted classes -------------------------------------------------------------------------
+
+def _converted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return self.__dict__[_FAMILY].run(self, args, kwargs)
+
+
+def _rebuild_block(cls: type, state: Dict[str, Any]) -> nn.Module:
+    """Unpickling (and deep copies): an instance of ``cls``'s converted class with ``state``."""
+    new = converted_class(cls).__new__(converted_class(cls))
+    new.__dict__.update(state)
+    return new
+
+
+def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
+    return _rebuild_block, (self.__dict__[_FAMILY].cls, self.__dict__)
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def converted_class(cls: type) -> type:
+    """The subclass of ``cls`` whose forward runs its family's graphs: same name, same methods otherwise
+    (``isinstance`` checks, Hugging Face's ``GradientCheckpointingLayer.__call__``, class-name lists hold)."""
+    made = _CLASSES.get(cls)
+    if made is None:
+        made = type(cls.__name__, (cls,), {"forward": _converted_forward, "__reduce_ex__": _reduce_ex,
+                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                           "_fxamp_converted": True})
+        made.forward.__doc__ = cls.forward.__doc__
+        _CLASSES[cls] = made
+    return made
+
+
+# -- the entry point -------------------------------------------------------------------------------
+
+def _structure(m: nn.Module) -> Any:
+    return (type(m), tuple((p, type(s)) for p, s in m.named_modules()),
+            tuple((n, tuple(t.shape), t.dtype, isinstance(t, nn.Parameter))
+                  for n, t in itertools.chain(m.named_parameters(), m.named_buffers())))
+
+
+def _attrs(m: nn.Module) -> Dict[Tuple[str, str], Any]:
+    out = {}
+    for path, sub in m.named_modules():
+        for name, value in sub.__dict__.items():
+            if name.startswith("_") or name == "training":
+                continue
+            out[(path, name)] = value
+    return out
+
+
+def _families(model: nn.Module, paths: List[str], policy: Policy, options: ConvertOptions, glue: bool
+              ) -> List[Tuple[Family, List[str]]]:
+    """Group instances by class and structure; plain attributes that differ are lifted; other differing
+    attributes (objects) split the group."""
+    modules = dict(model.named_modules())
+    groups: Dict[Any, List[str]] = {}
+    for p in paths:
+        groups.setdefault(_structure(modules[p]), []).append(p)
+    out = []
+    for members in groups.values():
+        attrs = [_attrs(modules[p]) for p in members]
+        keys = set().union(*attrs)
+        lifted, split = [], []
+        for k in sorted(keys):
+            values = [a.get(k, _MISSING) for a in attrs]
+            if all(v is values[0] for v in values) or all(_same(v, values[0]) for v in values):
+                continue
+            if all(isinstance(v, (bool, int, float, str)) and type(v) is type(values[0]) for v in values):
+                lifted.append(k)
+            else:
+                split.append(k)
+        subgroups: Dict[Tuple[int, ...], List[str]] = {}
+        for p, a in zip(members, attrs):
+            subgroups.setdefault(tuple(id(a.get(k)) for k in split), []).append(p)
+        for sub in subgroups.values():
+            out.append((Family(type(modules[sub[0]]), sub, policy, options, tuple(lifted), glue), sub))
+    return out
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal plain values (tuples of them too: a norm's ``normalized_shape``)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) in (tuple, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return isinstance(a, _SIMPLE) and bool(a == b)
+    except Exception:  # pragma: no cover - an __eq__ that does not return a bool
+        return False
+
+
+def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
+                   blocks: Optional[Sequence[str]] = None, notes: Sequence[str] = ()) -> nn.Module:
+    """Convert ``model`` in place (see the module docstring); returns ``model``."""
+    if conversion_info(model) is not None or converted_modules(model):
+        raise ValueError(f"fxamp.convert_: this {type(model).__name__} was already converted by fxamp; convert "
+                         f"the original model once")
+    block_paths = find_blocks(model, blocks)
+    glue_paths = glue_modules(model, block_paths)
+    families = _families(model, block_paths, policy, options, glue=False) + \
+        _families(model, glue_paths, policy, options, glue=True)
+    if policy.enabled:
+        storage = predict_storage(model, policy)
+        converted = block_paths + glue_paths
+        storage = {n: d for n, d in storage.items() if any(_inside(n.rpartition(".")[0], c) for c in converted)}
+        watch_for_masters(new for _, new in rebind(model, storage).values())
+    modules = dict(model.named_modules())
+    parents = [(m, name, child) for _, m in model.named_modules(remove_duplicate=False)
+               for name, child in m._modules.items()]
+    for family, members in families:
+        cls = converted_class(family.cls)
+        for path in members:
+            old = modules[path]
+            new = cls.__new__(cls)
+            new.__dict__ = dict(old.__dict__)
+            for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+                new.__dict__[table] = type(old.__dict__[table])(old.__dict__[table])
+            new.__dict__[_FAMILY] = family
+            new.__dict__[_LIFTED] = tuple(getattr(old.get_submodule(p) if p else old, a) for p, a in family.lifted)
+            new.__dict__["_fxamp_weight_cache"] = WeightCastCache()
+            for parent, name, child in parents:
+                if child is old:
+                    parent._modules[name] = new
+    info = ConversionInfo(policy, BLOCKS_FRONTEND, tuple(notes) + (
+        f"converted in place: {len(block_paths)} blocks in {sum(not f.glue for f, _ in families)} families, "
+        f"{len(glue_paths)} glue modules; each family captures at its first call per call signature",))
+    model.__dict__[INFO_ATTR] = info
+    return model
