@@ -42,7 +42,7 @@ from .capture import capture
 from ..dtypes import LOW, short_name
 from .capture.shapes import STATIC_SIZES
 from ..errors import TraceError
-from .graph import rebind
+from .graph import INPUT_DTYPE, rebind
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, watch_for_masters
 from .lazy import _float32_for_capture, _is_norm, predict_storage
 from .options import ConvertOptions
@@ -51,7 +51,7 @@ from ..policy import Policy
 from .runtime import WeightCastCache
 
 __all__ = ["convert_blocks", "find_blocks", "glue_modules", "converted_modules", "BLOCKS_FRONTEND",
-           "is_converted_block"]
+           "is_converted_block", "family_of", "Family"]
 
 logger = logging.getLogger("fxamp")
 
@@ -109,6 +109,11 @@ def is_converted_block(module: nn.Module) -> bool:
     return _FAMILY in module.__dict__
 
 
+def family_of(module: nn.Module) -> "Family":
+    """The :class:`Family` a converted block or glue module belongs to (its captured graphs, its instances)."""
+    return module.__dict__[_FAMILY]
+
+
 def converted_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """``(path, module)`` of every converted block and glue module of an in-place converted model."""
     return [(p, m) for p, m in model.named_modules() if is_converted_block(m)]
@@ -126,7 +131,10 @@ class Family:
                  lifted: Tuple[Tuple[str, str], ...], glue: bool):
         self.cls = cls
         self.paths = paths
-        self.policy = policy if glue else policy.replace(output=None)  # between blocks values stay as computed
+        # a block's outputs come back in policy.output, as a whole model's do: the ops that read them next
+        # (a norm, a float32 residual add) are float32 ones, so ops feeding the output resolve as in the
+        # whole-model graph, where those readers are visible
+        self.policy = policy
         self.options = options
         self.lifted = lifted
         self.glue = glue
@@ -140,6 +148,11 @@ class Family:
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["_lock"] = None
+        state["graphs"] = {}  # a copy captures again: the graphs hold the original instances' modules
+        state["static"] = {}
+        state["per_instance"] = False
+        state["captures"] = 0
+        state["capture_seconds"] = 0.0
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -208,6 +221,10 @@ class Family:
                 key = (base, tuple(static(tuple(leaves), {})))
             if values is not None:
                 key = (key, values)
+        placeholders = list(captured.graph_module.graph.find_nodes(op="placeholder"))
+        for node, leaf in zip(placeholders, leaves):  # the key holds each tensor's dtype: the graph may know it
+            if isinstance(leaf, torch.Tensor):
+                node.meta[INPUT_DTYPE] = leaf.dtype
         gm = rewrite_captured(captured, self.policy, self.options, storage="keep",
                               notes=[f"{what}, shared by {len(self.paths)} instance(s), captured with "
                                      f"{captured.frontend} for a call with {described}"])
