@@ -38,7 +38,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen
 
-from .capture import capture
+from .capture import capture, capture_with_values
+from .capture.concrete import GuardFailed
 from ..dtypes import LOW, short_name
 from .capture.shapes import STATIC_SIZES
 from ..errors import TraceError
@@ -176,16 +177,22 @@ class Family:
         key = base if static is None else (base, tuple(static(tuple(leaves), {})))
         mode = block.training
         graphs = self.graphs
-        graph = graphs.get((key, None)) or graphs.get((key, mode))
-        if graph is None and self.per_instance:  # export graphs that read a lifted attribute: one per value
+        variants = graphs.get((key, None)) or graphs.get((key, mode))
+        if variants is None and self.per_instance:  # export graphs that read a lifted attribute: one per value
             values = block.__dict__[_LIFTED]
-            graph = graphs.get(((key, values), None)) or graphs.get(((key, values), mode))
-        if graph is None:
-            with self._lock:
-                graph = self._capture(block, base, key, tree, leaves)
-        if graph.lifted:
-            return graph.fn(block, *leaves, *block.__dict__[_LIFTED])
-        return graph.fn(block, *leaves)
+            variants = graphs.get(((key, values), None)) or graphs.get(((key, values), mode))
+        for graph in variants or ():
+            try:
+                out = graph.call(block, leaves)
+            except GuardFailed:  # an early guard: this call takes another branch; nothing has run that matters
+                continue
+            if graph is not variants[0]:
+                variants.remove(graph)
+                variants.insert(0, graph)  # the latest variant first (a decoding loop's steps)
+            return out
+        with self._lock:
+            graph = self._capture(block, base, key, tree, leaves)
+        return graph.call(block, leaves)
 
     def _capture(self, block: nn.Module, base: Any, key: Any, tree: Any, leaves: List[Any]) -> "_Graph":
         start = time.perf_counter()
@@ -193,9 +200,21 @@ class Family:
         what = f"{'glue module' if self.glue else 'block'} {self.paths[0]!r} ({self.cls.__name__})"
         described = _describe(tree, leaves)
         lifted = True
+        root = _bound_root(block, self.cls, tree, names, self.lifted)
         try:
-            captured = capture(_bound_root(block, self.cls, tree, names, self.lifted), frontend="fx")
+            captured = capture(root, frontend="fx")
         except TraceError as e:
+            fx_error = e
+            captured = None
+        if captured is None:  # shapes unpacked or branched on: trace with this call's values, branches guarded
+            try:
+                with _float32_for_capture(root, _stored_low(root)) as restore:  # the forward runs as written
+                    captured = capture_with_values(root, [*leaves, *block.__dict__[_LIFTED]])
+                    restore.also(captured.graph_module)
+            except TraceError as e:
+                logger.info("fxamp: %s: torch.fx with the call's values failed too: %s", what, e.short)
+        if captured is None:
+            e = fx_error
             opaque = [type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor)]
             if opaque:
                 raise TraceError(
@@ -203,18 +222,19 @@ class Family:
                     f"({e.short}) and torch.export cannot take the {', '.join(opaque)} argument; call the model "
                     f"without it (use_cache=False for a Hugging Face KV cache), or convert the model whole with "
                     f"fxamp.convert", short=e.short, module_path=self.paths[0], original=e.original) from e
+        if captured is None:
             # torch.export bakes Python values in: the lifted attributes are first set to a value that
             # refuses every use, so a graph that succeeds cannot depend on them and serves every instance;
             # else each distinct set of values gets its own capture
             lifted, values = False, None
             try:
-                captured = self._export(block, tree, names, leaves, (_UNREAD,) * len(self.lifted), e)
+                captured = self._export(block, tree, names, leaves, (_UNREAD,) * len(self.lifted), fx_error)
             except Exception:
                 if not self.lifted:
                     raise
                 self.per_instance = True
                 values = block.__dict__[_LIFTED]
-                captured = self._export(block, tree, names, leaves, values, e)
+                captured = self._export(block, tree, names, leaves, values, fx_error)
             static = captured.graph_module.meta.get(STATIC_SIZES)
             if base not in self.static and static is not None and static(tuple(leaves), {}):
                 self.static[base] = static
@@ -230,7 +250,7 @@ class Family:
                                      f"{captured.frontend} for a call with {described}"])
         _check_extras(gm, block, self.paths)
         graph = _Graph(gm, _forward_of(gm), described, captured.frontend, lifted)
-        self.graphs[(key, captured.only_mode)] = graph
+        self.graphs.setdefault((key, captured.only_mode), []).insert(0, graph)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
         logger.info("fxamp: captured %s with %s for a call with %s", what, captured.frontend, described)
@@ -240,13 +260,15 @@ class Family:
                 fx_error: TraceError) -> Any:
         root = _bound_root(block, self.cls, tree, names, self.lifted, values=values)
         root.training = block.training
-        stored_low = frozenset(n for n, t in itertools.chain(root.named_parameters(), root.named_buffers())
-                               if t.dtype in LOW)
-        with _float32_for_capture(root, stored_low) as restore, torch.enable_grad():
+        with _float32_for_capture(root, _stored_low(root)) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=tuple(leaves), example_kwargs={},
                                dynamic=self.options.dynamic, fx_error=fx_error, graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         return captured
+
+
+def _stored_low(root: nn.Module) -> frozenset:
+    return frozenset(n for n, t in itertools.chain(root.named_parameters(), root.named_buffers()) if t.dtype in LOW)
 
 
 def _forward_of(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -295,6 +317,11 @@ class _Graph:
         self.fn = fn
         self.description = description
         self.frontend = frontend
+
+    def call(self, block: nn.Module, leaves: List[Any]) -> Any:
+        if self.lifted:
+            return self.fn(block, *leaves, *block.__dict__[_LIFTED])
+        return self.fn(block, *leaves)
 
 
 def _check_extras(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) -> None:

@@ -45,7 +45,7 @@ def blocks_report(model: nn.Module) -> Report:
         if not family.graphs:
             notes.append(f"{kind} {path!r}{shared}: not called yet, no graph to report")
             continue
-        for graph in family.graphs.values():
+        for graph in [g for variants in family.graphs.values() for g in variants]:
             rep = build(graph.gm, type(module).__name__, (), {}, None)
             notes.append(f"{kind} {path!r}{shared}: {graph.frontend} graph for a call with {graph.description}")
             casts += rep.summary.casts
