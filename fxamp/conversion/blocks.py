@@ -491,6 +491,21 @@ def converted_class(cls: type) -> type:
     return made
 
 
+class _OriginalDtypes:
+    """A state_dict hook of a converted module: its re-bound tensors come out in the dtypes they had before
+    conversion (float32), under the same names; ``load_state_dict`` copies them back into the stored dtypes."""
+
+    def __init__(self, dtypes: Dict[str, torch.dtype]):
+        self.dtypes = dtypes  # name below the module -> original dtype
+
+    def __call__(self, module: nn.Module, state: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, dtype in self.dtypes.items():
+            key = prefix + name
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                state[key] = value.to(dtype)
+
+
 # -- the entry point -------------------------------------------------------------------------------
 
 def _structure(m: nn.Module) -> Any:
@@ -563,11 +578,14 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
     glue_paths = glue_modules(model, block_paths)
     families = _families(model, block_paths, policy, options, glue=False) + \
         _families(model, glue_paths, policy, options, glue=True)
+    saved: Dict[str, torch.dtype] = {}  # name -> the dtype state_dict gives back (the original's)
     if policy.enabled:
         storage = predict_storage(model, policy)
         converted = block_paths + glue_paths
         storage = {n: d for n, d in storage.items() if any(_inside(n.rpartition(".")[0], c) for c in converted)}
-        watch_for_masters(new for _, new in rebind(model, storage).values())
+        changed = rebind(model, storage)
+        saved = {name: old.dtype for name, (old, _) in changed.items()}
+        watch_for_masters(new for _, new in changed.values())
     modules = dict(model.named_modules())
     parents = [(m, name, child) for _, m in model.named_modules(remove_duplicate=False)
                for name, child in m._modules.items()]
@@ -582,6 +600,9 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
             new.__dict__[_FAMILY] = family
             new.__dict__[_LIFTED] = tuple(getattr(old.get_submodule(p) if p else old, a) for p, a in family.lifted)
             new.__dict__["_fxamp_weight_cache"] = WeightCastCache()
+            own = {n[len(path) + 1:]: d for n, d in saved.items() if n.startswith(path + ".")}
+            if own:  # state_dict (save_pretrained, torch.save of it) gives the original dtypes back
+                new._register_state_dict_hook(_OriginalDtypes(own))
             for parent, name, child in parents:
                 if child is old:
                     parent._modules[name] = new

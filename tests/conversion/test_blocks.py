@@ -113,7 +113,7 @@ def test_per_op_decisions_inside_blocks_are_the_whole_model_ones(policy):
     # the ops that feed a block's output: the whole-model graph sees their readers (the next block's
     # float32 norm and residual add) and casts their inputs to float32; inside the block the reader is the
     # graph output, so they follow their inputs, and type promotion computes them in float32 all the same
-    (graph,) = family_of(model.layers[0]).graphs.values()
+    ((graph,),) = family_of(model.layers[0]).graphs.values()
     feeding = {f"layers.0/{n.name}" for n in graph.gm.graph.find_nodes(op="output")[0].all_input_nodes}
 
     def ops(rows, prefix, skip=()):
