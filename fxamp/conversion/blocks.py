@@ -45,7 +45,7 @@ from .capture.shapes import STATIC_SIZES
 from ..errors import TraceError
 from .graph import INPUT_DTYPE, rebind
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, watch_for_masters
-from .lazy import _float32_for_capture, _is_norm, predict_storage
+from .lazy import float32_for_capture, is_norm, predict_storage
 from .options import ConvertOptions
 from .pipeline import rewrite_captured
 from ..policy import Policy
@@ -98,7 +98,7 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
 def glue_modules(model: nn.Module, blocks: Sequence[str]) -> List[str]:
     """Leaf modules outside ``blocks`` that get module-level decisions: linear, embedding, convolution, norms."""
     return [p for p, m in model.named_modules() if p and not any(_inside(p, b) for b in blocks)
-            and not list(m.children()) and (isinstance(m, _GLUE) or _is_norm(m)) and list(m.parameters())]
+            and not list(m.children()) and (isinstance(m, _GLUE) or is_norm(m)) and list(m.parameters())]
 
 
 def _inside(path: str, block: str) -> bool:
@@ -208,7 +208,7 @@ class Family:
             captured = None
         if captured is None:  # shapes unpacked or branched on: trace with this call's values, branches guarded
             try:
-                with _float32_for_capture(root, _stored_low(root)) as restore:  # the forward runs as written
+                with float32_for_capture(root, _stored_low(root)) as restore:  # the forward runs as written
                     captured = capture_with_values(root, [*leaves, *block.__dict__[_LIFTED]])
                     restore.also(captured.graph_module)
             except TraceError as e:
@@ -260,7 +260,7 @@ class Family:
                 fx_error: TraceError) -> Any:
         root = _bound_root(block, self.cls, tree, names, self.lifted, values=values)
         root.training = block.training
-        with _float32_for_capture(root, _stored_low(root)) as restore, torch.enable_grad():
+        with float32_for_capture(root, _stored_low(root)) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=tuple(leaves), example_kwargs={},
                                dynamic=self.options.dynamic, fx_error=fx_error, graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
@@ -344,7 +344,7 @@ def _flatten(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, List[A
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             leaves.append(x)
-            return ("T", x.dtype)
+            return ("T", x.dtype, x.dim())
         kind = type(x)
         if kind in (tuple, list):
             return (kind, tuple(walk(v) for v in x))
