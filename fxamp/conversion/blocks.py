@@ -355,7 +355,7 @@ def _flatten(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, List[A
         leaves.append(x)
         return ("O", kind)
 
-    tree = (tuple(walk(a) for a in args), tuple((k, walk(v)) for k, v in sorted(kwargs.items())))
+    tree = (tuple(walk(a) for a in args), tuple((k, walk(kwargs[k])) for k in sorted(kwargs)))
     return tree, leaves, tree  # (keywords walked in sorted order: the leaves follow the tree)
 
 
