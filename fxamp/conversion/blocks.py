@@ -42,6 +42,7 @@ from .capture import capture, capture_with_values
 from .capture.concrete import GuardFailed
 from ..dtypes import LOW, short_name
 from .capture.shapes import STATIC_SIZES
+from .capture.modes import MODE_FLAG
 from ..errors import TraceError
 from .graph import INPUT_DTYPE, rebind
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, watch_for_masters
@@ -200,6 +201,7 @@ class Family:
         what = f"{'glue module' if self.glue else 'block'} {self.paths[0]!r} ({self.cls.__name__})"
         described = _describe(tree, leaves)
         lifted = True
+        concrete_error: Optional[TraceError] = None
         root = _bound_root(block, self.cls, tree, names, self.lifted)
         try:
             captured = capture(root, frontend="fx")
@@ -212,6 +214,7 @@ class Family:
                     captured = capture_with_values(root, [*leaves, *block.__dict__[_LIFTED]])
                     restore.also(captured.graph_module)
             except TraceError as e:
+                concrete_error = e
                 logger.info("fxamp: %s: torch.fx with the call's values failed too: %s", what, e.short)
         if captured is None:
             e = fx_error
@@ -219,7 +222,8 @@ class Family:
             if opaque:
                 raise TraceError(
                     f"fxamp.convert_: {what} could not be captured for a call with {described}: torch.fx failed "
-                    f"({e.short}) and torch.export cannot take the {', '.join(opaque)} argument; call the model "
+                    f"({e.short}), with the call's values too ({concrete_error.short if concrete_error else '-'}), "
+                    f"and torch.export cannot take the {', '.join(opaque)} argument; call the model "
                     f"without it (use_cache=False for a Hugging Face KV cache), or convert the model whole with "
                     f"fxamp.convert", short=e.short, module_path=self.paths[0], original=e.original) from e
         if captured is None:
@@ -328,7 +332,8 @@ def _check_extras(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) ->
     """What a graph reads from ``self`` beyond the block's own tree (higher-order-op bodies, constants):
     shared by every instance of the family, kept in the family's graph module."""
     own = set(block._modules) | set(block._parameters) | set(block._buffers)
-    extras = {n: m for n, m in gm._modules.items() if n not in own and n != "_fxamp_weight_cache"}
+    # (the weight cache is each instance's own; the root's mode flag is the block itself: see converted_class)
+    extras = {n: m for n, m in gm._modules.items() if n not in own and n not in ("_fxamp_weight_cache", MODE_FLAG)}
     extras.update({n: t for n, t in itertools.chain(gm._parameters.items(), gm._buffers.items()) if n not in own})
     if extras:
         raise TraceError(f"fxamp.convert_: the capture of block {paths[0]!r} made attributes its instances do not "
@@ -464,6 +469,10 @@ def _converted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return self.__dict__[_FAMILY].run(self, args, kwargs)
 
 
+def _self(module: nn.Module) -> nn.Module:
+    return module
+
+
 def _rebuild_block(cls: type, state: Dict[str, Any]) -> nn.Module:
     """Unpickling (and deep copies): an instance of ``cls``'s converted class with ``state``."""
     new = converted_class(cls).__new__(converted_class(cls))
@@ -485,7 +494,8 @@ def converted_class(cls: type) -> type:
     if made is None:
         made = type(cls.__name__, (cls,), {"forward": _converted_forward, "__reduce_ex__": _reduce_ex,
                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                           "_fxamp_converted": True})
+                                           "_fxamp_converted": True,
+                                           MODE_FLAG: property(_self, doc="the root's train/eval flag in a graph")})
         made.forward.__doc__ = cls.forward.__doc__
         _CLASSES[cls] = made
     return made

@@ -240,3 +240,59 @@ def test_bad_input_is_one_clear_line():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # nothing lost
     with pytest.raises(ValueError, match="already converted"):
         fxamp.convert_(fxamp.convert(make(), "O1"), "O1")
+
+
+class Log:
+    """An opaque object a block is given: its method must run once per block call, never during a retry."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add(self, h):
+        self.calls.append(h.shape[1])
+        return h * 2
+
+
+class ShapeBlock(nn.Module):
+    """What plain torch.fx cannot trace: a shape unpacked and branched on, an object's method."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, log=None):
+        h = self.fc(x).view(*x.shape[:-1], 2, -1).flatten(-2)
+        if x.shape[1] > 1:  # taken as the call takes it, and guarded
+            h = h.softmax(-1)
+        if log is not None:
+            h = log.add(h)
+        return x + h
+
+
+class ShapeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(ShapeBlock() for _ in range(3))
+
+    def forward(self, x, log=None):
+        for layer in self.layers:
+            x = layer(x, log)
+        return x
+
+
+def test_shapes_branches_and_objects_are_captured_with_the_calls_values():
+    torch.manual_seed(0)
+    ref = ShapeNet()
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    (family,) = families(model)
+    log, ref_log = Log(), Log()
+    for s in (4, 1, 5, 1):  # a prefill-like call, a decode-like one, and each again
+        x = torch.randn(2, s, D)
+        got = model(x, log)
+        assert torch.allclose(got, ref(x, ref_log), atol=0.05, rtol=0.05), s
+    assert family.captures == 2  # the branch on x.shape[1] > 1: two variants, each reused
+    assert log.calls == ref_log.calls  # the object's method ran once per block call: none during a retry
+    graphs = [g for variants in family.graphs.values() for g in variants]
+    assert {g.frontend for g in graphs} == {"fx"}
+    assert all("guard" in g.gm.code for g in graphs)
