@@ -203,11 +203,12 @@ class Family:
         lifted = True
         concrete_error: Optional[TraceError] = None
         root = _bound_root(block, self.cls, tree, names, self.lifted)
-        try:
-            captured = capture(root, frontend="fx")
-        except TraceError as e:
-            fx_error = e
-            captured = None
+        captured = fx_error = None
+        if all(isinstance(v, torch.Tensor) for v in leaves):  # (an object's proxy fails isinstance checks)
+            try:
+                captured = capture(root, frontend="fx")
+            except TraceError as e:
+                fx_error = e
         if captured is None:  # shapes unpacked or branched on: trace with this call's values, branches guarded
             try:
                 with float32_for_capture(root, _stored_low(root)) as restore:  # the forward runs as written
@@ -217,7 +218,7 @@ class Family:
                 concrete_error = e
                 logger.info("fxamp: %s: torch.fx with the call's values failed too: %s", what, e.short)
         if captured is None:
-            e = fx_error
+            e = fx_error or concrete_error
             opaque = [type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor)]
             if opaque:
                 raise TraceError(

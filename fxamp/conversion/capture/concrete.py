@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import FxampError, TraceError
+from ..op_lists import is_inplace
 from .fx import FxFrontEnd, FxTracer
 
 __all__ = ["ConcreteFxFrontEnd", "GuardFailed", "guard"]
@@ -106,6 +107,11 @@ class _ConcreteTracer(FxTracer):
             self.meta_only.add(node)  # cache.is_updated.get(i): a read of an object's state
         elif kind == "call_method" and not isinstance(receiver, (torch.Tensor,) + _SIMPLE):
             self.effects.add(node)  # cache.update(...)
+        elif kind in ("call_method", "call_function") and is_inplace(kind, target) and node.args and \
+                isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder":
+            self.effects.add(node)  # x.add_(1) on an input: running it twice would add twice
+        elif kind == "call_module" and any(True for _ in _raw_attr(self.root, target).buffers()):
+            self.effects.add(node)  # a batch norm's statistics
         elif kind == "call_function" and target in _WRITERS:
             self.effects.add(node)  # cache.is_updated[i] = True
         elif kind == "call_function" and target is builtins.getattr and len(a) > 1 and \
