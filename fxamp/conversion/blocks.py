@@ -140,7 +140,8 @@ class Family:
         self.options = options
         self.lifted = lifted
         self.glue = glue
-        self.graphs: Dict[Any, "_Graph"] = {}  # (signature, None | the training mode it is right in)
+        # (signature, None | the training mode it is right in) -> its variants (guards pick), latest first
+        self.graphs: Dict[Any, List["_Graph"]] = {}
         self.static: Dict[Any, Callable[..., Any]] = {}  # signature -> the sizes of the dims export kept static
         self.per_instance = False  # an export capture read a lifted attribute: graphs keyed by their values too
         self.captures = 0
@@ -164,12 +165,7 @@ class Family:
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Family":
         new = Family.__new__(Family)
         memo[id(self)] = new
-        state = self.__getstate__()
-        state["graphs"] = {}
-        state["static"] = {}  # a copy captures again: the graphs hold the original instance's modules
-        state["captures"] = 0
-        state["capture_seconds"] = 0.0
-        new.__setstate__(state)
+        new.__setstate__(self.__getstate__())  # (shares the class, policy and options: none changes)
         return new
 
     def run(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -178,19 +174,20 @@ class Family:
         key = base if static is None else (base, tuple(static(tuple(leaves), {})))
         mode = block.training
         graphs = self.graphs
-        variants = graphs.get((key, None)) or graphs.get((key, mode))
-        if variants is None and self.per_instance:  # export graphs that read a lifted attribute: one per value
+        keys = [(key, None), (key, mode)]
+        if self.per_instance:  # export graphs that read a lifted attribute: one per value
             values = block.__dict__[_LIFTED]
-            variants = graphs.get(((key, values), None)) or graphs.get(((key, values), mode))
-        for graph in variants or ():
-            try:
-                out = graph.call(block, leaves)
-            except GuardFailed:  # an early guard: this call takes another branch; nothing has run that matters
-                continue
-            if graph is not variants[0]:
-                variants.remove(graph)
-                variants.insert(0, graph)  # the latest variant first (a decoding loop's steps)
-            return out
+            keys += [((key, values), None), ((key, values), mode)]
+        for variants in [graphs[k] for k in keys if k in graphs]:
+            for graph in variants:
+                try:
+                    out = graph.call(block, leaves)
+                except GuardFailed:  # an early guard: this call takes another branch; nothing ran that matters
+                    continue
+                if graph is not variants[0]:
+                    variants.remove(graph)
+                    variants.insert(0, graph)  # the latest variant first (a decoding loop's steps)
+                return out
         with self._lock:
             graph = self._capture(block, base, key, tree, leaves)
         return graph.call(block, leaves)
