@@ -296,3 +296,13 @@ def test_shapes_branches_and_objects_are_captured_with_the_calls_values():
     graphs = [g for variants in family.graphs.values() for g in variants]
     assert {g.frontend for g in graphs} == {"fx"}
     assert all("guard" in g.gm.code for g in graphs)
+
+
+def test_report_before_a_call_names_the_families_and_takes_no_options():
+    model = make()
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    rep = fxamp.report(model)
+    assert not rep.rows and any("'layers.0' (shared by layers.0, layers.1, layers.2, layers.3): not called yet" in n
+                                for n in rep.notes)
+    with pytest.raises(ValueError, match=r"converted in place \(fxamp.convert_\).*pass the model alone"):
+        fxamp.report(model, ids())
