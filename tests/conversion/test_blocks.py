@@ -306,3 +306,13 @@ def test_report_before_a_call_names_the_families_and_takes_no_options():
                                 for n in rep.notes)
     with pytest.raises(ValueError, match=r"converted in place \(fxamp.convert_\).*pass the model alone"):
         fxamp.report(model, ids())
+
+
+def test_torch_compile_traces_the_converted_model_as_one_graph():
+    """The per-call Python of a converted block (signature, graph lookup) is traceable by dynamo."""
+    model = make()
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    x = ids()
+    model(x)  # the blocks capture first
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0

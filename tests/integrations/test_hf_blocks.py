@@ -63,10 +63,10 @@ def greedy_margins(model, prompt, steps):
     return min(float((s.topk(2).values[:, 0] - s.topk(2).values[:, 1]).min()) for s in out.scores)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_generate_with_the_kv_cache(name):
+@pytest.mark.parametrize("name,policy", [("gpt2", "O1"), ("llama", "O1"), ("llama", "O2")])
+def test_generate_with_the_kv_cache(name, policy):
     make = MODELS[name]
-    ref, model = make(layers=4), converted(make, layers=4)
+    ref, model = make(layers=4), converted(make, policy, layers=4)
     prompt, steps = ids(), 6
     tokens = model.generate(prompt, max_new_tokens=steps, do_sample=False)
     assert type(model).__name__ == type(ref).__name__ and model.generation_config is not None
