@@ -25,6 +25,7 @@ never through the capture's copy, so the graph of one instance runs any instance
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import logging
@@ -538,10 +539,12 @@ def _families(model: nn.Module, paths: List[str], policy: Policy, options: Conve
     attributes (objects) split the group."""
     modules = dict(model.named_modules())
     groups: Dict[Any, List[str]] = {}
-    for p in paths:
-        groups.setdefault(_structure(modules[p]), []).append(p)
+    rules = {p: _overrides_inside(p, options.module_overrides or {}) for p in paths}
+    for p in paths:  # instances with other module_overrides inside them cannot share a graph
+        groups.setdefault((_structure(modules[p]), tuple(sorted(rules[p].items(), key=str))), []).append(p)
     out = []
     for members in groups.values():
+        own = dataclasses.replace(options, module_overrides=rules[members[0]] or None)
         attrs = [_attrs(modules[p]) for p in members]
         keys = set().union(*attrs)
         lifted, split = [], []
@@ -557,11 +560,24 @@ def _families(model: nn.Module, paths: List[str], policy: Policy, options: Conve
         for p, a in zip(members, attrs):
             subgroups.setdefault(tuple(id(a.get(k)) for k in split), []).append(p)
         for sub in subgroups.values():
-            out.append((Family(type(modules[sub[0]]), sub, policy, options, tuple(lifted), glue), sub))
+            out.append((Family(type(modules[sub[0]]), sub, policy, own, tuple(lifted), glue), sub))
     return out
 
 
 _MISSING = object()
+
+
+def _overrides_inside(path: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """The user's ``module_overrides`` as the capture of the module at ``path`` names them: paths below it
+    relative to it, and the closest override of it or of a module around it as ``""`` (its whole graph)."""
+    out: Dict[str, Any] = {}
+    around = [p for p in overrides if _inside(path, p) or p == ""]
+    if around:
+        out[""] = overrides[max(around, key=len)]
+    for p, value in overrides.items():
+        if p.startswith(path + "."):
+            out[p[len(path) + 1:]] = value
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -582,6 +598,11 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
     if conversion_info(model) is not None or converted_modules(model):
         raise ValueError(f"fxamp.convert_: this {type(model).__name__} was already converted by fxamp; convert "
                          f"the original model once")
+    names = {p for p, _ in model.named_modules()}
+    for path in options.module_overrides or {}:
+        if path not in names:
+            raise ValueError(f"module_overrides: {path!r} is not a submodule of {type(model).__name__}; some "
+                             f"paths it has: {', '.join(sorted(names - {''})[:6])}")
     block_paths = find_blocks(model, blocks)
     glue_paths = glue_modules(model, block_paths)
     families = _families(model, block_paths, policy, options, glue=False) + \

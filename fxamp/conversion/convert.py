@@ -147,7 +147,10 @@ def convert_(
             call) per block class, structure and call signature serves every instance.  Linear, embedding,
             convolution and norm modules outside blocks get module-level decisions (the glue); the rest of
             the model (its Python: ``generate``, caches, losses) runs as written.
-    The other keywords are ``convert``'s.  ``model``'s object, class, methods, ``config`` and hooks stay;
+    The other keywords are ``convert``'s (``module_overrides`` paths are the model's: each block's graph
+    gets the ones inside it, and instances with different ones stop sharing a graph); ``node_overrides``,
+    ``leaf_modules``, ``frontend`` and example inputs have no meaning here (each block is captured at its
+    first call, with torch.fx, then torch.fx on the call's values, then torch.export).  ``model``'s object, class, methods, ``config`` and hooks stay;
     ``state_dict`` keys do not change; under O2/O3 the converted modules' tensors are re-bound to their
     storage dtypes at once (predicted from the module tree, as for a ``LazyConverted``).
     """

@@ -316,3 +316,18 @@ def test_torch_compile_traces_the_converted_model_as_one_graph():
     model(x)  # the blocks capture first
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+def test_module_overrides_reach_the_blocks_they_name():
+    model = make()
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16, module_overrides={"layers.2.fc1": "unsafe", "head": "unsafe"})
+    x = ids()
+    model(x)
+    rows = fxamp.report(model).rows
+    fc1 = {r.module: r.compute for r in rows if r.is_op and r.module.endswith("fc1")}
+    assert fc1 == {"layers.0.fc1": "bfloat16", "layers.2.fc1": "float32"}  # layer 2 is a family of its own
+    assert {len(family_of(model.layers[i]).paths) for i in range(4)} == {3, 1}
+    head = next(r for r in rows if r.is_op and r.module == "head")
+    assert head.compute == "float32" and head.source == "module-level"
+    with pytest.raises(ValueError, match=r"module_overrides: 'layers.9' is not a submodule of Net"):
+        fxamp.convert_(make(), "O1", module_overrides={"layers.9": "unsafe"})
