@@ -39,9 +39,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen
 
+from .calls import SIMPLE, bound_root, describe_call, flatten_call, leaf_names
 from .capture import capture, capture_with_values
 from .capture.concrete import GuardFailed
-from ..dtypes import LOW, short_name
+from ..dtypes import LOW
 from .capture.shapes import STATIC_SIZES
 from .capture.modes import MODE_FLAG
 from ..errors import TraceError
@@ -62,9 +63,10 @@ logger = logging.getLogger("fxamp")
 BLOCKS_FRONTEND = "blocks"
 #: leaf modules outside blocks that get module-level decisions (and the policy's outputs)
 _GLUE: Tuple[type, ...] = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
-_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _FAMILY = "_fxamp_family"
 _LIFTED = "_fxamp_lifted"
+#: a converted block's own attributes, which the module torch.fx traces must not have
+_PRIVATE = (_FAMILY, _LIFTED, INFO_ATTR)
 
 
 def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
@@ -170,7 +172,7 @@ class Family:
         return new
 
     def run(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        base, leaves, tree = _flatten(args, kwargs)
+        base, leaves, tree = flatten_call(args, kwargs)
         static = self.static.get(base)  # an export capture kept some dims static: their sizes are part of the key
         key = base if static is None else (base, tuple(static(tuple(leaves), {})))
         mode = block.training
@@ -195,12 +197,12 @@ class Family:
 
     def _capture(self, block: nn.Module, base: Any, key: Any, tree: Any, leaves: List[Any]) -> "_Graph":
         start = time.perf_counter()
-        names = _leaf_names(tree, len(leaves))
+        names = leaf_names(tree, len(leaves))
         what = f"{'glue module' if self.glue else 'block'} {self.paths[0]!r} ({self.cls.__name__})"
-        described = _describe(tree, leaves)
+        described = describe_call(tree, leaves)
         lifted = True
         concrete_error: Optional[TraceError] = None
-        root = _bound_root(block, self.cls, tree, names, self.lifted)
+        root = bound_root(block, self.cls, tree, names, self.lifted, drop=_PRIVATE)
         captured = fx_error = None
         if all(isinstance(v, torch.Tensor) for v in leaves):  # (an object's proxy fails isinstance checks)
             try:
@@ -261,7 +263,7 @@ class Family:
 
     def _export(self, block: nn.Module, tree: Any, names: List[str], leaves: List[Any], values: Tuple[Any, ...],
                 fx_error: TraceError) -> Any:
-        root = _bound_root(block, self.cls, tree, names, self.lifted, values=values)
+        root = bound_root(block, self.cls, tree, names, self.lifted, values=values, drop=_PRIVATE)
         root.training = block.training
         with float32_for_capture(root, _stored_low(root)) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=tuple(leaves), example_kwargs={},
@@ -338,128 +340,6 @@ def _check_extras(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) ->
         raise TraceError(f"fxamp.convert_: the capture of block {paths[0]!r} made attributes its instances do not "
                          f"have ({', '.join(sorted(extras))}); convert this model whole with fxamp.convert",
                          short="capture made extra attributes")
-
-
-def _flatten(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, List[Any], Any]:
-    """(key, leaves, tree): tensors and opaque objects become leaves (graph inputs); None, numbers, strings,
-    dtypes stay constants in ``tree`` and in the key."""
-    leaves: List[Any] = []
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            leaves.append(x)
-            return ("T", x.dtype, x.dim())
-        kind = type(x)
-        if kind in (tuple, list):
-            return (kind, tuple(walk(v) for v in x))
-        if kind is dict:
-            return (dict, tuple((k, walk(v)) for k, v in x.items()))
-        if isinstance(x, _SIMPLE):
-            return ("C", kind, x)
-        leaves.append(x)
-        return ("O", kind)
-
-    tree = (tuple(walk(a) for a in args), tuple((k, walk(kwargs[k])) for k in sorted(kwargs)))
-    return tree, leaves, tree  # (keywords walked in sorted order: the leaves follow the tree)
-
-
-def _rebuild(tree: Any, leaves: Sequence[Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    it = iter(leaves)
-
-    def build(node: Any) -> Any:
-        tag = node[0]
-        if tag in ("T", "O"):
-            return next(it)
-        if tag == "C":
-            return node[2]
-        if tag is dict:
-            return {k: build(v) for k, v in node[1]}
-        return tag(build(v) for v in node[1])
-
-    args = tuple(build(a) for a in tree[0])
-    kwargs = {k: build(v) for k, v in tree[1]}
-    return args, kwargs
-
-
-def _leaf_names(tree: Any, count: int) -> List[str]:
-    """Placeholder names: the argument's name, with an index for a leaf inside a container."""
-    names: List[str] = []
-
-    def walk(node: Any, name: str) -> None:
-        tag = node[0]
-        if tag in ("T", "O"):
-            names.append(name)
-        elif tag is dict:
-            for k, v in node[1]:
-                walk(v, f"{name}_{k}")
-        elif tag in (tuple, list):
-            for i, v in enumerate(node[1]):
-                walk(v, f"{name}_{i}")
-
-    for i, a in enumerate(tree[0]):
-        walk(a, f"arg{i}")
-    for k, v in tree[1]:
-        walk(v, k)
-    clean = ["".join(c if c.isalnum() or c == "_" else "_" for c in n) for n in names]
-    seen: Dict[str, int] = {}
-    out = []
-    for n in clean:
-        n = n if n and not n[0].isdigit() else f"x_{n}"
-        seen[n] = seen.get(n, 0) + 1
-        out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
-    assert len(out) == count
-    return out
-
-
-def _describe(tree: Any, leaves: Sequence[Any]) -> str:
-    args, kwargs = _rebuild(tree, leaves)
-
-    def one(v: Any) -> str:
-        if isinstance(v, torch.Tensor):
-            return f"{short_name(v.dtype)}[{v.dim()}d]"
-        if isinstance(v, (tuple, list)):
-            return "(" + ", ".join(one(x) for x in v) + ")"
-        if isinstance(v, _SIMPLE):
-            return repr(v)
-        return type(v).__name__
-    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]) or "no arguments"
-
-
-def _bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
-                lifted: Tuple[Tuple[str, str], ...], values: Optional[Tuple[Any, ...]] = None) -> nn.Module:
-    """What torch.fx traces: the block's class's own forward, with the call's constants baked in, its
-    tensors and opaque objects as inputs, and the lifted attributes as inputs set on the submodules
-    for the trace only."""
-    lifted_names = [f"_fxamp_attr_{p.replace('.', '_')}_{a}" if p else f"_fxamp_attr_{a}" for p, a in lifted]
-    if values is not None:  # set as constants, not taken as inputs (torch.export)
-        scope_values = {f"_v{i}": v for i, v in enumerate(values)}
-        lifted_names, given = [], ", ".join(scope_values)
-    else:
-        scope_values, given = {}, ", ".join(lifted_names)
-    params = ", ".join(["self", *names, *lifted_names])
-    scope: Dict[str, Any] = dict(scope_values)
-    exec(f"def forward({params}):\n    return _call(self, ({', '.join(names)}{',' if names else ''}), "
-         f"({given}{',' if given else ''}))\n", scope)
-
-    def _call(self: nn.Module, leaves: Tuple[Any, ...], values: Tuple[Any, ...]) -> Any:
-        args, kwargs = _rebuild(tree, leaves)
-        owners = [(self.get_submodule(p) if p else self, a) for p, a in lifted]
-        old = [o.__dict__.get(a) for o, a in owners]
-        for (owner, attr), v in zip(owners, values):
-            owner.__dict__[attr] = v
-        try:
-            return cls.forward(self, *args, **kwargs)
-        finally:
-            for (owner, attr), v in zip(owners, old):
-                owner.__dict__[attr] = v
-
-    scope["forward"].__globals__["_call"] = _call
-    traced = type(cls.__name__, (cls,), {"forward": scope["forward"], "__module__": cls.__module__})
-    root = traced.__new__(traced)
-    root.__dict__ = {k: v for k, v in block.__dict__.items() if k not in (_FAMILY, _LIFTED, INFO_ATTR)}
-    for table in ("_parameters", "_buffers", "_modules"):
-        root.__dict__[table] = dict(block.__dict__[table])
-    return root
 
 
 # -- the converted classes -------------------------------------------------------------------------
@@ -587,7 +467,7 @@ def _same(a: Any, b: Any) -> bool:
     if type(a) in (tuple, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     try:
-        return isinstance(a, _SIMPLE) and bool(a == b)
+        return isinstance(a, SIMPLE) and bool(a == b)
     except Exception:  # pragma: no cover - an __eq__ that does not return a bool
         return False
 
