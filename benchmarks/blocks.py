@@ -10,6 +10,8 @@ capture   a Llama config with 32 layers (hidden 256, 4 heads, intermediate 512, 
 memory    peak resident memory of converting a 12-layer Llama (hidden 1024, ~0.2 B parameters) under
           O2 bfloat16, in a fresh process each: ``convert_`` against ``convert``; the float32 model's
           own size for scale.
+realmodels every model of tests/realmodels converted in place (O1 bfloat16): output SQNR against float32
+          beside torch.autocast's, blocks found, captures made.
 compile   ``torch.compile(model)`` first call (4 layers, hidden 256): the model converted in place,
           against the unconverted model under ``torch.autocast``; then the median of 10 later calls.
 
@@ -153,11 +155,50 @@ def compile_() -> None:
     print(f"\nfirst call, in place / autocast: {rows[1][1]['first'] / rows[0][1]['first']:.2f}x")
 
 
+def realmodels() -> None:
+    """Every model of the real-model suite (tests/realmodels) converted in place, O1 bfloat16, eval, against
+    float32: the worst output SQNR beside torch.autocast's, the blocks found and the captures made."""
+    import copy
+    import os
+    import warnings
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [os.path.join(root, "tests"), os.path.join(root, "tests", "realmodels")]
+    warnings.filterwarnings("ignore")
+    import fxamp
+    from fxamp.conversion.blocks import converted_modules, family_of
+    from rm_checks import float_leaves
+    from rm_models import ENTRIES, available
+    print("| model | in place | SQNR dB (autocast) | blocks / captures |\n|---|---|---|---|")
+    for entry in ENTRIES:
+        if available(entry) is not None:
+            continue
+        torch.manual_seed(0)
+        model = entry.build().eval()
+        ref = copy.deepcopy(model)
+        args, kwargs = entry.inputs(0)
+        try:
+            fxamp.convert_(model, "O1", dtype=BF16)
+        except ValueError as e:
+            print(f"| {entry.name} | refused: {str(e).split(':')[1].strip()[:70]} | | |")
+            continue
+        with torch.no_grad():
+            out = float_leaves(model(*args, **kwargs))
+            with torch.autocast("cpu", BF16):
+                ac = float_leaves(ref(*args, **kwargs))
+            fp = float_leaves(ref(*args, **kwargs))
+        ours = min(fxamp.sqnr(f, o) for f, o in zip(fp, out))
+        theirs = min(fxamp.sqnr(f, a) for f, a in zip(fp, ac))
+        families = {id(family_of(m)): family_of(m) for _, m in converted_modules(model)}.values()
+        blocks = [f for f in families if not f.glue]
+        print(f"| {entry.name} | ok | {ours:.1f} ({theirs:.1f}) | {sum(len(f.paths) for f in blocks)} / "
+              f"{sum(f.captures for f in blocks)} |")
+
+
 def main() -> int:
     parts = sys.argv[1:] or ["capture", "memory"]
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for part in parts:
-        {"capture": capture, "memory": memory, "compile": compile_}[part]()
+        {"capture": capture, "memory": memory, "compile": compile_, "realmodels": realmodels}[part]()
         print()
     return 0
 

@@ -71,7 +71,8 @@ _PRIVATE = (_FAMILY, _LIFTED, INFO_ATTR)
 
 def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
     """Module paths of the blocks: those matching ``patterns`` (globs such as ``"model.layers.*"``), else
-    the children of every ``nn.ModuleList`` that holds two or more modules of one class (outermost only)."""
+    the children of every ``nn.ModuleList`` that holds two or more modules of one class, or a single module
+    (outermost only)."""
     paths = [p for p, _ in model.named_modules() if p]
     if patterns is not None:
         if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
@@ -91,8 +92,9 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
             counts: Dict[type, int] = {}
             for child in m.children():
                 counts[type(child)] = counts.get(type(child), 0) + 1
+            single = len(m) == 1  # a stack of one layer (a small config) is still the model's block list
             found += [f"{path}.{name}" if path else name for name, child in m.named_children()
-                      if counts[type(child)] > 1]
+                      if counts[type(child)] > 1 or single]
         if not found:
             raise ValueError(f"fxamp.convert_ found no blocks in {type(model).__name__} (no nn.ModuleList holds "
                              f"repeated layers): name them, e.g. blocks=['encoder.layers.*']")
