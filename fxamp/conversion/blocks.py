@@ -97,7 +97,7 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
                       if counts[type(child)] > 1 or single]
         if not found:
             raise ValueError(f"fxamp.convert_ found no blocks in {type(model).__name__} (no nn.ModuleList holds "
-                             f"repeated layers): name them, e.g. blocks=['encoder.layers.*']")
+                             f"its layers): name them, e.g. blocks=['encoder.layers.*']")
     return [p for p in found if not any(q != p and _inside(p, q) for q in found)]  # outermost only
 
 
