@@ -365,6 +365,8 @@ def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
     return _rebuild_block, (self.__dict__[_FAMILY].cls, self.__dict__)
 
 
+#: each original class's converted subclass, made once: every instance (and every copy or unpickled one)
+#: of a class gets the same subclass, so ``type(a) is type(b)`` holds between converted blocks
 _CLASSES: Dict[type, type] = {}
 
 
