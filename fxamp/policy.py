@@ -67,16 +67,19 @@ class Float8:
     cost: Float8Cost = Float8Cost.AUTO
 
     def __post_init__(self) -> None:
-        """Checks the types, and fills ``pow2`` in from the recipe."""
+        """Checks the types (``pow2`` None: the recipe's default, :attr:`power_of_two`)."""
         if not isinstance(self.recipe, Float8Recipe):
             raise TypeError(f"Float8's recipe must be a Float8Recipe, not {self.recipe!r}: write "
                             f"Float8.parse({self.recipe!r}) to give it by name")
         if not isinstance(self.cost, Float8Cost):
             raise TypeError(f"Float8's cost must be a Float8Cost, not {self.cost!r}")
-        if self.pow2 is None:
-            object.__setattr__(self, "pow2", self.recipe is not Float8Recipe.TENSORWISE)
-        elif not isinstance(self.pow2, bool):
+        if self.pow2 is not None and not isinstance(self.pow2, bool):
             raise TypeError(f"Float8's pow2 must be a bool or None, not {self.pow2!r}")
+
+    @property
+    def power_of_two(self) -> bool:
+        """Whether scales are rounded to powers of two: ``pow2``, or the recipe's default when it is None."""
+        return self.recipe is not Float8Recipe.TENSORWISE if self.pow2 is None else self.pow2
 
     @classmethod
     def parse(cls, text: Union[str, "Float8"]) -> "Float8":
@@ -102,10 +105,13 @@ class Float8:
             if key in fields:
                 raise ValueError(f"float8={text!r} sets {key} twice")
             fields[key] = value
+        if fields.get("pow2") == (recipe is not Float8Recipe.TENSORWISE):
+            del fields["pow2"]  # the recipe's default, written out: the same Float8 as without it
         return cls(recipe, **fields)
 
     def __str__(self) -> str:
-        flags = [] if self.pow2 == (self.recipe is not Float8Recipe.TENSORWISE) else ["pow2" if self.pow2 else "nopow2"]
+        default = self.recipe is not Float8Recipe.TENSORWISE
+        flags = [] if self.power_of_two == default else ["pow2" if self.power_of_two else "nopow2"]
         flags += ["always"] if self.cost is Float8Cost.ALWAYS else []
         return ":".join([self.recipe.value, *flags])
 

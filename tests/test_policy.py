@@ -85,8 +85,9 @@ from fxamp.policy import Float8, Float8Cost, Float8Recipe  # noqa: E402
 ])
 def test_float8_spellings_parse_and_print_back(text, recipe, pow2, cost):
     f8 = Float8.parse(text)
-    assert (f8.recipe, f8.pow2, f8.cost) == (recipe, pow2, cost)
+    assert (f8.recipe, f8.power_of_two, f8.cost) == (recipe, pow2, cost)
     assert str(f8) == text and Float8.parse(str(f8)) == f8
+    assert Float8.parse(f"{recipe.value}:{'pow2' if pow2 else 'nopow2'}:{cost.value}") == f8  # defaults spelled out
 
 
 def test_a_preset_takes_float8_after_it_and_the_policy_prints_and_parses_back():

@@ -113,8 +113,8 @@ class Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_t: torch.Tensor, config: Float8) -> torch.Tensor:  # type: ignore[override]
         rowwise = config.recipe is not Float8Recipe.TENSORWISE
-        x8, sx = to_float8(x, E4M3, config.pow2, dim=-1 if rowwise else None)
-        w8, sw = to_float8(w_t, E4M3, config.pow2, dim=0 if rowwise else None)
+        x8, sx = to_float8(x, E4M3, config.power_of_two, dim=-1 if rowwise else None)
+        w8, sw = to_float8(w_t, E4M3, config.power_of_two, dim=0 if rowwise else None)
         ctx.config = config
         ctx.dtypes = (x.dtype, w_t.dtype)
         if rowwise:
@@ -127,7 +127,7 @@ class Float8Matmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         config: Float8 = ctx.config
         x_dtype, w_dtype = ctx.dtypes
-        pow2 = config.pow2
+        pow2 = config.power_of_two
         grad_x = grad_w_t = None
         if config.recipe is Float8Recipe.TENSORWISE:
             x8, sx, w8, sw = ctx.saved_tensors

@@ -68,8 +68,8 @@ def _measure_one(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], co
     x2 = x.reshape(-1, x.shape[-1])
     xa = x2.abs().amax(dim=-1) if rowwise else x2.abs().amax().reshape(1)
     wa = w.abs().amax(dim=-1) if rowwise else w.abs().amax().reshape(1)
-    scales = torch.cat([to_float8(x2, E4M3, config.pow2, dim=-1 if rowwise else None)[1].flatten(),
-                        to_float8(w.t(), E4M3, config.pow2, dim=0 if rowwise else None)[1].flatten()])
+    scales = torch.cat([to_float8(x2, E4M3, config.power_of_two, dim=-1 if rowwise else None)[1].flatten(),
+                        to_float8(w.t(), E4M3, config.power_of_two, dim=0 if rowwise else None)[1].flatten()])
     return Float8Measure(sqnr(low.float(), f8.float()), (float(xa.min()), float(xa.max())),
                          (float(wa.min()), float(wa.max())), (float(scales.min()), float(scales.max())))
 

@@ -91,19 +91,28 @@ class LeanConfig:
     small: int = 65536
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "masters", _enum(MasterPrecision, self.masters, "masters"))
-        object.__setattr__(self, "state", _enum(StatePrecision, self.state, "state"))
+        for name, cls in (("masters", MasterPrecision), ("state", StatePrecision)):
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"LeanConfig's {name} must be a {cls.__name__}, not {getattr(self, name)!r}: write "
+                                f"LeanConfig.of({name}={getattr(self, name)!r}) to give it by name")
         if not isinstance(self.calibration_steps, int) or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps={self.calibration_steps!r}: a positive int")
         if not isinstance(self.small, int) or self.small < 0:
             raise ValueError(f"small={self.small!r}: a non-negative int")
 
     @classmethod
+    def of(cls, masters: Union[str, MasterPrecision] = "fp32", state: Union[str, StatePrecision] = "fp32",
+           calibration_steps: int = 4, small: int = 65536) -> "LeanConfig":
+        """A LeanConfig from names (``LeanConfig.of("auto", "int8")``), each checked against its valid values."""
+        return cls(_enum(MasterPrecision, masters, "masters"), _enum(StatePrecision, state, "state"),
+                   calibration_steps, small)
+
+    @classmethod
     def preset(cls, name: str) -> "LeanConfig":
         if name not in PRESETS:
             raise ValueError(f"precision={name!r} is not a preset; valid: {', '.join(map(repr, PRESETS))}")
         masters, state = PRESETS[name]
-        return cls(masters, state)
+        return cls.of(masters, state)
 
     @property
     def lean(self) -> bool:
@@ -375,7 +384,7 @@ def resolve(masters: Union[str, MasterPrecision], state: Union[str, StatePrecisi
             precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
     """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)``."""
     if precision is None:
-        return LeanConfig(masters, state)
+        return LeanConfig.of(masters, state)
     if isinstance(precision, LeanConfig):
         return precision
     if isinstance(precision, str):

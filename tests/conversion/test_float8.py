@@ -62,7 +62,7 @@ def test_linear_forward_and_backward_match_the_dequantized_reference(spelling, d
     g = torch.randn(24, 48).to(dtype)
     out = float8_linear(x, w, None, config)
     out.backward(g)
-    r_out, r_gx, r_gw = reference(config.recipe.value, x.detach(), w.detach(), g, config.pow2)
+    r_out, r_gx, r_gw = reference(config.recipe.value, x.detach(), w.detach(), g, config.power_of_two)
     close(out, r_out, dtype)
     close(x.grad, r_gx, dtype)
     if config.recipe is Float8Recipe.ROWWISE_WITH_GW_HP and dtype == torch.bfloat16:  # a bf16 GEMM, not exact
@@ -84,7 +84,7 @@ def test_a_token_count_not_a_multiple_of_16_is_padded_for_the_grad_weight_gemm(r
     with OpDtypes() as rec:
         float8_linear(x, w, None, config).backward(g)
     assert all(c.shapes[0][1] % 16 == 0 for c in rec.of("_scaled_mm"))
-    _, r_gx, r_gw = reference(recipe, x.detach(), w.detach(), g, config.pow2)
+    _, r_gx, r_gw = reference(recipe, x.detach(), w.detach(), g, config.power_of_two)
     close(x.grad, r_gx, torch.float32)
     close(w.grad, r_gw, torch.float32)
 

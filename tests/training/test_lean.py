@@ -14,7 +14,7 @@ import fxamp
 from fxamp.info import ORIGIN
 from fxamp.training import quant
 from fxamp.training import lean as lean_module
-from fxamp.training.lean import LeanConfig, stochastic_round
+from fxamp.training.lean import LeanConfig, MasterPrecision, StatePrecision, stochastic_round
 
 MODES = [("fp32", "fp32"), ("kahan", "fp32"), ("stochastic", "fp32"), ("fp32", "int8"), ("kahan", "bf16"),
          ("stochastic", "int8"), ("auto", "auto")]
@@ -171,7 +171,7 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state):
         model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).to(torch.bfloat16)
         model[1].float()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        config = LeanConfig(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
+        config = LeanConfig.of(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
         return model, fxamp.MixedPrecisionOptimizer(inner, precision=config, seed=7, model=model)
 
     def train(model, opt, n):
@@ -238,7 +238,7 @@ def test_auto_keeps_float32_where_rounding_bites_and_says_why():
     with torch.no_grad():
         model[0].weight.mul_(100)  # large weights: a 1e-3 step is far under their half-ulp
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                        precision=LeanConfig("auto", "auto", calibration_steps=2, small=100),
+                                        precision=LeanConfig.of("auto", "auto", calibration_steps=2, small=100),
                                         model=model)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(3):
@@ -259,7 +259,7 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
     with torch.no_grad():
         model.weight.mul_(0.01)  # small weights: a 1e-2 step is many ulps
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                        precision=LeanConfig("auto", "auto", calibration_steps=2, small=100))
+                                        precision=LeanConfig.of("auto", "auto", calibration_steps=2, small=100))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(3):
         opt.zero_grad()
@@ -322,7 +322,7 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
         amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                             release_grad_buffer=release,
-                                            precision=LeanConfig(masters, state, calibration_steps=2, small=100))
+                                            precision=LeanConfig.of(masters, state, calibration_steps=2, small=100))
         for step in range(4):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
             opt.zero_grad()
@@ -363,3 +363,12 @@ def test_a_float32_checkpoint_loads_into_a_lean_optimizer_as_configured():
         torch.testing.assert_close(low.float() + choice.term.float(), full[id(low)], rtol=2 ** -15, atol=0)
         assert not torch.equal(low.float(), full[id(low)])  # (the term carries what the weight lost)
     assert lean.optimizer.state[lean.master_pairs()[0][1]]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_lean_config_takes_names_through_of_only():
+    assert LeanConfig.of("auto", "int8") == LeanConfig(MasterPrecision.AUTO, StatePrecision.INT8)
+    with pytest.raises(TypeError, match=r"LeanConfig's masters must be a MasterPrecision, not 'kahan': write "
+                                        r"LeanConfig.of\(masters='kahan'\)"):
+        LeanConfig("kahan")
+    with pytest.raises(ValueError, match="masters"):
+        LeanConfig.of("fp8")
