@@ -16,6 +16,7 @@ from .training.loss_scale import LossScaler
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
+from .info import release_originals
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
 from .policy import Float8, Float8Cost, Float8Recipe, Policy
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "convert",
     "convert_",
+    "release_originals",
     "LazyConverted",
     "policy_of",
     "conversion_info",

@@ -18,7 +18,7 @@ from .dtypes import LOW
 from .policy import Policy
 
 __all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "ORIGIN", "conversion_info", "policy_of", "remember_origin",
-           "origin_of", "watch_for_masters"]
+           "origin_of", "take_origin", "held_origins", "release_origins", "release_originals", "watch_for_masters"]
 
 
 @dataclass(frozen=True)
@@ -88,27 +88,34 @@ def watch_for_masters(params: Iterable[torch.Tensor]) -> None:
     handles.extend(p.register_post_accumulate_grad_hook(first_gradient) for p in params)
 
 
-#: set on a float16/bfloat16 parameter that conversion made from a float32 one: a weak reference to
-#: that float32 tensor (the user's original parameter), so a ``MixedPrecisionOptimizer`` built later
-#: takes its master from the exact float32 values instead of widening the rounded copy.  Weak: an
-#: inference-only user keeps no float32 copy alive; once the original model is gone (``convert(Net())``
-#: with no other reference to it) the master is widened from the low-precision copy, as before.
+#: set on a float16/bfloat16 parameter that conversion made from a float32 one: a reference to that
+#: float32 tensor, so a ``MixedPrecisionOptimizer`` built later takes its master from the exact float32
+#: values instead of widening the rounded copy.  ``convert`` holds it weakly (the user's original
+#: model holds it; an inference-only user keeps no float32 copy alive; once the original model is gone,
+#: ``convert(Net())`` with no other reference to it, the master is widened from the low-precision copy,
+#: as before); ``convert_`` holds it (it took the tensor out of the user's model) until the optimizer
+#: takes it as the master itself, without a copy, or ``fxamp.release_originals`` lets go of it.
 ORIGIN = "_fxamp_origin"
 
 
 class _Origin:
-    """A weak reference to the float32 tensor a low-precision parameter was made from.
+    """A reference to the float32 tensor a low-precision parameter was made from: weak (the user's
+    original model holds it: ``convert``), or strong (``convert_`` replaced it in the user's model, so
+    conversion holds it until a ``MixedPrecisionOptimizer`` takes it as the master, without a copy).
 
-    Pickling drops it (a weak reference cannot be pickled, and an unpickled module has no original):
-    it unpickles as a dead reference; a deep copy of the module shares it where the parameter's
-    attributes are copied (torch's ``Parameter.__deepcopy__`` does not copy them)."""
+    Pickling drops it (an unpickled module has no original): it unpickles as a dead reference; a deep
+    copy of the module shares it where the parameter's attributes are copied (torch's
+    ``Parameter.__deepcopy__`` does not copy them)."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "held")
 
-    def __init__(self, tensor: Optional[torch.Tensor]) -> None:
-        self.ref = None if tensor is None else weakref.ref(tensor)
+    def __init__(self, tensor: Optional[torch.Tensor], strong: bool = False) -> None:
+        self.ref = None if tensor is None or strong else weakref.ref(tensor)
+        self.held = tensor if strong else None
 
     def __call__(self) -> Optional[torch.Tensor]:
+        if self.held is not None:
+            return self.held
         return None if self.ref is None else self.ref()
 
     def __deepcopy__(self, memo: dict) -> "_Origin":
@@ -118,10 +125,46 @@ class _Origin:
         return (_Origin, (None,))
 
 
-def remember_origin(low: torch.Tensor, original: torch.Tensor) -> None:
-    """Note on ``low`` (a float16/bfloat16 copy conversion made) the float32 tensor it was rounded from."""
+def remember_origin(low: torch.Tensor, original: torch.Tensor, *, hold: bool = False) -> None:
+    """Note on ``low`` (a float16/bfloat16 copy conversion made) the float32 tensor it was rounded from.
+
+    hold: keep ``original`` alive (nothing else holds it: in-place conversion) until :func:`take_origin`."""
     if low.dtype in LOW and original.dtype == torch.float32 and low.shape == original.shape:
-        setattr(low, ORIGIN, _Origin(original))
+        setattr(low, ORIGIN, _Origin(original, strong=hold))
+
+
+def held_origins(params: Iterable[torch.Tensor]) -> int:
+    """How many of ``params`` hold their float32 original alive (``remember_origin(..., hold=True)``)."""
+    return sum(1 for p in params if isinstance(getattr(p, ORIGIN, None), _Origin) and getattr(p, ORIGIN).held
+               is not None)
+
+
+def release_origins(params: Iterable[torch.Tensor]) -> int:
+    """Let go of the float32 originals ``params`` hold (inference needs none); returns how many."""
+    count = 0
+    for p in params:
+        origin = getattr(p, ORIGIN, None)
+        if isinstance(origin, _Origin) and origin.held is not None:
+            delattr(p, ORIGIN)
+            count += 1
+    return count
+
+
+def release_originals(model: nn.Module) -> int:
+    """Free the float32 originals an in-place converted model (``fxamp.convert_``, O2/O3) holds for the
+    masters of an optimizer not built yet: inference needs none.  Returns how many were let go."""
+    return release_origins(model.parameters())
+
+
+def take_origin(low: torch.Tensor) -> Tuple[Optional[torch.Tensor], bool]:
+    """``(original, owned)``: :func:`origin_of`, and whether conversion alone held it (then ``low`` lets go
+    of it: the caller may use it as it is, no copy needed)."""
+    original = origin_of(low)
+    origin = getattr(low, ORIGIN, None)
+    owned = original is not None and isinstance(origin, _Origin) and origin.held is not None
+    if isinstance(origin, _Origin) and origin.held is not None:
+        delattr(low, ORIGIN)  # (also a stale one: the parameter was loaded or trained since)
+    return original, owned
 
 
 def origin_of(low: torch.Tensor) -> Optional[torch.Tensor]:

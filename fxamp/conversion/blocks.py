@@ -47,7 +47,7 @@ from .capture.shapes import STATIC_SIZES
 from .capture.modes import MODE_FLAG
 from ..errors import TraceError
 from .graph import INPUT_DTYPE, rebind
-from ..info import INFO_ATTR, ConversionInfo, conversion_info, watch_for_masters
+from ..info import INFO_ATTR, ConversionInfo, conversion_info, remember_origin, watch_for_masters
 from .lazy import float32_for_capture, is_norm, predict_storage
 from .options import ConvertOptions
 from .pipeline import rewrite_captured
@@ -477,8 +477,13 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
-                   blocks: Optional[Sequence[str]] = None, notes: Sequence[str] = ()) -> nn.Module:
-    """Convert ``model`` in place (see the module docstring); returns ``model``."""
+                   blocks: Optional[Sequence[str]] = None, notes: Sequence[str] = (), *,
+                   keep_originals: bool = True) -> nn.Module:
+    """Convert ``model`` in place (see the module docstring); returns ``model``.
+
+    keep_originals: O2/O3 hold the float32 tensors the low-precision parameters replace, until a
+    ``MixedPrecisionOptimizer`` takes them as its masters (exact, no copy: ``fxamp.info.take_origin``).
+    """
     if conversion_info(model) is not None or converted_modules(model):
         raise ValueError(f"fxamp.convert_: this {type(model).__name__} was already converted by fxamp; convert "
                          f"the original model once")
@@ -497,6 +502,9 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
         converted = block_paths + glue_paths
         storage = {n: d for n, d in storage.items() if any(_inside(n.rpartition(".")[0], c) for c in converted)}
         changed = rebind(model, storage)
+        if keep_originals:  # the float32 originals are the masters to be: held until an optimizer takes them
+            for old, new in changed.values():
+                remember_origin(new, old, hold=True)
         saved = {name: old.dtype for name, (old, _) in changed.items()}
         watch_for_masters(new for _, new in changed.values())
     modules = dict(model.named_modules())

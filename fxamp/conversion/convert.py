@@ -138,6 +138,7 @@ def convert_(
     op_lists: Optional[OpLists] = None,
     weight_cache: bool = True,
     debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
+    keep_originals: bool = True,
 ) -> nn.Module:
     """Convert ``model`` in place, block by block, and return it (the same object): see ``blocks.py``.
 
@@ -153,7 +154,14 @@ def convert_(
     first call, with torch.fx, then torch.fx on the call's values, then torch.export).  ``model``'s object, class, methods, ``config`` and hooks stay;
     ``state_dict`` keys do not change; under O2/O3 the converted modules' tensors are re-bound to their
     storage dtypes at once (predicted from the module tree, as for a ``LazyConverted``).
+    keep_originals: under O2/O3, hold the float32 tensors those re-bound parameters replace until a
+            ``MixedPrecisionOptimizer`` takes them as its masters: the fine-tuning starts from the exact
+            float32 weights, with no second float32 copy (memory: the model plus its low-precision copy
+            until then).  False for inference: they are freed now (``fxamp.release_originals(model)``
+            frees them later).
     """
+    if not isinstance(keep_originals, bool):
+        raise TypeError(f"keep_originals must be True or False, not {keep_originals!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.convert_ takes an nn.Module, not {type(model).__name__}")
     device_type = device_type_of(model)
@@ -163,7 +171,7 @@ def convert_(
     options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                                    weight_cache=weight_cache, debug_overflow=debug_overflow)
     _refuse_other_low_dtype(model, pol)
-    return convert_blocks(model, pol, options, blocks, notes=chosen)
+    return convert_blocks(model, pol, options, blocks, notes=chosen, keep_originals=keep_originals)
 
 
 def _copy_tree(model: nn.Module) -> nn.Module:

@@ -58,7 +58,7 @@ from .config import LossScaleOption
 from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from ..info import origin_of
+from ..info import take_origin
 from .loss_scale import FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree, scaler_for
 from .ownership import mark_master, refuse_foreign_model, refuse_wrapped
 
@@ -201,8 +201,13 @@ class MixedPrecisionOptimizer:
         params = group["params"]
         for j, p in enumerate(params):
             if p.dtype in LOW:
-                origin = origin_of(p)  # the float32 tensor conversion rounded p from, if alive: its exact values
-                value = p.detach().float() if origin is None else origin.detach().to(p.device, torch.float32, copy=True)
+                # the float32 tensor conversion rounded p from, if alive: its exact values; taken as it is when
+                # conversion alone held it (convert_), else copied (the user's original model holds it)
+                origin, owned = take_origin(p)
+                if origin is None:
+                    value = p.detach().float()
+                else:
+                    value = origin.detach().to(p.device, torch.float32, copy=not owned)
                 master = nn.Parameter(value, requires_grad=p.requires_grad)
                 state = self.optimizer.state.pop(p, None)
                 if state:

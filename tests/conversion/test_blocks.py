@@ -331,3 +331,37 @@ def test_module_overrides_reach_the_blocks_they_name():
     assert head.compute == "float32" and head.source == "module-level"
     with pytest.raises(ValueError, match=r"module_overrides: 'layers.9' is not a submodule of Net"):
         fxamp.convert_(make(), "O1", module_overrides={"layers.9": "unsafe"})
+
+
+def test_o2_in_place_masters_are_the_original_float32_tensors_not_copies():
+    """Issue 27: fine-tuning starts from the exact float32 weights, and they are the masters (no copy)."""
+    model = make()
+    originals = {n: p for n, p in model.named_parameters()}
+    exact = {n: p.detach().clone() for n, p in originals.items()}
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    assert fxamp.info.held_origins(model.parameters()) > 0
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model)
+    masters = {n: m for n, (low, m) in zip([n for n, p in model.named_parameters() if p.dtype == torch.bfloat16],
+                                          opt.master_pairs())}
+    assert masters and fxamp.info.held_origins(model.parameters()) == 0  # handed over
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(master, exact[name]), name  # not rounded
+        assert master.data_ptr() == originals[name].data_ptr(), name  # the original's storage itself
+    x = ids()
+    _, loss = model(x, x)
+    opt.backward(loss)
+    opt.step()  # lr 0: the weights are the rounding of the exact originals still
+    assert torch.equal(model.layers[0].fc1.weight, exact["layers.0.fc1.weight"].bfloat16())
+
+
+def test_in_place_originals_can_be_freed_for_inference():
+    model = make()
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16, keep_originals=False)
+    assert fxamp.info.held_origins(model.parameters()) == 0
+    model = make()
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    held = fxamp.info.held_origins(model.parameters())
+    assert held > 0 and fxamp.release_originals(model) == held
+    assert fxamp.info.held_origins(model.parameters()) == 0
+    with pytest.raises(TypeError, match="keep_originals must be True or False"):
+        fxamp.convert_(make(), "O2", keep_originals="yes")
