@@ -165,6 +165,10 @@ float16 for a subset) and checks, per model and policy:
   (unless float32's does not either);
 - **training-lean**: the same at O2 bfloat16 with lean masters and state (`masters="stochastic",
   state="int8"`: bfloat16 weights rounded stochastically, 8-bit Adam moments; 27 models, all pass);
+- **in-place-numerics / in-place-training**: the numerics check (O1 and O2) and the training check
+  (O2) of the model converted in place, block by block (`fxamp.convert_` of a copy; the masters are
+  the float32 originals): 22 models with layer lists pass all three, the 5 without one are n/a
+  (`convert_` refuses them in one line until `blocks=` names their blocks);
 - **O0** is bitwise equal to the original in eval and in train mode (every dropout set to 0);
 - **float64**: a float64 model with float64 inputs converted O1 bfloat16 comes back float64, unchanged.
 

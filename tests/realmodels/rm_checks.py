@@ -43,7 +43,23 @@ class NotApplicable(Exception):
     """The check cannot apply to this model (the tests skip, the coverage table says n/a)."""
 
 
-def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, **extra: Any) -> nn.Module:
+#: the keywords of fxamp.convert that fxamp.convert_ takes too
+_IN_PLACE_KWARGS = ("keep_norms_fp32", "overrides", "module_overrides", "op_lists", "weight_cache")
+
+
+def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, in_place: bool = False,
+            **extra: Any) -> nn.Module:
+    """``fxamp.convert`` with the entry's inputs and options; ``in_place``: ``fxamp.convert_`` of a copy (the
+    checks keep ``model`` as the float32 reference), NotApplicable for a model without blocks."""
+    if in_place:
+        options = {k: v for k, v in {**entry.convert_kwargs, **extra}.items() if k in _IN_PLACE_KWARGS}
+        copied = copy.deepcopy(model)
+        try:
+            return fxamp.convert_(copied, policy, dtype=dtype, **options)
+        except ValueError as exc:
+            if "no blocks" in str(exc) or "found no blocks" in str(exc):
+                raise NotApplicable(f"in place: {exc}") from exc
+            raise
     args, kwargs = entry.inputs(0)
     return fxamp.convert(model, policy, dtype=dtype, example_inputs=args, example_kwargs=kwargs,
                          frontend=entry.frontend, **{**entry.convert_kwargs, **extra})
@@ -98,7 +114,17 @@ def draws_for(numel: int) -> int:
     return max(1, min(MAX_DRAWS, math.ceil(MIN_COMPARED / max(numel, 1))))
 
 
-def check_numerics(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[str, Any]:
+def check_in_place_numerics(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[str, Any]:
+    """:func:`check_numerics` of the model converted in place, block by block (``fxamp.convert_``)."""
+    return check_numerics(entry, policy, dtype, in_place=True)
+
+
+def check_in_place_training(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[str, Any]:
+    """:func:`check_training` of the model converted in place (masters: the float32 originals themselves)."""
+    return check_training(entry, policy, dtype, in_place=True)
+
+
+def check_numerics(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: bool = False) -> Dict[str, Any]:
     """Convert; state_dict keys; float32 outputs; eval determinism; SQNR within 3 dB of autocast's.
 
     SQNR is pooled over as many input draws as it takes to compare ``MIN_COMPARED`` values: on a
@@ -106,7 +132,7 @@ def check_numerics(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[str, A
     CLIP's 4 logits put fxamp anywhere from 10 dB below to 4 dB above autocast by input seed.
     """
     model = build(entry).eval()
-    amp = convert(entry, model, policy, dtype)
+    amp = convert(entry, model, policy, dtype, in_place=in_place)
     assert not model.training, "convert() must leave the model's mode as it was"
     assert set(amp.state_dict()) == set(model.state_dict()), (
         f"state_dict keys changed: only in converted {sorted(set(amp.state_dict()) - set(model.state_dict()))[:3]}, "
@@ -164,11 +190,12 @@ def check_training_lean(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[s
     return check_training(entry, policy, dtype, **LEAN)
 
 
-def check_training(entry: Entry, policy: str, dtype: torch.dtype, **lean: str) -> Dict[str, Any]:
+def check_training(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: bool = False,
+                   **lean: str) -> Dict[str, Any]:
     """A few AdamW steps through MixedPrecisionOptimizer track float32's losses and bring the loss down."""
     ref_model = build(entry)
     model = copy.deepcopy(ref_model)  # O0/O1 share the original's parameters: train a separate copy
-    amp = convert(entry, model.eval(), policy, dtype)
+    amp = convert(entry, model.eval(), policy, dtype, in_place=in_place)
     ref_model.train()
     amp.train()
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=TRAIN_LR)
@@ -226,7 +253,8 @@ def check_float64(entry: Entry, policy: str = "O1", dtype: torch.dtype = torch.b
 
 
 CHECKS = {"o0": check_o0, "numerics": check_numerics, "training": check_training,
-          "training-lean": check_training_lean, "float64": check_float64}
+          "training-lean": check_training_lean, "in-place-numerics": check_in_place_numerics,
+          "in-place-training": check_in_place_training, "float64": check_float64}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -240,5 +268,8 @@ def cases(entry: Entry) -> List[tuple]:
             out.append(("numerics", policy, dt))
             out.append(("training", policy, dt))
     out.append(("training-lean", "O2", "bfloat16"))
+    for policy in ("O1", "O2"):
+        out.append(("in-place-numerics", policy, "bfloat16"))
+    out.append(("in-place-training", "O2", "bfloat16"))
     out.append(("float64", "O1", "bfloat16"))
     return out

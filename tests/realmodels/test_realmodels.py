@@ -36,6 +36,8 @@ DEFAULT = {
     ("conv-bn-relu", "numerics", "O2", "bfloat16"),
     ("conv-bn-relu", "training", "O2", "float16"),
     ("gpt2", "training-lean", "O2", "bfloat16"),
+    ("llama", "in-place-numerics", "O2", "bfloat16"),
+    ("gpt2", "in-place-training", "O2", "bfloat16"),
     ("conv-bn-relu", "training-lean", "O2", "bfloat16"),
     ("conv-bn-relu", "o0", None, None),
     ("conv-bn-relu", "float64", "O1", "bfloat16"),
