@@ -92,7 +92,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
     """``q`` (|x| / absmax) -> codes in place, as float: ``round(top + k log2 q)`` clamped, with ``x``'s sign."""
-    q.clamp_min_(1e-38).log2_().mul_(k).add_(top).round_().clamp_(0, top)
+    q.log2_().mul_(k).add_(top).round_().clamp_(0, top)  # (q = 0: -inf, clamped to code 0)
     if signed:  # (q >= 0: times sign(x) is copysign(q, x) here, in two fast passes instead of one slow one)
         q.mul_(torch.sign(x))
     else:  # a non-zero second moment never decodes to zero: at least code 1 where x > 0 (sign(x) is 1 there)
