@@ -75,7 +75,7 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
             absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
             q.div_(amax.clamp_min_(_TINY))  # (|x| / absmax: bitwise |x / absmax|, the absmax being positive)
             _code_(q, top, k, blocks, signed)
-            codes_flat[start:start + full].copy_(q.view(-1))
+            codes_flat[start:start + full].copy_(_integral(q.view(-1), signed))
         if full < m:  # the last, partial block
             tail = part[full:]
             q = tail.abs()
@@ -83,7 +83,7 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
             absmax[-1] = amax
             q.div_(amax.clamp_min(_TINY))
             _code_(q, top, k, tail, signed)
-            codes_flat[start + full:start + m].copy_(q)
+            codes_flat[start + full:start + m].copy_(_integral(q, signed))
     return codes.view(x.shape), absmax
 
 
@@ -97,6 +97,12 @@ def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -
         q.mul_(torch.sign(x))
     else:  # a non-zero second moment never decodes to zero: at least code 1 where x > 0 (sign(x) is 1 there)
         torch.maximum(q, torch.sign(x), out=q)  # (float ops: comparisons into bool run far slower on CPU)
+
+
+def _integral(q: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Codes held as float, ready to copy into int8/uint8: through int16 for uint8 (float -> uint8 is a
+    slow conversion on CPU; the values are integers 0..255, exact either way)."""
+    return q if signed else q.to(torch.int16)
 
 
 def _table(signed: bool, device: torch.device) -> torch.Tensor:
