@@ -45,18 +45,23 @@ def compressible(optimizer: Any) -> bool:
     return type(optimizer) in STOCK
 
 
-#: elements per slice of the (de)quantization: a few in-place passes over a slice stay in cache, and
-#: the temporaries of a large tensor are this size, not the tensor's (a multiple of :data:`BLOCK`)
-CHUNK = 64 * BLOCK
+#: elements per slice of the (de)quantization (and of the stochastic rounding): the few in-place passes
+#: over a slice (256 KiB of float32) stay in cache, the temporaries of a large tensor are this size,
+#: not the tensor's, and a slice is large enough that the passes, not their dispatch, take the time
+#: (a multiple of :data:`BLOCK`)
+CHUNK = 256 * BLOCK
 
 
-def quantize(x: torch.Tensor, signed: bool) -> "tuple[torch.Tensor, torch.Tensor]":
-    """``x`` (float32) as 8-bit log codes per block of :data:`BLOCK` (int8 signed, uint8 unsigned) and the blocks' absmax."""
+def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
+             absmax_out: Optional[torch.Tensor] = None) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``x`` (float32) as 8-bit log codes per block of :data:`BLOCK` (int8 signed, uint8 unsigned) and the blocks'
+    absmax; written into ``out`` (codes, ``x``'s number of elements) and ``absmax_out`` where given."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
     nblocks = -(-n // BLOCK)
-    codes = torch.empty(n, dtype=torch.int8 if signed else torch.uint8, device=x.device)
-    absmax = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    codes = torch.empty(n, dtype=torch.int8 if signed else torch.uint8, device=x.device) if out is None else out
+    absmax = torch.empty(nblocks, dtype=torch.float32, device=x.device) if absmax_out is None else absmax_out
+    codes_flat = codes.view(-1)
     top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
     for start in range(0, n, CHUNK):
         part = flat[start:start + CHUNK]
@@ -65,18 +70,20 @@ def quantize(x: torch.Tensor, signed: bool) -> "tuple[torch.Tensor, torch.Tensor
         b0 = start // BLOCK
         if full:
             blocks = part[:full].view(-1, BLOCK)
-            amax = torch.amax(blocks.abs(), dim=1, keepdim=True)
+            q = blocks.abs()
+            amax = torch.amax(q, dim=1, keepdim=True)
             absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
-            q = blocks / amax.clamp_min_(_TINY)
+            q.div_(amax.clamp_min_(_TINY))  # (|x| / absmax: bitwise |x / absmax|, the absmax being positive)
             _code_(q, top, k, blocks, signed)
-            codes[start:start + full] = q.view(-1)
+            codes_flat[start:start + full].copy_(_integral(q.view(-1), signed))
         if full < m:  # the last, partial block
             tail = part[full:]
-            amax = tail.abs().amax()
+            q = tail.abs()
+            amax = q.amax()
             absmax[-1] = amax
-            q = tail / amax.clamp_min(_TINY)
+            q.div_(amax.clamp_min(_TINY))
             _code_(q, top, k, tail, signed)
-            codes[start + full:start + m] = q
+            codes_flat[start + full:start + m].copy_(_integral(q, signed))
     return codes.view(x.shape), absmax
 
 
@@ -84,28 +91,41 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
-    """``q`` (|x| / absmax, signed) -> codes in place, as float: ``round(top + k log2 |q|)`` clamped, signed."""
-    q.abs_().clamp_min_(1e-38).log2_().mul_(k).add_(top).round_().clamp_(0, top)
-    if signed:
-        q.copysign_(x)
-    else:  # a non-zero second moment never decodes to zero
-        torch.maximum(q, (x > 0).to(q.dtype), out=q)
+    """``q`` (|x| / absmax) -> codes in place, as float: ``round(top + k log2 q)`` clamped, with ``x``'s sign."""
+    q.log2_().mul_(k).add_(top).round_().clamp_(0, top)  # (q = 0: -inf, clamped to code 0)
+    if signed:  # (q >= 0: times sign(x) is copysign(q, x) here, in two fast passes instead of one slow one)
+        q.mul_(torch.sign(x))
+    else:  # a non-zero second moment never decodes to zero: at least code 1 where x > 0 (sign(x) is 1 there)
+        torch.maximum(q, torch.sign(x), out=q)  # (float ops: comparisons into bool run far slower on CPU)
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Float32 values of :func:`quantize`'s codes (code 0 is zero)."""
-    flat = codes.reshape(-1)
-    n = flat.numel()
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+def _integral(q: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Codes held as float, ready to copy into int8/uint8: through int16 for uint8 (float -> uint8 is a
+    slow conversion on CPU; the values are integers 0..255, exact either way)."""
+    return q if signed else q.to(torch.int16)
+
+
+def _table(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 256 float32 values of the codes, indexed by the code's byte read as uint8 (code 0 is zero)."""
     top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
-    mags = torch.arange(256, dtype=torch.float32, device=codes.device)
+    mags = torch.arange(256, dtype=torch.float32, device=device)
     table = torch.exp2((mags - top) / k)
     table[0] = 0.0
     if signed:  # int8 codes -128..127, read through uint8 (two's complement): 128.. are negative
         table = torch.cat([table[:128], -torch.flip(table[1:129], [0])])
-        flat = flat.view(torch.uint8)
+    return table
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Float32 values of :func:`quantize`'s codes (code 0 is zero): a lookup in a 256-entry table, times the
+    block's absmax; written into ``out`` (float32, ``codes``' number of elements) where given."""
+    flat = codes.reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    dst = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out.view(-1)
+    table = _table(signed, codes.device)
     for start in range(0, n, CHUNK):
-        part = out[start:start + CHUNK]
+        part = dst[start:start + CHUNK]
         torch.index_select(table, 0, flat[start:start + CHUNK].to(torch.int32), out=part)
         m = part.numel()
         scale = absmax[start // BLOCK:(start + m - 1) // BLOCK + 1]
@@ -114,7 +134,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch
             part[:full].view(-1, BLOCK).mul_(scale[:full // BLOCK].view(-1, 1))
         if full < m:
             part[full:].mul_(scale[-1])
-    return out.view(codes.shape)
+    return dst.view(codes.shape) if out is None else out
 
 
 def compress(state: Dict[str, Any], mode: str) -> None:
@@ -202,22 +222,22 @@ def slice_state(state: Dict[str, Any], sl: slice, n: int) -> Dict[str, Any]:
 
 
 def store_slice(full: Dict[str, Any], piece: Dict[str, Any], sl: slice, n: int, shape: torch.Size, mode: str) -> None:
-    """Write a slice's stepped float32 state ``piece`` into ``full`` (allocated at the first slice) in ``mode``."""
+    """Write a slice's stepped float32 state ``piece`` into ``full`` in ``mode``: into its tensors where they have
+    the mode's dtype and shape (the old state, each slice read before it is written), else into new ones."""
     for key, value in piece.items():
         if not torch.is_tensor(value) or value.dim() == 0 or value.numel() != min(sl.stop, n) - sl.start:
             full[key] = value  # ("step": the last slice's, the same in every slice)
             continue
         compressed = mode != "fp32" and key in SIGNED + UNSIGNED
-        if key not in full:
-            dtype = value.dtype if not compressed else torch.bfloat16 if mode == "bf16" else \
-                torch.int8 if key in SIGNED else torch.uint8
+        dtype = value.dtype if not compressed else torch.bfloat16 if mode == "bf16" else \
+            torch.int8 if key in SIGNED else torch.uint8
+        if key not in full or full[key].dtype != dtype or full[key].shape != shape:  # (else: written in place)
             full[key] = torch.empty(shape, dtype=dtype, device=value.device)
-            if compressed and mode == "int8":
-                full[key + _SUFFIX] = torch.empty(-(-n // BLOCK), dtype=torch.float32, device=value.device)
+        if compressed and mode == "int8" and (key + _SUFFIX not in full or full[key + _SUFFIX].numel() != -(-n // BLOCK)):
+            full[key + _SUFFIX] = torch.empty(-(-n // BLOCK), dtype=torch.float32, device=value.device)
         dst = full[key].view(-1)[sl]
         if compressed and mode == "int8":
-            codes, absmax = quantize(value, key in SIGNED)
-            dst.copy_(codes.view(-1))
-            full[key + _SUFFIX][sl.start // BLOCK:sl.start // BLOCK + absmax.numel()] = absmax
+            b0 = sl.start // BLOCK
+            quantize(value, key in SIGNED, out=dst, absmax_out=full[key + _SUFFIX][b0:b0 + -(-dst.numel() // BLOCK)])
         else:
             dst.copy_(value.view(-1))

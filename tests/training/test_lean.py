@@ -221,6 +221,24 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
     assert abs(float(out.float().mean()) - float(x[0])) < 2e-4
 
 
+def test_stochastic_rounding_is_randints_stream_slice_by_slice_and_keeps_inf_and_nan(monkeypatch):
+    monkeypatch.setattr(quant, "CHUNK", 256)  # four slices, drawn one after another from the generator
+    x = torch.randn(1000) * 100
+    x[[3, 700]], x[5], x[999] = float("inf"), -float("inf"), 3.3e38  # (two slices hold inf/NaN)
+    x.view(torch.int32)[[6, 7]] = torch.tensor([0x7F800001, -1], dtype=torch.int32)  # NaNs: adding noise to their
+    # bits would make an inf and a zero of them
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    stochastic_round(x, out, torch.Generator().manual_seed(7))
+    # the oracle: 16 bits of noise per element, four from each randint(-2^63, 2^63) draw, added to the
+    # float32 bits, the low 16 bits dropped; inf and NaN copied
+    draws = torch.randint(-2 ** 63, 2 ** 63 - 1, (250,), dtype=torch.int64, generator=torch.Generator().manual_seed(7))
+    noise = draws.view(torch.int16).to(torch.int32) & 0xFFFF
+    want = ((x.view(torch.int32) + noise) & -65536).view(torch.float32)
+    finite = torch.isfinite(x)
+    assert torch.equal(out[finite].float(), want[finite])
+    assert out[[3, 700, 5]].float().tolist() == [math.inf, math.inf, -math.inf] and bool(out[[6, 7]].isnan().all())
+
+
 def test_int8_state_keeps_relative_precision_across_a_block():
     v = torch.logspace(-12, 0, 256) ** 2  # a second moment spanning 24 decades in one block
     m = torch.logspace(-5, 0, 256) * torch.where(torch.rand(256) < 0.5, -1.0, 1.0)  # within 2^-18 of the largest

@@ -1,0 +1,136 @@
+"""Lean step time (issue 28): where a lean step's time goes, against pure bf16's and O2's step.
+
+``python -m benchmarks.lean_step [--layers 2 --vocab 8192 --rounds 5]``
+
+1. A GPT-2-small-width decoder (as :mod:`benchmarks.memory`), AdamW: forward+backward and ``step()``
+   timed apart for pure bf16, O2, and the lean modes, the regimes interleaved step by step (a loaded
+   CPU's drift hits every regime alike); medians of ``--rounds`` steps.
+2. The parts of a lean step per million elements, on one 1 MiB slice (:data:`fxamp.training.lean.PIECE`)
+   at a time, the minimum of 25 runs: the inner AdamW (float32, and bfloat16 as pure bf16 steps it),
+   8-bit codes in and out, bf16 state in and out, stochastic rounding, the weight and gradient widened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from benchmarks.models import DecoderLM
+from benchmarks.real import cpu_flags
+from fxamp.training import lean, quant
+
+LEAN = {"O2": ("fp32", "fp32"), "O2 kahan+bf16": ("kahan", "bf16"), "O2 stochastic+int8": ("stochastic", "int8"),
+        "O2 auto+auto": ("auto", "auto")}
+
+
+def _steps(base: nn.Module, vocab: int, regime: str, x, y):
+    """``(forward+backward, step, zero_grad)`` of ``regime``."""
+    def loss(out):
+        return F.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
+
+    if regime == "bf16":
+        m = copy.deepcopy(base).to(torch.bfloat16)
+        opt = torch.optim.AdamW(m.parameters(), lr=6e-4)
+        return (lambda: loss(m(x)).backward()), opt.step, (lambda: opt.zero_grad(set_to_none=True))
+    amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=6e-4), model=amp, seed=0,
+                                        precision=fxamp.LeanConfig(*LEAN[regime], calibration_steps=2))
+    return (lambda: opt.backward(loss(amp(x)))), opt.step, opt.zero_grad
+
+
+def step_table(layers: int, vocab: int, rounds: int) -> str:
+    torch.manual_seed(0)
+    base = DecoderLM(vocab=vocab, seq=64, d=768, layers=layers, heads=12)
+    for m in base.modules():  # GPT-2's initialisation, as benchmarks.memory
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+    x, y = torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))
+    built = {r: _steps(base, vocab, r, x, y) for r in ["bf16", *LEAN]}
+    for fb, step, zero in built.values():
+        for _ in range(3):  # state exists; "auto" has calibrated
+            zero(), fb(), step()
+    times = {r: ([], []) for r in built}
+    for _ in range(rounds):
+        for r, (fb, step, zero) in built.items():
+            zero()
+            t0 = time.perf_counter()
+            fb()
+            t1 = time.perf_counter()
+            step()
+            times[r][0].append(t1 - t0)
+            times[r][1].append(time.perf_counter() - t1)
+    total = {r: statistics.median([a + b for a, b in zip(*t)]) for r, t in times.items()}
+    lines = [f"# GPT d768 L{layers} vocab {vocab} b2 s64, AdamW; medians of {rounds} interleaved steps",
+             "| regime | fwd+bwd ms | step() ms | total ms | total vs pure bf16 |", "|---|---|---|---|---|"]
+    for r, (a, b) in times.items():
+        lines.append(f"| {r} | {1e3 * statistics.median(a):.0f} | {1e3 * statistics.median(b):.0f} | "
+                     f"{1e3 * total[r]:.0f} | {total[r] / total['bf16']:.2f} |")
+    return "\n".join(lines)
+
+
+def parts_table() -> str:
+    n = lean.PIECE
+
+    def per_million(f, runs=25):
+        f()
+        best = min(_time(f) for _ in range(runs))
+        return 1e3 * best * (2 ** 20 / n)
+
+    def adam(dtype):
+        p = nn.Parameter(torch.randn(n, dtype=dtype) * 0.02)
+        p.grad = torch.randn(n, dtype=dtype) * 1e-3
+        opt = torch.optim.AdamW([p], lr=6e-4)
+        opt.step()
+        return opt.step
+
+    torch.manual_seed(0)
+    m = torch.randn(n) * 1e-3
+    v = m * m
+    cm, am = quant.quantize(m, True)
+    cv, av = quant.quantize(v, False)
+    w, value, gen = torch.randn(n).bfloat16(), torch.randn(n), torch.Generator().manual_seed(0)
+    rows = [("AdamW step, bfloat16 (pure bf16's step)", adam(torch.bfloat16)),
+            ("AdamW step, float32 (the inner step of a lean slice)", adam(torch.float32)),
+            ("int8 decode, both moments", lambda: (quant.dequantize(cm, am, True), quant.dequantize(cv, av, False))),
+            ("int8 encode, both moments", lambda: (quant.quantize(m, True, out=cm, absmax_out=am),
+                                                   quant.quantize(v, False, out=cv, absmax_out=av))),
+            ("bf16 state in and out, both moments", lambda: (m.bfloat16().float(), v.bfloat16().float())),
+            ("stochastic rounding into the weight", lambda: lean.stochastic_round(value, w, gen)),
+            ("weight and gradient to float32", lambda: (w.float(), w.float()))]
+    lines = [f"# per part, ms per million elements ({n}-element slices, minimum of 25 runs)",
+             "| part | ms / M elements |", "|---|---|"]
+    lines += [f"| {name} | {per_million(f):.2f} |" for name, f in rows]
+    return "\n".join(lines)
+
+
+def _time(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--parts-only", action="store_true", help="only the per-part table (seconds, not minutes)")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    print(f"# torch {torch.__version__}; threads {torch.get_num_threads()}; CPU flags {cpu_flags()}")
+    if not a.parts_only:
+        print(step_table(a.layers, a.vocab, a.rounds))
+    print(parts_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
