@@ -180,3 +180,11 @@ def test_float8_benchmarks_run_tiny_on_cpu():
         assert float8_gpt.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--batch", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_lean_step_parts_table_runs():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lean_step", "--parts-only"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| int8 encode, both moments |" in proc.stdout and "stochastic rounding into the weight" in proc.stdout
