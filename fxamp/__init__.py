@@ -7,7 +7,7 @@ patched.
 
 from .conversion.classify import classify
 from .conversion.graph import Decision
-from .conversion.convert import ConversionInfo, clear_cast_cache, conversion_info, convert, policy_of
+from .conversion.convert import ConversionInfo, clear_cast_cache, conversion_info, convert, convert_, policy_of
 from .conversion.debug import OverflowInfo, overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .conversion.lazy import LazyConverted
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "convert",
+    "convert_",
     "LazyConverted",
     "policy_of",
     "conversion_info",

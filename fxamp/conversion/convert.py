@@ -15,6 +15,7 @@ from .classify import ModuleOverrides, NodeOverrides
 from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
+from .blocks import convert_blocks
 from .lazy import LazyConverted
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic
@@ -22,7 +23,7 @@ from .pipeline import rewrite_captured
 from ..policy import Policy, default_dtype, device_type_of, resolve_policy
 from .rewrite import CACHE_NAME
 
-__all__ = ["convert", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info", "ConvertOptions",
+__all__ = ["convert", "convert_", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info", "ConvertOptions",
            "DebugOverflow", "Dynamic"]
 
 
@@ -123,6 +124,46 @@ def convert(
         amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
         return owned(amp)
     return owned(rewrite_captured(captured, pol, options, notes=chosen))
+
+
+def convert_(
+    model: nn.Module,
+    policy: Union[str, Policy] = "O1",
+    *,
+    blocks: Optional[Sequence[str]] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    keep_norms_fp32: bool = False,
+    overrides: Optional[Mapping[OpKey, Union[str, Category, OpEntry]]] = None,
+    module_overrides: Optional[ModuleOverrides] = None,
+    op_lists: Optional[OpLists] = None,
+    weight_cache: bool = True,
+    debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
+) -> nn.Module:
+    """Convert ``model`` in place, block by block, and return it (the same object): see ``blocks.py``.
+
+    blocks: module path globs of the blocks (``["model.layers.*"]``); by default the repeated children of
+            every ``nn.ModuleList``.  Each block is replaced by a converted module of a subclass of its class,
+            holding the same children, parameters, attributes and hooks; one capture (torch.fx, at the first
+            call) per block class, structure and call signature serves every instance.  Linear, embedding,
+            convolution and norm modules outside blocks get module-level decisions (the glue); the rest of
+            the model (its Python: ``generate``, caches, losses) runs as written.
+    The other keywords are ``convert``'s (``module_overrides`` paths are the model's: each block's graph
+    gets the ones inside it, and instances with different ones stop sharing a graph); ``node_overrides``,
+    ``leaf_modules``, ``frontend`` and example inputs have no meaning here (each block is captured at its
+    first call, with torch.fx, then torch.fx on the call's values, then torch.export).  ``model``'s object, class, methods, ``config`` and hooks stay;
+    ``state_dict`` keys do not change; under O2/O3 the converted modules' tensors are re-bound to their
+    storage dtypes at once (predicted from the module tree, as for a ``LazyConverted``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxamp.convert_ takes an nn.Module, not {type(model).__name__}")
+    device_type = device_type_of(model)
+    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
+    chosen = (default_dtype(device_type)[1],) if dtype is None and isinstance(policy, str) and "=" not in policy \
+        and pol.enabled else ()
+    options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                                   weight_cache=weight_cache, debug_overflow=debug_overflow)
+    _refuse_other_low_dtype(model, pol)
+    return convert_blocks(model, pol, options, blocks, notes=chosen)
 
 
 def _copy_tree(model: nn.Module) -> nn.Module:

@@ -31,6 +31,7 @@ from .op_lists import Category, Source
 from ..info import remember_origin
 
 __all__ = [
+    "INPUT_DTYPE",
     "DECISION", "CAST", "ATTR", "MODULE", "Decision",
     "fetch_attr", "attr_target", "module_path_of", "clean_export_path", "node_arg", "replace_node_arg",
     "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
@@ -40,6 +41,8 @@ __all__ = [
 DECISION = "fxamp"
 CAST = "fxamp_cast"
 ATTR = "fxamp_attr"
+#: on a placeholder of a graph captured for one input dtype (a block's, ``blocks.py``): that dtype
+INPUT_DTYPE = "fxamp_input_dtype"
 MODULE = "fxamp_module"
 
 

@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..dtypes import CASTABLE, LOW, NOT_FLOAT
-from .graph import ATTR, CAST, Decision, fetch_attr
+from .graph import ATTR, CAST, INPUT_DTYPE, Decision, fetch_attr
 from .op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 
 __all__ = ["DtypeInference"]
@@ -76,6 +76,8 @@ class DtypeInference:
         if ATTR in node.meta:
             t = fetch_attr(self.gm, node.meta[ATTR])
             return t.dtype if t.is_floating_point() else NOT_FLOAT
+        if node.op == "placeholder" and INPUT_DTYPE in node.meta:
+            return node.meta[INPUT_DTYPE]  # a graph captured for one input dtype (a block: blocks.py)
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             return NOT_FLOAT

@@ -58,7 +58,7 @@ from ..policy import Policy
 from .rewrite import CACHE_NAME
 from .runtime import refuse_dtype_change
 
-__all__ = ["LazyConverted", "predict_storage"]
+__all__ = ["LazyConverted", "predict_storage", "is_norm", "float32_for_capture"]
 
 logger = logging.getLogger("fxamp")
 
@@ -71,7 +71,7 @@ _NORMS: Tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.Gro
                             nn.RMSNorm)
 
 
-def _is_norm(m: nn.Module) -> bool:
+def is_norm(m: nn.Module) -> bool:
     return isinstance(m, _NORMS) or "norm" in type(m).__name__.lower()
 
 
@@ -104,7 +104,7 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     for name, m, attr, t in tensor_slots(model):
         if t.dtype != torch.float32:
             continue
-        if _is_norm(m):
+        if is_norm(m):
             strength, dtype = 2, policy.norms
         elif isinstance(m, _LOW_LAYERS) or type(m).__name__ in _LOW_LAYER_NAMES:
             strength, dtype = 1, policy.params
@@ -296,7 +296,7 @@ class LazyConverted(nn.Module):
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
         root = self._fxamp_root
         root.training = self.training
-        with _float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
+        with float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
             captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
                                graph_per_mode=True, at_call=True)
@@ -544,7 +544,7 @@ class _Restore:
             replace_tensors(module, lambda name, t: self.originals.get(id(t)))
 
 
-class _float32_for_capture:
+class float32_for_capture:
     """Within: every parameter and buffer of ``model`` named in ``stored_low`` is a float32 stand-in.
 
     The model's forward was written for float32 tensors (``F.linear(x, self.weight)`` with a float32

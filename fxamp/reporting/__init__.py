@@ -28,11 +28,14 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..conversion.blocks import BLOCKS_FRONTEND
 from ..conversion.checkpointing import checkpoint_calls, inline_checkpoints_
 from ..conversion.convert import convert, policy_of
+from ..info import conversion_info
 from ..conversion.lazy import LazyConverted
 from ..policy import Policy
 from .autotune import TuneResult, autotune, load_overrides, save_overrides
+from .blocks import blocks_report
 from .build import build
 from .diff import DiffRow, PolicyDiff
 from .formats import CSV_COLUMNS, NUMERICS_COLUMNS
@@ -83,6 +86,13 @@ def report(
     """
     if isinstance(model, LazyConverted):
         model = model.graph_module  # the graph its latest call ran (an error before its first call)
+    info = conversion_info(model) if isinstance(model, nn.Module) else None
+    if info is not None and info.frontend == BLOCKS_FRONTEND:  # converted in place (fxamp.convert_)
+        if example_inputs is not None or policy is not None or dtype is not None or convert_options or \
+                example_kwargs or numerics or gradients:
+            raise ValueError("fxamp.report of a model converted in place (fxamp.convert_) reports the graphs its "
+                             "blocks captured: pass the model alone (call it first, with the inputs you use)")
+        return blocks_report(model)
     batches = as_batches(example_inputs)
     inputs = batches[0] if batches else None
     for flag, on in (("numerics", numerics), ("gradients", gradients)):

@@ -23,7 +23,7 @@ from .lints import find_lints
 from .observe import Meta, Recorder, dtype_of_meta, leaves
 from .records import AS_INPUT, RUNTIME, CastIn, Report, Row, Summary
 
-__all__ = ["build", "DtypeView", "describe_input"]
+__all__ = ["build", "DtypeView", "describe_input", "policy_label"]
 
 
 def build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs: Dict[str, Any],
@@ -57,7 +57,7 @@ def build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs: 
     lints = tuple(find_lints(gm, decisions, view, params, buffers))
     described = tuple(describe_input(v) for v in inputs) + tuple(f"{k}={describe_input(v)}" for k, v in kwargs.items())
     info = conversion_info(gm)
-    return Report(model_name, _policy_label(pol), info.frontend, described, tuple(rows), summary, lints, info.notes)
+    return Report(model_name, policy_label(pol), info.frontend, described, tuple(rows), summary, lints, info.notes)
 
 
 class DtypeView:
@@ -145,7 +145,7 @@ def _row(node: fx.Node, d: Decision, view: DtypeView, modules: Dict[str, nn.Modu
                out or "-", shape, casts, flops)
 
 
-def _policy_label(pol: Policy) -> str:
+def policy_label(pol: Policy) -> str:
     """``O1 (params=float32,compute=float16,...)`` when the policy is a preset, else its string form."""
     for preset in PRESETS:
         for low in LOW:

@@ -27,12 +27,13 @@ from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
 from .common import Captured, FrontEnd, LeafSpec
+from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
 from .modes import capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes
 
-__all__ = ["Captured", "LeafSpec", "capture", "training_mode"]
+__all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode"]
 
 FRONTENDS = ("auto", "fx", "export")
 
@@ -86,6 +87,14 @@ def capture(
         if frontend == "auto" and has_inputs:
             return export(e)
         raise
+
+
+def capture_with_values(model: nn.Module, values: Sequence[Any]) -> Captured:
+    """Capture ``model`` with torch.fx while running it on ``values`` (one per input of its forward):
+    shapes may be unpacked and branched on, the branches guarded (``concrete.py``; for blocks)."""
+    if conversion_info(model) is not None:
+        raise ValueError("this module was already converted by fxamp; convert the original model instead")
+    return _run(model, ConcreteFxFrontEnd(model, values), graph_per_mode=True)
 
 
 def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Captured:

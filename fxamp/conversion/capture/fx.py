@@ -30,7 +30,7 @@ from .constants import fit_fill_values, fit_scalar
 from .regions import confirmed, copy_root_hooks, fx_region_error, scan
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
-__all__ = ["FxFrontEnd"]
+__all__ = ["FxFrontEnd", "FxTracer"]
 
 
 class FxFrontEnd:
@@ -49,7 +49,7 @@ class FxFrontEnd:
 
     def trace(self) -> fx.GraphModule:
         model = self.model
-        tracer = _Tracer(self.leaf_types, self.leaf_paths)
+        tracer = self.make_tracer()
         tracer.record_stack_traces = True  # where each node came from: regions and checkpoint calls (regions.py)
         # Trace a shallow copy: the tracer stores tensor constants as attributes of the root, and
         # the user's model must not change.
@@ -72,6 +72,10 @@ class FxFrontEnd:
                 raise fx_region_error(model, path, f)
         return fx.GraphModule(root, graph, class_name=type(model).__name__)
 
+    def make_tracer(self) -> fx.Tracer:
+        """The tracer of one trace (a subclass's may trace with the values of a call: ``concrete.py``)."""
+        return FxTracer(self.leaf_types, self.leaf_paths)
+
     def error(self, e: BaseException) -> TraceError:  # pragma: no cover - trace() raises TraceError itself
         return TraceError(f"torch.fx could not trace {type(self.model).__name__}: {e}", short=str(e), original=e)
 
@@ -84,7 +88,7 @@ class FxFrontEnd:
         return fit_fill_values(gm) + copy_root_hooks(self.model, gm)
 
 
-class _Tracer(fx.Tracer):
+class FxTracer(fx.Tracer):
     # fxamp's run-time casts stay calls when a converted module is traced again (FX re-traces
     # the generated code when it unpickles a GraphModule).
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
@@ -126,7 +130,7 @@ def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[T
     return tuple(types), tuple(paths)
 
 
-def _trace_error(model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:
+def _trace_error(model: nn.Module, tracer: FxTracer, e: Exception) -> TraceError:
     stack = list(getattr(tracer, "module_stack", {}).keys())
     path = next((p for p in reversed(stack) if p), "")
     owner = dict(model.named_modules()).get(path, model)

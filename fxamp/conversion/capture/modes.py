@@ -63,10 +63,14 @@ import torch.nn.functional as F
 from ..graph import fetch_attr, module_path_of, node_arg, replace_node_arg
 from .common import warn
 
-__all__ = ["ModeFlag", "training_mode", "mode_reader", "capture_modes", "capture_in_both_modes",
+__all__ = ["MODE_FLAG", "ModeFlag", "training_mode", "mode_reader", "capture_modes", "capture_in_both_modes",
            "make_modes_switchable"]
 
 aten = torch.ops.aten
+
+
+#: the child of a graph module whose ``training`` flag stands for the root's
+MODE_FLAG = "_fxamp_mode"
 
 
 class ModeFlag(nn.Module):
@@ -506,7 +510,7 @@ class _Owners:
     def flag(self, node: fx.Node) -> fx.Node:
         path = module_path_of(node)
         if not path or path not in self.modules:
-            path = "_fxamp_mode"
+            path = MODE_FLAG
             if path not in self.modules:
                 self.gm.add_module(path, ModeFlag())
                 self.modules[path] = self.gm.get_submodule(path)

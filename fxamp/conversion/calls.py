@@ -1,0 +1,146 @@
+"""A block's call as a graph sees it: :func:`flatten_call` splits ``(args, kwargs)`` into a hashable key,
+the leaves that become graph inputs (tensors and opaque objects) and a tree to rebuild the call from;
+:func:`bound_root` is the module torch.fx traces for one call (``blocks.py``)::
+
+    block(h, mask=None, cache=c, use_cache=True)
+      key    ((("T", float32, 3),), (("cache", ("O", DynamicCache)), ("mask", ("C", NoneType, None)),
+                                     ("use_cache", ("C", bool, True))))
+      leaves [h, c]                  -> forward(self, arg0, cache, <lifted attributes>)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..dtypes import short_name
+
+__all__ = ["SIMPLE", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root"]
+
+#: values a call's key holds as constants (baked into its graph); anything else that is not a tensor is opaque
+SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, List[Any], Any]:
+    """(key, leaves, tree): tensors and opaque objects become leaves (graph inputs); None, numbers, strings,
+    dtypes stay constants in ``tree`` and in the key."""
+    leaves: List[Any] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+            return ("T", x.dtype, x.dim())
+        kind = type(x)
+        if kind in (tuple, list):
+            return (kind, tuple(walk(v) for v in x))
+        if kind is dict:
+            return (dict, tuple((k, walk(v)) for k, v in x.items()))
+        if isinstance(x, SIMPLE):
+            return ("C", kind, x)
+        leaves.append(x)
+        return ("O", kind)
+
+    tree = (tuple(walk(a) for a in args), tuple((k, walk(kwargs[k])) for k in sorted(kwargs)))
+    return tree, leaves, tree  # (keywords walked in sorted order: the leaves follow the tree)
+
+
+def rebuild_call(tree: Any, leaves: Sequence[Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    it = iter(leaves)
+
+    def build(node: Any) -> Any:
+        tag = node[0]
+        if tag in ("T", "O"):
+            return next(it)
+        if tag == "C":
+            return node[2]
+        if tag is dict:
+            return {k: build(v) for k, v in node[1]}
+        return tag(build(v) for v in node[1])
+
+    args = tuple(build(a) for a in tree[0])
+    kwargs = {k: build(v) for k, v in tree[1]}
+    return args, kwargs
+
+
+def leaf_names(tree: Any, count: int) -> List[str]:
+    """Placeholder names: the argument's name, with an index for a leaf inside a container."""
+    names: List[str] = []
+
+    def walk(node: Any, name: str) -> None:
+        tag = node[0]
+        if tag in ("T", "O"):
+            names.append(name)
+        elif tag is dict:
+            for k, v in node[1]:
+                walk(v, f"{name}_{k}")
+        elif tag in (tuple, list):
+            for i, v in enumerate(node[1]):
+                walk(v, f"{name}_{i}")
+
+    for i, a in enumerate(tree[0]):
+        walk(a, f"arg{i}")
+    for k, v in tree[1]:
+        walk(v, k)
+    clean = ["".join(c if c.isalnum() or c == "_" else "_" for c in n) for n in names]
+    seen: Dict[str, int] = {}
+    out = []
+    for n in clean:
+        n = n if n and not n[0].isdigit() else f"x_{n}"
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
+    assert len(out) == count
+    return out
+
+
+def describe_call(tree: Any, leaves: Sequence[Any]) -> str:
+    args, kwargs = rebuild_call(tree, leaves)
+
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{short_name(v.dtype)}[{v.dim()}d]"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(one(x) for x in v) + ")"
+        if isinstance(v, SIMPLE):
+            return repr(v)
+        return type(v).__name__
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]) or "no arguments"
+
+
+def bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
+                lifted: Tuple[Tuple[str, str], ...], values: Optional[Tuple[Any, ...]] = None,
+                drop: Sequence[str] = ()) -> nn.Module:
+    """What torch.fx traces: the block's class's own forward, with the call's constants baked in, its
+    tensors and opaque objects as inputs, and the lifted attributes as inputs set on the submodules
+    for the trace only."""
+    lifted_names = [f"_fxamp_attr_{p.replace('.', '_')}_{a}" if p else f"_fxamp_attr_{a}" for p, a in lifted]
+    if values is not None:  # set as constants, not taken as inputs (torch.export)
+        scope_values = {f"_v{i}": v for i, v in enumerate(values)}
+        lifted_names, given = [], ", ".join(scope_values)
+    else:
+        scope_values, given = {}, ", ".join(lifted_names)
+    params = ", ".join(["self", *names, *lifted_names])
+    scope: Dict[str, Any] = dict(scope_values)
+    exec(f"def forward({params}):\n    return _call(self, ({', '.join(names)}{',' if names else ''}), "
+         f"({given}{',' if given else ''}))\n", scope)
+
+    def _call(self: nn.Module, leaves: Tuple[Any, ...], values: Tuple[Any, ...]) -> Any:
+        args, kwargs = rebuild_call(tree, leaves)
+        owners = [(self.get_submodule(p) if p else self, a) for p, a in lifted]
+        old = [o.__dict__.get(a) for o, a in owners]
+        for (owner, attr), v in zip(owners, values):
+            owner.__dict__[attr] = v
+        try:
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            for (owner, attr), v in zip(owners, old):
+                owner.__dict__[attr] = v
+
+    scope["forward"].__globals__["_call"] = _call
+    traced = type(cls.__name__, (cls,), {"forward": scope["forward"], "__module__": cls.__module__})
+    root = traced.__new__(traced)
+    root.__dict__ = {k: v for k, v in block.__dict__.items() if k not in drop}
+    for table in ("_parameters", "_buffers", "_modules"):
+        root.__dict__[table] = dict(block.__dict__[table])
+    return root

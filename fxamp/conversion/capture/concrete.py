@@ -1,0 +1,346 @@
+"""torch.fx tracing with the values of one call: shapes stay symbolic, Python branches on them are guarded.
+
+A block of a model converted in place (``blocks.py``) is captured at its first call, so the call's
+values exist.  Plain ``torch.fx`` cannot trace code that unpacks a shape (``(*x.shape[:-1], -1, d)``)
+or branches on one (``if q.shape[2] > 1``); ``torch.export`` can, but cannot take an opaque Python
+object such as a Hugging Face KV cache, whose ``update`` must run at every call.  This front end
+traces with proxies, as torch.fx does, while running every recorded op on the call's values::
+
+    x.shape unpacked            ==>  one getitem node per dim (the rank is the value's)
+    if q.shape[2] > 1: ...      ==>  gt = getitem(...) > 1;  guard(gt, True, early)   (the branch taken)
+    cache.update(k, v, idx)     ==>  a call_method node; run on a deep copy of the cache while tracing
+
+Only values that depend on no tensor data (shapes, dtypes, Python numbers, an opaque object's
+attributes) may decide a branch; a branch on tensor data is refused (a ``TraceError``).  After the
+trace each guard, with the shape arithmetic it reads, moves up to just after its inputs, and is
+marked *early* when no side effect (a method of an opaque object) precedes it.  At run time an
+early guard that fails raises :class:`GuardFailed` before anything changed, so the caller can run
+or capture another variant; a late one raises :class:`~fxamp.errors.FxampError`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import math
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Set
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ...errors import FxampError, TraceError
+from ..op_lists import is_inplace
+from .fx import FxFrontEnd, FxTracer
+
+__all__ = ["ConcreteFxFrontEnd", "GuardFailed", "guard"]
+
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
+_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_floating_point")
+_META_METHODS = ("size", "dim", "numel", "is_floating_point", "get_device", "is_contiguous")
+_CONTAINERS = (dict, list, tuple, set)
+_READERS = ("get", "keys", "values", "items", "index", "count", "__getitem__", "__contains__", "__len__")
+_WRITERS = (operator.setitem, operator.delitem, builtins.setattr, builtins.delattr)
+#: arguments that do not make a function call a side effect (a module: attention interfaces take ``self``)
+_VALUES = (torch.Tensor, nn.Module, slice, type(Ellipsis)) + _SIMPLE
+
+
+class GuardFailed(Exception):
+    """An early guard of a graph captured by :class:`ConcreteFxFrontEnd` failed: nothing ran that matters."""
+
+
+def guard(value: Any, expected: bool, early: bool) -> None:
+    """The branch the capture took must be this call's too."""
+    if bool(value) is not expected:
+        if early:
+            raise GuardFailed
+        raise FxampError("fxamp: this call takes another Python branch than the call the block was captured at, "
+                         "after the block changed an object it was given (a KV cache's update): convert the model "
+                         "whole with fxamp.convert, or call it without that object (use_cache=False)")
+
+
+class _ConcreteTracer(FxTracer):
+    """A torch.fx tracer that also runs each node on real values (see the module docstring)."""
+
+    def __init__(self, leaf_types, leaf_paths, values: Sequence[Any]):
+        super().__init__(leaf_types, leaf_paths)
+        # opaque objects are traced on copies: their methods (a cache's update) run during the trace
+        self.values = [v if isinstance(v, (torch.Tensor,) + _SIMPLE) else _copy(v) for v in values]
+        self.real: dict = {}
+        self.meta_only: Set[fx.Node] = set()  # nodes whose values depend on no tensor data
+        self.effects: Set[fx.Node] = set()  # method calls on opaque objects
+        self.stateful: Set[fx.Node] = set()  # meta-only nodes that read an opaque object's state
+        self.opaque: Set[fx.Node] = set()  # placeholders holding opaque objects
+        self._placeholders = 0
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = proxy.node
+        if kind == "output" or node in self.real:
+            return proxy
+        if kind == "placeholder":
+            value = self.values[self._placeholders] if self._placeholders < len(self.values) else None
+            self._placeholders += 1
+            self.real[node] = value
+            if not isinstance(value, torch.Tensor):
+                self.meta_only.add(node)
+            if not isinstance(value, (torch.Tensor,) + _SIMPLE):
+                self.opaque.add(node)
+            return proxy
+        a = fx.node.map_arg(node.args, self._real)
+        k = fx.node.map_arg(node.kwargs, self._real)
+        with torch.no_grad(), _unpatched():
+            if kind == "get_attr":
+                value = _raw_attr(self.root, target)
+            elif kind == "call_module":
+                value = _raw_attr(self.root, target)(*a, **k)
+            elif kind == "call_method":
+                value = getattr(a[0], target)(*a[1:], **k)
+            else:
+                value = target(*a, **k)
+        self.real[node] = value
+        inputs = node.all_input_nodes
+        receiver = a[0] if a else None
+        all_meta = all(i in self.meta_only for i in inputs)
+        if kind == "call_method" and isinstance(receiver, _CONTAINERS) and target in _READERS and all_meta:
+            self.meta_only.add(node)  # cache.is_updated.get(i): a read of an object's state
+        elif kind == "call_method" and not isinstance(receiver, (torch.Tensor,) + _SIMPLE):
+            self.effects.add(node)  # cache.update(...)
+        elif kind in ("call_method", "call_function") and is_inplace(kind, target) and node.args and \
+                isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder":
+            self.effects.add(node)  # x.add_(1) on an input: running it twice would add twice
+        elif kind == "call_module" and any(True for _ in _raw_attr(self.root, target).buffers()):
+            self.effects.add(node)  # a batch norm's statistics
+        elif kind == "call_function" and target in _WRITERS:
+            self.effects.add(node)  # cache.is_updated[i] = True
+        elif kind == "call_function" and target is builtins.getattr and len(a) > 1 and \
+                (a[1] in _META_ATTRS or all_meta):
+            self.meta_only.add(node)
+        elif kind == "call_method" and target in _META_METHODS and isinstance(receiver, torch.Tensor):
+            self.meta_only.add(node)
+        elif kind == "call_function" and _pure(target) and all_meta:
+            self.meta_only.add(node)
+        elif kind == "call_function" and any(not isinstance(v, _VALUES) for v in _leaves((a, k))):
+            self.effects.add(node)  # a function given an object may change it
+        if node in self.meta_only and any(i in self.stateful or (i.op == "placeholder" and i in self.opaque)
+                                          for i in inputs):
+            self.stateful.add(node)  # reads an object's state, which an effect may change
+        return proxy
+
+    def _real(self, node: fx.Node) -> Any:
+        if node not in self.real and node.op == "get_attr":  # a tensor constant create_arg stored on the root
+            self.real[node] = _raw_attr(self.root, str(node.target))
+        return self.real[node]
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        node = obj.node
+        if node not in self.meta_only:
+            raise TraceError(f"a Python branch on tensor data ({node.format_node()}) cannot be captured",
+                             short="data-dependent branch")
+        value = bool(self.real[node])
+        self.create_proxy("call_function", guard, (obj, value, True), {})
+        return value
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ConcreteProxy(node, self)
+
+    def length(self, obj: fx.Proxy) -> int:
+        """``len(obj)``, guarded: a shape's (its rank) or a tensor's (its first dim)."""
+        node = obj.node
+        value = self.real.get(node)
+        if isinstance(value, torch.Tensor):
+            size = self.create_proxy("call_method", "size", (obj, 0), {})
+        elif node in self.meta_only and isinstance(value, (tuple, list)):
+            size = self.create_proxy("call_function", len, (obj,), {})
+        else:
+            raise TraceError(f"len() of {node.format_node()} cannot be captured", short="len of a traced value")
+        self.to_bool(self.create_proxy("call_function", operator.eq, (size, len(value)), {}))
+        return len(value)
+
+    def iter(self, obj: fx.Proxy):
+        return iter([obj[i] for i in range(self.length(obj))])
+
+
+class _ConcreteProxy(fx.Proxy):
+    """A proxy whose ``len()`` is its value's (guarded), so ``(*x.shape[:-1], -1)`` traces, and whose
+    ``dtype`` is its value's (``torch.finfo(x.dtype)``): fixed by the input dtypes (the signature) and the
+    float32 parameters the trace runs with, as a torch.export capture bakes it in."""
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """An opaque object's proxy passes its class's ``isinstance`` checks (``isinstance(cache,
+        EncoderDecoderCache)``): the signature holds each object's type, so the branch is the call's."""
+        value = self.tracer.real.get(self.node, self)
+        if value is self or isinstance(value, (torch.Tensor, tuple, list, dict, set) + _SIMPLE):
+            return type(self)
+        return type(value)
+
+    def __getattr__(self, name: str) -> Any:
+        value = self.tracer.real.get(self.node)
+        if isinstance(value, torch.Tensor):
+            if name == "dtype":
+                return value.dtype
+            if name not in _META_ATTRS:
+                return super().__getattr__(name)  # a method: torch.fx's call_method node when called
+        elif value is None or isinstance(value, _SIMPLE) or callable(getattr(value, name, None)):
+            return super().__getattr__(name)
+        # a shape, or an object's data attribute (cache.is_updated): a node now, a proxy of this class
+        return self.tracer.create_proxy("call_function", builtins.getattr, (self, name), {})
+
+    def __setitem__(self, key: Any, item: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, item), {})
+
+
+def _copy(value: Any, memo: Optional[Dict[int, Any]] = None) -> Any:
+    """A deep copy of an opaque object (a KV cache) for the trace to change: tensors detached and cloned
+    (a cache filled in training holds tensors with autograd history, which ``copy.deepcopy`` refuses),
+    containers and plain objects copied member by member, shared members once."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        new: Any = value.detach().clone()
+    elif isinstance(value, _SIMPLE) or callable(value) or isinstance(value, nn.Module):
+        return value
+    elif type(value) in (list, tuple, set):
+        new = type(value)(_copy(v, memo) for v in value)
+    elif type(value) is dict:
+        new = {k: _copy(v, memo) for k, v in value.items()}
+    elif hasattr(value, "__dict__"):
+        new = object.__new__(type(value))
+        memo[id(value)] = new
+        new.__dict__.update({k: _copy(v, memo) for k, v in value.__dict__.items()})
+        return new
+    else:
+        new = copy.deepcopy(value)
+    memo[id(value)] = new
+    return new
+
+
+#: nn.Module's own methods, which torch.fx replaces while it traces (to hand out proxies and record calls)
+_MODULE_METHODS = {name: nn.Module.__dict__[name] for name in ("__getattr__", "__call__")}
+
+
+class _unpatched:
+    """Within: nn.Module's ``__getattr__``/``__call__`` are torch's own, so the trace's real values are
+    computed as a plain call computes them; torch.fx's replacements are put back on exit."""
+
+    def __enter__(self) -> None:
+        self.patched = {name: nn.Module.__dict__[name] for name in _MODULE_METHODS}
+        for name, method in _MODULE_METHODS.items():
+            setattr(nn.Module, name, method)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, method in self.patched.items():
+            setattr(nn.Module, name, method)
+
+
+def _raw_attr(root: nn.Module, target: str) -> Any:
+    """``root``'s attribute at a dotted path, read from the modules' own tables (torch.fx patches
+    ``nn.Module.__getattr__`` while tracing, to hand out proxies)."""
+    value: Any = root
+    for name in target.split("."):
+        d = value.__dict__
+        for table in ("_modules", "_parameters", "_buffers"):
+            if name in d.get(table, {}):
+                value = d[table][name]
+                break
+        else:
+            value = d[name] if name in d else object.__getattribute__(value, name)
+    return value
+
+
+def _leaves(tree: Any) -> List[Any]:
+    out: List[Any] = []
+    fx.node.map_aggregate(tree, out.append)
+    return out
+
+
+def _pure(target: Any) -> bool:
+    module = getattr(target, "__module__", None)
+    return module in ("_operator", "operator", "math") or target in (builtins.len, builtins.getattr, builtins.min,
+                                                                      builtins.max, builtins.abs, math.prod)
+
+
+def _place(graph: fx.Graph, tracer: _ConcreteTracer) -> None:
+    """Move guards and the shape arithmetic they read up to just after their inputs; mark each guard early
+    when no side effect precedes it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_placeholder_end = max((n for n in graph.nodes if n.op == "placeholder"), key=order.get, default=None)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not (node in tracer.meta_only or node.target is guard):
+            continue
+        inputs = node.all_input_nodes
+        if node in tracer.stateful or any(i in tracer.stateful for i in inputs):
+            continue  # a read of an object's state stays where the code read it (an effect may change it)
+        anchor = max(inputs, key=lambda n: order[n]) if inputs else first_placeholder_end
+        if anchor is not None and order[anchor] < order[node] - 1:
+            anchor.append(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    effect_seen = False
+    late = []
+    for node in graph.nodes:
+        if node in tracer.effects:
+            effect_seen = True
+        elif node.op == "call_function" and node.target is guard:
+            node.args = (node.args[0], node.args[1], not effect_seen)
+            if effect_seen:
+                late.append(node)
+    for node in late:
+        _precheck(graph, node, tracer, first_placeholder_end)
+
+
+def _precheck(graph: fx.Graph, late: fx.Node, tracer: _ConcreteTracer, top: Optional[fx.Node]) -> None:
+    """A late guard that reads only an object's state and shapes of inputs (``cache.is_updated.get(i)``)
+    also gets an early copy at the top of the graph: it picks the variant before anything changed, and
+    the late one still checks that no side effect changed that state in between."""
+    chain: List[fx.Node] = []
+
+    def collect(node: fx.Node) -> bool:
+        if node.op in ("placeholder", "get_attr") or node in chain:
+            return True
+        if node not in tracer.meta_only or node in tracer.effects:
+            return False
+        if not all(collect(i) for i in node.all_input_nodes):
+            return False
+        chain.append(node)  # inputs first
+        return True
+
+    cond = late.args[0]
+    if top is None or not isinstance(cond, fx.Node) or not collect(cond):
+        return
+    copies: Dict[fx.Node, fx.Node] = {}
+    anchor = top
+    for node in chain:
+        anchor.append(new := graph.node_copy(node, lambda n: copies.get(n, n)))
+        copies[node] = new
+        anchor = new
+    anchor.append(graph.call_function(guard, (copies[cond], late.args[1], True)))
+
+
+class ConcreteFxFrontEnd(FxFrontEnd):
+    """:class:`~fxamp.conversion.capture.fx.FxFrontEnd` tracing with one call's values (``values``: one per
+    input of the traced forward, in order)."""
+
+    def __init__(self, model: nn.Module, values: Sequence[Any], leaf_modules=()):
+        super().__init__(model, leaf_modules)
+        self.values = list(values)
+        self._tracers: List[_ConcreteTracer] = []
+
+    def make_tracer(self) -> fx.Tracer:
+        tracer = _ConcreteTracer(self.leaf_types, self.leaf_paths, self.values)
+        self._tracers.append(tracer)
+        return tracer
+
+    def trace(self) -> fx.GraphModule:
+        gm = super().trace()
+        tracer = self._tracers[-1]
+        # fx.GraphModule(root, graph) keeps the tracer's graph and nodes: place the guards in it
+        _place(gm.graph, tracer)
+        gm.graph.lint()
+        gm.recompile()
+        return gm

@@ -1,0 +1,212 @@
+"""Hugging Face models converted in place (``fxamp.convert_``): what users do with their model still works.
+
+Tiny random-weight GPT-2 and Llama (nothing downloaded), bfloat16: greedy ``generate`` with the KV
+cache (the tokens of float32 where every step's top-2 logit margin is wide, else autocast's),
+``save_pretrained``/``from_pretrained`` (names and float32 kept), gradient checkpointing (the bytes
+saved for backward within 1.2x of autocast's with checkpointing), ``Trainer.evaluate``'s
+``eval_loss``, ``.device`` and ``.to()``; one capture per block family, not per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxamp
+from fxamp.conversion.blocks import converted_modules, family_of
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 96
+BF16 = torch.bfloat16
+
+
+def gpt2(layers: int = 2):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=layers, n_head=4,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def llama(layers: int = 2):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def ids(b: int = 2, s: int = 6) -> torch.Tensor:
+    return torch.randint(1, V, (b, s), generator=torch.Generator().manual_seed(3))
+
+
+def converted(make, policy="O1", **kw):
+    model = make(**kw)
+    fxamp.convert_(model, policy, dtype=BF16)
+    return model
+
+
+def block_families(model):
+    return list({id(family_of(m)): family_of(m) for _, m in converted_modules(model) if not family_of(m).glue}.values())
+
+
+def greedy_margins(model, prompt, steps):
+    """The float32 model's top-2 logit margin at each greedy step."""
+    out = model.generate(prompt, max_new_tokens=steps, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True)
+    return min(float((s.topk(2).values[:, 0] - s.topk(2).values[:, 1]).min()) for s in out.scores)
+
+
+@pytest.mark.parametrize("name,policy", [("gpt2", "O1"), ("llama", "O1"), ("llama", "O2")])
+def test_generate_with_the_kv_cache(name, policy):
+    make = MODELS[name]
+    ref, model = make(layers=4), converted(make, policy, layers=4)
+    prompt, steps = ids(), 6
+    tokens = model.generate(prompt, max_new_tokens=steps, do_sample=False)
+    assert type(model).__name__ == type(ref).__name__ and model.generation_config is not None
+    if greedy_margins(ref, prompt, steps) > 0.05:  # wide enough for bfloat16's rounding of the logits
+        expected = ref.generate(prompt, max_new_tokens=steps, do_sample=False)
+    else:
+        with torch.autocast("cpu", BF16):
+            expected = ref.generate(prompt, max_new_tokens=steps, do_sample=False)
+    assert torch.equal(tokens, expected)
+    assert torch.equal(model.generate(prompt, max_new_tokens=steps, do_sample=False, use_cache=False), tokens)
+    out = model(prompt, use_cache=True)
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == prompt.shape[1]
+    (family,) = block_families(model)  # 4 layers, one family; prefill, decode and no-cache variants
+    assert len(family.paths) == 4 and family.captures <= 4
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_save_pretrained_round_trip_keeps_names_and_float32(name, policy, tmp_path):
+    make = MODELS[name]
+    ref, model = make(), converted(make, policy)
+    model.save_pretrained(tmp_path)
+    state = model.state_dict()
+    assert list(state) == list(ref.state_dict())
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    loaded = type(ref).from_pretrained(tmp_path).eval()
+    x = ids()
+    if policy == "O1":  # the weights are the original's: float32 output exactly the original's
+        assert torch.equal(loaded(x).logits, ref(x).logits)
+    else:  # the stored bfloat16 weights, given back as float32
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, state[key]), key
+
+
+def saved_bytes(model, x, autocast: bool) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", BF16, enabled=autocast):
+        model(x, labels=x, use_cache=False).loss.backward()
+    return total
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_checkpointing_keeps_its_saving(name):
+    make = MODELS[name]
+    x = ids(2, 16)
+    ref, model = make(layers=4).train(), converted(make, layers=4).train()
+    plain = saved_bytes(model, x, autocast=False)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    theirs = saved_bytes(ref, x, autocast=True)
+    ours = saved_bytes(model, x, autocast=False)
+    assert ours <= 1.2 * theirs, (ours, theirs)
+    assert ours < 0.7 * plain  # checkpointing dropped most of the blocks' activations
+
+
+def test_trainer_evaluate_device_and_to(tmp_path):
+    model = converted(gpt2)
+    assert model.device == torch.device("cpu") and model.to("cpu") is model
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            row = ids(4, 8)[i]
+            return {"input_ids": row, "labels": row}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, use_cpu=True,
+                                          report_to=[])
+    metrics = transformers.Trainer(model=model, args=args, eval_dataset=Rows()).evaluate()
+    expected = transformers.Trainer(model=gpt2(), args=args, eval_dataset=Rows()).evaluate()
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-2)  # bfloat16 against float32
+
+
+def bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=32)
+    x = ids(2, 8)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, -2:] = 0
+    return transformers.BertForMaskedLM(config).eval(), (x,), {"attention_mask": mask, "labels": x}
+
+
+def t5():
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4,
+                                   decoder_start_token_id=0)
+    x = ids(2, 8)
+    return transformers.T5ForConditionalGeneration(config).eval(), (x,), {"labels": x}
+
+
+def vit():
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64, num_labels=5)
+    return transformers.ViTForImageClassification(config).eval(), (torch.randn(2, 3, 16, 16),), \
+        {"labels": torch.tensor([1, 2])}
+
+
+def whisper():
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                        decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+                                        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        decoder_start_token_id=1)
+    return transformers.WhisperForConditionalGeneration(config).eval(), (torch.randn(2, 8, 32),), \
+        {"labels": ids(2, 6)}
+
+
+@pytest.mark.parametrize("make", [bert, t5, vit, whisper], ids=lambda f: f.__name__)
+def test_encoders_and_encoder_decoders_match_autocast(make):
+    ref, args, kwargs = make()
+    model, _, _ = make()
+    fxamp.convert_(model, "O1", dtype=BF16)
+    out = model(*args, **kwargs)
+    with torch.autocast("cpu", BF16):
+        expected = ref(*args, **kwargs)
+    assert out.loss.dtype == torch.float32
+    assert out.loss.item() == pytest.approx(expected.loss.item(), rel=2e-3)
+    # layers of one structure share their captures (T5's first block, with the position bias, has its own)
+    assert any(len(f.paths) >= 2 for f in block_families(model))
+    if make in (t5, whisper):  # generate without the cache: autocast's tokens
+        tokens = model.generate(args[0], max_new_tokens=4, do_sample=False, use_cache=False)
+        with torch.autocast("cpu", BF16):
+            assert torch.equal(tokens, ref.generate(args[0], max_new_tokens=4, do_sample=False, use_cache=False))
+
+
+def test_an_encoder_decoder_cache_that_is_not_captured_says_what_to_do():
+    """T5's decoder reads its cache through methods (get_seq_length) before a branch: not guarded before
+    the cache changes, so generate with the cache is refused in one line, naming use_cache=False."""
+    model, args, _ = t5()
+    fxamp.convert_(model, "O1", dtype=BF16)
+    with pytest.raises(fxamp.FxampError, match="use_cache=False"):
+        model.generate(args[0], max_new_tokens=3, do_sample=False)
