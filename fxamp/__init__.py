@@ -16,6 +16,7 @@ from .training.loss_scale import LossScaler
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
+from .shard import shard
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
 from .policy import Policy
@@ -51,6 +52,7 @@ __all__ = [
     "MasterPrecision",
     "StatePrecision",
     "initialize",
+    "shard",
     "LossScaler",
     "LossScaleConfig",
     "ScaleKind",

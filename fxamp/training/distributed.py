@@ -19,12 +19,13 @@ A step visits this module (a fourth file after optimizer -> step -> loss_scale) 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "reduces_on_device"]
+__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "local_tensor", "max_abs", "reduces_on_device"]
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
@@ -65,3 +66,20 @@ def all_reduce_overflow_on_device(flag: torch.Tensor, group: Optional[Any] = Non
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (an FSDP2 parameter's or gradient's), else ``t`` itself."""
+    to_local = getattr(type(t), "to_local", None)
+    return t.to_local() if to_local is not None else t
+
+
+def max_abs(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude in each tensor (this rank's shard of a ``DTensor``), as float32 on the CPU;
+    0 for an empty one (FSDP2 leaves a rank an empty shard of a tensor smaller than the world)."""
+    local = [local_tensor(t) for t in tensors]
+    full = [i for i, t in enumerate(local) if t.numel()]
+    out = torch.zeros(len(local))
+    if full:
+        out[full] = torch.stack([n.float().cpu() for n in torch._foreach_norm([local[i] for i in full], math.inf)])
+    return out
