@@ -19,6 +19,7 @@ from .api import initialize
 from .shard import shard
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
+from .training.sharded_checkpoint import load_sharded_state_dict, sharded_state_dict
 from .policy import Policy
 from .reporting import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
@@ -53,6 +54,8 @@ __all__ = [
     "StatePrecision",
     "initialize",
     "shard",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
     "LossScaler",
     "LossScaleConfig",
     "ScaleKind",

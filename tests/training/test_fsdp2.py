@@ -168,6 +168,51 @@ def _accumulated(rank, sync_each):
     return losses
 
 
+def _dcp_fresh(shard):
+    model = _model("gpt", torch.float16)
+    model = fxamp.shard(model) if shard else model
+    scale = fxamp.LossScaleConfig.of("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
+    return model, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
+                                                loss_scale=scale)
+
+
+def _dcp_train(model, opt, rank, steps):
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        loss = model(*_batch("gpt", rank, step))
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model, opt):
+    """Every weight and AdamW state tensor in full, by name; the scale."""
+    out = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        out.update({f"{n}.{k}": v.full_tensor().clone() for k, v in opt.optimizer.state[p].items() if k != "step"})
+    return out, opt.current_scale
+
+
+def _dcp(rank, path):
+    """Save after 3 steps, run 3 more; a fresh model and optimizer load the checkpoint and run the same 3."""
+    import torch.distributed.checkpoint as dcp
+    model, opt = _dcp_fresh(shard=True)
+    _dcp_train(model, opt, rank, range(3))
+    dcp.save(fxamp.sharded_state_dict(model, opt), checkpoint_id=path)
+    saved = _full(model, opt)
+    continued = _dcp_train(model, opt, rank, range(3, 6))
+    model2, opt2 = _dcp_fresh(shard=True)
+    state = fxamp.sharded_state_dict(model2, opt2)
+    dcp.load(state, checkpoint_id=path)
+    fxamp.load_sharded_state_dict(model2, opt2, state)
+    loaded = _full(model2, opt2)
+    resumed = _dcp_train(model2, opt2, rank, range(3, 6))
+    return {"saved": saved, "loaded": loaded, "continued": continued, "resumed": resumed,
+            "end": [_full(model, opt), _full(model2, opt2)]}
+
+
 def _refusals(rank):
     """Bad input on every rank: one line each, the model left as it was."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -194,6 +239,7 @@ def _worker(rank, port, out_dir):
         result["accumulated"] = _accumulated(rank, sync_each=False)
         result["synced each"] = _accumulated(rank, sync_each=True)
         result["refusals"] = _refusals(rank)
+        result["dcp"] = _dcp(rank, os.path.join(out_dir, "dcp"))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -206,7 +252,7 @@ def ranks(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)] + [out / "dcp"]
 
 
 @pytest.mark.parametrize("kind", ["gpt", "norms"])
@@ -215,7 +261,7 @@ def test_sharded_training_matches_one_process(ranks, kind, dtype):
     ref = _reference(kind, dtype)
     expected = [not (dtype == torch.float16 and s == PLANTED) for s in range(STEPS)]
     assert ref["stepped"] == expected
-    for rank, got in enumerate(ranks):
+    for rank, got in enumerate(ranks[:WORLD]):
         run = got[f"{kind}-{dtype}"]
         assert run["stepped"] == expected  # every rank skips the planted step, and only it
         assert run["scale"] == ref["scale"]
@@ -232,7 +278,7 @@ def test_sharded_training_matches_one_process(ranks, kind, dtype):
 
 
 def test_every_op_computes_in_its_one_process_dtype_under_sharding(ranks):
-    for rank, got in enumerate(ranks):
+    for rank, got in enumerate(ranks[:WORLD]):
         assert got["dtypes"] == _op_dtypes(_model("gpt", torch.bfloat16), rank)  # op by op, count by count
         norms = [k for k in got["dtypes"] if k[0].startswith("native_layer_norm")]
         assert len(norms) == 2 and all(set(k[1]) == {torch.float32} for k in norms)  # weights unrounded
@@ -241,12 +287,12 @@ def test_every_op_computes_in_its_one_process_dtype_under_sharding(ranks):
 
 
 def test_accumulation_without_sync_is_the_synced_result(ranks):
-    for got in ranks:
+    for got in ranks[:WORLD]:
         assert got["accumulated"] == got["synced each"]  # reduce-scatter once per step: the same float32 sum
 
 
 def test_bad_input_is_refused_in_one_line_on_every_rank(ranks):
-    for got in ranks:
+    for got in ranks[:WORLD]:
         mesh, blocks, sharded = got["refusals"]
         assert "the mesh has shape (1, 2) but the world has 2 ranks" in mesh
         assert "blocks='nothing.*' matches no converted block; the converted blocks: blocks.0, blocks.1" in blocks
@@ -269,5 +315,38 @@ def test_bad_input_is_refused_before_torch_distributed():
     o2 = fxamp.convert_(GPT(), "O2", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="stores parameters in bfloat16 beside float32 ones.*convert with 'O1'"):
         fxamp.shard(o2)
+    with pytest.raises(ValueError, match="whose parameters are their own masters.*save opt.state_dict.. instead"):
+        fxamp.sharded_state_dict(o2, _opt(o2))
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         fxamp.shard(_model("gpt", torch.bfloat16))
+
+
+def _same(a, b):
+    (ta, sa), (tb, sb) = a, b
+    return sa == sb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_dcp_checkpoint_resumes_bitwise_on_2_ranks(ranks):
+    for got in ranks[:WORLD]:
+        run = got["dcp"]
+        assert run["saved"][1] == 2.0**11  # (grew once: the scaler's state is in the checkpoint)
+        assert _same(run["saved"], run["loaded"])
+        assert run["resumed"] == run["continued"]
+        assert _same(*run["end"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (DCP's note: one process)
+def test_dcp_checkpoint_of_2_ranks_loads_on_1(ranks):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _dcp_fresh(shard=False)
+    state = fxamp.sharded_state_dict(model, opt)
+    dcp.load(state, checkpoint_id=str(ranks[WORLD]))
+    fxamp.load_sharded_state_dict(model, opt, state)
+    weights, scale = ranks[0]["dcp"]["saved"]
+    assert scale == opt.current_scale
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n])
+        for k, v in opt.optimizer.state[p].items():
+            if k != "step":
+                assert torch.equal(v, weights[f"{n}.{k}"]), (n, k)
