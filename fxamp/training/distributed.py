@@ -6,11 +6,10 @@ shard of (FSDP, ZeRO, tensor parallelism), would let one rank step while another
 replicas drift apart.  :class:`fxamp.MixedPrecisionOptimizer` therefore takes the maximum of the
 overflow flag over the process group before deciding.
 
-FSDP: keep float32 parameters in the model (fxamp O1, or FSDP's own
-``MixedPrecision(param_dtype=...)`` / ``MixedPrecisionPolicy``) so FSDP shards hold float32
-values, and wrap the optimizer built on the sharded parameters: every parameter is then stepped
-directly (no master copies), each rank checks its own shard, and this all-reduce makes the skip
-decision global.  O2-style low-precision storage under FSDP is not tested.
+FSDP2: ``fxamp.shard`` (``fxamp/shard.py``) keeps float32 shards, so every parameter is stepped
+directly (no master copies); each rank checks its own shard (:func:`max_abs`: an empty one is
+clean), and this all-reduce makes the skip decision global (docs/training.md, "More than one
+process: FSDP2").
 
 A step visits this module (a fourth file after optimizer -> step -> loss_scale) only when
 ``torch.distributed`` is initialized and ``sync_overflow`` is on
