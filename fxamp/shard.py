@@ -9,6 +9,7 @@ converted block sees the unsharded parameters it swaps in.  The design::
       │  the mesh's size is the world's
       ├─ fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32))
       │  for every converted block (or the ``blocks=`` globs), then fully_shard(model) for the rest
+      ├─ no cast cache (no_grad): FSDP2 refills a weight's unsharded tensor without a version bump
       └─ nothing else: each op's dtype is fxamp's graph cast, as in one process
 
 Why ``param_dtype=None`` (all-gather in float32): a converted block holds parameters that
@@ -39,6 +40,8 @@ import torch.nn as nn
 
 from .conversion.blocks import converted_modules, family_of
 from .conversion.lazy import LazyConverted
+from .conversion.rewrite import CACHE_NAME
+from .conversion.runtime import WeightCastCache
 from .info import policy_of
 
 __all__ = ["shard"]
@@ -69,10 +72,24 @@ def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequ
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
                                      cast_forward_inputs=False)
+    for _, module in converted_modules(model):
+        module.__dict__[CACHE_NAME] = _Uncached()
     for _, block in _blocks(model, blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
     return model
+
+
+class _Uncached(WeightCastCache):
+    """A converted module's cast cache under FSDP2: none.  FSDP2 refills a parameter's unsharded tensor at
+    each all-gather without bumping its version counter (and often at the same address), so a cached
+    no_grad cast would outlive an optimizer step; every call casts, as training does."""
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+        return weight.detach().to(dtype)
+
+    def get_all(self, weights: Any, dtype: torch.dtype, keys: Any) -> Any:
+        return tuple(w.detach().to(dtype) for w in weights)
 
 
 def _check_model(model: nn.Module) -> None:

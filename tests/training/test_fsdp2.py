@@ -213,6 +213,22 @@ def _dcp(rank, path):
             "end": [_full(model, opt), _full(model2, opt2)]}
 
 
+def _no_grad_after_steps(rank):
+    """A no_grad forward (the weight-cast cache's case) after each step, and the same forward with autograd."""
+    model = fxamp.shard(_model("gpt", torch.bfloat16))
+    opt = _opt(model)
+    out = []
+    for step in range(3):
+        with torch.no_grad():
+            evaluated = model(*_batch("gpt", rank, 0)).item()
+        loss = model(*_batch("gpt", rank, 0))
+        out.append((evaluated, loss.item()))
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    return out
+
+
 def _refusals(rank):
     """Bad input on every rank: one line each, the model left as it was."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -239,6 +255,7 @@ def _worker(rank, port, out_dir):
         result["accumulated"] = _accumulated(rank, sync_each=False)
         result["synced each"] = _accumulated(rank, sync_each=True)
         result["refusals"] = _refusals(rank)
+        result["no_grad"] = _no_grad_after_steps(rank)
         result["dcp"] = _dcp(rank, os.path.join(out_dir, "dcp"))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -289,6 +306,12 @@ def test_every_op_computes_in_its_one_process_dtype_under_sharding(ranks):
 def test_accumulation_without_sync_is_the_synced_result(ranks):
     for got in ranks[:WORLD]:
         assert got["accumulated"] == got["synced each"]  # reduce-scatter once per step: the same float32 sum
+
+
+def test_no_grad_forward_after_a_step_reads_the_new_weights(ranks):
+    for got in ranks[:WORLD]:
+        evaluated, trained = zip(*got["no_grad"])
+        assert evaluated == trained and len(set(trained)) == 3  # no cast cached across FSDP2's all-gathers
 
 
 def test_bad_input_is_refused_in_one_line_on_every_rank(ranks):
