@@ -16,7 +16,7 @@ from .training.loss_scale import LossScaler
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
-from .shard import shard
+from .sharding import shard
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
 from .training.sharded_checkpoint import load_sharded_state_dict, sharded_state_dict

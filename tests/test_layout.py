@@ -41,7 +41,7 @@ STAGES: Dict[str, int] = {
 }
 WINGS = ("conversion", "training")
 TOP = 11  # reporting/, integrations/, api and other features built on both wings
-ENTRY = {"__init__": 14, "__main__": 14, "cli": 13, "cli_model": 13, "lightning": 13, "api": 12, "shard": 12}
+ENTRY = {"__init__": 14, "__main__": 14, "cli": 13, "cli_model": 13, "lightning": 13, "api": 12, "sharding": 12}
 
 
 def _stage(module: str) -> int:

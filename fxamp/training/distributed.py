@@ -6,7 +6,7 @@ shard of (FSDP, ZeRO, tensor parallelism), would let one rank step while another
 replicas drift apart.  :class:`fxamp.MixedPrecisionOptimizer` therefore takes the maximum of the
 overflow flag over the process group before deciding.
 
-FSDP2: ``fxamp.shard`` (``fxamp/shard.py``) keeps float32 shards, so every parameter is stepped
+FSDP2: ``fxamp.shard`` (``fxamp/sharding.py``) keeps float32 shards, so every parameter is stepped
 directly (no master copies); each rank checks its own shard (:func:`max_abs`: an empty one is
 clean), and this all-reduce makes the skip decision global (docs/training.md, "More than one
 process: FSDP2").
