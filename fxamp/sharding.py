@@ -1,4 +1,4 @@
-"""``fxamp.shard(model)`` (this module: ``fxamp.sharding``): FSDP2 (``fully_shard``) over a model converted in place, per block and at the root.
+"""``fxamp.shard(model)``: FSDP2 (``fully_shard``) over a model converted in place, per block and at the root.
 
 The unit FSDP2 all-gathers is a module that is *called*; a block converted by ``fxamp.convert_``
 is one (its graph reads each parameter through its owner at every call), so ``fully_shard`` per
