@@ -16,7 +16,7 @@ from .training.loss_scale import LossScaler
 from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
-from .sharding import shard
+from .sharding import shard, sharding_table
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
 from .training.sharded_checkpoint import load_sharded_state_dict, sharded_state_dict
@@ -54,6 +54,7 @@ __all__ = [
     "StatePrecision",
     "initialize",
     "shard",
+    "sharding_table",
     "sharded_state_dict",
     "load_sharded_state_dict",
     "LossScaler",

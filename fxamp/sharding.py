@@ -31,7 +31,8 @@ needs one parameter dtype per group.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, List, Optional, Sequence
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,11 @@ import torch.nn as nn
 from .conversion.blocks import converted_modules, family_of
 from .conversion.lazy import LazyConverted
 from .conversion.rewrite import CACHE_NAME
-from .conversion.runtime import WeightCastCache
+from .conversion.runtime import WeightCastCache, cast_weights
+from .dtypes import dtype_name
 from .info import policy_of
 
-__all__ = ["shard"]
+__all__ = ["shard", "sharding_table"]
 
 
 def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequence[str]] = None,
@@ -92,7 +94,7 @@ class _Uncached(WeightCastCache):
         return tuple(w.detach().to(dtype) for w in weights)
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_converted(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.shard takes an nn.Module, not {type(model).__name__}")
     if isinstance(model, (fx.GraphModule, LazyConverted)):
@@ -103,6 +105,11 @@ def _check_model(model: nn.Module) -> None:
     if policy is None or not converted_modules(model):
         raise ValueError(f"fxamp.shard: this {type(model).__name__} was not converted by fxamp; call "
                          f"fxamp.convert_(model, 'O1', dtype=...) first")
+
+
+def _check_model(model: nn.Module) -> None:
+    _check_converted(model)
+    policy = policy_of(model)
     if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
         raise ValueError(f"fxamp.shard: this {type(model).__name__} is already sharded (fully_shard ran on it)")
     low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.dtype != torch.float32})
@@ -133,3 +140,62 @@ def _device_type(model: nn.Module) -> str:
     if len(types) != 1:
         raise ValueError(f"fxamp.shard: the model's parameters are on {sorted(types)}; put them on one device type")
     return types.pop()
+
+
+def sharding_table(model: nn.Module) -> str:
+    """Per parameter of a model converted in place (and sharded or not): its stored (shard) dtype, the dtype
+    FSDP2 all-gathers it in, the dtypes fxamp's graphs compute with it, the dtype its gradient is reduced in.
+
+    "computes in" comes from the graphs captured so far (call the model once first); a parameter the
+    model's own Python reads (outside converted modules) computes as written, in its stored dtype.
+    """
+    _check_converted(model)
+    sharded = any(hasattr(m, "_get_fsdp_state") for m in model.modules())
+    computes: Dict[str, Set[torch.dtype]] = {}
+    for path, module in converted_modules(model):
+        for variants in family_of(module).graphs.values():
+            for graph in variants:
+                for name, dtypes in _reads(graph.gm).items():
+                    computes.setdefault(f"{path}.{name}" if path else name, set()).update(dtypes)
+    inside = [p for p, _ in converted_modules(model)]
+    rows = [("parameter", "stored", "all-gathered", "computes in", "gradient reduced in")]
+    for name, p in model.named_parameters():
+        stored = dtype_name(p.dtype)
+        if name in computes:
+            ops = ", ".join(sorted(stored if d is None else dtype_name(d) for d in computes[name]))
+        elif any(name.startswith(c + ".") for c in inside):
+            ops = "(not captured yet)"
+        else:
+            ops = f"{stored} (the model's own code)"
+        rows.append((name, stored, stored if sharded else "-", ops, "float32" if sharded else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines[:1] + ["-+-".join("-" * w for w in widths)] + lines[1:])
+
+
+def _reads(gm: fx.GraphModule) -> Dict[str, Set[Optional[torch.dtype]]]:
+    """Parameter (path in the module) -> the dtypes its readers in ``gm`` cast it to (None: read as stored)."""
+    out: Dict[str, Set[Optional[torch.dtype]]] = {}
+    for node in gm.graph.nodes:
+        name = None
+        if node.op == "get_attr":  # a glue module's graph: its own parameter
+            owner, _, attr = node.target.rpartition(".")
+            holder = gm.get_submodule(owner) if owner else gm
+            name = node.target if attr in getattr(holder, "_parameters", {}) else None
+        elif node.op == "call_function" and node.target is operator.getitem:
+            base = node.args[0]
+            if (isinstance(base, fx.Node) and base.op == "call_function" and base.target is getattr
+                    and base.args[1] == "_parameters" and isinstance(base.args[0], fx.Node)
+                    and base.args[0].op == "get_attr"):
+                name = f"{base.args[0].target}.{node.args[1]}"
+        if name is None:
+            continue
+        dtypes = out.setdefault(name, set())
+        for user in node.users:
+            if user.target is cast_weights:
+                dtypes.add(user.args[2])
+            elif user.op == "call_method" and user.target == "to" and isinstance(user.args[-1], torch.dtype):
+                dtypes.add(user.args[-1])
+            else:
+                dtypes.add(None)
+    return out

@@ -251,7 +251,9 @@ def _worker(rank, port, out_dir):
     try:
         result = {f"{kind}-{dtype}": _sharded_run(kind, dtype, rank)
                   for kind in ("gpt", "norms") for dtype in (torch.bfloat16, torch.float16)}
-        result["dtypes"] = _op_dtypes(fxamp.shard(_model("gpt", torch.bfloat16)), rank)
+        sharded = fxamp.shard(_model("gpt", torch.bfloat16))
+        result["dtypes"] = _op_dtypes(sharded, rank)
+        result["table"] = fxamp.sharding_table(sharded)
         result["accumulated"] = _accumulated(rank, sync_each=False)
         result["synced each"] = _accumulated(rank, sync_each=True)
         result["refusals"] = _refusals(rank)
@@ -301,6 +303,16 @@ def test_every_op_computes_in_its_one_process_dtype_under_sharding(ranks):
         assert len(norms) == 2 and all(set(k[1]) == {torch.float32} for k in norms)  # weights unrounded
         assert {k[1] for k in got["dtypes"] if k[0] == "mm"} == {(torch.bfloat16,) * 2}
         assert [k[1:] for k in got["dtypes"] if k[0] == "_log_softmax"] == [((torch.float32,), (torch.float32,))]
+
+
+def test_sharding_table_says_per_parameter_what_is_stored_gathered_computed_reduced(ranks):
+    rows = {line.split(" | ")[0].strip(): [c.strip() for c in line.split(" | ")[1:]]
+            for line in ranks[0]["table"].splitlines()[2:]}
+    assert rows["blocks.1.ln2.weight"] == ["float32", "float32", "float32", "float32"]  # never rounded
+    assert rows["blocks.0.fc.weight"] == ["float32", "float32", "bfloat16", "float32"]
+    assert rows["head.weight"] == ["float32", "float32", "bfloat16", "float32"]
+    assert rows["temp"] == ["float32", "float32", "float32 (the model's own code)", "float32"]
+    assert len(rows) == len(list(GPT().parameters()))
 
 
 def test_accumulation_without_sync_is_the_synced_result(ranks):
@@ -373,3 +385,11 @@ def test_dcp_checkpoint_of_2_ranks_loads_on_1(ranks):
         for k, v in opt.optimizer.state[p].items():
             if k != "step":
                 assert torch.equal(v, weights[f"{n}.{k}"]), (n, k)
+
+
+def test_sharding_table_of_a_model_not_sharded_nor_called_yet():
+    table = fxamp.sharding_table(_model("gpt", torch.bfloat16))
+    row = next(line for line in table.splitlines() if line.startswith("blocks.0.ln1.weight "))
+    assert [c.strip() for c in row.split(" | ")[1:]] == ["float32", "-", "(not captured yet)", "-"]
+    with pytest.raises(ValueError, match="was not converted by fxamp"):
+        fxamp.sharding_table(GPT())
