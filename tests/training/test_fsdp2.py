@@ -117,7 +117,11 @@ def _sharded_run(kind, dtype, rank):
         stepped.append(bool(opt.step()))
         losses.append(loss.item())
     full = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "stepped": stepped, "norms": norms, "scale": opt.current_scale, "params": full}
+    state = [v for p in model.parameters() for v in opt.optimizer.state[p].values() if v.dim()]
+    held = sum(t.to_local().numel() for t in [*model.parameters(), *state])  # this rank's weights and AdamW state
+    whole = sum(t.numel() for t in [*model.parameters(), *state])
+    return {"losses": losses, "stepped": stepped, "norms": norms, "scale": opt.current_scale, "params": full,
+            "held": held / whole}
 
 
 def _reference(kind, dtype):
@@ -284,6 +288,7 @@ def test_sharded_training_matches_one_process(ranks, kind, dtype):
         run = got[f"{kind}-{dtype}"]
         assert run["stepped"] == expected  # every rank skips the planted step, and only it
         assert run["scale"] == ref["scale"]
+        assert 0.45 < run["held"] < 0.55  # each rank holds about half the weights and optimizer state
         first = ref["losses"][rank][0]
         assert abs(run["losses"][0] - first) <= 2e-6 * abs(first)
         assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"][rank])) <= 5e-4
