@@ -233,6 +233,22 @@ def _no_grad_after_steps(rank):
     return out
 
 
+def _some_blocks(rank):
+    """Only blocks.1 its own group (blocks.0 goes with the root), kept unsharded after forward: 3 steps."""
+    model = fxamp.shard(_model("gpt", torch.bfloat16), blocks=["blocks.1"], reshard_after_forward=False)
+    groups = [n for n, m in model.named_modules() if hasattr(m, "_get_fsdp_state")]
+    opt = _opt(model)
+    losses = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(*_batch("gpt", rank, step))
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        losses.append(loss.item())
+    return groups, losses
+
+
 def _refusals(rank):
     """Bad input on every rank: one line each, the model left as it was."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -262,6 +278,7 @@ def _worker(rank, port, out_dir):
         result["synced each"] = _accumulated(rank, sync_each=True)
         result["refusals"] = _refusals(rank)
         result["no_grad"] = _no_grad_after_steps(rank)
+        result["some blocks"] = _some_blocks(rank)
         result["dcp"] = _dcp(rank, os.path.join(out_dir, "dcp"))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -323,6 +340,14 @@ def test_sharding_table_says_per_parameter_what_is_stored_gathered_computed_redu
 def test_accumulation_without_sync_is_the_synced_result(ranks):
     for got in ranks[:WORLD]:
         assert got["accumulated"] == got["synced each"]  # reduce-scatter once per step: the same float32 sum
+
+
+def test_blocks_chosen_by_glob(ranks):
+    ref = _reference("gpt", torch.bfloat16)
+    for rank, got in enumerate(ranks[:WORLD]):
+        groups, losses = got["some blocks"]
+        assert groups == ["", "blocks.1"]
+        assert max(abs(a - b) for a, b in zip(losses, ref["losses"][rank])) <= 5e-4
 
 
 def test_no_grad_forward_after_a_step_reads_the_new_weights(ranks):
