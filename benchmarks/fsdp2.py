@@ -1,4 +1,4 @@
-"""FSDP2 on 2 gloo ranks (CPU): fxamp's plan against FSDP2's own mixed precision. ``python -m benchmarks.fsdp2 [--d 128]``.
+"""FSDP2 on 2 gloo ranks (CPU): fxamp's plan against FSDP2's own mixed precision: ``python -m benchmarks.fsdp2``.
 
 A GPT (``--layers`` blocks of width ``--d``, vocabulary 1024, 64 tokens, batch 4 per rank, AdamW lr 1e-3), each
 recipe in fresh processes, the same weights and per-rank batches (4 per rank, in turn: learnt by heart, so the
@@ -140,7 +140,8 @@ def main(argv=None):
         loss = [statistics.mean(r["losses"][i] for r in ranks) for i in range(args.steps)]
         print(f"| {recipe} | {loss[0] - ref[0]:+.1e} | {loss[-1]:.4f} | {loss[-1] - ref[-1]:+.1e} | "
               f"{1e3 * max(r['time'] for r in ranks):.1f} | {max(r['peak'] for r in ranks):.0f} | "
-              f"{max(r['state'] for r in ranks) / 2**20:.2f} | {ranks[0]['ag'] / 2**20:.2f} | {ranks[0]['collectives']} |")
+              f"{max(r['state'] for r in ranks) / 2**20:.2f} | {ranks[0]['ag'] / 2**20:.2f} | "
+              f"{ranks[0]['collectives']} |")
 
 
 if __name__ == "__main__":

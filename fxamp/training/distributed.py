@@ -24,7 +24,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "local_tensor", "max_abs", "reduces_on_device"]
+__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "local_tensor", "max_abs",
+           "reduces_on_device"]
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
