@@ -15,7 +15,7 @@ skipped steps) travels beside it as plain values::
     fxamp.load_sharded_state_dict(model, opt, state)
 
 It covers optimizers whose parameters are their own masters (O0/O1, and so every model sharded
-by :func:`fxamp.shard`); one with separate float32 masters or lean masters/state is refused (its
+by :func:`fxamp.shard`); one with separate masters (O2/O3, float32 or lean) is refused (its
 ``state_dict()`` is the checkpoint there).
 """
 
@@ -58,7 +58,7 @@ def load_sharded_state_dict(model: nn.Module, opt: Any, state: Dict[str, Any]) -
 def _check(opt: Any) -> None:
     if not hasattr(opt, "scaler") or not hasattr(opt, "optimizer"):
         raise TypeError(f"sharded_state_dict takes a fxamp.MixedPrecisionOptimizer, not {type(opt).__name__}")
-    if opt._masters or opt._ws is not None:
+    if opt._masters:  # (a lean workspace without masters, O1 with masters=/state= set, holds nothing to save)
         raise ValueError("sharded_state_dict covers optimizers whose parameters are their own masters (O0/O1, "
-                         f"fxamp.shard); this one keeps {len(opt._masters)} separate masters or lean ones: save "
+                         f"fxamp.shard); this one keeps {len(opt._masters)} separate masters: save "
                          "opt.state_dict() instead")
