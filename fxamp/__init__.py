@@ -17,8 +17,10 @@ from .conversion.op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpLists
 from .conversion.options import ConvertOptions, DebugOverflow, Dynamic
 from .api import initialize
 from .info import release_originals
+from .sharding import shard, sharding_table
 from .training.lean import LeanConfig, MasterPrecision, StatePrecision
 from .training.optimizer import MixedPrecisionOptimizer
+from .training.sharded_checkpoint import load_sharded_state_dict, sharded_state_dict
 from .policy import Float8, Float8Cost, Float8Recipe, Policy
 from .reporting import PolicyDiff, Report, Row, autotune, compare, load_overrides, report, save_overrides, sqnr
 
@@ -56,6 +58,10 @@ __all__ = [
     "MasterPrecision",
     "StatePrecision",
     "initialize",
+    "shard",
+    "sharding_table",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
     "LossScaler",
     "LossScaleConfig",
     "ScaleKind",

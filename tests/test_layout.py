@@ -34,7 +34,7 @@ STAGES: Dict[str, int] = {
     "conversion.convert": 10,
     # the training wing
     "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
-    "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3,
+    "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
     "training.lean": 4,
     "training.step": 4,
     "training.kernels": 5,
@@ -42,7 +42,7 @@ STAGES: Dict[str, int] = {
 }
 WINGS = ("conversion", "training")
 TOP = 11  # reporting/, integrations/, api and other features built on both wings
-ENTRY = {"__init__": 14, "__main__": 14, "cli": 13, "cli_model": 13, "lightning": 13, "api": 12}
+ENTRY = {"__init__": 14, "__main__": 14, "cli": 13, "cli_model": 13, "lightning": 13, "api": 12, "sharding": 12}
 
 
 def _stage(module: str) -> int:

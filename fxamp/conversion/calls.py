@@ -143,4 +143,11 @@ def bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
     root.__dict__ = {k: v for k, v in block.__dict__.items() if k not in drop}
     for table in ("_parameters", "_buffers", "_modules"):
         root.__dict__[table] = dict(block.__dict__[table])
+    for table in _CALL_HOOKS:  # the block's own hooks run at its real call, not inside a capture (FSDP2's reshard)
+        if table in root.__dict__:
+            root.__dict__[table] = type(root.__dict__[table])()
     return root
+
+
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")

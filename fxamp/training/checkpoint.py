@@ -22,7 +22,7 @@ import torch
 
 from . import quant
 
-__all__ = ["FORMAT", "STATE_KEYS", "StateDictError", "save", "load"]
+__all__ = ["FORMAT", "STATE_KEYS", "StateDictError", "save", "load", "save_own", "load_own"]
 
 FORMAT = 2
 STATE_KEYS = ("optimizer", "masters", "scaler", "skipped_steps", "format")
@@ -104,6 +104,20 @@ def load(opt: Any, state: Any) -> None:
         for m in opt._masters:
             ws.set_modes(m, ws.config.masters.value, ws.config.state.value)
     opt.scaler.load_state_dict(state["scaler"])
+    opt._skipped = int(state["skipped_steps"])
+    opt.scaler.forget(opt._client)
+    opt._overflow = None
+
+
+def save_own(opt: Any) -> Dict[str, Any]:
+    """The wrapper's own state, beside an inner optimizer saved elsewhere (DCP): scaler and skipped steps."""
+    return {"scaler": opt.scaler.state_dict(), "skipped_steps": opt.skipped_steps, "format": FORMAT}
+
+
+def load_own(opt: Any, state: Mapping[str, Any]) -> None:
+    """Restore :func:`save_own`'s dict (the inner optimizer loaded already)."""
+    opt._settle()
+    opt.scaler.load_state_dict(dict(state["scaler"]))
     opt._skipped = int(state["skipped_steps"])
     opt.scaler.forget(opt._client)
     opt._overflow = None

@@ -6,11 +6,10 @@ shard of (FSDP, ZeRO, tensor parallelism), would let one rank step while another
 replicas drift apart.  :class:`fxamp.MixedPrecisionOptimizer` therefore takes the maximum of the
 overflow flag over the process group before deciding.
 
-FSDP: keep float32 parameters in the model (fxamp O1, or FSDP's own
-``MixedPrecision(param_dtype=...)`` / ``MixedPrecisionPolicy``) so FSDP shards hold float32
-values, and wrap the optimizer built on the sharded parameters: every parameter is then stepped
-directly (no master copies), each rank checks its own shard, and this all-reduce makes the skip
-decision global.  O2-style low-precision storage under FSDP is not tested.
+FSDP2: ``fxamp.shard`` (``fxamp/sharding.py``) keeps float32 shards, so every parameter is stepped
+directly (no master copies); each rank checks its own shard (:func:`max_abs`: an empty one is
+clean), and this all-reduce makes the skip decision global (docs/training.md, "More than one
+process: FSDP2").
 
 A step visits this module (a fourth file after optimizer -> step -> loss_scale) only when
 ``torch.distributed`` is initialized and ``sync_overflow`` is on
@@ -19,12 +18,14 @@ A step visits this module (a fourth file after optimizer -> step -> loss_scale) 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "reduces_on_device"]
+__all__ = ["all_reduce_overflow", "all_reduce_overflow_on_device", "is_distributed", "local_tensor", "max_abs",
+           "reduces_on_device"]
 
 
 def is_distributed(group: Optional[Any] = None) -> bool:
@@ -65,3 +66,20 @@ def all_reduce_overflow_on_device(flag: torch.Tensor, group: Optional[Any] = Non
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (an FSDP2 parameter's or gradient's), else ``t`` itself."""
+    to_local = getattr(type(t), "to_local", None)
+    return t.to_local() if to_local is not None else t
+
+
+def max_abs(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude in each tensor (this rank's shard of a ``DTensor``), as float32 on the CPU;
+    0 for an empty one (FSDP2 leaves a rank an empty shard of a tensor smaller than the world)."""
+    local = [local_tensor(t) for t in tensors]
+    full = [i for i, t in enumerate(local) if t.numel()]
+    out = torch.zeros(len(local))
+    if full:
+        out[full] = torch.stack([n.float().cpu() for n in torch._foreach_norm([local[i] for i in full], math.inf)])
+    return out

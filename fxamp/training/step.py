@@ -38,7 +38,6 @@ The runs take one of two shapes:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -46,6 +45,7 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 from torch._utils import _unflatten_dense_tensors
 
+from .distributed import max_abs
 from .lean import run_step
 from .loss_scale import DeviceFlag, FoundInf
 
@@ -642,6 +642,5 @@ def which_overflowed(params: Iterator[torch.Tensor], low_of: Callable[[torch.Ten
         if g is not None:
             checked.append(p)
             grads.append(g)
-    dense = [g._values() if g.is_sparse else g for g in grads]  # (uncoalesced values too)
-    maxabs = torch.stack([n.float().cpu() for n in torch._foreach_norm(dense, math.inf)])
+    maxabs = max_abs([g._values() if g.is_sparse else g for g in grads])  # (uncoalesced values too)
     return checked, ~torch.isfinite(maxabs)

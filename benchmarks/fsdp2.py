@@ -1,0 +1,148 @@
+"""FSDP2 on 2 gloo ranks (CPU): fxamp's plan against FSDP2's own mixed precision: ``python -m benchmarks.fsdp2``.
+
+A GPT (``--layers`` blocks of width ``--d``, vocabulary 1024, 64 tokens, batch 4 per rank, AdamW lr 1e-3), each
+recipe in fresh processes, the same weights and per-rank batches (4 per rank, in turn: learnt by heart, so the
+loss moves), ``--steps`` steps:
+
+fxamp            ``fxamp.convert_(model, "O1", dtype=bf16)`` + ``fxamp.shard(model)`` (float32 shards and
+                 all-gathers, fxamp's per-op casts) + ``fxamp.MixedPrecisionOptimizer``
+fsdp2+autocast   ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))`` per
+                 block and at the root, forward under ``torch.autocast("cpu", bf16)`` (torchtitan's recipe)
+fsdp2 bf16       the same policy without autocast (every op of the model in bfloat16: the silent-bf16 case)
+fsdp2 fp32       no mixed precision: the reference loss
+
+Per recipe: the loss at the last step (mean over ranks), its distance from fp32's, median step time
+(steps 3..N), per-rank peak resident memory over the process's resident memory before the model was
+built (``ru_maxrss``: coarse), per-rank persistent state (parameter shards + AdamW state, exact), and the
+all-gather bytes and collectives per step (from the FSDP groups: blocks re-gather in backward).
+Record ``lscpu`` beside the numbers (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, T, B, WORLD = 1024, 64, 4, 2
+RECIPES = ("fxamp", "fsdp2+autocast", "fsdp2 bf16", "fsdp2 fp32")
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (y.view(b, t, 4, c // 4).transpose(1, 2) for y in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d, layers):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(T, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.lnf, self.head = nn.LayerNorm(d), nn.Linear(d, V, bias=False)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.lnf(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten())
+
+
+def _run(rank, recipe, d, layers, steps, port, out):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
+    import fxamp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    torch.manual_seed(0)
+    model = GPT(d, layers)
+    total = sum(p.numel() for p in model.parameters())
+    block_numel = sum(p.numel() for p in model.blocks.parameters())
+    bf16 = recipe in ("fsdp2+autocast", "fsdp2 bf16")
+    if recipe == "fxamp":
+        fxamp.shard(fxamp.convert_(model, "O1", dtype=torch.bfloat16))
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=model) if recipe == "fxamp" else inner
+    times, losses = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * rank + step % 4)  # 4 batches per rank, learnt by heart
+        ids = torch.randint(0, V, (B, T), generator=g)
+        start = time.perf_counter()
+        opt.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=recipe == "fsdp2+autocast"):
+            loss = model(ids)
+        (opt.backward(loss) if recipe == "fxamp" else loss.backward())
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    state = sum(p.to_local().numel() * 4 for p in model.parameters())
+    state += sum(v.to_local().numel() * v.element_size() for s in inner.state.values() for v in s.values()
+                 if hasattr(v, "to_local"))
+    gather = 2 if bf16 else 4
+    root_numel = total - block_numel
+    ag_bytes = gather * (2 * block_numel + root_numel)  # blocks gather again in backward (reshard_after_forward)
+    collectives = 2 * len(model.blocks) + 1 + len(model.blocks) + 1  # all-gathers + reduce-scatters
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024  # KiB -> MiB
+    torch.save({"losses": losses, "time": statistics.median(times[2:]), "peak": peak, "state": state,
+                "ag": ag_bytes, "collectives": collectives}, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    rows = {}
+    for recipe in RECIPES:
+        with tempfile.TemporaryDirectory() as out, socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            mp.spawn(_run, args=(recipe, args.d, args.layers, args.steps, port, out), nprocs=WORLD, join=True)
+            rows[recipe] = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(WORLD)]
+    ref = [statistics.mean(r["losses"][i] for r in rows["fsdp2 fp32"]) for i in range(args.steps)]
+    print(f"GPT d{args.d} x{args.layers} layers, vocabulary {V}, {T} tokens x {B} per rank, {WORLD} gloo ranks, "
+          f"{args.steps} AdamW steps")
+    print("| recipe | loss at step 1 - fp32's | loss at step N | - fp32's | step ms (median) | peak MiB/rank | "
+          "state MiB/rank | all-gather MiB/step | collectives/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for recipe, ranks in rows.items():
+        loss = [statistics.mean(r["losses"][i] for r in ranks) for i in range(args.steps)]
+        print(f"| {recipe} | {loss[0] - ref[0]:+.1e} | {loss[-1]:.4f} | {loss[-1] - ref[-1]:+.1e} | "
+              f"{1e3 * max(r['time'] for r in ranks):.1f} | {max(r['peak'] for r in ranks):.0f} | "
+              f"{max(r['state'] for r in ranks) / 2**20:.2f} | {ranks[0]['ag'] / 2**20:.2f} | "
+              f"{ranks[0]['collectives']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+"""FSDP2 (``fxamp.shard``) on 2 gloo processes against single-process fxamp on the same micro-batches.
+
+One spawn runs every check; the reference runs here, in the test process, with each rank's
+micro-batch backward-ed in turn (gradients summed in float32, then halved: FSDP2's average).
+"""
+
+import collections
+import datetime
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from tests.dtype_observer import OpDtypes
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+WORLD, STEPS, PLANTED = 2, 20, 5  # PLANTED: the float16 step at which rank 0 alone sees an inf
+V, D, T = 64, 32, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, 4, c // 4).transpose(1, 2) for y in self.qkv(self.ln1(x)).split(c, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.lnf, self.head = nn.LayerNorm(D), nn.Linear(D, V, bias=False)
+        self.temp = nn.Parameter(torch.ones(1))  # one element: rank 1's shard of it is empty
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.lnf(x)) * self.temp
+        return F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten())
+
+
+class NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.ln = nn.Linear(D, D), nn.BatchNorm1d(D), nn.LayerNorm(D)
+
+    def forward(self, x):
+        return x + torch.relu(self.ln(self.bn(self.fc(x))))
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(NormBlock() for _ in range(2))
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x), y)
+
+
+def _batch(kind, rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    if kind == "gpt":
+        return (torch.randint(0, V, (2, T), generator=g),)
+    return torch.randn(8, D, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _model(kind, dtype):
+    torch.manual_seed(0)
+    model = GPT() if kind == "gpt" else NormNet()
+    return fxamp.convert_(model, "O1", dtype=dtype)
+
+
+def _opt(model):
+    return fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+
+
+def _plant(model):
+    """An inf in this rank's own gradient (its shard, when sharded), in a block's first linear."""
+    g = model.blocks[0].fc.weight.grad if hasattr(model.blocks[0], "fc") else model.blocks[0].qkv.weight.grad
+    local = g.to_local() if hasattr(g, "to_local") else g
+    local.view(-1)[0] = float("inf")
+
+
+def _sharded_run(kind, dtype, rank):
+    model = fxamp.shard(_model(kind, dtype))
+    opt = _opt(model)
+    losses, stepped, norms = [], [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(*_batch(kind, rank, step))
+        opt.backward(loss)
+        if dtype == torch.float16 and step == PLANTED and rank == 0:
+            _plant(model)
+        norms.append(float(opt.clip_grad_norm_(1.0).full_tensor()))
+        stepped.append(bool(opt.step()))
+        losses.append(loss.item())
+    full = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    state = [v for p in model.parameters() for v in opt.optimizer.state[p].values() if v.dim()]
+    held = sum(t.to_local().numel() for t in [*model.parameters(), *state])  # this rank's weights and AdamW state
+    whole = sum(t.numel() for t in [*model.parameters(), *state])
+    return {"losses": losses, "stepped": stepped, "norms": norms, "scale": opt.current_scale, "params": full,
+            "held": held / whole}
+
+
+def _reference(kind, dtype):
+    """Single-process fxamp: each rank's micro-batch in turn, gradients averaged in float32."""
+    model = _model(kind, dtype)
+    opt = _opt(model)
+    losses, stepped, norms = [[] for _ in range(WORLD)], [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in range(WORLD):
+            loss = model(*_batch(kind, rank, step))
+            opt.backward(loss / WORLD)
+            losses[rank].append(loss.item())
+        if dtype == torch.float16 and step == PLANTED:
+            _plant(model)
+        norms.append(float(opt.clip_grad_norm_(1.0)))
+        stepped.append(bool(opt.step()))
+    # (no comparison of weights: a bias before softmax or BatchNorm gets gradients of rounding noise only, which
+    # Adam turns into steps of lr; the losses are what the weights compute)
+    return {"losses": losses, "stepped": stepped, "norms": norms, "scale": opt.current_scale}
+
+
+COMPUTE = ("native_layer_norm", "native_layer_norm_backward", "addmm", "mm", "bmm", "_log_softmax",
+           "_log_softmax_backward_data", "gelu", "gelu_backward", "embedding_dense_backward", "nll_loss_forward",
+           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _op_dtypes(model, rank):
+    """How many times each compute op ran with which dtypes, forward and backward."""
+    with OpDtypes() as rec:
+        model(*_batch("gpt", rank, 0)).backward()
+    return collections.Counter((c.op, c.inputs, c.outputs) for c in rec.calls if c.op in COMPUTE)
+
+
+def _accumulated(rank, sync_each):
+    """Two micro-batches per step, the first without a reduce-scatter (set_requires_gradient_sync)."""
+    model = fxamp.shard(_model("gpt", torch.bfloat16))
+    opt = _opt(model)
+    losses = []
+    for step in range(4):
+        opt.zero_grad()
+        for micro in range(2):
+            model.set_requires_gradient_sync(sync_each or micro == 1)
+            loss = model(*_batch("gpt", rank, 10 * step + micro))
+            opt.backward(loss / 2)
+            losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+def _dcp_fresh(shard):
+    model = _model("gpt", torch.float16)
+    model = fxamp.shard(model) if shard else model
+    scale = fxamp.LossScaleConfig.of("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
+    return model, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
+                                                loss_scale=scale)
+
+
+def _dcp_train(model, opt, rank, steps):
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        loss = model(*_batch("gpt", rank, step))
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model, opt):
+    """Every weight and AdamW state tensor in full, by name; the scale."""
+    out = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        out.update({f"{n}.{k}": v.full_tensor().clone() for k, v in opt.optimizer.state[p].items() if k != "step"})
+    return out, opt.current_scale
+
+
+def _dcp(rank, path):
+    """Save after 3 steps, run 3 more; a fresh model and optimizer load the checkpoint and run the same 3."""
+    import torch.distributed.checkpoint as dcp
+    model, opt = _dcp_fresh(shard=True)
+    _dcp_train(model, opt, rank, range(3))
+    dcp.save(fxamp.sharded_state_dict(model, opt), checkpoint_id=path)
+    saved = _full(model, opt)
+    continued = _dcp_train(model, opt, rank, range(3, 6))
+    model2, opt2 = _dcp_fresh(shard=True)
+    state = fxamp.sharded_state_dict(model2, opt2)
+    dcp.load(state, checkpoint_id=path)
+    fxamp.load_sharded_state_dict(model2, opt2, state)
+    loaded = _full(model2, opt2)
+    resumed = _dcp_train(model2, opt2, rank, range(3, 6))
+    return {"saved": saved, "loaded": loaded, "continued": continued, "resumed": resumed,
+            "end": [_full(model, opt), _full(model2, opt2)]}
+
+
+def _no_grad_after_steps(rank):
+    """A no_grad forward (the weight-cast cache's case) after each step, and the same forward with autograd."""
+    model = fxamp.shard(_model("gpt", torch.bfloat16))
+    opt = _opt(model)
+    out = []
+    for step in range(3):
+        with torch.no_grad():
+            evaluated = model(*_batch("gpt", rank, 0)).item()
+        loss = model(*_batch("gpt", rank, 0))
+        out.append((evaluated, loss.item()))
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    return out
+
+
+def _some_blocks(rank):
+    """Only blocks.1 its own group (blocks.0 goes with the root), kept unsharded after forward: 3 steps."""
+    model = fxamp.shard(_model("gpt", torch.bfloat16), blocks=["blocks.1"], reshard_after_forward=False)
+    groups = [n for n, m in model.named_modules() if hasattr(m, "_get_fsdp_state")]
+    opt = _opt(model)
+    losses = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(*_batch("gpt", rank, step))
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        losses.append(loss.item())
+    return groups, losses
+
+
+def _refusals(rank):
+    """Bad input on every rank: one line each, the model left as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    out = []
+    model = _model("gpt", torch.bfloat16)
+    for bad in (lambda: fxamp.shard(model, mesh=init_device_mesh("cpu", (1, WORLD))),
+                lambda: fxamp.shard(model, blocks=["nothing.*"])):
+        try:
+            bad()
+        except ValueError as e:
+            out.append(str(e))
+    out.append(any(type(m).__name__.startswith("FSDP") for m in model.modules()))
+    return out
+
+
+def _worker(rank, port, out_dir):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        result = {f"{kind}-{dtype}": _sharded_run(kind, dtype, rank)
+                  for kind in ("gpt", "norms") for dtype in (torch.bfloat16, torch.float16)}
+        sharded = fxamp.shard(_model("gpt", torch.bfloat16))
+        result["dtypes"] = _op_dtypes(sharded, rank)
+        result["table"] = fxamp.sharding_table(sharded)
+        result["accumulated"] = _accumulated(rank, sync_each=False)
+        result["synced each"] = _accumulated(rank, sync_each=True)
+        result["refusals"] = _refusals(rank)
+        result["no_grad"] = _no_grad_after_steps(rank)
+        result["some blocks"] = _some_blocks(rank)
+        result["dcp"] = _dcp(rank, os.path.join(out_dir, "dcp"))
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)] + [out / "dcp"]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "norms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharded_training_matches_one_process(ranks, kind, dtype):
+    ref = _reference(kind, dtype)
+    expected = [not (dtype == torch.float16 and s == PLANTED) for s in range(STEPS)]
+    assert ref["stepped"] == expected
+    for rank, got in enumerate(ranks[:WORLD]):
+        run = got[f"{kind}-{dtype}"]
+        assert run["stepped"] == expected  # every rank skips the planted step, and only it
+        assert run["scale"] == ref["scale"]
+        assert 0.45 < run["held"] < 0.55  # each rank holds about half the weights and optimizer state
+        first = ref["losses"][rank][0]
+        assert abs(run["losses"][0] - first) <= 2e-6 * abs(first)
+        assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"][rank])) <= 5e-4
+        # clip_grad_norm_ returns the true norm across shards: at the first step (same weights) to float32's
+        # last bit; later the runs' weights part by float32 rounding of the gradients' sum
+        assert abs(run["norms"][0] - ref["norms"][0]) <= 1e-6 * ref["norms"][0]
+        for a, b, s in zip(run["norms"], ref["norms"], expected):
+            assert (abs(a - b) <= 1e-2 * b) if s else not (math.isfinite(a) or math.isfinite(b))
+    for name, p in ranks[0][f"{kind}-{dtype}"]["params"].items():
+        assert torch.equal(p, ranks[1][f"{kind}-{dtype}"]["params"][name])  # the replicas agree
+
+
+def test_every_op_computes_in_its_one_process_dtype_under_sharding(ranks):
+    for rank, got in enumerate(ranks[:WORLD]):
+        assert got["dtypes"] == _op_dtypes(_model("gpt", torch.bfloat16), rank)  # op by op, count by count
+        norms = [k for k in got["dtypes"] if k[0].startswith("native_layer_norm")]
+        assert len(norms) == 2 and all(set(k[1]) == {torch.float32} for k in norms)  # weights unrounded
+        assert {k[1] for k in got["dtypes"] if k[0] == "mm"} == {(torch.bfloat16,) * 2}
+        assert [k[1:] for k in got["dtypes"] if k[0] == "_log_softmax"] == [((torch.float32,), (torch.float32,))]
+
+
+def test_sharding_table_says_per_parameter_what_is_stored_gathered_computed_reduced(ranks):
+    rows = {line.split(" | ")[0].strip(): [c.strip() for c in line.split(" | ")[1:]]
+            for line in ranks[0]["table"].splitlines()[2:]}
+    assert rows["blocks.1.ln2.weight"] == ["float32", "float32", "float32", "float32"]  # never rounded
+    assert rows["blocks.0.fc.weight"] == ["float32", "float32", "bfloat16", "float32"]
+    assert rows["head.weight"] == ["float32", "float32", "bfloat16", "float32"]
+    assert rows["temp"] == ["float32", "float32", "float32 (the model's own code)", "float32"]
+    assert len(rows) == len(list(GPT().parameters()))
+
+
+def test_accumulation_without_sync_is_the_synced_result(ranks):
+    for got in ranks[:WORLD]:
+        assert got["accumulated"] == got["synced each"]  # reduce-scatter once per step: the same float32 sum
+
+
+def test_blocks_chosen_by_glob(ranks):
+    ref = _reference("gpt", torch.bfloat16)
+    for rank, got in enumerate(ranks[:WORLD]):
+        groups, losses = got["some blocks"]
+        assert groups == ["", "blocks.1"]
+        assert max(abs(a - b) for a, b in zip(losses, ref["losses"][rank])) <= 5e-4
+
+
+def test_no_grad_forward_after_a_step_reads_the_new_weights(ranks):
+    for got in ranks[:WORLD]:
+        evaluated, trained = zip(*got["no_grad"])
+        assert evaluated == trained and len(set(trained)) == 3  # no cast cached across FSDP2's all-gathers
+
+
+def test_bad_input_is_refused_in_one_line_on_every_rank(ranks):
+    for got in ranks[:WORLD]:
+        mesh, blocks, sharded = got["refusals"]
+        assert "the mesh has shape (1, 2) but the world has 2 ranks" in mesh
+        assert "blocks='nothing.*' matches no converted block; the converted blocks: blocks.0, blocks.1" in blocks
+        assert not sharded
+
+
+def test_bad_input_is_refused_before_torch_distributed():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(ValueError, match=r"was not converted by fxamp; call fxamp.convert_\(model, 'O1'"):
+        fxamp.shard(Plain())
+    with pytest.raises(ValueError, match="was converted whole .fxamp.convert.*fxamp.convert_"):
+        fxamp.shard(fxamp.convert(Plain(), "O1"))
+    o2 = fxamp.convert_(GPT(), "O2", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stores parameters in bfloat16 beside float32 ones.*convert with 'O1'"):
+        fxamp.shard(o2)
+    o1 = _model("gpt", torch.bfloat16)
+    lean = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(o1.parameters()), model=o1, masters="stochastic")
+    assert set(fxamp.sharded_state_dict(o1, lean)) == {"model", "optimizer", "fxamp"}  # no masters: nothing lean
+    with pytest.raises(ValueError, match="whose parameters are their own masters.*save opt.state_dict.. instead"):
+        fxamp.sharded_state_dict(o2, _opt(o2))
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        fxamp.shard(_model("gpt", torch.bfloat16))
+
+
+def _same(a, b):
+    (ta, sa), (tb, sb) = a, b
+    return sa == sb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_dcp_checkpoint_resumes_bitwise_on_2_ranks(ranks):
+    for got in ranks[:WORLD]:
+        run = got["dcp"]
+        assert run["saved"][1] == 2.0**11  # (grew once: the scaler's state is in the checkpoint)
+        assert _same(run["saved"], run["loaded"])
+        assert run["resumed"] == run["continued"]
+        assert _same(*run["end"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (DCP's note: one process)
+def test_dcp_checkpoint_of_2_ranks_loads_on_1(ranks):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _dcp_fresh(shard=False)
+    state = fxamp.sharded_state_dict(model, opt)
+    dcp.load(state, checkpoint_id=str(ranks[WORLD]))
+    fxamp.load_sharded_state_dict(model, opt, state)
+    weights, scale = ranks[0]["dcp"]["saved"]
+    assert scale == opt.current_scale
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n])
+        for k, v in opt.optimizer.state[p].items():
+            if k != "step":
+                assert torch.equal(v, weights[f"{n}.{k}"]), (n, k)
+
+
+def test_sharding_table_of_a_model_not_sharded_nor_called_yet():
+    table = fxamp.sharding_table(_model("gpt", torch.bfloat16))
+    row = next(line for line in table.splitlines() if line.startswith("blocks.0.ln1.weight "))
+    assert [c.strip() for c in row.split(" | ")[1:]] == ["float32", "-", "(not captured yet)", "-"]
+    with pytest.raises(ValueError, match="was not converted by fxamp"):
+        fxamp.sharding_table(GPT())
