@@ -415,13 +415,21 @@ def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:
 def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None) -> None:
     """Raise before anything changes: a non-float parameter, or a mode a parameter of ``groups`` (default:
     ``optimizer``'s) cannot take."""
+    low = 0
     for i, group in enumerate(optimizer.param_groups if groups is None else groups):
         for j, p in enumerate(group["params"]):
             if not p.is_floating_point():
                 raise TypeError(f"the optimizer's group {i}, param {j} is {p.dtype}: MixedPrecisionOptimizer steps "
                                 f"floating-point parameters only; leave it out of the optimizer")
             if p.dtype in (torch.float16, torch.bfloat16):
+                low += 1
                 check_modes(optimizer, p, config.masters.value, config.state.value, f"group {i}, param {j}")
+    asked = [f"{name}={mode.value!r}" for name, mode in (("masters", config.masters), ("state", config.state))
+             if mode.value not in ("fp32", "auto")]
+    if groups is None and asked and not low:  # (an explicit lean mode with nothing to apply it to: refused)
+        raise ValueError(f"{' and '.join(asked)} apply to float16/bfloat16 parameters and this optimizer has none "
+                         f"(a float32 model, or O0/O1, whose float32 weights are their own masters): convert with "
+                         f"O2/O3 for lean masters and state, or leave masters and state at 'fp32'")
 
 
 def seed_from(seed: Union[int, torch.Generator, None]) -> int:

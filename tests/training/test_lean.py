@@ -390,3 +390,11 @@ def test_lean_config_takes_names_through_of_only():
         LeanConfig("kahan")
     with pytest.raises(ValueError, match="masters"):
         LeanConfig.of("fp8")
+
+
+def test_explicit_lean_modes_without_low_precision_parameters_are_refused():
+    model = nn.Linear(8, 8)  # float32 weights: their own masters, nothing lean could apply to
+    with pytest.raises(ValueError, match=r"masters='kahan' and state='int8' apply to float16/bfloat16 parameters "
+                                         r"and this optimizer has none"):
+        fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="kahan", state="int8")
+    fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="auto", state="auto")  # fine
