@@ -412,9 +412,11 @@ def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:
     return all(m == "fp32" and s == "fp32" for m, s in items)
 
 
-def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None) -> None:
+def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None,
+                 model: Optional[Any] = None) -> None:
     """Raise before anything changes: a non-float parameter, or a mode a parameter of ``groups`` (default:
-    ``optimizer``'s) cannot take."""
+    ``optimizer``'s) cannot take; an explicit lean mode when neither the optimizer nor ``model`` has a
+    float16/bfloat16 parameter (``fxamp.initialize`` wraps the float32 optimizer, then adopts masters)."""
     low = 0
     for i, group in enumerate(optimizer.param_groups if groups is None else groups):
         for j, p in enumerate(group["params"]):
@@ -426,6 +428,8 @@ def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[D
                 check_modes(optimizer, p, config.masters.value, config.state.value, f"group {i}, param {j}")
     asked = [f"{name}={mode.value!r}" for name, mode in (("masters", config.masters), ("state", config.state))
              if mode.value not in ("fp32", "auto")]
+    if model is not None and not low:
+        low = sum(1 for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16))
     if groups is None and asked and not low:  # (an explicit lean mode with nothing to apply it to: refused)
         raise ValueError(f"{' and '.join(asked)} apply to float16/bfloat16 parameters and this optimizer has none "
                          f"(a float32 model, or O0/O1, whose float32 weights are their own masters): convert with "

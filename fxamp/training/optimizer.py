@@ -153,7 +153,7 @@ class MixedPrecisionOptimizer:
     ) -> None:
         check_optimizer(optimizer)
         config = lean.resolve(masters, state, precision)
-        lean.check_params(optimizer, config)  # (before anything changes)
+        lean.check_params(optimizer, config, model=model)  # (before anything changes)
         if compile_step and config.lean:
             raise ValueError(f"compile_step=True steps float32 masters and state; {config} is lean: pass one or the other")
         #: ``compile_step``'s :class:`~fxamp.training.kernels.Kernels` (what it compiled and keeps); None without it
