@@ -87,8 +87,13 @@ class WeightCastCache(nn.Module):
     Used only where no autograd graph is needed (``no_grad``/``inference_mode``, or a weight that
     does not require grad); training casts every forward, as autocast does.  An entry is reused
     only while the weight is the same object with the same storage and version counter, so an
-    optimizer step, ``load_state_dict`` or any in-place write invalidates it.  (Writes through
-    ``.data`` bypass the version counter: call :meth:`clear` after those.)
+    optimizer step, ``load_state_dict`` or any in-place write invalidates it.  Fused optimizers
+    (``torch.optim.AdamW(fused=True)``, the Hugging Face Trainer's default) and writes through
+    ``.data`` do not bump the version counter, so two more rules hold: a forward that records
+    autograd for a weight (a training step's) clears the cache, and ``MixedPrecisionOptimizer``
+    bumps the counters of what it stepped.  Left uncovered: a plain fused optimizer stepping after a
+    ``no_grad`` forward that followed the training forward (call :meth:`clear` there, or after
+    ``.data`` writes).
 
     It holds no parameters or buffers, so it adds nothing to ``state_dict``.
     """
@@ -158,6 +163,7 @@ def cast_weights(
     if torch.compiler.is_compiling():
         return tuple(w.to(dtype) for w in weights)
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        cache.clear()  # a training forward: these weights are about to be stepped (maybe by a fused kernel)
         trained = [i for i, w in enumerate(weights) if w.requires_grad]
         if len(trained) == len(weights):
             return _CastWeights.apply(dtype, *weights)
@@ -209,6 +215,8 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
     """
     cache, path = (None, "") if _fxamp_cache is None or torch.compiler.is_compiling() else _fxamp_cache
     grad = torch.is_grad_enabled()
+    if cache is not None and grad and any(p.requires_grad for p in module.parameters()):
+        cache.clear()  # a training forward (see WeightCastCache)
 
     def low(name: str, t: torch.Tensor) -> torch.Tensor:
         if cache is None or t.dtype == dtype or t.dtype not in CASTABLE or (grad and t.requires_grad):

@@ -552,6 +552,9 @@ class MixedPrecisionOptimizer:
             plan = self._plan
             executor = self.kernels.step if self._fuses(plan) else None
             engine.step(self.optimizer, plan, check, self._low_of_master, executor, self._ws)
+            # a fused inner step writes without bumping version counters: a converted module's weight cache
+            # (fxamp.conversion.runtime.WeightCastCache) must see the float32 weights it stepped change
+            torch.autograd.graph.increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
             if self._ws is not None:
                 self._ws.stepped()
             blame = self.overflowed_params if check.on_device else tuple

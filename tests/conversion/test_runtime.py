@@ -369,3 +369,34 @@ def test_leaf_module_cache_under_torch_compile():
         got, want = compiled(x), amp(x)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("how", ["plain fused AdamW", "MixedPrecisionOptimizer over fused AdamW"])
+def test_the_weight_cache_sees_a_fused_optimizer_step(how):
+    """Fused optimizers write the weights without bumping their version counters: a no_grad forward after
+    a training step must not reuse the copies cast before it (it did: silently stale eval outputs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
+    inner = torch.optim.AdamW(amp.parameters(), lr=0.1, fused=True)
+    opt = inner if how.startswith("plain") else fxamp.MixedPrecisionOptimizer(inner, model=amp)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        before = amp(x)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = amp(x).float().sum()
+        loss.backward() if opt is inner else opt.backward(loss)
+        opt.step()
+    with torch.no_grad():
+        after = amp(x)
+        expected = fxamp.convert(model, "O1", dtype=torch.bfloat16)(x)  # a fresh conversion of the stepped weights
+    assert not torch.equal(after, before) and torch.equal(after, expected)
+    if opt is not inner:  # the wrapper bumps what it stepped: a no_grad forward between backward and step
+        opt.zero_grad()
+        opt.backward(amp(x).float().sum())
+        with torch.no_grad():
+            amp(x)  # (metrics between backward and step) cached: the weights before the step
+        opt.step()
+        with torch.no_grad():
+            assert torch.equal(amp(x), fxamp.convert(model, "O1", dtype=torch.bfloat16)(x))
