@@ -34,38 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
+from examples.float8_gpt import GPT  # the example's model: what is timed here is what it trains
 
 SIZES = {"tiny": (2, 64, 4, 128, 64), "small": (12, 768, 12, 50304, 1024), "medium": (24, 1024, 16, 50304, 1024)}
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.d, self.heads = d, heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # torch.fx traces it (no unpacking of shapes)
-        parts = self.qkv(self.ln1(x)).split(self.d, dim=-1)
-        heads = [parts[i].unflatten(-1, (self.heads, self.d // self.heads)).transpose(1, 2) for i in range(3)]
-        y = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).flatten(-2))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers: int, d: int, heads: int, vocab: int, block: int):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(block, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
 
 
 @dataclass

@@ -82,13 +82,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, s: Setup):
+    """A GPT with ``layers`` blocks of width ``d``; ``benchmarks/float8_gpt.py`` times this same model."""
+
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, block: int):
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, s.width)
-        self.pos = nn.Parameter(torch.randn(s.block, s.width) * 0.02)
-        self.blocks = nn.ModuleList(Block(s.width, s.heads) for _ in range(s.layers))
-        self.ln = nn.LayerNorm(s.width)
-        self.head = nn.Linear(s.width, VOCAB)
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(block, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
@@ -126,7 +128,7 @@ class Result:
 
 def train(policy: str, s: Setup, train_ids: torch.Tensor, val_ids: torch.Tensor, head_float8: bool = False) -> Result:
     torch.manual_seed(s.seed)
-    model = GPT(s)
+    model = GPT(s.layers, s.width, s.heads, VOCAB, s.block)
     keep = {"module_overrides": {"head": "no_float8"}} if "float8" in policy and not head_float8 else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

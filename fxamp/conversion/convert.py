@@ -84,13 +84,7 @@ def convert(
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fxamp.convert takes an nn.Module, not {type(model).__name__}")
-    device_type = device_type_of(model)
-    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
-    # a preset without dtype= follows autocast's per-device default: say which dtype that chose
-    chosen = (default_dtype(device_type)[1],) if dtype is None and isinstance(policy, str) and "=" not in policy \
-        and pol.enabled else ()
+    pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert")
     options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                                    node_overrides=node_overrides, weight_cache=weight_cache,
                                    debug_overflow=debug_overflow, dynamic=dynamic)
@@ -162,16 +156,24 @@ def convert_(
     """
     if not isinstance(keep_originals, bool):
         raise TypeError(f"keep_originals must be True or False, not {keep_originals!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fxamp.convert_ takes an nn.Module, not {type(model).__name__}")
-    device_type = device_type_of(model)
-    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
-    chosen = (default_dtype(device_type)[1],) if dtype is None and isinstance(policy, str) and "=" not in policy \
-        and pol.enabled else ()
+    pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert_")
     options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                                    weight_cache=weight_cache, debug_overflow=debug_overflow)
     _refuse_other_low_dtype(model, pol)
     return convert_blocks(model, pol, options, blocks, notes=chosen, keep_originals=keep_originals)
+
+
+def _resolve(model: nn.Module, policy: Union[str, Policy], dtype: Union[str, torch.dtype, None],
+             keep_norms_fp32: bool, entry: str) -> Tuple[Policy, Tuple[str, ...]]:
+    """The policy for ``model``'s device, and the note saying which dtype a preset without ``dtype=`` chose
+    (autocast's per-device default)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxamp.{entry} takes an nn.Module, not {type(model).__name__}")
+    device_type = device_type_of(model)
+    pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
+    chosen = (default_dtype(device_type)[1],) if dtype is None and isinstance(policy, str) and "=" not in policy \
+        and pol.enabled else ()
+    return pol, chosen
 
 
 def _copy_tree(model: nn.Module) -> nn.Module:
