@@ -41,11 +41,11 @@ from torch.fx.graph import _PyTreeCodeGen
 
 from .calls import SIMPLE, bound_root, describe_call, flatten_call, leaf_names
 from .capture import capture, capture_with_values
-from .capture.concrete import GuardFailed
+from .capture.concrete import LATE_BRANCH, GuardFailed
 from ..dtypes import LOW
 from .capture.shapes import STATIC_SIZES
 from .capture.modes import MODE_FLAG
-from ..errors import TraceError
+from ..errors import FxampError, TraceError
 from .graph import INPUT_DTYPE, rebind
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, remember_origin, watch_for_masters
 from .lazy import float32_for_capture, is_norm, predict_storage
@@ -195,7 +195,10 @@ class Family:
                 return out
         with self._lock:
             graph = self._capture(block, base, key, tree, leaves)
-        return graph.call(block, leaves)
+        try:
+            return graph.call(block, leaves)
+        except GuardFailed:  # its own early copy of a late guard: a method it ran changed what the branch read
+            raise FxampError(LATE_BRANCH) from None
 
     def _capture(self, block: nn.Module, base: Any, key: Any, tree: Any, leaves: List[Any]) -> "_Graph":
         start = time.perf_counter()

@@ -298,6 +298,71 @@ def test_shapes_branches_and_objects_are_captured_with_the_calls_values():
     assert all("guard" in g.gm.code for g in graphs)
 
 
+class Layer:
+    def __init__(self):
+        self.keys = None  # a data attribute named as torch.fx's Proxy.keys method (a KV cache layer's)
+
+
+class Cache:
+    """Kept like Hugging Face's encoder-decoder cache: a method that changes it, a flag read after it,
+    tensors stored in the converted block's low dtype."""
+
+    def __init__(self):
+        self.layer, self.is_updated, self.steps = Layer(), {}, 0
+
+    def update(self, h):
+        self.steps += 1
+        return h
+
+
+class CachedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.kv = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x, cache, limit=None):
+        h = cache.update(self.fc(x))  # a side effect: guards after it are late
+        if cache.is_updated.get(0):  # state read after the effect (not changed by it): checked early too
+            kv = cache.layer.keys
+        else:
+            kv = self.kv(x)[:, :1]  # stored as the block computes it: bfloat16
+            cache.layer.keys, cache.is_updated[0] = kv, True
+        if limit is not None and cache.steps > limit:  # state the effect changed: only the late guard sees it
+            h = h * 2
+        return x + (h * kv).softmax(-1)
+
+
+class CachedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(CachedBlock() for _ in range(2))
+
+    def forward(self, x, cache, limit=None):
+        return self.layers[1](self.layers[0](x, cache, limit), cache, limit)
+
+
+def test_state_an_object_reads_after_its_method_ran_picks_the_variant_before_anything_changes():
+    """A flag read after the cache's method ran (T5's and Whisper's cross-attention ``is_updated``) is
+    checked at the top of the graph as well, so a decode step takes its own variant; the cached tensor
+    (low precision, behind an attribute named ``keys``) is traced in float32. State that the method
+    itself changed before the branch read it is refused in one line, naming what to do."""
+    torch.manual_seed(0)
+    ref = CachedNet()
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    cache, ref_cache = Cache(), Cache()
+    for _ in range(3):  # the first call fills the flag and the keys; the others read them
+        x = torch.randn(2, 3, D)
+        got = model(x, cache)
+        assert torch.allclose(got, ref(x, ref_cache), atol=0.03, rtol=0.03)
+    assert cache.layer.keys.dtype == torch.bfloat16 and cache.steps == ref_cache.steps == 6  # no retry re-ran it
+    (family,) = families(model)
+    assert family.captures == 2
+    with pytest.raises(fxamp.FxampError, match="use_cache=False"):
+        for _ in range(3):
+            model(torch.randn(2, 3, D), Cache(), limit=1)  # steps > 1 turns true after the first layer's update
+
+
 def test_report_before_a_call_names_the_families_and_takes_no_options():
     model = make()
     fxamp.convert_(model, "O1", dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """Hugging Face models converted in place (``fxamp.convert_``): what users do with their model still works.
 
-Tiny random-weight GPT-2 and Llama (nothing downloaded), bfloat16: greedy ``generate`` with the KV
+Tiny random-weight GPT-2, Llama, T5 and Whisper (nothing downloaded), bfloat16: greedy ``generate`` with the KV
 cache (the tokens of float32 where every step's top-2 logit margin is wide, else autocast's),
 ``save_pretrained``/``from_pretrained`` (names and float32 kept), gradient checkpointing (the bytes
 saved for backward within 1.2x of autocast's with checkpointing), ``Trainer.evaluate``'s
@@ -203,10 +203,19 @@ def test_encoders_and_encoder_decoders_match_autocast(make):
             assert torch.equal(tokens, ref.generate(args[0], max_new_tokens=4, do_sample=False, use_cache=False))
 
 
-def test_an_encoder_decoder_cache_that_is_not_captured_says_what_to_do():
-    """T5's decoder reads its cache through methods (get_seq_length) before a branch: not guarded before
-    the cache changes, so generate with the cache is refused in one line, naming use_cache=False."""
-    model, args, _ = t5()
-    fxamp.convert_(model, "O1", dtype=BF16)
-    with pytest.raises(fxamp.FxampError, match="use_cache=False"):
-        model.generate(args[0], max_new_tokens=3, do_sample=False)
+@pytest.mark.parametrize("make,policy", [(t5, "O1"), (whisper, "O2")], ids=["t5-O1", "whisper-O2"])
+def test_encoder_decoders_generate_with_the_kv_cache(make, policy):
+    """The decoder's cross-attention reads a flag of its ``EncoderDecoderCache`` after the self-attention
+    updated the cache: the prefill and decode steps are variants picked before anything changed."""
+    ref, args, _ = make()
+    model, _, _ = make()
+    fxamp.convert_(model, policy, dtype=BF16)
+    steps = 6
+    tokens = model.generate(args[0], max_new_tokens=steps, do_sample=False)
+    if greedy_margins(ref, args[0], steps) > 0.05:
+        expected = ref.generate(args[0], max_new_tokens=steps, do_sample=False)
+    else:
+        with torch.autocast("cpu", BF16):
+            expected = ref.generate(args[0], max_new_tokens=steps, do_sample=False)
+    assert tokens.shape[1] > steps // 2 and torch.equal(tokens, expected)
+    assert torch.equal(model.generate(args[0], max_new_tokens=steps, do_sample=False, use_cache=False), tokens)

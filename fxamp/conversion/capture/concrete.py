@@ -34,7 +34,7 @@ from ...errors import FxampError, TraceError
 from ..op_lists import is_inplace
 from .fx import FxFrontEnd, FxTracer
 
-__all__ = ["ConcreteFxFrontEnd", "GuardFailed", "guard"]
+__all__ = ["ConcreteFxFrontEnd", "GuardFailed", "LATE_BRANCH", "guard"]
 
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_floating_point")
@@ -46,6 +46,11 @@ _WRITERS = (operator.setitem, operator.delitem, builtins.setattr, builtins.delat
 _VALUES = (torch.Tensor, nn.Module, slice, type(Ellipsis)) + _SIMPLE
 
 
+LATE_BRANCH = ("fxamp: this call takes another Python branch than the call the block was captured at, after the "
+               "block changed an object it was given (a KV cache's update): convert the model whole with "
+               "fxamp.convert, or call it without that object (use_cache=False)")
+
+
 class GuardFailed(Exception):
     """An early guard of a graph captured by :class:`ConcreteFxFrontEnd` failed: nothing ran that matters."""
 
@@ -55,9 +60,7 @@ def guard(value: Any, expected: bool, early: bool) -> None:
     if bool(value) is not expected:
         if early:
             raise GuardFailed
-        raise FxampError("fxamp: this call takes another Python branch than the call the block was captured at, "
-                         "after the block changed an object it was given (a KV cache's update): convert the model "
-                         "whole with fxamp.convert, or call it without that object (use_cache=False)")
+        raise FxampError(LATE_BRANCH)
 
 
 class _ConcreteTracer(FxTracer):
@@ -194,16 +197,36 @@ class _ConcreteProxy(fx.Proxy):
     def __setitem__(self, key: Any, item: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, item), {})
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("node", "tracer") or name.startswith("_"):
+            object.__setattr__(self, name, value)  # the proxy's own
+        else:  # cache.layer.keys = kv: a write to the object, recorded (run at every call; a side effect)
+            self.tracer.create_proxy("call_function", builtins.setattr, (self, name, value), {})
+
+    @property  # type: ignore[override]
+    def keys(self) -> Any:
+        """``fx.Proxy.keys`` (for ``**proxy``) hides a data attribute of that name: a KV cache layer's
+        ``layer.keys`` tensor is read as the attribute, a dict's ``keys()`` stays a method."""
+        value = self.tracer.real.get(self.node)
+        if value is not None and not isinstance(value, (torch.Tensor,) + _SIMPLE + _CONTAINERS) and \
+                not callable(getattr(value, "keys", None)):
+            return self.tracer.create_proxy("call_function", builtins.getattr, (self, "keys"), {})
+        return fx.Proxy.keys.__get__(self)
+
 
 def _copy(value: Any, memo: Optional[Dict[int, Any]] = None) -> Any:
-    """A deep copy of an opaque object (a KV cache) for the trace to change: tensors detached and cloned
-    (a cache filled in training holds tensors with autograd history, which ``copy.deepcopy`` refuses),
+    """A deep copy of an opaque object (a KV cache) for the trace to change: tensors detached and cloned,
+    16-bit floats as float32 (a cache filled in training holds tensors with autograd history, which
+    ``copy.deepcopy`` refuses),
     containers and plain objects copied member by member, shared members once."""
     memo = {} if memo is None else memo
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, torch.Tensor):
-        new: Any = value.detach().clone()
+        # the trace computes in float32, as an unconverted block would; a cache filled by converted blocks
+        # holds bfloat16 keys that a float32 query could not attend to (the graph casts them at run time)
+        low = value.is_floating_point() and value.element_size() < 4
+        new: Any = value.detach().float() if low else value.detach().clone()
     elif isinstance(value, _SIMPLE) or callable(value) or isinstance(value, nn.Module):
         return value
     elif type(value) in (list, tuple, set):
