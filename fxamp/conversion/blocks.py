@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.utils.parametrize import ParametrizationList
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen
 
@@ -87,8 +88,9 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
     else:
         found = []
         for path, m in model.named_modules():
-            if not isinstance(m, nn.ModuleList) or any(_inside(path, b) for b in found):
-                continue
+            if not isinstance(m, nn.ModuleList) or isinstance(m, ParametrizationList) or \
+                    any(_inside(path, b) for b in found):
+                continue  # (a weight's parametrizations are not layers: weight_norm's list of one)
             counts: Dict[type, int] = {}
             for child in m.children():
                 counts[type(child)] = counts.get(type(child), 0) + 1

@@ -225,6 +225,14 @@ def test_blocks_named_by_glob():
     assert torch.allclose(model(ids()), make()(ids()), atol=0.1)
 
 
+def test_a_weights_parametrizations_are_not_blocks():
+    """weight_norm keeps its parametrization in a ModuleList of one: not a layer list (wav2vec2's
+    positional convolution)."""
+    model = make()
+    torch.nn.utils.parametrizations.weight_norm(model.head)
+    assert find_blocks(model) == [f"layers.{i}" for i in range(4)]
+
+
 def test_bad_input_is_one_clear_line():
     with pytest.raises(ValueError, match=r"found no blocks in Sequential .*blocks=\['encoder.layers.\*'\]"):
         fxamp.convert_(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "O1")

@@ -169,6 +169,12 @@ float16 for a subset) and checks, per model and policy:
   (O2) of the model converted in place, block by block (`fxamp.convert_` of a copy; the masters are
   the float32 originals): 22 models with layer lists pass all three, the 5 without one are n/a
   (`convert_` refuses them in one line until `blocks=` names their blocks);
+- **in-place-rows** (O2 bfloat16): in place, every block and glue module runs the same precision-deciding
+  aten ops (matmuls, attention, norms, softmax, reductions, exp/log/pow, embeddings, convolutions,
+  activations) with the same input and output dtypes, as many times, as whole-model conversion runs for
+  that module, recorded at run time on the same inputs; ops outside blocks and glue modules run on
+  float32. 20 models pass; `nn.TransformerEncoder` (2 entries) is n/a: whole-model conversion runs its
+  attention as `nn.MultiheadAttention`'s fused kernel;
 - **O0** is bitwise equal to the original in eval and in train mode (every dropout set to 0);
 - **float64**: a float64 model with float64 inputs converted O1 bfloat16 comes back float64, unchanged.
 

@@ -37,6 +37,7 @@ DEFAULT = {
     ("conv-bn-relu", "training", "O2", "float16"),
     ("gpt2", "training-lean", "O2", "bfloat16"),
     ("llama", "in-place-numerics", "O2", "bfloat16"),
+    ("bert", "in-place-rows", "O2", "bfloat16"),
     ("gpt2", "in-place-training", "O2", "bfloat16"),
     ("conv-bn-relu", "training-lean", "O2", "bfloat16"),
     ("conv-bn-relu", "o0", None, None),
