@@ -359,6 +359,27 @@ def _self(module: nn.Module) -> nn.Module:
     return module
 
 
+def _converted_apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    """``nn.Module._apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call), refusing a change of the floating
+    dtypes conversion chose: the graphs cast per op for those, so ``.half()`` would break them deep in
+    torch. Tried on empty tensors of the dtypes the module holds, before any tensor changes."""
+    for dtype in {t.dtype for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point()}:
+        try:
+            new = fn(torch.empty(0, dtype=dtype)).dtype
+        except Exception:  # a function only for real tensors (to_empty, share_memory_): not a dtype change
+            continue
+        if new != dtype:
+            family = self.__dict__[_FAMILY]
+            raise FxampError(
+                f"fxamp.convert_: {family.paths[0]!r} ({family.cls.__name__}) holds {str(dtype)[6:]} tensors that "
+                f"this call (.half(), .float(), .to(dtype)...) would turn {str(new)[6:]}; the converted graphs cast "
+                f"per op for the dtypes conversion chose ({family.policy}). "
+                f"Convert the float32 model with the dtype you want instead (fxamp.convert_(model, policy, "
+                f"dtype=...)); .to(device) is fine")
+    # (not type(self): fully_shard swaps in a subclass of it)
+    return super(converted_class(self.__dict__[_FAMILY].cls), self)._apply(fn, *args, **kwargs)
+
+
 def _rebuild_block(cls: type, state: Dict[str, Any]) -> nn.Module:
     """Unpickling (and deep copies): an instance of ``cls``'s converted class with ``state``."""
     new = converted_class(cls).__new__(converted_class(cls))
@@ -381,6 +402,7 @@ def converted_class(cls: type) -> type:
     made = _CLASSES.get(cls)
     if made is None:
         made = type(cls.__name__, (cls,), {"forward": _converted_forward, "__reduce_ex__": _reduce_ex,
+                                           "_apply": _converted_apply,
                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                            "_fxamp_converted": True,
                                            MODE_FLAG: property(_self, doc="the root's train/eval flag in a graph")})

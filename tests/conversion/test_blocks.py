@@ -225,6 +225,24 @@ def test_blocks_named_by_glob():
     assert torch.allclose(model(ids()), make()(ids()), atol=0.1)
 
 
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_half_on_a_model_converted_in_place_is_one_clear_line_and_changes_nothing(policy):
+    model = make()
+    fxamp.convert_(model, policy, dtype=torch.bfloat16)
+    x = ids()
+    out = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fxamp.FxampError, match=r"'emb' \(Embedding\) holds .* would turn float16.*dtype=\.\.\.\)"):
+        model.half()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert {p.dtype for p in model.parameters()} == ({torch.float32} if policy == "O1" else
+                                                     {torch.float32, torch.bfloat16})
+    model.to("cpu")  # a device move is fine; so is .float() where every tensor is float32 already
+    if policy == "O1":
+        model.float()
+    assert torch.equal(model(x), out)
+
+
 def test_a_weights_parametrizations_are_not_blocks():
     """weight_norm keeps its parametrization in a ModuleList of one: not a layer list (wav2vec2's
     positional convolution)."""
