@@ -485,12 +485,28 @@ def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Seq
     return notes
 
 
+def _checkpoints_when_flagged(module: nn.Module, root: bool) -> bool:
+    """Whether a module's ``gradient_checkpointing`` flag makes a capture trace through a checkpoint: a layer
+    that checkpoints around its own forward (Hugging Face's ``GradientCheckpointingLayer``, whose subclasses
+    keep it: a block converted in place is one, so as the captured root it is not traced through), or a
+    forward that calls the
+    framework's checkpoint function on its children. Other flagged modules (T5's attention reads the
+    flag for its position bias) do not checkpoint."""
+    if any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__):
+        return not root
+    try:
+        return "_gradient_checkpointing_func" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True  # no source: assume it does
+
+
 def framework_checkpointing_note(model: nn.Module, frontend: str) -> Optional[str]:
     """The note for checkpointing switched on by a framework flag (Hugging Face's
     ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing = True`` on the model and its
     layers, whose ``__call__`` then checkpoints through a ``functools.partial``): the source scan
     sees no ``checkpoint(...)`` call, and the capture traces through it."""
-    on = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    on = [name for name, m in model.named_modules()
+          if getattr(m, "gradient_checkpointing", None) is True and _checkpoints_when_flagged(m, root=not name)]
     if not on:
         return None
     layers = [n for n in on if not any(o != n and o.startswith(n + ".") for o in on)] or on
