@@ -128,16 +128,18 @@ def test_o2_follows_autocast_where_rounded_masters_departed():
     assert max(abs(a - b) for a, b in zip(rounded[1:], ref[1:])) > 1e-3, (rounded, ref)  # the size shows it
 
 
-def _toy(masters, state="fp32", steps=600, seed=0):
+def _toy(masters, state="fp32", steps=600, seed=0, dtype=torch.bfloat16, scales=None):
     """Issue 28's stagnation case: 64 weights of magnitude 1.0-1.5, AdamW lr 3e-4; the rms error at the end."""
     g = torch.Generator().manual_seed(0)
     target = 1.0 + 0.5 * torch.rand(64, generator=g)
-    w = nn.Parameter((target + 0.05 * torch.randn(64, generator=g)).bfloat16())
+    w = nn.Parameter((target + 0.05 * torch.randn(64, generator=g)).to(dtype))
     inner = torch.optim.AdamW([w], lr=3e-4, weight_decay=0.0)
     if masters is None:
         opt = None
     else:
         opt = fxamp.MixedPrecisionOptimizer(inner, masters=masters, state=state, seed=seed)
+        if scales is not None:
+            scales.append(opt.current_scale)
     for _ in range(steps):
         loss = ((w.float() - target) ** 2).mean()
         if opt is None:
@@ -161,14 +163,32 @@ def test_toy_stagnation_plain_bfloat16_makes_no_progress_compensated_and_stochas
         assert end < 4 * floor < 0.2 * start, (masters, state, end)
 
 
-@pytest.mark.parametrize("masters,state", MODES)
-def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state):
+def test_float16_weights_compensated_track_float32_masters_under_a_loss_scale():
+    """float16 has 3 more mantissa bits than bfloat16 but the same problem at lr 3e-4 (its half ulp at 1.0 is
+    4.9e-4): plain float16 AdamW goes nowhere (its second moment underflows: NaN), Kahan compensation with
+    any state ends where float32 masters end, under the dynamic loss scale float16 gets; stochastic
+    rounding is refused for float16 in one line."""
+    plain = _toy(None, steps=400, dtype=torch.float16)
+    assert not plain < 0.95 * _toy(None, steps=0, dtype=torch.float16)  # NaN or stuck
+    scales = []
+    fp32 = _toy("fp32", steps=400, dtype=torch.float16, scales=scales)
+    assert scales[0] > 1  # float16: a loss scale
+    for state in ("fp32", "bf16", "int8"):
+        end = _toy("kahan", state, steps=400, dtype=torch.float16)
+        assert end == pytest.approx(fp32, rel=0.2) and end < 0.25 * _toy(None, steps=0), state
+    with pytest.raises(ValueError, match="masters='stochastic' rounds into bfloat16 weights.*'kahan' or 'fp32'"):
+        _toy("stochastic", dtype=torch.float16)
+
+
+@pytest.mark.parametrize("masters,state,dtype", [(m, s, torch.bfloat16) for m, s in MODES] +
+                         [("kahan", "int8", torch.float16)])
+def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state, dtype):
     torch.manual_seed(0)
     x, y = torch.randn(16, 64), torch.randn(16, 32)
 
     def build():
         torch.manual_seed(1)
-        model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).to(torch.bfloat16)
+        model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).to(dtype)
         model[1].float()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         config = LeanConfig.of(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
@@ -177,7 +197,7 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state):
     def train(model, opt, n):
         for _ in range(n):
             opt.zero_grad()
-            opt.backward(F.mse_loss(model(x.bfloat16()).float(), y))
+            opt.backward(F.mse_loss(model(x.to(dtype)).float(), y))
             opt.step()
 
     model, opt = build()
