@@ -40,9 +40,9 @@ from torch.nn.utils.parametrize import ParametrizationList
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen
 
-from .calls import SIMPLE, bound_root, describe_call, flatten_call, leaf_names
+from .calls import SIMPLE, bound_root, describe_call, flatten_call, leaf_names, undo_point
 from .capture import capture, capture_with_values
-from .capture.concrete import LATE_BRANCH, GuardFailed
+from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from ..dtypes import LOW
 from .capture.shapes import STATIC_SIZES
 from .capture.modes import MODE_FLAG
@@ -187,9 +187,14 @@ class Family:
             keys += [((key, values), None), ((key, values), mode)]
         for variants in [graphs[k] for k in keys if k in graphs]:
             for graph in variants:
+                undo = undo_point(block, leaves) if graph.late else None
                 try:
                     out = graph.call(block, leaves)
                 except GuardFailed:  # an early guard: this call takes another branch; nothing ran that matters
+                    continue
+                except LateGuardFailed:  # a cache method ran first: try the others if it can be undone
+                    if undo is None or not undo():
+                        raise
                     continue
                 if graph is not variants[0]:
                     variants.remove(graph)
@@ -329,6 +334,9 @@ class _Graph:
         self.fn = fn
         self.description = description
         self.frontend = frontend
+        # a guard after a side effect (capture/concrete.py): a failing call must be undone before another try
+        self.late = any(n.target is guard and n.args[2] is False for n in gm.graph.find_nodes(op="call_function",
+                                                                                             target=guard))
 
     def call(self, block: nn.Module, leaves: List[Any]) -> Any:
         if self.lifted:

@@ -10,14 +10,14 @@ the leaves that become graph inputs (tensors and opaque objects) and a tree to r
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..dtypes import short_name
 
-__all__ = ["SIMPLE", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root"]
+__all__ = ["SIMPLE", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root", "undo_point"]
 
 #: values a call's key holds as constants (baked into its graph); anything else that is not a tensor is opaque
 SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -151,3 +151,55 @@ def bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
 
 _CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def undo_point(block: nn.Module, leaves: Sequence[Any]) -> Callable[[], bool]:
+    """A way back to the state before a call that may fail a late guard (a branch read after a KV cache's
+    ``update``): the attributes and container contents of the call's opaque objects, kept by reference.
+    Undoing puts them back, and succeeds only if no tensor among them, the call's tensors or the block's
+    buffers changed in place (a cache that rebinds ``keys = cat(keys, k)`` can be undone; one that
+    writes into a preallocated tensor, or a batch norm's statistics, cannot)."""
+    saved: List[Tuple[Any, Any]] = []
+    versions: List[Tuple[torch.Tensor, int]] = [(t, t._version) for t in block.buffers()]
+    seen: set = set()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            versions.append((x, x._version))
+            return
+        if isinstance(x, SIMPLE) or isinstance(x, nn.Module) or callable(x) or id(x) in seen:
+            return
+        seen.add(id(x))
+        if type(x) is list:
+            saved.append((x, list(x)))
+            values: Any = x
+        elif type(x) is dict:
+            saved.append((x, dict(x)))
+            values = x.values()
+        elif type(x) in (tuple, set, frozenset):
+            values = x
+        elif hasattr(x, "__dict__"):
+            saved.append((x, dict(x.__dict__)))
+            values = x.__dict__.values()
+        else:
+            return
+        for v in list(values):
+            walk(v)
+
+    for leaf in leaves:
+        walk(leaf)
+
+    def undo() -> bool:
+        if any(t._version != v for t, v in versions):
+            return False
+        for obj, state in saved:
+            if type(obj) is list:
+                obj[:] = state
+            elif type(obj) is dict:
+                obj.clear()
+                obj.update(state)
+            else:
+                obj.__dict__.clear()
+                obj.__dict__.update(state)
+        return True
+    return undo

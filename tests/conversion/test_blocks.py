@@ -389,6 +389,68 @@ def test_state_an_object_reads_after_its_method_ran_picks_the_variant_before_any
             model(torch.randn(2, 3, D), Cache(), limit=1)  # steps > 1 turns true after the first layer's update
 
 
+class GrowingCache:
+    """Rebinds its tensor at each update (as Hugging Face's DynamicCache does); ``in_place`` writes into a
+    preallocated one instead (as a static cache does)."""
+
+    def __init__(self, in_place=False):
+        self.k, self.n, self.in_place = (torch.zeros(2, 16, D) if in_place else None), 0, in_place
+
+    def update(self, h):
+        if self.in_place:
+            self.k[:, self.n:self.n + h.shape[1]].copy_(h)
+        else:
+            self.k = h if self.k is None else torch.cat([self.k, h], 1)
+        self.n += h.shape[1]
+        return self.k[:, :self.n]
+
+
+class GrowBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, cache):
+        k = cache.update(self.fc(x))
+        if k.shape[1] > 1:  # the shape of what the method returned: only a late guard can check it
+            return x + k.mean(1, keepdim=True)
+        return x + k
+
+
+class GrowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(GrowBlock() for _ in range(2))
+
+    def forward(self, x, caches):
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache)
+        return x
+
+
+def test_a_late_guard_that_fails_is_undone_and_the_call_captured_again_where_the_object_allows():
+    """A prompt first, then a single token with a fresh cache: the graph captured at the prompt takes the
+    other branch only after the cache's update ran. A cache that rebinds its tensors is put back as it was
+    and the call captures its own variant (the update runs once); one written in place cannot be undone:
+    one FxampError, naming what to do."""
+    torch.manual_seed(0)
+    ref = GrowNet()
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    for s in (3, 1, 1, 3):
+        caches, ref_caches = [GrowingCache(), GrowingCache()], [GrowingCache(), GrowingCache()]
+        x = torch.randn(2, s, D)
+        assert torch.allclose(model(x, caches), ref(x, ref_caches), atol=0.03, rtol=0.03), s
+        assert [c.n for c in caches] == [s, s] and caches[0].k.shape[1] == s  # updated once, not twice
+    (family,) = families(model)
+    assert family.captures == 2
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    model(torch.randn(2, 3, D), [GrowingCache(True), GrowingCache(True)])
+    with pytest.raises(fxamp.FxampError, match="use_cache=False"):
+        model(torch.randn(2, 1, D), [GrowingCache(True), GrowingCache(True)])
+
+
 def test_report_before_a_call_names_the_families_and_takes_no_options():
     model = make()
     fxamp.convert_(model, "O1", dtype=torch.bfloat16)

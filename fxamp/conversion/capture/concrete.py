@@ -34,7 +34,7 @@ from ...errors import FxampError, TraceError
 from ..op_lists import is_inplace
 from .fx import FxFrontEnd, FxTracer
 
-__all__ = ["ConcreteFxFrontEnd", "GuardFailed", "LATE_BRANCH", "guard"]
+__all__ = ["ConcreteFxFrontEnd", "GuardFailed", "LATE_BRANCH", "LateGuardFailed", "guard"]
 
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "is_floating_point")
@@ -51,6 +51,10 @@ LATE_BRANCH = ("fxamp: this call takes another Python branch than the call the b
                "fxamp.convert, or call it without that object (use_cache=False)")
 
 
+class LateGuardFailed(FxampError):
+    """A late guard failed: a method of an object the block was given already ran (the caller may undo it)."""
+
+
 class GuardFailed(Exception):
     """An early guard of a graph captured by :class:`ConcreteFxFrontEnd` failed: nothing ran that matters."""
 
@@ -60,7 +64,7 @@ def guard(value: Any, expected: bool, early: bool) -> None:
     if bool(value) is not expected:
         if early:
             raise GuardFailed
-        raise FxampError(LATE_BRANCH)
+        raise LateGuardFailed(LATE_BRANCH)
 
 
 class _ConcreteTracer(FxTracer):
