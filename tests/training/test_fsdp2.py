@@ -507,6 +507,11 @@ def test_bad_input_is_refused_before_torch_distributed():
         fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(o1.parameters()), model=o1, masters="stochastic")
     with pytest.raises(ValueError, match="whose parameters are their own masters.*save opt.state_dict.. instead"):
         fxamp.sharded_state_dict(o2, _opt(o2))
+    with pytest.raises(TypeError, match="gather_float32= takes a list of parameter name globs, not 'head.weight'"):
+        fxamp.shard(o1, gather_float32="head.weight")
+    with pytest.raises(ValueError, match=r"gather_float32='heads.\*' matches no parameter; the parameters: temp, wte"):
+        fxamp.shard(o1, gather_float32=["heads.*"])
+    assert all(type(p) is nn.Parameter for p in o1.parameters())  # nothing re-bound
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         fxamp.shard(_model("gpt", torch.bfloat16))
 
