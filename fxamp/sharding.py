@@ -101,16 +101,16 @@ def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequ
     elif mesh.ndim != 1 or mesh.size() != world:
         raise ValueError(f"fxamp.shard: the mesh has shape {tuple(mesh.shape)} but the world has {world} ranks; "
                          f"pass a 1-D mesh over every rank (or mesh=None)")
+    chosen = _blocks(model, blocks)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
                                      cast_forward_inputs=False)
     for _, module in converted_modules(model):
         module.__dict__[CACHE_NAME] = _Uncached()
-    low = low_gathered(model)
-    for name, dtype in low.items():
+    for name, dtype in low_gathered(model).items():
         if not any(fnmatch.fnmatchcase(name, g) for g in gather_float32):
             _wrap(model, name, dtype)
-    for _, block in _blocks(model, blocks):
+    for _, block in chosen:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
     return model
@@ -163,7 +163,11 @@ class _LowGather(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module,
                             mp_policy: Any) -> Any:
-        return (self._tensor.to(self._low),), None
+        low = self._tensor.to(self._low)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every rank's dim-0 shard to ceil(rows / world)
+        if low.size(0) != rows:  # an uneven shard: pad as FSDP2 pads its own (all-gathered rows are trimmed)
+            low = torch.cat([low, low.new_zeros(rows - low.size(0), *low.shape[1:])])
+        return (low,), None
 
     def fsdp_post_all_gather(self, outputs: Any, metadata: Any, param_dtype: torch.dtype, *,
                              out: Optional[torch.Tensor] = None) -> Any:
@@ -198,19 +202,19 @@ class _Gathered(torch.Tensor):
         if isinstance(this, _Gathered) and func in _KEEP_GATHERED:
             rest = pytree.tree_map_only(_Gathered, lambda t: t._data, (args[1:], kwargs))
             return _Gathered(func(this._data, *rest[0], **rest[1]), this._name)
-        if isinstance(this, _Gathered) and func is _aten._to_copy.default and set(kwargs) <= {"dtype"} \
-                and kwargs.get("dtype") == this._data.dtype:
+        if isinstance(this, _Gathered) and func is _aten._to_copy.default and _casts_to(kwargs, this._data):
             return this._data.view(this._data.shape)  # a fresh alias: each cast is its own autograd output
         if func in _ALLOCATE:  # reads no value (autograd's gradient buffers): a float32 tensor
             this = torch.empty_strided(this.shape, this.stride(), dtype=torch.float32, device=this.device)
             return func(this, *args[1:], **kwargs)
-        if torch.compiler.is_compiling():  # a block's capture (torch.export) runs its forward as written: example values only
+        if torch.compiler.is_compiling():  # a block's capture (torch.export) traces its forward: example values
             args, kwargs = pytree.tree_map_only(_Gathered, lambda t: t._data.float(), (args, kwargs))
             return func(*args, **kwargs)
-        name = next(t._name for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Gathered))
+        read = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Gathered))
+        name, low = read._name, dtype_name(read._data.dtype)
         raise RuntimeError(
-            f"fxamp.shard all-gathers {name} in {dtype_name(_low_of(args, kwargs))} (predicted: only "
-            f"{dtype_name(_low_of(args, kwargs))} ops read it), but {func} reads it as float32; shard "
+            f"fxamp.shard all-gathers {name} in {low} (predicted: only {low} ops read it), but {func} reads it "
+            f"as float32; shard "
             f"with gather_float32=[{name!r}] (or call the model once before fxamp.shard: the plan then comes "
             f"from its graphs)")
 
@@ -225,8 +229,11 @@ class _Gathered(torch.Tensor):
         return f"_Gathered({self._name}: {dtype_name(self._data.dtype)} all-gathered)"
 
 
-def _low_of(args: Any, kwargs: Any) -> torch.dtype:
-    return next(t._data.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Gathered))
+def _casts_to(kwargs: Dict[str, Any], data: torch.Tensor) -> bool:
+    """``_to_copy(**kwargs)`` is ``.to(data.dtype)``: nothing else changes (device, layout, format)."""
+    same = {"dtype": data.dtype, "device": data.device, "layout": data.layout, "memory_format": torch.preserve_format}
+    return kwargs.get("dtype") == data.dtype and all(
+        v is None or v is False or (k in same and v == same[k]) for k, v in kwargs.items())
 
 
 _aten = torch.ops.aten
@@ -381,8 +388,9 @@ def sharding_table(model: nn.Module) -> str:
             ops = "(not captured yet)"
         else:
             ops = f"{stored} (the model's own code)"
-        local = p.to_local() if sharded and hasattr(p, "to_local") else p
-        gathered = dtype_name(local._low) if isinstance(local, _LowGather) else stored
+        local = p.to_local() if sharded and hasattr(p, "to_local") else p  # (unsharded between forward and backward)
+        gathered = (dtype_name(local._low) if isinstance(local, _LowGather)
+                    else dtype_name(local._data.dtype) if isinstance(local, _Gathered) else stored)
         rows.append((name, stored, gathered if sharded else "-", ops, "float32" if sharded else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

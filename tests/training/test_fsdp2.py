@@ -265,7 +265,8 @@ def _refusals(rank):
             bad()
         except ValueError as e:
             out.append(str(e))
-    out.append(any(type(m).__name__.startswith("FSDP") for m in model.modules()))
+    out.append(any(type(m).__name__.startswith("FSDP") for m in model.modules())
+               or any(type(p) is not nn.Parameter for p in model.parameters()))  # sharded, or a parameter re-bound
     return out
 
 
@@ -310,11 +311,12 @@ class ScaledNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList(Scaled() for _ in range(2))
+        self.head = nn.Linear(D, 5)  # 5 rows: uneven shards (3 and 2 rows), all-gathered in bfloat16
 
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
-        return x.pow(2).mean()
+        return self.head(x).pow(2).mean()
 
 
 def _scaled():
@@ -457,6 +459,7 @@ def test_a_weight_a_float32_op_reads_is_never_gathered_low(ranks):
                 for line in run["table"].splitlines()[2:]}
         assert rows["blocks.0.fc.weight"] == ["float32", "float32", "bfloat16, float32", "float32"]
         assert rows["blocks.0.fc.bias"] == ["float32", "bfloat16", "bfloat16", "float32"]
+        assert rows["head.weight"] == ["float32", "bfloat16", "bfloat16", "float32"]
 
 
 def test_accumulation_without_sync_is_the_synced_result(ranks):
