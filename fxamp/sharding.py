@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .conversion.blocks import converted_modules, family_of
 from .conversion.lazy import LazyConverted
@@ -207,7 +208,8 @@ class _Gathered(torch.Tensor):
         if func in _ALLOCATE:  # reads no value (autograd's gradient buffers): a float32 tensor
             this = torch.empty_strided(this.shape, this.stride(), dtype=torch.float32, device=this.device)
             return func(this, *args[1:], **kwargs)
-        if torch.compiler.is_compiling():  # a block's capture (torch.export) traces its forward: example values
+        if torch.compiler.is_compiling() or is_fx_symbolic_tracing():  # a block's capture (torch.export, or
+            # torch.fx with the call's values) traces its forward as written: the values are examples only
             args, kwargs = pytree.tree_map_only(_Gathered, lambda t: t._data.float(), (args, kwargs))
             return func(*args, **kwargs)
         read = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Gathered))

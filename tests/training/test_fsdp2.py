@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fxamp
+from fxamp.conversion.blocks import family_of
 from fxamp.sharding import low_gathered
 from tests.dtype_observer import OpDtypes
 
@@ -303,8 +304,8 @@ class Scaled(nn.Module):
         super().__init__()
         self.fc = nn.Linear(D, D)
 
-    def forward(self, x):
-        return x + self.fc(x) * self.fc.weight.pow(2).mean()
+    def forward(self, x):  # (*x.shape: torch.fx fails, fxamp captures with the call's values)
+        return x + (self.fc(x) * self.fc.weight.pow(2).mean()).view(*x.shape)
 
 
 class ScaledNet(nn.Module):
@@ -338,8 +339,14 @@ def _misread(rank):
     called = fxamp.shard(called)
     out["called"] = called(x).item()
     out["table"] = fxamp.sharding_table(called)
-    out["kept"] = fxamp.shard(_scaled(), gather_float32=["blocks.*.fc.weight"])(x).item()
+    kept = fxamp.shard(_scaled(), gather_float32=["blocks.*.fc.weight"])
+    out["kept"] = kept(x).item()
+    out["front ends"] = _front_ends(kept)  # captured under sharding, through bfloat16-gathered fc.bias
     return out
+
+
+def _front_ends(model):
+    return [graph.frontend for variants in family_of(model.blocks[0]).graphs.values() for graph in variants]
 
 
 def _worker(rank, port, out_dir):
@@ -455,6 +462,7 @@ def test_a_weight_a_float32_op_reads_is_never_gathered_low(ranks):
                 "aten.pow.Tensor_Scalar reads it as float32; shard with gather_float32=['blocks.0.fc.weight']"
                 in run["refused"])
         assert run["called"] == run["kept"] == expected[rank]
+        assert run["front ends"] == _front_ends(one) == ["fx"]  # torch.fx with the call's values, as in one process
         rows = {line.split(" | ")[0].strip(): [c.strip() for c in line.split(" | ")[1:]]
                 for line in run["table"].splitlines()[2:]}
         assert rows["blocks.0.fc.weight"] == ["float32", "float32", "bfloat16, float32", "float32"]
