@@ -409,11 +409,10 @@ def _reads(gm: fx.GraphModule) -> Dict[str, Set[Optional[torch.dtype]]]:
             holder = gm.get_submodule(owner) if owner else gm
             name = node.target if attr in getattr(holder, "_parameters", {}) else None
         elif node.op == "call_function" and node.target is operator.getitem:
-            base = node.args[0]
-            if (isinstance(base, fx.Node) and base.op == "call_function" and base.target is getattr
-                    and base.args[1] == "_parameters" and isinstance(base.args[0], fx.Node)
-                    and base.args[0].op == "get_attr"):
-                name = f"{base.args[0].target}.{node.args[1]}"
+            owner = _attribute_of(node.args[0], "_parameters")
+            path = _module_path(owner) if owner is not None else None
+            if path is not None:
+                name = f"{path}.{node.args[1]}"
         elif node.op == "call_module":  # a leaf module the graph calls (a norm): its parameters, as stored
             prefix = f"{node.target}."
             for attr, _ in gm.get_submodule(node.target).named_parameters():
@@ -430,3 +429,22 @@ def _reads(gm: fx.GraphModule) -> Dict[str, Set[Optional[torch.dtype]]]:
             else:
                 dtypes.add(None)
     return out
+
+
+def _attribute_of(node: Any, attr: str) -> Optional[fx.Node]:
+    """``X`` when ``node`` is ``getattr(X, attr)``, else None."""
+    if (isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr
+            and node.args[1] == attr and isinstance(node.args[0], fx.Node)):
+        return node.args[0]
+    return None
+
+
+def _module_path(node: fx.Node) -> Optional[str]:
+    """The module path a graph node reads: ``get_attr(path)``, or ``path._modules[name]`` chained."""
+    if node.op == "get_attr":
+        return node.target
+    if node.op == "call_function" and node.target is operator.getitem:
+        parent = _attribute_of(node.args[0], "_modules")
+        path = _module_path(parent) if parent is not None else None
+        return None if path is None else f"{path}.{node.args[1]}"
+    return None

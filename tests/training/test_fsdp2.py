@@ -564,3 +564,37 @@ def test_sharding_table_of_a_model_not_sharded_nor_called_yet():
     assert [c.strip() for c in row.split(" | ")[1:]] == ["float32", "-", "(not captured yet)", "-"]
     with pytest.raises(ValueError, match="was not converted by fxamp"):
         fxamp.sharding_table(GPT())
+
+
+class Nested(nn.Module):
+    """A block whose linear layers sit one module deeper (its graph reads them through ``_modules``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class NestedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Nested() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_the_plan_from_graphs_is_the_prediction_for_nested_layers():
+    model = fxamp.convert_(NestedNet(), "O1", dtype=torch.bfloat16)
+    predicted = low_gathered(model)
+    assert set(predicted) == {f"blocks.{i}.mlp.{j}.{k}" for i in (0, 1) for j in (0, 2) for k in ("weight", "bias")}
+    model(torch.randn(4, D))
+    assert low_gathered(model) == predicted  # from the captured graphs now
+    rows = {line.split(" | ")[0].strip(): line.split(" | ")[3].strip() for line in
+            fxamp.sharding_table(model).splitlines()[2:]}
+    assert rows["blocks.1.mlp.2.weight"] == "bfloat16" and rows["blocks.1.ln.weight"] == "float32"
