@@ -185,7 +185,9 @@ class _Gathered(torch.Tensor):
     fxamp's cast to that dtype (the only reader :func:`shard` predicted) returns the low data as it came
     from the all-gather, and its gradient comes back float32 like every other parameter's of the group
     (FSDP2 reduce-scatters one gradient dtype per group).  Any other read would see rounded values where
-    fxamp's plan promised float32, so it is refused, naming the parameter."""
+    fxamp's plan promised float32, so it is refused, naming the parameter; only a block's capture (a
+    trace: its values are examples) reads it as written.  (``torch.compile`` traces too: there a misread
+    would not be refused.)"""
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, name: str):
