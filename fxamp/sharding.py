@@ -139,7 +139,7 @@ class _LowGather(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = args[0]
+        first = args[0] if args else None
         if func is _aten.detach.default:
             return _LowGather(first._tensor, first._low, first._name)
         args, kwargs = pytree.tree_map_only(_LowGather, lambda t: t._tensor, (args, kwargs))
@@ -201,13 +201,13 @@ class _Gathered(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        this = args[0]
+        this = args[0] if args else None
         if isinstance(this, _Gathered) and func in _KEEP_GATHERED:
             rest = pytree.tree_map_only(_Gathered, lambda t: t._data, (args[1:], kwargs))
             return _Gathered(func(this._data, *rest[0], **rest[1]), this._name)
         if isinstance(this, _Gathered) and func is _aten._to_copy.default and _casts_to(kwargs, this._data):
             return this._data.view(this._data.shape)  # a fresh alias: each cast is its own autograd output
-        if func in _ALLOCATE:  # reads no value (autograd's gradient buffers): a float32 tensor
+        if func in _ALLOCATE and isinstance(this, _Gathered):  # reads no value (gradient buffers): float32
             this = torch.empty_strided(this.shape, this.stride(), dtype=torch.float32, device=this.device)
             return func(this, *args[1:], **kwargs)
         if torch.compiler.is_compiling() or is_fx_symbolic_tracing():  # a block's capture (torch.export, or
