@@ -4,8 +4,10 @@ A GPT (``--layers`` blocks of width ``--d``, vocabulary 1024, 64 tokens, batch 4
 recipe in fresh processes, the same weights and per-rank batches (4 per rank, in turn: learnt by heart, so the
 loss moves), ``--steps`` steps:
 
-fxamp            ``fxamp.convert_(model, "O1", dtype=bf16)`` + ``fxamp.shard(model)`` (float32 shards and
-                 all-gathers, fxamp's per-op casts) + ``fxamp.MixedPrecisionOptimizer``
+fxamp            ``fxamp.convert_(model, "O1", dtype=bf16)`` + ``fxamp.shard(model)`` (float32 shards; the
+                 weights only bfloat16 ops read all-gathered in bfloat16, the rest in float32; fxamp's per-op
+                 casts) + ``fxamp.MixedPrecisionOptimizer``
+fxamp f32 gather the same with ``fxamp.shard(model, gather_float32=["*"])``: every all-gather in float32
 fsdp2+autocast   ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))`` per
                  block and at the root, forward under ``torch.autocast("cpu", bf16)`` (torchtitan's recipe)
 fsdp2 bf16       the same policy without autocast (every op of the model in bfloat16: the silent-bf16 case)
@@ -14,13 +16,15 @@ fsdp2 fp32       no mixed precision: the reference loss
 Per recipe: the loss at the last step (mean over ranks), its distance from fp32's, median step time
 (steps 3..N), per-rank peak resident memory over the process's resident memory before the model was
 built (``ru_maxrss``: coarse), per-rank persistent state (parameter shards + AdamW state, exact), and the
-all-gather bytes and collectives per step (from the FSDP groups: blocks re-gather in backward).
+all-gather bytes and collectives of one step (step 2, untimed), counted by a dispatch mode that sees
+each ``c10d`` all-gather and reduce-scatter FSDP2 issues (bytes of the whole gathered buffer).
 Record ``lscpu`` beside the numbers (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import resource
@@ -34,9 +38,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 V, T, B, WORLD = 1024, 64, 4, 2
-RECIPES = ("fxamp", "fsdp2+autocast", "fsdp2 bf16", "fsdp2 fp32")
+RECIPES = ("fxamp", "fxamp f32 gather", "fsdp2+autocast", "fsdp2 bf16", "fsdp2 fp32")
 
 
 class Block(nn.Module):
@@ -79,41 +85,56 @@ def _run(rank, recipe, d, layers, steps, port, out):
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
     model = GPT(d, layers)
-    total = sum(p.numel() for p in model.parameters())
-    block_numel = sum(p.numel() for p in model.blocks.parameters())
     bf16 = recipe in ("fsdp2+autocast", "fsdp2 bf16")
-    if recipe == "fxamp":
-        fxamp.shard(fxamp.convert_(model, "O1", dtype=torch.bfloat16))
+    if recipe.startswith("fxamp"):
+        fxamp.shard(fxamp.convert_(model, "O1", dtype=torch.bfloat16),
+                    gather_float32=["*"] if recipe == "fxamp f32 gather" else ())
     else:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy, reshard_after_forward=False)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opt = fxamp.MixedPrecisionOptimizer(inner, model=model) if recipe == "fxamp" else inner
-    times, losses = [], []
+    fx = recipe.startswith("fxamp")
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=model) if fx else inner
+    times, losses, calls = [], [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * rank + step % 4)  # 4 batches per rank, learnt by heart
         ids = torch.randint(0, V, (B, T), generator=g)
         start = time.perf_counter()
-        opt.zero_grad()
-        with torch.autocast("cpu", torch.bfloat16, enabled=recipe == "fsdp2+autocast"):
-            loss = model(ids)
-        (opt.backward(loss) if recipe == "fxamp" else loss.backward())
-        opt.step()
+        with _Collectives(calls) if step == 1 else contextlib.nullcontext():
+            opt.zero_grad()
+            with torch.autocast("cpu", torch.bfloat16, enabled=recipe == "fsdp2+autocast"):
+                loss = model(ids)
+            (opt.backward(loss) if fx else loss.backward())
+            opt.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     state = sum(p.to_local().numel() * 4 for p in model.parameters())
     state += sum(v.to_local().numel() * v.element_size() for s in inner.state.values() for v in s.values()
                  if hasattr(v, "to_local"))
-    gather = 2 if bf16 else 4
-    root_numel = total - block_numel
-    ag_bytes = gather * (2 * block_numel + root_numel)  # blocks gather again in backward (reshard_after_forward)
-    collectives = 2 * len(model.blocks) + 1 + len(model.blocks) + 1  # all-gathers + reduce-scatters
+    ag_bytes = sum(b for kind, b in calls if kind == "all-gather")
+    collectives = len(calls)
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024  # KiB -> MiB
     torch.save({"losses": losses, "time": statistics.median(times[2:]), "peak": peak, "state": state,
                 "ag": ag_bytes, "collectives": collectives}, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
+
+
+class _Collectives(TorchDispatchMode):
+    """Appends (kind, bytes of the whole buffer) for each c10d all-gather and reduce-scatter dispatched within."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        kind = "all-gather" if "allgather" in name else "reduce-scatter" if "reduce_scatter" in name else None
+        if name.startswith("c10d::") and kind:
+            whole = max((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), key=torch.Tensor.numel)
+            self.calls.append((kind, whole.numel() * whole.element_size()))
+        return func(*args, **(kwargs or {}))
 
 
 def main(argv=None):

@@ -7,22 +7,42 @@ converted block sees the unsharded parameters it swaps in.  The design::
     shard(model)
       ├─ checks: converted in place (convert_), float32 storage (O0/O1), torch.distributed up,
       │  the mesh's size is the world's
+      ├─ low_gathered(model): the parameters only low-precision ops read (linear/conv weights and
+      │  biases), each re-bound as a _LowGather: its float32 shard, all-gathered in the low dtype
       ├─ fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32))
       │  for every converted block (or the ``blocks=`` globs), then fully_shard(model) for the rest
       ├─ no cast cache (no_grad): FSDP2 refills a weight's unsharded tensor without a version bump
       └─ nothing else: each op's dtype is fxamp's graph cast, as in one process
 
-Why ``param_dtype=None`` (all-gather in float32): a converted block holds parameters that
-low-precision ops read (linear weights) and parameters that float32 ops read (norm weights);
-FSDP2 casts a whole group to one ``param_dtype``, so a bfloat16 all-gather would round the norm
-weights through bfloat16 before their float32 op (plain FSDP2 + bf16 policy without autocast:
-7.3e-3 off the float32 loss at the first step, issue 29).  Keeping them float32 would cost one
-more FSDP group per norm (an all-gather forward, one backward and a reduce-scatter each: small,
-latency-bound messages).  So the all-gather carries float32 (twice the bytes of a bf16 one for
-the linear weights; ``benchmarks/fsdp2.py`` measures it) and fxamp's casts round each weight
-where a low-precision op reads it.  The sharded float32 parameters are the masters: a
-:class:`fxamp.MixedPrecisionOptimizer` steps them directly (no second copy), agrees on
-overflows across ranks and clips the true gradients across shards.
+One FSDP group per block, two all-gather dtypes in it.  ``MixedPrecisionPolicy`` casts a whole
+group to one ``param_dtype``: bfloat16 would round the norm weights before their float32 op (plain
+FSDP2 + bf16 policy without autocast: 7.3e-3 off the float32 loss at the first step, issue 29), and
+a group of its own per norm costs an all-gather forward, one backward and a reduce-scatter each
+(small, latency-bound messages).  So the policy keeps float32 (``param_dtype=None``) and the low
+parameters use FSDP2's all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather`` on
+the shard, as torchao's float8 all-gather does), per parameter::
+
+    step          low parameter (fc.weight)                     float32 parameter (ln.weight)
+    shard         _LowGather(float32 shard): the master          float32 shard: the master
+    all-gather    shard.to(bfloat16)  ─┐ one collective per group: FSDP2 sends mixed dtypes as bytes
+                                       └─ float32 shard ─┘
+    forward       _Gathered (float32 to autograd, bfloat16       float32 tensor → layer_norm in float32
+                  data): fxamp's cast to bfloat16 returns the
+                  data as gathered (the bits the cast of the
+                  float32 weight gives: bitwise one process)
+    backward      gradient of the cast: bfloat16, upcast to      float32
+                  float32 by autograd (so the group's gradients are one dtype: FSDP2 refuses
+                  mixed ones, "FSDP reduce-scatter expects uniform gradient dtype")
+    reduce        reduce-scatter in float32 (reduce_dtype)
+
+The all-gather carries bfloat16 for the weights matmuls read and float32 for the rest, in as many
+collectives as a one-dtype policy; ``benchmarks/fsdp2.py`` measures the bytes.  Which parameters
+are low is decided before the first call (see :func:`low_gathered`); a ``_Gathered`` parameter
+that any op but that cast reads raises, naming it (``gather_float32=`` keeps it float32).  The
+sharded float32 parameters are the masters: a :class:`fxamp.MixedPrecisionOptimizer` steps them
+directly (no second copy; a ``_LowGather`` unwraps to its float32 shard for every op but FSDP2's
+own, and pickles as it, so checkpoints hold plain tensors), agrees on overflows across ranks and
+clips the true gradients across shards.
 
 O2/O3 (low-precision storage beside float32 norms inside one block) is refused: ``fully_shard``
 needs one parameter dtype per group.
@@ -38,19 +58,21 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .conversion.blocks import converted_modules, family_of
 from .conversion.lazy import LazyConverted
 from .conversion.rewrite import CACHE_NAME
 from .conversion.runtime import WeightCastCache, cast_weights
-from .dtypes import dtype_name
+from .dtypes import LOW, dtype_name
 from .info import policy_of
 
-__all__ = ["shard", "sharding_table"]
+__all__ = ["shard", "sharding_table", "low_gathered"]
 
 
 def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequence[str]] = None,
-          reshard_after_forward: bool = True) -> nn.Module:
+          reshard_after_forward: bool = True, gather_float32: Sequence[str] = ()) -> nn.Module:
     """``fully_shard`` every converted block of ``model`` (converted by ``fxamp.convert_`` with O0/O1),
     then the root; return ``model`` (the same object, now an FSDP module).
 
@@ -58,8 +80,17 @@ def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequ
     blocks: module path globs of the blocks to shard, each a converted block (default: every block
             ``convert_`` found; glue modules and the rest are sharded with the root).
     reshard_after_forward: FSDP2's, for the blocks (the root keeps its parameters: it runs backward first).
+    gather_float32: parameter name globs to all-gather in float32 even where fxamp's plan says only
+            low-precision ops read them (default: none).
     """
     _check_model(model)
+    if isinstance(gather_float32, str) or not all(isinstance(g, str) for g in gather_float32):
+        raise TypeError(f"fxamp.shard: gather_float32= takes a list of parameter name globs, not {gather_float32!r}")
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in gather_float32:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ValueError(f"fxamp.shard: gather_float32={pattern!r} matches no parameter; the parameters: "
+                             f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("fxamp.shard: torch.distributed is not initialized; call "
                          "torch.distributed.init_process_group(...) first (every rank calls shard)")
@@ -71,15 +102,153 @@ def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequ
     elif mesh.ndim != 1 or mesh.size() != world:
         raise ValueError(f"fxamp.shard: the mesh has shape {tuple(mesh.shape)} but the world has {world} ranks; "
                          f"pass a 1-D mesh over every rank (or mesh=None)")
+    chosen = _blocks(model, blocks)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
                                      cast_forward_inputs=False)
     for _, module in converted_modules(model):
         module.__dict__[CACHE_NAME] = _Uncached()
-    for _, block in _blocks(model, blocks):
+    for name, dtype in low_gathered(model).items():
+        if not any(fnmatch.fnmatchcase(name, g) for g in gather_float32):
+            _wrap(model, name, dtype)
+    for _, block in chosen:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
     return model
+
+
+class _LowGather(torch.Tensor):
+    """A float32 shard (the master: the optimizer steps it) that FSDP2 all-gathers in ``low``.
+
+    FSDP2's all-gather extension: ``fsdp_pre_all_gather`` hands the collective this shard cast to
+    ``low``; ``fsdp_post_all_gather`` wraps the gathered low tensor in a :class:`_Gathered` for the
+    block's forward.  Every other op unwraps to the float32 shard (the optimizer's foreach kernels,
+    clipping, state dicts): FSDP2's own padding, views and copies of it keep the wrapper (torchao's
+    float8 all-gather keeps the same list).
+    """
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, low: torch.dtype, name: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: torch.Tensor, low: torch.dtype, name: str):
+        self._tensor, self._low, self._name = tensor, low, name
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func is _aten.detach.default:
+            return _LowGather(first._tensor, first._low, first._name)
+        args, kwargs = pytree.tree_map_only(_LowGather, lambda t: t._tensor, (args, kwargs))
+        out = func(*args, **kwargs)
+        if (not isinstance(first, _LowGather) or func not in _KEEP_SHARD
+                or (func is _aten._to_copy.default and out.dtype != torch.float32)):
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: _LowGather(t, first._low, first._name), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], (self._low, self._name)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _LowGather(inner["_tensor"], *meta)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # a checkpoint (torch.save, DCP) holds the plain float32 shard
+        return self._tensor.__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return f"_LowGather({self._name}: float32 shard, all-gathered in {dtype_name(self._low)})"
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module,
+                            mp_policy: Any) -> Any:
+        low = self._tensor.to(self._low)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads every rank's dim-0 shard to ceil(rows / world)
+        if low.size(0) != rows:  # an uneven shard: pad as FSDP2 pads its own (all-gathered rows are trimmed)
+            low = torch.cat([low, low.new_zeros(rows - low.size(0), *low.shape[1:])])
+        return (low,), None
+
+    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, param_dtype: torch.dtype, *,
+                             out: Optional[torch.Tensor] = None) -> Any:
+        (data,) = outputs
+        if out is not None:  # a later all-gather: FSDP2 refilled ``data`` in place, which ``out`` wraps
+            return None
+        return _Gathered(data, self._name), (data,)
+
+
+class _Gathered(torch.Tensor):
+    """A block's unsharded parameter, all-gathered in a low dtype: float32 to autograd and to FSDP2, the low
+    tensor underneath.
+
+    fxamp's cast to that dtype (the only reader :func:`shard` predicted) returns the low data as it came
+    from the all-gather, and its gradient comes back float32 like every other parameter's of the group
+    (FSDP2 reduce-scatters one gradient dtype per group).  Any other read would see rounded values where
+    fxamp's plan promised float32, so it is refused, naming the parameter; only a block's capture (a
+    trace: its values are examples) reads it as written.  (``torch.compile`` traces too: there a misread
+    would not be refused.)"""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, name: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=torch.float32,
+            layout=data.layout, device=data.device, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, name: str):
+        self._data, self._name = data, name
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        this = args[0] if args else None
+        if isinstance(this, _Gathered) and func in _KEEP_GATHERED:
+            rest = pytree.tree_map_only(_Gathered, lambda t: t._data, (args[1:], kwargs))
+            return _Gathered(func(this._data, *rest[0], **rest[1]), this._name)
+        if isinstance(this, _Gathered) and func is _aten._to_copy.default and _casts_to(kwargs, this._data):
+            return this._data.view(this._data.shape)  # a fresh alias: each cast is its own autograd output
+        if func in _ALLOCATE and isinstance(this, _Gathered):  # reads no value (gradient buffers): float32
+            this = torch.empty_strided(this.shape, this.stride(), dtype=torch.float32, device=this.device)
+            return func(this, *args[1:], **kwargs)
+        if torch.compiler.is_compiling() or is_fx_symbolic_tracing():  # a block's capture (torch.export, or
+            # torch.fx with the call's values) traces its forward as written: the values are examples only
+            args, kwargs = pytree.tree_map_only(_Gathered, lambda t: t._data.float(), (args, kwargs))
+            return func(*args, **kwargs)
+        read = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Gathered))
+        name, low = read._name, dtype_name(read._data.dtype)
+        raise RuntimeError(
+            f"fxamp.shard all-gathers {name} in {low} (predicted: only {low} ops read it), but {func} reads it "
+            f"as float32; shard "
+            f"with gather_float32=[{name!r}] (or call the model once before fxamp.shard: the plan then comes "
+            f"from its graphs)")
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._name
+
+    @staticmethod
+    def __tensor_unflatten__(inner, name, outer_size, outer_stride):
+        return _Gathered(inner["_data"], name)
+
+    def __repr__(self) -> str:
+        return f"_Gathered({self._name}: {dtype_name(self._data.dtype)} all-gathered)"
+
+
+def _casts_to(kwargs: Dict[str, Any], data: torch.Tensor) -> bool:
+    """``_to_copy(**kwargs)`` is ``.to(data.dtype)``: nothing else changes (device, layout, format)."""
+    same = {"dtype": data.dtype, "device": data.device, "layout": data.layout, "memory_format": torch.preserve_format}
+    return kwargs.get("dtype") == data.dtype and all(
+        v is None or v is False or (k in same and v == same[k]) for k, v in kwargs.items())
+
+
+_aten = torch.ops.aten
+#: FSDP2 pads, views, splits and copies a shard: these keep the wrapper (the list torchao's float8 keeps)
+_KEEP_SHARD = {_aten.empty_like.default, _aten.new_zeros.default, _aten.slice.Tensor, _aten.copy_.default,
+               _aten.view.default, _aten.as_strided.default, _aten._to_copy.default, _aten._pin_memory.default,
+               _aten.split.Tensor, _aten.clone.default, _aten.alias.default}
+#: FSDP2 makes the unsharded parameter with these (and nn.Parameter detaches)
+_KEEP_GATHERED = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten.as_strided.default}
+_ALLOCATE = {_aten.empty_like.default, _aten.zeros_like.default, _aten.new_empty.default,
+             _aten.new_empty_strided.default, _aten.new_zeros.default}
 
 
 class _Uncached(WeightCastCache):
@@ -92,6 +261,62 @@ class _Uncached(WeightCastCache):
 
     def get_all(self, weights: Any, dtype: torch.dtype, keys: Any) -> Any:
         return tuple(w.detach().to(dtype) for w in weights)
+
+
+def low_gathered(model: nn.Module) -> Dict[str, torch.dtype]:
+    """The parameters of a model converted in place (not sharded yet) that only low-precision ops read, by name,
+    with that dtype: the ones :func:`shard` all-gathers low.
+
+    A converted module captured already answers from its graphs: every reader casts the parameter to the
+    policy's compute dtype.  One not captured yet (``shard`` runs before the first call) answers from the
+    parameter's owner: the weight and bias of a linear or convolution layer (``Conv1D`` too), whose one op
+    the policy runs low.  A parameter tied across modules must qualify in each; one read outside converted
+    modules (the model's own code) never does.  A wrong prediction is caught at the first forward: the
+    all-gathered parameter refuses every read but that cast.
+    """
+    policy = policy_of(model)
+    if policy is None or policy.compute not in LOW:
+        return {}
+    converted = converted_modules(model)
+    computes: Dict[str, Set[Optional[torch.dtype]]] = {}
+    captured: Set[str] = set()
+    for path, module in converted:
+        for variants in family_of(module).graphs.values():
+            for graph in variants:
+                captured.add(path)
+                for name, dtypes in _reads(graph.gm).items():
+                    computes.setdefault(f"{path}.{name}" if path else name, set()).update(dtypes)
+    verdicts: Dict[int, List[bool]] = {}
+    names: Dict[int, str] = {}
+    for owner_path, owner in model.named_modules(remove_duplicate=False):
+        for attr, p in owner._parameters.items():
+            if p is None or p.dtype != torch.float32:
+                continue
+            name = f"{owner_path}.{attr}" if owner_path else attr
+            names.setdefault(id(p), name)
+            inside = [c for c, _ in converted if not c or owner_path == c or owner_path.startswith(c + ".")]
+            if not inside:
+                ok = False
+            elif max(inside, key=len) in captured:
+                ok = computes.get(name) == {policy.compute}
+            else:
+                ok = isinstance(owner, _LOW_OWNERS) or type(owner).__name__ == "Conv1D"
+            verdicts.setdefault(id(p), []).append(ok)
+    return {names[key]: policy.compute for key, oks in verdicts.items() if all(oks)}
+
+
+#: layers whose parameters only their one matmul or convolution reads (the policy runs it in its compute dtype)
+_LOW_OWNERS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+
+
+def _wrap(model: nn.Module, name: str, low: torch.dtype) -> None:
+    """Re-bind parameter ``name`` (everywhere it is tied) as a :class:`_LowGather` around the same float32 data."""
+    old = model.get_parameter(name)
+    new = nn.Parameter(_LowGather(old.detach(), low, name), requires_grad=old.requires_grad)
+    for owner in model.modules():
+        for attr, p in owner._parameters.items():
+            if p is old:
+                owner._parameters[attr] = new
 
 
 def _check_converted(model: nn.Module) -> None:
@@ -167,7 +392,10 @@ def sharding_table(model: nn.Module) -> str:
             ops = "(not captured yet)"
         else:
             ops = f"{stored} (the model's own code)"
-        rows.append((name, stored, stored if sharded else "-", ops, "float32" if sharded else "-"))
+        local = p.to_local() if sharded and hasattr(p, "to_local") else p  # (unsharded between forward and backward)
+        gathered = (dtype_name(local._low) if isinstance(local, _LowGather)
+                    else dtype_name(local._data.dtype) if isinstance(local, _Gathered) else stored)
+        rows.append((name, stored, gathered if sharded else "-", ops, "float32" if sharded else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines[:1] + ["-+-".join("-" * w for w in widths)] + lines[1:])
@@ -183,11 +411,15 @@ def _reads(gm: fx.GraphModule) -> Dict[str, Set[Optional[torch.dtype]]]:
             holder = gm.get_submodule(owner) if owner else gm
             name = node.target if attr in getattr(holder, "_parameters", {}) else None
         elif node.op == "call_function" and node.target is operator.getitem:
-            base = node.args[0]
-            if (isinstance(base, fx.Node) and base.op == "call_function" and base.target is getattr
-                    and base.args[1] == "_parameters" and isinstance(base.args[0], fx.Node)
-                    and base.args[0].op == "get_attr"):
-                name = f"{base.args[0].target}.{node.args[1]}"
+            owner = _attribute_of(node.args[0], "_parameters")
+            path = _module_path(owner) if owner is not None else None
+            if path is not None:
+                name = f"{path}.{node.args[1]}"
+        elif node.op == "call_module":  # a leaf module the graph calls (a norm): its parameters, as stored
+            prefix = f"{node.target}."
+            for attr, _ in gm.get_submodule(node.target).named_parameters():
+                out.setdefault(prefix + attr, set()).add(None)
+            continue
         if name is None:
             continue
         dtypes = out.setdefault(name, set())
@@ -199,3 +431,22 @@ def _reads(gm: fx.GraphModule) -> Dict[str, Set[Optional[torch.dtype]]]:
             else:
                 dtypes.add(None)
     return out
+
+
+def _attribute_of(node: Any, attr: str) -> Optional[fx.Node]:
+    """``X`` when ``node`` is ``getattr(X, attr)``, else None."""
+    if (isinstance(node, fx.Node) and node.op == "call_function" and node.target is getattr
+            and node.args[1] == attr and isinstance(node.args[0], fx.Node)):
+        return node.args[0]
+    return None
+
+
+def _module_path(node: fx.Node) -> Optional[str]:
+    """The module path a graph node reads: ``get_attr(path)``, or ``path._modules[name]`` chained."""
+    if node.op == "get_attr":
+        return node.target
+    if node.op == "call_function" and node.target is operator.getitem:
+        parent = _attribute_of(node.args[0], "_modules")
+        path = _module_path(parent) if parent is not None else None
+        return None if path is None else f"{path}.{node.args[1]}"
+    return None

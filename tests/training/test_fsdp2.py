@@ -16,8 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import fxamp
+from fxamp.conversion.blocks import family_of
+from fxamp.sharding import low_gathered
 from tests.dtype_observer import OpDtypes
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -103,8 +107,8 @@ def _plant(model):
     local.view(-1)[0] = float("inf")
 
 
-def _sharded_run(kind, dtype, rank):
-    model = fxamp.shard(_model(kind, dtype))
+def _sharded_run(kind, dtype, rank, gather_float32=()):
+    model = fxamp.shard(_model(kind, dtype), gather_float32=gather_float32)
     opt = _opt(model)
     losses, stepped, norms = [], [], []
     for step in range(STEPS):
@@ -150,7 +154,9 @@ COMPUTE = ("native_layer_norm", "native_layer_norm_backward", "addmm", "mm", "bm
 
 
 def _op_dtypes(model, rank):
-    """How many times each compute op ran with which dtypes, forward and backward."""
+    """How many times each compute op ran with which dtypes, forward and backward (after a first call: the
+    capture traces with example values)."""
+    model(*_batch("gpt", rank, 1))
     with OpDtypes() as rec:
         model(*_batch("gpt", rank, 0)).backward()
     return collections.Counter((c.op, c.inputs, c.outputs) for c in rec.calls if c.op in COMPUTE)
@@ -260,8 +266,87 @@ def _refusals(rank):
             bad()
         except ValueError as e:
             out.append(str(e))
-    out.append(any(type(m).__name__.startswith("FSDP") for m in model.modules()))
+    out.append(any(type(m).__name__.startswith("FSDP") for m in model.modules())
+               or any(type(p) is not nn.Parameter for p in model.parameters()))  # sharded, or a parameter re-bound
     return out
+
+
+class Collectives(TorchDispatchMode):
+    """Per collective FSDP2 issues (all-gather, reduce-scatter): its kind and the bytes of its whole buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        kind = "all-gather" if "allgather" in name else "reduce-scatter" if "reduce_scatter" in name else None
+        if name.startswith("c10d::") and kind:
+            whole = max((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), key=torch.Tensor.numel)
+            self.calls.append((kind, whole.numel() * whole.element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def _collectives(rank, gather_float32):
+    """The collectives of one training step (the second: the first captures), bitwise the loss and gradients."""
+    model = fxamp.shard(_model("gpt", torch.bfloat16), gather_float32=gather_float32)
+    model(*_batch("gpt", rank, 0)).backward()
+    with Collectives() as rec:
+        loss = model(*_batch("gpt", rank, 1))
+        loss.backward()
+    return rec.calls, loss.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+class Scaled(nn.Module):
+    """A linear layer whose weight a float32 op reads too (its mean square scales the output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):  # (*x.shape: torch.fx fails, fxamp captures with the call's values)
+        return x + (self.fc(x) * self.fc.weight.pow(2).mean()).view(*x.shape)
+
+
+class ScaledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Scaled() for _ in range(2))
+        self.head = nn.Linear(D, 5)  # 5 rows: uneven shards (3 and 2 rows), all-gathered in bfloat16
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def _scaled():
+    torch.manual_seed(0)
+    return fxamp.convert_(ScaledNet(), "O1", dtype=torch.bfloat16)
+
+
+def _misread(rank):
+    """A weight predicted low (a Linear's) that a float32 op reads too: refused at the first forward; kept
+    float32 when the model ran once before shard (the plan from its graphs) or by gather_float32=."""
+    x = _batch("norms", rank, 0)[0]
+    out = {}
+    try:
+        fxamp.shard(_scaled())(x)
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    called = _scaled()
+    called(x)
+    called = fxamp.shard(called)
+    out["called"] = called(x).item()
+    out["table"] = fxamp.sharding_table(called)
+    kept = fxamp.shard(_scaled(), gather_float32=["blocks.*.fc.weight"])
+    out["kept"] = kept(x).item()
+    out["front ends"] = _front_ends(kept)  # captured under sharding, through bfloat16-gathered fc.bias
+    return out
+
+
+def _front_ends(model):
+    return [graph.frontend for variants in family_of(model.blocks[0]).graphs.values() for graph in variants]
 
 
 def _worker(rank, port, out_dir):
@@ -271,6 +356,9 @@ def _worker(rank, port, out_dir):
     try:
         result = {f"{kind}-{dtype}": _sharded_run(kind, dtype, rank)
                   for kind in ("gpt", "norms") for dtype in (torch.bfloat16, torch.float16)}
+        result["float32 gather"] = _sharded_run("gpt", torch.bfloat16, rank, gather_float32=["*"])
+        result["collectives"] = [_collectives(rank, g) for g in ([], ["*"])]
+        result["misread"] = _misread(rank)
         sharded = fxamp.shard(_model("gpt", torch.bfloat16))
         result["dtypes"] = _op_dtypes(sharded, rank)
         result["table"] = fxamp.sharding_table(sharded)
@@ -331,10 +419,55 @@ def test_sharding_table_says_per_parameter_what_is_stored_gathered_computed_redu
     rows = {line.split(" | ")[0].strip(): [c.strip() for c in line.split(" | ")[1:]]
             for line in ranks[0]["table"].splitlines()[2:]}
     assert rows["blocks.1.ln2.weight"] == ["float32", "float32", "float32", "float32"]  # never rounded
-    assert rows["blocks.0.fc.weight"] == ["float32", "float32", "bfloat16", "float32"]
-    assert rows["head.weight"] == ["float32", "float32", "bfloat16", "float32"]
+    assert rows["blocks.0.fc.weight"] == ["float32", "bfloat16", "bfloat16", "float32"]
+    assert rows["blocks.0.fc.bias"] == ["float32", "bfloat16", "bfloat16", "float32"]
+    assert rows["head.weight"] == ["float32", "bfloat16", "bfloat16", "float32"]
+    assert rows["wte.weight"] == ["float32", "float32", "float32", "float32"]  # the embedding runs in float32
     assert rows["temp"] == ["float32", "float32", "float32 (the model's own code)", "float32"]
     assert len(rows) == len(list(GPT().parameters()))
+
+
+def test_low_gather_is_bitwise_the_float32_gather(ranks):
+    """bfloat16 all-gathers of the weights fxamp's graph casts to bfloat16 anyway: the same bits, so the same run."""
+    for got in ranks[:WORLD]:
+        low, full = got["gpt-torch.bfloat16"], got["float32 gather"]
+        assert low["losses"] == full["losses"] and low["norms"] == full["norms"]
+        assert all(torch.equal(low["params"][n], full["params"][n]) for n in full["params"])
+        (_, low_loss, low_grads), (_, full_loss, full_grads) = got["collectives"]
+        assert low_loss == full_loss and all(torch.equal(low_grads[n], full_grads[n]) for n in full_grads)
+
+
+def test_low_gather_halves_the_weights_bytes_in_as_many_collectives(ranks):
+    model = _model("gpt", torch.bfloat16)
+    low = low_gathered(model)
+    assert set(low) == {n for n, _ in model.named_parameters() if n.startswith("blocks.") and ".ln" not in n} | {
+        "head.weight"} and set(low.values()) == {torch.bfloat16}
+    # a block gathers in forward and again in backward (reshard_after_forward), the root once; 2 bytes saved each
+    saved = 2 * sum(p.numel() * (2 if n.startswith("blocks.") else 1) for n, p in model.named_parameters() if n in low)
+    for got in ranks[:WORLD]:
+        (low_calls, _, _), (full_calls, _, _) = got["collectives"]
+        kinds = collections.Counter(k for k, _ in low_calls)
+        assert kinds == collections.Counter(k for k, _ in full_calls) == {"all-gather": 5, "reduce-scatter": 3}
+        bytes_of = lambda calls, kind: sum(b for k, b in calls if k == kind)
+        assert bytes_of(low_calls, "reduce-scatter") == bytes_of(full_calls, "reduce-scatter")  # float32 gradients
+        assert bytes_of(low_calls, "all-gather") == bytes_of(full_calls, "all-gather") - saved
+
+
+def test_a_weight_a_float32_op_reads_is_never_gathered_low(ranks):
+    one = _scaled()
+    expected = [one(_batch("norms", rank, 0)[0]).item() for rank in range(WORLD)]
+    for rank, got in enumerate(ranks[:WORLD]):
+        run = got["misread"]
+        assert ("fxamp.shard all-gathers blocks.0.fc.weight in bfloat16 (predicted: only bfloat16 ops read it), but "
+                "aten.pow.Tensor_Scalar reads it as float32; shard with gather_float32=['blocks.0.fc.weight']"
+                in run["refused"])
+        assert run["called"] == run["kept"] == expected[rank]
+        assert run["front ends"] == _front_ends(one) == ["fx"]  # torch.fx with the call's values, as in one process
+        rows = {line.split(" | ")[0].strip(): [c.strip() for c in line.split(" | ")[1:]]
+                for line in run["table"].splitlines()[2:]}
+        assert rows["blocks.0.fc.weight"] == ["float32", "float32", "bfloat16, float32", "float32"]
+        assert rows["blocks.0.fc.bias"] == ["float32", "bfloat16", "bfloat16", "float32"]
+        assert rows["head.weight"] == ["float32", "bfloat16", "bfloat16", "float32"]
 
 
 def test_accumulation_without_sync_is_the_synced_result(ranks):
@@ -385,6 +518,11 @@ def test_bad_input_is_refused_before_torch_distributed():
         fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(o1.parameters()), model=o1, masters="stochastic")
     with pytest.raises(ValueError, match="whose parameters are their own masters.*save opt.state_dict.. instead"):
         fxamp.sharded_state_dict(o2, _opt(o2))
+    with pytest.raises(TypeError, match="gather_float32= takes a list of parameter name globs, not 'head.weight'"):
+        fxamp.shard(o1, gather_float32="head.weight")
+    with pytest.raises(ValueError, match=r"gather_float32='heads.\*' matches no parameter; the parameters: temp, wte"):
+        fxamp.shard(o1, gather_float32=["heads.*"])
+    assert all(type(p) is nn.Parameter for p in o1.parameters())  # nothing re-bound
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         fxamp.shard(_model("gpt", torch.bfloat16))
 
@@ -426,3 +564,37 @@ def test_sharding_table_of_a_model_not_sharded_nor_called_yet():
     assert [c.strip() for c in row.split(" | ")[1:]] == ["float32", "-", "(not captured yet)", "-"]
     with pytest.raises(ValueError, match="was not converted by fxamp"):
         fxamp.sharding_table(GPT())
+
+
+class Nested(nn.Module):
+    """A block whose linear layers sit one module deeper (its graph reads them through ``_modules``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class NestedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Nested() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_the_plan_from_graphs_is_the_prediction_for_nested_layers():
+    model = fxamp.convert_(NestedNet(), "O1", dtype=torch.bfloat16)
+    predicted = low_gathered(model)
+    assert set(predicted) == {f"blocks.{i}.mlp.{j}.{k}" for i in (0, 1) for j in (0, 2) for k in ("weight", "bias")}
+    model(torch.randn(4, D))
+    assert low_gathered(model) == predicted  # from the captured graphs now
+    rows = {line.split(" | ")[0].strip(): line.split(" | ")[3].strip() for line in
+            fxamp.sharding_table(model).splitlines()[2:]}
+    assert rows["blocks.1.mlp.2.weight"] == "bfloat16" and rows["blocks.1.ln.weight"] == "float32"
