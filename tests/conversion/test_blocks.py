@@ -243,6 +243,36 @@ def test_half_on_a_model_converted_in_place_is_one_clear_line_and_changes_nothin
     assert torch.equal(model(x), out)
 
 
+def test_a_parent_that_checkpoints_each_block_keeps_it():
+    """``checkpoint(layer, x)`` in the parent's forward (the parent runs as written): the block's capture,
+    made inside that call, is not mistaken for a checkpoint region of its own; the saving holds."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(Net):
+        def forward(self, ids):
+            h = self.emb(ids)
+            for layer in self.layers:
+                h = checkpoint(layer, h, use_reentrant=False)
+            return self.head(self.norm(h))
+
+    def saved_bytes(model):
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            out = model(ids())
+        out.float().sum().backward()
+        return out, sum(total)
+
+    torch.manual_seed(0)
+    ref = Checkpointed(4).train()
+    model, plain = copy.deepcopy(ref), make().train()  # the same weights, without the checkpoint calls
+    for m in (model, plain):
+        fxamp.convert_(m, "O1", dtype=torch.bfloat16)
+    out, ours = saved_bytes(model)
+    assert torch.allclose(out, ref(ids()), atol=0.05, rtol=0.05)
+    assert ours < 0.7 * saved_bytes(plain)[1]
+
+
 def test_a_weights_parametrizations_are_not_blocks():
     """weight_norm keeps its parametrization in a ModuleList of one: not a layer list (wav2vec2's
     positional convolution)."""

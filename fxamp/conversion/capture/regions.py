@@ -26,10 +26,12 @@ that did not run at capture is not a finding).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import linecache
 import os
 import re
+import sys
 import sysconfig
 import textwrap
 from dataclasses import dataclass
@@ -256,9 +258,28 @@ def scan(model: nn.Module, skip: Sequence[str] = (), graphs: Sequence[fx.Graph] 
 
 
 def frames_of(node: fx.Node) -> List[Tuple[str, int]]:
-    """The (file, line) frames of a node's recorded stack trace, outermost first."""
-    trace = node.meta.get("stack_trace") or ""
-    return [(os.path.abspath(f), int(n)) for f, n in _FRAME.findall(trace)]
+    """The (file, line) frames of a node's recorded stack trace, outermost first, from the captured code on:
+    the frames still live around the capture (the caller's loop, a parent's ``checkpoint(layer, x)`` around
+    a block captured at its first call, a ``no_grad`` around ``convert``) are not the model's code."""
+    frames = [(_abspath(f), int(n)) for f, n in _FRAME.findall(node.meta.get("stack_trace") or "")]
+    live = _live_frames()
+    start = 0
+    while start < len(frames) and frames[start] in live:
+        start += 1
+    return frames[start:]
+
+
+@functools.lru_cache(maxsize=4096)
+def _abspath(file: str) -> str:
+    return os.path.abspath(file)
+
+
+def _live_frames() -> set:
+    frame, out = sys._getframe(1), set()
+    while frame is not None:
+        out.add((_abspath(frame.f_code.co_filename), frame.f_lineno))
+        frame = frame.f_back
+    return out
 
 
 def _inside(frames: List[Tuple[str, int]], f: Finding) -> bool:
