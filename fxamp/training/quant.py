@@ -73,16 +73,14 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
             q = blocks.abs()
             amax = torch.amax(q, dim=1, keepdim=True)
             absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
-            q.div_(amax.clamp_min_(_TINY))  # (|x| / absmax: bitwise |x / absmax|, the absmax being positive)
-            _code_(q, top, k, blocks, signed)
+            _code_(q, amax, top, k, blocks, signed)
             codes_flat[start:start + full].copy_(_integral(q.view(-1), signed))
         if full < m:  # the last, partial block
             tail = part[full:]
             q = tail.abs()
             amax = q.amax()
             absmax[-1] = amax
-            q.div_(amax.clamp_min(_TINY))
-            _code_(q, top, k, tail, signed)
+            _code_(q, amax, top, k, tail, signed)
             codes_flat[start + full:start + m].copy_(_integral(q, signed))
     return codes.view(x.shape), absmax
 
@@ -90,9 +88,14 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
-    """``q`` (|x| / absmax) -> codes in place, as float: ``round(top + k log2 q)`` clamped, with ``x``'s sign."""
-    q.log2_().mul_(k).add_(top).round_().clamp_(0, top)  # (q = 0: -inf, clamped to code 0)
+def _code_(q: torch.Tensor, amax: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
+    """``q`` (|x|) -> codes in place, as float: ``round(top + k log2(|x| / absmax))`` clamped, with ``x``'s sign.
+
+    Computed as ``(top - k log2 absmax) + k log2 |x|``: the first term once per block, the rest one ``log2``
+    and one multiply-add over the elements (no division pass)."""
+    bias = amax.clamp_min(_TINY).log2_().mul_(-k).add_(top)  # (per block: a few hundred elements)
+    torch.add(bias, q.log2_(), alpha=k, out=q)  # (|x| = 0: -inf, clamped to code 0)
+    q.round_().clamp_(0, top)
     if signed:  # (q >= 0: times sign(x) is copysign(q, x) here, in two fast passes instead of one slow one)
         q.mul_(torch.sign(x))
     else:  # a non-zero second moment never decodes to zero: at least code 1 where x > 0 (sign(x) is 1 there)
@@ -116,6 +119,10 @@ def _table(signed: bool, device: torch.device) -> torch.Tensor:
     return table
 
 
+#: the tables of the unsigned and the signed code, on the CPU (built once: they are constants)
+_TABLES = (_table(False, torch.device("cpu")), _table(True, torch.device("cpu")))
+
+
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Float32 values of :func:`quantize`'s codes (code 0 is zero): a lookup in a 256-entry table, times the
@@ -123,7 +130,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat = codes.reshape(-1).view(torch.uint8)
     n = flat.numel()
     dst = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out.view(-1)
-    table = _table(signed, codes.device)
+    table = _TABLES[signed].to(codes.device)
     for start in range(0, n, CHUNK):
         part = dst[start:start + CHUNK]
         torch.index_select(table, 0, flat[start:start + CHUNK].to(torch.int32), out=part)
