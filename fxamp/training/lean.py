@@ -366,19 +366,24 @@ class Workspace:
         # the state: its tensors of the mode's dtype are reused; "step" and the like are the last slice's)
         new: Dict[str, Any] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0
                                and (choice.state == "int8" or not k.endswith(".absmax"))}
+        # one float32 buffer each for the value, the gradient and each decompressed moment, reused slice after slice
+        # (a slice's store_slice() is done before the next slice is read)
+        value_buf, grad_buf = (torch.empty(min(n, PIECE), dtype=torch.float32, device=low.device) for _ in range(2))
+        buffers: Dict[str, torch.Tensor] = {}
         try:
             for start in range(0, n, PIECE):
                 sl = slice(start, start + PIECE)
+                m = min(n, start + PIECE) - start
                 with torch.no_grad():
-                    value = flat[sl].float()
+                    value = value_buf[:m].copy_(flat[sl])
                     if term is not None:
                         value.add_(term[sl])  # (float32 arithmetic: the term's bfloat16 values are exact in it)
-                    g = grad[sl].float()
+                    g = grad_buf[:m].copy_(grad[sl])
                     if inv is not None:
                         g.mul_(inv)
                 piece = torch.nn.Parameter(value)
                 piece.grad = g
-                optimizer.state[piece] = quant.slice_state(state, sl, n) if state else {}
+                optimizer.state[piece] = quant.slice_state(state, sl, n, buffers) if state else {}
                 group["params"] = [piece]
                 with fused:
                     optimizer.step()
