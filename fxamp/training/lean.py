@@ -191,6 +191,7 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
     at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied (a sum over
     the slice says whether it has any: only then the slower masked path)."""
     bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
+    dst16 = dst.view(torch.int16)
     for start in range(0, bits.numel(), quant.CHUNK):
         part = bits[start:start + quant.CHUNK]
         m = part.numel()
@@ -198,11 +199,14 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
         # (xor of the sign bit: the stream torch.randint(-2**63, 2**63 - 1) gives, without its modulo)
         draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
         noise = draws.view(torch.uint16)[:m].to(torch.int32)
-        noise.add_(part).bitwise_and_(-65536)  # (0xFFFF0000): the low 16 bits dropped after adding the noise
-        value = noise.view(torch.float32)
-        if not torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the same result)
+        noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
+        if torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the slower path, the same result)
+            # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
+            dst16[start:start + m].copy_(noise.bitwise_right_shift_(16))
+        else:
+            value = noise.bitwise_and_(-65536).view(torch.float32)  # (0xFFFF0000): the low 16 bits dropped
             value = torch.where(torch.isfinite(part.view(torch.float32)), value, part.view(torch.float32))
-        dst[start:start + m].copy_(value)  # exact: a bfloat16
+            dst[start:start + m].copy_(value)  # exact: a bfloat16
 
 
 class Workspace:
