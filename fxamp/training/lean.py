@@ -19,7 +19,9 @@ The step is unchanged for the inner optimizer: around each ``optimizer.step()`` 
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
 (the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
-identity as a state key.  Any torch optimizer works: it sees float32 tensors only.
+identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  A stock Adam/AdamW
+steps its lean masters with ``fused=True`` (:data:`FUSED`: torch's one-pass kernel; on every path, so a
+segmented step and a plain one give the same bits).
 """
 
 from __future__ import annotations
@@ -318,11 +320,14 @@ class Workspace:
     def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor]) -> None:
         """``optimizer.step()`` on the groups as they stand (``masters``: those entered), the lean masters that
         :func:`fusable` says so by torch's fused kernel: a second call of ``step()`` with only them in the groups
-        and ``fused=True`` (the groups' lists and flags restored after, even on error)."""
+        and ``fused=True`` (the groups' lists and flags restored after, even on error).  Not with step hooks,
+        which must run once per step (the engine's own rule: such an optimizer is never segmented either)."""
+        from .step import steps_per_parameter  # (step imports this module)
+
         groups = optimizer.param_groups
         lean_ids = {id(m) for m in masters if self.lean(m)}
         fused = [[p for p in g["params"] if id(p) in lean_ids and fusable(optimizer, g, p)] for g in groups]
-        if not any(fused):
+        if not any(fused) or not steps_per_parameter(optimizer):
             optimizer.step()
             return
         lists = [g["params"] for g in groups]

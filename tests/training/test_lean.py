@@ -398,3 +398,53 @@ def test_explicit_lean_modes_without_low_precision_parameters_are_refused():
                                          r"and this optimizer has none"):
         fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="kahan", state="int8")
     fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="auto", state="auto")  # fine
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_lean_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel(segmented, monkeypatch):
+    """Lean masters of a for-loop AdamW are stepped with ``fused=True`` (one pass per element, not eight) on the
+    plain and the segmented (sliced) path alike; float32 parameters as the user built the optimizer; the
+    groups' flags come back."""
+    from fxamp.training import step as S
+
+    if segmented:
+        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+        monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+        monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time
+    torch.manual_seed(0)
+    amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
+                        dtype=torch.bfloat16)
+    inner = torch.optim.AdamW(amp.parameters(), lr=1e-2)
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=amp, masters="stochastic", state="int8",
+                                        release_grad_buffer=segmented)
+    own = {id(p) for p in amp.parameters() if p.dtype == torch.float32}  # the LayerNorm's: stepped directly
+    assert len(own) == 2
+    seen, real = [], inner.step
+
+    def spy():  # (not a step hook: an optimizer with hooks is stepped once per step, as it is)
+        seen.extend((g["fused"], id(p) in own, p.dtype, p.numel()) for g in inner.param_groups for p in g["params"])
+        real()
+
+    monkeypatch.setattr(inner, "step", spy)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(amp(torch.randn(4, 8)).float().square().mean())
+        opt.step()
+    fused = [s for s in seen if s[0]]
+    assert fused and all(not is_own and dtype == torch.float32 for _, is_own, dtype, _ in fused)
+    assert all(not f for f, is_own, _, _ in seen if is_own) and sum(is_own for _, is_own, _, _ in seen) == 4
+    assert (max(n for *_, n in fused) <= 1024) == segmented  # sliced: pieces; plain: the whole 64x64 master
+    assert inner.param_groups[0]["fused"] is None and inner.param_groups[0]["foreach"] is None
+
+
+def test_step_hooks_of_a_lean_optimizer_run_once_per_step():
+    amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4)), "O2", dtype=torch.bfloat16)
+    inner = torch.optim.AdamW(amp.parameters(), lr=1e-2)
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=amp, masters="kahan", state="bf16")
+    calls = []
+    inner.register_step_pre_hook(lambda o, args, kwargs: calls.append([g["fused"] for g in o.param_groups]))
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(amp(torch.randn(4, 8)).float().square().mean())
+        opt.step()
+    assert calls == [[None]] * 3  # once per step, the optimizer as the user built it (not fused for the hook)
