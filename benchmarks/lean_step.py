@@ -7,8 +7,9 @@
    CPU's drift hits every regime alike); medians of ``--rounds`` steps, wall-clock and this thread's
    CPU time (the issue's size: ``--layers 4 --seq 256``).
 2. The parts of a lean step per million elements, on one 1 MiB slice (:data:`fxamp.training.lean.PIECE`)
-   at a time, the minimum of 25 runs: the inner AdamW (float32, and bfloat16 as pure bf16 steps it),
-   8-bit codes in and out, bf16 state in and out, stochastic rounding, the weight and gradient widened.
+   at a time, the minimum of 25 runs: AdamW (bfloat16 as pure bf16 steps it; float32 as O2 does; fused,
+   as a lean master is stepped), 8-bit codes in and out, bf16 state in and out, stochastic rounding, the
+   weight and gradient widened.
 """
 
 from __future__ import annotations
@@ -93,10 +94,10 @@ def parts_table() -> str:
         best = min(_time(f) for _ in range(runs))
         return 1e3 * best * (2 ** 20 / n)
 
-    def adam(dtype):
+    def adam(dtype, fused=None):
         p = nn.Parameter(torch.randn(n, dtype=dtype) * 0.02)
         p.grad = torch.randn(n, dtype=dtype) * 1e-3
-        opt = torch.optim.AdamW([p], lr=6e-4)
+        opt = torch.optim.AdamW([p], lr=6e-4, fused=fused)
         opt.step()
         return opt.step
 
@@ -107,7 +108,8 @@ def parts_table() -> str:
     cv, av = quant.quantize(v, False)
     w, value, gen = torch.randn(n).bfloat16(), torch.randn(n), torch.Generator().manual_seed(0)
     rows = [("AdamW step, bfloat16 (pure bf16's step)", adam(torch.bfloat16)),
-            ("AdamW step, float32 (the inner step of a lean slice)", adam(torch.float32)),
+            ("AdamW step, float32 (O2's inner step)", adam(torch.float32)),
+            ("AdamW step, float32, fused=True (the inner step of a lean master)", adam(torch.float32, True)),
             ("int8 decode, both moments", lambda: (quant.dequantize(cm, am, True), quant.dequantize(cv, av, False))),
             ("int8 encode, both moments", lambda: (quant.quantize(m, True, out=cm, absmax_out=am),
                                                    quant.quantize(v, False, out=cv, absmax_out=av))),
