@@ -317,17 +317,16 @@ class Workspace:
                 if choice.state != "fp32" and m in self.optimizer.state:
                     quant.compress(self.optimizer.state[m], choice.state)
 
-    def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor]) -> None:
+    def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> None:
         """``optimizer.step()`` on the groups as they stand (``masters``: those entered), the lean masters that
         :func:`fusable` says so by torch's fused kernel: a second call of ``step()`` with only them in the groups
-        and ``fused=True`` (the groups' lists and flags restored after, even on error).  Not with step hooks,
-        which must run once per step (the engine's own rule: such an optimizer is never segmented either)."""
-        from .step import steps_per_parameter  # (step imports this module)
-
+        and ``fused=True`` (the groups' lists and flags restored after, even on error).  Not unless ``split``
+        (the engine's :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and
+        such an optimizer is never segmented either)."""
         groups = optimizer.param_groups
         lean_ids = {id(m) for m in masters if self.lean(m)}
         fused = [[p for p in g["params"] if id(p) in lean_ids and fusable(optimizer, g, p)] for g in groups]
-        if not any(fused) or not steps_per_parameter(optimizer):
+        if not any(fused) or not split:
             optimizer.step()
             return
         lists = [g["params"] for g in groups]
@@ -526,12 +525,14 @@ def state_keys(optimizer: Any) -> int:
     return 2
 
 
-def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any) -> None:
+def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any,
+             split: bool = True) -> None:
     """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
-    workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`)."""
+    workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`);
+    ``split``: whether its lean masters may take a second, fused ``step()`` (:meth:`Workspace.step_inner`)."""
     if ws is not None:
         ws.enter(masters)
-        ws.step_inner(optimizer, masters)
+        ws.step_inner(optimizer, masters, split)
     else:
         optimizer.step()
     with torch.no_grad():
