@@ -6,7 +6,7 @@
    timed apart for pure bf16, O2, and the lean modes, the regimes interleaved step by step (a loaded
    CPU's drift hits every regime alike); medians of ``--rounds`` steps, wall-clock and this thread's
    CPU time (the issue's size: ``--layers 4 --seq 256``).
-2. The parts of a lean step per million elements, on one slice (:data:`fxamp.training.lean.PIECE`, 2 MiB of float32)
+2. The parts of a lean step per million elements, on one slice (:data:`fxamp.training.lean.PIECE`, 1 MiB of float32)
    at a time, the minimum of 25 runs: AdamW (bfloat16 as pure bf16 steps it; float32 as O2 does; fused,
    as a lean master is stepped), 8-bit codes in and out, bf16 state in and out, stochastic rounding, the
    weight and gradient widened.

@@ -141,10 +141,10 @@ class Choice:
     count: int = 0  # stochastic roundings done (the stream's position)
 
 
-#: elements per slice of a large lean master's chunked step: 2 MiB of float32, its transient memory a few of
-#: these; a multiple of quant.CHUNK (measured on a 20 M-parameter GPT, one thread, stochastic + int8: 2^19
-#: steps 3-8% faster than 2^18 or 2^20, 25% faster than 2^16; with the earlier unfused step 2^18 had been best)
-PIECE = 2 ** 19
+#: elements per slice of a large lean master's chunked step: 1 MiB of float32, its transient memory a few of
+#: these; a multiple of quant.CHUNK (measured, one thread, stochastic + int8, the same optimizer stepped with
+#: each size in turn: 2^19 within 2% of 2^18 at GPT d768 L2 and L4; 2^16 25% slower; 2^20 slower before)
+PIECE = 2 ** 18
 
 
 #: the stock optimizers whose lean masters are stepped by torch's fused kernel (``fused=True`` for the call: one

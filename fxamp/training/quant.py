@@ -48,9 +48,9 @@ def compressible(optimizer: Any) -> bool:
 
 #: elements per slice of the (de)quantization (and of the stochastic rounding): the temporaries of a large
 #: tensor are this size, not the tensor's, and a slice is large enough that the passes, not their dispatch,
-#: take the time; one slice per slice of the chunked step (:data:`fxamp.training.lean.PIECE`: 2 MiB of float32;
-#: measured faster than 256 KiB slices, which were 10% faster than 128 KiB); a multiple of :data:`BLOCK`
-CHUNK = 2048 * BLOCK
+#: take the time; one slice per slice of the chunked step (:data:`fxamp.training.lean.PIECE`: 1 MiB of float32;
+#: measured a few % faster than 256 KiB slices, which were 10% faster than 128 KiB); a multiple of :data:`BLOCK`
+CHUNK = 1024 * BLOCK
 
 
 def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
