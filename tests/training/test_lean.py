@@ -448,3 +448,35 @@ def test_step_hooks_of_a_lean_optimizer_run_once_per_step():
         opt.backward(amp(torch.randn(4, 8)).float().square().mean())
         opt.step()
     assert calls == [[None]] * 3  # once per step, the optimizer as the user built it (not fused for the hook)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+                                  lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+                                  lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2)),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, maximize=True)],
+                         ids=["adamw-amsgrad", "adam-weight-decay", "adamw-tensor-lr", "adamw-foreach-maximize"])
+def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options(make, monkeypatch):
+    """amsgrad's third (compressed) moment, Adam's coupled weight decay, a tensor lr, foreach and maximize:
+    the fused kernel steps the slices of a segmented step and the whole masters of a plain one alike."""
+    from fxamp.training import step as S
+
+    monkeypatch.setattr(quant, "CHUNK", 256)
+    monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time when segmented
+    out = []
+    for release in (True, False):
+        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0 if release else 1 << 40)
+        torch.manual_seed(0)
+        amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
+                            dtype=torch.bfloat16)
+        start = [p.detach().clone() for p in amp.parameters()]
+        opt = fxamp.MixedPrecisionOptimizer(make(amp.parameters()), model=amp, seed=3, release_grad_buffer=release,
+                                            masters="kahan", state="int8")
+        for step in range(3):
+            opt.zero_grad()
+            opt.backward(amp(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).float().square().mean())
+            opt.step()
+        assert (opt.plan.runs is not None) == release  # segmented, or the plain step
+        terms = [opt._ws.choices[id(m)].term.clone() for _, m in opt.master_pairs()]
+        out.append([p.detach().clone() for p in amp.parameters()] + terms)
+        assert all(not torch.equal(a, b) for a, b in zip(start, amp.parameters()))  # every parameter moved
+    assert all(torch.equal(a, b) for a, b in zip(*out))
