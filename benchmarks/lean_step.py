@@ -4,10 +4,12 @@
 
 1. A GPT-2-small-width decoder (as :mod:`benchmarks.memory`), AdamW: forward+backward and ``step()``
    timed apart for pure bf16, O2, and the lean modes, the regimes interleaved step by step (a loaded
-   CPU's drift hits every regime alike); medians of ``--rounds`` steps.
-2. The parts of a lean step per million elements, on one 1 MiB slice (:data:`fxamp.training.lean.PIECE`)
-   at a time, the minimum of 25 runs: the inner AdamW (float32, and bfloat16 as pure bf16 steps it),
-   8-bit codes in and out, bf16 state in and out, stochastic rounding, the weight and gradient widened.
+   CPU's drift hits every regime alike); medians of ``--rounds`` steps, wall-clock and this thread's
+   CPU time (the issue's size: ``--layers 4 --seq 256``).
+2. The parts of a lean step per million elements, on one slice (:data:`fxamp.training.lean.PIECE`, 1 MiB of float32)
+   at a time, the minimum of 25 runs: AdamW (bfloat16 as pure bf16 steps it; float32 as O2 does; fused,
+   as a lean master is stepped), 8-bit codes in and out, bf16 state in and out, stochastic rounding, the
+   weight and gradient widened.
 """
 
 from __future__ import annotations
@@ -45,33 +47,42 @@ def _steps(base: nn.Module, vocab: int, regime: str, x, y):
     return (lambda: opt.backward(loss(amp(x)))), opt.step, opt.zero_grad
 
 
-def step_table(layers: int, vocab: int, rounds: int) -> str:
+def step_table(layers: int, vocab: int, rounds: int, seq: int = 64, batch: int = 2) -> str:
     torch.manual_seed(0)
-    base = DecoderLM(vocab=vocab, seq=64, d=768, layers=layers, heads=12)
+    base = DecoderLM(vocab=vocab, seq=seq, d=768, layers=layers, heads=12)
     for m in base.modules():  # GPT-2's initialisation, as benchmarks.memory
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-    x, y = torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))
+    x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
     built = {r: _steps(base, vocab, r, x, y) for r in ["bf16", *LEAN]}
     for fb, step, zero in built.values():
         for _ in range(3):  # state exists; "auto" has calibrated
             zero(), fb(), step()
     times = {r: ([], []) for r in built}
+    # CPU time (this thread's; one thread): less moved by other processes' load than wall-clock time
+    cpu = {r: ([], []) for r in built}
     for _ in range(rounds):
         for r, (fb, step, zero) in built.items():
             zero()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fb()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             step()
+            cpu[r][0].append(c1 - c0)
+            cpu[r][1].append(time.thread_time() - c1)
             times[r][0].append(t1 - t0)
             times[r][1].append(time.perf_counter() - t1)
     total = {r: statistics.median([a + b for a, b in zip(*t)]) for r, t in times.items()}
-    lines = [f"# GPT d768 L{layers} vocab {vocab} b2 s64, AdamW; medians of {rounds} interleaved steps",
-             "| regime | fwd+bwd ms | step() ms | total ms | total vs pure bf16 |", "|---|---|---|---|---|"]
+    total_cpu = {r: statistics.median([a + b for a, b in zip(*t)]) for r, t in cpu.items()}
+    lines = [f"# GPT d768 L{layers} vocab {vocab} b{batch} s{seq}, AdamW; medians of {rounds} interleaved steps",
+             "| regime | fwd+bwd ms | step() ms | total ms | total vs pure bf16 | total vs O2 "
+             "| CPU: step() ms | CPU: total vs pure bf16 | CPU: total vs O2 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r, (a, b) in times.items():
         lines.append(f"| {r} | {1e3 * statistics.median(a):.0f} | {1e3 * statistics.median(b):.0f} | "
-                     f"{1e3 * total[r]:.0f} | {total[r] / total['bf16']:.2f} |")
+                     f"{1e3 * total[r]:.0f} | {total[r] / total['bf16']:.2f} | {total[r] / total['O2']:.2f} | "
+                     f"{1e3 * statistics.median(cpu[r][1]):.0f} | {total_cpu[r] / total_cpu['bf16']:.2f} | "
+                     f"{total_cpu[r] / total_cpu['O2']:.2f} |")
     return "\n".join(lines)
 
 
@@ -83,10 +94,10 @@ def parts_table() -> str:
         best = min(_time(f) for _ in range(runs))
         return 1e3 * best * (2 ** 20 / n)
 
-    def adam(dtype):
+    def adam(dtype, fused=None):
         p = nn.Parameter(torch.randn(n, dtype=dtype) * 0.02)
         p.grad = torch.randn(n, dtype=dtype) * 1e-3
-        opt = torch.optim.AdamW([p], lr=6e-4)
+        opt = torch.optim.AdamW([p], lr=6e-4, fused=fused)
         opt.step()
         return opt.step
 
@@ -97,7 +108,8 @@ def parts_table() -> str:
     cv, av = quant.quantize(v, False)
     w, value, gen = torch.randn(n).bfloat16(), torch.randn(n), torch.Generator().manual_seed(0)
     rows = [("AdamW step, bfloat16 (pure bf16's step)", adam(torch.bfloat16)),
-            ("AdamW step, float32 (the inner step of a lean slice)", adam(torch.float32)),
+            ("AdamW step, float32 (O2's inner step)", adam(torch.float32)),
+            ("AdamW step, float32, fused=True (the inner step of a lean master)", adam(torch.float32, True)),
             ("int8 decode, both moments", lambda: (quant.dequantize(cm, am, True), quant.dequantize(cv, av, False))),
             ("int8 encode, both moments", lambda: (quant.quantize(m, True, out=cm, absmax_out=am),
                                                    quant.quantize(v, False, out=cv, absmax_out=av))),
@@ -121,13 +133,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--parts-only", action="store_true", help="only the per-part table (seconds, not minutes)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"# torch {torch.__version__}; threads {torch.get_num_threads()}; CPU flags {cpu_flags()}")
     if not a.parts_only:
-        print(step_table(a.layers, a.vocab, a.rounds))
+        print(step_table(a.layers, a.vocab, a.rounds, a.seq, a.batch))
     print(parts_table())
     return 0
 

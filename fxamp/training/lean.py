@@ -19,7 +19,9 @@ The step is unchanged for the inner optimizer: around each ``optimizer.step()`` 
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
 (the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
-identity as a state key.  Any torch optimizer works: it sees float32 tensors only.
+identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  A stock Adam/AdamW
+steps its lean masters with ``fused=True`` (:data:`FUSED`: torch's one-pass kernel; on every path, so a
+segmented step and a plain one give the same bits).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from . import quant
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
-           "stochastic_round", "placeholder", "run_step", "check_params", "seed_from",
+           "stochastic_round", "placeholder", "run_step", "FUSED", "fusable", "check_params", "seed_from",
            "state_keys", "resolve"]
 
 
@@ -139,10 +141,39 @@ class Choice:
     count: int = 0  # stochastic roundings done (the stream's position)
 
 
-#: elements per slice of a large lean master's chunked step: 1 MiB of float32, so the inner step's passes over a
-#: slice (value, gradient, two moments) run mostly in L2; a multiple of quant.CHUNK (measured: 2^18 steps a
-#: 20 M-parameter GPT 1.2-1.4x faster than 2^20 single-threaded)
+#: elements per slice of a large lean master's chunked step: 1 MiB of float32, its transient memory a few of
+#: these; a multiple of quant.CHUNK (measured, one thread, stochastic + int8, the same optimizer stepped with
+#: each size in turn: 2^19 within 2% of 2^18 at GPT d768 L2 and L4; 2^16 25% slower; 2^20 slower before)
 PIECE = 2 ** 18
+
+
+#: the stock optimizers whose lean masters are stepped by torch's fused kernel (``fused=True`` for the call: one
+#: pass over value, gradient and both moments instead of the for-loop's eight; the same update up to float32
+#: rounding), wherever a lean master is stepped, so every path gives it the same bits (:meth:`Workspace.step_inner`)
+FUSED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool:
+    """Whether ``master`` (a lean one of ``group``) is stepped by :data:`FUSED`'s kernel: a stock Adam/AdamW, a
+    plain (not distributed) CPU tensor, a group that is not ``differentiable``."""
+    return (type(optimizer) in FUSED and master.device.type == "cpu" and type(master.data) is torch.Tensor
+            and not group.get("differentiable", False))
+
+
+class _FusedFor:
+    """``groups`` step with ``fused=True`` (and ``foreach=False``) inside the block; their flags restored after."""
+
+    def __init__(self, groups: Sequence[Dict[str, Any]]) -> None:
+        self.groups = list(groups)
+        self.saved = [(g.get("fused"), g.get("foreach")) for g in self.groups]
+
+    def __enter__(self) -> None:
+        for g in self.groups:
+            g["fused"], g["foreach"] = True, False
+
+    def __exit__(self, *exc: Any) -> None:
+        for g, (fused, foreach) in zip(self.groups, self.saved):
+            g["fused"], g["foreach"] = fused, foreach
 
 
 def placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -162,6 +193,7 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
     at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied (a sum over
     the slice says whether it has any: only then the slower masked path)."""
     bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
+    dst16 = dst.view(torch.int16)
     for start in range(0, bits.numel(), quant.CHUNK):
         part = bits[start:start + quant.CHUNK]
         m = part.numel()
@@ -169,11 +201,14 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
         # (xor of the sign bit: the stream torch.randint(-2**63, 2**63 - 1) gives, without its modulo)
         draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
         noise = draws.view(torch.uint16)[:m].to(torch.int32)
-        noise.add_(part).bitwise_and_(-65536)  # (0xFFFF0000): the low 16 bits dropped after adding the noise
-        value = noise.view(torch.float32)
-        if not torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the same result)
+        noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
+        if torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the slower path, the same result)
+            # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
+            dst16[start:start + m].copy_(noise.bitwise_right_shift_(16))
+        else:
+            value = noise.bitwise_and_(-65536).view(torch.float32)  # (0xFFFF0000): the low 16 bits dropped
             value = torch.where(torch.isfinite(part.view(torch.float32)), value, part.view(torch.float32))
-        dst[start:start + m].copy_(value)  # exact: a bfloat16
+            dst[start:start + m].copy_(value)  # exact: a bfloat16
 
 
 class Workspace:
@@ -282,6 +317,34 @@ class Workspace:
                 if choice.state != "fp32" and m in self.optimizer.state:
                     quant.compress(self.optimizer.state[m], choice.state)
 
+    def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> None:
+        """``optimizer.step()`` on the groups as they stand (``masters``: those entered), the lean masters that
+        :func:`fusable` says so by torch's fused kernel: a second call of ``step()`` with only them in the groups
+        and ``fused=True`` (the groups' lists and flags restored after, even on error).  Not unless ``split``
+        (the engine's :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and
+        such an optimizer is never segmented either)."""
+        groups = optimizer.param_groups
+        lean_ids = {id(m) for m in masters if self.lean(m)}
+        fused = [[p for p in g["params"] if id(p) in lean_ids and fusable(optimizer, g, p)] for g in groups]
+        if not any(fused) or not split:
+            optimizer.step()
+            return
+        lists = [g["params"] for g in groups]
+        try:
+            ids = {id(p) for ps in fused for p in ps}
+            rest = [[p for p in ps if id(p) not in ids] for ps in lists]
+            if any(rest):
+                for g, ps in zip(groups, rest):
+                    g["params"] = ps
+                optimizer.step()
+            for g, ps in zip(groups, fused):
+                g["params"] = ps
+            with _FusedFor([g for g, ps in zip(groups, fused) if ps]):
+                optimizer.step()
+        finally:
+            for g, ps in zip(groups, lists):
+                g["params"] = ps
+
     def chunks(self, run: Any, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
         larger than :data:`PIECE`, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
@@ -301,6 +364,7 @@ class Workspace:
         flat, grad = low.detach().view(-1), low.grad.reshape(-1)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
+        fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
         gen = None
         if choice.master == "stochastic":
             gen = self._generator(low.device)
@@ -310,21 +374,27 @@ class Workspace:
         # the state: its tensors of the mode's dtype are reused; "step" and the like are the last slice's)
         new: Dict[str, Any] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0
                                and (choice.state == "int8" or not k.endswith(".absmax"))}
+        # one float32 buffer each for the value, the gradient and each decompressed moment, reused slice after slice
+        # (a slice's store_slice() is done before the next slice is read)
+        value_buf, grad_buf = (torch.empty(min(n, PIECE), dtype=torch.float32, device=low.device) for _ in range(2))
+        buffers: Dict[str, torch.Tensor] = {}
         try:
             for start in range(0, n, PIECE):
                 sl = slice(start, start + PIECE)
+                m = min(n, start + PIECE) - start
                 with torch.no_grad():
-                    value = flat[sl].float()
+                    value = value_buf[:m].copy_(flat[sl])
                     if term is not None:
                         value.add_(term[sl])  # (float32 arithmetic: the term's bfloat16 values are exact in it)
-                    g = grad[sl].float()
+                    g = grad_buf[:m].copy_(grad[sl])
                     if inv is not None:
                         g.mul_(inv)
                 piece = torch.nn.Parameter(value)
                 piece.grad = g
-                optimizer.state[piece] = quant.slice_state(state, sl, n) if state else {}
+                optimizer.state[piece] = quant.slice_state(state, sl, n, buffers) if state else {}
                 group["params"] = [piece]
-                optimizer.step()
+                with fused:
+                    optimizer.step()
                 with torch.no_grad():
                     if gen is not None:
                         stochastic_round(piece, flat[sl], gen)
@@ -455,12 +525,16 @@ def state_keys(optimizer: Any) -> int:
     return 2
 
 
-def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any) -> None:
+def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any,
+             split: bool = True) -> None:
     """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
-    workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`)."""
+    workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`);
+    ``split``: whether its lean masters may take a second, fused ``step()`` (:meth:`Workspace.step_inner`)."""
     if ws is not None:
         ws.enter(masters)
-    optimizer.step()
+        ws.step_inner(optimizer, masters, split)
+    else:
+        optimizer.step()
     with torch.no_grad():
         round_in()
     if ws is not None:

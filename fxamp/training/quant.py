@@ -10,8 +10,9 @@ of a table): ``q = round(K * log2(|x| / absmax))`` per element of a block of 256
 keeps about the same relative precision (about ±4 %) however far below the block's largest it is.
 A linear code (``round(127 * x / absmax)``) would zero every element of Adam's second moment more
 than 255× below its block's largest, and the update ``m / (sqrt(v) + eps)`` of such an element
-would explode.  A non-zero second moment is never coded as zero (it decodes to the smallest code:
-a smaller update, the safe side); a first moment may underflow to zero (no update, also safe).
+would explode.  A second moment is never coded as zero (a small one decodes to the smallest code: a
+smaller update, the safe side; a zero one too, and its first moment is zero, so is its update); a first
+moment may underflow to zero (no update, also safe).
 
 Only the state keys of torch's stock Adam, AdamW and SGD are compressed (:data:`SIGNED`,
 :data:`UNSIGNED`); other optimizers keep float32 state (:func:`compressible`).
@@ -45,11 +46,11 @@ def compressible(optimizer: Any) -> bool:
     return type(optimizer) in STOCK
 
 
-#: elements per slice of the (de)quantization (and of the stochastic rounding): the few in-place passes
-#: over a slice (256 KiB of float32) stay in cache, the temporaries of a large tensor are this size,
-#: not the tensor's, and a slice is large enough that the passes, not their dispatch, take the time
-#: (a multiple of :data:`BLOCK`)
-CHUNK = 256 * BLOCK
+#: elements per slice of the (de)quantization (and of the stochastic rounding): the temporaries of a large
+#: tensor are this size, not the tensor's, and a slice is large enough that the passes, not their dispatch,
+#: take the time; one slice per slice of the chunked step (:data:`fxamp.training.lean.PIECE`: 1 MiB of float32;
+#: measured a few % faster than 256 KiB slices, which were 10% faster than 128 KiB); a multiple of :data:`BLOCK`
+CHUNK = 1024 * BLOCK
 
 
 def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
@@ -70,19 +71,19 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
         b0 = start // BLOCK
         if full:
             blocks = part[:full].view(-1, BLOCK)
-            q = blocks.abs()
+            q = blocks.abs() if signed else blocks  # (an unsigned state is non-negative: its own magnitude)
             amax = torch.amax(q, dim=1, keepdim=True)
             absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
-            q.div_(amax.clamp_min_(_TINY))  # (|x| / absmax: bitwise |x / absmax|, the absmax being positive)
-            _code_(q, top, k, blocks, signed)
+            q = q.log2_() if signed else torch.log2(q)
+            _code_(q, amax, top, k, blocks, signed)
             codes_flat[start:start + full].copy_(_integral(q.view(-1), signed))
         if full < m:  # the last, partial block
             tail = part[full:]
-            q = tail.abs()
+            q = tail.abs() if signed else tail
             amax = q.amax()
             absmax[-1] = amax
-            q.div_(amax.clamp_min(_TINY))
-            _code_(q, top, k, tail, signed)
+            q = q.log2_() if signed else torch.log2(q)
+            _code_(q, amax, top, k, tail, signed)
             codes_flat[start + full:start + m].copy_(_integral(q, signed))
     return codes.view(x.shape), absmax
 
@@ -90,18 +91,26 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def _code_(q: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
-    """``q`` (|x| / absmax) -> codes in place, as float: ``round(top + k log2 q)`` clamped, with ``x``'s sign."""
-    q.log2_().mul_(k).add_(top).round_().clamp_(0, top)  # (q = 0: -inf, clamped to code 0)
-    if signed:  # (q >= 0: times sign(x) is copysign(q, x) here, in two fast passes instead of one slow one)
-        q.mul_(torch.sign(x))
-    else:  # a non-zero second moment never decodes to zero: at least code 1 where x > 0 (sign(x) is 1 there)
-        torch.maximum(q, torch.sign(x), out=q)  # (float ops: comparisons into bool run far slower on CPU)
+def _code_(q: torch.Tensor, amax: torch.Tensor, top: int, k: float, x: torch.Tensor, signed: bool) -> None:
+    """``q`` (log2 |x|) -> codes in place, as float: ``round(top + k log2(|x| / absmax))`` clamped, with ``x``'s
+    sign; an unsigned code is at least 1.
+
+    Computed as ``(top + 1/2 - k log2 absmax) + k log2 |x|``: the first term once per block, the rest one
+    multiply-add over the elements (no division pass); the rounding is the truncation of the conversion to an
+    integer type that follows (:func:`_integral`), of a value made non-negative by the clamp: a round half up,
+    with no rounding pass."""
+    bias = amax.clamp_min(_TINY).log2_().mul_(-k).add_(top + 0.5)  # (per block: a few hundred elements)
+    torch.add(bias, q, alpha=k, out=q)  # (|x| = 0: -inf, clamped)
+    if signed:  # code 0 (zero) below the range; times sign(x) is copysign(q, x) here (q >= 0), in two fast
+        q.clamp_(0, top).mul_(torch.sign(x))  # passes instead of one slow one
+    else:  # a second moment never decodes to zero (the update m / sqrt(v) of a small one would explode): at
+        q.clamp_(1, top)  # least code 1, a zero too (its first moment is zero, so is its update; a zero block
+        # has absmax 0 and decodes to zeros)
 
 
 def _integral(q: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Codes held as float, ready to copy into int8/uint8: through int16 for uint8 (float -> uint8 is a
-    slow conversion on CPU; the values are integers 0..255, exact either way)."""
+    """Codes held as float (``code + fraction``, the sign applied after), ready to copy into int8/uint8, which
+    truncates toward zero: the code; through int16 for uint8 (float -> uint8 is a slow conversion on CPU)."""
     return q if signed else q.to(torch.int16)
 
 
@@ -116,6 +125,10 @@ def _table(signed: bool, device: torch.device) -> torch.Tensor:
     return table
 
 
+#: the tables of the unsigned and the signed code, on the CPU (built once: they are constants)
+_TABLES = (_table(False, torch.device("cpu")), _table(True, torch.device("cpu")))
+
+
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Float32 values of :func:`quantize`'s codes (code 0 is zero): a lookup in a 256-entry table, times the
@@ -123,7 +136,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat = codes.reshape(-1).view(torch.uint8)
     n = flat.numel()
     dst = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out.view(-1)
-    table = _table(signed, codes.device)
+    table = _TABLES[signed].to(codes.device)
     for start in range(0, n, CHUNK):
         part = dst[start:start + CHUNK]
         torch.index_select(table, 0, flat[start:start + CHUNK].to(torch.int32), out=part)
@@ -201,10 +214,13 @@ def update_error(state: Dict[str, Any], mode: str) -> float:
     return 0.0 if denom == 0 or not math.isfinite(denom) else float(torch.linalg.vector_norm(approx - exact)) / denom
 
 
-def slice_state(state: Dict[str, Any], sl: slice, n: int) -> Dict[str, Any]:
+def slice_state(state: Dict[str, Any], sl: slice, n: int,
+                buffers: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
     """The float32 state of elements ``sl`` of a tensor of ``n`` elements whose state is ``state`` (compressed
-    or not): moments decompressed for the slice only (``sl`` starts at a multiple of :data:`BLOCK`)."""
+    or not): moments decompressed for the slice only (``sl`` starts at a multiple of :data:`BLOCK`); into
+    ``buffers[key]`` where given (allocated at the first, largest slice and reused by the next ones)."""
     out: Dict[str, Any] = {}
+    buffers = {} if buffers is None else buffers
     for key, value in state.items():
         if key.endswith(_SUFFIX):
             continue
@@ -212,12 +228,19 @@ def slice_state(state: Dict[str, Any], sl: slice, n: int) -> Dict[str, Any]:
             out[key] = value.clone() if torch.is_tensor(value) else value  # ("step": each slice steps its own copy)
             continue
         part = value.reshape(-1)[sl]
+        if part.dtype == torch.float32:
+            out[key] = part  # (float32 state: stepped where it is)
+            continue
+        if key not in buffers:
+            buffers[key] = torch.empty(part.numel(), dtype=torch.float32, device=part.device)
+        dst = buffers[key][:part.numel()]
         absmax = state.get(key + _SUFFIX)
         if absmax is not None:
             blocks = absmax[sl.start // BLOCK:(sl.start + part.numel() - 1) // BLOCK + 1]
-            out[key] = dequantize(part.to(torch.int8 if key in SIGNED else torch.uint8), blocks.float(), key in SIGNED)
+            out[key] = dequantize(part.to(torch.int8 if key in SIGNED else torch.uint8), blocks.float(), key in SIGNED,
+                                  out=dst)
         else:
-            out[key] = part.float()
+            out[key] = dst.copy_(part)
     return out
 
 

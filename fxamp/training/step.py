@@ -609,7 +609,8 @@ def step(optimizer: Any, plan: Plan, check: Check, low_of: Callable[[torch.Tenso
         optimizer.found_inf, optimizer.grad_scale = found, None
     try:
         if not check.in_place:  # (a skip on the device left the masters as they were: the same rounding)
-            return run_step(optimizer, ws, [m for b in plan.buckets for m in b.masters], lambda: refresh(plan))
+            return run_step(optimizer, ws, [m for b in plan.buckets for m in b.masters], lambda: refresh(plan),
+                            steps_per_parameter(optimizer))
         segment_numel = segment_numel_for(plan.devices())
         if plan.runs is None:
             plan.runs = plan_runs(optimizer.param_groups, low_of, segment_numel)

@@ -418,3 +418,85 @@ def test_explicit_lean_modes_without_low_precision_parameters_are_refused():
                                          r"and this optimizer has none"):
         fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="kahan", state="int8")
     fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="auto", state="auto")  # fine
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_lean_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel(segmented, monkeypatch):
+    """Lean masters of a for-loop AdamW are stepped with ``fused=True`` (one pass per element, not eight) on the
+    plain and the segmented (sliced) path alike; float32 parameters as the user built the optimizer; the
+    groups' flags come back."""
+    from fxamp.training import step as S
+
+    if segmented:
+        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+        monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+        monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time
+    torch.manual_seed(0)
+    amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
+                        dtype=torch.bfloat16)
+    inner = torch.optim.AdamW(amp.parameters(), lr=1e-2)
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=amp, masters="stochastic", state="int8",
+                                        release_grad_buffer=segmented)
+    own = {id(p) for p in amp.parameters() if p.dtype == torch.float32}  # the LayerNorm's: stepped directly
+    assert len(own) == 2
+    seen, real = [], inner.step
+
+    def spy():  # (not a step hook: an optimizer with hooks is stepped once per step, as it is)
+        seen.extend((g["fused"], id(p) in own, p.dtype, p.numel()) for g in inner.param_groups for p in g["params"])
+        real()
+
+    monkeypatch.setattr(inner, "step", spy)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(amp(torch.randn(4, 8)).float().square().mean())
+        opt.step()
+    fused = [s for s in seen if s[0]]
+    assert fused and all(not is_own and dtype == torch.float32 for _, is_own, dtype, _ in fused)
+    assert all(not f for f, is_own, _, _ in seen if is_own) and sum(is_own for _, is_own, _, _ in seen) == 4
+    assert (max(n for *_, n in fused) <= 1024) == segmented  # sliced: pieces; plain: the whole 64x64 master
+    assert inner.param_groups[0]["fused"] is None and inner.param_groups[0]["foreach"] is None
+
+
+def test_step_hooks_of_a_lean_optimizer_run_once_per_step():
+    amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4)), "O2", dtype=torch.bfloat16)
+    inner = torch.optim.AdamW(amp.parameters(), lr=1e-2)
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=amp, masters="kahan", state="bf16")
+    calls = []
+    inner.register_step_pre_hook(lambda o, args, kwargs: calls.append([g["fused"] for g in o.param_groups]))
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(amp(torch.randn(4, 8)).float().square().mean())
+        opt.step()
+    assert calls == [[None]] * 3  # once per step, the optimizer as the user built it (not fused for the hook)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+                                  lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+                                  lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2)),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, maximize=True)],
+                         ids=["adamw-amsgrad", "adam-weight-decay", "adamw-tensor-lr", "adamw-foreach-maximize"])
+def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options(make, monkeypatch):
+    """amsgrad's third (compressed) moment, Adam's coupled weight decay, a tensor lr, foreach and maximize:
+    the fused kernel steps the slices of a segmented step and the whole masters of a plain one alike."""
+    from fxamp.training import step as S
+
+    monkeypatch.setattr(quant, "CHUNK", 256)
+    monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time when segmented
+    out = []
+    for release in (True, False):
+        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0 if release else 1 << 40)
+        torch.manual_seed(0)
+        amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
+                            dtype=torch.bfloat16)
+        start = [p.detach().clone() for p in amp.parameters()]
+        opt = fxamp.MixedPrecisionOptimizer(make(amp.parameters()), model=amp, seed=3, release_grad_buffer=release,
+                                            masters="kahan", state="int8")
+        for step in range(3):
+            opt.zero_grad()
+            opt.backward(amp(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).float().square().mean())
+            opt.step()
+        assert (opt.plan.runs is not None) == release  # segmented, or the plain step
+        terms = [opt._ws.choices[id(m)].term.clone() for _, m in opt.master_pairs()]
+        out.append([p.detach().clone() for p in amp.parameters()] + terms)
+        assert all(not torch.equal(a, b) for a, b in zip(start, amp.parameters()))  # every parameter moved
+    assert all(torch.equal(a, b) for a, b in zip(*out))
