@@ -178,7 +178,7 @@ float16 for a subset) and checks, per model and policy:
 - **O0** is bitwise equal to the original in eval and in train mode (every dropout set to 0);
 - **float64**: a float64 model with float64 inputs converted O1 bfloat16 comes back float64, unchanged.
 
-Run the fast subset with `python -m pytest tests -q` (CI), everything with
+Run the fast subset with `python -m pytest tests -q -n 2` (CI), everything with
 `FXAMP_REALMODELS=all python -m pytest tests/realmodels -q` (or `-m "slow or not slow"`), and
 regenerate this file with `PYTHONPATH=. python -m tests.realmodels.coverage_table`.
 
