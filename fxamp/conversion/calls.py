@@ -1,6 +1,7 @@
 """A block's call as a graph sees it: :func:`flatten_call` splits ``(args, kwargs)`` into a hashable key,
 the leaves that become graph inputs (tensors and opaque objects) and a tree to rebuild the call from;
-:func:`bound_root` is the module torch.fx traces for one call (``blocks.py``)::
+:func:`bound_root` is the module torch.fx traces for one call (``blocks.py``); :func:`undo_point` keeps what a
+call's opaque objects held, so a graph whose late guard fails can be undone::
 
     block(h, mask=None, cache=c, use_cache=True)
       key    ((("T", float32, 3),), (("cache", ("O", DynamicCache)), ("mask", ("C", NoneType, None)),
