@@ -194,11 +194,22 @@ def realmodels() -> None:
               f"{sum(f.captures for f in blocks)} |")
 
 
-def main() -> int:
-    parts = sys.argv[1:] or ["capture", "memory"]
+PARTS = {"capture": capture, "memory": memory, "compile": compile_, "realmodels": realmodels}
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.blocks", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("parts", nargs="*", metavar="what", help=f"one or more of {', '.join(PARTS)} (default: capture memory)")
+    parts = ap.parse_args(argv).parts or ["capture", "memory"]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part {unknown[0]!r}: choose from {', '.join(PARTS)}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for part in parts:
-        {"capture": capture, "memory": memory, "compile": compile_, "realmodels": realmodels}[part]()
+        PARTS[part]()
         print()
     return 0
 
