@@ -84,6 +84,9 @@ def shard(model: nn.Module, *, mesh: Optional[Any] = None, blocks: Optional[Sequ
             low-precision ops read them (default: none).
     """
     _check_model(model)
+    if not isinstance(reshard_after_forward, bool):  # FSDP2's int (reshard to a smaller mesh) is not supported here
+        raise TypeError(f"fxamp.shard: reshard_after_forward= takes True or False, not {reshard_after_forward!r} "
+                        f"(resharding to a smaller world after forward is not supported with fxamp's low all-gather)")
     if isinstance(gather_float32, str) or not all(isinstance(g, str) for g in gather_float32):
         raise TypeError(f"fxamp.shard: gather_float32= takes a list of parameter name globs, not {gather_float32!r}")
     names = [n for n, _ in model.named_parameters()]

@@ -522,6 +522,8 @@ def test_bad_input_is_refused_before_torch_distributed():
         fxamp.shard(o1, gather_float32="head.weight")
     with pytest.raises(ValueError, match=r"gather_float32='heads.\*' matches no parameter; the parameters: temp, wte"):
         fxamp.shard(o1, gather_float32=["heads.*"])
+    with pytest.raises(TypeError, match="reshard_after_forward= takes True or False, not 8"):
+        fxamp.shard(o1, reshard_after_forward=8)
     assert all(type(p) is nn.Parameter for p in o1.parameters())  # nothing re-bound
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         fxamp.shard(_model("gpt", torch.bfloat16))
