@@ -102,7 +102,7 @@ def _run(rank, recipe, d, layers, steps, port, out):
         g = torch.Generator().manual_seed(1000 * rank + step % 4)  # 4 batches per rank, learnt by heart
         ids = torch.randint(0, V, (B, T), generator=g)
         start = time.perf_counter()
-        with _Collectives(calls) if step == 1 else contextlib.nullcontext():
+        with Collectives(calls) if step == 1 else contextlib.nullcontext():
             opt.zero_grad()
             with torch.autocast("cpu", torch.bfloat16, enabled=recipe == "fsdp2+autocast"):
                 loss = model(ids)
@@ -121,12 +121,12 @@ def _run(rank, recipe, d, layers, steps, port, out):
     dist.destroy_process_group()
 
 
-class _Collectives(TorchDispatchMode):
+class Collectives(TorchDispatchMode):
     """Appends (kind, bytes of the whole buffer) for each c10d all-gather and reduce-scatter dispatched within."""
 
-    def __init__(self, calls):
+    def __init__(self, calls=None):
         super().__init__()
-        self.calls = calls
+        self.calls = [] if calls is None else calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
@@ -141,8 +141,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="at least 3: the step time is the median after two")
     args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error(f"--steps {args.steps}: at least 3 (the first two steps capture and warm up; the time is "
+                     f"the median of the rest)")
     rows = {}
     for recipe in RECIPES:
         with tempfile.TemporaryDirectory() as out, socket.socket() as s:

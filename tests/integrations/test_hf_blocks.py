@@ -104,17 +104,7 @@ def test_save_pretrained_round_trip_keeps_names_and_float32(name, policy, tmp_pa
 
 
 def saved_bytes(model, x, autocast: bool) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", BF16, enabled=autocast):
-        model(x, labels=x, use_cache=False).loss.backward()
-    return total
+    return saved_bytes_of(model, (x,), {"labels": x, "use_cache": False}, autocast)
 
 
 @pytest.mark.parametrize("name", MODELS)

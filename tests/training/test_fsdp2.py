@@ -16,10 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import fxamp
+from benchmarks.fsdp2 import Collectives
 from fxamp.conversion.blocks import family_of
 from fxamp.sharding import low_gathered
 from tests.dtype_observer import OpDtypes
@@ -269,22 +268,6 @@ def _refusals(rank):
     out.append(any(type(m).__name__.startswith("FSDP") for m in model.modules())
                or any(type(p) is not nn.Parameter for p in model.parameters()))  # sharded, or a parameter re-bound
     return out
-
-
-class Collectives(TorchDispatchMode):
-    """Per collective FSDP2 issues (all-gather, reduce-scatter): its kind and the bytes of its whole buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        kind = "all-gather" if "allgather" in name else "reduce-scatter" if "reduce_scatter" in name else None
-        if name.startswith("c10d::") and kind:
-            whole = max((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), key=torch.Tensor.numel)
-            self.calls.append((kind, whole.numel() * whole.element_size()))
-        return func(*args, **(kwargs or {}))
 
 
 def _collectives(rank, gather_float32):
