@@ -383,6 +383,7 @@ class CachedBlock(nn.Module):
         else:
             kv = self.kv(x)[:, :1]  # stored as the block computes it: bfloat16
             cache.layer.keys, cache.is_updated[0] = kv, True
+            cache._filled_at = x.shape[1]  # a private attribute is the object's too, not the proxy's
         if limit is not None and cache.steps > limit:  # state the effect changed: only the late guard sees it
             h = h * 2
         return x + (h * kv).softmax(-1)
@@ -412,6 +413,7 @@ def test_state_an_object_reads_after_its_method_ran_picks_the_variant_before_any
         got = model(x, cache)
         assert torch.allclose(got, ref(x, ref_cache), atol=0.03, rtol=0.03)
     assert cache.layer.keys.dtype == torch.bfloat16 and cache.steps == ref_cache.steps == 6  # no retry re-ran it
+    assert cache._filled_at == ref_cache._filled_at == 3
     (family,) = families(model)
     assert family.captures == 2
     with pytest.raises(fxamp.FxampError, match="use_cache=False"):

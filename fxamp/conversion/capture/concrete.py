@@ -202,7 +202,7 @@ class _ConcreteProxy(fx.Proxy):
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, item), {})
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("node", "tracer") or name.startswith("_"):
+        if name in ("node", "tracer") or (name.startswith("__") and name.endswith("__")):
             object.__setattr__(self, name, value)  # the proxy's own
         else:  # cache.layer.keys = kv: a write to the object, recorded (run at every call; a side effect)
             self.tracer.create_proxy("call_function", builtins.setattr, (self, name, value), {})
