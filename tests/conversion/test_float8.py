@@ -12,6 +12,7 @@ from fxamp.conversion.float8 import (E4M3, E5M2, CostTable, amax_to_scale, cost_
                                      float8_linear, float8_matmul, to_float8, torchao_default)
 from fxamp.policy import Float8, Float8Recipe
 from tests.dtype_observer import OpDtypes
+from tests.example_loader import load_example
 
 RECIPES = [r.value for r in Float8Recipe]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny GEMMs: 2 threads on a busy 2-core machine are 100x slower
@@ -352,44 +353,13 @@ def test_torch_compile_of_the_float8_graph_runs_forward_and_backward_bitwise_as_
 
 # -- training parity -------------------------------------------------------------------------------
 
-class TinyBlock(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.d, self.heads = d, heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):  # torch.fx traces it: no unpacking of shapes
-        parts = self.qkv(self.ln1(x)).split(self.d, dim=-1)
-        q, k, v = (parts[i].unflatten(-1, (self.heads, self.d // self.heads)).transpose(1, 2) for i in range(3))
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """A character GPT whose every linear (K, N multiples of 16) can run in float8."""
-
-    def __init__(self, vocab: int = 112, d: int = 32, heads: int = 2, layers: int = 2, block: int = 32):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(block, d))
-        self.blocks = nn.ModuleList(TinyBlock(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
 def _train(policy: str, steps: int = 30):
     from pydoc_data.topics import topics
     text = "\n".join(topics[k] for k in sorted(topics))[:50000]
     chars = sorted(set(text))
     ids = torch.tensor([min(chars.index(c), 111) for c in text])
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = load_example("float8_gpt").GPT(layers=2, d=32, heads=2, vocab=112, block=32)  # every K, N a multiple of 16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         amp, opt = fxamp.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), policy, dtype="bf16")
