@@ -192,7 +192,8 @@ def _called_functions(graphs: Sequence[fx.Graph], known: Iterable[Finding]) -> L
     not a module's ``forward`` (helpers called from ``forward``, a ``forward`` calling a method):
     the source scan of ``forward`` alone does not see them."""
     seen = {(f.file, f.line, f.kind) for f in known}
-    places = {(file, line) for g in graphs for n in g.nodes for file, line in frames_of(n)
+    live = _live_frames()
+    places = {(file, line) for g in graphs for n in g.nodes for file, line in frames_of(n, live)
               if not file.startswith(_LIBRARY_DIRS) and not file.startswith(_OWN_DIR)}
     functions: Dict[Tuple[str, int], ast.AST] = {}
     parsed: Dict[str, List[ast.AST]] = {}
@@ -257,12 +258,12 @@ def scan(model: nn.Module, skip: Sequence[str] = (), graphs: Sequence[fx.Graph] 
     return found
 
 
-def frames_of(node: fx.Node) -> List[Tuple[str, int]]:
+def frames_of(node: fx.Node, live: Optional[set] = None) -> List[Tuple[str, int]]:
     """The (file, line) frames of a node's recorded stack trace, outermost first, from the captured code on:
     the frames still live around the capture (the caller's loop, a parent's ``checkpoint(layer, x)`` around
     a block captured at its first call, a ``no_grad`` around ``convert``) are not the model's code."""
     frames = [(_abspath(f), int(n)) for f, n in _FRAME.findall(node.meta.get("stack_trace") or "")]
-    live = _live_frames()
+    live = _live_frames() if live is None else live  # (a caller walking many nodes passes it once)
     start = 0
     while start < len(frames) and frames[start] in live:
         start += 1
@@ -298,7 +299,8 @@ def _inside(frames: List[Tuple[str, int]], f: Finding) -> bool:
 def confirmed(findings: Iterable[Tuple[str, nn.Module, Finding]], graphs: Sequence[fx.Graph]
               ) -> List[Tuple[str, nn.Module, Finding]]:
     """The findings some captured node was made inside (the branch ran at capture)."""
-    frames = [frames_of(n) for g in graphs for n in g.nodes]
+    live = _live_frames()
+    frames = [frames_of(n, live) for g in graphs for n in g.nodes]
     return [x for x in findings if any(_inside(fr, x[2]) for fr in frames)]
 
 
@@ -446,8 +448,9 @@ def mark_checkpoints(found: Iterable[Tuple[str, nn.Module, Finding]], gm: fx.Gra
         runs: List[List[fx.Node]] = []
         open_run, run_key = False, None
         ambiguous = False
+        live = _live_frames()
         for node in ops:
-            frames = frames_of(node)
+            frames = frames_of(node, live)
             i = _call_frame(frames, f)
             if i is None:
                 if node.meta.get("stack_trace"):
