@@ -17,7 +17,7 @@ It prints tokens/s (median step time after warm-up) and the final training loss 
 ``--compile`` each model's forward (and torchao's) is compiled: torchao's speed comes from
 inductor fusing its casts, and so would fxamp's. Run it on an H100 for the numbers that matter
 (``--size small --compile``); ``--size tiny`` is the CPU smoke run (a test runs it).
-Prepared for a GPU; not yet run on one (no GPU was available when it was written).
+Run on an H200 on 2026-11-27: benchmarks/RESULTS.md ("NVIDIA H200").
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe", default="tensorwise")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--variants", default=None, help="comma-separated substrings: run only the variants naming one")
     args = parser.parse_args(argv)
     layers, d, heads, vocab, block = SIZES[args.size]
     device = args.device
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
                                                                             device)
     except ImportError:
         print("torchao is not installed: its row is skipped (pip install --no-deps torchao)")
+    if args.variants:
+        keep = args.variants.split(",")
+        variants = {k: v for k, v in variants.items() if any(w in k for w in keep)}
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {name}; torch {torch.__version__}; GPT {args.size} (layers {layers}, width {d}); batch "
           f"{args.batch} x {block}; {args.steps} steps ({args.warmup} warm-up); compile {args.compile}")
@@ -128,10 +132,12 @@ def main(argv=None) -> int:
                 times.append(time.perf_counter() - start)
         tokens = args.batch * block
         results.append(Result(label, tokens / statistics.median(times), loss))
-    base = results[0].tokens_per_s
-    print(f"\n{'variant':<36} {'tokens/s':>12} {'vs bf16 O2':>11} {'final loss':>11}")
-    for r in results:
-        print(f"{r.name:<36} {r.tokens_per_s:>12.0f} {r.tokens_per_s / base:>10.2f}x {r.final_loss:>11.4f}")
+        r = results[-1]  # each row as it is measured: a run cut short by a time limit keeps the rows it has
+        if len(results) == 1:
+            print(f"\n{'variant':<36} {'tokens/s':>12} {'vs bf16 O2':>11} {'final loss':>11}")
+        print(f"{r.name:<36} {r.tokens_per_s:>12.0f} {r.tokens_per_s / results[0].tokens_per_s:>10.2f}x "
+              f"{r.final_loss:>11.4f}", flush=True)
+        del model, step
     return 0
 
 

@@ -1,5 +1,7 @@
 """FSDP2 on 2 gloo ranks (CPU): fxamp's plan against FSDP2's own mixed precision: ``python -m benchmarks.fsdp2``.
 
+``--backend nccl --world N`` runs it on N GPUs instead (one rank each; peak MiB is then the CUDA allocator's).
+
 A GPT (``--layers`` blocks of width ``--d``, vocabulary 1024, 64 tokens, batch 4 per rank, AdamW lr 1e-3), each
 recipe in fresh processes, the same weights and per-rank batches (4 per rank, in turn: learnt by heart, so the
 loss moves), ``--steps`` steps:
@@ -69,22 +71,25 @@ class GPT(nn.Module):
         self.lnf, self.head = nn.LayerNorm(d), nn.Linear(d, V, bias=False)
 
     def forward(self, ids):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.lnf(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), ids.roll(-1, 1).flatten())
 
 
-def _run(rank, recipe, d, layers, steps, port, out):
+def _run(rank, recipe, d, layers, steps, port, out, backend="gloo", world=WORLD):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     import fxamp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
-    model = GPT(d, layers)
+    model = GPT(d, layers).to(device)
     bf16 = recipe in ("fsdp2+autocast", "fsdp2 bf16")
     if recipe.startswith("fxamp"):
         fxamp.shard(fxamp.convert_(model, "O1", dtype=torch.bfloat16),
@@ -100,14 +105,16 @@ def _run(rank, recipe, d, layers, steps, port, out):
     times, losses, calls = [], [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * rank + step % 4)  # 4 batches per rank, learnt by heart
-        ids = torch.randint(0, V, (B, T), generator=g)
+        ids = torch.randint(0, V, (B, T), generator=g).to(device)
         start = time.perf_counter()
         with Collectives(calls) if step == 1 else contextlib.nullcontext():
             opt.zero_grad()
-            with torch.autocast("cpu", torch.bfloat16, enabled=recipe == "fsdp2+autocast"):
+            with torch.autocast(device.type, torch.bfloat16, enabled=recipe == "fsdp2+autocast"):
                 loss = model(ids)
             (opt.backward(loss) if fx else loss.backward())
             opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     state = sum(p.to_local().numel() * 4 for p in model.parameters())
@@ -115,7 +122,8 @@ def _run(rank, recipe, d, layers, steps, port, out):
                  if hasattr(v, "to_local"))
     ag_bytes = sum(b for kind, b in calls if kind == "all-gather")
     collectives = len(calls)
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024  # KiB -> MiB
+    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # exact on a GPU
+            else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024)  # KiB -> MiB
     torch.save({"losses": losses, "time": statistics.median(times[2:]), "peak": peak, "state": state,
                 "ag": ag_bytes, "collectives": collectives}, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
@@ -142,6 +150,9 @@ def main(argv=None):
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="at least 3: the step time is the median after two")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: one rank per GPU, on CUDA (peak MiB is then the allocator's)")
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks (nccl: at most the GPUs there are)")
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error(f"--steps {args.steps}: at least 3 (the first two steps capture and warm up; the time is "
@@ -152,10 +163,11 @@ def main(argv=None):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
             s.close()
-            mp.spawn(_run, args=(recipe, args.d, args.layers, args.steps, port, out), nprocs=WORLD, join=True)
-            rows[recipe] = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(WORLD)]
+            mp.spawn(_run, args=(recipe, args.d, args.layers, args.steps, port, out, args.backend, args.world),
+                     nprocs=args.world, join=True)
+            rows[recipe] = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(args.world)]
     ref = [statistics.mean(r["losses"][i] for r in rows["fsdp2 fp32"]) for i in range(args.steps)]
-    print(f"GPT d{args.d} x{args.layers} layers, vocabulary {V}, {T} tokens x {B} per rank, {WORLD} gloo ranks, "
+    print(f"GPT d{args.d} x{args.layers} layers, vocabulary {V}, {T} tokens x {B} per rank, {args.world} {args.backend} ranks, "
           f"{args.steps} AdamW steps")
     print("| recipe | loss at step 1 - fp32's | loss at step N | - fp32's | step ms (median) | peak MiB/rank | "
           "state MiB/rank | all-gather MiB/step | collectives/step |")

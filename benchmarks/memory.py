@@ -1,6 +1,6 @@
 """The ``memory`` suite: bytes per parameter at the step and peak training memory, per regime (issue 28).
 
-``python -m benchmarks.memory [--layers 2 --vocab 8192 --seq 64 --batch 2 --steps 6]``
+``python -m benchmarks.memory [--layers 2 --vocab 8192 --seq 64 --batch 2 --steps 6] [--device cuda]``
 
 A GPT-2-small-width decoder (d768, 12 heads, :class:`benchmarks.models.DecoderLM`, GPT-2's std-0.02
 initialisation) trained with AdamW (lr 6e-4, the first steps on one random batch) in:
@@ -12,6 +12,8 @@ state, and O2 with lean masters/state (kahan + bf16 state, stochastic + int8 sta
   count "weight + master or compensation + gradient + optimizer state".
 * ``peak MiB``: the state between steps (after ``zero_grad``) plus the highest transient of one step
   (:func:`benchmarks.real.step_peak_bytes`), as the real-size suite measures it.
+* With ``--device cuda`` both are the CUDA allocator's counts (``memory_allocated``, and
+  ``max_memory_allocated`` over one step), exact.
 * ``step ms``: median of the timed steps (after the calibration steps of ``"auto"``).
 """
 
@@ -62,7 +64,7 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
             opt = torch.optim.AdamW(m.parameters(), lr=6e-4)
 
         def step():
-            with torch.autocast("cpu", torch.bfloat16, enabled=regime == "autocast"):
+            with torch.autocast(x.device.type, torch.bfloat16, enabled=regime == "autocast"):
                 loss = loss_of(m(x if regime in ("fp32", "autocast") else xb))
             loss.backward()
             opt.step()
@@ -81,25 +83,49 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
     return step, opt.zero_grad, opt
 
 
+def _live(device: torch.device) -> int:
+    """Bytes of every live tensor on ``device``: the allocator's count on CUDA, a scan of the objects on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return live_storage_bytes()
+
+
+def _transient(step: Callable[[], Any], device: torch.device) -> int:
+    """The highest bytes one ``step()`` holds over what was live before it."""
+    if device.type != "cuda":
+        return step_peak_bytes(step)
+    start = _live(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
+
+
 def measure(regime: str, base: nn.Module, x, y, vocab: int, steps: int) -> Dict[str, Any]:
     nparams = sum(p.numel() for p in base.parameters())
+    device = x.device
     gc.collect()
-    before = live_storage_bytes()
+    before = _live(device)
     step, zero, opt = build(regime, base, x, y, vocab)
     for _ in range(3):  # state exists; auto has calibrated (2 steps)
         zero()
         step()
-    at_step = live_storage_bytes() - before
+    at_step = _live(device) - before
     times: List[float] = []
     for _ in range(steps):
         zero()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     zero()
     gc.collect()
-    between = live_storage_bytes() - before
-    transient = step_peak_bytes(step)
+    between = _live(device) - before
+    transient = _transient(step, device)
     row = {"regime": regime, "bytes_per_param": at_step / nparams, "peak_mib": (between + transient) / 2 ** 20,
            "step_ms": 1e3 * statistics.median(times)}
     if isinstance(opt, fxamp.MixedPrecisionOptimizer) and opt.precision.lean:
@@ -122,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--tables", action="store_true", help="print the per-tensor table of each lean regime")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: robust to a shared, loaded CPU)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: bytes are then the CUDA allocator's, exactly")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -137,10 +164,12 @@ def main(argv=None) -> int:
         x = torch.randint(0, a.vocab, (a.batch, a.seq))
         y = torch.randint(0, a.vocab, (a.batch, a.seq))
         what = f"GPT d{a.d} L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}"
-    flags = cpu_flags()
+    device = torch.device(a.device)
+    base, x, y = base.to(device), x.to(device), y.to(device)
+    flags = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU flags {cpu_flags()}"
     print(f"# {what}, AdamW, "
           f"{sum(p.numel() for p in base.parameters()) / 1e6:.1f} M params; torch {torch.__version__}; "
-          f"threads {torch.get_num_threads()}; CPU flags {flags}")
+          f"threads {torch.get_num_threads()}; {flags}")
     rows = []
     for r in a.regimes.split(","):
         try:
