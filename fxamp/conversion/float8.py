@@ -281,6 +281,19 @@ COST_TABLES: Dict[str, Dict[Float8Recipe, CostTable]] = {
         Float8Recipe.ROWWISE_WITH_GW_HP: CostTable("cpu: Intel Xeon, AVX-512, no bf16 kernels", 256,
                                                    ((64, 64, 0.26), (256, 256, 0.72), (1024, 1024, 1.04))),
     },
+    # NVIDIA H200, torch 2.11.0+cu130, M = 8192, eager, 2026-11-27 (benchmarks/gpu_checks.sh): fxamp's scaling
+    # and casts are separate kernels in eager, so float8 loses to bfloat16's GEMM at every shape measured
+    "cuda:NVIDIA H200": {
+        Float8Recipe.TENSORWISE: CostTable("NVIDIA H200", 8192, ((1024, 1024, 0.33), (2048, 2048, 0.37),
+                                                                 (4096, 1024, 0.32), (4096, 4096, 0.51),
+                                                                 (8192, 8192, 0.76))),
+        Float8Recipe.ROWWISE: CostTable("NVIDIA H200", 8192, ((1024, 1024, 0.20), (2048, 2048, 0.22),
+                                                              (4096, 1024, 0.20), (4096, 4096, 0.35),
+                                                              (8192, 8192, 0.54))),
+        Float8Recipe.ROWWISE_WITH_GW_HP: CostTable("NVIDIA H200", 8192, ((1024, 1024, 0.27), (2048, 2048, 0.29),
+                                                                         (4096, 1024, 0.27), (4096, 4096, 0.48),
+                                                                         (8192, 8192, 0.67))),
+    },
 }
 
 
