@@ -36,7 +36,7 @@ from . import quant
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
            "stochastic_round", "placeholder", "run_step", "FUSED", "fusable", "check_params", "seed_from",
-           "state_keys", "resolve"]
+           "state_keys", "resolve", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
 
 
 class MasterPrecision(str, enum.Enum):
@@ -145,6 +145,14 @@ class Choice:
 #: these; a multiple of quant.CHUNK (measured, one thread, stochastic + int8, the same optimizer stepped with
 #: each size in turn: 2^19 within 2% of 2^18 at GPT d768 L2 and L4; 2^16 25% slower; 2^20 slower before)
 PIECE = 2 ** 18
+#: the slice on an accelerator (64 MiB of float32; a multiple of quant.ACCELERATOR_CHUNK): a slice costs an
+#: ``optimizer.step()`` and its kernel launches there, so at :data:`PIECE` a large tensor's step was launch-bound
+ACCELERATOR_PIECE = 2 ** 24
+
+
+def piece_for(device: torch.device) -> int:
+    """Elements per slice of a large lean master's chunked step on ``device``."""
+    return PIECE if device.type == "cpu" else ACCELERATOR_PIECE
 
 
 #: the stock optimizers whose lean masters are stepped by torch's fused kernel (``fused=True`` for the call: one
@@ -155,7 +163,9 @@ FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool:
     """Whether ``master`` (a lean one of ``group``) is stepped by :data:`FUSED`'s kernel: a stock Adam/AdamW, a
-    plain (not distributed) CPU tensor, a group that is not ``differentiable``."""
+    plain (not distributed) CPU tensor, a group that is not ``differentiable``.  Not on CUDA: torch's fused kernel
+    there wants ``state["step"]`` on the device, which an optimizer made without ``fused=True`` keeps on the CPU
+    (its foreach path steps every lean master in one call there anyway)."""
     return (type(optimizer) in FUSED and master.device.type == "cpu" and type(master.data) is torch.Tensor
             and not group.get("differentiable", False))
 
@@ -185,24 +195,31 @@ def _seed_for(seed: int, index: int, count: int) -> int:
     return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
 
 
+def _host_reads_cheaply(device: torch.device) -> bool:
+    """Whether the host may read a value on ``device`` to pick a path (elsewhere that read waits for the device)."""
+    return device.type == "cpu"
+
+
 def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
     """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction.
 
     16 random bits per element, four from each 64-bit draw (full-range draws: no modulo), added to the
-    float32 bits; the low 16 bits are dropped.  A slice of :data:`~fxamp.training.quant.CHUNK` elements
-    at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied (a sum over
-    the slice says whether it has any: only then the slower masked path)."""
+    float32 bits; the low 16 bits are dropped.  A slice of :func:`~fxamp.training.quant.chunk_for` elements
+    at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied: on a CPU a sum
+    over the slice says whether it has any (only then the slower masked path); elsewhere the masked path
+    always (the same bits; asking would make the host wait for the device)."""
     bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
     dst16 = dst.view(torch.int16)
-    for start in range(0, bits.numel(), quant.CHUNK):
-        part = bits[start:start + quant.CHUNK]
+    chunk, on_cpu = quant.chunk_for(x.device), _host_reads_cheaply(x.device)
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start:start + chunk]
         m = part.numel()
         draws = torch.empty(-(-m // 4), dtype=torch.int64, device=x.device)
         # (xor of the sign bit: the stream torch.randint(-2**63, 2**63 - 1) gives, without its modulo)
         draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
         noise = draws.view(torch.uint16)[:m].to(torch.int32)
         noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
-        if torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the slower path, the same result)
+        if on_cpu and torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the slower path, the same result)
             # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
             dst16[start:start + m].copy_(noise.bitwise_right_shift_(16))
         else:
@@ -347,14 +364,14 @@ class Workspace:
 
     def chunks(self, run: Any, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
-        larger than :data:`PIECE`, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
+        larger than :func:`piece_for` its device, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
         if len(run.pairs) != 1 or self.calibrating or not quant.compressible(optimizer):
             return False
         low, master = run.pairs[0]
-        return self.lean(master) and low.numel() > PIECE and low.is_contiguous()
+        return self.lean(master) and low.numel() > piece_for(low.device) and low.is_contiguous()
 
     def step_chunked(self, optimizer: Any, run: Any, inv_scale_on: Any) -> None:
-        """Step one large lean master :data:`PIECE` elements at a time: each slice's float32 value, gradient
+        """Step one large lean master :func:`piece_for` elements at a time: each slice's float32 value, gradient
         and state are built, stepped as a parameter of its own, and written back (weight, term, compressed
         state), so the step's transient memory is a slice's, not the tensor's.  Bitwise the whole step: the
         optimizer is elementwise, the slices are whole 8-bit blocks, the stochastic stream runs on in order."""
@@ -376,12 +393,13 @@ class Workspace:
                                and (choice.state == "int8" or not k.endswith(".absmax"))}
         # one float32 buffer each for the value, the gradient and each decompressed moment, reused slice after slice
         # (a slice's store_slice() is done before the next slice is read)
-        value_buf, grad_buf = (torch.empty(min(n, PIECE), dtype=torch.float32, device=low.device) for _ in range(2))
+        size = piece_for(low.device)
+        value_buf, grad_buf = (torch.empty(min(n, size), dtype=torch.float32, device=low.device) for _ in range(2))
         buffers: Dict[str, torch.Tensor] = {}
         try:
-            for start in range(0, n, PIECE):
-                sl = slice(start, start + PIECE)
-                m = min(n, start + PIECE) - start
+            for start in range(0, n, size):
+                sl = slice(start, start + size)
+                m = min(n, start + size) - start
                 with torch.no_grad():
                     value = value_buf[:m].copy_(flat[sl])
                     if term is not None:

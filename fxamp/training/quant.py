@@ -20,12 +20,13 @@ Only the state keys of torch's stock Adam, AdamW and SGD are compressed (:data:`
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["BLOCK", "CHUNK", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
+__all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
            "recompress", "slice_state", "store_slice", "quantize", "dequantize", "state_bytes", "update_error"]
 
 #: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
@@ -51,6 +52,14 @@ def compressible(optimizer: Any) -> bool:
 #: take the time; one slice per slice of the chunked step (:data:`fxamp.training.lean.PIECE`: 1 MiB of float32;
 #: measured a few % faster than 256 KiB slices, which were 10% faster than 128 KiB); a multiple of :data:`BLOCK`
 CHUNK = 1024 * BLOCK
+#: the slice on an accelerator (64 MiB of float32): there each slice costs a few dozen kernel launches whatever its
+#: size, and at :data:`CHUNK` GPT-2 small's lean step was 12x autocast's on an H200 (benchmarks/RESULTS.md)
+ACCELERATOR_CHUNK = 2 ** 24
+
+
+def chunk_for(device: torch.device) -> int:
+    """Elements per slice of the (de)quantization and the stochastic rounding on ``device``."""
+    return CHUNK if device.type == "cpu" else ACCELERATOR_CHUNK
 
 
 def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
@@ -64,8 +73,9 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
     absmax = torch.empty(nblocks, dtype=torch.float32, device=x.device) if absmax_out is None else absmax_out
     codes_flat = codes.view(-1)
     top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
-    for start in range(0, n, CHUNK):
-        part = flat[start:start + CHUNK]
+    chunk = chunk_for(x.device)
+    for start in range(0, n, chunk):
+        part = flat[start:start + chunk]
         m = part.numel()
         full = m - m % BLOCK
         b0 = start // BLOCK
@@ -129,6 +139,12 @@ def _table(signed: bool, device: torch.device) -> torch.Tensor:
 _TABLES = (_table(False, torch.device("cpu")), _table(True, torch.device("cpu")))
 
 
+@functools.lru_cache(maxsize=None)
+def _table_on(signed: bool, device: torch.device) -> torch.Tensor:
+    """:data:`_TABLES`' table on ``device``, copied there once (a copy per call would wait for the device)."""
+    return _TABLES[signed].to(device)
+
+
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Float32 values of :func:`quantize`'s codes (code 0 is zero): a lookup in a 256-entry table, times the
@@ -136,10 +152,11 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat = codes.reshape(-1).view(torch.uint8)
     n = flat.numel()
     dst = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out.view(-1)
-    table = _TABLES[signed].to(codes.device)
-    for start in range(0, n, CHUNK):
-        part = dst[start:start + CHUNK]
-        torch.index_select(table, 0, flat[start:start + CHUNK].to(torch.int32), out=part)
+    table = _TABLES[signed] if codes.device.type == "cpu" else _table_on(signed, codes.device)
+    chunk = chunk_for(codes.device)
+    for start in range(0, n, chunk):
+        part = dst[start:start + chunk]
+        torch.index_select(table, 0, flat[start:start + chunk].to(torch.int32), out=part)
         m = part.numel()
         scale = absmax[start // BLOCK:(start + m - 1) // BLOCK + 1]
         full = m - m % BLOCK

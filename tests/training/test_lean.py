@@ -241,8 +241,11 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
     assert abs(float(out.float().mean()) - float(x[0])) < 2e-4
 
 
-def test_stochastic_rounding_is_randints_stream_slice_by_slice_and_keeps_inf_and_nan(monkeypatch):
+@pytest.mark.parametrize("host_check", [True, False], ids=["cpu-path", "accelerator-path"])
+def test_stochastic_rounding_is_randints_stream_slice_by_slice_and_keeps_inf_and_nan(monkeypatch, host_check):
     monkeypatch.setattr(quant, "CHUNK", 256)  # four slices, drawn one after another from the generator
+    # off a CPU no finiteness check picks the path (it would wait for the device): the masked path, the same bits
+    monkeypatch.setattr(lean_module, "_host_reads_cheaply", lambda device: host_check)
     x = torch.randn(1000) * 100
     x[[3, 700]], x[5], x[999] = float("inf"), -float("inf"), 3.3e38  # (two slices hold inf/NaN)
     x.view(torch.int32)[[6, 7]] = torch.tensor([0x7F800001, -1], dtype=torch.int32)  # NaNs: adding noise to their
@@ -257,6 +260,17 @@ def test_stochastic_rounding_is_randints_stream_slice_by_slice_and_keeps_inf_and
     finite = torch.isfinite(x)
     assert torch.equal(out[finite].float(), want[finite])
     assert out[[3, 700, 5]].float().tolist() == [math.inf, math.inf, -math.inf] and bool(out[[6, 7]].isnan().all())
+
+
+def test_accelerator_slices_are_whole_blocks_and_chunks():
+    """A chunked step is bitwise the whole one only if its slices are whole 8-bit blocks and whole slices of the
+    codec and the rounding stream; on an accelerator both are larger (launch-bound there), on a CPU the same."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert lean_module.piece_for(cpu) == lean_module.PIECE and quant.chunk_for(cpu) == quant.CHUNK
+    assert lean_module.piece_for(cuda) > lean_module.PIECE and quant.chunk_for(cuda) > quant.CHUNK
+    for piece, chunk in ((lean_module.piece_for(cpu), quant.chunk_for(cpu)),
+                         (lean_module.piece_for(cuda), quant.chunk_for(cuda))):
+        assert piece % chunk == 0 and chunk % quant.BLOCK == 0 and chunk % 4 == 0  # (4 draws of 16 bits a word)
 
 
 def test_int8_state_keeps_relative_precision_across_a_block():
