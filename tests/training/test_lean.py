@@ -273,6 +273,24 @@ def test_accelerator_slices_are_whole_blocks_and_chunks():
         assert piece % chunk == 0 and chunk % quant.BLOCK == 0 and chunk % 4 == 0  # (4 draws of 16 bits a word)
 
 
+def test_int8_zeros_take_the_lowest_code_and_zero_blocks_decode_to_zero():
+    """Zeros skip log2's slow path (they are raised to the smallest subnormal first): the lowest code all the same
+    (0 signed, 1 unsigned: a second moment never decodes to zero), and an all-zero block decodes to zeros."""
+    m = torch.randn(4 * quant.BLOCK) * 1e-3
+    m[quant.BLOCK:2 * quant.BLOCK] = 0  # an all-zero block (an embedding's untouched rows)
+    m[[3, 600, 1000]] = 0
+    m[700] = 2.0 ** -140  # a subnormal keeps its own log2 (the lowest code here: far below the block's absmax)
+    for x, signed, lowest in ((m, True, 0), (m * m, False, 1)):
+        codes, absmax = quant.quantize(x, signed)
+        raw = codes.view(torch.uint8).to(torch.int32)
+        assert raw[[3, 600, 1000, 700]].tolist() == [lowest] * 4
+        assert float(absmax[1]) == 0.0
+        back = quant.dequantize(codes, absmax, signed)
+        assert bool((back[quant.BLOCK:2 * quant.BLOCK] == 0).all())
+        if signed:
+            assert back[[3, 600, 1000]].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_int8_state_keeps_relative_precision_across_a_block():
     v = torch.logspace(-12, 0, 256) ** 2  # a second moment spanning 24 decades in one block
     m = torch.logspace(-5, 0, 256) * torch.where(torch.rand(256) < 0.5, -1.0, 1.0)  # within 2^-18 of the largest
