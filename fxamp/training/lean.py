@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import quant
+from . import native, quant
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
            "stochastic_round", "placeholder", "run_step", "FUSED", "fusable", "check_params", "seed_from",
@@ -200,6 +200,15 @@ def _host_reads_cheaply(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def draw_noise(m: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """16 bits of noise for each of ``m`` elements (uint16), four from each full-range 64-bit draw: the stream
+    ``torch.randint(-2**63, 2**63 - 1)`` gives, without its modulo; on a CPU, drawing a tensor's noise slice by
+    slice (slices of a multiple of 4) gives the same bits as drawing it at once."""
+    draws = torch.empty(-(-m // 4), dtype=torch.int64, device=device)
+    draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
+    return draws.view(torch.uint16)[:m]
+
+
 def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
     """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction.
 
@@ -214,10 +223,7 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
     for start in range(0, bits.numel(), chunk):
         part = bits[start:start + chunk]
         m = part.numel()
-        draws = torch.empty(-(-m // 4), dtype=torch.int64, device=x.device)
-        # (xor of the sign bit: the stream torch.randint(-2**63, 2**63 - 1) gives, without its modulo)
-        draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
-        noise = draws.view(torch.uint16)[:m].to(torch.int32)
+        noise = draw_noise(m, generator, x.device).to(torch.int32)
         noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
         if on_cpu and torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the slower path, the same result)
             # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
@@ -295,13 +301,47 @@ class Workspace:
         return choice is not None and choice.master != "fp32"
 
     # -- the step ------------------------------------------------------------------------------
-    def enter(self, masters: Sequence[torch.Tensor]) -> None:
-        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones."""
+    def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> List[torch.Tensor]:
+        """Step the lean masters with 8-bit state that the CPU kernel takes (:func:`native.eligible`; not unless
+        ``split``: step hooks must see every parameter), their weights, terms and state final; the list of them.
+        Until :meth:`leave` each aliases its low weight, so the engine's refresh copies that onto itself."""
+        if not split or self.calibrating:
+            return []
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        done = []
+        with torch.no_grad():
+            for m in masters:
+                choice, group = self.choices.get(id(m)), group_of.get(id(m))
+                if choice is None or group is None or choice.master == "fp32" or choice.state != "int8" \
+                        or m.grad is None:
+                    continue
+                low, state = self.low_of[id(m)], optimizer.state.get(m, {})
+                if not native.eligible(optimizer, group, low, state):
+                    continue
+                native.adam_int8(optimizer, group, state, low, choice.term, m.grad.contiguous(),
+                                 self._noise_for(m, choice, low.numel()))
+                state["step"] += 1
+                m.data = low
+                done.append(m)
+        return done
+
+    def _noise_for(self, m: torch.Tensor, choice: Choice, n: int) -> Optional[torch.Tensor]:
+        """Stochastic rounding's noise for this step of ``m`` (None for kahan), its stream advanced."""
+        if choice.master != "stochastic":
+            return None
+        gen = self._generator(m.device)
+        gen.manual_seed(_seed_for(self.seed, self.index[id(m)], choice.count))
+        choice.count += 1
+        return draw_noise(n, gen, m.device)
+
+    def enter(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
+        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s)."""
         calibrating = self.calibrating
+        skip_ids = {id(m) for m in skip}
         with torch.no_grad():
             for m in masters:
                 choice = self.choices.get(id(m))
-                if choice is None:
+                if choice is None or id(m) in skip_ids:
                     continue
                 if choice.master != "fp32":
                     m.data = self.value(m)
@@ -310,14 +350,19 @@ class Workspace:
                 if calibrating:
                     self._old[id(m)] = m.detach().clone()
 
-    def leave(self, masters: Sequence[torch.Tensor]) -> None:
+    def leave(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
         """After the step and the refresh (the weights hold the round-to-nearest of the new values):
-        the term, or the stochastic rounding; compressed state; placeholders again."""
+        the term, or the stochastic rounding; compressed state; placeholders again (``skip``: stepped by
+        :meth:`step_native`, only their placeholders)."""
         calibrating = self.calibrating
+        skip_ids = {id(m) for m in skip}
         with torch.no_grad():
             for m in masters:
                 choice = self.choices.get(id(m))
                 if choice is None:
+                    continue
+                if id(m) in skip_ids:
+                    m.data = placeholder(m)
                     continue
                 low = self.low_of[id(m)]
                 if calibrating:
@@ -334,30 +379,33 @@ class Workspace:
                 if choice.state != "fp32" and m in self.optimizer.state:
                     quant.compress(self.optimizer.state[m], choice.state)
 
-    def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> None:
+    def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
+                   skip: Sequence[torch.Tensor] = ()) -> None:
         """``optimizer.step()`` on the groups as they stand (``masters``: those entered), the lean masters that
         :func:`fusable` says so by torch's fused kernel: a second call of ``step()`` with only them in the groups
         and ``fused=True`` (the groups' lists and flags restored after, even on error).  Not unless ``split``
         (the engine's :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and
         such an optimizer is never segmented either)."""
         groups = optimizer.param_groups
-        lean_ids = {id(m) for m in masters if self.lean(m)}
+        skip_ids = {id(m) for m in skip}  # (stepped already: :meth:`step_native`)
+        lean_ids = {id(m) for m in masters if self.lean(m)} - skip_ids
         fused = [[p for p in g["params"] if id(p) in lean_ids and fusable(optimizer, g, p)] for g in groups]
-        if not any(fused) or not split:
+        if not skip_ids and (not any(fused) or not split):
             optimizer.step()
             return
         lists = [g["params"] for g in groups]
         try:
             ids = {id(p) for ps in fused for p in ps}
-            rest = [[p for p in ps if id(p) not in ids] for ps in lists]
+            rest = [[p for p in ps if id(p) not in ids and id(p) not in skip_ids] for ps in lists]
             if any(rest):
                 for g, ps in zip(groups, rest):
                     g["params"] = ps
                 optimizer.step()
-            for g, ps in zip(groups, fused):
-                g["params"] = ps
-            with _FusedFor([g for g, ps in zip(groups, fused) if ps]):
-                optimizer.step()
+            if any(fused):
+                for g, ps in zip(groups, fused):
+                    g["params"] = ps
+                with _FusedFor([g for g, ps in zip(groups, fused) if ps]):
+                    optimizer.step()
         finally:
             for g, ps in zip(groups, lists):
                 g["params"] = ps
@@ -381,6 +429,8 @@ class Workspace:
         flat, grad = low.detach().view(-1), low.grad.reshape(-1)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
+        if choice.state == "int8" and native.eligible(optimizer, group, low, state):
+            return self._chunked_native(optimizer, group, state, low, master, choice, grad, inv)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
         gen = None
         if choice.master == "stochastic":
@@ -423,6 +473,27 @@ class Workspace:
         finally:
             group["params"] = [master]
         optimizer.state[master] = new
+
+    def _chunked_native(self, optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
+                        master: torch.Tensor, choice: Choice, grad: torch.Tensor, inv: Optional[torch.Tensor]) -> None:
+        """:meth:`step_chunked` by the CPU kernel: per slice the float32 gradient (unscaled) and the noise, drawn
+        on from one stream, so the bits are those of :meth:`step_native` on the whole tensor."""
+        n, size = low.numel(), piece_for(low.device)
+        grad_buf = torch.empty(min(n, size), dtype=torch.float32, device=low.device)
+        gen = None
+        if choice.master == "stochastic":
+            gen = self._generator(low.device)
+            gen.manual_seed(_seed_for(self.seed, self.index[id(master)], choice.count))
+            choice.count += 1
+        step = float(state["step"]) + 1
+        with torch.no_grad():
+            for start in range(0, n, size):
+                g = grad_buf[:min(n, start + size) - start].copy_(grad[start:start + size])
+                if inv is not None:
+                    g.mul_(inv)
+                noise = None if gen is None else draw_noise(g.numel(), gen, low.device)
+                native.adam_int8(optimizer, group, state, low, choice.term, g, noise, start, step)
+            state["step"] += 1
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._gens:
@@ -548,12 +619,14 @@ def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor
     """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
     workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`);
     ``split``: whether its lean masters may take a second, fused ``step()`` (:meth:`Workspace.step_inner`)."""
+    native_done: List[torch.Tensor] = []
     if ws is not None:
-        ws.enter(masters)
-        ws.step_inner(optimizer, masters, split)
+        native_done = ws.step_native(optimizer, masters, split)
+        ws.enter(masters, native_done)
+        ws.step_inner(optimizer, masters, split, native_done)
     else:
         optimizer.step()
     with torch.no_grad():
         round_in()
     if ws is not None:
-        ws.leave(masters)
+        ws.leave(masters, native_done)

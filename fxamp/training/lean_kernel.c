@@ -1,0 +1,140 @@
+/* One pass of a lean Adam/AdamW master with 8-bit state, on a CPU (fxamp/training/native.py builds and loads it).
+
+   Per block of 256 elements: decode both moments (table value times the block's absmax, as quant.dequantize),
+   step Adam or AdamW as torch's fused CPU kernel does (float32 arithmetic, bias corrections given), re-code both
+   moments with the new blocks' absmax (the code of quant.quantize: round(top + 1/2 + k log2(|x| / absmax)),
+   clamped; log2 by a series here, so a value within ~1e-6 of a code boundary may take the other code), and write
+   the bfloat16 weight: stochastically rounded with the given 16-bit noise, or rounded to nearest even with the
+   rest kept in a bfloat16 compensation term (Kahan).
+
+   Built with -ffp-contract=off and without -ffast-math: every operation is one IEEE float32 operation, so the
+   bits do not depend on the vector width the compiler picks, nor on the CPU (-fno-trapping-math only lets the
+   compiler turn the clamps into selects: no value changes). */
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define BLOCK 256
+
+/* Adam's moments and the new value of element i from its weight w (decayed) and gradient g (with L2 decay) */
+#define UPDATE(w_, g_) do { \
+        const float wv = (w_), gv = (g_); \
+        const float mi = table_signed[(uint8_t)m_codes[j]] * am; \
+        const float vi = table_unsigned[v_codes[j]] * av; \
+        const float mn = mi + one_minus_beta1 * (gv - mi);   /* lerp(m, g, 1 - beta1), as torch's kernel */ \
+        const float vn = vi * beta2 + one_minus_beta2 * gv * gv; \
+        const float denom = sqrtf(vn) / bias_correction2_sqrt + eps; \
+        m[i] = mn; v[i] = vn; w[i] = wv - step_size * mn / denom; \
+    } while (0)
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float f32_of_bf16(uint16_t h) { return f32_of_bits((uint32_t)h << 16); }
+
+/* float32 -> bfloat16, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16) */
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u = bits_of_f32(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* log2(x) for x >= 2^-149 (positive, finite): exponent plus 2/ln2 * atanh series of (f - 1) / (f + 1) on
+   f in [sqrt(1/2), sqrt(2)): |t| <= 0.1716, the t^9 term's size is under 2e-8 */
+static inline float log2_pos(float x) {
+    float scale = x < 1.17549435e-38f ? 8388608.0f : 1.0f;  /* subnormals: times 2^23 first */
+    float adj = x < 1.17549435e-38f ? 23.0f : 0.0f;
+    uint32_t u = bits_of_f32(x * scale);
+    int32_t e = (int32_t)((u >> 23) & 0xFF) - 127;
+    float f = f32_of_bits((u & 0x7FFFFFu) | 0x3F800000u);
+    int big = f > 1.41421356f;
+    f = big ? f * 0.5f : f;
+    float t = (f - 1.0f) / (f + 1.0f);
+    float t2 = t * t;
+    float s = t * (2.0f + t2 * (0.666666667f + t2 * (0.4f + t2 * (0.285714286f + t2 * 0.222222222f))));
+    return (float)(e + big) - adj + s * 1.44269504f;
+}
+
+void fxamp_lean_adam_int8(
+    int64_t n,
+    uint16_t *low,            /* bfloat16 weights, in and out */
+    uint16_t *term,           /* Kahan's bfloat16 term, in and out; NULL: stochastic rounding */
+    const float *grad,        /* float32 gradient, unscaled */
+    int8_t *m_codes, float *m_absmax,
+    uint8_t *v_codes, float *v_absmax,
+    const uint16_t *noise,    /* 16 bits of noise per element (stochastic rounding) */
+    const float *table_signed, const float *table_unsigned,  /* quant._TABLES, indexed by the code's byte */
+    float beta2, float one_minus_beta1, float one_minus_beta2, float eps, float weight_decay, int decoupled,
+    float decay, float step_size, float bias_correction2_sqrt,  /* coefficients computed in double by the caller,
+                                                                   as torch's kernel computes them */
+    float k_signed, float top_signed, float k_unsigned, float top_unsigned)
+{
+    float m[BLOCK], v[BLOCK], w[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t len = n - start < BLOCK ? n - start : BLOCK;
+        const int64_t b = start / BLOCK;
+        const float am = m_absmax[b], av = v_absmax[b];
+        /* the update, one loop per weight-decay form (a branch inside would keep the loop from vectorizing) */
+        if (weight_decay != 0.0f && decoupled) {
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                float wi = f32_of_bf16(low[j]);
+                if (term) wi = wi + f32_of_bf16(term[j]);
+                UPDATE(wi * decay, grad[j]);
+            }
+        } else if (weight_decay != 0.0f) {
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                float wi = f32_of_bf16(low[j]);
+                if (term) wi = wi + f32_of_bf16(term[j]);
+                UPDATE(wi, grad[j] + wi * weight_decay);
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                float wi = f32_of_bf16(low[j]);
+                if (term) wi = wi + f32_of_bf16(term[j]);
+                UPDATE(wi, grad[j]);
+            }
+        }
+        /* the blocks' new absmax: the largest magnitude's bits (non-negative floats order as their bits; a NaN's
+           bits are above infinity's, so a NaN wins, as in torch.amax) */
+        uint32_t mbits = 0, vbits = 0;
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t a = bits_of_f32(m[i]) & 0x7FFFFFFFu, c = bits_of_f32(v[i]) & 0x7FFFFFFFu;
+            mbits = a > mbits ? a : mbits;
+            vbits = c > vbits ? c : vbits;
+        }
+        const float mmax = f32_of_bits(mbits), vmax = f32_of_bits(vbits);
+        m_absmax[b] = mmax;
+        v_absmax[b] = vmax;
+        const float bias_m = top_signed + 0.5f - k_signed * log2_pos(mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f);
+        const float bias_v = top_unsigned + 0.5f - k_unsigned * log2_pos(vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f);
+        for (int64_t i = 0; i < len; i++) {
+            const int64_t j = start + i;
+            float a = fabsf(m[i]);
+            float q = bias_m + k_signed * log2_pos(a > 1.4e-45f ? a : 1.4e-45f);
+            q = q < 0.0f ? 0.0f : (q > top_signed ? top_signed : q);
+            int32_t c = (int32_t)q;
+            m_codes[j] = (int8_t)(m[i] < 0.0f ? -c : c);
+            float r = bias_v + k_unsigned * log2_pos(v[i] > 1.4e-45f ? v[i] : 1.4e-45f);
+            r = r < 1.0f ? 1.0f : (r > top_unsigned ? top_unsigned : r);
+            v_codes[j] = (uint8_t)(int32_t)r;
+        }
+        if (term) {
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                uint16_t h = bf16_rne(w[i]);
+                low[j] = h;
+                term[j] = bf16_rne(w[i] - f32_of_bf16(h));
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                uint32_t u = bits_of_f32(w[i]);
+                uint16_t h = (uint16_t)((u + (uint32_t)noise[j]) >> 16);
+                low[j] = w[i] != w[i] ? (uint16_t)0x7FC0 : h;
+            }
+        }
+    }
+}

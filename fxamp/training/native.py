@@ -1,0 +1,171 @@
+"""The lean step's CPU kernel (``lean_kernel.c``): built once per machine with the system's C compiler, loaded
+with ctypes, and called on tensors' data pointers.
+
+Why a kernel of our own: a lean master with 8-bit state costs, in eager PyTorch, a dozen passes over each
+element (decode, the update, re-code, stochastic rounding), about 4x pure bfloat16's AdamW step on a CPU;
+``torch.compile`` of the same function ran slower than eager there (benchmarks/RESULTS.md). One pass in C,
+vectorized by the compiler, is about as fast as the bfloat16 step itself.
+
+Where no C compiler works (or ``FXAMP_NATIVE=0``), :func:`kernel` is None and the eager path steps every
+master, with a note (:func:`unavailable_reason`). The library is cached under ``$FXAMP_CACHE`` (default
+``~/.cache/fxamp``), keyed by the source, the flags and the CPU's feature flags (``-march=native`` code runs
+only where it was built for).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["kernel", "unavailable_reason", "lean_adam_int8", "eligible", "adam_int8"]
+
+_SOURCE = Path(__file__).with_name("lean_kernel.c")
+#: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
+#: on every x86 CPU, whatever vector width the compiler uses
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+_SYMBOL = "fxamp_lean_adam_int8"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return sys.platform
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FXAMP_CACHE") or Path.home() / ".cache" / "fxamp")
+
+
+def _build() -> Any:
+    """The loaded library, or a string saying why there is none."""
+    if os.environ.get("FXAMP_NATIVE", "1") == "0":
+        return "FXAMP_NATIVE=0"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return "no C compiler (cc, gcc or clang) on PATH"
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"lean_kernel-{key}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # built beside the target and renamed into place: a concurrent process never loads a half-written file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            run = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                 text=True, timeout=120)
+            if run.returncode != 0:
+                os.unlink(tmp)
+                return f"{compiler} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}"
+            os.replace(tmp, target)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"could not build the kernel: {e}"
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        return f"could not load {target}: {e}"
+    fn = getattr(lib, _SYMBOL)
+    p = ctypes.c_void_p
+    f = ctypes.c_float
+    fn.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, f, f, f, f, f, ctypes.c_int, f, f, f, f, f, f, f]
+    fn.restype = None
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded() -> Any:
+    return _build()
+
+
+def kernel() -> Optional[Any]:
+    """The kernel's ctypes function, or None where it cannot be built here (:func:`unavailable_reason`)."""
+    fn = _loaded()
+    return None if isinstance(fn, str) else fn
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`kernel` is None (None when it is there)."""
+    fn = _loaded()
+    return fn if isinstance(fn, str) else None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def lean_adam_int8(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tensor, m_codes: torch.Tensor,
+                   m_absmax: torch.Tensor, v_codes: torch.Tensor, v_absmax: torch.Tensor,
+                   noise: Optional[torch.Tensor], tables: "tuple[torch.Tensor, torch.Tensor]", *, lr: float,
+                   beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float,
+                   codes: "tuple[float, float, float, float]") -> None:
+    """One Adam (``decoupled``: AdamW) step of ``low`` (bfloat16, contiguous CPU; ``term``: Kahan's, else
+    stochastic rounding with ``noise``, 16 bits an element) from float32 ``grad``, its moments held as 8-bit
+    codes and per-block absmax (updated in place).  ``step``: the step count after this step; ``codes``:
+    ``(k_signed, top_signed, k_unsigned, top_unsigned)`` of :mod:`fxamp.training.quant`."""
+    fn = kernel()
+    if fn is None:
+        raise RuntimeError(f"the lean CPU kernel is not available: {unavailable_reason()}")
+    if m_codes.dtype != torch.int8 or v_codes.dtype != torch.uint8 or low.dtype != torch.bfloat16 \
+            or grad.dtype != torch.float32 or m_absmax.dtype != torch.float32 or v_absmax.dtype != torch.float32 \
+            or (term is not None and term.dtype != torch.bfloat16) or (noise is not None and noise.element_size() != 2):
+        raise TypeError("lean_adam_int8 takes bfloat16 weights and term, float32 gradient and absmax, int8 and uint8 "
+                        "codes, 16-bit noise")
+    for t in (low, term, grad, m_codes, m_absmax, v_codes, v_absmax, noise):
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError("lean_adam_int8 takes contiguous CPU tensors")
+    n = low.numel()
+    blocks = -(-n // 256)
+    if not (grad.numel() == m_codes.numel() == v_codes.numel() == n) or (noise is not None and noise.numel() < n) \
+            or (term is not None and term.numel() != n) or m_absmax.numel() != blocks or v_absmax.numel() != blocks:
+        raise ValueError("lean_adam_int8: tensors of mismatched sizes")
+    bc1 = 1.0 - beta1 ** step
+    bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    fn(n, _ptr(low), _ptr(term), _ptr(grad), _ptr(m_codes), _ptr(m_absmax), _ptr(v_codes), _ptr(v_absmax),
+       _ptr(noise), _ptr(tables[0]), _ptr(tables[1]), beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay,
+       int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes)
+
+
+def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any]) -> bool:
+    """Whether the kernel can step ``low``'s lean master under ``group``: a stock Adam/AdamW without amsgrad,
+    maximize, differentiable or capturable; a contiguous bfloat16 CPU weight; its state already 8-bit (the
+    first step, which makes the state, is the eager path's); the kernel built here."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and low.dtype == torch.bfloat16
+            and low.device.type == "cpu" and type(low.data) is torch.Tensor and low.is_contiguous()
+            and "exp_avg.absmax" in state and "exp_avg_sq.absmax" in state and torch.is_tensor(state.get("step"))
+            and not any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable"))
+            and getattr(optimizer, "found_inf", None) is None and kernel() is not None)
+
+
+def adam_int8(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
+              term: Optional[torch.Tensor], grad: torch.Tensor, noise: Optional[torch.Tensor], start: int = 0,
+              step: Optional[float] = None) -> None:
+    """Step elements ``start:start + grad.numel()`` of ``low`` (a slice of whole blocks) with the kernel, from
+    ``state`` (8-bit, updated in place).  ``step``: the count after this step (default: ``state["step"] + 1``,
+    the caller advancing ``state["step"]`` once per tensor)."""
+    from . import quant  # (the codes' constants)
+
+    quant.recompress(state, "int8")  # (a loader may have cast the codes to the parameter's dtype: exact integers)
+    n = grad.numel()
+    sl = slice(start, start + n)
+    blocks = slice(start // quant.BLOCK, -(-(start + n) // quant.BLOCK))
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lean_adam_int8(low.view(-1)[sl], None if term is None else term.view(-1)[sl], grad.reshape(-1),
+                   state["exp_avg"].view(-1)[sl], state["exp_avg.absmax"][blocks],
+                   state["exp_avg_sq"].view(-1)[sl], state["exp_avg_sq.absmax"][blocks], noise,
+                   (quant._TABLES[1], quant._TABLES[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                   eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                   decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
+                   step=float(state["step"]) + 1 if step is None else step,
+                   codes=(quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0))

@@ -1,0 +1,181 @@
+"""The lean step's CPU kernel (fxamp/training/lean_kernel.c, loaded by fxamp.training.native): one pass per
+element for a bfloat16 lean master (stochastic or kahan) with 8-bit Adam state, against the eager path it
+replaces (dequantize, torch's fused AdamW, quantize, stochastic rounding or the Kahan split)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from fxamp.training import lean, native, quant
+from fxamp.training.lean import LeanConfig
+
+pytestmark = pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
+
+TABLES = (quant._TABLES[1], quant._TABLES[0])
+CODES = (quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0)
+
+
+def _state(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    grad = torch.randn(n, generator=g) * 1e-3
+    m = torch.randn(n, generator=g) * 1e-4
+    v = (torch.randn(n, generator=g) * 1e-4) ** 2
+    m[:700], v[:700], grad[:700] = 0, 0, 0  # two all-zero blocks and a partial one: an embedding's untouched rows
+    return w, grad, m, v
+
+
+def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
+    """The eager lean step of one tensor: float32 value, torch's fused Adam(W), 8-bit codes, the weight's rounding."""
+    p = nn.Parameter(w.float() + (term.float() if term is not None else 0))
+    p.grad = grad.clone()
+    opt = opt_cls([p], fused=True, **hp)
+    cm, am = quant.quantize(m, True)
+    cv, av = quant.quantize(v, False)
+    opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": quant.dequantize(cm, am, True),
+                    "exp_avg_sq": quant.dequantize(cv, av, False)}
+    opt.step()
+    new_w = torch.empty_like(w)
+    new_term = None
+    if term is None:
+        lean.stochastic_round(p.detach(), new_w, noise_gen)
+    else:
+        new_w.copy_(p.detach())
+        new_term = (p.detach() - new_w.float()).to(torch.bfloat16)
+    cm, am = quant.quantize(opt.state[p]["exp_avg"], True)
+    cv, av = quant.quantize(opt.state[p]["exp_avg_sq"], False)
+    return new_w, new_term, (cm, am, cv, av)
+
+
+@pytest.mark.parametrize("kahan", [False, True], ids=["stochastic", "kahan"])
+@pytest.mark.parametrize("opt_cls,wd", [(torch.optim.AdamW, 0.01), (torch.optim.Adam, 0.01), (torch.optim.AdamW, 0.0)],
+                         ids=["adamw", "adam-l2", "no-decay"])
+def test_the_kernel_is_the_eager_lean_step_up_to_float32_rounding(kahan, opt_cls, wd):
+    """Same update (torch's fused Adam(W) arithmetic, in another order), same codes but within ~1e-6 of a code
+    boundary (a series log2), same stochastic-rounding stream: weights equal but for a few in ten thousand,
+    one bfloat16 ulp apart; codes equal but for as few, one code apart; absmax within float32 rounding."""
+    n = 5 * 256 + 100
+    w, grad, m, v = _state(n)
+    term = (torch.randn(n) * 1e-5).bfloat16() if kahan else None
+    hp = dict(lr=6e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    ref_w, ref_term, (cm_r, am_r, cv_r, av_r) = _eager(w, term, grad, m, v, 7, torch.Generator().manual_seed(5),
+                                                      opt_cls, **hp)
+    cm, am = quant.quantize(m, True)
+    cv, av = quant.quantize(v, False)
+    low, t = w.clone(), None if term is None else term.clone()
+    noise = None if kahan else lean.draw_noise(n, torch.Generator().manual_seed(5), torch.device("cpu"))
+    native.lean_adam_int8(low, t, grad, cm, am, cv, av, noise, TABLES, lr=6e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=wd, decoupled=opt_cls is torch.optim.AdamW, step=7, codes=CODES)
+    ulp = (ref_w.float().abs() * 2 ** -7).clamp_min(2 ** -133)
+    assert int((low != ref_w).sum()) <= 3 and bool(((low.float() - ref_w.float()).abs() <= ulp).all())
+    if kahan:  # weight + term (~16 significant bits): the same value but for a last-bit rounding of the update
+        got, want = low.float() + t.float(), ref_w.float() + ref_term.float()
+        assert bool(((got - want).abs() <= 2 ** -15 * want.abs()).all()) and int((got != want).sum()) <= 0.01 * n
+    for got, want in ((cm, cm_r), (cv, cv_r)):
+        diff = (got.int() - want.int()).abs()
+        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 3
+    torch.testing.assert_close(am, am_r, rtol=1e-6, atol=0)
+    torch.testing.assert_close(av, av_r, rtol=1e-5, atol=0)
+    if opt_cls is torch.optim.AdamW:  # (Adam's L2 decay adds the weight to the zero gradients)
+        assert am[:2].tolist() == [0.0, 0.0] and bool((quant.dequantize(cm, am, True)[:700] == 0).all())
+
+
+def test_the_kernels_rounding_keeps_inf_and_nan_and_a_weight_without_update():
+    n = 256
+    w, grad, m, v = _state(n)
+    w[:3] = torch.tensor([math.inf, -math.inf, math.nan])
+    cm, am = quant.quantize(m, True)
+    cv, av = quant.quantize(v, False)
+    low = w.clone()
+    noise = lean.draw_noise(n, torch.Generator().manual_seed(0), torch.device("cpu"))
+    native.lean_adam_int8(low, None, grad, cm, am, cv, av, noise, TABLES, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, decoupled=True, step=1, codes=CODES)
+    assert low[0].item() == math.inf and low[1].item() == -math.inf and math.isnan(low[2].item())
+    assert torch.equal(low[3:], w[3:])  # lr 0: a bfloat16 value plus less than one ulp of noise is itself
+
+
+def test_bad_tensors_are_refused_in_one_line():
+    w, grad, m, v = _state(512)
+    cm, am = quant.quantize(m, True)
+    cv, av = quant.quantize(v, False)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, step=1, codes=CODES)
+    with pytest.raises(ValueError, match="mismatched sizes"):
+        native.lean_adam_int8(w, None, grad[:256], cm, am, cv, av, None, TABLES, **kw)
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        native.lean_adam_int8(w.view(2, 256).t(), None, grad, cm, am, cv, av, None, TABLES, **kw)
+
+
+def test_without_a_compiler_the_eager_path_steps_and_the_table_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("FXAMP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    assert native._build().startswith("/bin/false failed")
+    monkeypatch.setenv("FXAMP_NATIVE", "0")
+    assert native._build() == "FXAMP_NATIVE=0"
+    monkeypatch.setattr(native, "_loaded", lambda: "FXAMP_NATIVE=0")
+    calls = []
+    monkeypatch.setattr(native, "lean_adam_int8", lambda *a, **k: calls.append(1))
+    amp, opt = _trained("stochastic", steps=3)
+    assert not calls and "stepped eagerly (FXAMP_NATIVE=0)" in opt.precision_table()
+
+
+def _trained(masters, steps=30, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 512))
+    amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=3e-3), model=amp, seed=1,
+                                        precision=LeanConfig.of(masters, "int8"))
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 512, (8, 17), generator=g) for _ in range(4)]  # learnt by heart: the loss falls
+    losses = []
+    for i in range(steps):
+        d = data[i % 4]
+        opt.zero_grad()
+        loss = F.cross_entropy(amp(d[:, :-1]).float().flatten(0, 1), d[:, 1:].flatten())
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    opt.losses = losses
+    return amp, opt
+
+
+@pytest.mark.parametrize("masters", ["stochastic", "kahan"])
+def test_training_with_the_kernel_tracks_the_eager_path(masters, monkeypatch):
+    calls = []
+    real = native.lean_adam_int8
+    monkeypatch.setattr(native, "lean_adam_int8", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    _, fast = _trained(masters)
+    assert calls  # (the first step makes the 8-bit state eagerly; the kernel steps the rest)
+    assert "stepped by fxamp's CPU kernel" in fast.precision_table()
+    monkeypatch.setattr(native, "_loaded", lambda: "off for the reference")
+    _, eager = _trained(masters)
+    assert eager.losses[-1] < 0.6 * eager.losses[0]
+    assert abs(fast.losses[-1] - eager.losses[-1]) < 0.02 * eager.losses[-1]
+
+
+def test_codes_a_loader_cast_to_float_step_as_the_codes_do():
+    """Optimizer.load_state_dict casts state to the parameter's dtype (float32 for a lean master's placeholder);
+    Lightning's restore leaves it so until the step: the kernel must step the codes, not their float bytes."""
+    n = 3 * 256
+    w, grad, m, v = _state(n)
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False}
+    runs = []
+    for cast in (False, True):
+        cm, am = quant.quantize(m, True)
+        cv, av = quant.quantize(v, False)
+        state = {"step": torch.tensor(3.0), "exp_avg": cm, "exp_avg.absmax": am, "exp_avg_sq": cv,
+                 "exp_avg_sq.absmax": av}
+        if cast:
+            state = {k: t.float() for k, t in state.items()}
+        low = w.clone()
+        native.adam_int8(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group, state, low, None, grad,
+                         lean.draw_noise(n, torch.Generator().manual_seed(0), torch.device("cpu")))
+        runs.append((low, state["exp_avg"], state["exp_avg_sq"]))
+    assert runs[1][1].dtype == torch.int8 and runs[1][2].dtype == torch.uint8
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    with pytest.raises(TypeError, match="int8 and uint8 codes"):
+        native.lean_adam_int8(w, None, grad, cm.float(), am, cv, av, None, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.0, decoupled=True, step=1, codes=CODES)
