@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import fxamp
 from benchmarks.models import DecoderLM
 from benchmarks.real import cpu_flags
-from fxamp.training import lean, quant
+from fxamp.training import lean, native, quant
 
 LEAN = {"O2": ("fp32", "fp32"), "O2 kahan+bf16": ("kahan", "bf16"), "O2 stochastic+int8": ("stochastic", "int8"),
         "O2 auto+auto": ("auto", "auto")}
@@ -116,6 +116,15 @@ def parts_table() -> str:
             ("bf16 state in and out, both moments", lambda: (m.bfloat16().float(), v.bfloat16().float())),
             ("stochastic rounding into the weight", lambda: lean.stochastic_round(value, w, gen)),
             ("weight and gradient to float32", lambda: (w.float(), w.float()))]
+    if native.kernel() is not None:  # what replaces all of the above but pure bf16's row for 8-bit lean masters
+        gen_k = torch.Generator().manual_seed(0)
+        wk, gk = w.clone(), torch.randn(n) * 1e-3
+        group = {"lr": 6e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+        state = {"step": torch.tensor(3.0), "exp_avg": cm.clone(), "exp_avg.absmax": am.clone(),
+                 "exp_avg_sq": cv.clone(), "exp_avg_sq.absmax": av.clone()}
+        opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
+        rows.append(("the CPU kernel: all of the lean step above (stochastic + int8), noise drawn included",
+                     lambda: native.adam_int8(opt, group, state, wk, None, gk, lean.draw_noise(n, gen_k, wk.device))))
     lines = [f"# per part, ms per million elements ({n}-element slices, minimum of 25 runs)",
              "| part | ms / M elements |", "|---|---|"]
     lines += [f"| {name} | {per_million(f):.2f} |" for name, f in rows]

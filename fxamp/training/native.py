@@ -8,8 +8,8 @@ vectorized by the compiler, is about as fast as the bfloat16 step itself.
 
 Where no C compiler works (or ``FXAMP_NATIVE=0``), :func:`kernel` is None and the eager path steps every
 master, with a note (:func:`unavailable_reason`). The library is cached under ``$FXAMP_CACHE`` (default
-``~/.cache/fxamp``), keyed by the source, the flags and the CPU's feature flags (``-march=native`` code runs
-only where it was built for).
+``~/.cache/fxamp``; the temporary directory where that cannot be written), keyed by the source, the flags and
+the CPU's feature flags (``-march=native`` code runs only where it was built for).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def _cpu_flags() -> str:
         return sys.platform
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FXAMP_CACHE") or Path.home() / ".cache" / "fxamp")
+def _cache_dirs() -> "list[Path]":
+    """Where the library may be built: ``$FXAMP_CACHE`` or ``~/.cache/fxamp``, then the temporary directory."""
+    first = Path(os.environ.get("FXAMP_CACHE") or Path.home() / ".cache" / "fxamp")
+    return [first, Path(tempfile.gettempdir()) / f"fxamp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
 
 
 def _build() -> Any:
@@ -57,12 +59,15 @@ def _build() -> Any:
         return "no C compiler (cc, gcc or clang) on PATH"
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"lean_kernel-{key}.so"
-    if not target.exists():
+    target, error = None, ""
+    for folder in _cache_dirs():
+        target = folder / f"lean_kernel-{key}.so"
+        if target.exists():
+            break
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
             # built beside the target and renamed into place: a concurrent process never loads a half-written file
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             os.close(fd)
             run = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
                                  text=True, timeout=120)
@@ -70,8 +75,11 @@ def _build() -> Any:
                 os.unlink(tmp)
                 return f"{compiler} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}"
             os.replace(tmp, target)
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"could not build the kernel: {e}"
+            break
+        except (OSError, subprocess.SubprocessError) as e:  # (an unwritable cache: the next folder)
+            error = f"could not build the kernel: {e}"
+    else:
+        return error
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:

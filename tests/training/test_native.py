@@ -109,6 +109,15 @@ def test_bad_tensors_are_refused_in_one_line():
         native.lean_adam_int8(w.view(2, 256).t(), None, grad, cm, am, cv, av, None, TABLES, **kw)
 
 
+def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a file where the cache folder should be: mkdir fails
+    monkeypatch.setenv("FXAMP_CACHE", str(blocked / "cache"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    fn = native._build()
+    assert callable(fn) and list((tmp_path / "tmp").glob("fxamp-*/lean_kernel-*.so"))
+
+
 def test_without_a_compiler_the_eager_path_steps_and_the_table_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("FXAMP_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
