@@ -16,6 +16,8 @@
 #include <math.h>
 
 #define BLOCK 256
+/* blocks a thread takes at least (64K elements: below that a parallel region costs about what they take) */
+#define MIN_BLOCKS_PER_THREAD 256
 
 /* Adam's moments and the new value of element i from its weight w (decayed) and gradient g (with L2 decay) */
 #define UPDATE(w_, g_) do { \
@@ -69,10 +71,17 @@ void fxamp_lean_adam_int8(
                                                                    as torch's kernel computes them */
     float k_signed, float top_signed, float k_unsigned, float top_unsigned)
 {
-    float m[BLOCK], v[BLOCK], w[BLOCK];
-    for (int64_t start = 0; start < n; start += BLOCK) {
+    const int64_t nblocks = (n + BLOCK - 1) / BLOCK;
+    /* blocks are independent: split among the OpenMP threads torch itself uses (the same runtime, loaded by
+       torch: its workers, already spinning after torch's last op, take the blocks at once); the bits do not
+       depend on the split */
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) if (nblocks >= 2 * MIN_BLOCKS_PER_THREAD)
+#endif
+    for (int64_t b = 0; b < nblocks; b++) {
+        float m[BLOCK], v[BLOCK], w[BLOCK];
+        const int64_t start = b * BLOCK;
         const int64_t len = n - start < BLOCK ? n - start : BLOCK;
-        const int64_t b = start / BLOCK;
         const float am = m_absmax[b], av = v_absmax[b];
         /* the update, one loop per weight-decay form (a branch inside would keep the loop from vectorizing) */
         if (weight_decay != 0.0f && decoupled) {

@@ -33,6 +33,10 @@ _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
 #: on every x86 CPU, whatever vector width the compiler uses
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+#: OpenMP, where torch's CPU build uses it: the kernel's blocks then run on torch's own OpenMP threads (the
+#: libgomp torch loaded: the same soname); without it (another parallel backend, or a compiler without
+#: OpenMP) the kernel runs on one thread
+_OPENMP = ["-fopenmp"]
 _SYMBOL = "fxamp_lean_adam_int8"
 
 
@@ -42,6 +46,10 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return sys.platform
+
+
+def _torch_uses_openmp() -> bool:
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def _cache_dirs() -> "list[Path]":
@@ -58,7 +66,8 @@ def _build() -> Any:
     if compiler is None:
         return "no C compiler (cc, gcc or clang) on PATH"
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, *_OPENMP, str(_torch_uses_openmp())]).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
     target, error = None, ""
     for folder in _cache_dirs():
         target = folder / f"lean_kernel-{key}.so"
@@ -69,8 +78,12 @@ def _build() -> Any:
             # built beside the target and renamed into place: a concurrent process never loads a half-written file
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             os.close(fd)
-            run = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                                 text=True, timeout=120)
+            run = None
+            for extra in ([_OPENMP, []] if _torch_uses_openmp() else [[]]):
+                run = subprocess.run([compiler, *_FLAGS, *extra, str(_SOURCE), "-o", tmp, "-lm"],
+                                     capture_output=True, text=True, timeout=120)
+                if run.returncode == 0:
+                    break
             if run.returncode != 0:
                 os.unlink(tmp)
                 return f"{compiler} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}"

@@ -188,3 +188,25 @@ def test_codes_a_loader_cast_to_float_step_as_the_codes_do():
     with pytest.raises(TypeError, match="int8 and uint8 codes"):
         native.lean_adam_int8(w, None, grad, cm.float(), am, cv, av, None, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
                               eps=1e-8, weight_decay=0.0, decoupled=True, step=1, codes=CODES)
+
+
+def test_the_bits_do_not_depend_on_the_thread_count():
+    """The kernel's blocks are split among torch's OpenMP threads: each block is computed alone, so one thread
+    and two give the same weights, codes and absmax."""
+    n = 4 * 65536 + 300
+    w, grad, m, v = _state(n, seed=1)
+    noise = lean.draw_noise(n, torch.Generator().manual_seed(2), torch.device("cpu"))
+    threads = torch.get_num_threads()
+    out = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            cm, am = quant.quantize(m, True)
+            cv, av = quant.quantize(v, False)
+            low = w.clone()
+            native.lean_adam_int8(low, None, grad, cm, am, cv, av, noise, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, weight_decay=0.01, decoupled=True, step=2, codes=CODES)
+            out.append((low, cm, am, cv, av))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*out))
