@@ -318,21 +318,18 @@ class Workspace:
                 low, state = self.low_of[id(m)], optimizer.state.get(m, {})
                 if not native.eligible(optimizer, group, low, state):
                     continue
-                native.adam_int8(optimizer, group, state, low, choice.term, m.grad.contiguous(),
-                                 self._noise_for(m, choice, low.numel()))
+                native.adam_int8(optimizer, group, state, low, choice.term, m.grad.contiguous(), self._key_for(m, choice))
                 state["step"] += 1
                 m.data = low
                 done.append(m)
         return done
 
-    def _noise_for(self, m: torch.Tensor, choice: Choice, n: int) -> Optional[torch.Tensor]:
-        """Stochastic rounding's noise for this step of ``m`` (None for kahan), its stream advanced."""
+    def _key_for(self, m: torch.Tensor, choice: Choice) -> Optional[int]:
+        """The stochastic rounding's key for this step of ``m`` (None for kahan); its count advanced."""
         if choice.master != "stochastic":
             return None
-        gen = self._generator(m.device)
-        gen.manual_seed(_seed_for(self.seed, self.index[id(m)], choice.count))
         choice.count += 1
-        return draw_noise(n, gen, m.device)
+        return _seed_for(self.seed, self.index[id(m)], choice.count - 1)
 
     def enter(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
         """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s)."""
@@ -476,23 +473,17 @@ class Workspace:
 
     def _chunked_native(self, optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
                         master: torch.Tensor, choice: Choice, grad: torch.Tensor, inv: Optional[torch.Tensor]) -> None:
-        """:meth:`step_chunked` by the CPU kernel: per slice the float32 gradient (unscaled) and the noise, drawn
-        on from one stream, so the bits are those of :meth:`step_native` on the whole tensor."""
+        """:meth:`step_chunked` by the CPU kernel: per slice the float32 gradient (unscaled); the rounding's noise
+        is hashed from the element's index in the tensor, so the bits are those of :meth:`step_native`."""
         n, size = low.numel(), piece_for(low.device)
         grad_buf = torch.empty(min(n, size), dtype=torch.float32, device=low.device)
-        gen = None
-        if choice.master == "stochastic":
-            gen = self._generator(low.device)
-            gen.manual_seed(_seed_for(self.seed, self.index[id(master)], choice.count))
-            choice.count += 1
-        step = float(state["step"]) + 1
+        key, step = self._key_for(master, choice), float(state["step"]) + 1
         with torch.no_grad():
             for start in range(0, n, size):
                 g = grad_buf[:min(n, start + size) - start].copy_(grad[start:start + size])
                 if inv is not None:
                     g.mul_(inv)
-                noise = None if gen is None else draw_noise(g.numel(), gen, low.device)
-                native.adam_int8(optimizer, group, state, low, choice.term, g, noise, start, step)
+                native.adam_int8(optimizer, group, state, low, choice.term, g, key, start, step)
             state["step"] += 1
 
     def _generator(self, device: torch.device) -> torch.Generator:

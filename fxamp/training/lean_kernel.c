@@ -4,8 +4,10 @@
    step Adam or AdamW as torch's fused CPU kernel does (float32 arithmetic, bias corrections given), re-code both
    moments with the new blocks' absmax (the code of quant.quantize: round(top + 1/2 + k log2(|x| / absmax)),
    clamped; log2 by a series here, so a value within ~1e-6 of a code boundary may take the other code), and write
-   the bfloat16 weight: stochastically rounded with the given 16-bit noise, or rounded to nearest even with the
-   rest kept in a bfloat16 compensation term (Kahan).
+   the bfloat16 weight: stochastically rounded, or rounded to nearest even with the rest kept in a bfloat16
+   compensation term (Kahan). The rounding's 16 bits of noise for element i are a hash of (key, base + i)
+   (murmur3's finalizer, twice): a pure function of the tensor's step key and the element's place, so a
+   slice, a thread or a resumed run draws the same bits, and no random stream is read in order.
 
    Built with -ffp-contract=off and without -ffast-math: every operation is one IEEE float32 operation, so the
    bits do not depend on the vector width the compiler picks, nor on the CPU (-fno-trapping-math only lets the
@@ -34,6 +36,12 @@ static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return
 static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float f32_of_bf16(uint16_t h) { return f32_of_bits((uint32_t)h << 16); }
 
+/* murmur3's 32-bit finalizer: every input bit moves every output bit */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16; x *= 0x85EBCA6Bu; x ^= x >> 13; x *= 0xC2B2AE35u; x ^= x >> 16;
+    return x;
+}
+
 /* float32 -> bfloat16, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16) */
 static inline uint16_t bf16_rne(float f) {
     uint32_t u = bits_of_f32(f);
@@ -41,20 +49,17 @@ static inline uint16_t bf16_rne(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* log2(x) for x >= 2^-149 (positive, finite): exponent plus 2/ln2 * atanh series of (f - 1) / (f + 1) on
-   f in [sqrt(1/2), sqrt(2)): |t| <= 0.1716, the t^9 term's size is under 2e-8 */
+/* log2(x) for a normal x >= 2^-126 (callers raise smaller values to 2^-126: see the encode): the exponent
+   counted from sqrt(1/2) (an integer subtraction folds the mantissa into [sqrt(1/2), sqrt(2))), plus
+   2/ln2 * atanh of t = (f - 1) / (f + 1), |t| <= 0.1716, by its series to t^9 (the next term is under 2e-8) */
 static inline float log2_pos(float x) {
-    float scale = x < 1.17549435e-38f ? 8388608.0f : 1.0f;  /* subnormals: times 2^23 first */
-    float adj = x < 1.17549435e-38f ? 23.0f : 0.0f;
-    uint32_t u = bits_of_f32(x * scale);
-    int32_t e = (int32_t)((u >> 23) & 0xFF) - 127;
-    float f = f32_of_bits((u & 0x7FFFFFu) | 0x3F800000u);
-    int big = f > 1.41421356f;
-    f = big ? f * 0.5f : f;
-    float t = (f - 1.0f) / (f + 1.0f);
-    float t2 = t * t;
-    float s = t * (2.0f + t2 * (0.666666667f + t2 * (0.4f + t2 * (0.285714286f + t2 * 0.222222222f))));
-    return (float)(e + big) - adj + s * 1.44269504f;
+    const uint32_t u = bits_of_f32(x);
+    const int32_t e = (int32_t)(u - 0x3F3504F3u) >> 23;
+    const float f = f32_of_bits(u - ((uint32_t)e << 23));
+    const float t = (f - 1.0f) / (f + 1.0f);
+    const float t2 = t * t;
+    const float s = t * (2.0f + t2 * (0.666666667f + t2 * (0.4f + t2 * (0.285714286f + t2 * 0.222222222f))));
+    return (float)e + s * 1.44269504f;
 }
 
 void fxamp_lean_adam_int8(
@@ -64,7 +69,7 @@ void fxamp_lean_adam_int8(
     const float *grad,        /* float32 gradient, unscaled */
     int8_t *m_codes, float *m_absmax,
     uint8_t *v_codes, float *v_absmax,
-    const uint16_t *noise,    /* 16 bits of noise per element (stochastic rounding) */
+    uint64_t key, int64_t base,  /* stochastic rounding: the step's key, and the index of element 0 in its tensor */
     const float *table_signed, const float *table_unsigned,  /* quant._TABLES, indexed by the code's byte */
     float beta2, float one_minus_beta1, float one_minus_beta2, float eps, float weight_decay, int decoupled,
     float decay, float step_size, float bias_correction2_sqrt,  /* coefficients computed in double by the caller,
@@ -117,16 +122,19 @@ void fxamp_lean_adam_int8(
         const float mmax = f32_of_bits(mbits), vmax = f32_of_bits(vbits);
         m_absmax[b] = mmax;
         v_absmax[b] = vmax;
-        const float bias_m = top_signed + 0.5f - k_signed * log2_pos(mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f);
-        const float bias_v = top_unsigned + 0.5f - k_unsigned * log2_pos(vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f);
+        /* an all-zero block: every element the lowest code (-inf, clamped), as quant.quantize codes it */
+        const float bias_m = mmax > 0.0f ? top_signed + 0.5f - k_signed * log2_pos(mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f) : -INFINITY;
+        const float bias_v = vmax > 0.0f ? top_unsigned + 0.5f - k_unsigned * log2_pos(vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f) : -INFINITY;
         for (int64_t i = 0; i < len; i++) {
             const int64_t j = start + i;
             float a = fabsf(m[i]);
-            float q = bias_m + k_signed * log2_pos(a > 1.4e-45f ? a : 1.4e-45f);
+            /* (a magnitude under 2^-126 counts as 2^-126: the same code as eager's unless the block's absmax is
+               under ~2^-100, a block of zeros in effect) */
+            float q = bias_m + k_signed * log2_pos(a > 1.17549435e-38f ? a : 1.17549435e-38f);
             q = q < 0.0f ? 0.0f : (q > top_signed ? top_signed : q);
             int32_t c = (int32_t)q;
             m_codes[j] = (int8_t)(m[i] < 0.0f ? -c : c);
-            float r = bias_v + k_unsigned * log2_pos(v[i] > 1.4e-45f ? v[i] : 1.4e-45f);
+            float r = bias_v + k_unsigned * log2_pos(v[i] > 1.17549435e-38f ? v[i] : 1.17549435e-38f);
             r = r < 1.0f ? 1.0f : (r > top_unsigned ? top_unsigned : r);
             v_codes[j] = (uint8_t)(int32_t)r;
         }
@@ -138,10 +146,13 @@ void fxamp_lean_adam_int8(
                 term[j] = bf16_rne(w[i] - f32_of_bf16(h));
             }
         } else {
+            const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
             for (int64_t i = 0; i < len; i++) {
                 const int64_t j = start + i;
+                const uint64_t at = (uint64_t)(base + j);
+                const uint32_t noise = mix32(mix32((uint32_t)at ^ k0) ^ k1 ^ (uint32_t)(at >> 32)) >> 16;
                 uint32_t u = bits_of_f32(w[i]);
-                uint16_t h = (uint16_t)((u + (uint32_t)noise[j]) >> 16);
+                uint16_t h = (uint16_t)((u + noise) >> 16);
                 low[j] = w[i] != w[i] ? (uint16_t)0x7FC0 : h;
             }
         }

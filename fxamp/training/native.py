@@ -100,7 +100,8 @@ def _build() -> Any:
     fn = getattr(lib, _SYMBOL)
     p = ctypes.c_void_p
     f = ctypes.c_float
-    fn.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, f, f, f, f, f, ctypes.c_int, f, f, f, f, f, f, f]
+    fn.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, ctypes.c_uint64, ctypes.c_int64, p, p, f, f, f, f, f,
+                   ctypes.c_int, f, f, f, f, f, f, f]
     fn.restype = None
     return fn
 
@@ -127,35 +128,38 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 def lean_adam_int8(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tensor, m_codes: torch.Tensor,
-                   m_absmax: torch.Tensor, v_codes: torch.Tensor, v_absmax: torch.Tensor,
-                   noise: Optional[torch.Tensor], tables: "tuple[torch.Tensor, torch.Tensor]", *, lr: float,
-                   beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool, step: float,
-                   codes: "tuple[float, float, float, float]") -> None:
-    """One Adam (``decoupled``: AdamW) step of ``low`` (bfloat16, contiguous CPU; ``term``: Kahan's, else
-    stochastic rounding with ``noise``, 16 bits an element) from float32 ``grad``, its moments held as 8-bit
-    codes and per-block absmax (updated in place).  ``step``: the step count after this step; ``codes``:
+                   m_absmax: torch.Tensor, v_codes: torch.Tensor, v_absmax: torch.Tensor, key: Optional[int],
+                   tables: "tuple[torch.Tensor, torch.Tensor]", *, lr: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, decoupled: bool, step: float, codes: "tuple[float, float, float, float]",
+                   base: int = 0) -> None:
+    """One Adam (``decoupled``: AdamW) step of ``low`` (bfloat16, contiguous CPU) from float32 ``grad``, its
+    moments held as 8-bit codes and per-block absmax (updated in place); the weight kept with Kahan's ``term``,
+    or (``term`` None) rounded stochastically with noise hashed from ``key`` and the element's index (``base``:
+    the index of ``low``'s first element in its tensor).  ``step``: the step count after this step; ``codes``:
     ``(k_signed, top_signed, k_unsigned, top_unsigned)`` of :mod:`fxamp.training.quant`."""
     fn = kernel()
     if fn is None:
         raise RuntimeError(f"the lean CPU kernel is not available: {unavailable_reason()}")
     if m_codes.dtype != torch.int8 or v_codes.dtype != torch.uint8 or low.dtype != torch.bfloat16 \
             or grad.dtype != torch.float32 or m_absmax.dtype != torch.float32 or v_absmax.dtype != torch.float32 \
-            or (term is not None and term.dtype != torch.bfloat16) or (noise is not None and noise.element_size() != 2):
+            or (term is not None and term.dtype != torch.bfloat16):
         raise TypeError("lean_adam_int8 takes bfloat16 weights and term, float32 gradient and absmax, int8 and uint8 "
-                        "codes, 16-bit noise")
-    for t in (low, term, grad, m_codes, m_absmax, v_codes, v_absmax, noise):
+                        "codes")
+    if (term is None) == (key is None):
+        raise ValueError("lean_adam_int8 takes a Kahan term or a stochastic rounding key, one of them")
+    for t in (low, term, grad, m_codes, m_absmax, v_codes, v_absmax):
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
             raise ValueError("lean_adam_int8 takes contiguous CPU tensors")
     n = low.numel()
     blocks = -(-n // 256)
-    if not (grad.numel() == m_codes.numel() == v_codes.numel() == n) or (noise is not None and noise.numel() < n) \
+    if not (grad.numel() == m_codes.numel() == v_codes.numel() == n) \
             or (term is not None and term.numel() != n) or m_absmax.numel() != blocks or v_absmax.numel() != blocks:
         raise ValueError("lean_adam_int8: tensors of mismatched sizes")
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
     fn(n, _ptr(low), _ptr(term), _ptr(grad), _ptr(m_codes), _ptr(m_absmax), _ptr(v_codes), _ptr(v_absmax),
-       _ptr(noise), _ptr(tables[0]), _ptr(tables[1]), beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay,
-       int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes)
+       (key or 0) % 2 ** 64, base, _ptr(tables[0]), _ptr(tables[1]), beta2, 1.0 - beta1, 1.0 - beta2, eps,
+       weight_decay, int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes)
 
 
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any]) -> bool:
@@ -170,11 +174,12 @@ def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Di
 
 
 def adam_int8(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
-              term: Optional[torch.Tensor], grad: torch.Tensor, noise: Optional[torch.Tensor], start: int = 0,
+              term: Optional[torch.Tensor], grad: torch.Tensor, key: Optional[int], start: int = 0,
               step: Optional[float] = None) -> None:
     """Step elements ``start:start + grad.numel()`` of ``low`` (a slice of whole blocks) with the kernel, from
-    ``state`` (8-bit, updated in place).  ``step``: the count after this step (default: ``state["step"] + 1``,
-    the caller advancing ``state["step"]`` once per tensor)."""
+    ``state`` (8-bit, updated in place); ``key``: the stochastic rounding's (None with a Kahan ``term``).
+    ``step``: the count after this step (default: ``state["step"] + 1``, the caller advancing ``state["step"]``
+    once per tensor)."""
     from . import quant  # (the codes' constants)
 
     quant.recompress(state, "int8")  # (a loader may have cast the codes to the parameter's dtype: exact integers)
@@ -184,9 +189,9 @@ def adam_int8(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low:
     beta1, beta2 = (float(b) for b in group["betas"])
     lean_adam_int8(low.view(-1)[sl], None if term is None else term.view(-1)[sl], grad.reshape(-1),
                    state["exp_avg"].view(-1)[sl], state["exp_avg.absmax"][blocks],
-                   state["exp_avg_sq"].view(-1)[sl], state["exp_avg_sq.absmax"][blocks], noise,
+                   state["exp_avg_sq"].view(-1)[sl], state["exp_avg_sq.absmax"][blocks], key,
                    (quant._TABLES[1], quant._TABLES[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                    decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
                    step=float(state["step"]) + 1 if step is None else step,
-                   codes=(quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0))
+                   codes=(quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0), base=start)

@@ -108,9 +108,9 @@ def _log2_magnitude(q: torch.Tensor, owned: bool) -> torch.Tensor:
 
     log2(0) is a slow path of the CPU kernel: 40x a normal value's (an Adam state with many zeros, such as an
     embedding's rows no batch touched, spent a quarter of the lean step there). The code is the same: -149 is
-    below every block's range as -inf is (the range reaches 2^-25.5 under the block's absmax), except in a block
-    whose absmax is under ~2^-123 (the bias takes it as at least 2^-126): there a zero takes a code above the
-    lowest, which decodes to zero all the same in an all-zero block (absmax 0), and to ~1e-45 in the others."""
+    below every block's range as -inf is (the range reaches 2^-25.5 under the block's absmax; an all-zero block's
+    bias is -inf), except in a block whose absmax is under ~2^-123 (the bias takes it as at least 2^-126): there
+    a zero takes a code above the lowest, which decodes to ~1e-45."""
     q = q.clamp_min_(_SMALLEST) if owned else q.clamp_min(_SMALLEST)
     return q.log2_()
 
@@ -124,6 +124,7 @@ def _code_(q: torch.Tensor, amax: torch.Tensor, top: int, k: float, x: torch.Ten
     integer type that follows (:func:`_integral`), of a value made non-negative by the clamp: a round half up,
     with no rounding pass."""
     bias = amax.clamp_min(_TINY).log2_().mul_(-k).add_(top + 0.5)  # (per block: a few hundred elements)
+    bias.masked_fill_(amax == 0, -math.inf)  # an all-zero block: every element the lowest code
     torch.add(bias, q, alpha=k, out=q)  # (|x| = 0: -inf, clamped)
     if signed:  # code 0 (zero) below the range; times sign(x) is copysign(q, x) here (q >= 0), in two fast
         q.clamp_(0, top).mul_(torch.sign(x))  # passes instead of one slow one

@@ -40,7 +40,7 @@ def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
                     "exp_avg_sq": quant.dequantize(cv, av, False)}
     opt.step()
     new_w = torch.empty_like(w)
-    new_term = None
+    new_term = p.detach().clone()  # stochastic: the float32 value the kernel's rounding must land beside
     if term is None:
         lean.stochastic_round(p.detach(), new_w, noise_gen)
     else:
@@ -55,9 +55,10 @@ def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
 @pytest.mark.parametrize("opt_cls,wd", [(torch.optim.AdamW, 0.01), (torch.optim.Adam, 0.01), (torch.optim.AdamW, 0.0)],
                          ids=["adamw", "adam-l2", "no-decay"])
 def test_the_kernel_is_the_eager_lean_step_up_to_float32_rounding(kahan, opt_cls, wd):
-    """Same update (torch's fused Adam(W) arithmetic, in another order), same codes but within ~1e-6 of a code
-    boundary (a series log2), same stochastic-rounding stream: weights equal but for a few in ten thousand,
-    one bfloat16 ulp apart; codes equal but for as few, one code apart; absmax within float32 rounding."""
+    """Same update (torch's fused Adam(W) arithmetic and coefficients), same codes but within ~1e-6 of a code
+    boundary (a series log2): Kahan's weight and term equal but for a last-bit rounding, a stochastically
+    rounded weight one of the two bfloat16 neighbours of the same float32 value (the noise is the kernel's own
+    hash, not the eager path's stream); codes equal but for a few in ten thousand, one code apart."""
     n = 5 * 256 + 100
     w, grad, m, v = _state(n)
     term = (torch.randn(n) * 1e-5).bfloat16() if kahan else None
@@ -67,11 +68,14 @@ def test_the_kernel_is_the_eager_lean_step_up_to_float32_rounding(kahan, opt_cls
     cm, am = quant.quantize(m, True)
     cv, av = quant.quantize(v, False)
     low, t = w.clone(), None if term is None else term.clone()
-    noise = None if kahan else lean.draw_noise(n, torch.Generator().manual_seed(5), torch.device("cpu"))
-    native.lean_adam_int8(low, t, grad, cm, am, cv, av, noise, TABLES, lr=6e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=wd, decoupled=opt_cls is torch.optim.AdamW, step=7, codes=CODES)
-    ulp = (ref_w.float().abs() * 2 ** -7).clamp_min(2 ** -133)
-    assert int((low != ref_w).sum()) <= 3 and bool(((low.float() - ref_w.float()).abs() <= ulp).all())
+    native.lean_adam_int8(low, t, grad, cm, am, cv, av, None if kahan else 12345, TABLES, lr=6e-4, beta1=0.9,
+                          beta2=0.999, eps=1e-8, weight_decay=wd, decoupled=opt_cls is torch.optim.AdamW, step=7,
+                          codes=CODES)
+    if not kahan:  # a neighbour of the float32 value: below it and above it by less than one bfloat16 ulp
+        value = ref_term
+        ulp = value.abs() * 2 ** -7
+        assert bool(((low.float() - value).abs() < ulp).all())
+        assert 0.2 < float((low.float() > value).float().mean()) < 0.8  # rounded up and down
     if kahan:  # weight + term (~16 significant bits): the same value but for a last-bit rounding of the update
         got, want = low.float() + t.float(), ref_w.float() + ref_term.float()
         assert bool(((got - want).abs() <= 2 ** -15 * want.abs()).all()) and int((got != want).sum()) <= 0.01 * n
@@ -84,6 +88,35 @@ def test_the_kernel_is_the_eager_lean_step_up_to_float32_rounding(kahan, opt_cls
         assert am[:2].tolist() == [0.0, 0.0] and bool((quant.dequantize(cm, am, True)[:700] == 0).all())
 
 
+def _zero_state(n):
+    return (torch.zeros(n, dtype=torch.int8), torch.zeros(-(-n // 256)), torch.zeros(n, dtype=torch.uint8),
+            torch.zeros(-(-n // 256)))
+
+
+def test_the_kernels_stochastic_rounding_is_unbiased_and_a_pure_function_of_key_and_place():
+    """Adam's first step from zero state moves each weight by lr (m / sqrt(v) = 1): 1.0 - 2^-9 lies halfway
+    between the bfloat16 neighbours 1 - 2^-8 and 1.0, so each is drawn half the time."""
+    n = 20000
+
+    def run(key, lo=0, hi=n):
+        low = torch.ones(n, dtype=torch.bfloat16)
+        cm, am, cv, av = _zero_state(n)
+        sl, bl = slice(lo, hi), slice(lo // 256, -(-hi // 256))
+        native.lean_adam_int8(low[sl], None, torch.ones(hi - lo), cm[sl], am[bl], cv[sl], av[bl], key, TABLES,
+                              lr=2 ** -9, beta1=0.9, beta2=0.999, eps=0.0, weight_decay=0.0, decoupled=True, step=1,
+                              codes=CODES, base=lo)
+        return low
+
+    low = run(7)
+    assert set(low.float().unique().tolist()) == {1.0 - 2 ** -8, 1.0}
+    assert abs(float(low.float().mean()) - (1.0 - 2 ** -9)) < 1e-4
+    assert torch.equal(low, run(7)) and float((low != run(8)).float().mean()) > 0.4
+    # a slice stepped alone (its place given as base) draws what it draws within the whole tensor
+    part = torch.ones(n, dtype=torch.bfloat16)
+    part[:512], part[512:] = run(7, 0, 512)[:512], run(7, 512, n)[512:]
+    assert torch.equal(part, low)
+
+
 def test_the_kernels_rounding_keeps_inf_and_nan_and_a_weight_without_update():
     n = 256
     w, grad, m, v = _state(n)
@@ -91,8 +124,7 @@ def test_the_kernels_rounding_keeps_inf_and_nan_and_a_weight_without_update():
     cm, am = quant.quantize(m, True)
     cv, av = quant.quantize(v, False)
     low = w.clone()
-    noise = lean.draw_noise(n, torch.Generator().manual_seed(0), torch.device("cpu"))
-    native.lean_adam_int8(low, None, grad, cm, am, cv, av, noise, TABLES, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+    native.lean_adam_int8(low, None, grad, cm, am, cv, av, 99, TABLES, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
                           weight_decay=0.0, decoupled=True, step=1, codes=CODES)
     assert low[0].item() == math.inf and low[1].item() == -math.inf and math.isnan(low[2].item())
     assert torch.equal(low[3:], w[3:])  # lr 0: a bfloat16 value plus less than one ulp of noise is itself
@@ -104,9 +136,11 @@ def test_bad_tensors_are_refused_in_one_line():
     cv, av = quant.quantize(v, False)
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, step=1, codes=CODES)
     with pytest.raises(ValueError, match="mismatched sizes"):
-        native.lean_adam_int8(w, None, grad[:256], cm, am, cv, av, None, TABLES, **kw)
+        native.lean_adam_int8(w, None, grad[:256], cm, am, cv, av, 1, TABLES, **kw)
     with pytest.raises(ValueError, match="contiguous CPU"):
-        native.lean_adam_int8(w.view(2, 256).t(), None, grad, cm, am, cv, av, None, TABLES, **kw)
+        native.lean_adam_int8(w.view(2, 256).t(), None, grad, cm, am, cv, av, 1, TABLES, **kw)
+    with pytest.raises(ValueError, match="a Kahan term or a stochastic rounding key"):
+        native.lean_adam_int8(w, None, grad, cm, am, cv, av, None, TABLES, **kw)
 
 
 def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_path):
@@ -180,13 +214,12 @@ def test_codes_a_loader_cast_to_float_step_as_the_codes_do():
         if cast:
             state = {k: t.float() for k, t in state.items()}
         low = w.clone()
-        native.adam_int8(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group, state, low, None, grad,
-                         lean.draw_noise(n, torch.Generator().manual_seed(0), torch.device("cpu")))
+        native.adam_int8(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group, state, low, None, grad, 5)
         runs.append((low, state["exp_avg"], state["exp_avg_sq"]))
     assert runs[1][1].dtype == torch.int8 and runs[1][2].dtype == torch.uint8
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     with pytest.raises(TypeError, match="int8 and uint8 codes"):
-        native.lean_adam_int8(w, None, grad, cm.float(), am, cv, av, None, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
+        native.lean_adam_int8(w, None, grad, cm.float(), am, cv, av, 1, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
                               eps=1e-8, weight_decay=0.0, decoupled=True, step=1, codes=CODES)
 
 
@@ -195,7 +228,6 @@ def test_the_bits_do_not_depend_on_the_thread_count():
     and two give the same weights, codes and absmax."""
     n = 4 * 65536 + 300
     w, grad, m, v = _state(n, seed=1)
-    noise = lean.draw_noise(n, torch.Generator().manual_seed(2), torch.device("cpu"))
     threads = torch.get_num_threads()
     out = []
     try:
@@ -204,7 +236,7 @@ def test_the_bits_do_not_depend_on_the_thread_count():
             cm, am = quant.quantize(m, True)
             cv, av = quant.quantize(v, False)
             low = w.clone()
-            native.lean_adam_int8(low, None, grad, cm, am, cv, av, noise, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
+            native.lean_adam_int8(low, None, grad, cm, am, cv, av, 2, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
                                   eps=1e-8, weight_decay=0.01, decoupled=True, step=2, codes=CODES)
             out.append((low, cm, am, cv, av))
     finally:
