@@ -123,7 +123,7 @@ def parts_table() -> str:
                  "exp_avg_sq": cv.clone(), "exp_avg_sq.absmax": av.clone()}
         opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
         rows.append(("the CPU kernel: all of the lean step above (stochastic + int8, its noise hashed)",
-                     lambda: native.adam_int8(opt, group, state, wk, None, gk, 12345)))
+                     lambda: native.adam_step(opt, group, state, wk, None, gk, 12345, "int8")))
     lines = [f"# per part, ms per million elements ({n}-element slices, minimum of 25 runs)",
              "| part | ms / M elements |", "|---|---|"]
     lines += [f"| {name} | {per_million(f):.2f} |" for name, f in rows]

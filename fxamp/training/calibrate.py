@@ -134,11 +134,11 @@ def table(rows: Sequence[Tuple[str, torch.Tensor, Optional[Any], int]]) -> str:
     text = tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)"
     total = bytes_per_param([(p, c, k) for _, p, c, k in rows])
     text = f"{text}\n{len(rows)} tensors, {sum(p.numel() for _, p, _, _ in rows):,} parameters: {total:.2f} bytes/param"
-    if any(c is not None and c.master != "fp32" and c.state == "int8" and p.dtype == torch.bfloat16
+    if any(c is not None and c.master != "fp32" and c.state != "fp32" and p.dtype == torch.bfloat16
            and p.device.type == "cpu" for _, p, c, _ in rows):
         from . import native
 
         why = native.unavailable_reason()
-        text += ("\nbfloat16 lean masters with 8-bit state: " + ("stepped by fxamp's CPU kernel, one pass an element"
+        text += ("\nbfloat16 lean masters with 8-bit or bfloat16 state: " + ("stepped by fxamp's CPU kernel, one pass an element"
                  if why is None else f"stepped eagerly ({why}): about twice the step time of the CPU kernel"))
     return text

@@ -302,7 +302,7 @@ class Workspace:
 
     # -- the step ------------------------------------------------------------------------------
     def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> List[torch.Tensor]:
-        """Step the lean masters with 8-bit state that the CPU kernel takes (:func:`native.eligible`; not unless
+        """Step the lean masters with 8-bit or bfloat16 state that the CPU kernel takes (:func:`native.eligible`; not unless
         ``split``: step hooks must see every parameter), their weights, terms and state final; the list of them.
         Until :meth:`leave` each aliases its low weight, so the engine's refresh copies that onto itself."""
         if not split or self.calibrating:
@@ -312,13 +312,14 @@ class Workspace:
         with torch.no_grad():
             for m in masters:
                 choice, group = self.choices.get(id(m)), group_of.get(id(m))
-                if choice is None or group is None or choice.master == "fp32" or choice.state != "int8" \
+                if choice is None or group is None or choice.master == "fp32" or choice.state == "fp32" \
                         or m.grad is None:
                     continue
                 low, state = self.low_of[id(m)], optimizer.state.get(m, {})
-                if not native.eligible(optimizer, group, low, state):
+                if not native.eligible(optimizer, group, low, state, choice.state):
                     continue
-                native.adam_int8(optimizer, group, state, low, choice.term, m.grad.contiguous(), self._key_for(m, choice))
+                native.adam_step(optimizer, group, state, low, choice.term, m.grad.contiguous(),
+                                 self._key_for(m, choice), choice.state)
                 state["step"] += 1
                 m.data = low
                 done.append(m)
@@ -426,7 +427,7 @@ class Workspace:
         flat, grad = low.detach().view(-1), low.grad.reshape(-1)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
-        if choice.state == "int8" and native.eligible(optimizer, group, low, state):
+        if choice.state != "fp32" and native.eligible(optimizer, group, low, state, choice.state):
             return self._chunked_native(optimizer, group, state, low, master, choice, grad, inv)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
         gen = None
@@ -483,7 +484,7 @@ class Workspace:
                 g = grad_buf[:min(n, start + size) - start].copy_(grad[start:start + size])
                 if inv is not None:
                     g.mul_(inv)
-                native.adam_int8(optimizer, group, state, low, choice.term, g, key, start, step)
+                native.adam_step(optimizer, group, state, low, choice.term, g, key, choice.state, start, step)
             state["step"] += 1
 
     def _generator(self, device: torch.device) -> torch.Generator:

@@ -24,8 +24,8 @@
 /* Adam's moments and the new value of element i from its weight w (decayed) and gradient g (with L2 decay) */
 #define UPDATE(w_, g_) do { \
         const float wv = (w_), gv = (g_); \
-        const float mi = table_signed[(uint8_t)m_codes[j]] * am; \
-        const float vi = table_unsigned[v_codes[j]] * av; \
+        const float mi = bf16_state ? f32_of_bf16(m_bf16[j]) : table_signed[(uint8_t)m_codes[j]] * am; \
+        const float vi = bf16_state ? f32_of_bf16(v_bf16[j]) : table_unsigned[v_codes[j]] * av; \
         const float mn = mi + one_minus_beta1 * (gv - mi);   /* lerp(m, g, 1 - beta1), as torch's kernel */ \
         const float vn = vi * beta2 + one_minus_beta2 * gv * gv; \
         const float denom = sqrtf(vn) / bias_correction2_sqrt + eps; \
@@ -62,13 +62,17 @@ static inline float log2_pos(float x) {
     return (float)e + s * 1.44269504f;
 }
 
-void fxamp_lean_adam_int8(
+/* block b of the step, for 8-bit state (bf16_state 0: codes and absmax) or bfloat16 state (1: m_state and
+   v_state hold bfloat16 values, no absmax); inlined into each exported function's loop with bf16_state a
+   constant (in the OpenMP region's body, where a flag read at run time would keep the loops scalar) */
+static inline __attribute__((always_inline)) void lean_block(
+    const int bf16_state, const int64_t b,
     int64_t n,
     uint16_t *low,            /* bfloat16 weights, in and out */
     uint16_t *term,           /* Kahan's bfloat16 term, in and out; NULL: stochastic rounding */
     const float *grad,        /* float32 gradient, unscaled */
-    int8_t *m_codes, float *m_absmax,
-    uint8_t *v_codes, float *v_absmax,
+    void *m_state, float *m_absmax,
+    void *v_state, float *v_absmax,
     uint64_t key, int64_t base,  /* stochastic rounding: the step's key, and the index of element 0 in its tensor */
     const float *table_signed, const float *table_unsigned,  /* quant._TABLES, indexed by the code's byte */
     float beta2, float one_minus_beta1, float one_minus_beta2, float eps, float weight_decay, int decoupled,
@@ -76,18 +80,14 @@ void fxamp_lean_adam_int8(
                                                                    as torch's kernel computes them */
     float k_signed, float top_signed, float k_unsigned, float top_unsigned)
 {
-    const int64_t nblocks = (n + BLOCK - 1) / BLOCK;
-    /* blocks are independent: split among the OpenMP threads torch itself uses (the same runtime, loaded by
-       torch: its workers, already spinning after torch's last op, take the blocks at once); the bits do not
-       depend on the split */
-#ifdef _OPENMP
-    #pragma omp parallel for schedule(static) if (nblocks >= 2 * MIN_BLOCKS_PER_THREAD)
-#endif
-    for (int64_t b = 0; b < nblocks; b++) {
+    int8_t *m_codes = (int8_t *)m_state;
+    uint8_t *v_codes = (uint8_t *)v_state;
+    uint16_t *m_bf16 = (uint16_t *)m_state, *v_bf16 = (uint16_t *)v_state;
+    {
         float m[BLOCK], v[BLOCK], w[BLOCK];
         const int64_t start = b * BLOCK;
         const int64_t len = n - start < BLOCK ? n - start : BLOCK;
-        const float am = m_absmax[b], av = v_absmax[b];
+        const float am = bf16_state ? 0.0f : m_absmax[b], av = bf16_state ? 0.0f : v_absmax[b];
         /* the update, one loop per weight-decay form (a branch inside would keep the loop from vectorizing) */
         if (weight_decay != 0.0f && decoupled) {
             for (int64_t i = 0; i < len; i++) {
@@ -111,32 +111,40 @@ void fxamp_lean_adam_int8(
                 UPDATE(wi, grad[j]);
             }
         }
-        /* the blocks' new absmax: the largest magnitude's bits (non-negative floats order as their bits; a NaN's
-           bits are above infinity's, so a NaN wins, as in torch.amax) */
-        uint32_t mbits = 0, vbits = 0;
-        for (int64_t i = 0; i < len; i++) {
-            uint32_t a = bits_of_f32(m[i]) & 0x7FFFFFFFu, c = bits_of_f32(v[i]) & 0x7FFFFFFFu;
-            mbits = a > mbits ? a : mbits;
-            vbits = c > vbits ? c : vbits;
-        }
-        const float mmax = f32_of_bits(mbits), vmax = f32_of_bits(vbits);
-        m_absmax[b] = mmax;
-        v_absmax[b] = vmax;
-        /* an all-zero block: every element the lowest code (-inf, clamped), as quant.quantize codes it */
-        const float bias_m = mmax > 0.0f ? top_signed + 0.5f - k_signed * log2_pos(mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f) : -INFINITY;
-        const float bias_v = vmax > 0.0f ? top_unsigned + 0.5f - k_unsigned * log2_pos(vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f) : -INFINITY;
-        for (int64_t i = 0; i < len; i++) {
-            const int64_t j = start + i;
-            float a = fabsf(m[i]);
-            /* (a magnitude under 2^-126 counts as 2^-126: the same code as eager's unless the block's absmax is
-               under ~2^-100, a block of zeros in effect) */
-            float q = bias_m + k_signed * log2_pos(a > 1.17549435e-38f ? a : 1.17549435e-38f);
-            q = q < 0.0f ? 0.0f : (q > top_signed ? top_signed : q);
-            int32_t c = (int32_t)q;
-            m_codes[j] = (int8_t)(m[i] < 0.0f ? -c : c);
-            float r = bias_v + k_unsigned * log2_pos(v[i] > 1.17549435e-38f ? v[i] : 1.17549435e-38f);
-            r = r < 1.0f ? 1.0f : (r > top_unsigned ? top_unsigned : r);
-            v_codes[j] = (uint8_t)(int32_t)r;
+        if (bf16_state) {  /* bfloat16 state: rounded to nearest even, as Tensor.to(torch.bfloat16) */
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                m_bf16[j] = bf16_rne(m[i]);
+                v_bf16[j] = bf16_rne(v[i]);
+            }
+        } else {
+            /* the blocks' new absmax: the largest magnitude's bits (non-negative floats order as their bits; a NaN's
+               bits are above infinity's, so a NaN wins, as in torch.amax) */
+            uint32_t mbits = 0, vbits = 0;
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t a = bits_of_f32(m[i]) & 0x7FFFFFFFu, c = bits_of_f32(v[i]) & 0x7FFFFFFFu;
+                mbits = a > mbits ? a : mbits;
+                vbits = c > vbits ? c : vbits;
+            }
+            const float mmax = f32_of_bits(mbits), vmax = f32_of_bits(vbits);
+            m_absmax[b] = mmax;
+            v_absmax[b] = vmax;
+            /* an all-zero block: every element the lowest code (-inf, clamped), as quant.quantize codes it */
+            const float bias_m = mmax > 0.0f ? top_signed + 0.5f - k_signed * log2_pos(mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f) : -INFINITY;
+            const float bias_v = vmax > 0.0f ? top_unsigned + 0.5f - k_unsigned * log2_pos(vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f) : -INFINITY;
+            for (int64_t i = 0; i < len; i++) {
+                const int64_t j = start + i;
+                float a = fabsf(m[i]);
+                /* (a magnitude under 2^-126 counts as 2^-126: the same code as eager's unless the block's absmax is
+                   under ~2^-100, a block of zeros in effect) */
+                float q = bias_m + k_signed * log2_pos(a > 1.17549435e-38f ? a : 1.17549435e-38f);
+                q = q < 0.0f ? 0.0f : (q > top_signed ? top_signed : q);
+                int32_t c = (int32_t)q;
+                m_codes[j] = (int8_t)(m[i] < 0.0f ? -c : c);
+                float r = bias_v + k_unsigned * log2_pos(v[i] > 1.17549435e-38f ? v[i] : 1.17549435e-38f);
+                r = r < 1.0f ? 1.0f : (r > top_unsigned ? top_unsigned : r);
+                v_codes[j] = (uint8_t)(int32_t)r;
+            }
         }
         if (term) {
             for (int64_t i = 0; i < len; i++) {
@@ -157,4 +165,32 @@ void fxamp_lean_adam_int8(
             }
         }
     }
+}
+
+#define LEAN_ARGS int64_t n, uint16_t *low, uint16_t *term, const float *grad, void *m_state, float *m_absmax, \
+    void *v_state, float *v_absmax, uint64_t key, int64_t base, const float *table_signed, \
+    const float *table_unsigned, float beta2, float one_minus_beta1, float one_minus_beta2, float eps, \
+    float weight_decay, int decoupled, float decay, float step_size, float bias_correction2_sqrt, float k_signed, \
+    float top_signed, float k_unsigned, float top_unsigned
+#define LEAN_PASS n, low, term, grad, m_state, m_absmax, v_state, v_absmax, key, base, table_signed, table_unsigned, \
+    beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decoupled, decay, step_size, bias_correction2_sqrt, \
+    k_signed, top_signed, k_unsigned, top_unsigned
+
+/* blocks are independent: split among the OpenMP threads torch itself uses (the same runtime, loaded by torch:
+   its workers, already spinning after torch's last op, take the blocks at once); the bits do not depend on the
+   split */
+#ifdef _OPENMP
+#define PARALLEL _Pragma("omp parallel for schedule(static) if ((n + BLOCK - 1) / BLOCK >= 2 * MIN_BLOCKS_PER_THREAD)")
+#else
+#define PARALLEL
+#endif
+
+void fxamp_lean_adam_int8(LEAN_ARGS) {
+    PARALLEL
+    for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(0, b, LEAN_PASS);
+}
+
+void fxamp_lean_adam_bf16(LEAN_ARGS) {
+    PARALLEL
+    for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(1, b, LEAN_PASS);
 }

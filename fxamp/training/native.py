@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["kernel", "unavailable_reason", "lean_adam_int8", "eligible", "adam_int8"]
+__all__ = ["kernel", "unavailable_reason", "lean_adam", "eligible", "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
@@ -37,7 +37,8 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-
 #: libgomp torch loaded: the same soname); without it (another parallel backend, or a compiler without
 #: OpenMP) the kernel runs on one thread
 _OPENMP = ["-fopenmp"]
-_SYMBOL = "fxamp_lean_adam_int8"
+#: the kernel's functions, by the optimizer state's mode
+_SYMBOLS = {"int8": "fxamp_lean_adam_int8", "bf16": "fxamp_lean_adam_bf16"}
 
 
 def _cpu_flags() -> str:
@@ -97,13 +98,16 @@ def _build() -> Any:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         return f"could not load {target}: {e}"
-    fn = getattr(lib, _SYMBOL)
     p = ctypes.c_void_p
     f = ctypes.c_float
-    fn.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, ctypes.c_uint64, ctypes.c_int64, p, p, f, f, f, f, f,
-                   ctypes.c_int, f, f, f, f, f, f, f]
-    fn.restype = None
-    return fn
+    fns = {}
+    for mode, symbol in _SYMBOLS.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, ctypes.c_uint64, ctypes.c_int64, p, p, f, f, f, f, f,
+                       ctypes.c_int, f, f, f, f, f, f, f]
+        fn.restype = None
+        fns[mode] = fn
+    return fns
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,8 +115,9 @@ def _loaded() -> Any:
     return _build()
 
 
-def kernel() -> Optional[Any]:
-    """The kernel's ctypes function, or None where it cannot be built here (:func:`unavailable_reason`)."""
+def kernel() -> Optional[Dict[str, Any]]:
+    """The kernel's ctypes functions by state mode (``"int8"``, ``"bf16"``), or None where it cannot be built
+    here (:func:`unavailable_reason`)."""
     fn = _loaded()
     return None if isinstance(fn, str) else fn
 
@@ -127,71 +132,78 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def lean_adam_int8(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tensor, m_codes: torch.Tensor,
-                   m_absmax: torch.Tensor, v_codes: torch.Tensor, v_absmax: torch.Tensor, key: Optional[int],
-                   tables: "tuple[torch.Tensor, torch.Tensor]", *, lr: float, beta1: float, beta2: float, eps: float,
-                   weight_decay: float, decoupled: bool, step: float, codes: "tuple[float, float, float, float]",
-                   base: int = 0) -> None:
+def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tensor, m: torch.Tensor,
+              m_absmax: Optional[torch.Tensor], v: torch.Tensor, v_absmax: Optional[torch.Tensor], key: Optional[int],
+              tables: "tuple[torch.Tensor, torch.Tensor]", *, lr: float, beta1: float, beta2: float, eps: float,
+              weight_decay: float, decoupled: bool, step: float, codes: "tuple[float, float, float, float]",
+              base: int = 0) -> None:
     """One Adam (``decoupled``: AdamW) step of ``low`` (bfloat16, contiguous CPU) from float32 ``grad``, its
-    moments held as 8-bit codes and per-block absmax (updated in place); the weight kept with Kahan's ``term``,
-    or (``term`` None) rounded stochastically with noise hashed from ``key`` and the element's index (``base``:
-    the index of ``low``'s first element in its tensor).  ``step``: the step count after this step; ``codes``:
-    ``(k_signed, top_signed, k_unsigned, top_unsigned)`` of :mod:`fxamp.training.quant`."""
-    fn = kernel()
-    if fn is None:
+    moments ``m`` and ``v`` updated in place: 8-bit codes (int8, uint8) with per-block absmax, or bfloat16 (the
+    absmax None).  The weight is kept with Kahan's ``term``, or (``term`` None) rounded stochastically with noise
+    hashed from ``key`` and the element's index (``base``: the index of ``low``'s first element in its tensor).
+    ``step``: the step count after this step; ``codes``: ``(k_signed, top_signed, k_unsigned, top_unsigned)`` of
+    :mod:`fxamp.training.quant`."""
+    fns = kernel()
+    if fns is None:
         raise RuntimeError(f"the lean CPU kernel is not available: {unavailable_reason()}")
-    if m_codes.dtype != torch.int8 or v_codes.dtype != torch.uint8 or low.dtype != torch.bfloat16 \
-            or grad.dtype != torch.float32 or m_absmax.dtype != torch.float32 or v_absmax.dtype != torch.float32 \
+    int8 = m.dtype == torch.int8 and v.dtype == torch.uint8 and m_absmax is not None and v_absmax is not None \
+        and m_absmax.dtype == v_absmax.dtype == torch.float32
+    bf16 = m.dtype == v.dtype == torch.bfloat16 and m_absmax is None and v_absmax is None
+    if not (int8 or bf16) or low.dtype != torch.bfloat16 or grad.dtype != torch.float32 \
             or (term is not None and term.dtype != torch.bfloat16):
-        raise TypeError("lean_adam_int8 takes bfloat16 weights and term, float32 gradient and absmax, int8 and uint8 "
-                        "codes")
+        raise TypeError("lean_adam takes bfloat16 weights and term, a float32 gradient, and int8 and uint8 codes "
+                        "with float32 absmax, or bfloat16 moments without")
     if (term is None) == (key is None):
-        raise ValueError("lean_adam_int8 takes a Kahan term or a stochastic rounding key, one of them")
-    for t in (low, term, grad, m_codes, m_absmax, v_codes, v_absmax):
+        raise ValueError("lean_adam takes a Kahan term or a stochastic rounding key, one of them")
+    for t in (low, term, grad, m, m_absmax, v, v_absmax):
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError("lean_adam_int8 takes contiguous CPU tensors")
+            raise ValueError("lean_adam takes contiguous CPU tensors")
     n = low.numel()
     blocks = -(-n // 256)
-    if not (grad.numel() == m_codes.numel() == v_codes.numel() == n) \
-            or (term is not None and term.numel() != n) or m_absmax.numel() != blocks or v_absmax.numel() != blocks:
-        raise ValueError("lean_adam_int8: tensors of mismatched sizes")
+    if not (grad.numel() == m.numel() == v.numel() == n) or (term is not None and term.numel() != n) \
+            or (int8 and (m_absmax.numel() != blocks or v_absmax.numel() != blocks)):
+        raise ValueError("lean_adam: tensors of mismatched sizes")
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
-    fn(n, _ptr(low), _ptr(term), _ptr(grad), _ptr(m_codes), _ptr(m_absmax), _ptr(v_codes), _ptr(v_absmax),
+    fns["int8" if int8 else "bf16"](
+       n, _ptr(low), _ptr(term), _ptr(grad), _ptr(m), _ptr(m_absmax), _ptr(v), _ptr(v_absmax),
        (key or 0) % 2 ** 64, base, _ptr(tables[0]), _ptr(tables[1]), beta2, 1.0 - beta1, 1.0 - beta2, eps,
        weight_decay, int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes)
 
 
-def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any]) -> bool:
-    """Whether the kernel can step ``low``'s lean master under ``group``: a stock Adam/AdamW without amsgrad,
-    maximize, differentiable or capturable; a contiguous bfloat16 CPU weight; its state already 8-bit (the
-    first step, which makes the state, is the eager path's); the kernel built here."""
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and low.dtype == torch.bfloat16
+def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:
+    """Whether the kernel can step ``low``'s lean master under ``group``, its state in ``mode`` (``"int8"`` or
+    ``"bf16"``): a stock Adam/AdamW without amsgrad, maximize, differentiable or capturable; a contiguous
+    bfloat16 CPU weight; its state already made (the first step, which makes it, is the eager path's); the
+    kernel built here."""
+    made = (all(k in state for k in ("exp_avg.absmax", "exp_avg_sq.absmax")) if mode == "int8" else
+            mode == "bf16" and not any(k.endswith(".absmax") for k in state))
+    return (made and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and low.dtype == torch.bfloat16
             and low.device.type == "cpu" and type(low.data) is torch.Tensor and low.is_contiguous()
-            and "exp_avg.absmax" in state and "exp_avg_sq.absmax" in state and torch.is_tensor(state.get("step"))
+            and all(torch.is_tensor(state.get(k)) for k in ("step", "exp_avg", "exp_avg_sq"))
             and not any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable"))
             and getattr(optimizer, "found_inf", None) is None and kernel() is not None)
 
 
-def adam_int8(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
-              term: Optional[torch.Tensor], grad: torch.Tensor, key: Optional[int], start: int = 0,
+def adam_step(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
+              term: Optional[torch.Tensor], grad: torch.Tensor, key: Optional[int], mode: str, start: int = 0,
               step: Optional[float] = None) -> None:
     """Step elements ``start:start + grad.numel()`` of ``low`` (a slice of whole blocks) with the kernel, from
-    ``state`` (8-bit, updated in place); ``key``: the stochastic rounding's (None with a Kahan ``term``).
-    ``step``: the count after this step (default: ``state["step"] + 1``, the caller advancing ``state["step"]``
-    once per tensor)."""
+    ``state`` (``mode``: "int8" or "bf16", updated in place); ``key``: the stochastic rounding's (None with a
+    Kahan ``term``).  ``step``: the count after this step (default: ``state["step"] + 1``, the caller advancing
+    ``state["step"]`` once per tensor)."""
     from . import quant  # (the codes' constants)
 
-    quant.recompress(state, "int8")  # (a loader may have cast the codes to the parameter's dtype: exact integers)
+    quant.recompress(state, mode)  # (a loader may have cast the state to the parameter's dtype: exact values)
     n = grad.numel()
     sl = slice(start, start + n)
     blocks = slice(start // quant.BLOCK, -(-(start + n) // quant.BLOCK))
+    absmax = (lambda k: state[k + ".absmax"][blocks]) if mode == "int8" else (lambda k: None)
     beta1, beta2 = (float(b) for b in group["betas"])
-    lean_adam_int8(low.view(-1)[sl], None if term is None else term.view(-1)[sl], grad.reshape(-1),
-                   state["exp_avg"].view(-1)[sl], state["exp_avg.absmax"][blocks],
-                   state["exp_avg_sq"].view(-1)[sl], state["exp_avg_sq.absmax"][blocks], key,
-                   (quant._TABLES[1], quant._TABLES[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                   eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                   decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
-                   step=float(state["step"]) + 1 if step is None else step,
-                   codes=(quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0), base=start)
+    lean_adam(low.view(-1)[sl], None if term is None else term.view(-1)[sl], grad.reshape(-1),
+              state["exp_avg"].view(-1)[sl], absmax("exp_avg"), state["exp_avg_sq"].view(-1)[sl], absmax("exp_avg_sq"),
+              key, (quant._TABLES[1], quant._TABLES[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+              eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+              decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
+              step=float(state["step"]) + 1 if step is None else step,
+              codes=(quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0), base=start)
