@@ -140,5 +140,5 @@ def table(rows: Sequence[Tuple[str, torch.Tensor, Optional[Any], int]]) -> str:
 
         why = native.unavailable_reason()
         text += ("\nbfloat16 lean masters with 8-bit or bfloat16 state: " + ("stepped by fxamp's CPU kernel, one pass an element"
-                 if why is None else f"stepped eagerly ({why}): about twice the step time of the CPU kernel"))
+                 if why is None else f"stepped eagerly ({why}): two to three times the CPU kernel's step time"))
     return text
