@@ -145,7 +145,7 @@ CHUNK = 16
 #: runs of a segment, see :func:`step_fused`): in a call of :data:`CHUNK` a master costs ~8 us of
 #: guards, views and planning, which a pass over fewer elements does not save (12 bytes per element
 #: less traffic, ~1 ns per element); the smallest masters are packed into one storage besides
-#: (``fxamp.training.step.CAT_NUMEL``, 1024), which a chunk cannot take.  (32768 when each master was a call
+#: (``fxamp.training.plan.CAT_NUMEL``, 1024), which a chunk cannot take.  (32768 when each master was a call
 #: of its own, ~30 us; 4096 took ~1 ms off the ResNet-50's step of 30 ms on the EPYC.)
 FUSED_MIN_NUMEL = 4096
 

@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, lean
+from . import plan as planning
 from . import step as engine
 from .config import LossScaleOption
 from .distributed import reduces_on_device
@@ -182,7 +183,7 @@ class MixedPrecisionOptimizer:
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
         self._nparams = 0
-        self._plan: Optional[engine.Plan] = None  # built at the first unscale_(), see _get_plan()
+        self._plan: Optional[planning.Plan] = None  # built at the first unscale_(), see _get_plan()
         self.precision = config
         self._ws = lean.Workspace(optimizer, config, lean.seed_from(seed)) if config.lean else None
         self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
@@ -228,12 +229,12 @@ class MixedPrecisionOptimizer:
         if self._ws is not None:
             self._ws.add(low, master, len(self._masters) - 1, self._names.get(id(low), "a parameter"))
 
-    def _get_plan(self) -> engine.Plan:
+    def _get_plan(self) -> planning.Plan:
         """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
         self._check_params()
         plan = self._plan
         if plan is None or not plan.matches(self.optimizer.param_groups):
-            plan = self._plan = engine.Plan(self.optimizer.param_groups, self._low_of_master)
+            plan = self._plan = planning.Plan(self.optimizer.param_groups, self._low_of_master)
         return plan
 
     def _low_of_master(self, master: torch.Tensor) -> Optional[torch.Tensor]:
@@ -288,8 +289,8 @@ class MixedPrecisionOptimizer:
         return list(zip(self._lows, self._masters))
 
     @property
-    def plan(self) -> engine.Plan:
-        """What the next step touches (:class:`fxamp.training.step.Plan`: its buckets of masters and
+    def plan(self) -> planning.Plan:
+        """What the next step touches (:class:`fxamp.training.plan.Plan`: its buckets of masters and
         their float32 gradient segments, its runs once a step was segmented); read it, do not change it."""
         return self._get_plan()
 
@@ -430,10 +431,10 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             self._decide(flags, engine.unscale(plan, flags), plan, in_place=False)
 
-    def _decide(self, flags: FoundInf, checked: int, plan: engine.Plan, in_place: bool) -> engine.Check:
+    def _decide(self, flags: FoundInf, checked: int, plan: planning.Plan, in_place: bool) -> engine.Check:
         """Whether this step overflowed (:func:`~fxamp.training.loss_scale.agree`); tell the scaler, keep the
         step's :class:`~fxamp.training.step.Check` for ``step()``.  Where the decision stays on the device
-        (:func:`fxamp.training.step.decides_on`) the host does not wait: the scaler is told "no overflow"
+        (:func:`fxamp.training.plan.decides_on`) the host does not wait: the scaler is told "no overflow"
         for now, the inner optimizer gets the flag and skips on the device, and the outcome is counted
         when the next iteration starts (:meth:`_settle`).  Elsewhere the flag is read here."""
         if not checked:
@@ -454,12 +455,12 @@ class MixedPrecisionOptimizer:
         self.scaler.finish_unscale(self._client, verdict)
         return check
 
-    def _decides_on(self, plan: engine.Plan) -> Optional[torch.device]:
+    def _decides_on(self, plan: planning.Plan) -> Optional[torch.device]:
         host_only = self._fuses(plan) and not self.kernels.skips_on_device
-        return engine.decides_on(plan, self.optimizer, host_only, lambda d: not ranks_to_agree(self.sync_overflow)
+        return planning.decides_on(plan, self.optimizer, host_only, lambda d: not ranks_to_agree(self.sync_overflow)
                                  or reduces_on_device(d, self.process_group))
 
-    def _fuses(self, plan: engine.Plan) -> bool:
+    def _fuses(self, plan: planning.Plan) -> bool:
         """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
         for them to be faster than the plain step (:meth:`fxamp.training.kernels.Kernels.worth`; decided once
         a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
@@ -469,7 +470,7 @@ class MixedPrecisionOptimizer:
             plan.fuse = self.kernels.worth([m for b in plan.buckets for m in b.masters])
         return plan.fuse
 
-    def _segmentable(self, plan: engine.Plan) -> bool:
+    def _segmentable(self, plan: planning.Plan) -> bool:
         """Whether step() may step the masters a segment at a time (:mod:`fxamp.training.step`):
         the gradient buffer is released between steps, the inner optimizer steps each parameter on
         its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse
@@ -481,7 +482,7 @@ class MixedPrecisionOptimizer:
                 warnings.warn("compile_step=True: the optimizer has step hooks, which must see one "
                               "step of every parameter, so it is stepped as it is (not fused)",
                               RuntimeWarning, stacklevel=3)
-        elif not (self.release_grad_buffer and plan.buckets and plan.nbytes() >= engine.RELEASE_MIN_BYTES):
+        elif not (self.release_grad_buffer and plan.buckets and plan.nbytes() >= planning.RELEASE_MIN_BYTES):
             return False
         return per_parameter and not plan.has_sparse_grad()
 

@@ -377,7 +377,7 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
     stream depends on (seed, tensor, count), not on the order: the same weights as one step over all."""
     from fxamp.training import step as S
 
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
     monkeypatch.setattr(quant, "CHUNK", 256)  # (the stochastic stream is drawn a CHUNK at a time in both)
     monkeypatch.setattr(lean_module, "PIECE", 1024)  # fc1's weight (4096) is stepped a slice at a time
@@ -460,7 +460,7 @@ def test_lean_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel(segmented
     from fxamp.training import step as S
 
     if segmented:
-        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+        monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
         monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
         monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time
     torch.manual_seed(0)
@@ -516,7 +516,7 @@ def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options
     monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time when segmented
     out = []
     for release in (True, False):
-        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0 if release else 1 << 40)
+        monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0 if release else 1 << 40)
         torch.manual_seed(0)
         amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
                             dtype=torch.bfloat16)

@@ -461,7 +461,7 @@ def test_small_gradients_gathered_by_cat_match_direct_copies(monkeypatch):
             return self.wide(x) * self.temperature
 
     def train(cat_numel):
-        monkeypatch.setattr(S, "CAT_NUMEL", cat_numel)
+        monkeypatch.setattr("fxamp.training.plan.CAT_NUMEL", cat_numel)
         torch.manual_seed(0)
         # O3: the 0-dim temperature, multiplied into the activations, is stored low too (O2 keeps it float32)
         model = fxamp.convert(Mixed(), "O3")
@@ -857,7 +857,7 @@ def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
     """The masters' gradients live from unscale_() to zero_grad(): views of one segment here, allocated once a step."""
     from fxamp.training import step as S
 
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
     for step in range(3):
@@ -884,7 +884,7 @@ def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
     from fxamp.training import step as S
 
     if how != "small":
-        monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+        monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
                                   release_grad_buffer=how == "small")
@@ -902,10 +902,10 @@ def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
 
 def test_master_gradient_segments_split_large_models():
     """Masters are packed into segments of at most GRAD_SEGMENT_NUMEL elements (one larger tensor alone)."""
-    from fxamp.training import step as S
+    from fxamp.training import plan as P
 
-    old = S.GRAD_SEGMENT_NUMEL
-    S.GRAD_SEGMENT_NUMEL = 3000
+    old = P.GRAD_SEGMENT_NUMEL
+    P.GRAD_SEGMENT_NUMEL = 3000
     try:
         torch.manual_seed(0)
         ref = nn.Sequential(nn.Linear(40, 50), nn.ReLU(), nn.Linear(50, 100), nn.ReLU(), nn.Linear(100, 3))
@@ -924,7 +924,7 @@ def test_master_gradient_segments_split_large_models():
             assert any(m.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr() for f in bucket.flats)
         assert opt.step()
     finally:
-        S.GRAD_SEGMENT_NUMEL = old
+        P.GRAD_SEGMENT_NUMEL = old
 
 
 class Lookahead:
@@ -1068,7 +1068,7 @@ def _segmented_pair(monkeypatch, make_inner, dtype, segment=700):
     """(segmented, plain) wrappers on identical O2 models; the segmented one cut into runs of <= segment."""
     from fxamp.training import step as S
 
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", segment)
     out = []
     for release in (True, False):  # release_grad_buffer=False: the plain step, every master's gradient at once
@@ -1130,7 +1130,7 @@ def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
     an optimizer subclass or release_grad_buffer=False."""
     from fxamp.training import step as S
 
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
 
     class MyAdamW(torch.optim.AdamW):
         pass
@@ -1164,7 +1164,7 @@ def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
 def test_segmented_step_keeps_lr_schedulers_working(monkeypatch):
     from fxamp.training import step as S
 
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     torch.manual_seed(0)
     model = fxamp.convert(_Wide(), "O2", dtype=BF16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model=model)
@@ -1237,7 +1237,7 @@ def test_segmented_step_with_channels_last_masters_is_the_plain_step(monkeypatch
     in the reused segment, and steps as the plain step does, bitwise."""
     from fxamp.training import step as S
 
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
     strides = []
     real_flat = S.flat_grads

@@ -278,7 +278,7 @@ def test_step_runs_is_bitwise_one_step_on_all_masters(inner):
 def test_the_optimizers_segmented_step_follows_plan_runs(monkeypatch):
     """MixedPrecisionOptimizer.step() on a segmentable step plans its runs with plan_runs at
     segment_numel_for's size (the public constant, patched small) and steps as the plain step does."""
-    monkeypatch.setattr(S, "RELEASE_MIN_BYTES", 0)  # segment this tiny model
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)  # segment this tiny model
     monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
     (seg_model, seg), (ref_model, ref) = _wrapped(INNERS["AdamW"]), _wrapped(INNERS["AdamW"])
     ref.release_grad_buffer = False  # the plain step: a float32 gradient for every master

@@ -2,7 +2,7 @@
 
 With a fused inner optimizer on one CUDA device, ``MixedPrecisionOptimizer`` hands the overflow
 flag to the optimizer's kernel (which skips there) and settles the bookkeeping when the next
-iteration starts.  Here the same code runs on CPU (``fxamp.training.step.DECIDE_ON`` patched to include
+iteration starts.  Here the same code runs on CPU (``fxamp.training.plan.DECIDE_ON`` patched to include
 it; torch's CPU fused AdamW honours ``found_inf`` too) and is compared with the host-decided step:
 the same weights, masters, optimizer state and scale, bit for bit, through clean steps, planted
 overflows, clipping and the segmented step.
@@ -17,13 +17,12 @@ import torch
 import torch.nn as nn
 
 import fxamp
-import fxamp.training.step as step_mod
 from fxamp.training.optimizer import StepResult
 
 
 @pytest.fixture
 def on_device(monkeypatch):
-    monkeypatch.setattr(step_mod, "DECIDE_ON", ("cuda", "cpu"))
+    monkeypatch.setattr("fxamp.training.plan.DECIDE_ON", ("cuda", "cpu"))
 
 
 def _model(dtype, big=False):
@@ -83,7 +82,7 @@ def _same(a, b):
 def test_same_steps_as_deciding_on_the_host(monkeypatch, dtype, big, clip):
     poison = (2, 3)  # two overflows in a row: under float16 the dynamic scale backs off twice
     host = _run(dtype, 6, big=big, clip=clip, poison=poison, deferred_expected=False)
-    monkeypatch.setattr(step_mod, "DECIDE_ON", ("cuda", "cpu"))
+    monkeypatch.setattr("fxamp.training.plan.DECIDE_ON", ("cuda", "cpu"))
     device = _run(dtype, 6, big=big, clip=clip, poison=poison, deferred_expected=True)
     _same(host, device)
     assert device[2] == [True, True, False, False, True, True]
@@ -136,7 +135,7 @@ def test_a_shared_dynamic_scaler_moves_in_the_callers_update(monkeypatch):
     """Shared (``loss_scale=scaler``, the caller runs ``update()``, as FxampPrecision does): decided on
     the device too; update() reads the flag, after the step's kernels are queued.  The same steps."""
     host = _run(torch.float16, 6, poison=(2, 3), shared=True, deferred_expected=False)
-    monkeypatch.setattr(step_mod, "DECIDE_ON", ("cuda", "cpu"))
+    monkeypatch.setattr("fxamp.training.plan.DECIDE_ON", ("cuda", "cpu"))
     device = _run(torch.float16, 6, poison=(2, 3), shared=True, deferred_expected=True)
     _same(host, device)
     assert device[1].scaler.overflows == 2 and device[3][4] == device[3][2] / 4
@@ -193,7 +192,7 @@ def test_compile_step_skips_on_the_device_as_on_the_host(monkeypatch, dtype, cli
     monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 1000)  # the 32 x 32 weights fused, biases not
     poison = (2, 3)
     host = _run(dtype, 6, clip=clip, poison=poison, deferred_expected=False, compile_step=True)
-    monkeypatch.setattr(step_mod, "DECIDE_ON", ("cuda", "cpu"))
+    monkeypatch.setattr("fxamp.training.plan.DECIDE_ON", ("cuda", "cpu"))
     device = _run(dtype, 6, clip=clip, poison=poison, deferred_expected=True, compile_step=True)
     _same(host, device)
     assert device[2] == [True, True, False, False, True, True]
