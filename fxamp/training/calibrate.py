@@ -139,6 +139,7 @@ def table(rows: Sequence[Tuple[str, torch.Tensor, Optional[Any], int]]) -> str:
         from . import native
 
         why = native.unavailable_reason()
-        text += ("\nbfloat16 lean masters with 8-bit or bfloat16 state: " + ("stepped by fxamp's CPU kernel, one pass an element"
-                 if why is None else f"stepped eagerly ({why}): two to three times the CPU kernel's step time"))
+        how = ("stepped by fxamp's CPU kernel, one pass an element" if why is None
+               else f"stepped eagerly ({why}): two to three times the CPU kernel's step time")
+        text += f"\nbfloat16 lean masters with 8-bit or bfloat16 state: {how}"
     return text

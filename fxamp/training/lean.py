@@ -302,9 +302,9 @@ class Workspace:
 
     # -- the step ------------------------------------------------------------------------------
     def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> List[torch.Tensor]:
-        """Step the lean masters with 8-bit or bfloat16 state that the CPU kernel takes (:func:`native.eligible`; not unless
-        ``split``: step hooks must see every parameter), their weights, terms and state final; the list of them.
-        Until :meth:`leave` each aliases its low weight, so the engine's refresh copies that onto itself."""
+        """Step the lean masters with 8-bit or bfloat16 state that the CPU kernel takes (:func:`native.eligible`;
+        not unless ``split``: step hooks must see every parameter), their weights, terms and state final; the list
+        of them.  Until :meth:`leave` each aliases its low weight, so the engine's refresh copies that onto itself."""
         if not split or self.calibrating:
             return []
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}

@@ -130,8 +130,10 @@ static inline __attribute__((always_inline)) void lean_block(
             m_absmax[b] = mmax;
             v_absmax[b] = vmax;
             /* an all-zero block: every element the lowest code (-inf, clamped), as quant.quantize codes it */
-            const float bias_m = mmax > 0.0f ? top_signed + 0.5f - k_signed * log2_pos(mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f) : -INFINITY;
-            const float bias_v = vmax > 0.0f ? top_unsigned + 0.5f - k_unsigned * log2_pos(vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f) : -INFINITY;
+            const float mfloor = mmax > 1.17549435e-38f ? mmax : 1.17549435e-38f;
+            const float vfloor = vmax > 1.17549435e-38f ? vmax : 1.17549435e-38f;
+            const float bias_m = mmax > 0.0f ? top_signed + 0.5f - k_signed * log2_pos(mfloor) : -INFINITY;
+            const float bias_v = vmax > 0.0f ? top_unsigned + 0.5f - k_unsigned * log2_pos(vfloor) : -INFINITY;
             for (int64_t i = 0; i < len; i++) {
                 const int64_t j = start + i;
                 float a = fabsf(m[i]);

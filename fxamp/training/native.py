@@ -87,7 +87,8 @@ def _build() -> Any:
                     break
             if run.returncode != 0:
                 os.unlink(tmp)
-                return f"{compiler} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}"
+                last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit status {run.returncode}"
+                return f"{compiler} failed: {last}"
             os.replace(tmp, target)
             break
         except (OSError, subprocess.SubprocessError) as e:  # (an unwritable cache: the next folder)
