@@ -21,7 +21,9 @@ engine rounds the masters into the weights, and :meth:`Workspace.leave` splits t
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
 identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  A stock Adam/AdamW
 steps its lean masters with ``fused=True`` (:data:`FUSED`: torch's one-pass kernel; on every path, so a
-segmented step and a plain one give the same bits).
+segmented step and a plain one give the same bits).  On a CPU a bfloat16 lean master with bfloat16 or 8-bit
+state under a stock Adam/AdamW skips the workspace: fxamp's kernel (:mod:`fxamp.training.native`) steps it
+in one pass, on every path (:meth:`Workspace.step_native`).
 """
 
 from __future__ import annotations
@@ -312,11 +314,10 @@ class Workspace:
         with torch.no_grad():
             for m in masters:
                 choice, group = self.choices.get(id(m)), group_of.get(id(m))
-                if choice is None or group is None or choice.master == "fp32" or choice.state == "fp32" \
-                        or m.grad is None:
+                if choice is None or group is None or m.grad is None:
                     continue
                 low, state = self.low_of[id(m)], optimizer.state.get(m, {})
-                if not native.eligible(optimizer, group, low, state, choice.state):
+                if not self._by_kernel(optimizer, group, choice, low, state):
                     continue
                 native.adam_step(optimizer, group, state, low, choice.term, m.grad.contiguous(),
                                  self._key_for(m, choice), choice.state)
@@ -324,6 +325,13 @@ class Workspace:
                 m.data = low
                 done.append(m)
         return done
+
+    @staticmethod
+    def _by_kernel(optimizer: Any, group: Dict[str, Any], choice: Choice, low: torch.Tensor,
+                   state: Dict[str, Any]) -> bool:
+        """Whether fxamp's CPU kernel steps this lean master (a lean master with lean state it can take)."""
+        return choice.master != "fp32" and choice.state != "fp32" and \
+            native.eligible(optimizer, group, low, state, choice.state)
 
     def _key_for(self, m: torch.Tensor, choice: Choice) -> Optional[int]:
         """The stochastic rounding's key for this step of ``m`` (None for kahan); its count advanced."""
@@ -427,7 +435,7 @@ class Workspace:
         flat, grad = low.detach().view(-1), low.grad.reshape(-1)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
-        if choice.state != "fp32" and native.eligible(optimizer, group, low, state, choice.state):
+        if self._by_kernel(optimizer, group, choice, low, state):
             return self._chunked_native(optimizer, group, state, low, master, choice, grad, inv)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
         gen = None

@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void lean_block(
     void *m_state, float *m_absmax,
     void *v_state, float *v_absmax,
     uint64_t key, int64_t base,  /* stochastic rounding: the step's key, and the index of element 0 in its tensor */
-    const float *table_signed, const float *table_unsigned,  /* quant._TABLES, indexed by the code's byte */
+    const float *table_signed, const float *table_unsigned,  /* quant.code_constants()' tables, by the code's byte */
     float beta2, float one_minus_beta1, float one_minus_beta2, float eps, float weight_decay, int decoupled,
     float decay, float step_size, float bias_correction2_sqrt,  /* coefficients computed in double by the caller,
                                                                    as torch's kernel computes them */

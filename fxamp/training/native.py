@@ -27,6 +27,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from . import quant
+
 __all__ = ["kernel", "unavailable_reason", "lean_adam", "eligible", "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
@@ -142,8 +144,7 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
     moments ``m`` and ``v`` updated in place: 8-bit codes (int8, uint8) with per-block absmax, or bfloat16 (the
     absmax None).  The weight is kept with Kahan's ``term``, or (``term`` None) rounded stochastically with noise
     hashed from ``key`` and the element's index (``base``: the index of ``low``'s first element in its tensor).
-    ``step``: the step count after this step; ``codes``: ``(k_signed, top_signed, k_unsigned, top_unsigned)`` of
-    :mod:`fxamp.training.quant`."""
+    ``step``: the step count after this step; ``tables`` and ``codes``: :func:`fxamp.training.quant.code_constants`."""
     fns = kernel()
     if fns is None:
         raise RuntimeError(f"the lean CPU kernel is not available: {unavailable_reason()}")
@@ -193,18 +194,17 @@ def adam_step(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low:
     ``state`` (``mode``: "int8" or "bf16", updated in place); ``key``: the stochastic rounding's (None with a
     Kahan ``term``).  ``step``: the count after this step (default: ``state["step"] + 1``, the caller advancing
     ``state["step"]`` once per tensor)."""
-    from . import quant  # (the codes' constants)
-
     quant.recompress(state, mode)  # (a loader may have cast the state to the parameter's dtype: exact values)
     n = grad.numel()
     sl = slice(start, start + n)
     blocks = slice(start // quant.BLOCK, -(-(start + n) // quant.BLOCK))
     absmax = (lambda k: state[k + ".absmax"][blocks]) if mode == "int8" else (lambda k: None)
     beta1, beta2 = (float(b) for b in group["betas"])
+    tables, codes = quant.code_constants()
     lean_adam(low.view(-1)[sl], None if term is None else term.view(-1)[sl], grad.reshape(-1),
               state["exp_avg"].view(-1)[sl], absmax("exp_avg"), state["exp_avg_sq"].view(-1)[sl], absmax("exp_avg_sq"),
-              key, (quant._TABLES[1], quant._TABLES[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+              key, tables, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
               decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
               step=float(state["step"]) + 1 if step is None else step,
-              codes=(quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0), base=start)
+              codes=codes, base=start)

@@ -27,7 +27,8 @@ from typing import Any, Dict, Optional
 import torch
 
 __all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
-           "recompress", "slice_state", "store_slice", "quantize", "dequantize", "state_bytes", "update_error"]
+           "recompress", "slice_state", "store_slice", "quantize", "dequantize", "code_constants", "state_bytes",
+           "update_error"]
 
 #: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -125,7 +126,7 @@ def _code_(q: torch.Tensor, amax: torch.Tensor, top: int, k: float, x: torch.Ten
     with no rounding pass."""
     bias = amax.clamp_min(_TINY).log2_().mul_(-k).add_(top + 0.5)  # (per block: a few hundred elements)
     bias.masked_fill_(amax == 0, -math.inf)  # an all-zero block: every element the lowest code
-    torch.add(bias, q, alpha=k, out=q)  # (|x| = 0: -inf, clamped)
+    torch.add(bias, q, alpha=k, out=q)  # (|x| = 0 was raised to 2^-149: below the range, clamped)
     if signed:  # code 0 (zero) below the range; times sign(x) is copysign(q, x) here (q >= 0), in two fast
         q.clamp_(0, top).mul_(torch.sign(x))  # passes instead of one slow one
     else:  # a second moment never decodes to zero (the update m / sqrt(v) of a small one would explode): at
@@ -152,6 +153,12 @@ def _table(signed: bool, device: torch.device) -> torch.Tensor:
 
 #: the tables of the unsigned and the signed code, on the CPU (built once: they are constants)
 _TABLES = (_table(False, torch.device("cpu")), _table(True, torch.device("cpu")))
+
+
+def code_constants() -> "tuple[tuple[torch.Tensor, torch.Tensor], tuple[float, float, float, float]]":
+    """What a kernel needs to read and write these codes: the CPU tables ``(signed, unsigned)`` indexed by the
+    code's byte, and ``(k_signed, top_signed, k_unsigned, top_unsigned)`` (:mod:`fxamp.training.native`)."""
+    return (_TABLES[1], _TABLES[0]), (_K_SIGNED, 127.0, _K_UNSIGNED, 255.0)
 
 
 @functools.lru_cache(maxsize=None)

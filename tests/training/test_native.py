@@ -15,8 +15,7 @@ from fxamp.training.lean import LeanConfig
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
 
-TABLES = (quant._TABLES[1], quant._TABLES[0])
-CODES = (quant._K_SIGNED, 127.0, quant._K_UNSIGNED, 255.0)
+TABLES, CODES = quant.code_constants()
 
 
 def _state(n, seed=0):
@@ -192,12 +191,12 @@ def test_without_a_compiler_the_eager_path_steps_and_the_table_says_why(monkeypa
     assert not calls and "stepped eagerly (FXAMP_NATIVE=0)" in opt.precision_table()
 
 
-def _trained(masters, steps=30, seed=0):
+def _trained(masters, steps=30, seed=0, state="int8"):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 512))
     amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=3e-3), model=amp, seed=1,
-                                        precision=LeanConfig.of(masters, "int8"))
+                                        precision=LeanConfig.of(masters, state))
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 512, (8, 17), generator=g) for _ in range(4)]  # learnt by heart: the loss falls
     losses = []
@@ -212,16 +211,16 @@ def _trained(masters, steps=30, seed=0):
     return amp, opt
 
 
-@pytest.mark.parametrize("masters", ["stochastic", "kahan"])
-def test_training_with_the_kernel_tracks_the_eager_path(masters, monkeypatch):
+@pytest.mark.parametrize("masters,state", [("stochastic", "int8"), ("kahan", "int8"), ("kahan", "bf16")])
+def test_training_with_the_kernel_tracks_the_eager_path(masters, state, monkeypatch):
     calls = []
     real = native.lean_adam
     monkeypatch.setattr(native, "lean_adam", lambda *a, **k: (calls.append(1), real(*a, **k)))
-    _, fast = _trained(masters)
-    assert calls  # (the first step makes the 8-bit state eagerly; the kernel steps the rest)
+    _, fast = _trained(masters, state=state)
+    assert calls  # (the first step makes the lean state eagerly; the kernel steps the rest)
     assert "stepped by fxamp's CPU kernel" in fast.precision_table()
     monkeypatch.setattr(native, "_loaded", lambda: "off for the reference")
-    _, eager = _trained(masters)
+    _, eager = _trained(masters, state=state)
     assert eager.losses[-1] < 0.6 * eager.losses[0]
     assert abs(fast.losses[-1] - eager.losses[-1]) < 0.02 * eager.losses[-1]
 
