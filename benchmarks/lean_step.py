@@ -1,11 +1,11 @@
 """Lean step time (issue 28): where a lean step's time goes, against pure bf16's and O2's step.
 
-``python -m benchmarks.lean_step [--layers 2 --vocab 8192 --rounds 5]``
+``python -m benchmarks.lean_step [--layers 2 --vocab 8192 --rounds 5] [--model resnet --batch 4 --px 64]``
 
-1. A GPT-2-small-width decoder (as :mod:`benchmarks.memory`), AdamW: forward+backward and ``step()``
-   timed apart for pure bf16, O2, and the lean modes, the regimes interleaved step by step (a loaded
-   CPU's drift hits every regime alike); medians of ``--rounds`` steps, wall-clock and this thread's
-   CPU time (the issue's size: ``--layers 4 --seq 256``).
+1. A GPT-2-small-width decoder (as :mod:`benchmarks.memory`; the issue's size: ``--layers 4 --seq 256``), or
+   ResNet-50 (``--model resnet``), AdamW: forward+backward and ``step()`` timed apart for pure bf16, O2, and
+   the lean modes, the regimes interleaved step by step (a loaded CPU's drift hits every regime alike);
+   medians of ``--rounds`` steps, wall-clock and this thread's CPU time.
 2. The parts of a lean step per million elements, on one slice (:data:`fxamp.training.lean.PIECE`, 1 MiB of float32)
    at a time, the minimum of 25 runs: AdamW (bfloat16 as pure bf16 steps it; float32 as O2 does; fused,
    as a lean master is stepped), 8-bit codes in and out, bf16 state in and out, stochastic rounding, the
@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from benchmarks.models import DecoderLM
+from benchmarks.models import DecoderLM, ResNet50
 from benchmarks.real import cpu_flags
 from fxamp.training import lean, native, quant
 
@@ -32,29 +32,37 @@ LEAN = {"O2": ("fp32", "fp32"), "O2 kahan+bf16": ("kahan", "bf16"), "O2 stochast
         "O2 auto+auto": ("auto", "auto")}
 
 
-def _steps(base: nn.Module, vocab: int, regime: str, x, y):
+def _steps(base: nn.Module, regime: str, x, y):
     """``(forward+backward, step, zero_grad)`` of ``regime``."""
     def loss(out):
-        return F.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
+        return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
     if regime == "bf16":
         m = copy.deepcopy(base).to(torch.bfloat16)
         opt = torch.optim.AdamW(m.parameters(), lr=6e-4)
-        return (lambda: loss(m(x)).backward()), opt.step, (lambda: opt.zero_grad(set_to_none=True))
+        xb = x.to(torch.bfloat16) if x.is_floating_point() else x
+        return (lambda: loss(m(xb)).backward()), opt.step, (lambda: opt.zero_grad(set_to_none=True))
     amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=6e-4), model=amp, seed=0,
                                         precision=fxamp.LeanConfig.of(*LEAN[regime], calibration_steps=2))
     return (lambda: opt.backward(loss(amp(x)))), opt.step, opt.zero_grad
 
 
-def step_table(layers: int, vocab: int, rounds: int, seq: int = 64, batch: int = 2) -> str:
+def step_table(layers: int, vocab: int, rounds: int, seq: int = 64, batch: int = 2, model: str = "gpt",
+               px: int = 64) -> str:
     torch.manual_seed(0)
-    base = DecoderLM(vocab=vocab, seq=seq, d=768, layers=layers, heads=12)
-    for m in base.modules():  # GPT-2's initialisation, as benchmarks.memory
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-    x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    built = {r: _steps(base, vocab, r, x, y) for r in ["bf16", *LEAN]}
+    if model == "resnet":
+        base = ResNet50()
+        x, y = torch.randn(batch, 3, px, px), torch.randint(0, 1000, (batch,))
+        what = f"ResNet-50 b{batch} {px}px"
+    else:
+        base = DecoderLM(vocab=vocab, seq=seq, d=768, layers=layers, heads=12)
+        for m in base.modules():  # GPT-2's initialisation, as benchmarks.memory
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+        x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+        what = f"GPT d768 L{layers} vocab {vocab} b{batch} s{seq}"
+    built = {r: _steps(base, r, x, y) for r in ["bf16", *LEAN]}
     for fb, step, zero in built.values():
         for _ in range(3):  # state exists; "auto" has calibrated
             zero(), fb(), step()
@@ -74,7 +82,8 @@ def step_table(layers: int, vocab: int, rounds: int, seq: int = 64, batch: int =
             times[r][1].append(time.perf_counter() - t1)
     total = {r: statistics.median([a + b for a, b in zip(*t)]) for r, t in times.items()}
     total_cpu = {r: statistics.median([a + b for a, b in zip(*t)]) for r, t in cpu.items()}
-    lines = [f"# GPT d768 L{layers} vocab {vocab} b{batch} s{seq}, AdamW; medians of {rounds} interleaved steps",
+    lines = [f"# {what}, {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters, AdamW; medians of "
+             f"{rounds} interleaved steps",
              "| regime | fwd+bwd ms | step() ms | total ms | total vs pure bf16 | total vs O2 "
              "| CPU: step() ms | CPU: total vs pure bf16 | CPU: total vs O2 |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -124,6 +133,9 @@ def parts_table() -> str:
         opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
         rows.append(("the CPU kernel: all of the lean step above (stochastic + int8, its noise hashed)",
                      lambda: native.adam_step(opt, group, state, wk, None, gk, 12345, "int8")))
+        g16 = gk.bfloat16()
+        rows.append(("the CPU kernel, reading the bfloat16 gradient (a segmented step's)",
+                     lambda: native.adam_step(opt, group, state, wk, None, g16, 12345, "int8")))
     lines = [f"# per part, ms per million elements ({n}-element slices, minimum of 25 runs)",
              "| part | ms / M elements |", "|---|---|"]
     lines += [f"| {name} | {per_million(f):.2f} |" for name, f in rows]
@@ -142,14 +154,17 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=None, help="default 2 (GPT), 4 (ResNet-50)")
+    ap.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
+    ap.add_argument("--px", type=int, default=64, help="ResNet-50's image size")
     ap.add_argument("--parts-only", action="store_true", help="only the per-part table (seconds, not minutes)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"# torch {torch.__version__}; threads {torch.get_num_threads()}; CPU flags {cpu_flags()}")
     if not a.parts_only:
-        print(step_table(a.layers, a.vocab, a.rounds, a.seq, a.batch))
+        batch = a.batch if a.batch is not None else (4 if a.model == "resnet" else 2)
+        print(step_table(a.layers, a.vocab, a.rounds, a.seq, batch, a.model, a.px))
     print(parts_table())
     return 0
 

@@ -303,26 +303,34 @@ class Workspace:
         return choice is not None and choice.master != "fp32"
 
     # -- the step ------------------------------------------------------------------------------
-    def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True) -> List[torch.Tensor]:
+    def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
+                    grads: Optional[Sequence[torch.Tensor]] = None, multiplier: Optional[torch.Tensor] = None
+                    ) -> List[torch.Tensor]:
         """Step the lean masters with 8-bit or bfloat16 state that the CPU kernel takes (:func:`native.eligible`;
         not unless ``split``: step hooks must see every parameter), their weights, terms and state final; the list
-        of them.  Until :meth:`leave` each aliases its low weight, so the engine's refresh copies that onto itself."""
+        of them.  From their float32 ``.grad``: then, until :meth:`leave`, each aliases its low weight, so the
+        engine's refresh copies that onto itself.  Or from ``grads`` (one per master: the low-precision gradients
+        where they are, times ``multiplier``, 1/scale or None for 1, as a segmented step unscales them): no float32
+        gradient is made, and the caller leaves the masters it returns out of the rest of the step."""
         if not split or self.calibrating:
             return []
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        mul = 1.0 if multiplier is None else float(multiplier)
         done = []
         with torch.no_grad():
-            for m in masters:
+            for i, m in enumerate(masters):
                 choice, group = self.choices.get(id(m)), group_of.get(id(m))
-                if choice is None or group is None or m.grad is None:
+                grad = m.grad if grads is None else grads[i]
+                if choice is None or group is None or grad is None:
                     continue
                 low, state = self.low_of[id(m)], optimizer.state.get(m, {})
                 if not self._by_kernel(optimizer, group, choice, low, state):
                     continue
-                native.adam_step(optimizer, group, state, low, choice.term, m.grad.contiguous(),
-                                 self._key_for(m, choice), choice.state)
+                native.adam_step(optimizer, group, state, low, choice.term, grad.contiguous(),
+                                 self._key_for(m, choice), choice.state, grad_mul=mul)
                 state["step"] += 1
-                m.data = low
+                if grads is None:
+                    m.data = low
                 done.append(m)
         return done
 
@@ -435,8 +443,6 @@ class Workspace:
         flat, grad = low.detach().view(-1), low.grad.reshape(-1)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
-        if self._by_kernel(optimizer, group, choice, low, state):
-            return self._chunked_native(optimizer, group, state, low, master, choice, grad, inv)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
         gen = None
         if choice.master == "stochastic":
@@ -479,21 +485,6 @@ class Workspace:
         finally:
             group["params"] = [master]
         optimizer.state[master] = new
-
-    def _chunked_native(self, optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
-                        master: torch.Tensor, choice: Choice, grad: torch.Tensor, inv: Optional[torch.Tensor]) -> None:
-        """:meth:`step_chunked` by the CPU kernel: per slice the float32 gradient (unscaled); the rounding's noise
-        is hashed from the element's index in the tensor, so the bits are those of :meth:`step_native`."""
-        n, size = low.numel(), piece_for(low.device)
-        grad_buf = torch.empty(min(n, size), dtype=torch.float32, device=low.device)
-        key, step = self._key_for(master, choice), float(state["step"]) + 1
-        with torch.no_grad():
-            for start in range(0, n, size):
-                g = grad_buf[:min(n, start + size) - start].copy_(grad[start:start + size])
-                if inv is not None:
-                    g.mul_(inv)
-                native.adam_step(optimizer, group, state, low, choice.term, g, key, choice.state, start, step)
-            state["step"] += 1
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._gens:

@@ -1,6 +1,8 @@
 /* One pass of a lean Adam/AdamW master with 8-bit state, on a CPU (fxamp/training/native.py builds and loads it).
 
-   Per block of 256 elements: decode both moments (table value times the block's absmax, as quant.dequantize),
+   Per block of 256 elements: read the gradient (float32, or the bfloat16 one where it is, widened and multiplied
+   by 1/scale here: the float32 multiply the engine's unscale does, so no float32 copy of it is written), decode
+   both moments (table value times the block's absmax, as quant.dequantize),
    step Adam or AdamW as torch's fused CPU kernel does (float32 arithmetic, bias corrections given), re-code both
    moments with the new blocks' absmax (the code of quant.quantize: round(top + 1/2 + k log2(|x| / absmax)),
    clamped; log2 by a series here, so a value within ~1e-6 of a code boundary may take the other code), and write
@@ -31,6 +33,9 @@
         const float denom = sqrtf(vn) / bias_correction2_sqrt + eps; \
         m[i] = mn; v[i] = vn; w[i] = wv - step_size * mn / denom; \
     } while (0)
+
+/* element j of the gradient, unscaled (x * 1.0f is x: with grad_mul 1 the float32 gradient is read as it is) */
+#define GRAD(j_) ((grad_bf16 ? f32_of_bf16(((const uint16_t *)grad)[j_]) : ((const float *)grad)[j_]) * grad_mul)
 
 static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_of_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -66,11 +71,12 @@ static inline float log2_pos(float x) {
    v_state hold bfloat16 values, no absmax); inlined into each exported function's loop with bf16_state a
    constant (in the OpenMP region's body, where a flag read at run time would keep the loops scalar) */
 static inline __attribute__((always_inline)) void lean_block(
-    const int bf16_state, const int64_t b,
+    const int bf16_state, const int grad_bf16, const int64_t b,
     int64_t n,
     uint16_t *low,            /* bfloat16 weights, in and out */
     uint16_t *term,           /* Kahan's bfloat16 term, in and out; NULL: stochastic rounding */
-    const float *grad,        /* float32 gradient, unscaled */
+    const void *grad,         /* the gradient: float32, or bfloat16 (grad_bf16) */
+    float grad_mul,           /* what the gradient is multiplied by: 1/scale, or 1 */
     void *m_state, float *m_absmax,
     void *v_state, float *v_absmax,
     uint64_t key, int64_t base,  /* stochastic rounding: the step's key, and the index of element 0 in its tensor */
@@ -94,21 +100,21 @@ static inline __attribute__((always_inline)) void lean_block(
                 const int64_t j = start + i;
                 float wi = f32_of_bf16(low[j]);
                 if (term) wi = wi + f32_of_bf16(term[j]);
-                UPDATE(wi * decay, grad[j]);
+                UPDATE(wi * decay, GRAD(j));
             }
         } else if (weight_decay != 0.0f) {
             for (int64_t i = 0; i < len; i++) {
                 const int64_t j = start + i;
                 float wi = f32_of_bf16(low[j]);
                 if (term) wi = wi + f32_of_bf16(term[j]);
-                UPDATE(wi, grad[j] + wi * weight_decay);
+                UPDATE(wi, GRAD(j) + wi * weight_decay);
             }
         } else {
             for (int64_t i = 0; i < len; i++) {
                 const int64_t j = start + i;
                 float wi = f32_of_bf16(low[j]);
                 if (term) wi = wi + f32_of_bf16(term[j]);
-                UPDATE(wi, grad[j]);
+                UPDATE(wi, GRAD(j));
             }
         }
         if (bf16_state) {  /* bfloat16 state: rounded to nearest even, as Tensor.to(torch.bfloat16) */
@@ -169,14 +175,14 @@ static inline __attribute__((always_inline)) void lean_block(
     }
 }
 
-#define LEAN_ARGS int64_t n, uint16_t *low, uint16_t *term, const float *grad, void *m_state, float *m_absmax, \
-    void *v_state, float *v_absmax, uint64_t key, int64_t base, const float *table_signed, \
+#define LEAN_ARGS int64_t n, uint16_t *low, uint16_t *term, const void *grad, float grad_mul, void *m_state, \
+    float *m_absmax, void *v_state, float *v_absmax, uint64_t key, int64_t base, const float *table_signed, \
     const float *table_unsigned, float beta2, float one_minus_beta1, float one_minus_beta2, float eps, \
     float weight_decay, int decoupled, float decay, float step_size, float bias_correction2_sqrt, float k_signed, \
     float top_signed, float k_unsigned, float top_unsigned
-#define LEAN_PASS n, low, term, grad, m_state, m_absmax, v_state, v_absmax, key, base, table_signed, table_unsigned, \
-    beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decoupled, decay, step_size, bias_correction2_sqrt, \
-    k_signed, top_signed, k_unsigned, top_unsigned
+#define LEAN_PASS n, low, term, grad, grad_mul, m_state, m_absmax, v_state, v_absmax, key, base, table_signed, \
+    table_unsigned, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decoupled, decay, step_size, \
+    bias_correction2_sqrt, k_signed, top_signed, k_unsigned, top_unsigned
 
 /* blocks are independent: split among the OpenMP threads torch itself uses (the same runtime, loaded by torch:
    its workers, already spinning after torch's last op, take the blocks at once); the bits do not depend on the
@@ -187,12 +193,23 @@ static inline __attribute__((always_inline)) void lean_block(
 #define PARALLEL
 #endif
 
-void fxamp_lean_adam_int8(LEAN_ARGS) {
-    PARALLEL
-    for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(0, b, LEAN_PASS);
+/* grad_bf16: the gradient is bfloat16 (each flag a constant in its own loop, as bf16_state) */
+void fxamp_lean_adam_int8(LEAN_ARGS, int grad_bf16) {
+    if (grad_bf16) {
+        PARALLEL
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(0, 1, b, LEAN_PASS);
+    } else {
+        PARALLEL
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(0, 0, b, LEAN_PASS);
+    }
 }
 
-void fxamp_lean_adam_bf16(LEAN_ARGS) {
-    PARALLEL
-    for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(1, b, LEAN_PASS);
+void fxamp_lean_adam_bf16(LEAN_ARGS, int grad_bf16) {
+    if (grad_bf16) {
+        PARALLEL
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(1, 1, b, LEAN_PASS);
+    } else {
+        PARALLEL
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(1, 0, b, LEAN_PASS);
+    }
 }

@@ -106,8 +106,8 @@ def _build() -> Any:
     fns = {}
     for mode, symbol in _SYMBOLS.items():
         fn = getattr(lib, symbol)
-        fn.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, ctypes.c_uint64, ctypes.c_int64, p, p, f, f, f, f, f,
-                       ctypes.c_int, f, f, f, f, f, f, f]
+        fn.argtypes = [ctypes.c_int64, p, p, p, f, p, p, p, p, ctypes.c_uint64, ctypes.c_int64, p, p, f, f, f, f, f,
+                       ctypes.c_int, f, f, f, f, f, f, f, ctypes.c_int]
         fn.restype = None
         fns[mode] = fn
     return fns
@@ -139,8 +139,9 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
               m_absmax: Optional[torch.Tensor], v: torch.Tensor, v_absmax: Optional[torch.Tensor], key: Optional[int],
               tables: "tuple[torch.Tensor, torch.Tensor]", *, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, decoupled: bool, step: float, codes: "tuple[float, float, float, float]",
-              base: int = 0) -> None:
-    """One Adam (``decoupled``: AdamW) step of ``low`` (bfloat16, contiguous CPU) from float32 ``grad``, its
+              base: int = 0, grad_mul: float = 1.0) -> None:
+    """One Adam (``decoupled``: AdamW) step of ``low`` (bfloat16, contiguous CPU) from ``grad`` (float32, or
+    bfloat16: widened in the kernel) times ``grad_mul`` (1/scale: a float32 multiply, as the engine's unscale), its
     moments ``m`` and ``v`` updated in place: 8-bit codes (int8, uint8) with per-block absmax, or bfloat16 (the
     absmax None).  The weight is kept with Kahan's ``term``, or (``term`` None) rounded stochastically with noise
     hashed from ``key`` and the element's index (``base``: the index of ``low``'s first element in its tensor).
@@ -151,10 +152,10 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
     int8 = m.dtype == torch.int8 and v.dtype == torch.uint8 and m_absmax is not None and v_absmax is not None \
         and m_absmax.dtype == v_absmax.dtype == torch.float32
     bf16 = m.dtype == v.dtype == torch.bfloat16 and m_absmax is None and v_absmax is None
-    if not (int8 or bf16) or low.dtype != torch.bfloat16 or grad.dtype != torch.float32 \
+    if not (int8 or bf16) or low.dtype != torch.bfloat16 or grad.dtype not in (torch.float32, torch.bfloat16) \
             or (term is not None and term.dtype != torch.bfloat16):
-        raise TypeError("lean_adam takes bfloat16 weights and term, a float32 gradient, and int8 and uint8 codes "
-                        "with float32 absmax, or bfloat16 moments without")
+        raise TypeError("lean_adam takes bfloat16 weights and term, a float32 or bfloat16 gradient, and int8 and "
+                        "uint8 codes with float32 absmax, or bfloat16 moments without")
     if (term is None) == (key is None):
         raise ValueError("lean_adam takes a Kahan term or a stochastic rounding key, one of them")
     for t in (low, term, grad, m, m_absmax, v, v_absmax):
@@ -168,9 +169,10 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
     fns["int8" if int8 else "bf16"](
-       n, _ptr(low), _ptr(term), _ptr(grad), _ptr(m), _ptr(m_absmax), _ptr(v), _ptr(v_absmax),
+       n, _ptr(low), _ptr(term), _ptr(grad), grad_mul, _ptr(m), _ptr(m_absmax), _ptr(v), _ptr(v_absmax),
        (key or 0) % 2 ** 64, base, _ptr(tables[0]), _ptr(tables[1]), beta2, 1.0 - beta1, 1.0 - beta2, eps,
-       weight_decay, int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes)
+       weight_decay, int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes,
+       int(grad.dtype == torch.bfloat16))
 
 
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:
@@ -188,23 +190,18 @@ def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Di
 
 
 def adam_step(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
-              term: Optional[torch.Tensor], grad: torch.Tensor, key: Optional[int], mode: str, start: int = 0,
-              step: Optional[float] = None) -> None:
-    """Step elements ``start:start + grad.numel()`` of ``low`` (a slice of whole blocks) with the kernel, from
-    ``state`` (``mode``: "int8" or "bf16", updated in place); ``key``: the stochastic rounding's (None with a
-    Kahan ``term``).  ``step``: the count after this step (default: ``state["step"] + 1``, the caller advancing
-    ``state["step"]`` once per tensor)."""
+              term: Optional[torch.Tensor], grad: torch.Tensor, key: Optional[int], mode: str,
+              grad_mul: float = 1.0) -> None:
+    """Step ``low`` with the kernel from ``grad`` (float32 or bfloat16, row-major) times ``grad_mul`` and
+    ``state`` (``mode``: "int8" or "bf16"; updated in place but for ``state["step"]``, which the caller
+    advances); ``key``: the stochastic rounding's (None with a Kahan ``term``)."""
     quant.recompress(state, mode)  # (a loader may have cast the state to the parameter's dtype: exact values)
-    n = grad.numel()
-    sl = slice(start, start + n)
-    blocks = slice(start // quant.BLOCK, -(-(start + n) // quant.BLOCK))
-    absmax = (lambda k: state[k + ".absmax"][blocks]) if mode == "int8" else (lambda k: None)
+    absmax = (lambda k: state[k + ".absmax"]) if mode == "int8" else (lambda k: None)
     beta1, beta2 = (float(b) for b in group["betas"])
     tables, codes = quant.code_constants()
-    lean_adam(low.view(-1)[sl], None if term is None else term.view(-1)[sl], grad.reshape(-1),
-              state["exp_avg"].view(-1)[sl], absmax("exp_avg"), state["exp_avg_sq"].view(-1)[sl], absmax("exp_avg_sq"),
+    lean_adam(low.view(-1), None if term is None else term.view(-1), grad.reshape(-1),
+              state["exp_avg"].view(-1), absmax("exp_avg"), state["exp_avg_sq"].view(-1), absmax("exp_avg_sq"),
               key, tables, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
               decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
-              step=float(state["step"]) + 1 if step is None else step,
-              codes=codes, base=start)
+              step=float(state["step"]) + 1, codes=codes, grad_mul=grad_mul)

@@ -29,7 +29,9 @@ The runs take one of two shapes:
   param group, one device, at most ``SEGMENT_NUMEL`` elements) is unscaled into one reused
   segment, stepped (every group's "params" list but the run's emptied for the call) and
   refreshed.  The step's peak holds one segment (4 MiB, or the largest master's gradient)
-  instead of a float32 gradient for every master.  Bitwise the plain step: each parameter is
+  instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
+  (:meth:`fxamp.training.lean.Workspace.step_native`) takes no segment: the kernel reads its
+  low-precision gradient where it is, times 1/scale.  Bitwise the plain step: each parameter is
   updated from its own gradient and state with its group's hyperparameters
   (tests/training/test_optimizer.py).  After it the masters hold no ``.grad``.
 
@@ -172,9 +174,6 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
                 for _, m in run.pairs:
                     m.grad = None  # not stepped, as a plain optimizer would not (none left by an unscale_())
                 continue
-            if ws is not None and ws.chunks(run, optimizer):  # a large lean master: a slice at a time
-                ws.step_chunked(optimizer, run, inv_scale_on)
-                continue
             strides = run.strides
             if len(present) < len(run.pairs):
                 for low, m in run.pairs:
@@ -184,6 +183,18 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             lows = [run.pairs[i][0] for i in present]
             masters = [run.pairs[i][1] for i in present]
             device = masters[0].device
+            if ws is not None:  # lean masters the CPU kernel steps from their low-precision gradients: no segment
+                done = {id(m) for m in ws.step_native(optimizer, masters, grads=[low.grad for low in lows],
+                                                      multiplier=None if inv_scale_on is None else inv_scale_on(device))}
+                if done:
+                    keep = [i for i, m in enumerate(masters) if id(m) not in done]
+                    if not keep:
+                        continue
+                    lows, masters = [lows[i] for i in keep], [masters[i] for i in keep]
+                    strides = None if strides is None else tuple(strides[i] for i in keep)
+                if ws.chunks(run, optimizer):  # a large lean master: a slice at a time
+                    ws.step_chunked(optimizer, run, inv_scale_on)
+                    continue
             if device not in buffers:
                 buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
                                                   and not (ws is not None and ws.chunks(r, optimizer))),

@@ -268,3 +268,55 @@ def test_the_bits_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("state", ["int8", "bf16"])
+@pytest.mark.parametrize("kahan", [False, True], ids=["stochastic", "kahan"])
+def test_a_bfloat16_gradient_times_its_multiplier_is_the_widened_unscaled_one(state, kahan):
+    """The kernel reads a segmented step's bfloat16 gradient where it is, times 1/scale: the same bits as the
+    float32 gradient the engine's unscale makes (widened, then one float32 multiply)."""
+    n = 5 * 256 + 17
+    w, grad, m, v = _state(n, seed=2)
+    g16 = (grad * 3e4).bfloat16()
+    inv = torch.tensor(2.0 ** -15) / 0.7  # (not a power of two: the multiply rounds)
+    term = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-5).bfloat16()
+    out = []
+    for g, mul in ((g16, float(inv)), (g16.float() * inv, 1.0)):
+        low, t = w.clone(), term.clone() if kahan else None
+        if state == "int8":
+            (cm, am), (cv, av) = quant.quantize(m, True), quant.quantize(v, False)
+        else:
+            cm, am, cv, av = m.bfloat16(), None, v.bfloat16(), None
+        native.lean_adam(low, t, g, cm, am, cv, av, None if kahan else 7, TABLES, lr=1e-3, beta1=0.9, beta2=0.999,
+                         eps=1e-8, weight_decay=0.01, decoupled=True, step=4, codes=CODES, grad_mul=mul)
+        out.append([x for x in (low, t, cm, am, cv, av) if x is not None])
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("masters,state", [("stochastic", "int8"), ("kahan", "bf16")])
+def test_a_segmented_step_feeds_the_kernel_the_bfloat16_gradients_bitwise_the_plain_step(masters, state,
+                                                                                          monkeypatch):
+    """Segmented (a large model), the kernel's masters get no float32 gradient: it reads the bfloat16 ones, times
+    1/scale; the weights and state are those of the plain step, which unscales into float32."""
+    monkeypatch.setattr(lean, "PIECE", 1024)  # (the 64x64 weight would be sliced on the eager path)
+    dtypes = {True: [], False: []}
+    real = native.lean_adam
+    out = []
+    for release in (True, False):
+        monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0 if release else 1 << 40)
+        monkeypatch.setattr(native, "lean_adam", lambda *a, **k: (dtypes[release].append(a[2].dtype), real(*a, **k)))
+        torch.manual_seed(0)
+        amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 4)),
+                            "O2", dtype=torch.bfloat16)
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
+                                            release_grad_buffer=release, loss_scale="static:3000",
+                                            precision=LeanConfig.of(masters, state))
+        for step in range(4):
+            opt.zero_grad()
+            opt.backward(amp(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).float().square().mean())
+            opt.step()
+        assert (opt.plan.runs is not None) == release
+        state_tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        out.append([p.detach().clone() for p in amp.parameters()] + state_tensors)
+    assert dtypes[True] and set(dtypes[True]) == {torch.bfloat16} and set(dtypes[False]) == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(*out))
