@@ -304,29 +304,30 @@ class Workspace:
 
     # -- the step ------------------------------------------------------------------------------
     def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
-                    grads: Optional[Sequence[torch.Tensor]] = None, multiplier: Optional[torch.Tensor] = None
-                    ) -> List[torch.Tensor]:
+                    grads: Optional[Sequence[torch.Tensor]] = None, multiplier: Optional[torch.Tensor] = None,
+                    group: Optional[Dict[str, Any]] = None) -> List[torch.Tensor]:
         """Step the lean masters with 8-bit or bfloat16 state that the CPU kernel takes (:func:`native.eligible`;
         not unless ``split``: step hooks must see every parameter), their weights, terms and state final; the list
         of them.  From their float32 ``.grad``: then, until :meth:`leave`, each aliases its low weight, so the
         engine's refresh copies that onto itself.  Or from ``grads`` (one per master: the low-precision gradients
         where they are, times ``multiplier``, 1/scale or None for 1, as a segmented step unscales them): no float32
-        gradient is made, and the caller leaves the masters it returns out of the rest of the step."""
+        gradient is made, and the caller leaves the masters it returns out of the rest of the step.  ``group``:
+        every master's param group (a run's), else each is looked up."""
         if not split or self.calibrating:
             return []
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        group_of = {} if group is not None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
         mul = 1.0 if multiplier is None else float(multiplier)
         done = []
         with torch.no_grad():
             for i, m in enumerate(masters):
-                choice, group = self.choices.get(id(m)), group_of.get(id(m))
+                choice, g = self.choices.get(id(m)), group if group is not None else group_of.get(id(m))
                 grad = m.grad if grads is None else grads[i]
-                if choice is None or group is None or grad is None:
+                if choice is None or g is None or grad is None:
                     continue
                 low, state = self.low_of[id(m)], optimizer.state.get(m, {})
-                if not self._by_kernel(optimizer, group, choice, low, state):
+                if not self._by_kernel(optimizer, g, choice, low, state):
                     continue
-                native.adam_step(optimizer, group, state, low, choice.term, grad.contiguous(),
+                native.adam_step(optimizer, g, state, low, choice.term, grad.contiguous(),
                                  self._key_for(m, choice), choice.state, grad_mul=mul)
                 state["step"] += 1
                 if grads is None:
@@ -606,13 +607,15 @@ def state_keys(optimizer: Any) -> int:
 
 
 def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any,
-             split: bool = True) -> None:
+             split: bool = True, kernel: bool = True) -> None:
     """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
     workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`);
-    ``split``: whether its lean masters may take a second, fused ``step()`` (:meth:`Workspace.step_inner`)."""
+    ``split``: whether its lean masters may take a second, fused ``step()`` (:meth:`Workspace.step_inner`);
+    ``kernel``: whether the CPU kernel may take some (False: a segmented step offered them to it already)."""
     native_done: List[torch.Tensor] = []
     if ws is not None:
-        native_done = ws.step_native(optimizer, masters, split)
+        if kernel:
+            native_done = ws.step_native(optimizer, masters, split)
         ws.enter(masters, native_done)
         ws.step_inner(optimizer, masters, split, native_done)
     else:

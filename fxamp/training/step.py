@@ -185,7 +185,8 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             device = masters[0].device
             if ws is not None:  # lean masters the CPU kernel steps from their low-precision gradients: no segment
                 done = {id(m) for m in ws.step_native(optimizer, masters, grads=[low.grad for low in lows],
-                                                      multiplier=None if inv_scale_on is None else inv_scale_on(device))}
+                                                      multiplier=None if inv_scale_on is None else inv_scale_on(device),
+                                                      group=groups[run.group])}
                 if done:
                     keep = [i for i, m in enumerate(masters) if id(m) not in done]
                     if not keep:
@@ -207,7 +208,7 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             for m, v in zip(masters, views):
                 m.grad = v
             try:
-                run_step(optimizer, ws, masters, lambda: torch._foreach_copy_(lows, masters))
+                run_step(optimizer, ws, masters, lambda: torch._foreach_copy_(lows, masters), kernel=False)
             finally:
                 for m in masters:
                     m.grad = None
