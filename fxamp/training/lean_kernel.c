@@ -193,23 +193,17 @@ static inline __attribute__((always_inline)) void lean_block(
 #define PARALLEL
 #endif
 
-/* grad_bf16: the gradient is bfloat16 (each flag a constant in its own loop, as bf16_state) */
+/* every block of the tensor, the two flags literal constants in the OpenMP region's body (see lean_block) */
+#define LEAN_LOOP(bf16_state_, grad_bf16_) do { \
+        PARALLEL \
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(bf16_state_, grad_bf16_, b, LEAN_PASS); \
+    } while (0)
+
+/* grad_bf16: the gradient is bfloat16 */
 void fxamp_lean_adam_int8(LEAN_ARGS, int grad_bf16) {
-    if (grad_bf16) {
-        PARALLEL
-        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(0, 1, b, LEAN_PASS);
-    } else {
-        PARALLEL
-        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(0, 0, b, LEAN_PASS);
-    }
+    if (grad_bf16) LEAN_LOOP(0, 1); else LEAN_LOOP(0, 0);
 }
 
 void fxamp_lean_adam_bf16(LEAN_ARGS, int grad_bf16) {
-    if (grad_bf16) {
-        PARALLEL
-        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(1, 1, b, LEAN_PASS);
-    } else {
-        PARALLEL
-        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) lean_block(1, 0, b, LEAN_PASS);
-    }
+    if (grad_bf16) LEAN_LOOP(1, 1); else LEAN_LOOP(1, 0);
 }
