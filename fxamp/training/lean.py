@@ -157,19 +157,20 @@ def piece_for(device: torch.device) -> int:
     return PIECE if device.type == "cpu" else ACCELERATOR_PIECE
 
 
-#: the stock optimizers whose lean masters are stepped by torch's fused kernel (``fused=True`` for the call: one
-#: pass over value, gradient and both moments instead of the for-loop's eight; the same update up to float32
-#: rounding), wherever a lean master is stepped, so every path gives it the same bits (:meth:`Workspace.step_inner`)
+#: the stock optimizers whose masters (float32 or lean) are stepped by torch's fused kernel on a CPU (``fused=True``
+#: for the call: one pass over value, gradient and both moments instead of the for-loop's eight; the same update up
+#: to float32 rounding), wherever a master is stepped, so every path gives it the same bits (:func:`step_inner`)
 FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool:
-    """Whether ``master`` (a lean one of ``group``) is stepped by :data:`FUSED`'s kernel: a stock Adam/AdamW, a
-    plain (not distributed) CPU tensor, a group that is not ``differentiable``.  Not on CUDA: torch's fused kernel
-    there wants ``state["step"]`` on the device, which an optimizer made without ``fused=True`` keeps on the CPU
-    (its foreach path steps every lean master in one call there anyway)."""
+    """Whether ``master`` (a master of ``group``: float32 or lean) is stepped by :data:`FUSED`'s kernel: a stock
+    Adam/AdamW, a plain (not distributed) CPU tensor, a group that is not ``differentiable`` and was not built with
+    ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA: torch's fused kernel there wants
+    ``state["step"]`` on the device, which an optimizer made without ``fused=True`` keeps on the CPU (its foreach
+    path steps every master in one call there anyway)."""
     return (type(optimizer) in FUSED and master.device.type == "cpu" and type(master.data) is torch.Tensor
-            and not group.get("differentiable", False))
+            and not group.get("differentiable", False) and group.get("fused") is not False)
 
 
 class _FusedFor:
@@ -394,37 +395,6 @@ class Workspace:
                 if choice.state != "fp32" and m in self.optimizer.state:
                     quant.compress(self.optimizer.state[m], choice.state)
 
-    def step_inner(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
-                   skip: Sequence[torch.Tensor] = ()) -> None:
-        """``optimizer.step()`` on the groups as they stand (``masters``: those entered), the lean masters that
-        :func:`fusable` says so by torch's fused kernel: a second call of ``step()`` with only them in the groups
-        and ``fused=True`` (the groups' lists and flags restored after, even on error).  Not unless ``split``
-        (the engine's :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and
-        such an optimizer is never segmented either)."""
-        groups = optimizer.param_groups
-        skip_ids = {id(m) for m in skip}  # (stepped already: :meth:`step_native`)
-        lean_ids = {id(m) for m in masters if self.lean(m)} - skip_ids
-        fused = [[p for p in g["params"] if id(p) in lean_ids and fusable(optimizer, g, p)] for g in groups]
-        if not skip_ids and (not any(fused) or not split):
-            optimizer.step()
-            return
-        lists = [g["params"] for g in groups]
-        try:
-            ids = {id(p) for ps in fused for p in ps}
-            rest = [[p for p in ps if id(p) not in ids and id(p) not in skip_ids] for ps in lists]
-            if any(rest):
-                for g, ps in zip(groups, rest):
-                    g["params"] = ps
-                optimizer.step()
-            if any(fused):
-                for g, ps in zip(groups, fused):
-                    g["params"] = ps
-                with _FusedFor([g for g, ps in zip(groups, fused) if ps]):
-                    optimizer.step()
-        finally:
-            for g, ps in zip(groups, lists):
-                g["params"] = ps
-
     def chunks(self, run: Any, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
         larger than :func:`piece_for` its device, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
@@ -606,20 +576,51 @@ def state_keys(optimizer: Any) -> int:
     return 2
 
 
+def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
+               skip: Sequence[torch.Tensor] = ()) -> None:
+    """``optimizer.step()`` on the groups as they stand (``masters``: fxamp's float32 masters among them, lean
+    ones entered), the masters that :func:`fusable` says so by torch's fused kernel: a second call of ``step()``
+    with only them in the groups and ``fused=True`` (the groups' lists and flags restored after, even on error);
+    the user's own parameters as the optimizer was built.  Not unless ``split`` (the engine's
+    :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and such an optimizer is
+    never segmented either).  ``skip``: stepped already (:meth:`Workspace.step_native`)."""
+    groups = optimizer.param_groups
+    skip_ids = {id(m) for m in skip}
+    ids = {id(m) for m in masters} - skip_ids
+    fused = [[p for p in g["params"] if id(p) in ids and fusable(optimizer, g, p)] for g in groups] if split else []
+    if not skip_ids and not any(fused):
+        optimizer.step()
+        return
+    lists = [g["params"] for g in groups]
+    try:
+        ids = {id(p) for ps in fused for p in ps}
+        rest = [[p for p in ps if id(p) not in ids and id(p) not in skip_ids] for ps in lists]
+        if any(rest):
+            for g, ps in zip(groups, rest):
+                g["params"] = ps
+            optimizer.step()
+        if any(fused):
+            for g, ps in zip(groups, fused):
+                g["params"] = ps
+            with _FusedFor([g for g, ps in zip(groups, fused) if ps]):
+                optimizer.step()
+    finally:
+        for g, ps in zip(groups, lists):
+            g["params"] = ps
+
+
 def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any,
              split: bool = True, kernel: bool = True) -> None:
     """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
     workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`);
-    ``split``: whether its lean masters may take a second, fused ``step()`` (:meth:`Workspace.step_inner`);
+    ``split``: whether its masters may take a second, fused ``step()`` (:func:`step_inner`);
     ``kernel``: whether the CPU kernel may take some (False: a segmented step offered them to it already)."""
     native_done: List[torch.Tensor] = []
     if ws is not None:
         if kernel:
             native_done = ws.step_native(optimizer, masters, split)
         ws.enter(masters, native_done)
-        ws.step_inner(optimizer, masters, split, native_done)
-    else:
-        optimizer.step()
+    step_inner(optimizer, masters, split, native_done)
     with torch.no_grad():
         round_in()
     if ws is not None:

@@ -6,8 +6,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fxamp
 from fxamp import MixedPrecisionOptimizer
 from fxamp.training import step as S
+from fxamp.training.lean import step_inner
 from fxamp.training.step import (ACCELERATOR_SEGMENT_NUMEL, SEGMENT_NUMEL, Run, cut_runs, flat_grads, grad_strides,
                                  plan_runs, segment_numel_for, step_runs)
 
@@ -261,7 +263,7 @@ def test_step_runs_is_bitwise_one_step_on_all_masters(inner):
         _backward(ref_model, i)
         for low, m in ref.master_pairs():
             m.grad = low.grad.float()
-        ref.optimizer.step()
+        step_inner(ref.optimizer, [m for _, m in ref.master_pairs()])  # (the masters of an Adam(W): fused)
         with torch.no_grad():
             for low, m in ref.master_pairs():
                 low.copy_(m)
@@ -294,3 +296,39 @@ def test_the_optimizers_segmented_step_follows_plan_runs(monkeypatch):
     assert all(m.grad is None for m in seg.master_params())
     for (sl, sm), (rl, rm) in zip(seg.master_pairs(), ref.master_pairs()):
         assert torch.equal(sl, rl) and torch.equal(sm, rm)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_float32_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel_on_a_cpu(segmented, monkeypatch):
+    """O2's float32 masters (fxamp's own tensors) of a for-loop AdamW take torch's fused CPU kernel for the step
+    (one pass instead of eight), plain or segmented; the user's float32 parameters are stepped as the optimizer was
+    built; ``fused=False`` keeps the for-loop everywhere. The update is the for-loop's up to float32 rounding."""
+    if segmented:
+        monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
+        monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+    out = {}
+    for fused in (None, False):
+        torch.manual_seed(0)
+        amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 4)), "O2", dtype=BF16)
+        inner = torch.optim.AdamW(amp.parameters(), lr=1e-2, fused=fused)
+        opt = MixedPrecisionOptimizer(inner, model=amp, release_grad_buffer=segmented)
+        own = {id(p) for p in amp.parameters() if p.dtype == torch.float32}  # the LayerNorm's: stepped directly
+        seen, real = [], inner.step
+
+        def spy():  # (not a step hook: an optimizer with hooks is stepped once per step, as it is)
+            seen.extend((g["fused"], id(p) in own) for g in inner.param_groups for p in g["params"])
+            real()
+
+        monkeypatch.setattr(inner, "step", spy)
+        for i in range(3):
+            opt.zero_grad()
+            opt.backward(amp(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).float().square().mean())
+            opt.step()
+        assert (opt.plan.runs is not None) == segmented
+        masters = [f for f, is_own in seen if not is_own]
+        assert len(masters) == 3 * 4 and all(f is (True if fused is None else False) for f in masters)
+        assert sum(is_own for _, is_own in seen) == 3 * 2 and all(f is fused for f, is_own in seen if is_own)
+        assert inner.param_groups[0]["fused"] is fused and inner.param_groups[0]["foreach"] is None
+        out[fused] = [m.detach().clone() for _, m in opt.master_pairs()]
+    for a, b in zip(out[None], out[False]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
