@@ -117,8 +117,9 @@ def parts_table() -> str:
     cv, av = quant.quantize(v, False)
     w, value, gen = torch.randn(n).bfloat16(), torch.randn(n), torch.Generator().manual_seed(0)
     rows = [("AdamW step, bfloat16 (pure bf16's step)", adam(torch.bfloat16)),
-            ("AdamW step, float32 (O2's inner step)", adam(torch.float32)),
-            ("AdamW step, float32, fused=True (the inner step of a lean master)", adam(torch.float32, True)),
+            ("AdamW step, float32, for-loop (torch's default on a CPU)", adam(torch.float32)),
+            ("AdamW step, float32, fused=True (O2's masters; the eager lean step's inner step)",
+             adam(torch.float32, True)),
             ("int8 decode, both moments", lambda: (quant.dequantize(cm, am, True), quant.dequantize(cv, av, False))),
             ("int8 encode, both moments", lambda: (quant.quantize(m, True, out=cm, absmax_out=am),
                                                    quant.quantize(v, False, out=cv, absmax_out=av))),

@@ -19,9 +19,9 @@ The step is unchanged for the inner optimizer: around each ``optimizer.step()`` 
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
 (the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
-identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  A stock Adam/AdamW
-steps its lean masters with ``fused=True`` (:data:`FUSED`: torch's one-pass kernel; on every path, so a
-segmented step and a plain one give the same bits).  On a CPU a bfloat16 lean master with bfloat16 or 8-bit
+identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  On a CPU a stock
+Adam/AdamW steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
+torch's one-pass kernel; on every path, so a segmented step and a plain one give the same bits).  On a CPU a bfloat16 lean master with bfloat16 or 8-bit
 state under a stock Adam/AdamW skips the workspace: fxamp's kernel (:mod:`fxamp.training.native`) steps it
 in one pass, on every path (:meth:`Workspace.step_native`).
 """
@@ -37,8 +37,8 @@ import torch
 from . import native, quant
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
-           "stochastic_round", "placeholder", "run_step", "FUSED", "fusable", "check_params", "seed_from",
-           "state_keys", "resolve", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
+           "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable", "check_params",
+           "seed_from", "state_keys", "resolve", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
 
 
 class MasterPrecision(str, enum.Enum):

@@ -14,8 +14,10 @@ loss_scale, and no other: a fourth only under an initialized ``torch.distributed
              verdict agreed across ranks and read on the host or left on the device
              (:func:`fxamp.training.loss_scale.agree`: the one place that decides)
     per run  copy the run's low-precision gradients into a float32 segment divided by the
-             scale, step the inner optimizer on the run's masters (or the compiled executor
-             of :mod:`fxamp.training.kernels`), refresh the low weights (``torch._foreach_copy_``)
+             scale, step the inner optimizer on the run's masters (on a CPU a stock Adam/AdamW
+             steps them with ``fused=True``: :func:`fxamp.training.lean.step_inner`; or the
+             compiled executor of :mod:`fxamp.training.kernels`), refresh the low weights
+             (``torch._foreach_copy_``)
 
 The runs take one of two shapes:
 
