@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .lean import fusable as fusable_master
 from .step import SEGMENT_NUMEL, Run, cut_runs
 
 __all__ = ["fusable", "worth_fusing", "skips_on_device", "Kernels", "step_fused", "adam_rows", "KERNELS",
@@ -194,9 +195,21 @@ def fusable(optimizer: Any) -> Optional[str]:
 
 def worth_fusing(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
     """Whether the kernels would step enough of ``masters`` (:data:`FUSED_MIN_TOTAL` elements, in
-    masters of at least :data:`FUSED_MIN_NUMEL`) to be faster than the inner optimizer's step."""
-    key = _kind(optimizer) + ("_fused" if all(g.get("fused") for g in optimizer.param_groups) else "")
+    masters of at least :data:`FUSED_MIN_NUMEL`) to be faster than the inner optimizer's step: against
+    torch's fused kernel where the plain step runs it (:func:`_plain_is_fused`)."""
+    key = _kind(optimizer) + ("_fused" if _plain_is_fused(optimizer, masters) else "")
     return sum(n for n in (m.numel() for m in masters) if _takes(n)) >= FUSED_MIN_TOTAL[key]
+
+
+def _plain_is_fused(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
+    """Whether the plain step steps ``masters`` with torch's fused kernel: the optimizer was built fused, or
+    (on a CPU) the engine steps a stock Adam/AdamW's masters with ``fused=True``
+    (:func:`fxamp.training.lean.step_inner`)."""
+    groups = optimizer.param_groups
+    if all(g.get("fused") for g in groups):
+        return True
+    ids = {id(m) for m in masters}
+    return bool(ids) and all(fusable_master(optimizer, g, p) for g in groups for p in g["params"] if id(p) in ids)
 
 
 def _takes(numel: int, min_numel: Optional[int] = None) -> bool:
