@@ -21,9 +21,10 @@ engine rounds the masters into the weights, and :meth:`Workspace.leave` splits t
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
 identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  On a CPU a stock
 Adam/AdamW steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
-torch's one-pass kernel; on every path, so a segmented step and a plain one give the same bits).  On a CPU a bfloat16 lean master with bfloat16 or 8-bit
-state under a stock Adam/AdamW skips the workspace: fxamp's kernel (:mod:`fxamp.training.native`) steps it
-in one pass, on every path (:meth:`Workspace.step_native`).
+torch's one-pass kernel; on every path, so a segmented step and a plain one give the same bits).  On a
+CPU a bfloat16 lean master with bfloat16 or 8-bit state under a stock Adam/AdamW skips the workspace:
+fxamp's kernel (:mod:`fxamp.training.native`) steps it in one pass, on every path
+(:meth:`Workspace.step_native`), in a segmented step from the bfloat16 gradient where it is.
 """
 
 from __future__ import annotations
