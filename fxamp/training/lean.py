@@ -229,7 +229,8 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
         m = part.numel()
         noise = draw_noise(m, generator, x.device).to(torch.int32)
         noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
-        if on_cpu and torch.isfinite(part.view(torch.float32).sum()):  # (or a sum that overflows: the slower path, the same result)
+        # (a finite slice whose sum overflows takes the slower path: the same result)
+        if on_cpu and torch.isfinite(part.view(torch.float32).sum()):
             # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
             dst16[start:start + m].copy_(noise.bitwise_right_shift_(16))
         else:
@@ -398,7 +399,8 @@ class Workspace:
 
     def chunks(self, run: Any, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
-        larger than :func:`piece_for` its device, contiguous, of a stock elementwise optimizer (Adam, AdamW, SGD), not calibrating."""
+        larger than :func:`piece_for` its device, contiguous, of a stock elementwise optimizer (Adam, AdamW,
+        SGD), not calibrating."""
         if len(run.pairs) != 1 or self.calibrating or not quant.compressible(optimizer):
             return False
         low, master = run.pairs[0]

@@ -26,8 +26,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible", "compress", "decompress",
-           "recompress", "slice_state", "store_slice", "quantize", "dequantize", "code_constants", "state_bytes",
+__all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible",
+           "compress", "decompress", "recompress", "slice_state", "store_slice", "quantize", "dequantize", "code_constants", "state_bytes",
            "update_error"]
 
 #: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
