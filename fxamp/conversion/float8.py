@@ -83,16 +83,19 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``(a / scale_a) @ (b / scale_b)`` through ``torch._scaled_mm`` (a (M,K), b (K,N) in float8; scales a
-    scalar each, or (M,1) and (1,N)); ``a`` is made row-major and ``b`` column-major."""
+    scalar each, or (M,1) and (1,N)); ``a`` is made row-major and ``b`` column-major.
+
+    ``fast_accum``: the GPU GEMM accumulates in its faster, less precise mode (torchao's choice for the
+    forward GEMM, not for the gradients'); a CPU ignores it (the emulated product is the same)."""
     if scale_a.dim() != scale_b.dim():  # one operand per row, the other per tensor: expand, as torchao does
         if scale_a.dim() == 0:
             scale_a = scale_a.expand(a.shape[0], 1).contiguous()
         else:
             scale_b = scale_b.expand(1, b.shape[1]).contiguous()
     return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=scale_a.reciprocal(),
-                            scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
+                            scale_b=scale_b.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _pad_inner(*ts: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -121,7 +124,7 @@ class Float8Matmul(torch.autograd.Function):
             ctx.save_for_backward(x, w_t)
         else:  # the backward's casts of x and w are these: keep one byte a value
             ctx.save_for_backward(x8, sx, w8, sw)
-        return float8_mm(x8, sx, w8, sw, x.dtype)
+        return float8_mm(x8, sx, w8, sw, x.dtype, fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

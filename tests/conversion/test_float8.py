@@ -1,6 +1,7 @@
 """Float8 matmuls: numerics against a dequantized float64 reference built here, the float8 dtypes of each GEMM
 (a dispatch recorder), finite scales at the extremes, and torchao's Float8Linear as an oracle where installed."""
 
+import collections
 import copy
 import dataclasses
 import math
@@ -349,6 +350,63 @@ def test_torch_compile_of_the_float8_graph_runs_forward_and_backward_bitwise_as_
     for p, ref in zip(amp.parameters(), grads):
         assert torch.equal(p.grad, ref)
 
+
+
+
+def _aten_counts(gm: torch.fx.GraphModule) -> collections.Counter:
+    return collections.Counter(str(n.target).split(".")[1] for n in gm.graph.nodes
+                               if n.op == "call_function" and str(n.target).startswith("aten."))
+
+
+@pytest.mark.parametrize("recipe,forward,backward", [
+    # (_scaled_mm, amax) per graph: tensorwise's backward reuses the forward's float8 x and w (one amax, g's)
+    ("tensorwise", (1, 2), (2, 1)),
+    ("rowwise", (1, 2), (2, 4)),
+    ("rowwise_with_gw_hp", (1, 2), (1, 2)),
+])
+def test_torch_compile_captures_one_forward_and_one_backward_graph_with_the_recipes_gemms(recipe, forward, backward):
+    """What inductor is handed (docs/float8.md, "Under torch.compile"): no graph break, the backward compiled
+    too, each GEMM one ``_scaled_mm`` and each scale one amax, so nothing is cast twice."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(_aten_counts(gm))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    amp = _convert(nn.Sequential(nn.Linear(32, 64, bias=False)), f"O2,float8={recipe}:always")
+    out = torch.compile(amp, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(
+        torch.randn(16, 32, requires_grad=True))
+    out.sum().backward()
+    assert len(graphs) == 2
+    (fw, bw) = graphs
+    assert (fw["_scaled_mm"], fw["amax"]) == forward
+    assert (bw["_scaled_mm"], bw["amax"]) == backward
+
+
+def test_the_forward_gemm_accumulates_fast_and_the_gradient_gemms_do_not():
+    """torchao's choice: the output GEMM in the GPU's fast-accumulation mode, both gradients in the precise one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FastAccum(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._scaled_mm.default:
+                self.seen.append(bool(kwargs.get("use_fast_accum", args[7] if len(args) > 7 else False)))
+            return func(*args, **kwargs)
+
+    for recipe in ("tensorwise", "rowwise"):
+        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        with FastAccum() as rec:
+            float8_linear(x, w, None, Float8.parse(recipe)).sum().backward()
+        assert rec.seen == [True, False, False]
 
 
 # -- training parity -------------------------------------------------------------------------------
