@@ -4,6 +4,7 @@
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -280,10 +281,31 @@ def test_the_converted_graph_computes_what_the_float8_functions_do():
     assert torch.equal(amp(x), expected)
 
 
+def test_on_the_measured_cpu_the_note_quotes_the_cost_tables_row(monkeypatch):
+    monkeypatch.setattr("fxamp.conversion.float8.device_kind", lambda device: "cpu:no-bf16-kernels")
+    note = fxamp.conversion_info(_convert(Matmuls(), "O2,float8=tensorwise")).notes[0]
+    assert note.startswith("float8: 0 of 6 matmuls run in float8; the cost model kept 3 in bfloat16 as too small to "
+                           "pay (linear at K=32, N=64: measured 0.30x of bfloat16 near K=32, N=64 on cpu: Intel Xeon, "
+                           "AVX-512, no bf16 kernels); 'float8=tensorwise:always' or a node/module override 'float8' "
+                           "forces them; kept in bfloat16 for their shape"), note
+
+
 def test_by_default_the_cost_model_keeps_ci_sized_matmuls_in_bfloat16():
     amp = _convert(Matmuls(), "O2,float8=tensorwise")  # measured here, or torchao's thresholds: too small to pay
     assert _targets(amp) == []
     assert "kept in bfloat16: too small to pay at K=32, N=64" in _choices(amp)["linear"].reason
+    # the note says why (the cost table's row, or torchao's thresholds where none was measured) and how to force
+    note = fxamp.conversion_info(amp).notes[0]
+    assert re.fullmatch(r"float8: 0 of 6 matmuls run in float8; the cost model kept 3 in bfloat16 as too small to "
+                        r"pay \(linear at K=32, N=64: (measured \d\.\d\dx of bfloat16 near K=32, N=64 on cpu: .*|no cost "
+                        r"table for cpu.*, where float8 runs emulated, so torchao's H100 thresholds .*)\); "
+                        r"'float8=tensorwise:always' or a node/module override 'float8' forces them; kept in "
+                        r"bfloat16 for their shape .*", note), note
+    assert "'float8=rowwise:nopow2:always'" in fxamp.conversion_info(_convert(Matmuls(), "O2,float8=rowwise:nopow2")
+                                                                     ).notes[0]
+    assert cost_says("cpu:amx-bf16", Float8Recipe.TENSORWISE, 64, 64, {}) == (
+        False, "no cost table for cpu:amx-bf16, where float8 runs emulated, so torchao's H100 thresholds "
+               "(tensorwise skips K <= 4096 and N <= 1024)")
 
 
 def test_overrides_force_or_refuse_float8_per_node_and_per_module():
