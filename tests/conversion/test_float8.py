@@ -146,6 +146,27 @@ def test_all_zero_and_huge_inputs_give_no_nan_or_inf(recipe, fill):
         assert torch.isfinite(t).all()
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_one_non_finite_input_spoils_every_row_under_tensorwise_and_its_own_row_under_rowwise(recipe, bad):
+    # docs/float8.md: tensorwise's one scale comes from the whole tensor's amax, which one bad value makes
+    # non-finite; a rowwise recipe scales each row by itself, as bfloat16 confines the value to its row
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    x[3, 5] = bad
+    x.requires_grad_()
+    out = float8_linear(x, w, None, Float8.parse(recipe))
+    bad_rows = (~torch.isfinite(out)).any(dim=1)
+    assert (~torch.isfinite(F.linear(x, w))).any(dim=1).tolist() == [i == 3 for i in range(8)]  # bfloat16: row 3
+    assert bad_rows.tolist() == ([True] * 8 if recipe == "tensorwise" else [i == 3 for i in range(8)])
+    g = torch.randn(8, 16, dtype=torch.bfloat16)
+    g[1, 2] = float("nan")  # backward: one NaN gradient value, the same contrast
+    x2 = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    float8_linear(x2, w, None, Float8.parse(recipe)).backward(g)
+    grad_rows = torch.isnan(x2.grad).any(dim=1)
+    assert grad_rows.tolist() == ([True] * 8 if recipe == "tensorwise" else [i == 1 for i in range(8)])
+
+
 @pytest.mark.parametrize("equation,a_shape,b_shape", [
     ("bsk,kn->bsn", (2, 3, 32), (32, 16)), ("bi,oi->bo", (4, 32), (16, 32)), ("kb,kn->nb", (32, 4), (32, 16)),
 ])
