@@ -8,6 +8,7 @@ every policy prints to (and parses from) a string of ``key=dtype`` pairs::
 
 A policy may also run its safe matmuls in float8 (:class:`Float8`): ``float8=tensorwise`` (or
 ``rowwise``, ``rowwise_with_gw_hp``) after the dtypes, or after a preset: ``"O2,float8=rowwise"``.
+:meth:`Policy.parse` reads all of these (presets too); ``convert`` reads its policy through it.
 """
 
 from __future__ import annotations
@@ -202,8 +203,25 @@ class Policy:
         return cls(**_dtypes(fields))
 
     @classmethod
-    def parse(cls, text: str) -> "Policy":
-        """Parse ``"params=float32,compute=bfloat16,output=float32"``; missing keys take the O1 defaults."""
+    def parse(
+        cls, text: str, dtype: Union[str, torch.dtype, None] = None, *, keep_norms_fp32: bool = False,
+        device_type: str = "cpu",
+    ) -> "Policy":
+        """Parse every string ``convert`` takes: a preset (``"O2"``), a preset changed by ``key=value`` parts
+        (``"O2,float8=rowwise"``), or ``key=dtype`` pairs (``"params=float32,compute=bfloat16"``: missing keys
+        take the O1 defaults).  ``dtype`` picks a preset's low precision, by default autocast's for
+        ``device_type`` (:func:`default_dtype`: bfloat16 on a CPU); a preset with float8 takes bfloat16
+        (float8 takes no other).  The one parser: :func:`resolve_policy` (``convert``'s) calls it."""
+        if not isinstance(text, str):
+            raise TypeError(f"policy must be a Policy or a string such as 'O1', not {type(text).__name__}")
+        head, sep, rest = text.partition(",")
+        if "=" not in head and head.strip().upper() in PRESETS:
+            return cls._parse_preset(text, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
+        if "=" not in text:
+            raise ValueError(f"unknown policy {text!r}; use one of {', '.join(PRESETS)} or a string like "
+                             f"'params=float32,compute=float16,output=float32'")
+        if keep_norms_fp32:
+            raise ValueError("keep_norms_fp32 applies to the preset O3; in a policy string say norms=float32")
         fields: dict = {}
         for part in text.split(","):
             part = part.strip()
@@ -214,7 +232,7 @@ class Policy:
             if not sep or key not in _KEYS + ("float8",):
                 raise ValueError(
                     f"cannot parse {part!r} in policy {text!r}; expected key=dtype with key in {', '.join(_KEYS)} "
-                    f"(or float8=<recipe>)"
+                    f"(or float8=<recipe>), or a preset ({', '.join(PRESETS)}) first"
                 )
             if key in fields:
                 raise ValueError(f"policy {text!r} sets {key} twice")
@@ -226,7 +244,40 @@ class Policy:
                     else parse_dtype(value, what=key)
         if "compute" not in fields:
             raise ValueError(f"policy {text!r} does not say compute=<dtype>")
-        return cls(**fields)
+        parsed = cls(**fields)
+        if dtype is not None and parse_dtype(dtype) != parsed.compute:
+            raise ValueError(f"dtype={dtype} contradicts compute={dtype_name(parsed.compute)} in {text!r}")
+        return parsed
+
+    @classmethod
+    def _parse_preset(
+        cls, text: str, dtype: Union[str, torch.dtype, None], *, keep_norms_fp32: bool, device_type: str
+    ) -> "Policy":
+        """``"O2"`` or ``"O2,float8=rowwise,output=keep"``: a preset, then ``key=value`` parts that change it."""
+        head, sep, rest = text.partition(",")
+        changes: dict = {}
+        if sep:
+            if "=" not in rest:
+                raise ValueError(f"policy {text!r}: after the preset {head.strip()!r} write key=value parts, "
+                                 f"such as 'O2,float8=tensorwise'")
+            for part in filter(None, (p.strip() for p in rest.split(","))):
+                key, _, value = part.partition("=")
+                key = key.strip().lower()
+                if key in changes:
+                    raise ValueError(f"policy {text!r} sets {key} twice")
+                changes[key] = None if key == "output" and value.strip().lower() in ("none", "keep") else value.strip()
+        name = head.strip().upper()
+        if keep_norms_fp32 and name != "O3":
+            raise ValueError(f"keep_norms_fp32 only applies to O3 (O1 and O2 always keep norms in float32), "
+                             f"not {text!r}")
+        if dtype is None:
+            # float8 recipes take bfloat16 alone, whatever autocast's default for the device
+            dtype = torch.bfloat16 if changes.get("float8") is not None else default_dtype(device_type)[0]
+        base = cls.from_preset(name, dtype, keep_norms_fp32=keep_norms_fp32)
+        try:
+            return base.replace(**changes)
+        except TypeError as e:
+            raise ValueError(f"policy {text!r}: {e}") from e
 
     def __str__(self) -> str:
         parts = [f"{k}={dtype_name(getattr(self, k)) if getattr(self, k) is not None else 'keep'}" for k in _KEYS]
@@ -281,45 +332,13 @@ def resolve_policy(
     policy: Union[str, Policy], dtype: Union[str, torch.dtype, None] = None, *, keep_norms_fp32: bool = False,
     device_type: str = "cpu",
 ) -> Policy:
-    """Accept a :class:`Policy`, a preset name (``"O2"``) or a ``key=dtype`` string; ``dtype`` picks the low
-    precision of a preset, by default autocast's for ``device_type`` (:func:`default_dtype`).  A preset may
-    be followed by ``key=value`` parts that change it: ``"O2,float8=rowwise"`` (bfloat16 unless ``dtype``
-    says otherwise: float8 takes no other)."""
+    """Accept a :class:`Policy` or any string :meth:`Policy.parse` takes (a preset ``"O2"``, ``"O2,float8=rowwise"``,
+    ``key=dtype`` pairs); ``dtype`` picks the low precision of a preset, by default autocast's for ``device_type``
+    (:func:`default_dtype`)."""
     if isinstance(policy, Policy):
         if dtype is not None and parse_dtype(dtype) != policy.compute and policy.enabled:
             raise ValueError(
                 f"dtype={dtype} contradicts the policy's compute={dtype_name(policy.compute)}; pass one or the other"
             )
         return policy
-    if not isinstance(policy, str):
-        raise TypeError(f"policy must be a Policy or a string such as 'O1', not {type(policy).__name__}")
-    head, sep, rest = policy.partition(",")
-    if sep and "=" not in head and head.strip().upper() in PRESETS:  # "O2,float8=rowwise": a preset, changed
-        if "=" not in rest:
-            raise ValueError(f"policy {policy!r}: after the preset {head.strip()!r} write key=value parts, "
-                             f"such as 'O2,float8=tensorwise'")
-        changes: dict = {}
-        for part in filter(None, (p.strip() for p in rest.split(","))):
-            key, _, value = part.partition("=")
-            key = key.strip().lower()
-            if key in changes:
-                raise ValueError(f"policy {policy!r} sets {key} twice")
-            changes[key] = None if key == "output" and value.strip().lower() in ("none", "keep") else value.strip()
-        if dtype is None and changes.get("float8") is not None:
-            dtype = torch.bfloat16  # the one dtype float8 recipes take, whatever autocast's default for the device
-        base = resolve_policy(head, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
-        try:
-            return base.replace(**changes)
-        except TypeError as e:
-            raise ValueError(f"policy {policy!r}: {e}") from e
-    if "=" in policy:
-        if keep_norms_fp32:
-            raise ValueError("keep_norms_fp32 applies to the preset O3; in a policy string say norms=float32")
-        parsed = Policy.parse(policy)
-        if dtype is not None and parse_dtype(dtype) != parsed.compute:
-            raise ValueError(f"dtype={dtype} contradicts compute={dtype_name(parsed.compute)} in {policy!r}")
-        return parsed
-    if keep_norms_fp32 and policy.strip().upper() != "O3":
-        raise ValueError(f"keep_norms_fp32 only applies to O3 (O1 and O2 always keep norms in float32), not {policy!r}")
-    low = default_dtype(device_type)[0] if dtype is None else dtype
-    return Policy.from_preset(policy, low, keep_norms_fp32=keep_norms_fp32)
+    return Policy.parse(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)

@@ -26,6 +26,23 @@ def test_bfloat16_and_shorthands():
     assert "output=keep" in str(Policy.parse("compute=bf16,output=keep"))
 
 
+def test_policy_parse_takes_every_string_convert_takes():
+    # one parser: Policy.parse("O2") used to be "cannot parse 'O2'" although convert(model, "O2") works
+    for text in ("O2", "o1", "O3", "O2,float8=rowwise", "O2,output=keep", "params=float32,compute=bf16"):
+        assert Policy.parse(text) == resolve_policy(text)
+    assert Policy.parse("O2") == Policy.from_preset("O2", torch.bfloat16)  # autocast's CPU default, as convert
+    assert Policy.parse("O2", "float16") == Policy.from_preset("O2", torch.float16)
+    assert Policy.parse("O2", device_type="cuda").params == torch.float16
+    assert Policy.parse("O3", keep_norms_fp32=True).norms == torch.float32
+    assert Policy.parse("O2,float8=rowwise") == Policy.from_preset("O2", "bf16").replace(float8="rowwise")
+    with pytest.raises(ValueError, match="unknown policy 'O4'; use one of O0, O1, O2, O3"):
+        Policy.parse("O4")
+    with pytest.raises(ValueError, match="contradicts compute=bfloat16"):
+        Policy.parse("compute=bfloat16", "float16")
+    with pytest.raises(TypeError, match="policy must be a Policy or a string"):
+        Policy.parse(2)
+
+
 def test_policy_is_frozen():
     with pytest.raises(Exception):
         Policy.from_preset("O1").compute = torch.bfloat16

@@ -42,6 +42,7 @@ from torch.fx.graph import _PyTreeCodeGen
 
 from .calls import SIMPLE, bound_root, describe_call, flatten_call, leaf_names, undo_point
 from .capture import capture, capture_with_values
+from .capture.regions import confirmed, region_note, scan
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from ..dtypes import LOW
 from .capture.shapes import STATIC_SIZES
@@ -352,6 +353,16 @@ def _check_extras(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) ->
     extras = {n: m for n, m in gm._modules.items() if n not in own and n not in ("_fxamp_weight_cache", MODE_FLAG)}
     extras.update({n: t for n, t in itertools.chain(gm._parameters.items(), gm._buffers.items()) if n not in own})
     if extras:
+        # a grad-mode/autocast region's body is a sub-graph (submod_1): name the region's line, not the attribute
+        bodies = [m.graph for m in extras.values() if isinstance(m, fx.GraphModule)]
+        found = confirmed(scan(block, graphs=[gm.graph, *bodies]), bodies) if bodies else []
+        lines = [region_note(".".join(filter(None, (paths[0], p))), f) for p, _, f in found
+                 if f.kind in ("grad", "autocast")]
+        if lines:
+            raise TraceError(f"fxamp.convert_: block {paths[0]!r} has a grad-mode or autocast region, "
+                             f"{'; '.join(lines)}, which a per-block graph cannot keep (torch.export made it a "
+                             f"sub-graph its instances do not have); convert this model whole with fxamp.convert, "
+                             f"which keeps it", short=f"region {lines[0]} in a block", module_path=paths[0])
         raise TraceError(f"fxamp.convert_: the capture of block {paths[0]!r} made attributes its instances do not "
                          f"have ({', '.join(sorted(extras))}); convert this model whole with fxamp.convert",
                          short="capture made extra attributes")

@@ -334,7 +334,9 @@ def cost_says(kind: str, recipe: Float8Recipe, k: int, n: int,
     """Whether float8 pays for a (K, N) matmul on device ``kind``, and why (the table's row, or torchao's rule)."""
     table = tables.get(kind, {}).get(recipe)
     if table is None:
-        return torchao_default(recipe, k, n)
+        pays, rule = torchao_default(recipe, k, n)
+        emulated = ", where float8 runs emulated," if kind.startswith("cpu") else ""
+        return pays, f"no cost table for {kind}{emulated} so {rule}"
     s = table.speedup(k, n)
     return s > 1.0, f"measured {s:.2f}x of bfloat16 near K={k}, N={n} on {table.device}"
 
@@ -522,18 +524,29 @@ def _choose_one(node: fx.Node, kind: str, kn: Optional[Tuple[int, int]], config:
     pays, why = cost_says(device_kind(device), config.recipe, kn[0], kn[1])
     if pays:
         return Float8Choice(True, f"float8: pays at K={kn[0]}, N={kn[1]} ({why})", Source.DEFAULT)
-    return Float8Choice(False, f"kept in bfloat16: too small to pay at K={kn[0]}, N={kn[1]} ({why}); "
-                               f"':always' or a node/module override 'float8' forces it", Source.DEFAULT)
+    return Float8Choice(False, f"{_COST_KEPT}K={kn[0]}, N={kn[1]} ({why}); {_FORCE}", Source.DEFAULT)
 
 
-def float8_notes(decisions: Mapping[fx.Node, Decision]) -> List[str]:
-    """One line saying how many matmuls run in float8 and which stayed in bfloat16 for their shape."""
+_COST_KEPT = "kept in bfloat16: too small to pay at "
+_FORCE = "':always' or a node/module override 'float8' forces it"
+
+
+def float8_notes(decisions: Mapping[fx.Node, Decision], config: Optional[Float8] = None) -> List[str]:
+    """One line saying how many matmuls run in float8, which the cost model kept in bfloat16 (why, and how
+    to force them: on a CPU it keeps them all) and which stayed in bfloat16 for their shape."""
     choices = [(n, d.float8) for n, d in decisions.items() if d.float8 is not None]
     if not choices:
         return []
     chosen = sum(c.chosen for _, c in choices)
     shape = [n.name for n, c in choices if not c.chosen and c.source is Source.GRAPH]
+    cost = [(n, c) for n, c in choices if not c.chosen and c.reason.startswith(_COST_KEPT)]
     line = f"float8: {chosen} of {len(choices)} matmuls run in float8"
+    if cost:
+        always = f"'float8={dataclasses.replace(config, cost=Float8Cost.ALWAYS)}'" if config else "':always'"
+        # "K=64, N=64 (why)" -> "K=64, N=64: why"
+        why = cost[0][1].reason[len(_COST_KEPT):-len(_FORCE) - 2].replace(" (", ": ", 1)[:-1]
+        line += (f"; the cost model kept {len(cost)} in bfloat16 as too small to pay ({cost[0][0].name} at {why}); "
+                 f"{always} or a node/module override 'float8' forces them")
     if shape:
         line += (f"; kept in bfloat16 for their shape (see the report): {', '.join(shape[:5])}"
                  + (", …" if len(shape) > 5 else ""))

@@ -27,6 +27,7 @@ says so.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import operator
 from dataclasses import dataclass
@@ -249,12 +250,7 @@ class OpLists(Mapping):
 
 def _normalize_key(key: Any) -> OpKey:
     if isinstance(key, str):
-        if not key.startswith("Tensor."):
-            raise ValueError(
-                f"op override key {key!r}: strings name Tensor methods as 'Tensor.<name>'; "
-                "module paths such as 'encoder.layers.3' go in module_overrides="
-            )
-        return key
+        return _string_key(key)
     if isinstance(key, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return op_key(key)
     if isinstance(key, type) and issubclass(key, nn.Module):
@@ -265,6 +261,24 @@ def _normalize_key(key: Any) -> OpKey:
         f"cannot use {key!r} as an op key; use a function (torch.exp), 'Tensor.<method>', "
         "an aten op (torch.ops.aten.exp) or an nn.Module class"
     )
+
+
+def _string_key(key: str) -> str:
+    """``'Tensor.<method>'`` of this torch; any other string is refused, naming the key it should be (a
+    bare ``"linear"``, or the typo ``"lienar"``, means the function ``F.linear``: a key of its own)."""
+    name = key[7:] if key.startswith("Tensor.") else key
+    if key.startswith("Tensor.") and callable(getattr(torch.Tensor, name, None)):
+        return key
+    spellings = {n: [f"torch.{n}"] * callable(vars(torch).get(n)) + [f"F.{n} (torch.nn.functional.{n})"] *
+                 callable(vars(F).get(n)) + [f"'Tensor.{n}'"] * callable(getattr(torch.Tensor, n, None))
+                 for n in {*vars(torch), *vars(F), *dir(torch.Tensor)} if not n.startswith("_")}
+    close = [name] if spellings.get(name) else difflib.get_close_matches(name, [n for n in spellings if spellings[n]], 1)
+    what = f"torch.Tensor has no method {name!r}" if key.startswith("Tensor.") else \
+        "strings name Tensor methods ('Tensor.<name>'), functions are passed as themselves"
+    fix = (f": write {' or '.join(spellings[name])}" if close == [name] else
+           f"; did you mean {' or '.join(spellings[close[0]])}?") if close else ""
+    raise ValueError(f"op override key {key!r}: {what}{fix} (a module path such as 'encoder.layers.3' goes in "
+                     f"module_overrides=)")
 
 
 def as_entry(value: Union[str, Category, OpEntry], reason: str, source: Source) -> OpEntry:

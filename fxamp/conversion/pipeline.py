@@ -61,7 +61,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
     if options.debug_overflow is not DebugOverflow.OFF:
         add_overflow_checks(gm, raise_on_overflow=options.debug_overflow is DebugOverflow.RAISE)
     leaf_notes = (_float32_leaves(gm, decisions) if policy.enabled else []) + unused_overrides(gm, options)
-    notes = tuple(notes) + tuple(float8_notes(decisions))
+    notes = tuple(notes) + tuple(float8_notes(decisions, policy.float8))
     for note in leaf_notes:
         warnings.warn(f"fxamp: {note}", stacklevel=3)
     # after the casts (and overflow checks) exist: each checkpointed block takes its casts along

@@ -6,7 +6,10 @@ candidate matmul (``Decision.float8`` set, chosen or not), computes from the inp
 * the bfloat16 matmul (what the node runs without float8) and the float8 one (the policy's recipe),
   and the SQNR of the float8 result against the bfloat16 one, in dB (the worst batch);
 * the amax of the input's and the weight's scaling groups (one per tensor, or per row for rowwise
-  recipes) and the range of the scales made from them.
+  recipes) and the range of the scales made from them;
+* how far one non-finite input spreads: the output rows that turn NaN once one NaN is planted in
+  the input's first row.  A rowwise recipe confines it to that row; tensorwise computes one scale from
+  the whole tensor's amax, which the NaN (or an inf) makes non-finite, so every output row turns NaN.
 
 A matmul's own float8 error is about 28 dB against bfloat16 (e4m3 keeps 3 mantissa bits);
 much lower means its operands span more range than one scale can hold (an outlier feature:
@@ -70,8 +73,13 @@ def _measure_one(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], co
     wa = w.abs().amax(dim=-1) if rowwise else w.abs().amax().reshape(1)
     scales = torch.cat([to_float8(x2, E4M3, config.power_of_two, dim=-1 if rowwise else None)[1].flatten(),
                         to_float8(w.t(), E4M3, config.power_of_two, dim=0 if rowwise else None)[1].flatten()])
+    # the input's own non-finite values zeroed, one NaN planted in its first row: the rows it reaches
+    planted = x2.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    planted[0, 0] = float("nan")
+    out = float8_linear(planted.reshape(x.shape), w.to(x.dtype), b, config)
+    nan_rows = (int(out.reshape(-1, out.shape[-1]).isnan().any(dim=-1).sum()), x2.shape[0])
     return Float8Measure(sqnr(low.float(), f8.float()), (float(xa.min()), float(xa.max())),
-                         (float(wa.min()), float(wa.max())), (float(scales.min()), float(scales.max())))
+                         (float(wa.min()), float(wa.max())), (float(scales.min()), float(scales.max())), nan_rows)
 
 
 class _Probe(fx.Interpreter):

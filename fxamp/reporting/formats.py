@@ -31,7 +31,7 @@ CSV_COLUMNS = ["record", "node", "kind", "op", "module", "category", "resolved",
 NUMERICS_COLUMNS = ["sqnr_db", "max_rel_error", "nonfinite", "overflow", "underflow", "culprit"]
 #: appended when the policy runs float8 (a row per candidate matmul; the measured ones with numerics)
 FLOAT8_COLUMNS = ["float8", "float8_reason", "float8_sqnr_db", "float8_input_amax", "float8_weight_amax",
-                  "float8_scale"]
+                  "float8_scale", "float8_nan_rows"]
 
 
 def unique(items: Iterable[str]) -> List[str]:
@@ -193,6 +193,10 @@ def table(rep: Any, *, wide: bool = False) -> str:
     if float8:
         lines.append("float8: f8 runs in float8, bf16 stays bfloat16 (why: shape, cost, override; --wide says it "
                      "in full); dB: the float8 result against the bfloat16 one, measured with numerics")
+        if any(r.float8 is not None and r.float8.measured is not None and r.float8.measured.spreads for r in rep.rows):
+            lines.append("NaN→k/m rows: one NaN planted in one input row made k of the m output rows NaN (tensorwise: "
+                         "one scale for the whole tensor, so one non-finite input spoils every row; rowwise keeps it "
+                         "to its row)")
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]
@@ -220,6 +224,8 @@ def float8_cell(cell: Any, wide: bool = False) -> str:
     text = "f8" if cell.chosen else "bf16 (" + {"graph": "shape", "default": "cost"}.get(cell.source, "override") + ")"
     if cell.measured is not None:
         text += f" {format_db(cell.measured.sqnr_db)}dB"
+        if cell.measured.spreads:
+            text += " NaN→{}/{} rows".format(*cell.measured.nan_rows)
     return f"{text}: {cell.reason}" if wide else text
 
 
@@ -297,9 +303,10 @@ def to_csv(rep: Any) -> str:
         if float8:
             c = r.float8
             m = None if c is None else c.measured
-            line += ["", "", "", "", "", ""] if c is None else [
+            line += [""] * len(FLOAT8_COLUMNS) if c is None else [
                 int(c.chosen), c.reason, "" if m is None else format_db(m.sqnr_db),
-                *(("",) * 3 if m is None else (" ".join(map(repr, v)) for v in (m.input_amax, m.weight_amax, m.scale)))]
+                *(("",) * 4 if m is None else (" ".join(map(repr, v)) for v in (m.input_amax, m.weight_amax, m.scale,
+                                                                                 m.nan_rows)))]
         w.writerow(line)
     pad = [""] * (len(columns) - len(CSV_COLUMNS))
     blank = [""] * (len(CSV_COLUMNS) - 3)

@@ -77,23 +77,33 @@ class Float8Measure:
     input_amax:   (smallest, largest) amax over the input's scaling groups (one per tensor, or per row).
     weight_amax:  (smallest, largest) amax over the weight's scaling groups.
     scale:        (smallest, largest) scale over both operands' groups (float8 = value * scale).
+    nan_rows:     (output rows NaN, output rows) once one NaN is planted in the input's first row (its own
+                  non-finite values zeroed): 1 under the rowwise recipes (a scale per row), every row under
+                  tensorwise (the tensor's one scale turns NaN).
     """
 
     sqnr_db: float
     input_amax: Tuple[float, float]
     weight_amax: Tuple[float, float]
     scale: Tuple[float, float]
+    nan_rows: Tuple[int, int]
+
+    @property
+    def spreads(self) -> bool:
+        """One non-finite input row reaches other output rows (tensorwise scaling)."""
+        return self.nan_rows[0] > 1
 
     def merged(self, other: "Float8Measure") -> "Float8Measure":
-        """The worst of two batches: the lower SQNR, the wider ranges."""
+        """The worst of two batches: the lower SQNR, the wider ranges, the larger share of rows a NaN reaches."""
         def span(a: Tuple[float, float], b: Tuple[float, float]) -> Tuple[float, float]:
             return min(a[0], b[0]), max(a[1], b[1])
+        rows = max(self.nan_rows, other.nan_rows, key=lambda r: (r[0] / max(r[1], 1), r[0]))
         return Float8Measure(min(self.sqnr_db, other.sqnr_db), span(self.input_amax, other.input_amax),
-                             span(self.weight_amax, other.weight_amax), span(self.scale, other.scale))
+                             span(self.weight_amax, other.weight_amax), span(self.scale, other.scale), rows)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"sqnr_db": _json_float(self.sqnr_db), "input_amax": list(self.input_amax),
-                "weight_amax": list(self.weight_amax), "scale": list(self.scale)}
+                "weight_amax": list(self.weight_amax), "scale": list(self.scale), "nan_rows": list(self.nan_rows)}
 
 
 @dataclass(frozen=True)

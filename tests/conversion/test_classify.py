@@ -257,7 +257,13 @@ def test_with_overrides_makes_new_lists():
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"overrides": {torch.exp: "fast"}}, ValueError, "'fast' is not a category; use one of safe, neutral"),
-    ({"overrides": {"exp": "safe"}}, ValueError, "strings name Tensor methods as 'Tensor.<name>'"),
+    ({"overrides": {"exp": "safe"}}, ValueError, r"strings name Tensor methods \('Tensor.<name>'\), functions are "
+                                                 r"passed as themselves: write torch.exp or 'Tensor.exp'"),
+    # a function's bare name, or a typo of it, is told the function to pass (the old error only said 'Tensor.<name>')
+    ({"overrides": {"linear": "safe"}}, ValueError, r"'linear': .*: write F.linear \(torch.nn.functional.linear\)"),
+    ({"overrides": {"lienar": "safe"}}, ValueError, r"'lienar': .*; did you mean F.linear \(torch.nn.functional.linear\)\?"),
+    ({"overrides": {"Tensor.lienar": "safe"}}, ValueError, r"torch.Tensor has no method 'lienar'; did you mean F.linear"),
+    ({"overrides": {"encoder.layers.3": "safe"}}, ValueError, r"themselves \(a module path .* goes in module_overrides=\)"),
     ({"overrides": {3: "safe"}}, TypeError, "cannot use 3 as an op key"),
     ({"overrides": {torch.exp: "conditional"}}, ValueError, "override with an OpEntry"),
     ({"module_overrides": {"fc9": "safe"}}, ValueError, "'fc9' is not a submodule of the model"),

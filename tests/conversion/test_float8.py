@@ -5,6 +5,7 @@ import collections
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -146,6 +147,27 @@ def test_all_zero_and_huge_inputs_give_no_nan_or_inf(recipe, fill):
         assert torch.isfinite(t).all()
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_one_non_finite_input_spoils_every_row_under_tensorwise_and_its_own_row_under_rowwise(recipe, bad):
+    # docs/float8.md: tensorwise's one scale comes from the whole tensor's amax, which one bad value makes
+    # non-finite; a rowwise recipe scales each row by itself, as bfloat16 confines the value to its row
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    x[3, 5] = bad
+    x.requires_grad_()
+    out = float8_linear(x, w, None, Float8.parse(recipe))
+    bad_rows = (~torch.isfinite(out)).any(dim=1)
+    assert (~torch.isfinite(F.linear(x, w))).any(dim=1).tolist() == [i == 3 for i in range(8)]  # bfloat16: row 3
+    assert bad_rows.tolist() == ([True] * 8 if recipe == "tensorwise" else [i == 3 for i in range(8)])
+    g = torch.randn(8, 16, dtype=torch.bfloat16)
+    g[1, 2] = float("nan")  # backward: one NaN gradient value, the same contrast
+    x2 = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    float8_linear(x2, w, None, Float8.parse(recipe)).backward(g)
+    grad_rows = torch.isnan(x2.grad).any(dim=1)
+    assert grad_rows.tolist() == ([True] * 8 if recipe == "tensorwise" else [i == 1 for i in range(8)])
+
+
 @pytest.mark.parametrize("equation,a_shape,b_shape", [
     ("bsk,kn->bsn", (2, 3, 32), (32, 16)), ("bi,oi->bo", (4, 32), (16, 32)), ("kb,kn->nb", (32, 4), (32, 16)),
 ])
@@ -281,10 +303,31 @@ def test_the_converted_graph_computes_what_the_float8_functions_do():
     assert torch.equal(amp(x), expected)
 
 
+def test_on_the_measured_cpu_the_note_quotes_the_cost_tables_row(monkeypatch):
+    monkeypatch.setattr("fxamp.conversion.float8.device_kind", lambda device: "cpu:no-bf16-kernels")
+    note = fxamp.conversion_info(_convert(Matmuls(), "O2,float8=tensorwise")).notes[0]
+    assert note.startswith("float8: 0 of 6 matmuls run in float8; the cost model kept 3 in bfloat16 as too small to "
+                           "pay (linear at K=32, N=64: measured 0.30x of bfloat16 near K=32, N=64 on cpu: Intel Xeon, "
+                           "AVX-512, no bf16 kernels); 'float8=tensorwise:always' or a node/module override 'float8' "
+                           "forces them; kept in bfloat16 for their shape"), note
+
+
 def test_by_default_the_cost_model_keeps_ci_sized_matmuls_in_bfloat16():
     amp = _convert(Matmuls(), "O2,float8=tensorwise")  # measured here, or torchao's thresholds: too small to pay
     assert _targets(amp) == []
     assert "kept in bfloat16: too small to pay at K=32, N=64" in _choices(amp)["linear"].reason
+    # the note says why (the cost table's row, or torchao's thresholds where none was measured) and how to force
+    note = fxamp.conversion_info(amp).notes[0]
+    assert re.fullmatch(r"float8: 0 of 6 matmuls run in float8; the cost model kept 3 in bfloat16 as too small to "
+                        r"pay \(linear at K=32, N=64: (measured \d\.\d\dx of bfloat16 near K=32, N=64 on cpu: .*|no cost "
+                        r"table for cpu.*, where float8 runs emulated, so torchao's H100 thresholds .*)\); "
+                        r"'float8=tensorwise:always' or a node/module override 'float8' forces them; kept in "
+                        r"bfloat16 for their shape .*", note), note
+    assert "'float8=rowwise:nopow2:always'" in fxamp.conversion_info(_convert(Matmuls(), "O2,float8=rowwise:nopow2")
+                                                                     ).notes[0]
+    assert cost_says("cpu:amx-bf16", Float8Recipe.TENSORWISE, 64, 64, {}) == (
+        False, "no cost table for cpu:amx-bf16, where float8 runs emulated, so torchao's H100 thresholds "
+               "(tensorwise skips K <= 4096 and N <= 1024)")
 
 
 def test_overrides_force_or_refuse_float8_per_node_and_per_module():

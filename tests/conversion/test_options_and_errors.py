@@ -97,3 +97,36 @@ def test_an_error_inside_a_leaf_module_keeps_its_traceback_and_names_the_node():
     with pytest.raises(ValueError, match=r"^Picky wants 3 features \[raised by the converted module's node '_1'") as e:
         amp(torch.randn(2, 8))
     assert any("Picky wants 3 features" in str(entry.statement) for entry in e.traceback)  # where it was raised
+
+
+class _FrozenHeadBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen, self.trained = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            y = self.frozen(x)
+        return self.trained(x) + y
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_FrozenHeadBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_convert_in_place_refusing_a_region_names_its_source_line_not_an_attribute():
+    # it said "made attributes its instances do not have (submod_1)": torch.export's name for the region's body
+    line = _FrozenHeadBlock.forward.__code__.co_firstlineno + 1
+    model = fxamp.convert_(_Stack(), "O1")
+    with pytest.raises(fxamp.TraceError, match=rf"block 'blocks.0' has a grad-mode or autocast region, "
+                                               rf"`with torch.no_grad\(\):` at .*test_options_and_errors.py:{line} "
+                                               rf".*convert this model whole with fxamp.convert") as info:
+        model(torch.randn(2, 8))
+    assert "submod" not in str(info.value)

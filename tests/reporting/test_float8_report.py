@@ -110,3 +110,28 @@ def test_autotune_changes_nothing_on_a_healthy_mlp():
                                           return_result=True)
     assert overrides == {"module_overrides": {}, "node_overrides": {}, "overrides": {}}
     assert result.float8_refused == () and result.score_before >= 15.0
+
+
+@pytest.mark.parametrize("recipe,rows", [("tensorwise", 16), ("rowwise", 1)])
+def test_the_column_shows_how_far_one_nan_spreads_under_each_recipe(recipe, rows):
+    # issue 37: under tensorwise one NaN in one input row made every output row NaN, and the column said nothing
+    torch.manual_seed(5)
+    x = torch.randn(16, 32)
+    x[3, 5] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = fxamp.report(MLP(), [(x,)], f"O2,float8={recipe}:always", numerics=True)
+    measured = {r.node: r.float8.measured for r in rep.rows if r.float8 is not None}
+    assert {n: m.nan_rows for n, m in measured.items()} == {n: (rows, 16) for n in ("linear", "linear_1", "linear_2")}
+    text = str(rep)
+    assert (f"f8 -infdB NaN→16/16 rows" in text) is (recipe == "tensorwise")
+    assert ("NaN→k/m rows: one NaN planted in one input row made k of the m output rows NaN (tensorwise" in text) \
+        is (recipe == "tensorwise")
+    assert rep.to_dict()["rows"][[r.node for r in rep.rows].index("linear")]["float8"]["measured"]["nan_rows"] == \
+        [rows, 16]
+    csv = rep.to_csv().splitlines()
+    assert csv[0].endswith(",float8_scale,float8_nan_rows")
+    assert next(line for line in csv if line.startswith("node,linear,")).endswith(f",{rows} 16")
+    # on clean inputs the measurement is the same: the column shows the risk before a NaN ever arrives
+    clean = _report(MLP(), f"O2,float8={recipe}:always", numerics=True)
+    assert {r.float8.measured.nan_rows for r in clean.rows if r.float8 is not None} == {(rows, 16)}
