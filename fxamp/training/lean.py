@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -226,8 +226,7 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
     at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied: on a CPU a sum
     over the slice says whether it has any (only then the slower masked path); elsewhere the masked path
     always (the same bits; asking would make the host wait for the device)."""
-    # the stream's element i rounds the row-major element i whatever the strides (into a row-major copy of a
-    # channels_last or transposed ``out``): the same bits as the same values stored row-major
+    # the stream's element i rounds row-major element i, whatever the strides (a strided ``out`` through a copy)
     bits, dst = x.detach().reshape(-1).view(torch.int32), out.reshape(-1) if out.is_contiguous() else out.flatten()
     dst16 = dst.view(torch.int16)
     chunk, on_cpu = quant.chunk_for(x.device), _host_reads_cheaply(x.device)
@@ -539,21 +538,22 @@ def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, nam
                          f"which keeps it float32 for this optimizer)")
 
 
-def resolve(masters: Union[str, MasterPrecision], state: Union[str, StatePrecision],
+def resolve(masters: Union[str, MasterPrecision, None], state: Union[str, StatePrecision, None],
             precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
-    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)``."""
+    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)`` (None: not given;
+    ``precision`` sets both, so beside ``masters`` or ``state`` it is refused: one would be ignored)."""
     if precision is None:
-        return LeanConfig.of(masters, state)
-    if isinstance(precision, LeanConfig):
-        return precision
-    if isinstance(precision, str):
-        return LeanConfig.preset(precision)
-    raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
-                    f"not {type(precision).__name__}")
-
-
-def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:
-    return all(m == "fp32" and s == "fp32" for m, s in items)
+        return LeanConfig.of("fp32" if masters is None else masters, "fp32" if state is None else state)
+    if not isinstance(precision, (str, LeanConfig)):
+        raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
+                        f"not {type(precision).__name__}")
+    config = precision if isinstance(precision, LeanConfig) else LeanConfig.preset(precision)
+    if masters is not None or state is not None:
+        given = " and ".join(f"{k}={v!r}" for k, v in (("masters", masters), ("state", state)) if v is not None)
+        want = [str(config.masters if masters is None else masters), str(config.state if state is None else state)]
+        raise ValueError(f"precision={precision!r} sets masters and state ({config}), so {given} beside it would be "
+                         f"ignored: pass one or the other, e.g. masters={want[0]!r}, state={want[1]!r} without precision")
+    return config
 
 
 def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None,

@@ -128,7 +128,8 @@ class MixedPrecisionOptimizer:
     masters, state: per-tensor precision (:mod:`fxamp.training.lean`): masters ``"fp32"`` (the default),
                    ``"kahan"``, ``"stochastic"`` or ``"auto"``; state ``"fp32"``, ``"bf16"``, ``"int8"`` or
                    ``"auto"`` (measured during the first steps: :mod:`fxamp.training.calibrate`).
-                   ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead.
+                   ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead
+                   (refused beside ``masters=`` or ``state=``, which it would override).
                    ``seed``: of the stochastic rounding (an int, or a torch.Generator to draw it from; default 0,
                    the same on every rank, so DDP replicas round alike).
 
@@ -147,8 +148,8 @@ class MixedPrecisionOptimizer:
         process_group: Optional[Any] = None,
         release_grad_buffer: bool = True,
         compile_step: bool = False,
-        masters: str = "fp32",
-        state: str = "fp32",
+        masters: Optional[str] = None,
+        state: Optional[str] = None,
         precision: Optional[Union[str, lean.LeanConfig]] = None,
         seed: Union[int, torch.Generator, None] = None,
     ) -> None:

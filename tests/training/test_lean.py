@@ -346,6 +346,14 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
     (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32', 'bf16', 'int8', 'auto'"),
     (dict(precision="O9"), ValueError, r"precision='O9' is not a preset; valid: 'O2', 'O2-lean'"),
     (dict(masters="kahan", compile_step=True), ValueError, r"compile_step=True .* lean"),
+    (dict(precision="O2-lean", masters="kahan"), ValueError,
+     r"precision='O2-lean' sets masters and state \(masters=auto,state=auto\), so masters='kahan' beside it would "
+     r"be ignored: pass one or the other, e.g. masters='kahan', state='auto' without precision"),
+    (dict(precision="O2", state="int8"), ValueError, r"precision='O2' .* so state='int8' beside it would be ignored: "
+     r".* masters='fp32', state='int8' without precision"),
+    (dict(precision=LeanConfig.of("kahan"), masters="fp32", state="fp32"), ValueError,
+     r"precision=LeanConfig\(.*\) sets masters and state \(masters=kahan,state=fp32\), so masters='fp32' and "
+     r"state='fp32' beside it would be ignored"),
 ])
 def test_bad_options_say_what_is_valid_and_change_nothing(kwargs, error, match):
     model = nn.Linear(8, 8).to(torch.bfloat16)
