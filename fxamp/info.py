@@ -6,6 +6,8 @@ without importing the conversion pipeline.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -83,9 +85,21 @@ def watch_for_masters(params: Iterable[torch.Tensor]) -> None:
             handle.remove()
         handles.clear()
         if not any(getattr(p, MASTERED, False) for p in params):
-            warnings.warn(NO_MASTERS.format(dtype=str(param.dtype).removeprefix("torch.")), RuntimeWarning, stacklevel=2)
+            warnings.warn(NO_MASTERS.format(dtype=str(param.dtype).removeprefix("torch.")), RuntimeWarning,
+                          stacklevel=_user_stacklevel())
 
     handles.extend(p.register_post_accumulate_grad_hook(first_gradient) for p in params)
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, for its caller, naming the first frame outside torch and fxamp: the user's
+    ``loss.backward()`` line, not torch's autograd file the hook runs under; 1 (the caller) where there is none
+    (a backward run on an autograd device thread has no user frame)."""
+    internal = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 #: set on a float16/bfloat16 parameter that conversion made from a float32 one: a reference to that

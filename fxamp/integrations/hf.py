@@ -188,7 +188,7 @@ def prepare(
     optimizer:      ``param_groups -> torch optimizer``; default AdamW from ``args``.
     scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
     loss_scale:     as :class:`fxamp.MixedPrecisionOptimizer`'s (``"auto"``, ``"dynamic"``, ``"none"``,
-                    ``"static:<scale>"``, a ``LossScaleConfig`` or a shared ``LossScaler``).
+                    ``"static:<scale>"`` or a number, a ``LossScaleConfig`` or a shared ``LossScaler``).
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
                     ``args.max_grad_norm`` for float16.
     compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models

@@ -60,7 +60,7 @@ class FxampPrecision(Precision):
                     module that has parameters (the items of a ModuleList/ModuleDict).
     loss_scale:     ``"auto"`` (dynamic for float16, none for bfloat16), ``"dynamic"``, ``"none"``,
                     ``"static:<scale>"``, a :class:`fxamp.LossScaleConfig`, or a :class:`fxamp.LossScaler`
-                    to share (``None`` and numbers are refused: write ``"none"``, ``"static:<scale>"``).
+                    to share (a number is a static scale; ``None`` is refused: write ``"none"``).
     example_inputs: ``{"net": (x,)}``: example inputs for modules torch.fx cannot trace (used by
                     ``fxamp.convert``'s ``torch.export`` front end).
     compile_step:   step the float32 masters with compiled kernels, 16 masters a call, on models

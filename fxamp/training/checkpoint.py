@@ -90,6 +90,8 @@ def load(opt: Any, state: Any) -> None:
             choice = None if ws is None else ws.choices[id(m)]
             if choice is not None and choice.state != "fp32" and m in opt.optimizer.state:
                 quant.recompress(opt.optimizer.state[m], choice.state)
+            elif choice is None and m in opt.optimizer.state:  # (saved from a master of other strides: torch's
+                quant.conform(opt.optimizer.state[m], m)  # fused kernel would read the moments permuted)
             if choice is None or choice.master == "fp32":
                 m.copy_(saved.to(m.device))
             elif choice.master == "kahan":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -42,13 +43,13 @@ class ScaleKind(str, enum.Enum):
 
 _KINDS = ", ".join(repr(k.value) for k in ScaleKind)
 #: the valid forms of ``loss_scale=``, as error messages name them
-OPTIONS = ("'auto', 'dynamic', 'none', 'static:<scale>' (e.g. 'static:1024'), a LossScaleConfig, or a "
-           "LossScaler shared with other optimizers")
+OPTIONS = ("'auto', 'dynamic', 'none', 'static:<scale>' (e.g. 'static:1024') or the scale itself (1024.0), a "
+           "LossScaleConfig, or a LossScaler shared with other optimizers")
 
 #: what ``loss_scale=`` takes (:func:`~fxamp.training.loss_scale.scaler_for`): a string shorthand
-#: (``"auto"``, ``"dynamic"``, ``"none"``, ``"static:<scale>"``), a config, or a shared scaler; one
-#: type per option (``None`` and plain numbers are refused: :func:`config_for`)
-LossScaleOption = Union[str, "LossScaleConfig", "LossScaler"]
+#: (``"auto"``, ``"dynamic"``, ``"none"``, ``"static:<scale>"``), a number (a static scale: apex's
+#: ``loss_scale=128.0``, its one meaning), a config, or a shared scaler (``None`` is refused: :func:`config_for`)
+LossScaleOption = Union[str, float, "LossScaleConfig", "LossScaler"]
 
 
 @dataclass(frozen=True)
@@ -159,19 +160,21 @@ def config_for(loss_scale: Union[str, LossScaleConfig], low: Optional[torch.dtyp
 
     ``"auto"``: none when ``low`` (the compute dtype: :func:`compute_dtype`) is bfloat16 or float32,
     else dynamic; ``"dynamic"``, ``"none"``, ``"static:<scale>"``
-    (:meth:`LossScaleConfig.parse`); a :class:`LossScaleConfig` as it is.  ``None`` and plain numbers,
-    the older spellings of ``"none"`` and ``"static:<scale>"``, raise TypeError naming the form to
-    write, as does any other type.
+    (:meth:`LossScaleConfig.parse`); a number, a static scale (as apex's ``loss_scale=128.0``); a
+    :class:`LossScaleConfig` as it is.  ``None`` (apex's and older fxamp's spelling of ``"none"``, which
+    GradScaler reads otherwise) raises TypeError naming the form to write, as does any other type.
     """
     if isinstance(loss_scale, LossScaleConfig):
         return loss_scale
     if loss_scale is None:
         raise TypeError("loss_scale=None is not accepted: write loss_scale='none' (no scaling; non-finite "
                         f"gradients still skip the step). Valid forms: {OPTIONS}")
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        scale = int(loss_scale) if float(loss_scale).is_integer() else loss_scale
-        raise TypeError(f"loss_scale={loss_scale!r} is not accepted: write loss_scale='static:{scale!r}' "
-                        f"(a fixed scale). Valid forms: {OPTIONS}")
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
+        scale = float(loss_scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"loss_scale={loss_scale!r}: a number is a static loss scale, finite and > 0 "
+                             f"(e.g. 128.0); or use {OPTIONS}")
+        return LossScaleConfig.static(scale)
     if not isinstance(loss_scale, str):
         raise TypeError(f"loss_scale={loss_scale!r} ({type(loss_scale).__name__}) is not accepted; use {OPTIONS}")
     if loss_scale == "auto":

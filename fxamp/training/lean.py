@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -195,6 +195,11 @@ def placeholder(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=like.device).expand(like.shape)
 
 
+def _term(full: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Kahan's term of ``low`` for its value ``full``, row-major whatever their strides (as 8-bit state and kernel)."""
+    return (full - low.float()).to(low.dtype, memory_format=torch.contiguous_format)
+
+
 def _seed_for(seed: int, index: int, count: int) -> int:
     return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
 
@@ -221,7 +226,8 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
     at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied: on a CPU a sum
     over the slice says whether it has any (only then the slower masked path); elsewhere the masked path
     always (the same bits; asking would make the host wait for the device)."""
-    bits, dst = x.detach().reshape(-1).view(torch.int32), out.view(-1)
+    # the stream's element i rounds row-major element i, whatever the strides (a strided ``out`` through a copy)
+    bits, dst = x.detach().reshape(-1).view(torch.int32), out.reshape(-1) if out.is_contiguous() else out.flatten()
     dst16 = dst.view(torch.int16)
     chunk, on_cpu = quant.chunk_for(x.device), _host_reads_cheaply(x.device)
     for start in range(0, bits.numel(), chunk):
@@ -237,6 +243,8 @@ def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Genera
             value = noise.bitwise_and_(-65536).view(torch.float32)  # (0xFFFF0000): the low 16 bits dropped
             value = torch.where(torch.isfinite(part.view(torch.float32)), value, part.view(torch.float32))
             dst[start:start + m].copy_(value)  # exact: a bfloat16
+    if not out.is_contiguous():
+        out.copy_(dst.view(out.shape))
 
 
 class Workspace:
@@ -273,7 +281,7 @@ class Workspace:
                 if choice.master == "fp32":  # the float32 master becomes the weight (already its rounding) + term
                     full = master.detach()
                     if masters == "kahan":
-                        choice.term = (full - low.float()).to(low.dtype)
+                        choice.term = _term(full, low)
                     master.data = placeholder(master)
                 elif masters == "fp32":
                     master.data = self.value(master)
@@ -281,7 +289,7 @@ class Workspace:
                 else:  # kahan <-> stochastic: the term joins the weight, or starts at zero
                     full = self.value(master)
                     low.copy_(full)
-                    choice.term = (full - low.float()).to(low.dtype) if masters == "kahan" else None
+                    choice.term = _term(full, low) if masters == "kahan" else None
                 choice.master = masters
             if state != choice.state:
                 entry = self.optimizer.state.get(master)
@@ -291,14 +299,18 @@ class Workspace:
                         quant.compress(entry, state)
                 choice.state = state
 
-    def value(self, master: torch.Tensor) -> torch.Tensor:
-        """The float32 value of ``master`` (a new tensor for a lean one: weight + term)."""
+    def value(self, master: torch.Tensor, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The float32 value of ``master`` (a new tensor for a lean one: weight + term), laid out as ``like`` (its
+        gradient: the inner optimizer's fused kernel reads both in memory order), else row-major."""
         choice, low = self.choices[id(master)], self.low_of[id(master)]
         if choice.master == "fp32":
             return master.detach()
-        full = low.detach().float()
+        dense = like is not None and like.layout == torch.strided and like.shape == low.shape
+        full = torch.empty_like(like, dtype=torch.float32) if dense else \
+            torch.empty(low.shape, dtype=torch.float32, device=low.device)
+        full.copy_(low)
         if choice.term is not None:
-            full = full + choice.term.float()
+            full.add_(choice.term)  # (float32 arithmetic: the term's values are exact in it)
         return full
 
     def lean(self, master: torch.Tensor) -> bool:
@@ -362,9 +374,11 @@ class Workspace:
                 if choice is None or id(m) in skip_ids:
                     continue
                 if choice.master != "fp32":
-                    m.data = self.value(m)
-                if choice.state != "fp32" and m in self.optimizer.state:
-                    quant.decompress(self.optimizer.state[m])
+                    m.data = self.value(m, m.grad)
+                if m in self.optimizer.state:
+                    if choice.state != "fp32":
+                        quant.decompress(self.optimizer.state[m])
+                    quant.conform(self.optimizer.state[m], m)  # (decoded row-major; the value may not be)
                 if calibrating:
                     self._old[id(m)] = m.detach().clone()
 
@@ -399,12 +413,12 @@ class Workspace:
 
     def chunks(self, run: Any, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
-        larger than :func:`piece_for` its device, contiguous, of a stock elementwise optimizer (Adam, AdamW,
-        SGD), not calibrating."""
+        larger than :func:`piece_for` its device, of a stock elementwise optimizer (Adam, AdamW, SGD), not
+        calibrating."""
         if len(run.pairs) != 1 or self.calibrating or not quant.compressible(optimizer):
             return False
         low, master = run.pairs[0]
-        return self.lean(master) and low.numel() > piece_for(low.device) and low.is_contiguous()
+        return self.lean(master) and low.numel() > piece_for(low.device)
 
     def step_chunked(self, optimizer: Any, run: Any, inv_scale_on: Any) -> None:
         """Step one large lean master :func:`piece_for` elements at a time: each slice's float32 value, gradient
@@ -414,7 +428,10 @@ class Workspace:
         low, master = run.pairs[0]
         choice, group = self.choices[id(master)], optimizer.param_groups[run.group]
         state, n = optimizer.state.get(master, {}), low.numel()
-        flat, grad = low.detach().view(-1), low.grad.reshape(-1)
+        # slices of every tensor's row-major order (the 8-bit blocks' and the stochastic stream's): a weight of other
+        # strides (channels_last, a transpose) is stepped in a row-major copy, copied back after
+        flat, grad, copied = low.detach().reshape(-1), low.grad.reshape(-1), not low.is_contiguous()
+        quant.conform(state, low, row_major=True)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
@@ -459,6 +476,8 @@ class Workspace:
         finally:
             group["params"] = [master]
         optimizer.state[master] = new
+        if copied:
+            low.detach().copy_(flat.view(low.shape))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._gens:
@@ -519,21 +538,22 @@ def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, nam
                          f"which keeps it float32 for this optimizer)")
 
 
-def resolve(masters: Union[str, MasterPrecision], state: Union[str, StatePrecision],
+def resolve(masters: Union[str, MasterPrecision, None], state: Union[str, StatePrecision, None],
             precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
-    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)``."""
+    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)`` (None: not given;
+    ``precision`` sets both, so beside ``masters`` or ``state`` it is refused: one would be ignored)."""
     if precision is None:
-        return LeanConfig.of(masters, state)
-    if isinstance(precision, LeanConfig):
-        return precision
-    if isinstance(precision, str):
-        return LeanConfig.preset(precision)
-    raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
-                    f"not {type(precision).__name__}")
-
-
-def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:
-    return all(m == "fp32" and s == "fp32" for m, s in items)
+        return LeanConfig.of("fp32" if masters is None else masters, "fp32" if state is None else state)
+    if not isinstance(precision, (str, LeanConfig)):
+        raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
+                        f"not {type(precision).__name__}")
+    config = precision if isinstance(precision, LeanConfig) else LeanConfig.preset(precision)
+    if masters is not None or state is not None:
+        given = " and ".join(f"{k}={v!r}" for k, v in (("masters", masters), ("state", state)) if v is not None)
+        want = [str(config.masters if masters is None else masters), str(config.state if state is None else state)]
+        raise ValueError(f"precision={precision!r} sets masters and state ({config}), so {given} beside it would be "
+                         f"ignored: pass one or the other, e.g. masters={want[0]!r}, state={want[1]!r} without precision")
+    return config
 
 
 def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None,

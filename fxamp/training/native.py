@@ -177,13 +177,13 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
 
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:
     """Whether the kernel can step ``low``'s lean master under ``group``, its state in ``mode`` (``"int8"`` or
-    ``"bf16"``): a stock Adam/AdamW without amsgrad, maximize, differentiable or capturable; a contiguous
-    bfloat16 CPU weight; its state already made (the first step, which makes it, is the eager path's); the
-    kernel built here."""
+    ``"bf16"``): a stock Adam/AdamW without amsgrad, maximize, differentiable or capturable; a bfloat16 CPU
+    weight (of any strides: :func:`adam_step`); its state already made (the first step, which makes it, is the
+    eager path's); the kernel built here."""
     made = (all(k in state for k in ("exp_avg.absmax", "exp_avg_sq.absmax")) if mode == "int8" else
             mode == "bf16" and not any(k.endswith(".absmax") for k in state))
     return (made and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and low.dtype == torch.bfloat16
-            and low.device.type == "cpu" and type(low.data) is torch.Tensor and low.is_contiguous()
+            and low.device.type == "cpu" and type(low.data) is torch.Tensor
             and all(torch.is_tensor(state.get(k)) for k in ("step", "exp_avg", "exp_avg_sq"))
             and not any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable"))
             and getattr(optimizer, "found_inf", None) is None and kernel() is not None)
@@ -194,14 +194,20 @@ def adam_step(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low:
               grad_mul: float = 1.0) -> None:
     """Step ``low`` with the kernel from ``grad`` (float32 or bfloat16, row-major) times ``grad_mul`` and
     ``state`` (``mode``: "int8" or "bf16"; updated in place but for ``state["step"]``, which the caller
-    advances); ``key``: the stochastic rounding's (None with a Kahan ``term``)."""
+    advances); ``key``: the stochastic rounding's (None with a Kahan ``term``).  Every tensor in row-major order
+    (an element's index, which the stochastic rounding's noise is hashed from, is its row-major one): a weight
+    with other strides (channels_last, a transpose) is stepped in a row-major copy, copied back after."""
     quant.recompress(state, mode)  # (a loader may have cast the state to the parameter's dtype: exact values)
+    quant.conform(state, low, row_major=True)
     absmax = (lambda k: state[k + ".absmax"]) if mode == "int8" else (lambda k: None)
     beta1, beta2 = (float(b) for b in group["betas"])
     tables, codes = quant.code_constants()
-    lean_adam(low.view(-1), None if term is None else term.view(-1), grad.reshape(-1),
+    weight = low if low.is_contiguous() else low.contiguous()
+    lean_adam(weight.view(-1), None if term is None else term.view(-1), grad.reshape(-1),
               state["exp_avg"].view(-1), absmax("exp_avg"), state["exp_avg_sq"].view(-1), absmax("exp_avg_sq"),
               key, tables, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
               decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
               step=float(state["step"]) + 1, codes=codes, grad_mul=grad_mul)
+    if weight is not low:
+        low.copy_(weight)

@@ -61,7 +61,7 @@ from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_origin
 from .loss_scale import FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree, scaler_for
-from .ownership import mark_master, refuse_foreign_model, refuse_wrapped
+from .ownership import mark_master, refuse_foreign_model, refuse_unheld_model, refuse_wrapped
 
 if TYPE_CHECKING:
     from .kernels import Kernels  # (imported by __init__ with compile_step=True only: it brings torch.compile's)
@@ -107,7 +107,7 @@ class MixedPrecisionOptimizer:
                    policy, else from the parameters' dtypes; dynamic when all are float32 and no
                    policy says otherwise), ``"dynamic"``, ``"none"``, ``"static:<scale>"``, a
                    :class:`LossScaleConfig`, or a :class:`LossScaler` shared with other optimizers
-                   (``None`` and numbers are refused: write ``"none"``, ``"static:<scale>"``).
+                   (a number is a static scale: ``128.0`` is ``"static:128"``; ``None`` is refused: write ``"none"``).
     model:         the module the parameters belong to: names parameters in reports and errors,
                    and is the default for :meth:`fp32_state_dict`.
     sync_overflow: all-reduce the overflow decision over ``process_group`` when torch.distributed
@@ -128,7 +128,8 @@ class MixedPrecisionOptimizer:
     masters, state: per-tensor precision (:mod:`fxamp.training.lean`): masters ``"fp32"`` (the default),
                    ``"kahan"``, ``"stochastic"`` or ``"auto"``; state ``"fp32"``, ``"bf16"``, ``"int8"`` or
                    ``"auto"`` (measured during the first steps: :mod:`fxamp.training.calibrate`).
-                   ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead.
+                   ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead
+                   (refused beside ``masters=`` or ``state=``, which it would override).
                    ``seed``: of the stochastic rounding (an int, or a torch.Generator to draw it from; default 0,
                    the same on every rank, so DDP replicas round alike).
 
@@ -147,8 +148,8 @@ class MixedPrecisionOptimizer:
         process_group: Optional[Any] = None,
         release_grad_buffer: bool = True,
         compile_step: bool = False,
-        masters: str = "fp32",
-        state: str = "fp32",
+        masters: Optional[str] = None,
+        state: Optional[str] = None,
         precision: Optional[Union[str, lean.LeanConfig]] = None,
         seed: Union[int, torch.Generator, None] = None,
     ) -> None:
@@ -168,6 +169,8 @@ class MixedPrecisionOptimizer:
             self.kernels = Kernels(optimizer)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
+        if model is not None:
+            refuse_unheld_model(model, optimizer)  # (its policy would pick the loss scale of a model not stepped)
         self.optimizer = optimizer
         self.model = model
         self.sync_overflow = bool(sync_overflow)

@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible",
            "compress", "decompress", "recompress", "slice_state", "store_slice", "quantize", "dequantize", "code_constants", "state_bytes",
-           "update_error"]
+           "update_error", "same_layout", "conform"]
 
 #: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -251,6 +251,30 @@ def update_error(state: Dict[str, Any], mode: str) -> float:
         exact, approx = m, trip.get("momentum_buffer", m)
     denom = float(torch.linalg.vector_norm(exact))
     return 0.0 if denom == 0 or not math.isfinite(denom) else float(torch.linalg.vector_norm(approx - exact)) / denom
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) hold their elements in the same memory order (size-1 dims aside)."""
+    return all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def conform(state: Dict[str, Any], like: torch.Tensor, row_major: bool = False) -> None:
+    """Lay out ``state``'s floating-point per-element tensors as ``like`` (row-major with ``row_major``), in place.
+
+    torch's fused CPU Adam and fxamp's kernel read a parameter, its gradient and its moments as flat arrays in
+    memory order, so they must share one order: a channels_last moment beside a row-major value is read
+    permuted, silently (torch 2.13).  Moments made by the optimizer follow the value they were made from; those
+    decoded here (:func:`dequantize`: row-major, the 8-bit blocks' order) or loaded may not.  The 8-bit codes are
+    row-major by construction and left alone."""
+    for key, value in state.items():
+        if not (torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 and value.shape == like.shape
+                and not key.endswith(_SUFFIX)):
+            continue
+        if row_major:
+            if not value.is_contiguous():
+                state[key] = value.contiguous()
+        elif not same_layout(value, like):
+            state[key] = torch.empty_like(like, dtype=value.dtype).copy_(value)
 
 
 def slice_state(state: Dict[str, Any], sl: slice, n: int,

@@ -12,7 +12,8 @@ from fxamp.training.config import OPTIONS, compute_dtype, config_for
 from fxamp.training.loss_scale import scaler_for
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-VALID = r"'auto', 'dynamic', 'none', 'static:<scale>' \(e\.g\. 'static:1024'\), a LossScaleConfig, or a LossScaler"
+VALID = (r"'auto', 'dynamic', 'none', 'static:<scale>' \(e\.g\. 'static:1024'\) or the scale itself \(1024\.0\), "
+         r"a LossScaleConfig, or a LossScaler")
 
 
 # --------------------------------------------------------------------------- config_for: accepted forms
@@ -59,9 +60,6 @@ def test_a_shared_scaler_is_shared_not_parsed():
 @pytest.mark.parametrize("option, match", [
     (None, r"^loss_scale=None is not accepted: write loss_scale='none' \(no scaling; non-finite gradients still "
            r"skip the step\)\. Valid forms: " + VALID),
-    (128, r"^loss_scale=128 is not accepted: write loss_scale='static:128' \(a fixed scale\)\. Valid forms: " + VALID),
-    (1024.0, r"^loss_scale=1024\.0 is not accepted: write loss_scale='static:1024' \(a fixed scale\)"),
-    (0.25, r"^loss_scale=0\.25 is not accepted: write loss_scale='static:0\.25'"),
     (True, r"^loss_scale=True \(bool\) is not accepted; use " + VALID),
     (False, r"^loss_scale=False \(bool\) is not accepted"),
     (b"none", r"^loss_scale=b'none' \(bytes\) is not accepted"),
@@ -73,6 +71,19 @@ def test_non_strings_are_refused_naming_the_form_to_write(option, match):
         return
     with pytest.raises(TypeError, match=match):
         config_for(option, F16)
+
+
+@pytest.mark.parametrize("number", [128, 1024.0, 0.25])
+def test_a_number_is_a_static_scale(number):
+    assert config_for(number, F16) == LossScaleConfig.static(float(number))
+    assert config_for(number, torch.bfloat16).kind == ScaleKind.STATIC  # (not "auto"'s none for bfloat16)
+
+
+@pytest.mark.parametrize("number", [0, -1.0, float("inf"), float("nan")])
+def test_a_number_that_is_no_scale_is_refused(number):
+    with pytest.raises(ValueError, match=r"^loss_scale=" + repr(number) + r": a number is a static loss scale, "
+                                         r"finite and > 0 \(e\.g\. 128\.0\); or use " + VALID):
+        config_for(number, F16)
 
 
 @pytest.mark.parametrize("text", ["static:", "static:abc", "static:-1", "static:0", "static:inf", "static:nan",

@@ -346,6 +346,14 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
     (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32', 'bf16', 'int8', 'auto'"),
     (dict(precision="O9"), ValueError, r"precision='O9' is not a preset; valid: 'O2', 'O2-lean'"),
     (dict(masters="kahan", compile_step=True), ValueError, r"compile_step=True .* lean"),
+    (dict(precision="O2-lean", masters="kahan"), ValueError,
+     r"precision='O2-lean' sets masters and state \(masters=auto,state=auto\), so masters='kahan' beside it would "
+     r"be ignored: pass one or the other, e.g. masters='kahan', state='auto' without precision"),
+    (dict(precision="O2", state="int8"), ValueError, r"precision='O2' .* so state='int8' beside it would be ignored: "
+     r".* masters='fp32', state='int8' without precision"),
+    (dict(precision=LeanConfig.of("kahan"), masters="fp32", state="fp32"), ValueError,
+     r"precision=LeanConfig\(.*\) sets masters and state \(masters=kahan,state=fp32\), so masters='fp32' and "
+     r"state='fp32' beside it would be ignored"),
 ])
 def test_bad_options_say_what_is_valid_and_change_nothing(kwargs, error, match):
     model = nn.Linear(8, 8).to(torch.bfloat16)
@@ -532,3 +540,119 @@ def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options
         out.append([p.detach().clone() for p in amp.parameters()] + terms)
         assert all(not torch.equal(a, b) for a, b in zip(start, amp.parameters()))  # every parameter moved
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+class _Strided(nn.Module):
+    """Two convolutions and a weight used as ``x @ w`` (stored transposed when it is ``nn.Parameter(w.t())``)."""
+
+    def __init__(self, transposed):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 16, 3, padding=1)  # c2: 1152 elements
+        w = torch.randn(24, 16) * 0.2
+        self.w = nn.Parameter(w.t() if transposed else w.t().contiguous())
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x):
+        return self.head(F.relu(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)) @ self.w))
+
+
+def _layout_run(masters, state, layout, segmented):
+    """Losses, weights (their values) and Kahan terms of 4 steps of ``_Strided`` in ``layout``:
+    "row-major"; "strided" (channels_last convolutions, ``w`` transposed); "strided, row-major grads" (the
+    gradients arrive row-major beside those weights); "row-major, strided grads" (the other way round)."""
+    torch.manual_seed(0)
+    model = _Strided(transposed=layout.startswith("strided"))
+    amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
+    if layout.startswith("strided"):
+        amp = amp.to(memory_format=torch.channels_last)
+    lows = [amp.get_parameter(name) for name in ("c1.weight", "c2.weight", "w")]
+    assert all(p.dtype == torch.bfloat16 and p.is_contiguous() != layout.startswith("strided") for p in lows)
+    precision = LeanConfig.of(masters, state, calibration_steps=2, small=10)  # (O2-lean's "auto", for tiny tensors)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
+                                        release_grad_buffer=segmented, precision=precision)
+    losses = []
+    for step in range(4):
+        x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        loss = amp(x).float().square().mean()
+        opt.backward(loss)
+        if layout.endswith("row-major grads"):
+            for p in lows:
+                p.grad = p.grad.contiguous()
+        elif layout.endswith("strided grads"):
+            for p in lows:
+                g = p.grad
+                p.grad = g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g.t().contiguous().t()
+        assert all(p.grad.is_contiguous() == (layout in ("row-major", "strided, row-major grads")) for p in lows)
+        opt.step()
+        losses.append(loss.item())
+    assert (opt.plan.runs is not None) == segmented
+    terms = [opt._ws.choices[id(m)].term for _, m in opt.master_pairs()] if opt._ws is not None else []
+    return losses, [p.detach().contiguous() for p in amp.parameters()], [t for t in terms if t is not None], opt
+
+
+@pytest.mark.parametrize("masters,state", [("kahan", "fp32"), ("kahan", "bf16"), ("kahan", "int8"),
+                                           ("stochastic", "fp32"), ("stochastic", "bf16"), ("stochastic", "int8"),
+                                           ("fp32", "int8"), ("auto", "auto")])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "eager"])
+@pytest.mark.usefixtures("one_thread")
+def test_every_mode_steps_channels_last_and_transposed_weights_by_their_values(masters, state, kernel, monkeypatch):
+    """A weight's strides change nothing: channels_last convolutions, a weight stored transposed, gradients whose
+    strides differ from their weights', on the plain and the segmented step (a slice at a time), by fxamp's CPU
+    kernel or the eager path: the losses, the weights and the Kahan terms of the row-major run, bitwise (torch's
+    fused Adam reads value, gradient and moments in memory order: they must share one; the stochastic stream and
+    the 8-bit blocks run in row-major order)."""
+    from fxamp.training import native
+    from fxamp.training import step as S
+
+    if state == "fp32" and not kernel:
+        pytest.skip("float32 state: the kernel takes none")
+    if not kernel:
+        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
+    monkeypatch.setattr(quant, "CHUNK", 256)
+    monkeypatch.setattr(lean_module, "PIECE", 512)  # c2's weight a slice at a time when segmented
+    reference = _layout_run(masters, state, "row-major", segmented=False)
+    opt = reference[3]
+    if masters != "fp32":
+        assert {c.master for c in opt._ws.choices.values()} != {"fp32"}  # lean masters were stepped
+    for segmented in (False, True):
+        for layout in ("strided", "strided, row-major grads", "row-major, strided grads") + ("row-major",) * segmented:
+            losses, weights, terms, _ = _layout_run(masters, state, layout, segmented)
+            assert losses == reference[0], (layout, segmented)
+            assert all(torch.equal(a, b) for a, b in zip(weights, reference[1])), (layout, segmented)
+            assert all(torch.equal(a, b) for a, b in zip(terms, reference[2])), (layout, segmented)
+
+
+@pytest.mark.parametrize("masters,state", [("fp32", "fp32"), ("kahan", "bf16"), ("stochastic", "int8")])
+@pytest.mark.usefixtures("one_thread")
+def test_a_checkpoint_resumes_bitwise_in_a_model_of_other_strides(masters, state):
+    """Saved from row-major weights, loaded into the same model made channels_last: the moments keep the strides
+    they were saved with, and torch's fused Adam would read them permuted beside the channels_last masters."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+
+    def build(channels_last):
+        amp = fxamp.convert(copy.deepcopy(net), "O2", dtype=torch.bfloat16)
+        amp = amp.to(memory_format=torch.channels_last) if channels_last else amp
+        return amp, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp,
+                                                  masters=masters, state=state)
+
+    def train(amp, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(step))
+            opt.backward(amp(x).float().square().mean())
+            opt.step()
+
+    amp, opt = build(False)
+    train(amp, opt, range(2))
+    saved = copy.deepcopy((amp.state_dict(), opt.state_dict()))
+    train(amp, opt, range(2, 4))
+    other, other_opt = build(True)
+    assert not other.get_parameter("0.weight").is_contiguous()
+    other.load_state_dict(saved[0])
+    other_opt.load_state_dict(saved[1])
+    train(other, other_opt, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(amp.parameters(), other.parameters()))

@@ -635,15 +635,12 @@ def test_initialize_refuses_a_parameter_not_in_the_model():
 # -- one type per loss_scale= option ------------------------------------------------------------
 @pytest.mark.parametrize("value, message", [
     (None, r"loss_scale=None is not accepted: write loss_scale='none' \(no scaling; .*Valid forms: 'auto', "),
-    (128, r"loss_scale=128 is not accepted: write loss_scale='static:128' \(a fixed scale\)\. Valid forms: 'auto'"),
-    (2.0 ** 12, r"loss_scale=4096\.0 is not accepted: write loss_scale='static:4096'"),
-    (0.5, r"loss_scale=0\.5 is not accepted: write loss_scale='static:0\.5'"),
     (True, r"loss_scale=True \(bool\) is not accepted; use 'auto', 'dynamic', 'none', 'static:<scale>'"),
     (torch.tensor(8.0), r"loss_scale=tensor\(8\.\) \(Tensor\) is not accepted; use 'auto', .* a LossScaler"),
 ])
 def test_the_old_spellings_of_loss_scale_are_refused(value, message):
-    """``None`` and plain numbers were ``"none"`` and ``"static:<scale>"``: each is refused, naming the
-    form to write (by the wrapper, fxamp.initialize and what they share, config_for)."""
+    """``None`` was ``"none"``: refused, naming the form to write (by the wrapper, fxamp.initialize and what
+    they share, config_for); so are a bool and a tensor."""
     model = fxamp.convert(net(), "O2")
     with pytest.raises(TypeError, match=message):
         MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=value, model=model)
@@ -657,6 +654,18 @@ def test_the_old_spellings_of_loss_scale_are_refused(value, message):
 def test_what_the_refusals_say_to_write_is_accepted(text, kind, scale):
     opt = MixedPrecisionOptimizer(torch.optim.SGD(net().parameters(), lr=0.1), loss_scale=text)
     assert opt.scaler.kind == kind and opt.scaler.scale == scale
+
+
+@pytest.mark.parametrize("value", [128, 128.0, 2.0 ** 12, 0.5])
+def test_a_number_is_a_static_loss_scale(value):
+    """apex users write ``loss_scale=128.0``: a number has one meaning, a static scale (``"static:128"``)."""
+    model = fxamp.convert(net(), "O2")
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=value, model=model)
+    assert opt.scaler.config == LossScaleConfig.static(float(value)) == LossScaleConfig.parse(f"static:{value}")
+    assert train_step(model, opt, 0) and opt.scaler.scale == float(value)  # static: never grows
+    orig = net()
+    _, opt = fxamp.initialize(orig, torch.optim.SGD(orig.parameters(), lr=0.1), "O2", loss_scale=value)
+    assert opt.scaler.config == LossScaleConfig.static(float(value))
 
 
 # -- the auto loss scale ----------------------------------------------------------------------

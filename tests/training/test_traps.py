@@ -3,6 +3,7 @@ weights, two wrappers on one optimizer, masters read into another model, a model
 other low dtype, and ``.half()`` on a converted module."""
 
 import copy
+import linecache
 import pickle
 import warnings
 
@@ -54,6 +55,8 @@ def test_a_plain_torch_optimizer_on_low_weights_warns_once_with_the_fix(frontend
         loss_of(amp).backward()
     assert sum(NO_MASTERS in str(w.message) for w in record) == 1
     assert "bfloat16 parameters" in str(record[0].message)
+    # attributed to the user's backward() line, not torch's autograd file
+    assert record[0].filename == __file__ and ".backward()" in linecache.getline(__file__, record[0].lineno)
     opt.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per module: the next backward says nothing
@@ -164,3 +167,25 @@ def test_o1_float_is_allowed_its_weights_are_float32():
     torch.testing.assert_close(amp(X), expected, rtol=0, atol=0)
     with pytest.raises(TypeError, match="float32 tensors float16"):
         amp.half()
+
+
+def test_a_model_whose_parameters_the_optimizer_does_not_hold_is_refused():
+    """model= picks the loss scale (from its policy) and names parameters: a float16 model the optimizer does not
+    step would get no loss scaling. Refused before anything changes; a partial overlap is fine."""
+    a, b = converted(), fxamp.convert(net(), "O2", dtype=torch.float16)
+    inner = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    before = list(inner.param_groups[0]["params"])
+    with pytest.raises(ValueError, match=r"model= is a \w+ none of whose 6 parameters this AdamW holds \(it was built "
+                                         r"on another module's\): its weights would get no masters, a float16 model no "
+                                         r"loss scaling; build the optimizer on model.parameters\(\), or pass as model="):
+        fxamp.MixedPrecisionOptimizer(inner, model=b)
+    assert all(p is q for p, q in zip(inner.param_groups[0]["params"], before, strict=True))
+    # the head alone (the rest frozen), or b's parameters beside a's: b's policy picks the loss scale
+    head = [p for name, p in b.named_parameters() if name.startswith("out.")]
+    for params in (head, [*converted().parameters(), *b.parameters()]):
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(params, lr=1e-3), model=b)
+        assert opt.scaler.state_dict()["kind"] == "dynamic"
+    # fxamp.initialize: the optimizer holds the float32 original's parameters, the model their float16 roundings
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    amp, opt = fxamp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", dtype="fp16")
+    assert all(p.dtype == torch.float16 for p in amp.parameters()) and len(opt.master_pairs()) == 4
