@@ -11,7 +11,8 @@ Layout (``format`` 2; format 1, from before per-tensor precision, loads as all f
     skipped_steps: this optimizer's skipped steps
     format:        version of this layout
     stateful:      the positions (in ``optimizer``'s state) of the parameters that have state; the others'
-                   entries there are zeros, made only so the dict can be loaded into (below)
+                   entries there are zeros, made only so the dict can be loaded into (below); None for
+                   an inner optimizer that is not a ``torch.optim.Optimizer``
 
 Tensors are references, as in ``torch.optim.Optimizer.state_dict``; save or deep-copy them.
 
@@ -21,14 +22,14 @@ already holds, and a fresh inner optimizer has no state.  So ``state_dict()`` ho
 parameter that can have one: those without state yet get zeros, made by the inner optimizer's own step at
 learning rate 0 on zero gradients (as torch's ``get_state_dict`` does) and taken out of it again, so the
 optimizer itself does not change; ``stateful`` says which entries are real, and :func:`load` keeps only
-those.  Where no such entry can be made (lean state, an optimizer that is not a ``torch.optim.Optimizer``,
+those.  Where no such entry can be made (lean state, an optimizer other than torch's own Adam, AdamW, SGD...,
 or gradients pending), :func:`load` refuses a checkpoint whose state did not arrive, in one line.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -64,15 +65,23 @@ def save(opt: Any) -> Dict[str, Any]:
     }
 
 
-def _with_every_state(opt: Any) -> Tuple[Dict[str, Any], List[int]]:
+#: torch's optimizers whose step at learning rate 0 on zero gradients changes no parameter (a subclass or another
+#: optimizer may count steps or move parameters whatever the learning rate: it gets no zeros)
+_ZERO_STEP = tuple(getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "RMSprop",
+                                                            "Adadelta", "Adagrad") if hasattr(torch.optim, name))
+
+
+def _with_every_state(opt: Any) -> Tuple[Dict[str, Any], Optional[List[int]]]:
     """The inner optimizer's ``state_dict()`` with zeros for the parameters that have no state yet, and the
-    positions of those that have (see the module docstring)."""
+    positions of those that have (see the module docstring); None for an optimizer that is not a
+    ``torch.optim.Optimizer`` (its ``state_dict`` may not key its state by position)."""
     inner = opt.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        return inner.state_dict(), None
     params = [p for group in inner.param_groups for p in group["params"]]
     stateful = [i for i, p in enumerate(params) if inner.state.get(p)]
     missing = [p for p in params if p.requires_grad and not inner.state.get(p)]
-    if not missing or opt._ws is not None or not isinstance(inner, torch.optim.Optimizer) or \
-            isinstance(inner, (torch.optim.LBFGS, torch.optim.SparseAdam)) or any(p.grad is not None for p in params):
+    if not missing or opt._ws is not None or type(inner) not in _ZERO_STEP or any(p.grad is not None for p in params):
         return inner.state_dict(), stateful
     lrs = [group.get("lr") for group in inner.param_groups]
     groups = inner.state_dict()["param_groups"]  # (their learning rates, not the step's 0)
@@ -128,7 +137,8 @@ def load(opt: Any, state: Any) -> None:
             raise ValueError(f"master {i} ({opt._name(have)}) has shape {tuple(have.shape)}, the "
                              f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
     inner = state["optimizer"]
-    if "stateful" in state:  # only the real entries (the others are zeros a load could fill: see save)
+    if state.get("stateful") is not None and isinstance(inner, Mapping) and isinstance(inner.get("state"), Mapping):
+        # only the real entries (the others are zeros a load could fill: see save)
         stateful = [int(i) for i in state["stateful"]]
         lost = [i for i in stateful if i not in inner["state"]]
         if lost:
