@@ -2,19 +2,14 @@
 
 ``dcp.save({"model": model, "optim": opt})`` then ``dcp.load`` into fresh objects calls ``opt.state_dict()``
 (what DCP loads into) and ``opt.load_state_dict()``: the run resumes bitwise, the loss scale included, in one
-process (O1, O2) and on 2 gloo processes with ``fxamp.shard`` (FSDP2).  What it cannot fill is refused.
+process (O1, O2; 2 gloo processes with ``fxamp.shard``: ``tests/training/test_fsdp2.py``, in its one spawn).
+What it cannot fill is refused.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -51,19 +46,18 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1).float(), ids.flatten())
 
 
-def fresh(policy="O1", shard=False, **kw):
+def fresh(policy="O1", **kw):
     torch.manual_seed(0)
     model = fxamp.convert_(Net(), policy, dtype=torch.float16)
-    model = fxamp.shard(model) if shard else model
     scale = fxamp.LossScaleConfig.of("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
     return model, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model,
                                                 loss_scale=scale, **kw)
 
 
-def train(model, opt, steps, rank=0):
+def train(model, opt, steps):
     losses = []
     for step in steps:
-        ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(100 * rank + step))
+        ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
         loss = model(ids)
         opt.backward(loss)
@@ -73,20 +67,19 @@ def train(model, opt, steps, rank=0):
 
 
 def weights(model):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def resume(path, before, after, rank=0, **kw):
+def resume(path, before, after, **kw):
     """Train ``before`` steps, ``dcp.save`` model and optimizer, train ``after`` more; fresh objects ``dcp.load``
     and train the same ``after``: (continued, resumed) losses, weights and scales."""
     model, opt = fresh(**kw)
-    train(model, opt, range(before), rank)
+    train(model, opt, range(before))
     dcp.save({"model": model, "optim": opt}, checkpoint_id=path)
-    continued = train(model, opt, range(before, before + after), rank)
+    continued = train(model, opt, range(before, before + after))
     model2, opt2 = fresh(**kw)
     dcp.load({"model": model2, "optim": opt2}, checkpoint_id=path)
-    resumed = train(model2, opt2, range(before, before + after), rank)
+    resumed = train(model2, opt2, range(before, before + after))
     return (continued, weights(model), opt.current_scale), (resumed, weights(model2), opt2.current_scale)
 
 
@@ -131,25 +124,3 @@ def test_get_state_dict_of_the_wrapper_says_what_to_use():
     model, opt = fresh()
     with pytest.raises(TypeError, match=r"not a torch.optim.Optimizer.*fxamp.sharded_state_dict\(model, opt\)"):
         get_state_dict(model, opt)
-
-
-def _worker(rank, port, path, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.save(resume(path, 3, 3, rank=rank, shard=True), os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed, gloo")
-def test_dcp_of_a_sharded_model_and_optimizer_resumes_bitwise_on_2_ranks(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(tmp_path / "ckpt"), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        continued, resumed = torch.load(tmp_path / f"rank{rank}.pt")
-        assert continued[2] > 2.0**10
-        assert_same(continued, resumed)
