@@ -287,7 +287,8 @@ def save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> Non
         raise ValueError("fxamp.integrations.hf.save_pretrained(push_to_hub=True) would upload config.json before "
                          "its dtype is corrected: save, then upload the folder (huggingface_hub.upload_folder)")
     model.save_pretrained(save_directory, **kwargs)
-    saved = next((v.dtype for v in kwargs.get("state_dict", model.state_dict()).values()
+    state = kwargs.get("state_dict")
+    saved = next((v.dtype for v in (model.state_dict() if state is None else state).values()
                   if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
     name = str(saved).removeprefix("torch.")
     if saved is not None and str(model.config.dtype).removeprefix("torch.") != name:
