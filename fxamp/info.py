@@ -11,7 +11,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,8 @@ from .dtypes import LOW
 from .policy import Policy
 
 __all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "ORIGIN", "conversion_info", "policy_of", "remember_origin",
-           "origin_of", "take_origin", "held_origins", "release_origins", "release_originals", "watch_for_masters"]
+           "remember_master", "origin_of", "take_origin", "held_origins", "release_origins", "release_originals",
+           "watch_for_masters"]
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ def _user_stacklevel() -> int:
 #: model holds it; an inference-only user keeps no float32 copy alive; once the original model is gone,
 #: ``convert(Net())`` with no other reference to it, the master is widened from the low-precision copy,
 #: as before); ``convert_`` holds it (it took the tensor out of the user's model) until the optimizer
-#: takes it as the master itself, without a copy, or ``fxamp.release_originals`` lets go of it.
+#: takes it as the master itself, without a copy, or ``fxamp.release_originals`` lets go of it.  From
+#: then on it reads that optimizer's master (:func:`remember_master`, weakly): the float32 truth a
+#: converted module's ``state_dict`` gives back (``save_pretrained``, ``torch.save``) while the weight
+#: is still its rounding.
 ORIGIN = "_fxamp_origin"
 
 
@@ -121,15 +125,19 @@ class _Origin:
     copy of the module shares it where the parameter's attributes are copied (torch's
     ``Parameter.__deepcopy__`` does not copy them)."""
 
-    __slots__ = ("ref", "held")
+    __slots__ = ("ref", "held", "read")
 
-    def __init__(self, tensor: Optional[torch.Tensor], strong: bool = False) -> None:
+    def __init__(self, tensor: Optional[torch.Tensor], strong: bool = False,
+                 read: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> None:
         self.ref = None if tensor is None or strong else weakref.ref(tensor)
         self.held = tensor if strong else None
+        self.read = read  # (a master: its float32 value, computed when asked; None once its optimizer is gone)
 
     def __call__(self) -> Optional[torch.Tensor]:
         if self.held is not None:
             return self.held
+        if self.read is not None:
+            return self.read()
         return None if self.ref is None else self.ref()
 
     def __deepcopy__(self, memo: dict) -> "_Origin":
@@ -145,6 +153,15 @@ def remember_origin(low: torch.Tensor, original: torch.Tensor, *, hold: bool = F
     hold: keep ``original`` alive (nothing else holds it: in-place conversion) until :func:`take_origin`."""
     if low.dtype in LOW and original.dtype == torch.float32 and low.shape == original.shape:
         setattr(low, ORIGIN, _Origin(original, strong=hold))
+
+
+def remember_master(low: torch.Tensor, read: Callable[[], Optional[torch.Tensor]]) -> None:
+    """Note on ``low`` that its float32 value now lives in a master: ``read()`` gives it, or None once the
+    optimizer that keeps it is gone or ``low`` no longer holds its rounding (loaded since).  ``read`` must
+    not keep that optimizer alive; it checks the rounding itself (a lean master's value is ``low`` plus a
+    term, which may exceed half a unit of ``low``)."""
+    if low.dtype in LOW:
+        setattr(low, ORIGIN, _Origin(None, read=read))
 
 
 def held_origins(params: Iterable[torch.Tensor]) -> int:
@@ -182,12 +199,15 @@ def take_origin(low: torch.Tensor) -> Tuple[Optional[torch.Tensor], bool]:
 
 
 def origin_of(low: torch.Tensor) -> Optional[torch.Tensor]:
-    """The float32 tensor ``low`` was rounded from, if it is still alive and ``low`` still holds exactly its
-    rounding (a parameter loaded or trained since conversion no longer does); else None."""
+    """The float32 tensor ``low`` was rounded from (the original, or the master an optimizer steps for it), if
+    it is still alive and ``low`` still holds exactly its rounding (a parameter loaded since, or trained by
+    another optimizer, no longer does); else None."""
     origin = getattr(low, ORIGIN, None)
     original = origin() if isinstance(origin, _Origin) else None
     if original is None or original.shape != low.shape or original.dtype != torch.float32:
         return None
+    if origin.read is not None:  # a master: its reader checked (remember_master)
+        return original
     with torch.no_grad():
         if not torch.equal(original.detach().to(device=low.device, dtype=low.dtype), low.detach()):
             return None

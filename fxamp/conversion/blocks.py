@@ -48,8 +48,8 @@ from ..dtypes import LOW
 from .capture.shapes import STATIC_SIZES
 from .capture.modes import MODE_FLAG
 from ..errors import FxampError, TraceError
-from .graph import INPUT_DTYPE, rebind
-from ..info import INFO_ATTR, ConversionInfo, conversion_info, remember_origin, watch_for_masters
+from .graph import INPUT_DTYPE, fetch_attr, rebind
+from ..info import INFO_ATTR, ConversionInfo, conversion_info, origin_of, remember_origin, watch_for_masters
 from .lazy import float32_for_capture, is_norm, predict_storage
 from .options import ConvertOptions
 from .pipeline import rewrite_captured
@@ -432,7 +432,8 @@ def converted_class(cls: type) -> type:
 
 class _OriginalDtypes:
     """A state_dict hook of a converted module: its re-bound tensors come out in the dtypes they had before
-    conversion (float32), under the same names; ``load_state_dict`` copies them back into the stored dtypes."""
+    conversion (float32), under the same names, a parameter as its master's (or original's) exact float32
+    value (``fxamp.info.origin_of``); ``load_state_dict`` copies them back into the stored dtypes."""
 
     def __init__(self, dtypes: Dict[str, torch.dtype]):
         self.dtypes = dtypes  # name below the module -> original dtype
@@ -442,7 +443,9 @@ class _OriginalDtypes:
             key = prefix + name
             value = state.get(key)
             if isinstance(value, torch.Tensor) and value.dtype != dtype:
-                state[key] = value.to(dtype)
+                # the float32 truth while the weight is its rounding: the master an optimizer steps, or the original
+                exact = origin_of(fetch_attr(module, name))
+                state[key] = exact.detach() if exact is not None and exact.dtype == dtype else value.to(dtype)
 
 
 # -- the entry point -------------------------------------------------------------------------------

@@ -35,6 +35,10 @@ How the Trainer's loop meets fxamp's, without patching either:
   divides by the number of labels before the shift: ``(T-1)/T`` of the mean, 1.6% at T=64.
   Compare evaluation losses computed the same way.)
 
+A ``PreTrainedModel`` converted in place (``fxamp.convert_``) keeps its own ``save_pretrained``, which
+writes the float32 weights (the masters once trained); :func:`save_pretrained` also records float32 in
+``config.json``, where transformers writes the dtype of the model's first parameter (bfloat16 under O2).
+
 Limits:
 
 * leave ``args.bf16``/``args.fp16`` False: they turn on autocast, which fxamp replaces;
@@ -65,7 +69,7 @@ from fxamp.training.config import LossScaleOption
 
 from . import resolve_dtype
 
-__all__ = ["prepare", "TrainerOptimizer"]
+__all__ = ["prepare", "TrainerOptimizer", "save_pretrained"]
 
 
 class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
@@ -267,3 +271,27 @@ def _untie_hook(aliases: List[str]) -> Callable[..., None]:
                 state_dict[prefix + name] = value.clone()
 
     return hook
+
+
+def save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> None:
+    """``model.save_pretrained(save_directory, **kwargs)`` for a model converted in place (``fxamp.convert_``),
+    with ``config.json``'s ``dtype`` that of the weights it wrote (float32), so ``from_pretrained`` gives the
+    float32 model back.
+
+    transformers records ``model.dtype``, the dtype of the model's first floating parameter: under O2 that
+    is its bfloat16 storage (an embedding), while the weights written are float32 (the masters, or the
+    originals before training: the converted model's ``state_dict``), and ``from_pretrained``'s default
+    ``dtype="auto"`` would load them rounded to bfloat16.  ``push_to_hub=True`` is refused: upload the
+    folder after saving."""
+    if kwargs.get("push_to_hub"):
+        raise ValueError("fxamp.integrations.hf.save_pretrained(push_to_hub=True) would upload config.json before "
+                         "its dtype is corrected: save, then upload the folder (huggingface_hub.upload_folder)")
+    model.save_pretrained(save_directory, **kwargs)
+    state = kwargs.get("state_dict")
+    saved = next((v.dtype for v in (model.state_dict() if state is None else state).values()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    name = str(saved).removeprefix("torch.")
+    if saved is not None and str(model.config.dtype).removeprefix("torch.") != name:
+        model.config.dtype = name  # (as transformers itself writes it)
+        if kwargs.get("is_main_process", True):
+            model.config.save_pretrained(save_directory)

@@ -242,6 +242,7 @@ class FxampPrecision(Precision):
         for w in self._wrappers:
             state = w.state_dict()
             state.pop("optimizer")
+            state.pop("stateful", None)  # (which of "optimizer"'s entries are real: it goes with them)
             state.pop("scaler")
             optimizers.append(state)
         return {"scaler": self.scaler.state_dict(), "optimizers": optimizers}
@@ -257,7 +258,8 @@ class FxampPrecision(Precision):
                              f"{len(self._wrappers)}; configure_optimizers() must return the same optimizers")
         for w, state in zip(self._wrappers, saved):
             # the inner optimizer's state is restored by Lightning right after this; keep the current one
-            w.load_state_dict({**state, "optimizer": w.optimizer.state_dict(), "scaler": self.scaler.state_dict()})
+            w.load_state_dict({**state, "optimizer": w.optimizer.state_dict(), "stateful": None,
+                               "scaler": self.scaler.state_dict()})
 
     def __repr__(self) -> str:
         return f"FxampPrecision(policy={self.policy!r}, dtype={self.dtype}, scaler={self.scaler})"

@@ -10,19 +10,35 @@ Layout (``format`` 2; format 1, from before per-tensor precision, loads as all f
     scaler:        :meth:`LossScaler.state_dict`
     skipped_steps: this optimizer's skipped steps
     format:        version of this layout
+    stateful:      the positions (in ``optimizer``'s state) of the parameters that have state; the others'
+                   entries there are zeros, made only so the dict can be loaded into (below); None for
+                   an inner optimizer that is not a ``torch.optim.Optimizer``
 
 Tensors are references, as in ``torch.optim.Optimizer.state_dict``; save or deep-copy them.
+
+``torch.distributed.checkpoint`` takes the optimizer itself (``dcp.save({"model": model, "optim": opt})``,
+``dcp.load`` into fresh objects, FSDP2-sharded or not): it loads only into the tensors ``state_dict()``
+already holds, and a fresh inner optimizer has no state.  So ``state_dict()`` holds a state entry for every
+parameter that can have one: those without state yet get zeros, made by the inner optimizer's own step at
+learning rate 0 on zero gradients (as torch's ``get_state_dict`` does) and taken out of it again, so the
+optimizer itself does not change; ``stateful`` says which entries are real, and :func:`load` keeps only
+those.  Where no such entry can be made (lean state, an optimizer other than torch's own Adam, AdamW, SGD...,
+or gradients pending), :func:`load` refuses a checkpoint whose state did not arrive, in one line.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.nn as nn
 
 from . import quant
+from ..dtypes import LOW
+from .ownership import refuse_foreign_model
 
-__all__ = ["FORMAT", "STATE_KEYS", "StateDictError", "save", "load", "save_own", "load_own"]
+__all__ = ["FORMAT", "STATE_KEYS", "StateDictError", "save", "load", "save_own", "load_own", "fp32_state_dict"]
 
 FORMAT = 2
 STATE_KEYS = ("optimizer", "masters", "scaler", "skipped_steps", "format")
@@ -37,14 +53,54 @@ class StateDictError(ValueError, KeyError):
 
 def save(opt: Any) -> Dict[str, Any]:
     ws = opt._ws
+    inner, stateful = _with_every_state(opt)
     return {
-        "optimizer": opt.optimizer.state_dict(),
+        "optimizer": inner,
         "masters": [m.detach() if ws is None else ws.saved_master(m) for m in opt._masters],
         "precision": None if ws is None else ws.state_dict(opt._masters),
         "scaler": opt.scaler.state_dict(),
         "skipped_steps": opt.skipped_steps,
         "format": FORMAT,
+        "stateful": stateful,
     }
+
+
+#: torch's optimizers whose step at learning rate 0 on zero gradients changes no parameter (a subclass or another
+#: optimizer may count steps or move parameters whatever the learning rate: it gets no zeros)
+_ZERO_STEP = tuple(getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adamax", "NAdam", "RAdam", "RMSprop",
+                                                            "Adadelta", "Adagrad") if hasattr(torch.optim, name))
+
+
+def _with_every_state(opt: Any) -> Tuple[Dict[str, Any], Optional[List[int]]]:
+    """The inner optimizer's ``state_dict()`` with zeros for the parameters that have no state yet, and the
+    positions of those that have (see the module docstring); None for an optimizer that is not a
+    ``torch.optim.Optimizer`` (its ``state_dict`` may not key its state by position)."""
+    inner = opt.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        return inner.state_dict(), None
+    params = [p for group in inner.param_groups for p in group["params"]]
+    stateful = [i for i, p in enumerate(params) if inner.state.get(p)]
+    missing = [p for p in params if p.requires_grad and not inner.state.get(p)]
+    if not missing or opt._ws is not None or type(inner) not in _ZERO_STEP or any(p.grad is not None for p in params):
+        return inner.state_dict(), stateful
+    lrs = [group.get("lr") for group in inner.param_groups]
+    groups = inner.state_dict()["param_groups"]  # (their learning rates, not the step's 0)
+    try:
+        for group in inner.param_groups:
+            if "lr" in group:  # a step that moves nothing: learning rate 0, zero gradients
+                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            inner.step()
+        return {**inner.state_dict(), "param_groups": groups}, stateful
+    finally:
+        for group, lr in zip(inner.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in missing:
+            p.grad = None
+            inner.state.pop(p, None)
 
 
 def load(opt: Any, state: Any) -> None:
@@ -80,11 +136,23 @@ def load(opt: Any, state: Any) -> None:
         if tuple(saved.shape) != want:
             raise ValueError(f"master {i} ({opt._name(have)}) has shape {tuple(have.shape)}, the "
                              f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
+    inner = state["optimizer"]
+    if state.get("stateful") is not None and isinstance(inner, Mapping) and isinstance(inner.get("state"), Mapping):
+        # only the real entries (the others are zeros a load could fill: see save)
+        stateful = [int(i) for i in state["stateful"]]
+        lost = [i for i in stateful if i not in inner["state"]]
+        if lost:
+            raise StateDictError(
+                f"the checkpoint holds optimizer state for {len(stateful)} parameters, but this dict arrived without "
+                f"it for {len(lost)} (torch.distributed.checkpoint loads only into tensors the fresh optimizer's "
+                f"state_dict() holds, and this one holds none for them): save and load with "
+                f"fxamp.sharded_state_dict(model, opt), or torch.save(opt.state_dict())")
+        inner = {**inner, "state": {i: v for i, v in inner["state"].items() if int(i) in stateful}}
     opt._settle()
     if ws is not None:
         for m, (mmode, smode) in zip(opt._masters, modes):
             ws.set_modes(m, mmode, smode)
-    opt.optimizer.load_state_dict(state["optimizer"])
+    opt.optimizer.load_state_dict(inner)
     with torch.no_grad():
         for m, saved in zip(opt._masters, masters):
             choice = None if ws is None else ws.choices[id(m)]
@@ -123,3 +191,24 @@ def load_own(opt: Any, state: Mapping[str, Any]) -> None:
     opt._skipped = int(state["skipped_steps"])
     opt.scaler.forget(opt._client)
     opt._overflow = None
+
+
+def fp32_state_dict(opt: Any, model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
+    """``model.state_dict()`` in float32, each low-precision parameter's entry its master's float32 value.
+
+    Matched by name (``named_parameters``), not by the identity of the state_dict's values: a module
+    converted in place gives float32 copies there (``fxamp.convert_``'s state_dict hooks)."""
+    refuse_foreign_model(model, [*opt._lows, *opt.master_params()])
+    master_of = {id(low): m for low, m in zip(opt._lows, opt._masters)}
+    by_name = {name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+               if id(p) in master_of}
+    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in by_name:
+            m = by_name[key]
+            out[key] = m.detach() if opt._ws is None else opt._ws.value(m)
+        elif not isinstance(value, torch.Tensor):
+            out[key] = value
+        else:
+            out[key] = value.detach().float() if value.dtype in LOW else value.detach()
+    return out

@@ -228,7 +228,7 @@ class MixedPrecisionOptimizer:
         self._masters.append(master)
         self._low_of[id(master)] = low
         self._plan = None
-        mark_master(low, master)
+        mark_master(low, master, self._ws)
         if self._ws is not None:
             self._ws.add(low, master, len(self._masters) - 1, self._names.get(id(low), "a parameter"))
 
@@ -608,8 +608,14 @@ class MixedPrecisionOptimizer:
         return checkpoint.save(self)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters."""
+        """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
+        Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
         checkpoint.load(self, state)
+
+    def __iter__(self) -> Any:  # (torch's get_state_dict(model, opt) tries tuple(opt): say what to use instead)
+        raise TypeError("a MixedPrecisionOptimizer is not a torch.optim.Optimizer: torch's get_state_dict/set_state_dict "
+                        "cannot take it (nor its .optimizer: the loss scale would be lost); use "
+                        "fxamp.sharded_state_dict(model, opt), or give DCP the optimizer itself: dcp.save({'optim': opt})")
 
     def precision_table(self) -> str:
         """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""
@@ -629,20 +635,7 @@ class MixedPrecisionOptimizer:
         model = model if model is not None else self.model
         if model is None:
             raise ValueError("fp32_state_dict() needs the model: pass it here or as MixedPrecisionOptimizer(..., model=model)")
-        refuse_foreign_model(model, [*self._lows, *self.master_params()])
-        master_of = {id(low): m for low, m in zip(self._lows, self._masters)}
-        out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
-        for key, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch.Tensor):
-                out[key] = value
-            elif id(value) in master_of:
-                m = master_of[id(value)]
-                out[key] = m.detach() if self._ws is None else self._ws.value(m)
-            elif value.dtype in LOW:
-                out[key] = value.detach().float()
-            else:
-                out[key] = value.detach()
-        return out
+        return checkpoint.fp32_state_dict(self, model)
 
     def __repr__(self) -> str:
         return (f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, {len(self._masters)} float32 masters, "

@@ -1,7 +1,9 @@
 """Which wrapper owns which tensors: the marks a :class:`~fxamp.MixedPrecisionOptimizer` sets, and the refusals they allow.
 
 * a low-precision parameter with a float32 master is marked :data:`fxamp.info.MASTERED`: the
-  converted module's first-gradient check (``fxamp.info.watch_for_masters``) then stays quiet;
+  converted module's first-gradient check (``fxamp.info.watch_for_masters``) then stays quiet; and
+  its :data:`fxamp.info.ORIGIN` reads the master's float32 value from then on (weakly: a dropped
+  optimizer's masters are freed), so the module's ``state_dict`` gives the masters, not their rounding;
 * a master is marked too, so a second wrapper around the same torch optimizer (whose
   ``param_groups`` now hold the first wrapper's masters) is refused: it would step masters that
   never get gradients and report success;
@@ -13,13 +15,14 @@ The marks are plain attributes on tensors the wrapper pairs; nothing global is k
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import weakref
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn as nn
 
 from ..errors import OptimizerStateError
-from ..info import MASTERED, origin_of
+from ..info import MASTERED, origin_of, remember_master
 
 __all__ = ["mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model"]
 
@@ -27,10 +30,35 @@ __all__ = ["mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unhe
 _MASTER = "_fxamp_master"
 
 
-def mark_master(low: torch.Tensor, master: torch.Tensor) -> None:
-    """Note that ``master`` is the float32 master of ``low``."""
+def mark_master(low: torch.Tensor, master: torch.Tensor, workspace: Any = None) -> None:
+    """Note that ``master`` is the float32 master of ``low`` (a lean one: ``workspace`` holds its value)."""
     setattr(low, MASTERED, True)
     setattr(master, _MASTER, True)
+    remember_master(low, _MasterValue(low, master, workspace))
+
+
+class _MasterValue:
+    """The float32 value of ``low``'s master, read when asked (``fxamp.info.origin_of``): None once the master
+    is gone, or when ``low`` no longer holds its rounding (a weight loaded into the model since).
+
+    Weak references only: the model's parameter must not keep the optimizer's masters alive."""
+
+    __slots__ = ("low", "master", "workspace")
+
+    def __init__(self, low: torch.Tensor, master: torch.Tensor, workspace: Any) -> None:
+        self.low = weakref.ref(low)
+        self.master = weakref.ref(master)
+        self.workspace = None if workspace is None else weakref.ref(workspace)
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        low, master = self.low(), self.master()
+        workspace = None if self.workspace is None else self.workspace()
+        if low is None or master is None or (self.workspace is not None and workspace is None):
+            return None
+        if workspace is not None and workspace.lean(master):
+            return workspace.value(master)  # (low + its term: computed from the weight itself)
+        with torch.no_grad():
+            return master.detach() if torch.equal(master.detach().to(low.dtype), low.detach()) else None
 
 
 def refuse_wrapped(optimizer: Any) -> None:

@@ -1,8 +1,9 @@
 """A :class:`~fxamp.MixedPrecisionOptimizer` and its model in ``torch.distributed.checkpoint`` (DCP).
 
-``opt.state_dict()`` keys the inner optimizer's state by position and holds this rank's tensors
-only: DCP can save it, but a fresh optimizer (no state yet) gives DCP nothing to load into, and
-torch's ``get_state_dict`` does not take the wrapper.  Here torch's ``get_state_dict`` /
+DCP takes the optimizer itself (``dcp.save({"model": model, "optim": opt})``: ``opt.state_dict()``, which
+keys the inner optimizer's state by position, holds zeros for a fresh optimizer to load into; see
+:mod:`fxamp.training.checkpoint`), and resumes on the same ranks.  torch's ``get_state_dict`` does not take
+the wrapper.  Here torch's ``get_state_dict`` /
 ``set_state_dict`` take the *inner* optimizer (keyed by parameter names, every state tensor
 created, DTensors sharded as the parameters), and the wrapper's own state (the loss scaler,
 skipped steps) travels beside it as plain values::

@@ -9,6 +9,7 @@ saved for backward within 1.2x of autocast's with checkpointing) on those and on
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -94,13 +95,39 @@ def test_save_pretrained_round_trip_keeps_names_and_float32(name, policy, tmp_pa
     state = model.state_dict()
     assert list(state) == list(ref.state_dict())
     assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
-    loaded = type(ref).from_pretrained(tmp_path).eval()
+    # O1 and O2 alike: the original float32 weights (under O2 held for the masters, not their bfloat16 rounding)
+    loaded = type(ref).from_pretrained(tmp_path, dtype=torch.float32).eval()
     x = ids()
-    if policy == "O1":  # the weights are the original's: float32 output exactly the original's
-        assert torch.equal(loaded(x).logits, ref(x).logits)
-    else:  # the stored bfloat16 weights, given back as float32
-        for key, value in loaded.state_dict().items():
-            assert torch.equal(value, state[key]), key
+    assert torch.equal(loaded(x).logits, ref(x).logits)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_o2_trained_save_pretrained_gives_the_float32_masters_back(name, tmp_path):
+    """Issue 37 item 3: after training, ``save_pretrained`` writes the masters (not their bfloat16 rounding), and
+    ``fxamp.integrations.hf.save_pretrained`` records float32 in config.json, so the default ``from_pretrained``
+    (``dtype="auto"``, read from the config) returns a float32 model equal to the masters."""
+    from fxamp.integrations import hf
+
+    model = converted(MODELS[name], "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    x = ids()
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(model(x, labels=x).loss)
+        assert opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    masters = {names[id(low)]: m for low, m in opt.master_pairs()}
+    assert len(masters) > 4
+    hf.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    loaded = type(model).from_pretrained(tmp_path)
+    assert loaded.dtype == torch.float32
+    state = loaded.state_dict()
+    for key, master in masters.items():
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], master), key
+    assert torch.equal(opt.fp32_state_dict()[key], master)
+    with pytest.raises(ValueError, match="upload the folder"):
+        hf.save_pretrained(model, tmp_path, push_to_hub=True)
 
 
 def saved_bytes(model, x, autocast: bool) -> int:

@@ -222,6 +222,19 @@ def _dcp(rank, path):
             "end": [_full(model, opt), _full(model2, opt2)]}
 
 
+def _dcp_idiom(rank, path):
+    """DCP's own idiom: the model and the optimizer themselves (``Stateful``), loaded by fresh objects."""
+    import torch.distributed.checkpoint as dcp
+    model, opt = _dcp_fresh(shard=True)
+    _dcp_train(model, opt, rank, range(3))
+    dcp.save({"model": model, "optim": opt}, checkpoint_id=path)
+    continued = _dcp_train(model, opt, rank, range(3, 6))
+    model2, opt2 = _dcp_fresh(shard=True)
+    dcp.load({"model": model2, "optim": opt2}, checkpoint_id=path)
+    resumed = _dcp_train(model2, opt2, rank, range(3, 6))
+    return {"continued": continued, "resumed": resumed, "end": [_full(model, opt), _full(model2, opt2)]}
+
+
 def _no_grad_after_steps(rank):
     """A no_grad forward (the weight-cast cache's case) after each step, and the same forward with autograd."""
     model = fxamp.shard(_model("gpt", torch.bfloat16))
@@ -351,6 +364,7 @@ def _worker(rank, port, out_dir):
         result["no_grad"] = _no_grad_after_steps(rank)
         result["some blocks"] = _some_blocks(rank)
         result["dcp"] = _dcp(rank, os.path.join(out_dir, "dcp"))
+        result["dcp idiom"] = _dcp_idiom(rank, os.path.join(out_dir, "dcp-idiom"))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -524,6 +538,15 @@ def test_dcp_checkpoint_resumes_bitwise_on_2_ranks(ranks):
         assert _same(run["saved"], run["loaded"])
         assert run["resumed"] == run["continued"]
         assert _same(*run["end"])
+
+
+def test_dcp_of_the_model_and_optimizer_themselves_resumes_bitwise_on_2_ranks(ranks):
+    """Issue 37 item 8: ``dcp.save({"model": model, "optim": opt})``, fresh objects ``dcp.load`` it: the same
+    losses, weights, AdamW state and loss scale as the run that went on (tests/training/test_dcp.py: 1 process)."""
+    for got in ranks[:WORLD]:
+        run = got["dcp idiom"]
+        assert run["resumed"] == run["continued"]
+        assert _same(*run["end"]) and run["end"][0][1] > 2.0**10
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (DCP's note: one process)

@@ -1,0 +1,154 @@
+"""Round trips give back the user's float32 weights (issue 37, item 3).
+
+A model converted under O2 stores its weights in bfloat16; the float32 truth is the master an optimizer
+steps (or, before one exists, the original).  ``opt.fp32_state_dict()``, the in-place model's own
+``state_dict()`` and ``torch.save``/``torch.load`` of either must give that truth bitwise, loadable into
+the unconverted model; Hugging Face ``save_pretrained`` is tested in ``tests/integrations/test_hf_blocks.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D, V = 16, 24
+BF16 = torch.bfloat16
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def make() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+IDS = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+
+
+def train(model, opt, steps=3):
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.backward(model(IDS))
+        assert opt.step()
+
+
+def masters_by_name(model, opt):
+    name = {id(p): n for n, p in model.named_parameters()}
+    return {name[id(low)]: m for low, m in opt.master_pairs()}
+
+
+def assert_bitwise(got, want):
+    assert set(want) <= set(got)
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 == value.dtype, key
+        assert torch.equal(got[key], value), key
+
+
+def reload_into_unconverted(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    fresh = Net()
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))  # strict: every key
+    return fresh.state_dict()
+
+
+def test_in_place_o2_fp32_state_dict_is_the_originals_then_the_masters():
+    model = make()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    fxamp.convert_(model, "O2", dtype=BF16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    assert_bitwise(opt.fp32_state_dict(), original)  # before any step: the user's float32 weights, not their rounding
+    train(model, opt)
+    masters = masters_by_name(model, opt)
+    assert "layers.0.fc.weight" in masters and "emb.weight" in masters
+    state = opt.fp32_state_dict()
+    assert_bitwise(state, masters)
+    assert_bitwise(reload_into_unconverted(state), masters)
+
+
+def test_in_place_o2_state_dict_gives_the_originals_then_the_masters():
+    """``model.state_dict()`` (``torch.save`` of it, ``save_pretrained``) of a model converted in place: float32,
+    the originals while no optimizer holds them, then the masters; never their bfloat16 rounding."""
+    model = make()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    fxamp.convert_(model, "O2", dtype=BF16)
+    assert model.layers[0].fc.weight.dtype == BF16
+    assert_bitwise(model.state_dict(), original)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    train(model, opt)
+    masters = masters_by_name(model, opt)
+    assert not torch.equal(masters["layers.0.fc.weight"], original["layers.0.fc.weight"])
+    assert_bitwise(model.state_dict(), masters)
+    assert_bitwise(reload_into_unconverted(model.state_dict()), masters)
+    # a float32 checkpoint loaded into the model since: the loaded weights are the truth now, not the stale masters
+    other = {k: v + 1 for k, v in original.items()}
+    model.load_state_dict(other)
+    assert torch.equal(model.state_dict()["layers.0.fc.weight"], other["layers.0.fc.weight"].to(BF16).float())
+    # the optimizer gone: its masters are freed, and the weights come back widened
+    model.load_state_dict(original)
+    del opt, masters
+    gc.collect()
+    assert torch.equal(model.state_dict()["layers.0.fc.weight"], original["layers.0.fc.weight"].to(BF16).float())
+
+
+def test_in_place_o2_state_dict_with_lean_masters_gives_their_float32_value():
+    model = make()
+    fxamp.convert_(model, "O2", dtype=BF16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, masters="kahan")
+    train(model, opt)
+    exact = opt.fp32_state_dict()  # weight + kahan term
+    state = model.state_dict()
+    assert not torch.equal(exact["layers.0.fc.weight"], model.layers[0].fc.weight.float())  # the term counts
+    assert_bitwise(state, {k: v for k, v in exact.items() if v.is_floating_point()})
+
+
+def test_whole_model_o2_round_trip_into_the_unconverted_model():
+    model = make()
+    amp = fxamp.convert(model, "O2", dtype=BF16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp)
+    assert_bitwise(opt.fp32_state_dict(), model.state_dict())  # masters from the exact originals
+    train(amp, opt)
+    masters = masters_by_name(amp, opt)
+    assert "layers.0.fc.weight" in masters
+    assert_bitwise(reload_into_unconverted(opt.fp32_state_dict()), masters)
+    # the converted module's own state_dict holds its stored dtypes (docs/conversion.md): it round-trips into a
+    # converted module, and the optimizer's state_dict restores the masters
+    buf = io.BytesIO()
+    torch.save({"model": amp.state_dict(), "opt": opt.state_dict()}, buf)
+    amp2 = fxamp.convert(make(), "O2", dtype=BF16)
+    opt2 = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp2.parameters(), lr=1e-2), model=amp2)
+    saved = torch.load(io.BytesIO(buf.getvalue()))
+    amp2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    assert_bitwise(opt2.fp32_state_dict(), opt.fp32_state_dict())
