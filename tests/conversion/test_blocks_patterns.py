@@ -9,11 +9,16 @@ conversion.
 from __future__ import annotations
 
 import copy
+import datetime
 import math
+import os
+import socket
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -392,3 +397,45 @@ def test_a_size_argument_is_a_constant_of_the_call():
             assert rel(model(x, torch.Size([h, w])), ref(x, torch.Size([h, w]))) < 0.02
     (family,) = families(model)
     assert family.captures == 2 and not family.as_written
+
+
+def _sharded_gpt_losses(rank, port, out):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.save(_gpt_losses(rank), os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _gpt_losses(rank=None):
+    """Three AdamW steps of the mask-buffer GPT converted in place: sharded on two ranks (``rank``), or in
+    one process on both ranks' batches (FSDP2 averages the gradients)."""
+    torch.manual_seed(0)
+    model = fxamp.convert_(GPT(), "O1", dtype=torch.bfloat16)
+    if rank is not None:
+        model = fxamp.shard(model)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    losses = []
+    for step in range(3):
+        batches = [torch.randint(0, 32, (2, T), generator=torch.Generator().manual_seed(100 * r + step))
+                   for r in ([rank] if rank is not None else [0, 1])]
+        loss = sum(F.cross_entropy(model(b).flatten(0, 1), b.roll(-1, 1).flatten()) for b in batches) / len(batches)
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_shard_takes_the_gpt_with_a_mask_buffer(tmp_path):
+    """``fxamp.shard`` builds on ``convert_``: the same GPT, on two gloo ranks, trains as in one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_gpt_losses, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    sharded = [(a + b) / 2 for a, b in zip(*ranks)]
+    assert sharded == pytest.approx(_gpt_losses(), rel=1e-4)
