@@ -114,7 +114,7 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
     float32 storage (the glue module's own graph casts it where it runs low).  Found in the bytecode of the
     methods of every module around the glue module (``<its name>.<tensor name>`` read in a row)."""
     modules = dict(model.named_modules())
-    pairs: Dict[type, set] = {}
+    codes: Dict[type, List[types.CodeType]] = {}
     out: List[str] = []
     for path in glue:
         names = [n for n, _ in itertools.chain(modules[path].named_parameters(recurse=False),
@@ -122,9 +122,9 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
         parts = path.split(".")
         for i in range(len(parts)):
             around = type(modules[".".join(parts[:i])])
-            if around not in pairs:
-                pairs[around] = _attribute_pairs(around)
-            if any((parts[-1], n) in pairs[around] for n in names):  # (self.pool.out_proj.weight: two up)
+            if around not in codes:
+                codes[around] = _codes(around)
+            if any(_reads(code, parts[-1], n) for code in codes[around] for n in names):  # (self.pool.out_proj.weight)
                 out += [f"{path}.{n}" for n in names]
                 break
     return out
@@ -135,18 +135,25 @@ _NOT_FORWARD = ("__init__", "reset_parameters", "_reset_parameters", "_init_weig
                 "train", "eval", "__setstate__", "__getstate__", "__repr__")
 
 
-def _attribute_pairs(cls: type) -> set:
-    """``(a, b)`` for each ``x.a.b`` read in the code of ``cls``'s methods (and functions nested in them)."""
-    pairs: set = set()
-    codes = [v.__code__ for c in cls.__mro__ if c not in (nn.Module, object) and c.__module__ != "torch.nn.modules.container"
+def _codes(cls: type) -> List[types.CodeType]:
+    """The code of ``cls``'s own methods (its bases' too, not nn.Module's or containers'), nested functions included."""
+    found = [v.__code__ for c in cls.__mro__ if c not in (nn.Module, object) and c.__module__ != nn.Sequential.__module__
              for k, v in vars(c).items() if k not in _NOT_FORWARD and isinstance(getattr(v, "__code__", None), types.CodeType)]
-    while codes:
-        code = codes.pop()
-        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
-        pairs.update((a.argval, b.argval) for a, b in zip(ins, ins[1:])
-                     if a.opname == "LOAD_ATTR" and b.opname in ("LOAD_ATTR", "LOAD_METHOD"))
-    return pairs
+    out: List[types.CodeType] = []
+    while found:
+        code = found.pop()
+        out.append(code)
+        found += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return out
+
+
+def _reads(code: types.CodeType, attr: str, name: str) -> bool:
+    """Whether ``code`` reads ``<something>.<attr>.<name>``."""
+    if attr not in code.co_names or name not in code.co_names:  # (most code: no disassembly needed)
+        return False
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
+    return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in ("LOAD_ATTR", "LOAD_METHOD") and
+               b.argval == name for a, b in zip(ins, ins[1:]))
 
 
 def _inside(path: str, block: str) -> bool:

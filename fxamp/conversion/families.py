@@ -375,7 +375,6 @@ def _lift_constants(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) 
         with graph.inserting_after(placeholders[-1]) if placeholders else \
                 graph.inserting_before(next(iter(graph.nodes))):
             new = graph.placeholder(f"_fxamp_constant_input_{len(values)}")
-        new.meta["val"] = value
         placeholders.append(new)
         for node in list(graph.find_nodes(op="get_attr", target=name)):
             node.replace_all_uses_with(new)
