@@ -130,30 +130,37 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
     return out
 
 
-#: methods that do not run in a forward
-_NOT_FORWARD = ("__init__", "reset_parameters", "_reset_parameters", "_init_weights", "init_weights", "extra_repr",
-                "train", "eval", "__setstate__", "__getstate__", "__repr__")
-
-
 def _codes(cls: type) -> List[types.CodeType]:
-    """The code of ``cls``'s own methods (its bases' too, not nn.Module's or containers'), nested functions included."""
-    found = [v.__code__ for c in cls.__mro__ if c not in (nn.Module, object) and c.__module__ != nn.Sequential.__module__
-             for k, v in vars(c).items() if k not in _NOT_FORWARD and isinstance(getattr(v, "__code__", None), types.CodeType)]
+    """The code ``cls``'s forward may run: ``forward``, the methods of ``cls`` it names (and those they name),
+    and the functions nested in them; nn.Module's and torch.nn containers' own methods left out."""
+    methods = {k: v.__code__ for c in reversed(cls.__mro__) if c not in (nn.Module, object)
+               and c.__module__ != nn.Sequential.__module__
+               for k, v in vars(c).items() if isinstance(getattr(v, "__code__", None), types.CodeType)}
+    found = [methods["forward"]] if "forward" in methods else []
     out: List[types.CodeType] = []
     while found:
         code = found.pop()
+        if code in out:
+            continue
         out.append(code)
         found += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        found += [methods[n] for n in code.co_names if n in methods]
     return out
 
 
+#: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
+_METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
+
+
 def _reads(code: types.CodeType, attr: str, name: str) -> bool:
-    """Whether ``code`` reads ``<something>.<attr>.<name>``."""
+    """Whether ``code`` reads the values of ``<something>.<attr>.<name>`` (not only its shape or dtype)."""
     if attr not in code.co_names or name not in code.co_names:  # (most code: no disassembly needed)
         return False
-    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
-    return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in ("LOAD_ATTR", "LOAD_METHOD") and
-               b.argval == name for a, b in zip(ins, ins[1:]))
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL")]
+    loads = ("LOAD_ATTR", "LOAD_METHOD")
+    return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in loads and b.argval == name
+               and not (c.opname in loads and c.argval in _METADATA)
+               for a, b, c in zip(ins, ins[1:], ins[2:] + [ins[-1]]))
 
 
 def _inside(path: str, block: str) -> bool:
@@ -340,9 +347,13 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
         converted = block_paths + glue_paths
         tensors = dict(itertools.chain(model.named_parameters(remove_duplicate=False),
                                        model.named_buffers(remove_duplicate=False)))
-        kept = {id(tensors[n]) for n in read_around(model, glue_paths)}  # read as written: float32 stays
-        storage = {n: d for n, d in storage.items() if id(tensors[n]) not in kept and
-                   any(_inside(n.rpartition(".")[0], c) for c in converted)}
+        read = read_around(model, glue_paths)
+        kept = {id(tensors[n]) for n in read}  # read as written: float32 stays
+        low = {n: d for n, d in storage.items() if any(_inside(n.rpartition(".")[0], c) for c in converted)}
+        storage = {n: d for n, d in low.items() if id(tensors[n]) not in kept}
+        if any(d != torch.float32 for n, d in low.items() if n not in storage):
+            notes = tuple(notes) + (f"kept float32 (code outside the converted modules reads them directly): "
+                                    f"{', '.join(read)}",)
         changed = rebind(model, storage)
         if keep_originals:  # the float32 originals are the masters to be: held until an optimizer takes them
             for old, new in changed.values():

@@ -265,7 +265,8 @@ class MLPBlock(nn.Module):
 
 class PoolNet(nn.Module):
     """An attention-pooling head (CLIP's, SigLIP's): nn.MultiheadAttention reads ``out_proj.weight`` itself; the
-    logits reuse the input projection's weight, read by the root's own code."""
+    logits reuse the input projection's weight, read by a method of the root that forward calls. Reads of a
+    weight's shape, and methods forward never calls, read no values."""
 
     def __init__(self):
         super().__init__()
@@ -273,13 +274,20 @@ class PoolNet(nn.Module):
         self.blocks = nn.ModuleList(MLPBlock() for _ in range(2))
         self.query = nn.Parameter(torch.randn(1, 1, D))
         self.pool = nn.MultiheadAttention(D, 4, batch_first=True)
+        self.extra = nn.Linear(D, D)
 
     def forward(self, x):
-        x = self.inp(x)
+        x = self.extra(self.inp(x))[..., :self.extra.weight.shape[0]]
         for block in self.blocks:
             x = block(x)
         pooled = self.pool(self.query.expand(x.shape[0], -1, -1), x, x, need_weights=False)[0][:, 0]
+        return self.logits(pooled)
+
+    def logits(self, pooled):
         return F.linear(pooled, self.inp.weight)
+
+    def reset(self):
+        self.extra.weight.data.zero_()
 
 
 def test_a_weight_code_reads_directly_keeps_the_dtype_that_code_expects_under_o2():
@@ -288,7 +296,9 @@ def test_a_weight_code_reads_directly_keeps_the_dtype_that_code_expects_under_o2
     model = copy.deepcopy(ref)
     fxamp.convert_(model, "O2", dtype=torch.bfloat16)
     assert model.pool.out_proj.weight.dtype == torch.float32 and model.inp.weight.dtype == torch.float32
-    assert model.blocks[0].fc.weight.dtype == torch.bfloat16  # (what only converted graphs read is stored low)
+    assert model.blocks[0].fc.weight.dtype == model.extra.weight.dtype == torch.bfloat16  # (only graphs read them)
+    note = next(n for n in fxamp.conversion_info(model).notes if n.startswith("kept float32"))
+    assert "inp.weight" in note and "pool.out_proj.weight" in note and "blocks" not in note
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
     x = torch.randn(2, 5, D)
     out = model(x)
