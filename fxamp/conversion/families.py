@@ -22,7 +22,7 @@ import operator
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -208,7 +208,7 @@ class Family:
         gm = rewrite_captured(captured, self.policy, self.options, storage="keep",
                               notes=[f"{what}, shared by {len(self.paths)} instance(s), captured with "
                                      f"{captured.frontend} for a call with {described}"])
-        constants = _lift_constants(gm, block, self.paths)
+        constants = _lift_constants(gm, block)
         graph = _Graph(gm, _forward_of(gm), described, captured.frontend, lifted, constants)
         self.graphs.setdefault((key, captured.only_mode), []).insert(0, graph)
         self.captures += 1
@@ -328,7 +328,7 @@ class _Graph:
     """One capture of a family: the converted graph module (for the report) and its forward code."""
 
     def __init__(self, gm: fx.GraphModule, fn: Callable[..., Any], description: str, frontend: str,
-                 lifted: bool, constants: Tuple[torch.Tensor, ...] = ()):
+                 lifted: bool, constants: Tuple[Any, ...] = ()):
         self.lifted = lifted  # its forward takes the lifted attributes' values after the call's leaves
         self.constants = constants  # ... and then these (_lift_constants)
         self.gm = gm
@@ -354,18 +354,14 @@ def _extras(gm: fx.GraphModule, block: nn.Module) -> Dict[str, Any]:
     return extras
 
 
-def _lift_constants(gm: fx.GraphModule, block: nn.Module, paths: Sequence[str]) -> Tuple[torch.Tensor, ...]:
-    """Tensor constants the capture made (torch.export's ``_fxamp_constant_<i>``: ``torch.tensor(scale)`` in
-    forward) become the graph's last inputs, which its calls pass: a graph runs with ``self`` = any
-    instance, which has no such attribute.  They depend on no instance's tensors (those are graph values:
-    parameters, and buffers, which both tracers read as ``get_attr`` nodes), so every instance shares them.
-    A higher-order op's body (a ``torch.no_grad`` region's graph) cannot be passed so: refused."""
+def _lift_constants(gm: fx.GraphModule, block: nn.Module) -> Tuple[Any, ...]:
+    """What a capture made beyond the block's own tree becomes the graph's last inputs, which its calls pass:
+    a graph runs with ``self`` = any instance, which has no such attribute.  Tensor constants (torch.export's
+    ``_fxamp_constant_<i>``: ``torch.tensor(scale)`` in forward) depend on no instance's tensors (those are
+    graph values: parameters, and buffers, which both tracers read as ``get_attr`` nodes); a higher-order
+    op's body (a ``torch.no_grad`` region's graph) takes the parameters it reads as arguments.  So every
+    instance shares them."""
     extras = _extras(gm, block)
-    modules = sorted(n for n, v in extras.items() if isinstance(v, nn.Module))
-    if modules:
-        raise TraceError(f"fxamp.convert_: the capture of block {paths[0]!r} made modules its instances do not "
-                         f"have ({', '.join(modules)}); convert this model whole with fxamp.convert",
-                         short="capture made extra modules")
     if not extras:
         return ()
     graph = gm.graph

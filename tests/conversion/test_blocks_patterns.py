@@ -181,6 +181,33 @@ def test_a_mask_buffer_inverted_in_forward_is_each_blocks_own(policy):
     assert all(p.grad is not None for p in model.blocks.parameters())
 
 
+class FrozenBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.frozen = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        with torch.no_grad():  # torch.export keeps the region as a graph of its own (a higher-order op's body)
+            gate = self.frozen(x)
+        return x + self.fc(x) * gate
+
+
+def test_a_no_grad_region_in_a_block_is_one_graph_every_instance_runs():
+    torch.manual_seed(0)
+    ref = nn.Sequential(FrozenBranch(), FrozenBranch())
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    x = torch.randn(2, 3, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # converted, not run as written
+        out = model(x)
+    assert rel(out, ref(x)) < 0.02
+    out.sum().backward()
+    assert model[1].frozen.weight.grad is None and model[1].fc.weight.grad is not None  # the frozen layer stays
+    (family,) = families(model, glue=False)
+    assert family.captures == 1 and not family.as_written
+
+
 # -- item 11: blocks in an nn.Sequential ---------------------------------------------------------------------
 
 class Residual(nn.Module):
