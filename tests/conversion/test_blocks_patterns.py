@@ -121,6 +121,43 @@ def test_a_capture_never_changes_the_blocks_buffers():
     assert int(model.stem[1].num_batches_tracked) == 1
 
 
+class ShapedNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(D, D), nn.BatchNorm1d(D)
+
+    def forward(self, x):
+        h = self.bn(self.fc(x).reshape(-1, D))
+        return x + h.view(*x.shape[:-1], -1)  # a shape unpacked: captured with the call's values
+
+
+class Stack(nn.Module):
+    def __init__(self, *blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_an_eval_call_that_captures_a_block_with_its_values_changes_no_buffer():
+    """The capture runs the block's forward in training mode on the call's values: its batch norm runs on
+    copies of the statistics, not on the block's own."""
+    torch.manual_seed(0)
+    ref = Stack(ShapedNormBlock(), ShapedNormBlock())
+    ref(torch.randn(2, 3, D) * 3 + 1)
+    ref.eval()
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    before = buffers(model)
+    x = torch.randn(2, 3, D)
+    with torch.no_grad():
+        assert rel(model(x), ref(x)) < 0.02
+    assert same_buffers(model, before) == set()
+
+
 # -- item 10: a causal mask buffer, inverted in forward ------------------------------------------------------
 
 class CausalAttention(nn.Module):
@@ -194,7 +231,7 @@ class FrozenBranch(nn.Module):
 
 def test_a_no_grad_region_in_a_block_is_one_graph_every_instance_runs():
     torch.manual_seed(0)
-    ref = nn.Sequential(FrozenBranch(), FrozenBranch())
+    ref = Stack(FrozenBranch(), FrozenBranch())
     model = copy.deepcopy(ref)
     fxamp.convert_(model, "O1", dtype=torch.bfloat16)
     x = torch.randn(2, 3, D)
@@ -203,7 +240,7 @@ def test_a_no_grad_region_in_a_block_is_one_graph_every_instance_runs():
         out = model(x)
     assert rel(out, ref(x)) < 0.02
     out.sum().backward()
-    assert model[1].frozen.weight.grad is None and model[1].fc.weight.grad is not None  # the frozen layer stays
+    assert model.blocks[1].frozen.weight.grad is None and model.blocks[1].fc.weight.grad is not None  # the frozen layer stays
     (family,) = families(model, glue=False)
     assert family.captures == 1 and not family.as_written
 
