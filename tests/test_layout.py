@@ -31,6 +31,7 @@ STAGES: Dict[str, int] = {
     "conversion.classify": 7,
     "conversion.rewrite": 8, "conversion.attention": 8, "conversion.debug": 8, "conversion.checkpointing": 8,
     "conversion.calls": 4, "conversion.pipeline": 9, "conversion.lazy": 9, "conversion.blocks": 9,
+    "conversion.families": 9,
     "conversion.convert": 10,
     # the training wing
     "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,

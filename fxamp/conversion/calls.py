@@ -26,7 +26,7 @@ SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, List[Any], Any]:
     """(key, leaves, tree): tensors and opaque objects become leaves (graph inputs); None, numbers, strings,
-    dtypes stay constants in ``tree`` and in the key."""
+    dtypes and ``torch.Size`` values stay constants in ``tree`` and in the key."""
     leaves: List[Any] = []
 
     def walk(x: Any) -> Any:
@@ -38,7 +38,7 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, Li
             return (kind, tuple(walk(v) for v in x))
         if kind is dict:
             return (dict, tuple((k, walk(v)) for k, v in x.items()))
-        if isinstance(x, SIMPLE):
+        if isinstance(x, SIMPLE) or kind is torch.Size:  # (a Size is a shape: its sizes are constants too)
             return ("C", kind, x)
         leaves.append(x)
         return ("O", kind)

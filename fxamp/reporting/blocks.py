@@ -4,7 +4,8 @@ Each family of blocks contributes the rows of each graph it captured (one per ca
 once for the family, under the first instance's path (``model.layers.0.mlp``); the family's notes
 say which instances share it.  Glue modules' rows are the same records, marked module-level: their
 ``source`` is ``module-level`` and their reason starts with ``module-level:``.  Families that have
-not been called yet have no graph: the notes name them.
+not been called yet have no graph: the notes name them, as they name the calls a family runs as
+written because no front end could capture them.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def blocks_report(model: nn.Module) -> Report:
         seen.add(id(family))
         kind = "glue module" if family.glue else "block"
         shared = f" (shared by {', '.join(family.paths)})" if len(family.paths) > 1 else ""
+        notes += [written.note for written in family.as_written.values()]  # calls no front end could capture
         if not family.graphs:
-            notes.append(f"{kind} {path!r}{shared}: not called yet, no graph to report")
+            if not family.as_written:
+                notes.append(f"{kind} {path!r}{shared}: not called yet, no graph to report")
             continue
         for graph in [g for variants in family.graphs.values() for g in variants]:
             rep = build(graph.gm, type(module).__name__, (), {}, None)

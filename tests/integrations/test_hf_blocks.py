@@ -262,3 +262,22 @@ def test_encoders_and_encoder_decoders_as_hugging_face_users_use_them(make, tmp_
         warnings.simplefilter("error")  # no note that checkpointing was traced through: the layers keep it
         ours = saved_bytes_of(model, args, kwargs, autocast=False)
     assert ours <= 1.2 * theirs and ours < plain, (ours, theirs, plain)
+
+
+def test_deberta_v2_blocks_share_the_scalars_their_forward_makes():
+    """DeBERTa-v2's attention makes scalar tensors in forward (``torch.tensor`` of its scale), which torch.export
+    keeps as constants of the graph: they are graph inputs every block shares, not attributes of the first."""
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=32, relative_attention=True,
+                                          position_buckets=8, pos_att_type=["p2c", "c2p"])
+    ref = transformers.DebertaV2Model(config).eval()
+    model = transformers.DebertaV2Model(config).eval()
+    model.load_state_dict(ref.state_dict())
+    fxamp.convert_(model, "O1", dtype=BF16)
+    x = ids(2, 8)
+    with torch.no_grad():
+        out, expected = model(x).last_hidden_state, ref(x).last_hidden_state
+    assert float((out - expected).norm() / expected.norm()) < 0.02
+    (family,) = block_families(model)
+    assert len(family.paths) == 2 and family.captures == 1

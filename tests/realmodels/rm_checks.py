@@ -131,8 +131,10 @@ def check_in_place_rows(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[s
     reductions, exp/log/pow, embeddings, convolutions, activations), with the same input and output
     dtypes, as many times, recorded at run time on the same inputs and attributed to the module that
     ran them (a multiset per module: torch.export may order independent ops differently). Outside blocks
-    and glue modules, ops run as written, on float32 (no 16-bit input): what convert_ states."""
-    from fxamp.conversion.blocks import converted_modules
+    and glue modules, ops run as written, on float32 (no 16-bit input): what convert_ states. A glue module
+    whose tensors code around it reads directly (CLIP's ``interpolate_pos_encoding``) keeps them float32
+    (``blocks.read_around``): not compared, whole-model conversion sees those readers in its graph."""
+    from fxamp.conversion.blocks import converted_modules, family_of, read_around
     model = build(entry).eval()
     inputs = entry.inputs(1)
     blocks = convert(entry, model, policy, dtype, in_place=True)
@@ -141,6 +143,9 @@ def check_in_place_rows(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[s
         _call(blocks, inputs)
         _call(whole, inputs)  # captured: the recorded calls run the graphs only
         units = [path for path, _ in converted_modules(blocks)]
+        kept = {n.rpartition(".")[0] for n in read_around(
+            blocks, [p for p, m in converted_modules(blocks) if family_of(m).glue])} if policy != "O1" else set()
+        units = [u for u in units if u not in kept]
         with _ByModule(_hooked_path(blocks, units)) as got:
             _call(blocks, inputs)
         node_module = {r.node: r.module for r in fxamp.report(whole).rows if r.is_op}

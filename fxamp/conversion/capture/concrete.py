@@ -68,10 +68,19 @@ def guard(value: Any, expected: bool, early: bool) -> None:
 
 
 class _ConcreteTracer(FxTracer):
-    """A torch.fx tracer that also runs each node on real values (see the module docstring)."""
+    """A torch.fx tracer that also runs each node on real values (see the module docstring).
+
+    Buffers are graph values (``get_attr`` nodes), as parameters are: ``~self.mask[:T, :T]`` is then
+    an op on the block's own mask, not a constant computed from the traced instance's.  The trace runs
+    on copies of them: running statistics and counters a forward updates in place change at the
+    graph's calls, never during the capture.
+    """
+
+    proxy_buffer_attributes = True
 
     def __init__(self, leaf_types, leaf_paths, values: Sequence[Any]):
         super().__init__(leaf_types, leaf_paths)
+        self.copies: Dict[str, Any] = {}  # buffer path -> the copy the trace's ops read and change
         # opaque objects are traced on copies: their methods (a cache's update) run during the trace
         self.values = [v if isinstance(v, (torch.Tensor,) + _SIMPLE) else _copy(v) for v in values]
         self.real: dict = {}
@@ -99,9 +108,11 @@ class _ConcreteTracer(FxTracer):
         k = fx.node.map_arg(node.kwargs, self._real)
         with torch.no_grad(), _unpatched():
             if kind == "get_attr":
-                value = _raw_attr(self.root, target)
+                value = self._attr(target)
             elif kind == "call_module":
-                value = _raw_attr(self.root, target)(*a, **k)
+                module = _raw_attr(self.root, target)
+                own = {n: self._attr(f"{target}.{n}") for n, _ in module.named_buffers()}
+                value = torch.func.functional_call(module, own, tuple(a), k, strict=False) if own else module(*a, **k)
             elif kind == "call_method":
                 value = getattr(a[0], target)(*a[1:], **k)
             else:
@@ -137,8 +148,17 @@ class _ConcreteTracer(FxTracer):
 
     def _real(self, node: fx.Node) -> Any:
         if node not in self.real and node.op == "get_attr":  # a tensor constant create_arg stored on the root
-            self.real[node] = _raw_attr(self.root, str(node.target))
+            self.real[node] = self._attr(str(node.target))
         return self.real[node]
+
+    def _attr(self, target: str) -> Any:
+        """The root's attribute at ``target``; a buffer's copy (the same one for every read of it)."""
+        value = _raw_attr(self.root, target)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            return value
+        if target not in self.copies:
+            self.copies[target] = value.clone()
+        return self.copies[target]
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         node = obj.node
