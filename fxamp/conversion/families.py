@@ -37,8 +37,8 @@ from .capture.modes import MODE_FLAG, ModeFlag
 from .capture.shapes import STATIC_SIZES
 from ..dtypes import LOW
 from ..errors import FxampError, TraceError
-from .graph import INPUT_DTYPE, node_arg, replace_node_arg
-from ..info import INFO_ATTR
+from .graph import INPUT_DTYPE, fetch_attr, node_arg, replace_node_arg
+from ..info import INFO_ATTR, origin_of
 from .lazy import float32_for_capture
 from .options import ConvertOptions
 from .pipeline import rewrite_captured
@@ -311,7 +311,8 @@ class _AsWritten:
 
 class OriginalDtypes:
     """A state_dict hook of a converted module: its re-bound tensors come out in the dtypes they had before
-    conversion (float32), under the same names; ``load_state_dict`` copies them back into the stored dtypes."""
+    conversion (float32), under the same names, a parameter as its master's (or original's) exact float32
+    value (``fxamp.info.origin_of``); ``load_state_dict`` copies them back into the stored dtypes."""
 
     def __init__(self, dtypes: Dict[str, torch.dtype]):
         self.dtypes = dtypes  # name below the module -> original dtype
@@ -321,7 +322,9 @@ class OriginalDtypes:
             key = prefix + name
             value = state.get(key)
             if isinstance(value, torch.Tensor) and value.dtype != dtype:
-                state[key] = value.to(dtype)
+                # the float32 truth while the weight is its rounding: the master an optimizer steps, or the original
+                exact = origin_of(fetch_attr(module, name))
+                state[key] = exact.detach() if exact is not None and exact.dtype == dtype else value.to(dtype)
 
 
 class _Graph:
