@@ -29,7 +29,8 @@ from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirro
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar
-from .regions import confirmed, copy_root_hooks, fx_region_error, scan
+from .regions import (confirmed, copy_root_hooks, fx_region_error, region_state, scan,
+                      traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
 __all__ = ["FxFrontEnd", "FxTracer"]
@@ -39,6 +40,7 @@ class FxFrontEnd:
     """``torch.fx`` symbolic tracing with ``leaf_modules`` kept opaque (see :class:`~fxamp.conversion.capture.common.FrontEnd`)."""
 
     name = "fx"
+    trace_with_grad = True  # see trace()
 
     def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
         self.model = model
@@ -59,7 +61,10 @@ class FxFrontEnd:
         root.__dict__ = dict(model.__dict__)
         if FORWARDS.get(type(model)) is not None:  # a torch.nn transformer at the root
             root.__class__ = traced_class(type(model))
-        with _buffer_writes_refused(model):
+        # grad enabled while tracing (not when the trace runs the call's values: concrete.py): a no_grad
+        # region then changes the grad mode even when convert() is called under torch.no_grad()
+        grad = torch.enable_grad() if self.trace_with_grad else contextlib.nullcontext()
+        with _buffer_writes_refused(model), grad:
             try:
                 graph = tracer.trace(root)
             except Exception as e:  # anything torch.fx raises while running forward on proxies
@@ -73,6 +78,8 @@ class FxFrontEnd:
         for path, _, f in confirmed(scan(model, self.opaque, [graph]), [graph]):
             if f.kind in ("grad", "autocast"):  # torch.fx records nothing of it: refuse rather than drop it
                 raise fx_region_error(model, path, f)
+        if tracer.region is not None:  # a region the source scan could not see (no source to read)
+            raise traced_region_error(model, *tracer.region)
         return fx.GraphModule(root, graph, class_name=type(model).__name__)
 
     def make_tracer(self) -> fx.Tracer:
@@ -100,6 +107,22 @@ class FxTracer(fx.Tracer):
                                              fit_scalar, canonical_masks, causal_hint, fast_path_padding))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
+        self._region_start = region_state()
+        self.region: Optional[Tuple[fx.Node, str]] = None  # the first node made inside a grad/autocast region
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        self._region_start, self.region = region_state(), None
+        return super().trace(root, concrete_args)
+
+    def create_node(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    name: Optional[str] = None, type_expr: Optional[Any] = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.region is None and kind != "placeholder":
+            # torch.fx records no grad-mode or autocast region: see, as forward runs, whether it is in one
+            region = unreadable_region(self._region_start, FxTracer.trace.__code__)
+            if region is not None:
+                self.region = (node, region)
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
