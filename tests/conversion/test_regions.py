@@ -278,3 +278,126 @@ def test_regions_in_functions_forward_calls_are_seen_on_every_path():
         out.float().sum().backward()
         assert converted.a.weight.grad is None and converted.b.weight.grad is not None
         model.zero_grad(set_to_none=True)
+
+
+# Frozen and Island again, as classes whose source cannot be read (made by exec, as generated code or a
+# notebook fed from a pipe): the source scan finds nothing, so only what forward does while traced can tell
+_UNREADABLE = '''
+class ExecFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        with torch.no_grad():
+            y = self.a(h)
+        return self.b(h) + y
+
+
+class ExecIsland(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.post = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        with torch.autocast("cpu", enabled=False):
+            y = self.a(h).exp()
+        return self.post(y)
+
+
+class ExecPlain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x).relu()
+'''
+
+
+def _unreadable(name):
+    namespace = {"torch": torch, "nn": nn}
+    exec(_UNREADABLE, namespace)
+    return namespace[name]()
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_fx_refuses_a_region_in_code_whose_source_cannot_be_read(grad_mode):
+    """The region is seen while forward runs, not in its source; converting under no_grad changes nothing."""
+    with torch.set_grad_enabled(grad_mode):
+        with pytest.raises(TraceError, match=r"torch.fx cannot keep a grad-mode region \(no_grad, inference_mode: "
+                                             r"its parameters would be trained\): op 'a' in the forward of ExecFrozen "
+                                             r"\(the root\) ran inside one, in code whose source cannot be read .* "
+                                             r"What to do: use frontend='auto'"):
+            fxamp.convert(_unreadable("ExecFrozen"), "O1", dtype=BF16, frontend="fx")
+        with pytest.raises(TraceError, match=r"torch.fx cannot keep an autocast region \(enabled=False too: a float32 "
+                                             r"island would run in low precision\): op 'a' in the forward of "
+                                             r"ExecIsland"):
+            fxamp.convert(_unreadable("ExecIsland"), "O1", dtype=BF16, frontend="fx")
+
+
+@pytest.mark.parametrize("path", ["auto without inputs", "auto with inputs", "export", "lazy"])
+def test_a_region_in_code_whose_source_cannot_be_read_is_kept(path):
+    """torch.export keeps the regions: the frozen layer gets no gradient, the island runs in float32."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for name in ("ExecFrozen", "ExecIsland"):
+        model = _unreadable(name)
+        convert = {**_paths(model, x), "auto without inputs": lambda pol: fxamp.convert(model, pol, dtype=BF16)}
+        amp = convert[path]("O1")
+        amp(x)  # (a lazy module captures here)
+        with OpDtypes() as rec:
+            out = amp(x)
+        out.float().sum().backward()
+        if name == "ExecFrozen":
+            assert amp.a.weight.grad is None and amp.a.bias.grad is None
+            assert amp.b.weight.grad is not None and amp.pre.weight.grad is not None
+        else:
+            assert [c.inputs for c in rec.of("exp")] == [(F32,)]
+            assert [c.inputs for c in rec.of("addmm")] == [(BF16,) * 3, (F32,) * 3, (BF16,) * 3]
+
+
+def test_code_whose_source_cannot_be_read_without_regions_still_goes_through_fx():
+    amp = fxamp.convert(_unreadable("ExecPlain"), "O1", dtype=BF16, frontend="fx")
+    assert fxamp.conversion_info(amp).frontend == "fx"
+
+
+def test_a_reentrant_checkpoint_is_no_region_of_the_model():
+    """torch runs an autograd Function's forward under no_grad: that grad mode is torch's, not a region."""
+
+    class Reentrant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return checkpoint(self.a, x, use_reentrant=True)
+
+    amp = fxamp.convert(Reentrant(), "O1", dtype=BF16, frontend="fx")
+    assert fxamp.conversion_info(amp).frontend == "fx"
+
+
+def test_convert_in_place_never_trains_a_frozen_layer_of_code_whose_source_cannot_be_read():
+    """fxamp.convert_: the block's fx captures see the region; it is kept or the block is refused in one line."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            block = type(_unreadable("ExecFrozen"))  # (one class: each exec makes another)
+            self.blocks = nn.ModuleList([block() for _ in range(2)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = fxamp.convert_(Net(), "O1", dtype=BF16)
+    try:
+        out = model(torch.randn(4, 8))
+    except TraceError as e:  # refused (today: torch.export's region is a submodule a block graph cannot hold)
+        assert "\n" not in str(e) and "blocks.0" in str(e)
+        return
+    out.float().sum().backward()
+    assert all(block.a.weight.grad is None for block in model.blocks)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ...errors import TraceError
 
-__all__ = ["Captured", "FrontEnd", "LeafSpec", "user_frame", "warn"]
+__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "warn"]
 
 LeafSpec = Union[str, Type[nn.Module]]
 
@@ -33,6 +33,11 @@ class Captured:
     notes: List[str] = field(default_factory=list)  # what the front end decided, for the report
     only_mode: Optional[bool] = None  # the training mode the graph is right in when the modes differ; None: both
     fx_error: Optional[TraceError] = None  # torch.fx's error when torch.export ran as its fallback
+
+
+class UnsoundCapture(TraceError):
+    """The front end traced the model, but its graph would be wrong in any mode (forward wrote a buffer
+    that torch.fx ran once at trace time): no capture of it may be kept, not even one mode's."""
 
 
 class FrontEnd(Protocol):

@@ -373,6 +373,8 @@ class ConcreteFxFrontEnd(FxFrontEnd):
     """:class:`~fxamp.conversion.capture.fx.FxFrontEnd` tracing with one call's values (``values``: one per
     input of the traced forward, in order)."""
 
+    trace_with_grad = False  # the call's values are computed as the call would: in its grad mode
+
     def __init__(self, model: nn.Module, values: Sequence[Any], leaf_modules=()):
         super().__init__(model, leaf_modules)
         self.values = list(values)

@@ -14,10 +14,12 @@ torch.nn's transformers are not leaves: they are traced through their reference 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,9 +27,10 @@ import torch.nn.functional as F
 from ...errors import TraceError
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
-from .common import LeafSpec, user_frame
+from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar
-from .regions import confirmed, copy_root_hooks, fx_region_error, scan
+from .regions import (confirmed, copy_root_hooks, fx_region_error, region_state, scan,
+                      traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
 __all__ = ["FxFrontEnd", "FxTracer"]
@@ -37,6 +40,7 @@ class FxFrontEnd:
     """``torch.fx`` symbolic tracing with ``leaf_modules`` kept opaque (see :class:`~fxamp.conversion.capture.common.FrontEnd`)."""
 
     name = "fx"
+    trace_with_grad = True  # see trace()
 
     def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
         self.model = model
@@ -57,10 +61,14 @@ class FxFrontEnd:
         root.__dict__ = dict(model.__dict__)
         if FORWARDS.get(type(model)) is not None:  # a torch.nn transformer at the root
             root.__class__ = traced_class(type(model))
-        try:
-            graph = tracer.trace(root)
-        except Exception as e:  # anything torch.fx raises while running forward on proxies
-            raise _trace_error(model, tracer, e) from e
+        # grad enabled while tracing (not when the trace runs the call's values: concrete.py): a no_grad
+        # region then changes the grad mode even when convert() is called under torch.no_grad()
+        grad = torch.enable_grad() if self.trace_with_grad else contextlib.nullcontext()
+        with _buffer_writes_refused(model), grad:
+            try:
+                graph = tracer.trace(root)
+            except Exception as e:  # anything torch.fx raises while running forward on proxies
+                raise _trace_error(model, tracer, e) from e
         for node in graph.nodes:
             if isinstance(node.type, str):
                 # a postponed annotation (``from __future__ import annotations``, or fxamp's own
@@ -70,6 +78,8 @@ class FxFrontEnd:
         for path, _, f in confirmed(scan(model, self.opaque, [graph]), [graph]):
             if f.kind in ("grad", "autocast"):  # torch.fx records nothing of it: refuse rather than drop it
                 raise fx_region_error(model, path, f)
+        if tracer.region is not None:  # a region the source scan could not see (no source to read)
+            raise traced_region_error(model, *tracer.region)
         return fx.GraphModule(root, graph, class_name=type(model).__name__)
 
     def make_tracer(self) -> fx.Tracer:
@@ -97,6 +107,22 @@ class FxTracer(fx.Tracer):
                                              fit_scalar, canonical_masks, causal_hint, fast_path_padding))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
+        self._region_start = region_state()
+        self.region: Optional[Tuple[fx.Node, str]] = None  # the first node made inside a grad/autocast region
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        self._region_start, self.region = region_state(), None
+        return super().trace(root, concrete_args)
+
+    def create_node(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    name: Optional[str] = None, type_expr: Optional[Any] = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.region is None and kind != "placeholder":
+            # torch.fx records no grad-mode or autocast region: see, as forward runs, whether it is in one
+            region = unreadable_region(self._region_start, FxTracer.trace.__code__)
+            if region is not None:
+                self.region = (node, region)
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
@@ -110,6 +136,45 @@ class FxTracer(fx.Tracer):
         if body is not None:  # their reference path, without the checks that choose the inference fast path
             forward = functools.partial(body, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+@contextlib.contextmanager
+def _buffer_writes_refused(model: nn.Module) -> Iterator[None]:
+    """Refuse a forward that writes a buffer in place (timm's ``BatchNormAct2d`` counts batches with
+    ``self.num_batches_tracked.add_(1)``).  torch.fx does not trace buffers: it would run the write once,
+    now, on the user's model, and leave it out of the graph.  The buffer gets its value back.
+
+    Values are compared, not only version counters: a trace with the call's values (``concrete.py``)
+    updates a batch norm's running statistics without bumping them."""
+    buffers = [(name, b, b._version, b.detach().clone()) for name, b in model.named_buffers()]
+    try:
+        yield
+    finally:  # (a trace that failed half way may have written some too)
+        written = [(name, b, saved) for name, b, version, saved in buffers
+                   if b._version != version or not _same_bits(b.detach(), saved)]
+        with torch.no_grad():
+            for _, b, saved in written:
+                b.copy_(saved)
+    if not written:
+        return
+    names = ", ".join(name for name, _, _ in written)
+    path = written[0][0].rpartition(".")[0]
+    raise UnsoundCapture(
+        f"torch.fx cannot capture {type(model).__name__}: its forward writes the buffer(s) {names} in place "
+        f"(a counter's `self.num_batches_tracked.add_(1)`, a batch norm's running statistics), which torch.fx "
+        f"would run once while tracing and leave out of the graph. Capture it with torch.export, which keeps "
+        f"the write: pass example_inputs=(...), or leave frontend= at 'auto' (fxamp then captures it at its "
+        f"first call).",
+        short=f"forward writes buffer {written[0][0]} in place", module_path=path)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (a buffer holding NaN is not written by reading it)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[Tuple[type, ...], Tuple[str, ...]]:

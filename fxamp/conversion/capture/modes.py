@@ -40,19 +40,20 @@ and the lazily capturing module hold a graph per mode, the other mode captured a
 A batch norm's flag is rebound only where it follows the module's mode: it differs between the two
 captures, or (one capture) the call is a ``BatchNorm``'s own with running statistics.  A constant
 flag stays: weight standardisation (timm's ``ScaledStdConv2d``) normalises a weight with
-``F.batch_norm(w, None, None, training=True)`` in both modes.
+``F.batch_norm(w, None, None, training=True)`` in both modes.  The comparison reads the flag where
+the capture put it (torch.fx records ``F.batch_norm``'s sixth argument as the keyword ``training``), so
+a subclass's ``True if self.training else ...`` (timm's ``BatchNormAct2d``) follows the mode.  Only a
+``BatchNorm`` running torch's own forward becomes a call of the module (a subclass's forward adds an
+activation, which would then run twice); a subclass's ``num_batches_tracked += 1`` that the eval capture
+does not run adds ``getitem((0, 1), flag)``, so an eval call changes no buffer.
 Limitation: a dropout written with a literal ``training=True`` (or ``False`` in an eval-mode
 capture) follows the module's mode.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import inspect
 import operator
-import textwrap
-import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -61,7 +62,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..graph import fetch_attr, module_path_of, node_arg, replace_node_arg
-from .common import warn
+from .common import UnsoundCapture, warn
+from .mode_reads import mode_reader
 
 __all__ = ["MODE_FLAG", "ModeFlag", "training_mode", "mode_reader", "capture_modes", "capture_in_both_modes",
            "make_modes_switchable"]
@@ -162,6 +164,9 @@ _MODE_ARGS = "fxamp_mode_args"
 #: node.meta key (this module only), on batch norms of a graph compared with the other mode's: whether
 #: its ``training`` flag differed between the modes (it follows the module's mode, so it may be rebound)
 _FLAG_FOLLOWS_MODE = "fxamp_flag_follows_mode"
+#: node.meta key (this module only), on a training graph's ``num_batches_tracked += 1`` that the eval
+#: graph does not run (``if self.training: ...``): it must run in training mode only
+_COUNTS_IN_TRAINING = "fxamp_counts_in_training"
 
 
 def _literal(value: Any) -> bool:
@@ -190,11 +195,15 @@ _MISSING = object()
 
 
 def _arg(node: fx.Node, index: Optional[int], key: Optional[str]) -> Any:
-    """Positional argument ``index`` (an ATen op's schema default when omitted) or keyword ``key``."""
+    """Positional argument ``index``, else keyword ``key`` (where both are given: torch.fx records
+    ``F.batch_norm(x, rm, rv, w, b, flag)`` with ``training=flag`` as a keyword), else an ATen op's
+    schema default."""
     if index is None:
         return node.kwargs.get(key, _MISSING)
     if index < len(node.args):
         return node.args[index]
+    if key is not None and key in node.kwargs:
+        return node.kwargs[key]
     schema = getattr(node.target, "_schema", None)
     if schema is not None and index < len(schema.arguments):
         argument = schema.arguments[index]
@@ -238,6 +247,21 @@ def _mode_dependent_args(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> O
     return None
 
 
+def _mark_counters(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> None:
+    """Mark (``_COUNTS_IN_TRAINING``) the training graph's counter updates the eval graph does not run."""
+    in_eval: Dict[str, int] = {}
+    for node in eval_gm.graph.nodes:
+        if _is_counter_update(node):
+            in_eval[str(node.args[0].target)] = in_eval.get(str(node.args[0].target), 0) + 1
+    for node in train_gm.graph.nodes:
+        if _is_counter_update(node):
+            target = str(node.args[0].target)
+            if in_eval.get(target, 0) > 0:
+                in_eval[target] -= 1
+            else:
+                node.meta[_COUNTS_IN_TRAINING] = True
+
+
 def _where(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
@@ -261,12 +285,15 @@ def capture_in_both_modes(
     try:
         with training_mode(model, not current):
             second = capture()
+    except UnsoundCapture:  # the front end cannot capture this model in any mode
+        raise
     except Exception as e:  # the other mode fails: keep the capture that worked
         note = (f"captured in {_mode(current)} mode only ({_mode(not current)} mode failed: {type(e).__name__}); "
                 f"train()/eval() switch its dropout and batch norms")
         warn(note)
         return first, current, [note]
     train_gm, eval_gm = (first, second) if current else (second, first)
+    _mark_counters(train_gm, eval_gm)
     diff = _first_difference(train_gm, eval_gm)
     if diff is None:
         diff = _mode_dependent_args(train_gm, eval_gm)
@@ -284,187 +311,6 @@ def capture_in_both_modes(
             f"its dropout and batch norms. Convert in the mode you will run it in.")
     warn(note)
     return first, current, [note]
-
-
-#: torch.nn's layers whose reads of ``self.training`` a single capture handles: their dropout and
-#: batch-norm flags are rewritten by :func:`make_modes_switchable`
-_MODE_HANDLED_MODULES = ("torch.nn.modules.dropout", "torch.nn.modules.batchnorm")
-
-
-def _reads_training(code: types.CodeType) -> bool:
-    """Whether ``code`` (or a function nested in it) reads an attribute called ``training``."""
-    if "training" in code.co_names or "training" in code.co_consts:  # .training, getattr(m, "training")
-        return True
-    return any(isinstance(c, types.CodeType) and _reads_training(c) for c in code.co_consts)
-
-
-def _functions(value: Any) -> Iterator[Any]:
-    """The functions of a function, method, property or staticmethod found in a class namespace,
-    and the functions a decorator wrapped (``__wrapped__``)."""
-    for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
-        depth = 0
-        while f is not None and depth < 8:
-            if isinstance(getattr(f, "__code__", None), types.CodeType):
-                yield f
-            f, depth = getattr(f, "__wrapped__", None), depth + 1
-
-
-def _codes(value: Any) -> Iterator[types.CodeType]:
-    """The code objects of :func:`_functions`."""
-    for f in _functions(value):
-        yield f.__code__
-
-
-def _runs_in_forward(name: str) -> bool:
-    """Methods that may run in a forward: not ``train``/``eval`` (they set the flag), not set-up dunders."""
-    return name not in ("train", "eval") and (not name.startswith("__") or name == "__call__")
-
-
-#: what a class's code does with ``self.training``: nothing (False), something a capture cannot tell
-#: (True), or only things that give the same result in both modes on an instance whose plain values
-#: allow it, as checks: ``("pick", a, b)``: ``a if self.training else b`` (the Hugging Face attention
-#: pattern ``0.0 if not self.training else self.attention_dropout``): the two values are equal;
-#: ``("off", (e, ...))``: ``e and self.training`` (``getattr(self, "gradient_checkpointing", False) and
-#: self.training``): one of the other operands is falsy.  Each value a constant, ``self.<attr>[.<attr>]``
-#: or ``getattr(self, "<attr>", <constant>)``, read on the instance.
-_Reads = Any  # bool or Tuple[Tuple[Any, ...], ...]
-
-
-def _value_pairs(cls: type) -> _Reads:
-    """The checks of ``cls``'s reads of ``self.training`` (see ``_Reads``), True when any read is
-    something else (a branch, a flag passed on, a read whose source is not available)."""
-    checks: List[Tuple[Any, ...]] = []
-    for name, value in vars(cls).items():
-        if not _runs_in_forward(name):
-            continue
-        for func in _functions(value):
-            if not _reads_training(func.__code__):
-                continue
-            found = _checks_in(func)
-            if found is None:
-                return True
-            checks.extend(found)
-    return tuple(checks) if checks else False
-
-
-def _checks_in(func: Any) -> Optional[List[Tuple[Any, ...]]]:
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func.__code__)))  # (a wrapper's own, not __wrapped__'s)
-    except (TypeError, OSError, SyntaxError, IndentationError):
-        return None
-    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if fn is None or not fn.args.args or "training" in func.__code__.co_consts:  # getattr(m, "training")
-        return None
-    self_name = fn.args.args[0].arg
-    parent = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
-    checks: List[Tuple[Any, ...]] = []
-    for node in ast.walk(fn):
-        if not (isinstance(node, ast.Attribute) and node.attr == "training"):
-            continue
-        if not (isinstance(node.value, ast.Name) and node.value.id == self_name and isinstance(node.ctx, ast.Load)):
-            return None
-        test, negated = node, False
-        up = parent.get(id(test))
-        if isinstance(up, ast.UnaryOp) and isinstance(up.op, ast.Not):
-            test, negated, up = up, True, parent.get(id(up))
-        if isinstance(up, ast.IfExp) and up.test is test and all(_plain(e, self_name) for e in (up.body, up.orelse)):
-            checks.append(("pick", up.orelse, up.body) if negated else ("pick", up.body, up.orelse))
-        elif isinstance(up, ast.BoolOp) and isinstance(up.op, ast.And):
-            others = tuple(e for e in up.values if e is not test and _plain(e, self_name))
-            if not others:
-                return None
-            checks.append(("off", others))
-        else:
-            return None
-    return checks or None  # (the bytecode reads it, the source shows no read: do not guess)
-
-
-def _plain(expr: ast.expr, self_name: str) -> bool:
-    """A constant, ``self.<attr>`` or ``getattr(self, "<attr>", <constant>)``: a value read without running code."""
-    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, (ast.USub, ast.UAdd)):
-        expr = expr.operand
-    if isinstance(expr, ast.Call):
-        return (isinstance(expr.func, ast.Name) and expr.func.id == "getattr" and not expr.keywords
-                and len(expr.args) in (2, 3) and isinstance(expr.args[0], ast.Name) and expr.args[0].id == self_name
-                and isinstance(expr.args[1], ast.Constant) and isinstance(expr.args[1].value, str)
-                and all(isinstance(a, ast.Constant) for a in expr.args[2:]))
-    return isinstance(expr, ast.Constant) or _attribute_chain(expr, self_name) is not None
-
-
-def _attribute_chain(expr: ast.expr, self_name: str) -> Optional[List[str]]:
-    """``["a", "b"]`` for ``self.a.b``, else None."""
-    names: List[str] = []
-    while isinstance(expr, ast.Attribute):
-        names.append(expr.attr)
-        expr = expr.value
-    if names and isinstance(expr, ast.Name) and expr.id == self_name:
-        return names[::-1]
-    return None
-
-
-_MISSING_VALUE = object()
-
-
-def _value(m: nn.Module, expr: ast.expr) -> Any:
-    if isinstance(expr, ast.Call):  # getattr(self, "name"[, default])
-        default = expr.args[2].value if len(expr.args) == 3 else _MISSING_VALUE  # type: ignore[attr-defined]
-        v = getattr(m, expr.args[1].value, default)  # type: ignore[attr-defined]
-    elif isinstance(expr, ast.Attribute):  # self.a.b
-        v = m
-        for name in _chain_names(expr):
-            v = getattr(v, name, _MISSING_VALUE)
-    else:
-        return ast.literal_eval(expr)
-    return v if isinstance(v, (bool, int, float, type(None))) else _MISSING_VALUE
-
-
-def _chain_names(expr: ast.expr) -> List[str]:
-    names: List[str] = []
-    while isinstance(expr, ast.Attribute):
-        names.append(expr.attr)
-        expr = expr.value
-    return names[::-1]
-
-
-def _same_in_both_modes(m: nn.Module, checks: Tuple[Tuple[Any, ...], ...]) -> bool:
-    """Whether every check holds on ``m`` (``attention_dropout`` 0.0: both picks 0.0; no gradient checkpointing)."""
-    for check in checks:
-        if check[0] == "pick":
-            a, b = _value(m, check[1]), _value(m, check[2])
-            if a is _MISSING_VALUE or b is _MISSING_VALUE or type(a) is not type(b) and not (
-                    {type(a), type(b)} <= {int, float}) or a != b:
-                return False
-        elif not any(v is not _MISSING_VALUE and not v for v in (_value(m, e) for e in check[1])):
-            return False
-    return True
-
-
-def mode_reader(model: nn.Module) -> Optional[str]:
-    """The first module (``"path (Class)"``) whose own code reads ``training``, or None.
-
-    torch.nn's dropout and batch-norm layers are left out (their flags are rewritten on any
-    capture), as is ``nn.Module`` itself (``train()``/``eval()`` only set the flag).  Every other
-    class in each module's MRO is read at the bytecode level, with the module's forward hooks:
-    a model none of whose code reads the flag computes the same graph in both modes.  A read that
-    that gives the same result in both modes on the instance (``0.0 if not self.training else
-    self.attention_dropout`` with ``attention_dropout == 0.0``; ``self.gradient_checkpointing and
-    self.training`` with checkpointing off) does not count.
-    """
-    seen: Dict[type, _Reads] = {}
-    for path, m in model.named_modules():
-        classes = [c for c in type(m).__mro__ if c not in (nn.Module, object)]
-        if type(m).__module__ in _MODE_HANDLED_MODULES:
-            classes = []
-        for cls in classes:
-            if cls not in seen:
-                seen[cls] = _value_pairs(cls)
-            reads = seen[cls]
-            if reads is True or (reads and not _same_in_both_modes(m, reads)):
-                return f"{path or '<root>'} ({type(m).__name__})"
-        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
-        if any(_reads_training(code) for h in hooks for code in _codes(h)):
-            return f"{path or '<root>'} ({type(m).__name__}, a forward hook)"
-    return None
 
 
 def capture_modes(
@@ -507,7 +353,8 @@ class _Owners:
         path = module_path_of(node)
         return self.modules.get(path) if path else None
 
-    def flag(self, node: fx.Node) -> fx.Node:
+    def flag(self, node: fx.Node, fresh: bool = False) -> fx.Node:
+        """The owner's flag, made before ``node`` if it is its first use (``fresh``: a new read there)."""
         path = module_path_of(node)
         if not path or path not in self.modules:
             path = MODE_FLAG
@@ -515,12 +362,14 @@ class _Owners:
                 self.gm.add_module(path, ModeFlag())
                 self.modules[path] = self.gm.get_submodule(path)
                 self.modules[path].training = self.gm.training
-        if path not in self.flags:
+        if path not in self.flags or fresh:
             graph = self.gm.graph
             with graph.inserting_before(node):
                 owner = graph.get_attr(path)
                 flag = graph.call_function(getattr, (owner, "training"))
             flag.meta["val"] = True
+            if fresh:
+                return flag
             self.flags[path] = flag
         return self.flags[path]
 
@@ -576,6 +425,14 @@ def make_modes_switchable(gm: fx.GraphModule, captured_in: bool) -> List[str]:
             elif follows and node_arg(node, index, name, False) is captured_in:
                 replace_node_arg(node, index, name, owners.flag(node))
                 count("functional batch norm")
+    for node in list(graph.nodes):  # counters a call of the original BatchNorm did not take over
+        if node.meta.pop(_COUNTS_IN_TRAINING, False):
+            flag = owners.flag(node, fresh=True)  # (the owner's first flag may come after its counter)
+            with graph.inserting_before(node):
+                step = graph.call_function(operator.getitem, ((0, 1), flag))  # num_batches_tracked += 0 in eval
+            step.meta["val"] = 1
+            node.args = (node.args[0], step, *node.args[2:])
+            count("batch counter")
     notes = []
     if counts:
         notes.append("train()/eval() reach " + ", ".join(f"{what} x{n}" for what, n in sorted(counts.items())) +
@@ -598,7 +455,7 @@ def _runs_batch_norm_module(owners: _Owners, node: fx.Node) -> bool:
 def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) -> bool:
     """Replace ``aten.batch_norm`` (and its ``num_batches_tracked += 1``) by a call of the original BatchNorm."""
     m = owners.module(node)
-    if not isinstance(m, nn.modules.batchnorm._BatchNorm) or node.kwargs:
+    if not isinstance(m, nn.modules.batchnorm._BatchNorm) or node.kwargs or not _torch_forward(m):
         return False
     expected = (m.weight, m.bias, m.running_mean, m.running_var)
     for arg, want in zip(node.args[1:5], expected):
@@ -619,3 +476,9 @@ def _batch_norm_to_module(gm: fx.GraphModule, owners: _Owners, node: fx.Node) ->
     for c in counters:
         gm.graph.erase_node(c)
     return True
+
+
+def _torch_forward(m: nn.Module) -> bool:
+    """Whether ``m`` runs torch's own BatchNorm forward: a subclass's forward (norm, then an activation:
+    timm's ``BatchNormAct2d``) does more than the one op a call of it would replace."""
+    return getattr(type(m).forward, "__module__", None) == nn.modules.batchnorm.__name__

@@ -34,6 +34,7 @@ import re
 import sys
 import sysconfig
 import textwrap
+import types
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,7 @@ from ...errors import TraceError
 from .common import warn
 
 __all__ = ["Finding", "CallInfo", "scan", "confirmed", "frames_of", "fx_region_error", "region_note",
+           "region_state", "unreadable_region", "traced_region_error",
            "python_state_notes", "copy_root_hooks", "region_notes", "capture_notes", "mark_checkpoints",
            "traced_through_note", "CheckpointMark", "CHECKPOINT", "CHECKPOINT_CALLS"]
 
@@ -317,6 +319,67 @@ def fx_region_error(model: nn.Module, path: str, f: Finding) -> TraceError:
         f"torch.fx cannot keep {what}: {region_note(path, f)}. What to do: use frontend='auto' (the default) or "
         f"'export', with or without example_inputs=(...): torch.export then captures the model (at the first "
         f"call when no inputs are given) and keeps the region", short=short, module_path=path)
+
+
+def region_state() -> Tuple[bool, bool, int]:
+    """(grad enabled, inference mode, autocast nesting level): what entering a grad-mode or autocast region
+    changes, read while forward runs.  It needs no source, so it also sees regions in a class made by
+    ``exec``, generated code or a notebook fed from a pipe, which :func:`scan` cannot read.  The nesting
+    level counts every ``torch.autocast`` block, ``enabled=False`` ones too (the state they set may be
+    the state already there).  Reading it takes one increment and one decrement of that level."""
+    level = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), level - 1
+
+
+#: torch's own code that changes the grad mode around what it runs: an autograd Function's forward (a
+#: reentrant ``checkpoint``, a user's custom Function) runs under no_grad; that is no region of the model's
+_GRAD_CHANGING_FILES = (os.path.join("torch", "autograd", "function.py"), _CHECKPOINT_FILE)
+
+
+def unreadable_region(start: Tuple[bool, bool, int], outermost: types.CodeType) -> Optional[str]:
+    """``"grad"`` or ``"autocast"`` when forward now runs inside such a region entered since ``start``
+    (:func:`region_state` when the trace began) that the source scan cannot have seen: some frame of
+    the model's code on the stack, below the ``outermost`` code (the tracer's ``trace``), has no source
+    to read.  None otherwise: no region, a region in code whose source :func:`scan` reads (it is found
+    there, with its line), or torch's own grad mode around an autograd Function's forward."""
+    now = region_state()
+    kind = "grad" if now[:2] != start[:2] else "autocast" if now[2] != start[2] else None
+    if kind is None:
+        return None
+    unreadable = False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not outermost:
+        name = frame.f_code.co_filename
+        file = _abspath(name)
+        if file.endswith(_GRAD_CHANGING_FILES):
+            return None
+        if not file.startswith(_LIBRARY_DIRS) and not file.startswith(_OWN_DIR) and not linecache.getlines(name):
+            unreadable = True
+        frame = frame.f_back
+    return kind if unreadable else None
+
+
+def traced_region_error(model: nn.Module, node: fx.Node, kind: str) -> TraceError:
+    """torch.fx made ``node`` inside a grad-mode or autocast region (``kind``) that the source scan did not
+    see, its source being unreadable: refuse, naming the module whose forward ran it and the fix."""
+    what = ("a grad-mode region (no_grad, inference_mode: its parameters would be trained)" if kind == "grad"
+            else "an autocast region (enabled=False too: a float32 island would run in low precision)")
+    paths = [p for p in _module_paths(node) if p]
+    if node.op == "call_module" and paths and paths[-1] == node.target:
+        paths.pop()  # a leaf module's call: the region is in the forward that called it
+    path = paths[-1] if paths else ""
+    owner = dict(model.named_modules()).get(path, model)
+    frames = [f for f in frames_of(node) if not f[0].startswith(_LIBRARY_DIRS) and not f[0].startswith(_OWN_DIR)]
+    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+    return TraceError(
+        f"torch.fx cannot keep {what}: op {node.name!r}{where} in the forward of {type(owner).__name__} "
+        f"({'at ' + repr(path) if path else 'the root'}) ran inside one, in code whose source cannot be read "
+        f"(a class made by exec, generated code). What to do: use frontend='auto' (the default) or 'export', "
+        f"with or without example_inputs=(...): torch.export then captures the model (at the first call when "
+        f"no inputs are given) and keeps the region",
+        short=f"op {node.name!r} ran inside {what.split(' (')[0]}, which torch.fx does not record",
+        module_path=path)
 
 
 def python_state_notes(found: Iterable[Tuple[str, nn.Module, Finding]], frontend: str) -> List[str]:
