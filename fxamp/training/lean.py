@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import native, quant
+from .inner import ForeachSGD, plain
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
            "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable", "check_params",
@@ -170,7 +171,7 @@ def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool
     ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA: torch's fused kernel there wants
     ``state["step"]`` on the device, which an optimizer made without ``fused=True`` keeps on the CPU (its foreach
     path steps every master in one call there anyway)."""
-    return (type(optimizer) in FUSED and master.device.type == "cpu" and type(master.data) is torch.Tensor
+    return (type(optimizer) in FUSED and master.device.type == "cpu" and plain(master)
             and not group.get("differentiable", False) and group.get("fused") is not False)
 
 
@@ -592,7 +593,8 @@ def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = Tr
     ids = {id(m) for m in masters} - skip_ids
     fused = [[p for p in g["params"] if id(p) in ids and fusable(optimizer, g, p)] for g in groups] if split else []
     if not skip_ids and not any(fused):
-        optimizer.step()
+        with ForeachSGD(optimizer):
+            optimizer.step()
         return
     lists = [g["params"] for g in groups]
     try:
@@ -601,7 +603,8 @@ def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = Tr
         if any(rest):
             for g, ps in zip(groups, rest):
                 g["params"] = ps
-            optimizer.step()
+            with ForeachSGD(optimizer):
+                optimizer.step()
         if any(fused):
             for g, ps in zip(groups, fused):
                 g["params"] = ps
