@@ -40,14 +40,12 @@ from ..errors import LossScaleError, OptimizerStateError
 from .config import LossScaleConfig, LossScaleOption, ScaleKind, compute_dtype, config_for
 from .distributed import all_reduce_overflow, all_reduce_overflow_on_device
 
-__all__ = ["SUM_NUMEL", "LossScaler", "Stage", "ScalerClient", "scaler_for", "FoundInf", "DeviceFlag", "StepResult", "agree",
-           "ranks_to_agree", "note_non_finite_", "fused_kernel_takes"]
+__all__ = ["LossScaler", "Stage", "ScalerClient", "scaler_for", "FoundInf", "DeviceFlag", "StepResult", "agree",
+           "ranks_to_agree", "note_non_finite_", "fused_kernel_takes", "SUM_NUMEL"]
 
 
-#: on a CPU, :meth:`FoundInf.check_` reads the sums of gradients of at least this many elements before it
-#: runs the exact kernel (a sum reads 4x faster than the kernel reads and writes, measured on bfloat16 at 1 M
-#: elements); smaller ones go to that kernel in one call (a sum each: ~5 us of dispatch apiece, 5x the kernel's
-#: time for a 256-element tensor), so a check's ops are at most one per this many elements, whatever the tensors
+#: :meth:`FoundInf.check_` sums (on a CPU) gradients of this many elements on, the rest go to one kernel call: a check's
+#: ops grow with its elements, not its tensors (a sum: 1/4 of the kernel's time at 1 M, 5x at 256 elements: dispatch)
 SUM_NUMEL = 2 ** 15
 
 
@@ -87,11 +85,8 @@ class FoundInf:
         """Note any inf/NaN in dense ``tensors`` (one device and dtype) without dividing them.
 
         On CPU the sums of the large ones (:data:`SUM_NUMEL`) are read first (an inf or NaN makes a sum
-        inf or NaN, so finite sums mean finite elements; a quarter of the time of the kernel, which
-        also writes); a non-finite sum, which may be an overflow of finite values, falls through to the
-        exact kernel, multiplying by 1.  The small ones go to that kernel at once: one call for all of
-        them, where a sum each would cost a dispatch each.  So the ops grow with the bytes checked, not
-        with the number of tensors.
+        inf or NaN, so finite sums mean finite elements); a non-finite sum, which may be an overflow of
+        finite values, sends them to the exact kernel (multiplying by 1) with the small ones.
         """
         if not tensors:
             return
@@ -137,7 +132,7 @@ class DeviceFlag:
         self.flag = flag
         self._event: Optional[Any] = None
         self._value: Optional[bool] = None
-        if flag.device.type == "cuda":
+        if _streams(flag.device):
             self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
             self._host.copy_(flag, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -266,6 +261,11 @@ class _AnyOf:
         return any(bool(f) for f in self.flags)
 
 
+def _streams(device: torch.device) -> bool:
+    """Whether ``device`` is CUDA with a runtime (streams, pinned memory): not a fake tensor's "cuda" (tests, on a CPU)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
 def _cached_on(cache: Dict[torch.device, torch.Tensor], device: torch.device,
                make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``cache[device]``, else a copy of the CPU tensor ``make()`` put there: to CUDA from pinned memory,
@@ -274,7 +274,7 @@ def _cached_on(cache: Dict[torch.device, torch.Tensor], device: torch.device,
     t = cache.get(device)
     if t is None:
         t = make()
-        if device.type == "cuda":  # (a fresh pinned buffer: nothing reuses it while the copy is in flight)
+        if _streams(device):  # (a fresh pinned buffer: nothing reuses it while the copy is in flight)
             t = t.pin_memory().to(device, non_blocking=True)
         else:
             t = t.to(device)
@@ -570,19 +570,16 @@ class LossScaler:
                         f"overrides=...)), or use bfloat16; min_scale=0 never gives up."
                     )
                 backoff = cfg.backoff_factor
-        # the growth tracker's value, kept on the host as _amp_update_scale_ moves it (reset by an overflow and by
-        # a growth, else one more): the host reads the scale only when it may have moved, not every step
+        # the growth tracker kept on the host by _amp_update_scale_'s rule (reset by an overflow or a growth, else one
+        # more): the scale's tensors are touched, and the scale read, only when it may move
         was_growing = self._good + 1 == cfg.growth_interval and not found
-        self._good = 0 if found or was_growing else self._good + 1
         if found or was_growing:
-            torch._amp_update_scale_(
-                self._scale, self._growth_tracker, torch.full((), float(found)),
-                cfg.growth_factor, backoff, cfg.growth_interval,
-            )
+            self._growth_tracker.fill_(self._good)
+            torch._amp_update_scale_(self._scale, self._growth_tracker, torch.full((), float(found)),
+                                     cfg.growth_factor, backoff, cfg.growth_interval)
             self._scale.clamp_(min=cfg.min_scale or _TINY, max=cfg.max_scale)  # 0 never: 1/scale must stay finite
             self._scale_moved()
-        else:  # (what _amp_update_scale_ does on a clean step that does not grow: the scale stays)
-            self._growth_tracker.fill_(self._good)
+        self._good = 0 if found or was_growing else self._good + 1
         if was_growing:
             self._tolerance = cfg.hysteresis
         return found
@@ -621,7 +618,6 @@ class LossScaler:
                              f"{self.kind.value!r}; build the scaler with the same kind")
         self._scale.fill_(state["scale"])
         self._scale_moved()
-        self._growth_tracker.fill_(state["growth_tracker"])
         self._good = int(state["growth_tracker"])
         self._tolerance = int(state["tolerance"])
         self.overflows = int(state["overflows"])

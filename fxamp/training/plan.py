@@ -36,7 +36,7 @@ def flat_grads(masters: Sequence[torch.Tensor], strides: Strides, flat: Optional
     if flat is None:
         flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
     if strides is None:
-        return flat, list(_unflatten_dense_tensors(flat[:numel], list(masters)))  # one C++ call
+        return flat, list(_unflatten_dense_tensors(flat.narrow(0, 0, numel), list(masters)))  # one C++ call
     views, offset = [], 0
     for m, stride in zip(masters, strides):
         views.append(flat.as_strided(m.shape, stride, flat.storage_offset() + offset))

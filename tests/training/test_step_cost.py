@@ -102,3 +102,74 @@ def test_the_segmented_step_costs_the_same_at_16_and_64_tensors_of_the_same_size
     assert small.by_op == large.by_op, (small, large)
     assert small.ops <= 4 * 16, small  # 4 runs: a few ops each
     assert small.host_reads <= 2, small
+
+
+# -- the accelerator's step, run on a CPU: fake CUDA tensors (FakeTensorMode), where any host read raises ---------
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A FakeTensorMode whose tensors say "cuda" (no memory, no kernels run: each op is dispatched and its shape
+    computed), so the step takes its accelerator path: the overflow flag stays on the device and the inner
+    optimizer's fused kernel skips there.  A host read of a fake tensor raises.  The loss scaler is real (its
+    scale lives on the host): built outside the mode, with a growth interval the test never reaches, so the
+    scale never moves; the check's verdict, which a fake tensor cannot give, reads as no overflow."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxamp.training import loss_scale as L
+
+    monkeypatch.setattr(L.DeviceFlag, "__bool__", lambda self: False)
+    return FakeTensorMode(allow_non_fake_inputs=True), fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
+
+
+def _accelerator_step(fake_cuda, inner, tensors, numel):
+    from fxamp.training.loss_scale import StepResult
+
+    mode, scaler = fake_cuda
+    with mode:
+        params = [nn.Parameter(torch.randn(numel, device="cuda").to(BF16)) for _ in range(tensors)]
+        opt = MixedPrecisionOptimizer(inner(params), loss_scale=scaler)
+    token = torch.zeros((), requires_grad=True)  # (a real CPU loss: the scale's copy on the device is made in step())
+
+    results = []
+
+    def prepare():
+        with mode:
+            if results:
+                scaler.update()  # (a shared scaler: the caller's update, after the step)
+            for p in params:
+                p.grad = torch.randn_like(p)
+        opt.scale_loss(token)
+
+    def step():
+        with mode:
+            results.append(opt.step())
+
+    counted = count(step, prepare)
+    assert len(results) == 4 and all(isinstance(r, StepResult) for r in results)  # decided on the device
+    return counted.by_op, opt
+
+
+FUSED_INNERS = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True, weight_decay=1e-2)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors stand in for a GPU's (tests/test_cuda.py has a real one)")
+@pytest.mark.parametrize("inner", list(FUSED_INNERS))
+def test_the_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_at_18_and_66_tensors(inner, fake_cuda, limit):
+    (small, _), (large, _) = (_accelerator_step(fake_cuda, FUSED_INNERS[inner], n, 256) for n in SIZES)
+    assert small == large, (small, large)
+    assert sum(small.values()) <= limit, small
+    assert "aten._local_scalar_dense.default" not in small  # (a fake tensor's would have raised anyway)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors stand in for a GPU's (tests/test_cuda.py has a real one)")
+def test_the_segmented_accelerator_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(fake_cuda, monkeypatch):
+    from fxamp.training import step as S
+
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "ACCELERATOR_SEGMENT_NUMEL", 2 ** 12)
+    (small, opt), (large, _) = (_accelerator_step(fake_cuda, FUSED_INNERS["AdamW"], n, 2 ** 14 // n) for n in (16, 64))
+    assert len(opt.plan.runs) == 4  # segmented: 4 runs
+    assert small == large, (small, large)
+    assert sum(small.values()) <= 4 * 16, small
+    assert "aten._local_scalar_dense.default" not in small
