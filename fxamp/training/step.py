@@ -14,7 +14,7 @@ loss_scale, and no other: a fourth only under an initialized ``torch.distributed
              verdict agreed across ranks and read on the host or left on the device
              (:func:`fxamp.training.loss_scale.agree`: the one place that decides)
     per run  copy the run's low-precision gradients into a float32 segment divided by the
-             scale, step the inner optimizer on the run's masters (on a CPU a stock Adam/AdamW
+             scale, step the inner optimizer on the run's masters (on a CPU a stock Adam/AdamW/SGD
              steps them with ``fused=True``: :func:`fxamp.training.lean.step_inner`; or the
              compiled executor of :mod:`fxamp.training.kernels`), refresh the low weights
              (``torch._foreach_copy_``)
@@ -29,8 +29,9 @@ The runs take one of two shapes:
   with a stock per-parameter torch optimizer (:func:`steps_per_parameter`) and no ``unscale_()``
   before ``step()``, the low-precision gradients are checked where they are, then each run (one
   param group, one device, at most ``SEGMENT_NUMEL`` elements) is unscaled into one reused
-  segment, stepped (every group's "params" list but the run's emptied for the call) and
-  refreshed.  The step's peak holds one segment (4 MiB, or the largest master's gradient)
+  segment (kept by the plan with each run's views: :class:`~fxamp.training.plan.Segments`, so a
+  step's ops grow with its runs, not its tensors), stepped (every group's "params" list but the
+  run's emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the largest master's gradient)
   instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
   (:meth:`fxamp.training.lean.Workspace.step_native`) takes no segment: the kernel reads its
   low-precision gradient where it is, times 1/scale.  Bitwise the plain step: each parameter is
