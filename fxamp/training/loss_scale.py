@@ -45,7 +45,7 @@ __all__ = ["LossScaler", "Stage", "ScalerClient", "scaler_for", "FoundInf", "Dev
 
 
 #: :meth:`FoundInf.check_` sums (on a CPU) gradients of this many elements on, the rest go to one kernel call: a check's
-#: ops grow with its elements, not its tensors (a sum: 1/4 of the kernel's time at 1 M, 5x at 256 elements: dispatch)
+#: ops grow with its elements, not its tensors (bfloat16, 1 thread: sums 0.8x the kernel's time at 1 M, 2.7x at 4 K)
 SUM_NUMEL = 2 ** 15
 
 
