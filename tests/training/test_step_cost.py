@@ -76,6 +76,38 @@ def test_the_o2_step_costs_the_same_at_18_and_66_tensors(inner, loss_scale, limi
     assert small.host_reads <= 2, small
 
 
+def _overflowing_step(tensors, inner):
+    model = fxamp.convert(mlp(tensors), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(INNERS[inner](model.parameters()), model=model, loss_scale="dynamic")
+    x = torch.randn(4, 16, dtype=BF16)
+    poison = [False]
+
+    def prepare():
+        opt.zero_grad()
+        opt.backward(model(x).float().sum())
+        if poison[0]:
+            list(model.parameters())[-2].grad.view(-1)[0] = float("inf")  # the last weight
+
+    count(lambda: opt.step(), prepare)
+    before = [t.clone() for t in [*model.parameters(), *opt.master_params()]]
+    state = [v.clone() for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    poison[0] = True
+    counted = count(lambda: opt.step(), prepare, warmup=0)
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, [*model.parameters(), *opt.master_params()]))
+    assert all(torch.equal(a, b) for a, b in zip(state, [v for s in opt.optimizer.state.values()
+                                                         for v in s.values() if torch.is_tensor(v)]))
+    return counted
+
+
+@pytest.mark.parametrize("inner", ["AdamW", "SGD-momentum"])
+def test_an_overflowing_step_costs_the_same_at_18_and_66_tensors_and_changes_nothing(inner, limit):
+    small, large = (_overflowing_step(n, inner) for n in SIZES)
+    assert small.by_op == large.by_op, (small, large)
+    assert small.ops <= limit, small
+    assert small.host_reads <= 2, small  # the check's, and the scale's (it backs off)
+
+
 def _segmented_step(tensors, inner, monkeypatch, total=2 ** 14, segment=2 ** 12):
     """bfloat16 parameters of ``total`` elements in ``tensors`` tensors, stepped in runs of ``segment`` elements."""
     from fxamp.training import step as S
