@@ -169,9 +169,9 @@ FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool:
     """Whether ``master`` (a master of ``group``: float32 or lean) is stepped by :data:`FUSED`'s kernel: a stock
     Adam/AdamW/SGD, a plain (not distributed) CPU tensor without a sparse gradient, a group that is not
-    ``differentiable`` and was not built with ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA: torch's fused kernel there wants
-    ``state["step"]`` on the device, which an optimizer made without ``fused=True`` keeps on the CPU (its foreach
-    path steps every master in one call there anyway)."""
+    ``differentiable`` and was not built with ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA:
+    torch's fused kernel there wants ``state["step"]`` on the device, which an optimizer made without
+    ``fused=True`` keeps on the CPU (its foreach path steps every master in one call there anyway)."""
     return (type(optimizer) in FUSED and master.device.type == "cpu" and plain(master)
             and not group.get("differentiable", False) and group.get("fused") is not False
             and not (master.grad is not None and master.grad.is_sparse))

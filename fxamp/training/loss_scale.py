@@ -262,7 +262,7 @@ class _AnyOf:
 
 
 def _streams(device: torch.device) -> bool:
-    """Whether ``device`` is CUDA with a runtime (streams, pinned memory): not a fake tensor's "cuda" (tests, on a CPU)."""
+    """Whether ``device`` is CUDA with a runtime (streams, pinned memory): not a fake tensor's "cuda" (tests)."""
     return device.type == "cuda" and torch.cuda.is_available()
 
 

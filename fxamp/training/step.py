@@ -31,8 +31,8 @@ The runs take one of two shapes:
   param group, one device, at most ``SEGMENT_NUMEL`` elements) is unscaled into one reused
   segment (kept by the plan with each run's views: :class:`~fxamp.training.plan.Segments`, so a
   step's ops grow with its runs, not its tensors), stepped (every group's "params" list but the
-  run's emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the largest master's gradient)
-  instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
+  run's emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the
+  largest master's gradient) instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
   (:meth:`fxamp.training.lean.Workspace.step_native`) takes no segment: the kernel reads its
   low-precision gradient where it is, times 1/scale.  Bitwise the plain step: each parameter is
   updated from its own gradient and state with its group's hyperparameters

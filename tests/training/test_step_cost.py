@@ -150,7 +150,8 @@ def fake_cuda(monkeypatch):
     from fxamp.training import loss_scale as L
 
     monkeypatch.setattr(L.DeviceFlag, "__bool__", lambda self: False)
-    return FakeTensorMode(allow_non_fake_inputs=True), fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
+    scaler = fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
+    return FakeTensorMode(allow_non_fake_inputs=True), scaler
 
 
 def _accelerator_step(fake_cuda, inner, tensors, numel):
@@ -183,19 +184,23 @@ def _accelerator_step(fake_cuda, inner, tensors, numel):
 
 FUSED_INNERS = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
                 "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True, weight_decay=1e-2)}
+ON_FAKE_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
+                                  reason="fake CUDA tensors stand in for a GPU's (tests/test_cuda.py has a real one)")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors stand in for a GPU's (tests/test_cuda.py has a real one)")
+@ON_FAKE_CUDA
 @pytest.mark.parametrize("inner", list(FUSED_INNERS))
-def test_the_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_at_18_and_66_tensors(inner, fake_cuda, limit):
+def test_the_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_at_18_and_66_tensors(inner, fake_cuda,
+                                                                                                 limit):
     (small, _), (large, _) = (_accelerator_step(fake_cuda, FUSED_INNERS[inner], n, 256) for n in SIZES)
     assert small == large, (small, large)
     assert sum(small.values()) <= limit, small
     assert "aten._local_scalar_dense.default" not in small  # (a fake tensor's would have raised anyway)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="fake CUDA tensors stand in for a GPU's (tests/test_cuda.py has a real one)")
-def test_the_segmented_accelerator_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(fake_cuda, monkeypatch):
+@ON_FAKE_CUDA
+def test_the_segmented_accelerator_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(fake_cuda,
+                                                                                             monkeypatch):
     from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
