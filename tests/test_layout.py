@@ -37,6 +37,7 @@ STAGES: Dict[str, int] = {
     "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
     "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
     "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, the plan)
+    "training.inner": 3,  # which of torch's paths (fused, foreach) steps the masters
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
     "training.lean": 4,
     "training.step": 4,

@@ -203,7 +203,7 @@ def worth_fusing(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
 
 def _plain_is_fused(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
     """Whether the plain step steps ``masters`` with torch's fused kernel: the optimizer was built fused, or
-    (on a CPU) the engine steps a stock Adam/AdamW's masters with ``fused=True``
+    (on a CPU) the engine steps a stock Adam/AdamW/SGD's masters with ``fused=True``
     (:func:`fxamp.training.lean.step_inner`)."""
     groups = optimizer.param_groups
     if all(g.get("fused") for g in groups):

@@ -20,7 +20,7 @@ engine rounds the masters into the weights, and :meth:`Workspace.leave` splits t
 (the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
 identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  On a CPU a stock
-Adam/AdamW steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
+Adam/AdamW/SGD steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
 torch's one-pass kernel; on every path, so a segmented step and a plain one give the same bits).  On a
 CPU a bfloat16 lean master with bfloat16 or 8-bit state under a stock Adam/AdamW skips the workspace:
 fxamp's kernel (:mod:`fxamp.training.native`) steps it in one pass, on every path
@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from . import native, quant
+from .inner import ForeachSGD, plain
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
            "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable", "check_params",
@@ -160,18 +161,20 @@ def piece_for(device: torch.device) -> int:
 
 #: the stock optimizers whose masters (float32 or lean) are stepped by torch's fused kernel on a CPU (``fused=True``
 #: for the call: one pass over value, gradient and both moments instead of the for-loop's eight; the same update up
-#: to float32 rounding), wherever a master is stepped, so every path gives it the same bits (:func:`step_inner`)
-FUSED = (torch.optim.Adam, torch.optim.AdamW)
+#: to float32 rounding; SGD's: bitwise its for-loop, in one pass instead of three), wherever a master is stepped, so
+#: every path gives it the same bits (:func:`step_inner`)
+FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool:
     """Whether ``master`` (a master of ``group``: float32 or lean) is stepped by :data:`FUSED`'s kernel: a stock
-    Adam/AdamW, a plain (not distributed) CPU tensor, a group that is not ``differentiable`` and was not built with
-    ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA: torch's fused kernel there wants
-    ``state["step"]`` on the device, which an optimizer made without ``fused=True`` keeps on the CPU (its foreach
-    path steps every master in one call there anyway)."""
-    return (type(optimizer) in FUSED and master.device.type == "cpu" and type(master.data) is torch.Tensor
-            and not group.get("differentiable", False) and group.get("fused") is not False)
+    Adam/AdamW/SGD, a plain (not distributed) CPU tensor without a sparse gradient, a group that is not
+    ``differentiable`` and was not built with ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA:
+    torch's fused kernel there wants ``state["step"]`` on the device, which an optimizer made without
+    ``fused=True`` keeps on the CPU (its foreach path steps every master in one call there anyway)."""
+    return (type(optimizer) in FUSED and master.device.type == "cpu" and plain(master)
+            and not group.get("differentiable", False) and group.get("fused") is not False
+            and not (master.grad is not None and master.grad.is_sparse))
 
 
 class _FusedFor:
@@ -612,7 +615,8 @@ def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = Tr
     ids = {id(m) for m in masters} - skip_ids
     fused = [[p for p in g["params"] if id(p) in ids and fusable(optimizer, g, p)] for g in groups] if split else []
     if not skip_ids and not any(fused):
-        optimizer.step()
+        with ForeachSGD(optimizer):
+            optimizer.step()
         return
     lists = [g["params"] for g in groups]
     try:
@@ -621,7 +625,8 @@ def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = Tr
         if any(rest):
             for g, ps in zip(groups, rest):
                 g["params"] = ps
-            optimizer.step()
+            with ForeachSGD(optimizer):
+                optimizer.step()
         if any(fused):
             for g, ps in zip(groups, fused):
                 g["params"] = ps

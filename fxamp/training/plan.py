@@ -14,7 +14,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 __all__ = ["CAT_NUMEL", "GRAD_SEGMENT_NUMEL", "RELEASE_MIN_BYTES", "DECIDE_ON", "Strides", "grad_strides",
-           "flat_grads", "Bucket", "Plan", "decides_on"]
+           "flat_grads", "Bucket", "Segments", "Plan", "decides_on"]
 
 Strides = Optional[Tuple[Tuple[int, ...], ...]]
 
@@ -36,7 +36,7 @@ def flat_grads(masters: Sequence[torch.Tensor], strides: Strides, flat: Optional
     if flat is None:
         flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
     if strides is None:
-        return flat, list(_unflatten_dense_tensors(flat[:numel], list(masters)))  # one C++ call
+        return flat, list(_unflatten_dense_tensors(flat.narrow(0, 0, numel), list(masters)))  # one C++ call
     views, offset = [], 0
     for m, stride in zip(masters, strides):
         views.append(flat.as_strided(m.shape, stride, flat.storage_offset() + offset))
@@ -179,6 +179,43 @@ def _segments(masters: List[torch.Tensor], ncat: int) -> List[Tuple[int, int, St
     return [(first, end, grad_strides(masters[first:end])) for first, end in zip(bounds, bounds[1:])]
 
 
+class Segments:
+    """A segmented step's float32 gradient segment per device, and each run's views into it (``views``).
+
+    Kept from one step to the next (with the plan), so a step creates no view per tensor: the ops of its
+    runs grow with the elements they step, not with the number of tensors.  A segment holds at most
+    ``limit`` elements (the step's segment size): a larger master, a run of its own, gets a gradient of
+    its own each step (one allocation and one view per such run), which is not kept.
+    """
+
+    __slots__ = ("limit", "flats", "views")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.flats: Dict[torch.device, torch.Tensor] = {}
+        self.views: Dict[int, List[torch.Tensor]] = {}  # a run's place in the plan's runs -> its views
+
+    def views_for(self, key: Optional[int], masters: Sequence[torch.Tensor], strides: Strides, numel: int
+                  ) -> List[torch.Tensor]:
+        """Views of a segment for ``masters``' gradients laid out with ``strides``; ``key``: the run's place,
+        to keep them (None: a run stepped in part, whose views are made afresh); ``numel``: the segment's size
+        on that device (the largest run there within ``limit``)."""
+        views = self.views.get(key) if key is not None else None
+        if views is not None:
+            return views
+        device, total = masters[0].device, sum(m.numel() for m in masters)
+        if total > self.limit:  # one large master: not kept
+            return flat_grads(masters, strides)[1]
+        flat = self.flats.get(device)
+        if flat is None or flat.numel() < total:  # (a run "auto" calibrated out of a lean chunked step: larger)
+            flat = self.flats[device] = torch.empty(max(numel, total), dtype=masters[0].dtype, device=device)
+            self.views = {k: v for k, v in self.views.items() if v[0].device != device}  # views of the old one
+        views = flat_grads(masters, strides, flat)[1]
+        if key is not None:
+            self.views[key] = views
+        return views
+
+
 class Plan:
     """What a step touches, as lists ready for foreach calls; valid while ``param_groups`` keep their layout.
 
@@ -186,6 +223,7 @@ class Plan:
     own:       the float32 (or float64) parameters the inner optimizer steps directly, per (device, dtype)
     layout:    each group's ``params`` list and its length when the plan was built (see ``matches``)
     runs:      a segmented step's runs, planned at the first one
+    segments:  their gradient segments (:class:`Segments`), kept from step to step
     decide_on: the device the overflow decision stays on, or None (see :func:`decides_on`)
     fuse:      whether the step uses ``compile_step``'s kernels (decided once, by the optimizer)
 
@@ -193,7 +231,7 @@ class Plan:
     the next ``unscale_()``; a parameter swapped into a list in place is not.
     """
 
-    __slots__ = ("buckets", "own", "layout", "runs", "decide_on", "fuse")
+    __slots__ = ("buckets", "own", "layout", "runs", "segments", "decide_on", "fuse")
 
     def __init__(self, groups: List[Dict[str, Any]], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
         """Group the parameters of ``groups`` by device and dtype, in their order; ``low_of(master)``:
@@ -213,6 +251,7 @@ class Plan:
         self.own = list(own.values())
         self.layout = [(g["params"], len(g["params"])) for g in groups]
         self.runs: Optional[List[Any]] = None  # (fxamp.training.step.Run: planned by plan_runs)
+        self.segments: Optional[Segments] = None
         self.decide_on: Any = _UNKNOWN
         self.fuse: Optional[bool] = None
 

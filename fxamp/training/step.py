@@ -14,7 +14,7 @@ loss_scale, and no other: a fourth only under an initialized ``torch.distributed
              verdict agreed across ranks and read on the host or left on the device
              (:func:`fxamp.training.loss_scale.agree`: the one place that decides)
     per run  copy the run's low-precision gradients into a float32 segment divided by the
-             scale, step the inner optimizer on the run's masters (on a CPU a stock Adam/AdamW
+             scale, step the inner optimizer on the run's masters (on a CPU a stock Adam/AdamW/SGD
              steps them with ``fused=True``: :func:`fxamp.training.lean.step_inner`; or the
              compiled executor of :mod:`fxamp.training.kernels`), refresh the low weights
              (``torch._foreach_copy_``)
@@ -29,9 +29,10 @@ The runs take one of two shapes:
   with a stock per-parameter torch optimizer (:func:`steps_per_parameter`) and no ``unscale_()``
   before ``step()``, the low-precision gradients are checked where they are, then each run (one
   param group, one device, at most ``SEGMENT_NUMEL`` elements) is unscaled into one reused
-  segment, stepped (every group's "params" list but the run's emptied for the call) and
-  refreshed.  The step's peak holds one segment (4 MiB, or the largest master's gradient)
-  instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
+  segment (kept by the plan with each run's views: :class:`~fxamp.training.plan.Segments`, so a
+  step's ops grow with its runs, not its tensors), stepped (every group's "params" list but the
+  run's emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the
+  largest master's gradient) instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
   (:meth:`fxamp.training.lean.Workspace.step_native`) takes no segment: the kernel reads its
   low-precision gradient where it is, times 1/scale.  Bitwise the plain step: each parameter is
   updated from its own gradient and state with its group's hyperparameters
@@ -51,7 +52,7 @@ import torch.optim.optimizer as _torch_optimizer
 from .distributed import max_abs
 from .lean import run_step
 from .loss_scale import DeviceFlag, FoundInf
-from .plan import Bucket, Plan, Strides, flat_grads, grad_strides
+from .plan import Bucket, Plan, Segments, Strides, flat_grads, grad_strides
 
 __all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "segment_numel_for", "Run", "Check",
            "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "unscale", "check_in_place",
@@ -157,15 +158,28 @@ def cut_runs(group: int, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], seg
 
 
 def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callable[[torch.device], torch.Tensor]],
-              ws: Any = None) -> None:
+              ws: Any = None, segments: Optional[Segments] = None) -> None:
     """Step ``optimizer`` run by run (see the module docstring); ``inv_scale_on(device)`` is ``1/scale``
     there, or None when the scale is 1; ``ws``: the :class:`~fxamp.training.lean.Workspace` of lean
-    masters, entered and left around each run.  Every group's ``params`` list is restored, even on error."""
+    masters, entered and left around each run; ``segments``: the plan's, kept between steps with each
+    run's views (``runs`` then are the plan's runs), else one segment per device for this call alone.
+    Every group's ``params`` list is restored, even on error."""
     groups = optimizer.param_groups
     lists = [g["params"] for g in groups]
-    buffers: Dict[torch.device, torch.Tensor] = {}  # one segment per device, reused by every run
+    keep = segments is not None
+    if segments is None:  # one segment per device, reused by every run of this call
+        segments = Segments(max((r.numel for r in runs), default=0))
+    sizes: Dict[torch.device, int] = {}
+
+    def size_on(device: torch.device) -> int:  # the largest run there that takes the segment
+        if device not in sizes:
+            sizes[device] = max((r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
+                                 and r.numel <= segments.limit and not (ws is not None and ws.chunks(r, optimizer))),
+                                default=0)
+        return sizes[device]
+
     try:
-        for run in runs:
+        for index, run in enumerate(runs):
             for gi, group in enumerate(groups):
                 group["params"] = [] if gi != run.group else list(run.own) if run.own else [m for _, m in run.pairs]
             if run.own:
@@ -177,6 +191,7 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
                     m.grad = None  # not stepped, as a plain optimizer would not (none left by an unscale_())
                 continue
             strides = run.strides
+            key = index if keep and len(present) == len(run.pairs) else None  # views kept for a whole run only
             if len(present) < len(run.pairs):
                 for low, m in run.pairs:
                     if low.grad is None:
@@ -190,23 +205,20 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
                                                       multiplier=None if inv_scale_on is None else inv_scale_on(device),
                                                       group=groups[run.group])}
                 if done:
-                    keep = [i for i, m in enumerate(masters) if id(m) not in done]
-                    if not keep:
+                    rest = [i for i, m in enumerate(masters) if id(m) not in done]
+                    if not rest:
                         continue
-                    lows, masters = [lows[i] for i in keep], [masters[i] for i in keep]
-                    strides = None if strides is None else tuple(strides[i] for i in keep)
+                    lows, masters = [lows[i] for i in rest], [masters[i] for i in rest]
+                    strides = None if strides is None else tuple(strides[i] for i in rest)
+                    key = None
                 if ws.chunks(run, optimizer):  # a large lean master: a slice at a time
                     ws.step_chunked(optimizer, run, inv_scale_on)
                     continue
-            if device not in buffers:
-                buffers[device] = torch.empty(max(r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
-                                                  and not (ws is not None and ws.chunks(r, optimizer))),
-                                              dtype=masters[0].dtype, device=device)
             with torch.no_grad():
-                flat, views = flat_grads(masters, strides, buffers[device])
+                views = segments.views_for(key, masters, strides, size_on(device))
                 torch._foreach_copy_(views, [low.grad for low in lows])
                 if inv_scale_on is not None:
-                    torch._foreach_mul_(views, inv_scale_on(flat.device))
+                    torch._foreach_mul_(views, inv_scale_on(device))
             for m, v in zip(masters, views):
                 m.grad = v
             try:
@@ -214,7 +226,7 @@ def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callab
             finally:
                 for m in masters:
                     m.grad = None
-                del flat, views
+                del views
     finally:
         for group, params in zip(groups, lists):
             group["params"] = params
@@ -389,9 +401,10 @@ def step(optimizer: Any, plan: Plan, check: Check, low_of: Callable[[torch.Tenso
         segment_numel = segment_numel_for(plan.devices())
         if plan.runs is None:
             plan.runs = plan_runs(optimizer.param_groups, low_of, segment_numel)
+            plan.segments = Segments(segment_numel)
         scale_on = check.multiplier()
         if executor is None:
-            step_runs(optimizer, plan.runs, scale_on, ws)
+            step_runs(optimizer, plan.runs, scale_on, ws, plan.segments)
         else:
             executor(plan.runs, scale_on, lambda runs: step_runs(optimizer, runs, scale_on),
                      segment_numel=segment_numel, found=found)

@@ -335,17 +335,18 @@ def low_numel(model):
     return sum(p.numel() for p in model.parameters() if p.dtype in (BF16, F16) and p.numel() >= 2)
 
 
-@pytest.mark.parametrize("name, kind", [("adamw-loop", "adam"), ("sgd-nesterov", "sgd"), ("adamw-fused", "adam_fused"),
-                                        ("adamw", "adam_fused")])
+@pytest.mark.parametrize("name, kind", [("adamw-loop", "adam"), ("sgd-loop", "sgd"), ("sgd-nesterov", "sgd_fused"),
+                                        ("adamw-fused", "adam_fused"), ("adamw", "adam_fused")])
 def test_below_the_total_the_step_is_the_one_without_compile_step(monkeypatch, name, kind):
     """When the masters the kernels would take hold fewer than FUSED_MIN_TOTAL elements (of the
     optimizer's kind, and ``_fused`` where the step without compile_step runs torch's fused kernel: an
-    optimizer built fused, or on a CPU a default Adam/AdamW, whose masters the engine steps fused), the
+    optimizer built fused, or on a CPU a default Adam/AdamW/SGD, whose masters the engine steps fused), the
     fused path's fixed costs outweigh what it saves: compile_step=True steps exactly as
     compile_step=False (bitwise, over steps) and compiles nothing; from that many elements on, the kernels
     step.  ``fused=False``: the for-loop's threshold."""
     make = {"adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
-            "adamw-loop": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=False)}.get(name) \
+            "adamw-loop": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=False),
+            "sgd-loop": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, fused=False)}.get(name) \
         or OPTIMIZERS[name]
     numel = low_numel(pair(make)[1][0])
     for other in set(fused_step.FUSED_MIN_TOTAL) - {kind}:  # only this kind's threshold decides

@@ -1105,12 +1105,13 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
     elements): the same weights, masters and optimizer state as one step over all of them, with two
     groups of different hyperparameters, float32 norm parameters stepped directly, a layer with no
     gradient, float16's loss scale, and a skipped step."""
+    from fxamp.training import plan as P
     from fxamp.training import step as S
 
     (seg_model, seg), (ref_model, ref) = _segmented_pair(monkeypatch, INNERS[inner], dtype)
     sizes = []
-    real_flat = S.flat_grads
-    monkeypatch.setattr(S, "flat_grads",
+    real_flat = P.flat_grads
+    monkeypatch.setattr(P, "flat_grads",  # (the segment's views are made once, kept by the plan)
                         lambda masters, strides, flat=None: (flat is None or sizes.append(flat.numel()),  # (a run's reused segment)
                                                                  real_flat(masters, strides, flat))[1])
     for step in range(4):
@@ -1244,13 +1245,14 @@ def test_clip_grad_norm_without_segments_is_torch_clip(monkeypatch):
 def test_segmented_step_with_channels_last_masters_is_the_plain_step(monkeypatch):
     """A segmented run lays its masters' gradients out as empty_like(master) (channels_last here),
     in the reused segment, and steps as the plain step does, bitwise."""
+    from fxamp.training import plan as P
     from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
     strides = []
-    real_flat = S.flat_grads
-    monkeypatch.setattr(S, "flat_grads", lambda masters, st, flat=None: (flat is None or strides.append(st), real_flat(masters, st, flat))[1])
+    real_flat = P.flat_grads  # (the segment's views: made by the plan's Segments)
+    monkeypatch.setattr(P, "flat_grads", lambda masters, st, flat=None: (flat is None or strides.append(st), real_flat(masters, st, flat))[1])
     x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
     out = []
     for release in (True, False):

@@ -1,0 +1,212 @@
+"""A step of constant cost (issue 39): the ops ``step()`` dispatches (kernel launches on a GPU) do not grow with
+the number of parameter tensors and stay within 4x GradScaler + fused AdamW's; at most 2 host reads a step.
+
+Counted with :mod:`dispatch_count` around ``opt.step()`` after warm-up, on MLPs of 18 and 66 parameter tensors
+(the plain step), and on parameters of a fixed total size cut into 16 or 64 tensors (the segmented step: its
+ops grow with the runs, i.e. with the bytes, not with the tensors).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from dispatch_count import count, mlp, set_grads
+from fxamp import MixedPrecisionOptimizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BF16 = torch.bfloat16
+SIZES = (18, 66)
+
+
+def _gradscaler_fused_adamw(tensors):
+    model = mlp(tensors)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(4, 16)
+
+    def prepare():
+        opt.zero_grad()
+        scaler.scale(model(x).sum()).backward()
+
+    def step():
+        scaler.step(opt)
+        scaler.update()
+
+    return count(step, prepare)
+
+
+@pytest.fixture(scope="module")
+def limit():
+    """4x the ops of GradScaler + torch's fused AdamW (float32), itself constant in the number of tensors."""
+    reference = [_gradscaler_fused_adamw(n) for n in SIZES]
+    assert reference[0].ops == reference[1].ops and reference[0].host_reads == 0, reference
+    return 4 * reference[0].ops
+
+
+INNERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "AdamW-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "SGD-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, weight_decay=1e-4),
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+}
+
+
+def _o2_step(tensors, inner, loss_scale):
+    model = fxamp.convert(mlp(tensors), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(INNERS[inner](model.parameters()), model=model, loss_scale=loss_scale)
+    x = torch.randn(4, 16, dtype=BF16)
+
+    def prepare():
+        opt.zero_grad()
+        opt.backward(model(x).float().sum())
+
+    return count(lambda: opt.step(), prepare)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", "none"])
+@pytest.mark.parametrize("inner", list(INNERS))
+def test_the_o2_step_costs_the_same_at_18_and_66_tensors(inner, loss_scale, limit):
+    small, large = (_o2_step(n, inner, loss_scale) for n in SIZES)
+    assert small.by_op == large.by_op, (small, large)
+    assert small.ops <= limit, small
+    assert small.host_reads <= 2, small
+
+
+def _overflowing_step(tensors, inner):
+    model = fxamp.convert(mlp(tensors), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(INNERS[inner](model.parameters()), model=model, loss_scale="dynamic")
+    x = torch.randn(4, 16, dtype=BF16)
+    poison = [False]
+
+    def prepare():
+        opt.zero_grad()
+        opt.backward(model(x).float().sum())
+        if poison[0]:
+            list(model.parameters())[-2].grad.view(-1)[0] = float("inf")  # the last weight
+
+    count(lambda: opt.step(), prepare)
+    before = [t.clone() for t in [*model.parameters(), *opt.master_params()]]
+    state = [v.clone() for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    poison[0] = True
+    counted = count(lambda: opt.step(), prepare, warmup=0)
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, [*model.parameters(), *opt.master_params()]))
+    assert all(torch.equal(a, b) for a, b in zip(state, [v for s in opt.optimizer.state.values()
+                                                         for v in s.values() if torch.is_tensor(v)]))
+    return counted
+
+
+@pytest.mark.parametrize("inner", ["AdamW", "SGD-momentum"])
+def test_an_overflowing_step_costs_the_same_at_18_and_66_tensors_and_changes_nothing(inner, limit):
+    small, large = (_overflowing_step(n, inner) for n in SIZES)
+    assert small.by_op == large.by_op, (small, large)
+    assert small.ops <= limit, small
+    assert small.host_reads <= 2, small  # the check's, and the scale's (it backs off)
+
+
+def _segmented_step(tensors, inner, monkeypatch, total=2 ** 14, segment=2 ** 12):
+    """bfloat16 parameters of ``total`` elements in ``tensors`` tensors, stepped in runs of ``segment`` elements."""
+    from fxamp.training import step as S
+
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "SEGMENT_NUMEL", segment)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(total // tensors).to(BF16)) for _ in range(tensors)]
+    opt = MixedPrecisionOptimizer(INNERS[inner](params), loss_scale="dynamic")
+    token = torch.zeros((), requires_grad=True)
+
+    def prepare():
+        set_grads(params)
+        opt.scale_loss(token)  # (the gradients are set: this marks them scaled)
+
+    counted = count(lambda: opt.step(), prepare)
+    assert opt.plan.runs is not None and len(opt.plan.runs) == total // segment  # it was segmented
+    return counted
+
+
+@pytest.mark.parametrize("inner", ["AdamW", "SGD-momentum"])
+def test_the_segmented_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(inner, monkeypatch, limit):
+    small, large = (_segmented_step(n, inner, monkeypatch) for n in (16, 64))
+    assert small.by_op == large.by_op, (small, large)
+    assert small.ops <= 4 * 16, small  # 4 runs: a few ops each
+    assert small.host_reads <= 2, small
+
+
+# -- the accelerator's step, run on a CPU: fake CUDA tensors (FakeTensorMode), where any host read raises ---------
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A FakeTensorMode whose tensors say "cuda" (no memory, no kernels run: each op is dispatched and its shape
+    computed), so the step takes its accelerator path: the overflow flag stays on the device and the inner
+    optimizer's fused kernel skips there.  A host read of a fake tensor raises.  The loss scaler is real (its
+    scale lives on the host): built outside the mode, with a growth interval the test never reaches, so the
+    scale never moves; the check's verdict, which a fake tensor cannot give, reads as no overflow."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxamp.training import loss_scale as L
+
+    monkeypatch.setattr(L.DeviceFlag, "__bool__", lambda self: False)
+    scaler = fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
+    return FakeTensorMode(allow_non_fake_inputs=True), scaler
+
+
+def _accelerator_step(fake_cuda, inner, tensors, numel):
+    from fxamp.training.loss_scale import StepResult
+
+    mode, scaler = fake_cuda
+    with mode:
+        params = [nn.Parameter(torch.randn(numel, device="cuda").to(BF16)) for _ in range(tensors)]
+        opt = MixedPrecisionOptimizer(inner(params), loss_scale=scaler)
+    token = torch.zeros((), requires_grad=True)  # (a real CPU loss: the scale's copy on the device is made in step())
+
+    results = []
+
+    def prepare():
+        with mode:
+            if results:
+                scaler.update()  # (a shared scaler: the caller's update, after the step)
+            for p in params:
+                p.grad = torch.randn_like(p)
+        opt.scale_loss(token)
+
+    def step():
+        with mode:
+            results.append(opt.step())
+
+    counted = count(step, prepare)
+    assert len(results) == 4 and all(isinstance(r, StepResult) for r in results)  # decided on the device
+    return counted.by_op, opt
+
+
+FUSED_INNERS = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True, weight_decay=1e-2)}
+ON_FAKE_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
+                                  reason="fake CUDA tensors stand in for a GPU's (tests/test_cuda.py has a real one)")
+
+
+@ON_FAKE_CUDA
+@pytest.mark.parametrize("inner", list(FUSED_INNERS))
+def test_the_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_at_18_and_66_tensors(inner, fake_cuda,
+                                                                                                 limit):
+    (small, _), (large, _) = (_accelerator_step(fake_cuda, FUSED_INNERS[inner], n, 256) for n in SIZES)
+    assert small == large, (small, large)
+    assert sum(small.values()) <= limit, small
+    assert "aten._local_scalar_dense.default" not in small  # (a fake tensor's would have raised anyway)
+
+
+@ON_FAKE_CUDA
+def test_the_segmented_accelerator_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(fake_cuda,
+                                                                                             monkeypatch):
+    from fxamp.training import step as S
+
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "ACCELERATOR_SEGMENT_NUMEL", 2 ** 12)
+    (small, opt), (large, _) = (_accelerator_step(fake_cuda, FUSED_INNERS["AdamW"], n, 2 ** 14 // n) for n in (16, 64))
+    assert len(opt.plan.runs) == 4  # segmented: 4 runs
+    assert small == large, (small, large)
+    assert sum(small.values()) <= 4 * 16, small
+    assert "aten._local_scalar_dense.default" not in small
