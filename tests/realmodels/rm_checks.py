@@ -51,7 +51,8 @@ _IN_PLACE_KWARGS = ("keep_norms_fp32", "overrides", "module_overrides", "op_list
 def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, in_place: bool = False,
             **extra: Any) -> nn.Module:
     """``fxamp.convert`` with the entry's inputs and options; ``in_place``: ``fxamp.convert_`` of a copy (the
-    checks keep ``model`` as the float32 reference), NotApplicable for a model without blocks."""
+    checks keep ``model`` as the float32 reference), NotApplicable for a model without blocks (a failure for
+    one whose blocks sit in nn.Sequentials: ``Entry.sequential_blocks``)."""
     if in_place:
         options = {k: v for k, v in {**entry.convert_kwargs, **extra}.items() if k in _IN_PLACE_KWARGS}
         copied = copy.deepcopy(model)
@@ -59,6 +60,9 @@ def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, 
             return fxamp.convert_(copied, policy, dtype=dtype, **options)
         except ValueError as exc:
             if "no blocks" in str(exc) or "found no blocks" in str(exc):
+                if entry.sequential_blocks:  # written to be taken: its repeated layers sit in nn.Sequentials
+                    raise AssertionError(f"convert_ found no blocks, but {entry.name} repeats its layers in "
+                                         f"nn.Sequentials (issue 37 item 11): {exc}") from exc
                 raise NotApplicable(f"in place: {exc}") from exc
             raise
     args, kwargs = entry.inputs(0)

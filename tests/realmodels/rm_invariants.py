@@ -62,13 +62,7 @@ PATH_POLICY = {"fx": "O2", "export": "O2", "lazy": "O2", "in-place": "O2", "shar
 def convert_by(entry: Entry, model: nn.Module, path: str, policy: str, dtype: torch.dtype) -> nn.Module:
     """``model`` converted along ``path`` (``model`` itself unchanged, but O1 shares its parameters)."""
     if path in ("in-place", "shard"):
-        try:
-            amp = convert(entry, model, policy, dtype, in_place=True)
-        except NotApplicable:
-            if entry.sequential_blocks:
-                raise AssertionError(f"convert_ found no blocks, but {entry.name} has repeated layers in "
-                                     f"nn.Sequentials (issue 37 item 11)") from None
-            raise
+        amp = convert(entry, model, policy, dtype, in_place=True)
         return fxamp.shard(amp) if path == "shard" else amp
     options = {k: v for k, v in entry.convert_kwargs.items()}
     if path == "fx":

@@ -30,6 +30,17 @@ _I10 = ("issue 37 item 10: convert_ refuses a block whose mask buffer is inverte
 _I11 = "issue 37 item 11: convert_ finds blocks only in nn.ModuleList, not in nn.Sequential stages"
 
 KNOWN: Dict[Key, str] = {
+    # rm_checks' checks on the patterns of our own
+    ("bn-act", "o0", "*", "*"): _I1,
+    ("bn-act", "numerics", "*", "*"): _I1,
+    ("bn-act", "float64", "*", "*"): _I1,
+    ("bn-act", "in-place-numerics", "*", "*"): _I1_2,
+    ("bn-act", "in-place-rows", "*", "*"): _I1_2,
+    ("resnet-seq-cl", "training-lean", "*", "*"): _I4,
+    ("gpt-mask-buffer", "in-place-*", "*", "*"): _I10,
+    ("resnet-seq*", "in-place-*", "*", "*"): _I11,
+    ("vit-seq-pool", "in-place-*", "*", "*"): _I11 + " (then item 12: its nn.MultiheadAttention pooling head)",
+    # rm_invariants' checks
     ("bn-act", "eval-*/fx", "*", "*"): _I1,
     ("bn-act", "eval-*/in-place", "*", "*"): _I1_2,
     ("bn-act", "eval-*/shard", "*", "*"): _I1_2,
