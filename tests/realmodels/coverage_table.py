@@ -142,7 +142,8 @@ def invariants_section(results: List[Dict[str, Any]], header: str) -> str:
     counts: Dict[str, int] = {}
     for r in by.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    models = list(dict.fromkeys(r["model"] for r in by.values()))
+    order = {e.name: i for i, e in enumerate(ENTRIES)}
+    models = sorted(dict.fromkeys(r["model"] for r in by.values()), key=lambda m: order.get(m, len(order)))
     return "\n".join(["## Invariants", "", header, *invariants_table(by, models), "",
                       "cases: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""])
 
@@ -185,8 +186,9 @@ def short(r: Optional[Dict[str, Any]]) -> str:
     if r is None:
         return "-"
     if r["status"] in ("xfail", "XPASS"):
-        items = re.findall(r"items? ([\d, and]+)", r["known"] or "")
-        nums = re.findall(r"\d+", items[0]) if items else []
+        nums = [n for group in re.findall(r"items? (\d+(?:(?:, | and )\d+)*)", r["known"] or "")
+                for n in re.findall(r"\d+", group)]
+        nums = list(dict.fromkeys(nums))
         return f"{r['status']} #{'/'.join(nums)}" if nums else r["status"]
     return {"ok": "ok", "n/a": "n/a", "FAIL": "**FAIL**"}.get(r["status"], r["status"])
 
@@ -202,14 +204,16 @@ ABBREV = {"fp32_state_dict": "fp32sd", "torch.save": "save", "save_pretrained": 
 
 def invariants_table(by: Dict[tuple, Dict[str, Any]], models: List[str]) -> List[str]:
     """One row per model, one cell per invariant: each path's (or mode's) status."""
-    checks = sorted({k[1] for k in by if "/" in k[1]})
+    present = {k[1] for k in by if "/" in k[1]}
+    checks = [c for c in rm_invariants.checks() if c in present]  # in the order the checks are listed
     if not checks:
         return []
     lines = ["Invariants (issue 37), bfloat16, per conversion path (`fx`, `export`, `lazy`, `in-place` = "
              "`convert_`, `shard` = `convert_` O1 + `fxamp.shard` in a world of one), per optimizer mode, per "
              "round trip (`fp32sd` = `fp32_state_dict` into the unconverted model, `save` = `torch.save`, "
              "`hf` = `save_pretrained`, `dcp`; each after whole-model `export` or `in-place` conversion). "
-             "`xfail #N`: a known bug, issue 37 item N.", "",
+             "`xfail #N`: a known bug, issue 37 item N; `n/a`: the path cannot take the model (torch.fx "
+             "cannot trace it; `convert_` finds no blocks in a model that has none).", "",
              "| model | " + " | ".join(g[0] for g in GROUPS) + " |", "|---|" + "---|" * len(GROUPS)]
     for m in models:
         cells = []
@@ -347,7 +351,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"## Results\n\n`python -m tests.realmodels.coverage_table`, {stamp}, torch {torch.__version__}, "
               f"{_transformers_version()}, {total:.0f} s on 1 thread.")
-    invariants = invariants_section(results, header.replace("## Results\n\n", ""))
+    invariants = invariants_section(results, header.replace("## Results\n\n", "").replace(
+        "coverage_table`", "coverage_table --invariants-only`" if opts.invariants_only else "coverage_table`"))
     if opts.invariants_only:
         text = invariants
     else:
