@@ -64,7 +64,14 @@ def convert_by(entry: Entry, model: nn.Module, path: str, policy: str, dtype: to
     """``model`` converted along ``path`` (``model`` itself unchanged, but O1 shares its parameters)."""
     if path in ("in-place", "shard"):
         amp = convert(entry, model, policy, dtype, in_place=True)
-        return fxamp.shard(amp) if path == "shard" else amp
+        if path == "in-place":
+            return amp
+        try:
+            return fxamp.shard(amp)
+        except ValueError as exc:  # torch's own refusal of the model (CLIP's logit_scale), not fxamp's
+            if "fully_shard doesn't support scalar parameters" in str(exc):
+                raise NotApplicable(f"FSDP2 refuses it: {str(exc).splitlines()[0][:160]}") from exc
+            raise
     options = dict(entry.convert_kwargs)
     if path == "fx":
         try:
