@@ -144,7 +144,7 @@ def invariants_section(results: List[Dict[str, Any]], header: str) -> str:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     order = {e.name: i for i, e in enumerate(ENTRIES)}
     models = sorted(dict.fromkeys(r["model"] for r in by.values()), key=lambda m: order.get(m, len(order)))
-    return "\n".join(["## Invariants", "", header, *invariants_table(by, models), "",
+    return "\n".join(["## Invariants", "", header, "", *invariants_table(by, models), "",
                       "cases: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""])
 
 
