@@ -151,7 +151,8 @@ def invariants_section(results: List[Dict[str, Any]], header: str) -> str:
 def table(results: List[Dict[str, Any]], header: str) -> str:
     results = [r for r in results if "/" not in r["check"]]
     by = {(r["model"], r["check"], r["policy"], r["dtype"]): r for r in results}
-    models = list(dict.fromkeys(r["model"] for r in results))
+    order = {e.name: i for i, e in enumerate(ENTRIES)}  # the registry's order, whatever order cases ran in
+    models = sorted(dict.fromkeys(r["model"] for r in results), key=lambda m: order.get(m, len(order)))
     lines = [header, "",
              "| model | family | O0 bitwise (eval, train) | float64 stays float64 (O1 bf16) |",
              "|---|---|---|---|"]
