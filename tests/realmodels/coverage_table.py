@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -28,11 +29,19 @@ for _p in (_HERE, os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE)
 import torch  # noqa: E402
 
 import rm_checks  # noqa: E402
+import rm_invariants  # noqa: E402
 from rm_known import known  # noqa: E402
 from rm_models import ENTRIES, available  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(_HERE))
-from rm_checks import DTYPES, cases  # noqa: E402
+from rm_checks import DTYPES  # noqa: E402
+
+#: every check by name: the per-policy ones (rm_checks) and the invariants over paths (rm_invariants)
+CHECKS = {**rm_checks.CHECKS, **rm_invariants.checks()}
+
+
+def cases(entry) -> List[tuple]:
+    return rm_checks.cases(entry) + rm_invariants.cases(entry)
 
 
 class Timeout(Exception):
@@ -50,7 +59,7 @@ def one_line(exc: BaseException) -> str:
 
 
 def run_case(entry, check: str, policy: Optional[str], dt: Optional[str], limit: int) -> Dict[str, Any]:
-    fn = rm_checks.CHECKS[check]
+    fn = CHECKS[check]
     args = () if check == "o0" else (policy, DTYPES[dt])
     reason = known(entry.name, check, policy, dt)
     torch.manual_seed(0)
@@ -81,6 +90,16 @@ def run_case(entry, check: str, policy: Optional[str], dt: Optional[str], limit:
         status = "xfail" if reason else "FAIL"
     return {"model": entry.name, "family": entry.family, "check": check, "policy": policy, "dtype": dt,
             "status": status, "error": error, "known": reason, "seconds": round(seconds, 2), **measured}
+
+
+def restatus(r: Dict[str, Any]) -> Dict[str, Any]:
+    """A stored result's status under today's rm_known (a --jsonl run from before an entry changed)."""
+    reason = known(r["model"], r["check"], r["policy"], r["dtype"])
+    if r["status"] != "n/a":
+        failed = r["error"] is not None
+        r["status"] = ("xfail" if failed else "XPASS") if reason else ("FAIL" if failed else "ok")
+    r["known"] = reason
+    return r
 
 
 def fmt_db(v: Any) -> str:
@@ -115,9 +134,25 @@ def esc(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
+def invariants_section(results: List[Dict[str, Any]], header: str) -> str:
+    """``## Invariants``: the invariants table of ``results`` (none: an empty string)."""
+    by = {(r["model"], r["check"], r["policy"], r["dtype"]): r for r in results if "/" in r["check"]}
+    if not by:
+        return ""
+    counts: Dict[str, int] = {}
+    for r in by.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    order = {e.name: i for i, e in enumerate(ENTRIES)}
+    models = sorted(dict.fromkeys(r["model"] for r in by.values()), key=lambda m: order.get(m, len(order)))
+    return "\n".join(["## Invariants", "", header, "", *invariants_table(by, models), "",
+                      "cases: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), ""])
+
+
 def table(results: List[Dict[str, Any]], header: str) -> str:
+    results = [r for r in results if "/" not in r["check"]]
     by = {(r["model"], r["check"], r["policy"], r["dtype"]): r for r in results}
-    models = list(dict.fromkeys(r["model"] for r in results))
+    order = {e.name: i for i, e in enumerate(ENTRIES)}  # the registry's order, whatever order cases ran in
+    models = sorted(dict.fromkeys(r["model"] for r in results), key=lambda m: order.get(m, len(order)))
     lines = [header, "",
              "| model | family | O0 bitwise (eval, train) | float64 stays float64 (O1 bf16) |",
              "|---|---|---|---|"]
@@ -147,6 +182,63 @@ def table(results: List[Dict[str, Any]], header: str) -> str:
     return "\n".join(lines)
 
 
+def short(r: Optional[Dict[str, Any]]) -> str:
+    """A status in a few characters: ok, n/a, xfail #<items>, XPASS, FAIL."""
+    if r is None:
+        return "-"
+    if r["status"] in ("xfail", "XPASS"):
+        nums = [n for group in re.findall(r"items? (\d+(?:(?:, | and )\d+)*)", r["known"] or "")
+                for n in re.findall(r"\d+", group)]
+        nums = list(dict.fromkeys(nums))
+        return f"{r['status']} #{'/'.join(nums)}" if nums else r["status"]
+    return {"ok": "ok", "n/a": "n/a", "FAIL": "**FAIL**"}.get(r["status"], r["status"])
+
+
+#: the invariant groups of the table: (column, check name prefix, the names' last part in each cell)
+GROUPS = [("eval: no buffer changes (O2; shard O1)", "eval-buffers/", rm_invariants.PATHS),
+          ("eval after a train step, within 3 dB of autocast", "eval-after-step/", rm_invariants.PATHS),
+          ("optimizer modes, strided = contiguous", "layout/", tuple(rm_invariants.MODES)),
+          ("round trips: fp32_state_dict, torch.save, save_pretrained, DCP", "roundtrip/", None)]
+ABBREV = {"fp32_state_dict": "fp32sd", "torch.save": "save", "save_pretrained": "hf", "dcp": "dcp",
+          "in-place": "in-place", "export": "export"}
+
+
+def invariants_table(by: Dict[tuple, Dict[str, Any]], models: List[str]) -> List[str]:
+    """One row per model, one cell per invariant: each path's (or mode's) status."""
+    present = {k[1] for k in by if "/" in k[1]}
+    checks = [c for c in rm_invariants.checks() if c in present]  # in the order the checks are listed
+    if not checks:
+        return []
+    lines = ["Invariants (issue 37), bfloat16, per conversion path (`fx`, `export`, `lazy`, `in-place` = "
+             "`convert_`, `shard` = `convert_` O1 + `fxamp.shard` in a world of one), per optimizer mode, per "
+             "round trip (`fp32sd` = `fp32_state_dict` into the unconverted model, `save` = `torch.save`, "
+             "`hf` = `save_pretrained`, `dcp`; each after whole-model `export` or `in-place` conversion). "
+             "`xfail #N`: a known bug, issue 37 item N; `n/a`: the path cannot take the model (torch.fx "
+             "cannot trace it; `convert_` finds no blocks in a model that has none).", "",
+             "| model | " + " | ".join(g[0] for g in GROUPS) + " |", "|---|" + "---|" * len(GROUPS)]
+    for m in models:
+        cells = []
+        for _, prefix, parts in GROUPS:
+            names = [c for c in checks if c.startswith(prefix)]
+            if parts is not None:
+                names = [prefix + p for p in parts if prefix + p in names]
+            bits = []
+            for name in names:
+                r = by.get((m, name, rm_invariants.PATH_POLICY.get(name.rsplit("/", 1)[1], "O2"), "bfloat16"))
+                if r is None:
+                    continue
+                label = "/".join(ABBREV.get(x, x) for x in name[len(prefix):].split("/"))
+                bits.append(f"{label} {short(r)}")
+            cells.append(", ".join(bits))
+        if any(cells):
+            lines.append(f"| {m} | " + " | ".join(esc(c) for c in cells) + " |")
+    failures = [r for r in by.values() if "/" in r["check"] and r["status"] in ("FAIL", "XPASS")]
+    if failures:
+        lines += ["", "Invariant failures not filed:", ""]
+        lines += [f"- {r['model']} {r['check']}: {esc(r['error'] or r['status'])}" for r in failures]
+    return lines
+
+
 DOC_HEAD = """# Real-model coverage
 
 `tests/realmodels/` converts architectures nobody on fxamp wrote (Hugging Face transformers built
@@ -164,25 +256,49 @@ float16 for a subset) and checks, per model and policy:
   within 5% (bfloat16) / 2% (float16) of float32's largest loss at every step, and the loss goes down
   (unless float32's does not either);
 - **training-lean**: the same at O2 bfloat16 with lean masters and state (`masters="stochastic",
-  state="int8"`: bfloat16 weights rounded stochastically, 8-bit Adam moments; 27 models, all pass);
+  state="int8"`: bfloat16 weights rounded stochastically, 8-bit Adam moments; the 27 library models pass; `resnet-seq-cl`, channels_last, is
+  issue 37 item 4);
 - **in-place-numerics / in-place-training**: the numerics check (O1 and O2) and the training check
   (O2) of the model converted in place, block by block (`fxamp.convert_` of a copy; the masters are
-  the float32 originals): 22 models with layer lists pass all three, the 5 without one are n/a
+  the float32 originals): the 22 library models with layer lists pass all three, the 5 without one are n/a
   (`convert_` refuses them in one line until `blocks=` names their blocks);
 - **in-place-rows** (O2 bfloat16): in place, every block and glue module runs the same precision-deciding
   aten ops (matmuls, attention, norms, softmax, reductions, exp/log/pow, embeddings, convolutions,
   activations) with the same input and output dtypes, as many times, as whole-model conversion runs for
   that module, recorded at run time on the same inputs; ops outside blocks and glue modules run on
-  float32. 20 models pass; `nn.TransformerEncoder` (2 entries) is n/a: whole-model conversion runs its
+  float32. 20 library models pass; `nn.TransformerEncoder` (2 entries) is n/a: whole-model conversion runs its
   attention as `nn.MultiheadAttention`'s fused kernel;
+- **invariants** (issue 37; `rm_invariants.py`, O2 bfloat16, the `shard` path O1), over every conversion
+  path: `fx` (`convert(frontend="fx")`), `export` (with the example inputs), `lazy` (`frontend="export"`
+  without them), `in-place` (`convert_`) and `shard` (`convert_` + `fxamp.shard` in a gloo world of one):
+  **eval-buffers**: eval calls under `no_grad` change no buffer, bitwise (converted from an eval-mode
+  model, and after `train()` then `eval()`); **eval-after-step**: one `MixedPrecisionOptimizer` AdamW step
+  in train mode, then the eval output's SQNR is at most 3 dB below autocast's, both against the float32
+  model as that step left it (the masters' weights, float32's own running statistics); **layout**: float32
+  masters, `masters="kahan"`, `"stochastic"` + int8 state and `"auto"` train the model with its 4-D weights
+  channels_last and 2-D ones stored transposed exactly as the contiguous model (bitwise where float32
+  masters are; float32 masters within 0.5% where a channels_last conv sums in another order);
+  **roundtrip**: the user's float32 weights come back bitwise (before training the original's, after a
+  step the masters) through `fp32_state_dict` into the unconverted model, `torch.save`/`load` (model and
+  optimizer into fresh ones; in place, the model's `state_dict` alone into the unconverted model),
+  `save_pretrained`/`from_pretrained` (Hugging Face models in place: float32 weights, float32 config) and
+  DCP (`dcp.save({"model": model, "optim": opt})`, loaded into fresh ones; one more step is bitwise the
+  uninterrupted run's);
+- **patterns of our own** (family `pattern`): `bn-act` (a BatchNorm subclass whose forward computes its
+  training flag from `self.training`, a conv-bn-relu `nn.Sequential` stem, a `ModuleList` of blocks),
+  `resnet-seq` and `resnet-seq-cl` (`nn.Sequential` stages of residual blocks; the second channels_last),
+  `vit-seq-pool` (blocks in an `nn.Sequential`, an `nn.MultiheadAttention` attention-pooling head) and
+  `gpt-mask-buffer` (a causal mask buffer inverted in forward, blocks in a `ModuleList`): each goes through
+  every check, and fails today where issue 37 says (items 1, 2, 4, 10, 11, 12: strict xfails);
 - **O0** is bitwise equal to the original in eval and in train mode (every dropout set to 0);
 - **float64**: a float64 model with float64 inputs converted O1 bfloat16 comes back float64, unchanged.
 
 Run the fast subset with `python -m pytest tests -q -n 2` (CI), everything with
 `FXAMP_REALMODELS=all python -m pytest tests/realmodels -q` (or `-m "slow or not slow"`), and
-regenerate this file with `PYTHONPATH=. python -m tests.realmodels.coverage_table`.
+regenerate this file with `PYTHONPATH=. python -m tests.realmodels.coverage_table` (its invariants
+section alone with `--invariants-only`, and `--models` to restrict it).
 
-Statuses: `ok`; `xfail (reason)`: a known bug from issue 10, marked `xfail(strict=True)` in the tests
+Statuses: `ok`; `xfail (reason)`: a known bug (issues 10 and 37), marked `xfail(strict=True)` in the tests
 (list in `tests/realmodels/rm_known.py`); `XPASS`: a known bug that no longer reproduces (remove its
 entry); `FAIL`: a failure not yet filed.
 
@@ -194,21 +310,26 @@ timm is not covered: timm 1.0.31 requires torchvision (`import timm` imports
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="", help="comma-separated model names (default: all)")
-    ap.add_argument("--checks", default="", help="comma-separated checks: o0,numerics,training,float64")
+    ap.add_argument("--checks", default="", help="comma-separated checks or prefixes of them: o0,numerics,training,float64,"
+                                                  "eval-buffers,eval-after-step,layout,roundtrip")
     ap.add_argument("--limit", type=int, default=240, help="seconds per case")
     ap.add_argument("--output", default=os.path.join(REPO, "docs", "realmodels.md"))
     ap.add_argument("--jsonl", default="", help="also append every result as JSON lines to this file")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--invariants-only", action="store_true",
+                    help="run the invariant checks only and rewrite only the ## Invariants section of the doc")
     ap.add_argument("--from-jsonl", default="", help="rebuild the table from a --jsonl file of a full run, running nothing")
     opts = ap.parse_args(argv)
     torch.set_num_threads(1)
     wanted = set(filter(None, opts.models.split(",")))
     checks = set(filter(None, opts.checks.split(",")))
+    if opts.invariants_only:
+        checks = {"eval-buffers/", "eval-after-step/", "layout/", "roundtrip/"}
     results = []
     started = time.perf_counter()
     if opts.from_jsonl:
         with open(opts.from_jsonl) as f:
-            results = [json.loads(line) for line in f if line.strip()]
+            results = [restatus(json.loads(line)) for line in f if line.strip()]
         started -= sum(r["seconds"] for r in results)
     for entry in ([] if opts.from_jsonl else ENTRIES):
         if wanted and entry.name not in wanted:
@@ -218,7 +339,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"skip {entry.name}: {why}", flush=True)
             continue
         for check, policy, dt in cases(entry):
-            if checks and check not in checks:
+            if checks and not any(check == c or check.startswith(c) for c in checks):
                 continue
             r = run_case(entry, check, policy, dt, opts.limit)
             results.append(r)
@@ -233,9 +354,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"## Results\n\n`python -m tests.realmodels.coverage_table`, {stamp}, torch {torch.__version__}, "
               f"{_transformers_version()}, {total:.0f} s on 1 thread.")
-    text = table(results, header)
+    invariants = invariants_section(results, header.replace("## Results\n\n", "").replace(
+        "coverage_table`", "coverage_table --invariants-only`" if opts.invariants_only else "coverage_table`"))
+    if opts.invariants_only:
+        text = invariants
+    else:
+        text = table(results, header) + ("\n" + invariants if invariants else "")
     print(text)
-    if not opts.no_write and not wanted and not checks:
+    if opts.invariants_only and not opts.no_write:
+        with open(opts.output) as f:
+            doc = f.read().split("\n## Invariants\n")[0].rstrip("\n")
+        with open(opts.output, "w") as f:
+            f.write(doc + "\n\n" + text)
+        print(f"wrote the invariants section of {opts.output}")
+    elif not opts.no_write and not wanted and not checks:
         os.makedirs(os.path.dirname(opts.output), exist_ok=True)
         with open(opts.output, "w") as f:
             f.write(DOC_HEAD + "\n" + text)

@@ -51,7 +51,8 @@ _IN_PLACE_KWARGS = ("keep_norms_fp32", "overrides", "module_overrides", "op_list
 def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, in_place: bool = False,
             **extra: Any) -> nn.Module:
     """``fxamp.convert`` with the entry's inputs and options; ``in_place``: ``fxamp.convert_`` of a copy (the
-    checks keep ``model`` as the float32 reference), NotApplicable for a model without blocks."""
+    checks keep ``model`` as the float32 reference), NotApplicable for a model without blocks (a failure for
+    one whose blocks sit in nn.Sequentials: ``Entry.sequential_blocks``)."""
     if in_place:
         options = {k: v for k, v in {**entry.convert_kwargs, **extra}.items() if k in _IN_PLACE_KWARGS}
         copied = copy.deepcopy(model)
@@ -59,6 +60,9 @@ def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, 
             return fxamp.convert_(copied, policy, dtype=dtype, **options)
         except ValueError as exc:
             if "no blocks" in str(exc) or "found no blocks" in str(exc):
+                if entry.sequential_blocks:  # written to be taken: its repeated layers sit in nn.Sequentials
+                    raise AssertionError(f"convert_ found no blocks, but {entry.name} repeats its layers in "
+                                         f"nn.Sequentials (issue 37 item 11): {exc}") from exc
                 raise NotApplicable(f"in place: {exc}") from exc
             raise
     args, kwargs = entry.inputs(0)
@@ -66,7 +70,7 @@ def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, 
                          frontend=entry.frontend, **{**entry.convert_kwargs, **extra})
 
 
-def _call(model: nn.Module, inputs) -> Any:
+def call_model(model: nn.Module, inputs) -> Any:
     args, kwargs = inputs
     return model(*args, **kwargs)
 
@@ -96,14 +100,14 @@ def check_o0(entry: Entry) -> Dict[str, Any]:
         getattr(amp, mode)()
         inputs = entry.inputs(1)
         with torch.no_grad():
-            ref = _call(model, inputs)
-            out = _call(amp, inputs)
+            ref = call_model(model, inputs)
+            out = call_model(amp, inputs)
         bad = _leaves_equal(ref, out)
         assert not bad, f"O0 not bitwise equal to the original in {mode} mode: {bad[:3]}"
     return {}
 
 
-def _pooled_sqnr(refs: List[torch.Tensor], outs: List[torch.Tensor]) -> float:
+def pooled_sqnr(refs: List[torch.Tensor], outs: List[torch.Tensor]) -> float:
     """SQNR with signal and noise energies summed over several draws (float64)."""
     signal = sum(r.double().pow(2).sum().item() for r in refs)
     noise = sum((o.double() - r.double()).pow(2).sum().item() for r, o in zip(refs, outs))
@@ -140,17 +144,17 @@ def check_in_place_rows(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[s
     blocks = convert(entry, model, policy, dtype, in_place=True)
     whole = convert(entry, model, policy, dtype)
     with torch.no_grad():
-        _call(blocks, inputs)
-        _call(whole, inputs)  # captured: the recorded calls run the graphs only
+        call_model(blocks, inputs)
+        call_model(whole, inputs)  # captured: the recorded calls run the graphs only
         units = [path for path, _ in converted_modules(blocks)]
         kept = {n.rpartition(".")[0] for n in read_around(
             blocks, [p for p, m in converted_modules(blocks) if family_of(m).glue])} if policy != "O1" else set()
         units = [u for u in units if u not in kept]
         with _ByModule(_hooked_path(blocks, units)) as got:
-            _call(blocks, inputs)
+            call_model(blocks, inputs)
         node_module = {r.node: r.module for r in fxamp.report(whole).rows if r.is_op}
         with _ByModule(_graph_line_module(node_module)) as expected:
-            _call(whole, inputs)
+            call_model(whole, inputs)
     unit_of = lambda module: next((u for u in units if module == u or module.startswith(u + ".")), None)
     got_ops = collections.defaultdict(collections.Counter)
     expected_ops = collections.defaultdict(collections.Counter)
@@ -264,14 +268,14 @@ def check_numerics(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: b
     while seed <= draws:
         inputs = entry.inputs(seed)
         with torch.no_grad():
-            ref = _call(model, inputs)
-            out = _call(amp, inputs)
+            ref = call_model(model, inputs)
+            out = call_model(amp, inputs)
             if seed == 1:
-                again = _call(amp, inputs)
+                again = call_model(amp, inputs)
             if auto_error is None:
                 try:
                     with torch.autocast("cpu", dtype=dtype):
-                        autos.append(main_output(_call(model, inputs)).float())
+                        autos.append(main_output(call_model(model, inputs)).float())
                 except RuntimeError as exc:  # e.g. oneDNN has no float16 LSTM on this CPU: a fixed floor
                     auto_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         if seed == 1:
@@ -286,18 +290,18 @@ def check_numerics(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: b
         refs.append(r)
         outs.append(o)
         seed += 1
-    db = _pooled_sqnr(refs, outs)
+    db = pooled_sqnr(refs, outs)
     if auto_error is not None:
         assert db >= MIN_SQNR[dtype], f"SQNR {db:.1f} dB < {MIN_SQNR[dtype]} dB (torch.autocast fails here: {auto_error})"
         return {"sqnr": db, "sqnr_autocast": None, "autocast_error": auto_error, "draws": draws}
-    db_auto = _pooled_sqnr(refs, autos)
+    db_auto = pooled_sqnr(refs, autos)
     assert db >= db_auto - AUTOCAST_MARGIN_DB, (
         f"SQNR {db:.1f} dB is more than {AUTOCAST_MARGIN_DB} dB below torch.autocast's {db_auto:.1f} dB "
         f"(pooled over {draws} input draws)")
     return {"sqnr": db, "sqnr_autocast": db_auto, "draws": draws}
 
 
-def _loss(out: Any) -> torch.Tensor:
+def loss_of(out: Any) -> torch.Tensor:
     return main_output(out).float().pow(2).mean()
 
 
@@ -325,12 +329,12 @@ def check_training(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: b
     ref_losses, losses = [], []
     for _ in range(TRAIN_STEPS):
         ref_opt.zero_grad()
-        loss = _loss(_call(ref_model, inputs))
+        loss = loss_of(call_model(ref_model, inputs))
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
         opt.zero_grad()
-        loss = _loss(_call(amp, inputs))
+        loss = loss_of(call_model(amp, inputs))
         assert loss.dtype == torch.float32
         opt.backward(loss)
         opt.step()
@@ -358,14 +362,14 @@ def check_float64(entry: Entry, policy: str = "O1", dtype: torch.dtype = torch.b
     inputs = to64(entry.inputs(1))
     try:
         with torch.no_grad():
-            ref = _call(model, inputs)
+            ref = call_model(model, inputs)
     except Exception as exc:  # e.g. grouped_mm has no float64 kernel on CPU: nothing fxamp could keep
         raise NotApplicable(f"the float64 original itself fails: {type(exc).__name__}: {exc}") from exc
     amp = fxamp.convert(model, policy, dtype=dtype, example_inputs=args, example_kwargs=kwargs,
                         frontend=entry.frontend, **entry.convert_kwargs)
     amp.eval()
     with torch.no_grad():
-        out = _call(amp, inputs)
+        out = call_model(amp, inputs)
     dtypes = sorted({str(t.dtype) for t in float_leaves(out)})
     assert dtypes == ["torch.float64"], f"float64 model and inputs: outputs came back {dtypes}"
     db = sqnr(main_output(ref), main_output(out))

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from rm_patterns import BNActNet, MaskGPT, SeqResNet, SeqViT, channels_last_images, seq_resnet_channels_last
+
 try:  # transformers is an optional ([examples]) dependency: its entries are skipped without it
     import transformers
 
@@ -40,7 +42,7 @@ Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
 @dataclasses.dataclass(frozen=True)
 class Entry:
     name: str
-    family: str                           # "decoder", "encoder", "enc-dec", "speech", "vision", "dual", "nn"
+    family: str                           # "decoder", "encoder", "enc-dec", "speech", "vision", "dual", "nn", "pattern"
     build: Callable[[], nn.Module]
     inputs: Callable[[int], Inputs]
     frontend: str = "export"
@@ -48,6 +50,7 @@ class Entry:
     convert_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     fp16: bool = False                    # also checked in float16 (bfloat16 always)
     default: bool = False                 # part of the fast default subset (not marked slow)
+    sequential_blocks: bool = False       # its repeated layers sit in nn.Sequentials: convert_ must find them
 
 
 def gen(seed: int) -> torch.Generator:
@@ -414,6 +417,13 @@ ENTRIES = [
     Entry("nn.MultiheadAttention", "nn", SelfAttention, lambda s: ((seq(s), padding_mask(s)), {}),
           frontend="auto", fp16=True, default=True),
     Entry("conv-bn-relu", "nn", conv_bn_relu, image_inputs(16), frontend="auto", fp16=True, default=True),
+    # patterns of our own (issue 37): vision beside language
+    Entry("bn-act", "pattern", BNActNet, image_inputs(16), frontend="auto"),
+    Entry("resnet-seq", "pattern", SeqResNet, image_inputs(16), frontend="auto", sequential_blocks=True),
+    Entry("resnet-seq-cl", "pattern", seq_resnet_channels_last, channels_last_images(16), frontend="auto",
+          sequential_blocks=True),
+    Entry("vit-seq-pool", "pattern", SeqViT, image_inputs(16), frontend="auto", sequential_blocks=True),
+    Entry("gpt-mask-buffer", "pattern", MaskGPT, lm_inputs, frontend="auto"),
 ]
 
 REGISTRY: Dict[str, Entry] = {e.name: e for e in ENTRIES}

@@ -5,7 +5,8 @@ MixedPrecisionOptimizer steps tracking float32; float64 kept float64).
 
 Known bugs are ``xfail(strict=True)`` with their issue item (``rm_known.py``): a fix makes them XPASS,
 which fails the run until the entry is removed.  Only the cases in ``DEFAULT`` run by default;
-``FXAMP_REALMODELS=all python -m pytest tests/realmodels -q`` runs all of them.
+``FXAMP_REALMODELS=all python -m pytest tests/realmodels -q`` runs all of them.  The invariants every
+conversion path meets on these models (issue 37) are ``test_invariants.py``'s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,207 @@
+"""Patterns of our own for the real-model suite (issue 37): small models written the way vision and language
+libraries write these layers (items 1, 2, 10, 11, 12).  They are this suite's own code, so each pattern
+stays when a library changes its own.  Sizes and inputs as in ``rm_models``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+B, S, V, D = 2, 8, 96, 32  # rm_models' batch, sequence, vocabulary and width
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class BNAct(nn.BatchNorm2d):
+    """A BatchNorm subclass with its own forward (norm + activation), its training flag computed from
+    ``self.training`` as vision libraries compute it (issue 37 item 1)."""
+
+    def forward(self, x):
+        use_batch_stats = True if self.training else (self.running_mean is None and self.running_var is None)
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                   use_batch_stats, self.momentum, self.eps))
+
+
+class ConvBNAct(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = BNAct(c)
+
+    def forward(self, x):
+        return x + self.bn(self.conv(x))
+
+
+class BNActNet(nn.Module):
+    """A conv-bn-relu stem in an nn.Sequential (glue for convert_: issue 37 item 2), a ModuleList of residual
+    conv + BNAct blocks, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.ModuleList([ConvBNAct(16) for _ in range(2)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block (conv-bn-relu-conv-bn, a downsampling shortcut where the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class SeqResNet(nn.Module):
+    """A conv-bn-relu stem in an nn.Sequential, then nn.Sequential stages of residual blocks (issue 37 items 2, 11)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.stages = nn.Sequential(nn.Sequential(BasicBlock(16, 16), BasicBlock(16, 16)),
+                                    nn.Sequential(BasicBlock(16, 32, stride=2), BasicBlock(32, 32)))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.stages(self.stem(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def seq_resnet_channels_last() -> nn.Module:
+    return SeqResNet().to(memory_format=torch.channels_last)
+
+
+def channels_last_images(size: int) -> Callable:
+    def inputs(seed: int) -> tuple:
+        x = torch.randn(B, 3, size, size, generator=gen(seed)).contiguous(memory_format=torch.channels_last)
+        return (x,), {}
+    return inputs
+
+
+class ViTBlock(nn.Module):
+    """timm's pre-norm block: LayerNorm, qkv Linear and SDPA, LayerNorm, GELU MLP."""
+
+    def __init__(self, dim: int = D, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
+        x = x + self.proj(y.transpose(1, 2).reshape(b, n, c))
+        return x + self.mlp(self.norm2(x))
+
+
+class AttentionPool(nn.Module):
+    """An attention-pooling head: a learned query attends over the tokens with nn.MultiheadAttention
+    (which reads ``out_proj.weight`` itself rather than calling ``out_proj``: issue 37 item 12)."""
+
+    def __init__(self, dim: int = D, heads: int = 4):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        y, _ = self.attn(self.query.expand(x.shape[0], -1, -1), x, x, need_weights=False)
+        return self.norm(y[:, 0])
+
+
+class SeqViT(nn.Module):
+    """A ViT with its blocks in an nn.Sequential (timm's ``self.blocks``) and an attention-pooling head."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, D, 4, stride=4)
+        self.pos = nn.Parameter(torch.randn(1, 16, D) * 0.02)
+        self.blocks = nn.Sequential(*[ViTBlock() for _ in range(2)])
+        self.norm = nn.LayerNorm(D)
+        self.pool = AttentionPool()
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.pos
+        return self.head(self.pool(self.norm(self.blocks(x))))
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention with a causal mask buffer inverted in forward (issue 37 item 10), written as a model
+    with a fixed context writes it: ``T`` read from the buffer, so torch.fx computes ``~self.mask[:T, :T]``
+    while tracing and keeps the result as a constant of the graph."""
+
+    def __init__(self, dim: int = D, heads: int = 4, block_size: int = S):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.register_buffer("mask", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)))
+
+    def forward(self, x):
+        b, _, c = x.shape
+        t = self.mask.size(0)
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (c // self.heads) ** 0.5)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        y = att.softmax(dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(D)
+        self.attn = CausalSelfAttention()
+        self.ln_2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class MaskGPT(nn.Module):
+    """A small GPT (nanoGPT's layout): embeddings, a ModuleList of blocks with mask buffers, a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.wpe = nn.Embedding(S, D)
+        self.h = nn.ModuleList([GPTBlock() for _ in range(2)])
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
