@@ -29,34 +29,7 @@ _I10 = ("issue 37 item 10: convert_ refuses a block whose mask buffer is inverte
         "(torch.fx folds ~self.mask into _tensor_constant0)")
 _I11 = "issue 37 item 11: convert_ finds blocks only in nn.ModuleList, not in nn.Sequential stages"
 
-KNOWN: Dict[Key, str] = {
-    # rm_checks' checks on the patterns of our own
-    ("bn-act", "o0", "*", "*"): _I1,
-    ("bn-act", "numerics", "*", "*"): _I1,
-    ("bn-act", "float64", "*", "*"): _I1,
-    ("bn-act", "in-place-numerics", "*", "*"): _I1_2,
-    ("bn-act", "in-place-rows", "*", "*"): _I1_2,
-    ("resnet-seq-cl", "training-lean", "*", "*"): _I4,
-    ("gpt-mask-buffer", "in-place-*", "*", "*"): _I10,
-    ("resnet-seq*", "in-place-*", "*", "*"): _I11,
-    ("vit-seq-pool", "in-place-*", "*", "*"): _I11 + " (then item 12: its nn.MultiheadAttention pooling head)",
-    # rm_invariants' checks
-    ("bn-act", "eval-*/fx", "*", "*"): _I1,
-    ("bn-act", "eval-*/in-place", "*", "*"): _I1_2,
-    ("bn-act", "eval-*/shard", "*", "*"): _I1_2,
-    ("gpt-mask-buffer", "eval-*/in-place", "*", "*"): _I10,
-    ("gpt-mask-buffer", "eval-*/shard", "*", "*"): _I10,
-    ("resnet-seq*", "*/in-place", "*", "*"): _I11,
-    ("resnet-seq*", "*/shard", "*", "*"): _I11,
-    ("vit-seq-pool", "*/in-place", "*", "*"): _I11 + " (then item 12: its nn.MultiheadAttention pooling head)",
-    ("vit-seq-pool", "*/shard", "*", "*"): _I11 + " (then item 12: its nn.MultiheadAttention pooling head)",
-    ("*", "layout/kahan", "*", "*"): _I4,
-    ("*", "layout/stochastic-int8", "*", "*"): _I4,
-    ("*", "layout/auto", "*", "*"): _I4,
-    ("*", "roundtrip/dcp/in-place", "*", "*"): _I3 + "; then " + _I8,
-    ("*", "roundtrip/*/in-place", "*", "*"): _I3,
-    ("*", "roundtrip/dcp/*", "*", "*"): _I8,
-}
+KNOWN: Dict[Key, str] = {}
 
 # CLIPModel bfloat16 was listed (4 dB below autocast) until the numerics check pooled its SQNR over enough
 # input draws: on CLIP's 2×2 similarity matrix one draw put fxamp anywhere from 10 dB below to 4 dB above
