@@ -1,4 +1,5 @@
-"""The one dtype vocabulary both wings share: the low-precision and castable sets, names, parsing.
+"""The one dtype vocabulary both wings share: the low-precision and castable sets, names, parsing;
+and :class:`StrEnum`, the base of every string option (``Category``, ``ScaleKind``, ``StatePrecision``...).
 
 Conversion, training, reporting and the integrations all read dtypes from here; what dtype a
 graph value certainly has is the conversion's business (``fxamp.conversion.inference``).
@@ -6,11 +7,21 @@ graph value certainly has is the conversion's business (``fxamp.conversion.infer
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Tuple, Union
 
 import torch
 
-__all__ = ["LOW", "CASTABLE", "NOT_FLOAT", "NAMES", "short_name", "dtype_name", "parse_dtype"]
+__all__ = ["StrEnum", "LOW", "CASTABLE", "NOT_FLOAT", "NAMES", "short_name", "dtype_name", "parse_dtype"]
+
+
+class StrEnum(str, enum.Enum):
+    """A string option: ``"safe"`` and ``Category.SAFE`` are interchangeable, and its ``str`` is its value
+    (what the user typed, in messages and reports), as Python 3.11's ``enum.StrEnum`` has it."""
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: the low-precision float dtypes fxamp computes in
 LOW = (torch.float16, torch.bfloat16)

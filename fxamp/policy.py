@@ -14,14 +14,13 @@ A policy may also run its safe matmuls in float8 (:class:`Float8`): ``float8=ten
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from .dtypes import CASTABLE, LOW, dtype_name, parse_dtype
+from .dtypes import CASTABLE, LOW, StrEnum, dtype_name, parse_dtype
 
 __all__ = ["Policy", "Float8", "Float8Recipe", "Float8Cost", "PRESETS", "resolve_policy", "parse_dtype", "default_dtype", "device_type_of"]
 
@@ -29,25 +28,19 @@ _KEYS = ("params", "compute", "unsafe", "norms", "output")
 PRESETS = ("O0", "O1", "O2", "O3")
 
 
-class Float8Recipe(str, enum.Enum):
+class Float8Recipe(StrEnum):
     """How a float8 matmul scales and casts its operands (torchao.float8's recipes, same names)."""
 
     TENSORWISE = "tensorwise"  # one scale per tensor; e4m3 input and weight, e5m2 gradients
     ROWWISE = "rowwise"  # one scale per row (of the GEMM's operand); e4m3 everywhere; power-of-two scales
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"  # rowwise, with grad_weight computed in high precision
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Float8Cost(str, enum.Enum):
+class Float8Cost(StrEnum):
     """Which eligible matmuls run in float8: those the cost model says pay, or all of them."""
 
     AUTO = "auto"  # skip a matmul the cost table (fxamp.conversion.float8) says is too small to pay
     ALWAYS = "always"  # every eligible matmul, whatever it costs (tests; a CPU, where float8 never pays)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

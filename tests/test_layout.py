@@ -206,3 +206,66 @@ def test_no_module_is_over_650_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 650}
     assert not long, long
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_names(tree: ast.AST) -> Set[str]:
+    """Private names a file defines: functions, classes, assigned names and attributes (``self._ws = ...``)."""
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if _private(n)}
+
+
+def _private_reads(path: pathlib.Path, fxamp_private: Set[str]) -> List[str]:
+    """``x._name`` where fxamp defines ``_name`` and neither the test file nor a module it imports from outside
+    fxamp owns it (``planted._linear``, ``torch._dynamo``, a test's own cache class); ``from fxamp... import _name``."""
+    tree = ast.parse(path.read_text(), str(path))
+    foreign: Set[str] = set()  # names bound to modules and objects imported from outside fxamp
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                source = (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
+                if source == "fxamp" or source.startswith("fxamp."):
+                    if _private(alias.name):
+                        found.append(f"{path.name}:{node.lineno} imports {alias.name}")
+                else:
+                    foreign.add((alias.asname or alias.name).split(".")[0])
+    names = fxamp_private - _defined_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in names:
+            base = node.value
+            while isinstance(base, (ast.Attribute, ast.Call, ast.Subscript)):
+                base = base.func if isinstance(base, ast.Call) else base.value
+            if not (isinstance(base, ast.Name) and base.id in foreign):
+                found.append(f"{path.name}:{node.lineno} reads .{node.attr}")
+    return found
+
+
+def test_no_test_reads_a_private_attribute_of_fxamp(tmp_path):
+    """Tests go through what a user can reach: a private attribute (``opt._ws``, ``native._build``) is the
+    code's to rename.  torch's own private names (``Tensor._version``, ``nn.Module._modules``) are not fxamp's."""
+    import torch
+    import torch.nn as nn
+
+    fxamp_private: Set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        fxamp_private |= _defined_names(ast.parse(path.read_text(), str(path)))
+    fxamp_private -= set(dir(torch.Tensor)) | set(dir(nn.Module)) | set(dir(torch.optim.Optimizer))
+    name = sorted(fxamp_private)[0]
+    planted = tmp_path / "test_planted.py"  # the scan sees a read, through a call, and a private import
+    planted.write_text(f"import fxamp, torch\nfrom fxamp.training import {name}\nopt = fxamp.f()\n"
+                       f"opt.a().{name}\ntorch.{name}\n")
+    assert [r.split(" ", 1)[1] for r in _private_reads(planted, fxamp_private)] == [f"imports {name}", f"reads .{name}"]
+    tests = PACKAGE.parent / "tests"
+    found = [r for p in sorted(tests.rglob("*.py")) for r in _private_reads(p, fxamp_private)]
+    assert not found, "tests read private attributes of fxamp:\n" + "\n".join(found)

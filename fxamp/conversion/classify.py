@@ -19,7 +19,7 @@ from ..dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
 from . import float8
 from .inference import DtypeInference
 from ..errors import ConversionError
-from .graph import ATTR, DECISION, Decision, module_path_of
+from .graph import ATTR, DECISION, Decision, covering, module_path_of
 from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
                        out_of_place)
 from .options import ConvertOptions, ModuleOverrides, NodeOverrides
@@ -252,15 +252,6 @@ def _check_node_overrides(gm: fx.GraphModule, overrides: NodeOverrides) -> Dict[
     return checked
 
 
-def _covering_override(path: str, overrides: Dict[str, OpEntry]) -> Optional[Tuple[str, OpEntry]]:
-    best = None
-    for prefix, entry in overrides.items():
-        if path == prefix or path.startswith(prefix + ".") or prefix == "":
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, entry)
-    return best
-
-
 def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Optional[OpEntry],
              op_lists: OpLists, infer: DtypeInference) -> Decision:
     """An in-place op: an unsafe one writing into an activation runs out of place in float32 and is
@@ -327,8 +318,8 @@ def _decide(
         target = node.target
         name = op_name(op_key(target))
 
-    covering = _covering_override(path, overrides)
-    override = pinned if pinned is not None else covering[1] if covering is not None else None
+    cover = covering(path, overrides)
+    override = pinned if pinned is not None else cover[1] if cover is not None else None
     if is_inplace(node.op, node.target):
         return _inplace(node, name, path, policy, override, op_lists, infer)
     entry = override if override is not None else op_lists.lookup(target)

@@ -42,7 +42,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..policy import Float8, Float8Cost, Float8Recipe
-from .graph import DECISION, Decision, Float8Choice, fetch_attr, module_path_of
+from .graph import DECISION, Decision, Float8Choice, covering, fetch_attr, module_path_of
 from .op_lists import Category, Source, op_key
 
 __all__ = ["E4M3", "E5M2", "EPS", "amax_to_scale", "to_float8", "float8_mm", "float8_linear", "float8_matmul",
@@ -445,15 +445,6 @@ def _check_device(device: Optional[torch.device], config: Float8) -> None:
                          f"float8 runs on CUDA (compute capability 8.9+) and, emulated, on CPU")
 
 
-def _covering(path: str, overrides: Mapping[str, str]) -> Optional[Tuple[str, str]]:
-    best = None
-    for prefix, value in overrides.items():
-        if path == prefix or path.startswith(prefix + ".") or prefix == "":
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, value)
-    return best
-
-
 def choose(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy: Any,
            module_overrides: Mapping[str, str], node_overrides: Mapping[str, str]) -> None:
     """Give every safe matmul running in the policy's compute dtype a :class:`Float8Choice` (in ``decisions``).
@@ -500,9 +491,9 @@ def _choose_one(node: fx.Node, kind: str, kn: Optional[Tuple[int, int]], config:
     if node.name in node_overrides:
         forced = (node_overrides[node.name], Source.NODE_OVERRIDE, f"node {node.name!r}")
     else:
-        covering = _covering(module_path_of(node), module_overrides)
-        if covering is not None:
-            forced = (covering[1], Source.MODULE_OVERRIDE, f"module {covering[0]!r}")
+        cover = covering(module_path_of(node), module_overrides)
+        if cover is not None:
+            forced = (cover[1], Source.MODULE_OVERRIDE, f"module {cover[0]!r}")
     if forced is not None and forced[0] == REFUSE:
         return Float8Choice(False, f"no_float8 for {forced[2]} (override): runs in bfloat16", forced[1])
     bad = None

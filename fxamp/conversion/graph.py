@@ -21,7 +21,7 @@ dotted name of the parameter or buffer the node reads; a ``MODULE`` is ``(module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, TypeVar
 
 import torch
 import torch.fx as fx
@@ -33,7 +33,7 @@ from ..info import remember_origin
 __all__ = [
     "INPUT_DTYPE",
     "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice",
-    "fetch_attr", "attr_target", "module_path_of", "clean_export_path", "node_arg", "replace_node_arg",
+    "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
     "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
     "tensor_slots", "replace_tensors", "rebind",
 ]
@@ -136,6 +136,20 @@ def module_path_of(node: fx.Node) -> str:
     if stack:
         return clean_export_path(list(stack.values())[-1][0])
     return ""
+
+
+V = TypeVar("V")
+
+
+def covering(path: str, overrides: Mapping[str, V]) -> Optional[Tuple[str, V]]:
+    """The override that covers the module at ``path``: the longest prefix of it, on a dot (``"enc"``
+    covers ``"enc.0"``, not ``"encoder"``); ``""`` covers every module. ``(prefix, value)``, or None."""
+    best = None
+    for prefix, value in overrides.items():
+        if path == prefix or path.startswith(prefix + ".") or prefix == "":
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, value)
+    return best
 
 
 def clean_export_path(path: str) -> str:

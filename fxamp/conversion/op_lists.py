@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import operator
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -38,11 +37,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..dtypes import StrEnum
+
 __all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry",
            "is_inplace", "out_of_place", "keys_for"]
 
 
-class Category(str, enum.Enum):
+class Category(StrEnum):
     """Where an op sits; a ``str`` so ``"safe"`` and ``Category.SAFE`` are interchangeable."""
 
     SAFE = "safe"
@@ -51,11 +52,8 @@ class Category(str, enum.Enum):
     UNSAFE = "unsafe"
     UNLISTED = "unlisted"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Source(str, enum.Enum):
+class Source(StrEnum):
     """Where a rule came from, as a field (the report and the lints read it, never the reason text)."""
 
     OP_LIST = "op list"  # fxamp's default lists
@@ -65,9 +63,6 @@ class Source(str, enum.Enum):
     DEFAULT = "default"  # on no list: the unlisted rule
     GRAPH = "graph"  # decided by the graph's structure (inputs, outputs, attributes, in-place ops)
     FLOAT64 = "float64"  # a float input is float64, which fxamp never casts: the op runs in float64
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: conditions a CONDITIONAL entry may name; the classifier implements each one.

@@ -14,10 +14,10 @@ with a ``TypeError`` that names the value to write instead.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
+from ..dtypes import StrEnum
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists, op_key
 
 __all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option"]
@@ -28,26 +28,20 @@ ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
 NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
 
 
-class DebugOverflow(str, enum.Enum):
+class DebugOverflow(StrEnum):
     """``convert(debug_overflow=...)``: overflow checks after every node (:mod:`fxamp.conversion.debug`)."""
 
     OFF = "off"  # no checks, no cost
     RECORD = "record"  # record the first node whose output or gradient has inf/NaN (fxamp.overflow_info)
     RAISE = "raise"  # raise FxampError there
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Dynamic(str, enum.Enum):
+class Dynamic(StrEnum):
     """``convert(dynamic=...)``: which input dims a ``torch.export`` capture keeps dynamic."""
 
     BATCH = "batch"  # dim 0, and the sequence dim of token ids, masks and (batch, length, features) inputs
     ALL = "all"  # every dim (image sizes too: slower to export)
     NONE = "none"  # none: every size is fixed at the capture's
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: what each refused bool meant, for the error that names the new spelling

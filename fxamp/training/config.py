@@ -17,7 +17,6 @@ visits this module (its path is optimizer -> step -> loss_scale, see :mod:`fxamp
 
 from __future__ import annotations
 
-import enum
 import math
 import numbers
 from dataclasses import dataclass
@@ -25,20 +24,18 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..dtypes import StrEnum
 from ..info import policy_of
 
 __all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "OPTIONS", "config_for", "compute_dtype"]
 
 
-class ScaleKind(str, enum.Enum):
+class ScaleKind(StrEnum):
     """How the loss scale behaves; a ``str`` so ``"dynamic"`` and ``ScaleKind.DYNAMIC`` are interchangeable."""
 
     DYNAMIC = "dynamic"
     STATIC = "static"
     NONE = "none"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _KINDS = ", ".join(repr(k.value) for k in ScaleKind)

@@ -29,12 +29,12 @@ fxamp's kernel (:mod:`fxamp.training.native`) steps it in one pass, on every pat
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from ..dtypes import StrEnum
 from . import native, quant
 from .inner import ForeachSGD, plain
 
@@ -43,7 +43,7 @@ __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice
            "seed_from", "state_keys", "resolve", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
 
 
-class MasterPrecision(str, enum.Enum):
+class MasterPrecision(StrEnum):
     """What keeps a low-precision weight's full value between steps."""
 
     FP32 = "fp32"
@@ -51,20 +51,14 @@ class MasterPrecision(str, enum.Enum):
     STOCHASTIC = "stochastic"
     AUTO = "auto"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class StatePrecision(str, enum.Enum):
+class StatePrecision(StrEnum):
     """How the optimizer state of a low-precision weight is stored between steps."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
     AUTO = "auto"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``

@@ -30,12 +30,12 @@ or with ``compile_step`` (:mod:`fxamp.training.kernels`, the compiled executor o
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from ..dtypes import StrEnum
 from ..errors import LossScaleError, OptimizerStateError
 from .config import LossScaleConfig, LossScaleOption, ScaleKind, compute_dtype, config_for
 from .distributed import all_reduce_overflow, all_reduce_overflow_on_device
@@ -226,16 +226,13 @@ class StepResult:
         return f"StepResult(stepped={bool(self)})" if self._verdict.ready() else "StepResult(pending)"
 
 
-class Stage(str, enum.Enum):
+class Stage(StrEnum):
     """Where one optimizer stands in the current iteration of its scaler."""
 
     READY = "ready"  # no scaled gradients since the last update (or zero_grad)
     SCALED = "scaled"  # a scaled backward ran: gradients hold loss * scale
     UNSCALED = "unscaled"  # unscaled and checked: the overflow decision is made
     STEPPED = "stepped"  # stepped (or skipped); a shared scaler waits for update()
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class ScalerClient:

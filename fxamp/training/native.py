@@ -29,7 +29,7 @@ import torch
 
 from . import quant
 
-__all__ = ["kernel", "unavailable_reason", "lean_adam", "eligible", "adam_step"]
+__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "eligible", "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
@@ -61,8 +61,10 @@ def _cache_dirs() -> "list[Path]":
     return [first, Path(tempfile.gettempdir()) / f"fxamp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
 
 
-def _build() -> Any:
-    """The loaded library, or a string saying why there is none."""
+def build() -> Any:
+    """Build (or find in the cache) and load the kernel now, as the environment says (``CC``, ``FXAMP_CACHE``,
+    ``FXAMP_NATIVE``), without the once-per-process memo of :func:`kernel`: its ctypes functions by state mode,
+    or a string saying why there are none. An image can call it ahead, to fill the cache."""
     if os.environ.get("FXAMP_NATIVE", "1") == "0":
         return "FXAMP_NATIVE=0"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -115,7 +117,7 @@ def _build() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _loaded() -> Any:
-    return _build()
+    return build()
 
 
 def kernel() -> Optional[Dict[str, Any]]:

@@ -291,6 +291,11 @@ class MixedPrecisionOptimizer:
         ``"stochastic"``) is a placeholder between steps: its value is :meth:`fp32_state_dict`'s."""
         return list(zip(self._lows, self._masters))
 
+    def precision_of(self, master: torch.Tensor) -> Optional[lean.Choice]:
+        """A master's per-tensor precision (``masters=``, ``state=``; what ``"auto"`` measured and chose, why, and
+        its Kahan term): a row of :meth:`precision_table`. None for a float32 parameter or when every master is."""
+        return None if self._ws is None else self._ws.choices.get(id(master))
+
     @property
     def plan(self) -> planning.Plan:
         """What the next step touches (:class:`fxamp.training.plan.Plan`: its buckets of masters and

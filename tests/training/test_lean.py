@@ -52,6 +52,18 @@ def _losses(step_fn, data, vocab):
     return out
 
 
+def test_precision_of_gives_a_lean_masters_choice_and_none_where_everything_is_float32():
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.LayerNorm(8))  # a float32 norm: no master
+    lean = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="kahan", state="bf16")
+    plain = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+    for low, master in lean.master_pairs():
+        choice = lean.precision_of(master)
+        assert (choice.master, choice.state) == ("kahan", "bf16") and choice.term.shape == low.shape
+        assert lean.precision_of(low) is None  # the master's, not its low-precision weight's
+    assert lean.precision_of(model[1].weight) is None
+    assert [plain.precision_of(m) for _, m in plain.master_pairs()] == [None, None]
+
+
 def test_o2_masters_are_the_exact_float32_weights_while_the_original_lives():
     torch.manual_seed(0)
     model = TinyLM()
@@ -210,7 +222,7 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state, dtype):
         assert opt.optimizer.state[opt.master_pairs()[0][1]]["exp_avg"].dtype == \
             {"bf16": torch.bfloat16, "int8": torch.int8}[state]  # the checkpoint carries the compressed state
     if masters == "auto":
-        assert {c.master for c in opt._ws.choices.values()} != {"fp32"}  # decided, and not all float32
+        assert {opt.precision_of(m).master for _, m in opt.master_pairs()} != {"fp32"}  # decided, and not all float32
     model, opt = build()
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
@@ -315,7 +327,7 @@ def test_auto_keeps_float32_where_rounding_bites_and_says_why():
         opt.zero_grad()
         opt.backward(model(x).float().pow(2).mean())
         opt.step()
-    choices = {opt._name(m): opt._ws.choices[id(m)] for _, m in opt.master_pairs()}
+    choices = {name: opt.precision_of(dict(opt.master_pairs())[p]) for name, p in model.named_parameters()}
     assert choices["0.weight"].master == "kahan" and choices["0.weight"].lost > 0.5  # large: compensated
     assert choices["1.weight"].master == "fp32" and choices["1.weight"].lost > 0.9  # a norm weight of 1.0
     assert choices["0.weight"].state in ("int8", "bf16") and choices["1.weight"].state == "fp32"
@@ -336,7 +348,7 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
         opt.backward(model(x).float().pow(2).mean())
         opt.step()
     (_, master), = opt.master_pairs()
-    choice = opt._ws.choices[id(master)]
+    choice = opt.precision_of(master)
     assert (choice.master, choice.state) == ("stochastic", "int8"), choice
     assert "6.03 bytes/param" in opt.precision_table()  # 2 weight + 2 grad + 0 + 2 x (1 + 4/256)
 
@@ -435,7 +447,7 @@ def test_a_float32_checkpoint_loads_into_a_lean_optimizer_as_configured():
     lean = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), masters="kahan", state="bf16")
     lean.load_state_dict(saved)
     for low, m in lean.master_pairs():
-        choice = lean._ws.choices[id(m)]
+        choice = lean.precision_of(m)
         assert (choice.master, choice.state) == ("kahan", "bf16")
         # weight + term: the float32 master to ~16 significant bits (the term is bfloat16)
         torch.testing.assert_close(low.float() + choice.term.float(), full[id(low)], rtol=2 ** -15, atol=0)
@@ -536,7 +548,7 @@ def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options
             opt.backward(amp(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).float().square().mean())
             opt.step()
         assert (opt.plan.runs is not None) == release  # segmented, or the plain step
-        terms = [opt._ws.choices[id(m)].term.clone() for _, m in opt.master_pairs()]
+        terms = [opt.precision_of(m).term.clone() for _, m in opt.master_pairs()]
         out.append([p.detach().clone() for p in amp.parameters()] + terms)
         assert all(not torch.equal(a, b) for a, b in zip(start, amp.parameters()))  # every parameter moved
     assert all(torch.equal(a, b) for a, b in zip(*out))
@@ -587,7 +599,7 @@ def _layout_run(masters, state, layout, segmented):
         opt.step()
         losses.append(loss.item())
     assert (opt.plan.runs is not None) == segmented
-    terms = [opt._ws.choices[id(m)].term for _, m in opt.master_pairs()] if opt._ws is not None else []
+    terms = [c.term for c in map(opt.precision_of, (m for _, m in opt.master_pairs())) if c is not None]
     return losses, [p.detach().contiguous() for p in amp.parameters()], [t for t in terms if t is not None], opt
 
 
@@ -616,7 +628,7 @@ def test_every_mode_steps_channels_last_and_transposed_weights_by_their_values(m
     reference = _layout_run(masters, state, "row-major", segmented=False)
     opt = reference[3]
     if masters != "fp32":
-        assert {c.master for c in opt._ws.choices.values()} != {"fp32"}  # lean masters were stepped
+        assert {opt.precision_of(m).master for _, m in opt.master_pairs()} != {"fp32"}  # lean masters were stepped
     for segmented in (False, True):
         for layout in ("strided", "strided, row-major grads", "row-major, strided grads") + ("row-major",) * segmented:
             losses, weights, terms, _ = _layout_run(masters, state, layout, segmented)

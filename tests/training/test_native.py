@@ -174,16 +174,16 @@ def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_
     blocked.write_text("")  # a file where the cache folder should be: mkdir fails
     monkeypatch.setenv("FXAMP_CACHE", str(blocked / "cache"))
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    fn = native._build()
+    fn = native.build()
     assert isinstance(fn, dict) and list((tmp_path / "tmp").glob("fxamp-*/lean_kernel-*.so"))
 
 
 def test_without_a_compiler_the_eager_path_steps_and_the_table_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("FXAMP_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    assert native._build().startswith("/bin/false failed")
+    assert native.build().startswith("/bin/false failed")
     monkeypatch.setenv("FXAMP_NATIVE", "0")
-    assert native._build() == "FXAMP_NATIVE=0"
+    assert native.build() == "FXAMP_NATIVE=0"
     monkeypatch.setattr(native, "_loaded", lambda: "FXAMP_NATIVE=0")
     calls = []
     monkeypatch.setattr(native, "lean_adam", lambda *a, **k: calls.append(1))
