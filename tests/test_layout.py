@@ -204,3 +204,18 @@ def test_no_module_is_over_650_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 650}
     assert not long, long
+
+
+def test_the_front_door_is_small_and_every_name_resolves():
+    """At most 25 public names (what a user types); each of ``__all__`` is there, without a warning."""
+    import warnings
+
+    import fxamp
+
+    assert len(fxamp.__all__) <= 25, sorted(fxamp.__all__)
+    assert len(set(fxamp.__all__)) == len(fxamp.__all__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        missing = [name for name in fxamp.__all__ if getattr(fxamp, name, None) is None]
+    assert not missing, f"names in fxamp.__all__ that do not resolve: {missing}"
+    assert not set(fxamp.__all__) & set(fxamp._MOVED), "a name both public and moved"

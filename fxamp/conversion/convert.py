@@ -62,19 +62,19 @@ def convert(
                       more than 10% of the parameters is noted and warned about).
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
                       ``frontend="export"``).
-    dynamic:          export only, a :class:`~fxamp.Dynamic`: ``"batch"`` keeps batch and sequence sizes free
+    dynamic:          export only, a :class:`~fxamp.conversion.options.Dynamic`: ``"batch"`` keeps batch and sequence sizes free
                       (image sizes stay static), ``"all"`` every dim, ``"none"`` none; ``dynamic_shapes``
                       goes to ``torch.export`` as given.
     weight_cache:     reuse low-precision weight copies (leaf modules' too) across no-grad calls until a weight changes.
-    debug_overflow:   a :class:`~fxamp.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
+    debug_overflow:   a :class:`~fxamp.conversion.options.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
                       (forward) or gradient (backward) has inf/NaN (``fxamp.overflow_info(amp)``);
                       ``"raise"`` there.  See ``fxamp.conversion.debug``.
 
     The keywords from ``overrides`` to ``debug_overflow`` are checked and bundled into one
-    :class:`~fxamp.ConvertOptions` that the capture and the rewrite (now, or at each lazy capture) read.
+    :class:`~fxamp.conversion.options.ConvertOptions` that the capture and the rewrite (now, or at each lazy capture) read.
 
     Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
-    given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
+    given (or ``frontend="export"`` without them), a :class:`fxamp.conversion.lazy.LazyConverted` that captures with
     ``torch.export`` at its first call and again for each new call signature; its parameters exist
     at once, in their storage dtypes, so an optimizer can be built before the first call.  A
     ``LazyConverted`` also when torch.export's training and eval captures differ (stochastic depth):
@@ -198,7 +198,7 @@ def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
 
 
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
-                  "fxamp.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
+                  "fxamp.conversion.lazy.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
                   "mode's is captured with torch.export at its first call, as is each new call signature")
 
 

@@ -4,7 +4,7 @@ it holds, :class:`DebugOverflow` and :class:`Dynamic`.
 ``fxamp.convert(model, policy, **keywords)`` builds one ``ConvertOptions`` (:meth:`ConvertOptions.build`
 checks and normalises every keyword) and hands it on unchanged: to ``capture`` (``dynamic``), to
 ``pipeline.rewrite_captured`` (everything else) and, when the capture waits for the first call, to
-:class:`~fxamp.LazyConverted`, which keeps it for every later capture.  It pickles and deep-copies
+:class:`~fxamp.conversion.lazy.LazyConverted`, which keeps it for every later capture.  It pickles and deep-copies
 (a deep copy shares it: nothing in it changes).
 
 Each option has one type.  The enums are ``str`` enums, so ``"raise"`` and ``DebugOverflow.RAISE``
@@ -113,7 +113,7 @@ class ConvertOptions:
     override_keys: Tuple[OpKey, ...] = ()
 
     def __post_init__(self) -> None:
-        checks = (("op_lists", OpLists, "an fxamp.OpLists"), ("weight_cache", bool, "a bool"),
+        checks = (("op_lists", OpLists, "an fxamp.conversion.op_lists.OpLists"), ("weight_cache", bool, "a bool"),
                   ("debug_overflow", DebugOverflow, "a DebugOverflow (ConvertOptions.build accepts its strings)"),
                   ("dynamic", Dynamic, "a Dynamic (ConvertOptions.build accepts its strings)"))
         for name, kind, words in checks:
@@ -142,7 +142,7 @@ class ConvertOptions:
         """Check and normalise ``convert``'s keywords, then construct (the arguments are ``convert``'s)."""
         lists = op_lists if op_lists is not None else DEFAULT_OP_LISTS
         if not isinstance(lists, OpLists):
-            raise TypeError(f"op_lists must be an fxamp.OpLists, not {type(lists).__name__}")
+            raise TypeError(f"op_lists must be an fxamp.conversion.op_lists.OpLists, not {type(lists).__name__}")
         if overrides is not None and not isinstance(overrides, Mapping):
             raise TypeError(f"overrides must be a mapping such as {{torch.exp: 'neutral', nn.GELU: 'unsafe'}}, "
                             f"not {type(overrides).__name__}")

@@ -43,7 +43,7 @@ Limits:
 * the Trainer logs ``grad_norm`` of the model's gradients: ``loss * scale`` ones in float16
   (``optimizer.last_grad_norm`` is the masters' true norm when ``prepare`` clips);
 * Hugging Face models defeat torch.fx: without ``example_batch=`` the model is a
-  ``fxamp.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
+  ``fxamp.conversion.lazy.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
   again for a batch with other keys, e.g. at evaluation without ``labels``); its parameters exist
   at once, so the optimizer is built here as usual.  Its class shows the original ``forward``'s
   signature, so the Trainer finds ``labels`` and ``evaluate()`` reports ``eval_loss``;

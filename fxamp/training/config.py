@@ -4,7 +4,7 @@
 Float16 gradients underflow: backpropagating ``loss * scale`` keeps them representable, and the
 gradients are divided by ``scale`` (in float32) before the optimizer sees them.  Three kinds:
 
-* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`fxamp.LossScaler`.
+* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`fxamp.training.loss_scale.LossScaler`.
 * ``"static"``: a fixed scale.
 * ``"none"`` (the default for bfloat16 and float32): the scale is 1.
 

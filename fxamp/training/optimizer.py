@@ -13,7 +13,7 @@
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
 step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
 Float32 parameters (O1, or norms under O2) are stepped directly.  The step's stages are the
-scaler's (:class:`fxamp.training.loss_scale.Stage`, kept by the :class:`fxamp.LossScaler` for each
+scaler's (:class:`fxamp.training.loss_scale.Stage`, kept by the :class:`fxamp.training.loss_scale.LossScaler` for each
 optimizer attached to it)::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY

@@ -270,7 +270,7 @@ def test_with_overrides_makes_new_lists():
     ({"leaf_modules": ["nope"]}, ValueError, "leaf_modules: 'nope' is not a submodule path"),
     ({"leaf_modules": [3]}, TypeError, "leaf_modules takes nn.Module classes or module paths"),
     ({"frontend": "jit"}, ValueError, "frontend='jit' is not one of"),
-    ({"op_lists": {}}, TypeError, "op_lists must be an fxamp.OpLists"),
+    ({"op_lists": {}}, TypeError, "op_lists must be an fxamp.conversion.op_lists.OpLists"),
 ])
 def test_bad_options_say_what_to_do(kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -97,7 +97,7 @@ def test_convert_options_build_normalises_and_the_constructor_only_checks():
     options = ConvertOptions.build(debug_overflow="record", dynamic="all", overrides={torch.exp: "neutral"},
                                    node_overrides={})
     assert options.debug_overflow is DebugOverflow.RECORD and options.dynamic is Dynamic.ALL
-    assert options.op_lists.lookup(torch.exp).category is fxamp.Category.NEUTRAL
+    assert options.op_lists.lookup(torch.exp).category is fxamp.conversion.op_lists.Category.NEUTRAL
     assert options.node_overrides is None  # empty: none
     assert ConvertOptions() == ConvertOptions.build()
     assert copy.deepcopy(options) is options
@@ -105,7 +105,7 @@ def test_convert_options_build_normalises_and_the_constructor_only_checks():
     assert pickle.loads(pickle.dumps(plain)) == plain
     with pytest.raises(TypeError, match="debug_overflow must be a DebugOverflow"):
         ConvertOptions(debug_overflow="raise")
-    with pytest.raises(TypeError, match="op_lists must be an fxamp.OpLists, not dict"):
+    with pytest.raises(TypeError, match="op_lists must be an fxamp.conversion.op_lists.OpLists, not dict"):
         ConvertOptions.build(op_lists={})
     with pytest.raises(TypeError, match="weight_cache must be True or False, not 'yes'"):
         ConvertOptions.build(weight_cache="yes")

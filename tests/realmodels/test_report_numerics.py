@@ -33,7 +33,7 @@ def test_report_output_sqnr_matches_end_to_end(name, policy):
                        frontend=entry.frontend, **entry.convert_kwargs)
     amp = rm_checks.convert(entry, model, policy, dtype).eval()
     with torch.no_grad():
-        direct = fxamp.sqnr(model(*args, **kwargs), amp(*args, **kwargs))
+        direct = fxamp.reporting.numerics.sqnr(model(*args, **kwargs), amp(*args, **kwargs))
     measured = rep.numerics_summary.output_sqnr_db
     assert math.isfinite(direct) and direct > 10, direct
     assert measured == pytest.approx(direct, abs=0.1), (measured, direct)

@@ -27,7 +27,7 @@ def test_finds_exactly_the_culprits(frontend, name, culprits):
     assert set(result.units[:len(culprits)]) == culprits
     assert result.evaluations <= 3 + math.ceil(math.log2(len(result.units))) + len(culprits)
     with torch.no_grad():
-        assert min(fxamp.sqnr(model(*b), amp(*b)) for b in batches) >= 30
+        assert min(fxamp.reporting.numerics.sqnr(model(*b), amp(*b)) for b in batches) >= 30
     # plain data that convert accepts as it is
     again = fxamp.convert(model, "O1", example_inputs=batches[0], frontend=frontend, dtype=torch.float16, **overrides)
     with torch.no_grad():
@@ -132,7 +132,7 @@ def test_autotune_keeps_more_in_low_precision_than_the_fallbacks_a_user_would_tr
     def output_sqnr(**options):
         converted = fxamp.convert(model, "O1", dtype=torch.float16, **options)
         with torch.no_grad():
-            return min(fxamp.sqnr(model(*b), converted(*b)) for b in batches)
+            return min(fxamp.reporting.numerics.sqnr(model(*b), converted(*b)) for b in batches)
 
     everything = {"module_overrides": {"": "unsafe"}}  # the blunt fix: the whole model in float32
     assert output_sqnr(**everything) >= 30 and low_share(**everything) == 0.0

@@ -21,7 +21,7 @@ FRONTENDS = ["fx", "export"]
 
 def _end_to_end(model, amp, batches):
     with torch.no_grad():
-        return min(fxamp.sqnr(model(*b), amp(*b)) for b in batches)
+        return min(fxamp.reporting.numerics.sqnr(model(*b), amp(*b)) for b in batches)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)

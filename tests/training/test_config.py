@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from fxamp import LossScaleConfig, LossScaler, ScaleKind
-from fxamp.training.config import OPTIONS, compute_dtype, config_for
-from fxamp.training.loss_scale import scaler_for
+from fxamp import LossScaleConfig
+from fxamp.training.config import OPTIONS, ScaleKind, compute_dtype, config_for
+from fxamp.training.loss_scale import LossScaler, scaler_for
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 VALID = r"'auto', 'dynamic', 'none', 'static:<scale>' \(e\.g\. 'static:1024'\), a LossScaleConfig, or a LossScaler"
