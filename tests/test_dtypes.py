@@ -41,3 +41,31 @@ def test_names():
     assert short_name(torch.float16) == "fp16" and short_name(torch.int64) == "i64"
     assert short_name("float16|float32") == "fp16|fp32"
     assert short_name(torch.complex64) == "complex64"  # no short name: the long one
+
+
+@pytest.mark.parametrize("spellings,dtype", [
+    (("bf16", "bfloat16", torch.bfloat16, "bf16-mixed"), torch.bfloat16),
+    (("16", 16, "fp16", "float16", "half", torch.float16, "16-mixed"), torch.float16),
+])
+def test_every_dtype_option_reads_the_one_vocabulary(spellings, dtype):
+    """Policy fields, presets' dtype=, masters=/state=, Lightning's and hf.prepare's dtype= all take each spelling."""
+    from fxamp.integrations import resolve_dtype
+    from fxamp.policy import Policy
+
+    for spelling in spellings:
+        assert resolve_dtype(spelling) is dtype  # Lightning's and hf.prepare's dtype=, with Lightning's own names
+    for spelling in [s for s in spellings if isinstance(s, torch.dtype) or s in NAMES]:
+        assert Policy.parse("O2", spelling).compute is dtype
+        assert Policy.parse(f"compute={dtype_name(spelling)}").compute is dtype
+    with pytest.raises(ValueError, match=r"dtype='fp8' is not a low-precision dtype fxamp trains in; use 'bf16'"):
+        resolve_dtype("fp8")
+
+
+def test_precision_enums_take_the_dtype_names_of_their_values():
+    from fxamp.dtypes import dtype_member, spellings
+    from fxamp.training.lean import MasterPrecision, StatePrecision
+
+    assert dtype_member(StatePrecision, "bfloat16") is StatePrecision.BF16
+    assert dtype_member(MasterPrecision, torch.float32) is MasterPrecision.FP32
+    assert dtype_member(MasterPrecision, "bf16") is None and dtype_member(StatePrecision, "int4") is None
+    assert spellings(StatePrecision) == "'fp32' (float32), 'bf16' (bfloat16), 'int8', 'auto'"

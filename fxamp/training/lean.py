@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..dtypes import dtype_member, spellings
 from . import native, quant
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
@@ -53,6 +54,10 @@ class MasterPrecision(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def _missing_(cls, value: Any) -> Optional["MasterPrecision"]:
+        return dtype_member(cls, value)  # "float32", torch.float32: fp32
+
 
 class StatePrecision(str, enum.Enum):
     """How the optimizer state of a low-precision weight is stored between steps."""
@@ -65,6 +70,10 @@ class StatePrecision(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def _missing_(cls, value: Any) -> Optional["StatePrecision"]:
+        return dtype_member(cls, value)  # "bfloat16", torch.bfloat16: bf16; "float32": fp32
+
 
 #: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``
 PRESETS = {"O2": ("fp32", "fp32"), "O2-lean": ("auto", "auto")}
@@ -74,8 +83,7 @@ def _enum(cls, value: Any, option: str):
     try:
         return cls(value)
     except ValueError:
-        valid = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{option}={value!r} is not a valid mode; valid: {valid}") from None
+        raise ValueError(f"{option}={value!r} is not a valid mode; valid: {spellings(cls)}") from None
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def test_optimizers_passed_with_gradient_accumulation_does_not_warn(tmp_path, re
 
 
 def test_lean_masters_and_state_are_passed_on(tmp_path):
-    with pytest.raises(ValueError, match=r"masters='half' is not a valid mode; valid: 'fp32', 'kahan'"):
+    with pytest.raises(ValueError, match=r"masters='half' is not a valid mode; valid: 'fp32' \(float32\), 'kahan'"):
         hf.prepare(gpt2(), args(tmp_path, 10), "O2", masters="half", example_batch=example_batch())
     model, (opt, _) = hf.prepare(gpt2(), args(tmp_path, 10), "O2", masters="kahan", state="int8",
                                  example_batch=example_batch())

@@ -342,8 +342,8 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(masters="kahn"), ValueError, r"masters='kahn' is not a valid mode; valid: 'fp32', 'kahan', 'stochastic', 'auto'"),
-    (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32', 'bf16', 'int8', 'auto'"),
+    (dict(masters="kahn"), ValueError, r"masters='kahn' is not a valid mode; valid: 'fp32' \(float32\), 'kahan', 'stochastic', 'auto'"),
+    (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32' \(float32\), 'bf16' \(bfloat16\), 'int8', 'auto'"),
     (dict(precision="O9"), ValueError, r"precision='O9' is not a preset; valid: 'O2', 'O2-lean'"),
     (dict(masters="kahan", compile_step=True), ValueError, r"compile_step=True .* lean"),
 ])
@@ -442,6 +442,19 @@ def test_lean_config_takes_names_through_of_only():
         LeanConfig("kahan")
     with pytest.raises(ValueError, match="masters"):
         LeanConfig.of("fp8")
+
+
+@pytest.mark.parametrize("masters,state", [("float32", "bfloat16"), (torch.float32, torch.bfloat16), ("FP32", "bf16"),
+                                           ("fp32", "bf16")])
+def test_masters_and_state_take_every_dtype_spelling(masters, state):
+    """The dtype vocabulary of fxamp.dtypes: masters='float32' and state='bfloat16' as 'fp32' and 'bf16' (issue 38)."""
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters=masters, state=state)
+    assert (opt.precision.masters, opt.precision.state) == (MasterPrecision.FP32, StatePrecision.BF16)
+    assert StatePrecision("bfloat16") is StatePrecision(torch.bfloat16) is StatePrecision.BF16
+    with pytest.raises(ValueError, match=r"state='float16' is not a valid mode; valid: 'fp32' \(float32\), 'bf16' "
+                                         r"\(bfloat16\), 'int8', 'auto'"):
+        fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), state="float16")
 
 
 def test_explicit_lean_modes_without_low_precision_parameters_are_refused():
