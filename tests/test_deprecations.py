@@ -6,6 +6,7 @@ import importlib
 import re
 
 import pytest
+import torch
 
 import fxamp
 
@@ -23,3 +24,47 @@ def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'fxamp' has no attribute 'LossScalar'"):
         fxamp.LossScalar
     assert not hasattr(fxamp, "no_such_name")
+
+
+# -- one argument order: (model, policy, *, example_inputs=...), as convert ------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _rows(rep):
+    return [(r.node, r.category, r.compute) for r in rep.rows]
+
+
+def test_report_takes_the_policy_second_and_still_reads_the_old_order_with_a_warning():
+    model, x = _mlp(), torch.randn(2, 8)
+    new = fxamp.report(model, "O2", example_inputs=(x,))
+    assert {r.compute for r in new.rows if r.category == "safe"} == {"bfloat16"}  # O2 read as the policy
+    with pytest.warns(DeprecationWarning, match=re.escape("fxamp.report(model, example_inputs, policy) is deprecated "
+                                                          "and kept for one release: write fxamp.report(model, "
+                                                          "policy, example_inputs=...)")):
+        old = fxamp.report(model, (x,), "O2")
+    assert _rows(old) == _rows(new)
+    with pytest.warns(DeprecationWarning, match="fxamp.report"):
+        assert _rows(fxamp.report(model, x)) == _rows(fxamp.report(model, example_inputs=x))  # default O1
+    with pytest.raises(TypeError, match="fxamp.report got inputs twice"):
+        fxamp.report(model, (x,), "O2", example_inputs=(x,))
+    with pytest.raises(TypeError, match=r"fxamp.report takes \(model, policy, \*, example_inputs=...\): pass the "
+                                        r"inputs by keyword"):
+        fxamp.report(model, "O2", (x,))
+
+
+def test_compare_and_autotune_take_the_order_of_convert():
+    model, x = _mlp(), torch.randn(2, 8)
+    new = fxamp.compare(model, ("O1", "O3"), example_inputs=(x,))
+    with pytest.warns(DeprecationWarning, match=re.escape("fxamp.compare(model, example_inputs, policies)")):
+        old = fxamp.compare(model, (x,), ("O1", "O3"))
+    assert str(old) == str(new) and new.rows
+    batches = [(torch.randn(2, 8),)]
+    _, overrides = fxamp.autotune(model, "O2", example_inputs=batches, dtype="fp16")
+    with pytest.warns(DeprecationWarning, match=re.escape("fxamp.autotune(model, example_inputs, policy)")):
+        assert fxamp.autotune(model, batches, "O2", dtype="fp16")[1] == overrides
+    with pytest.warns(DeprecationWarning, match=re.escape("autotune(inputs=...) is deprecated")):
+        assert fxamp.autotune(model, "O2", inputs=batches, dtype="fp16")[1] == overrides

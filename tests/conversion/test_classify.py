@@ -218,7 +218,7 @@ def test_node_overrides_change_one_root_level_op():
     muls = rec.of("mul")
     assert [c.inputs[0] for c in muls] == [torch.float16, torch.float32]  # the other mul stays low
     assert rec.of("addmm")[1].inputs == (torch.float32,) * 3
-    rep = fxamp.report(RootOps(), torch.randn(2, 8), node_overrides={"mul_1": "unsafe"}, dtype=torch.float16)
+    rep = fxamp.report(RootOps(), example_inputs=torch.randn(2, 8), node_overrides={"mul_1": "unsafe"}, dtype=torch.float16)
     row = next(r for r in rep.rows if r.node == "mul_1")
     assert row.source == "node override" and row.compute == "float32"
 

@@ -277,7 +277,7 @@ def test_report_shows_float64_where_it_ran_although_the_decision_said_low():
             return (a @ b).softmax(-1)
 
     a, b = torch.randn(2, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
-    rep = fxamp.report(MatSoftmax(), (a, b), policy="O1")
+    rep = fxamp.report(MatSoftmax(), example_inputs=(a, b), policy="O1")
     rows = {r.node: r for r in rep.rows}
     assert rows["matmul"].compute == "float64"
     assert rep.summary.low_share == 0.0

@@ -266,7 +266,7 @@ def test_report_reads_the_captured_graph():
     x = torch.randn(2, 3, 8)
     amp(x)
     for target in (amp, amp.graph_module):
-        rep = fxamp.report(target, (x,))
+        rep = fxamp.report(target, example_inputs=(x,))
         assert any(r.node == "linear" and r.compute == "bfloat16" for r in rep.rows)
         assert rep.frontend == "export"
     with pytest.raises(RuntimeError, match="captures its graph at the first call"):

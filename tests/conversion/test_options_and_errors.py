@@ -30,7 +30,7 @@ def test_a_cpu_model_defaults_to_bfloat16_and_says_so():
         with torch.autocast("cpu"):  # autocast's own default on CPU: the same numbers
             expected = model(x)
         assert torch.allclose(amp(x), expected.float(), atol=1e-2)
-    assert CPU_NOTE in str(fxamp.report(model, (x,)))  # and the report shows the note
+    assert CPU_NOTE in str(fxamp.report(model, example_inputs=(x,)))  # and the report shows the note
 
 
 def test_an_explicit_dtype_or_policy_wins_and_needs_no_note():

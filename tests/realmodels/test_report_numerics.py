@@ -29,7 +29,7 @@ def test_report_output_sqnr_matches_end_to_end(name, policy):
     dtype = torch.bfloat16
     model = build(entry).eval()
     args, kwargs = entry.inputs(0)
-    rep = fxamp.report(model, args, policy, dtype=dtype, example_kwargs=kwargs, numerics=True,
+    rep = fxamp.report(model, policy, example_inputs=args, dtype=dtype, example_kwargs=kwargs, numerics=True,
                        frontend=entry.frontend, **entry.convert_kwargs)
     amp = rm_checks.convert(entry, model, policy, dtype).eval()
     with torch.no_grad():
