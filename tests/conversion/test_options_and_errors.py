@@ -36,7 +36,7 @@ def test_a_cpu_model_defaults_to_bfloat16_and_says_so():
 def test_an_explicit_dtype_or_policy_wins_and_needs_no_note():
     model = _net()
     for amp in (fxamp.convert(model, "O2", dtype=torch.float16), fxamp.convert(model, "compute=float16"),
-                fxamp.convert(model, fxamp.Policy.from_preset("O1", "float16"))):
+                fxamp.convert(model, fxamp.Policy.parse("O1", "float16"))):
         assert fxamp.info.policy_of(amp).compute == torch.float16
         assert not any("autocast's default" in n for n in fxamp.conversion_info(amp).notes)
     o0_notes = fxamp.conversion_info(fxamp.convert(model, "O0")).notes  # nothing runs in low precision
