@@ -202,7 +202,7 @@ def prepare(
         raise TypeError(f"hf.prepare() takes the transformers.TrainingArguments the Trainer gets, not "
                         f"{type(args).__name__}: prepare(model, TrainingArguments(output_dir=..., ...), ...)")
     low = resolve_dtype(dtype)
-    lean = fxamp.LeanConfig.of(masters, state)  # (a bad mode raises before the model is converted)
+    lean = fxamp.LeanConfig(masters, state)  # (a bad mode raises before the model is converted)
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ValueError("TrainingArguments(bf16=True/fp16=True) turns on torch.autocast, which fxamp replaces; "
                          "leave both False and pass dtype= to prepare()")

@@ -85,7 +85,7 @@ class FxampPrecision(Precision):
         state: str = "fp32",
         **convert_kwargs: Any,
     ) -> None:
-        self.lean = fxamp.LeanConfig.of(masters, state)  # (a bad mode raises here, before fit)
+        self.lean = fxamp.LeanConfig(masters, state)  # (a bad mode raises here, before fit)
         self.policy = policy
         self.dtype = resolve_dtype(dtype)
         self.precision = "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed"  # Lightning's vocabulary

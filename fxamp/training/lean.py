@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..dtypes import dtype_member, spellings
+from ..errors import warn_deprecated
 from . import native, quant
 
 __all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
@@ -104,28 +105,42 @@ class LeanConfig:
     small: int = 65536
 
     def __post_init__(self) -> None:
-        for name, cls in (("masters", MasterPrecision), ("state", StatePrecision)):
-            if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"LeanConfig's {name} must be a {cls.__name__}, not {getattr(self, name)!r}: write "
-                                f"LeanConfig.of({name}={getattr(self, name)!r}) to give it by name")
+        """Names become members (``"bfloat16"``: ``StatePrecision.BF16``), then checks."""
+        object.__setattr__(self, "masters", _enum(MasterPrecision, self.masters, "masters"))
+        object.__setattr__(self, "state", _enum(StatePrecision, self.state, "state"))
         if not isinstance(self.calibration_steps, int) or self.calibration_steps < 1:
             raise ValueError(f"calibration_steps={self.calibration_steps!r}: a positive int")
         if not isinstance(self.small, int) or self.small < 0:
             raise ValueError(f"small={self.small!r}: a non-negative int")
 
     @classmethod
+    def parse(cls, text: Union[str, "LeanConfig"]) -> "LeanConfig":
+        """A preset (``"O2-lean"``, :data:`PRESETS`) or the string form ``str()`` prints (``"masters=auto,state=int8"``)."""
+        if isinstance(text, LeanConfig):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
+                            f"not {type(text).__name__}")
+        if text in PRESETS:
+            return cls(*PRESETS[text])
+        parts = dict(p.strip().partition("=")[::2] for p in text.split(",") if p.strip())
+        if "=" not in text or not set(parts) <= {"masters", "state"}:
+            raise ValueError(f"precision={text!r} is not a preset; valid: {', '.join(map(repr, PRESETS))}, or "
+                             f"'masters=<mode>,state=<mode>'")
+        return cls(**parts)
+
+    @classmethod
     def of(cls, masters: Union[str, MasterPrecision] = "fp32", state: Union[str, StatePrecision] = "fp32",
            calibration_steps: int = 4, small: int = 65536) -> "LeanConfig":
-        """A LeanConfig from names (``LeanConfig.of("auto", "int8")``), each checked against its valid values."""
-        return cls(_enum(MasterPrecision, masters, "masters"), _enum(StatePrecision, state, "state"),
-                   calibration_steps, small)
+        """Deprecated: the constructor takes names, ``LeanConfig("auto", "int8")``."""
+        warn_deprecated("LeanConfig.of(...)", "write LeanConfig(...): the constructor takes the modes' names")
+        return cls(masters, state, calibration_steps, small)
 
     @classmethod
     def preset(cls, name: str) -> "LeanConfig":
-        if name not in PRESETS:
-            raise ValueError(f"precision={name!r} is not a preset; valid: {', '.join(map(repr, PRESETS))}")
-        masters, state = PRESETS[name]
-        return cls.of(masters, state)
+        """Deprecated: ``LeanConfig.parse(name)``."""
+        warn_deprecated("LeanConfig.preset(name)", "write LeanConfig.parse(name)")
+        return cls.parse(name)
 
     @property
     def lean(self) -> bool:
@@ -530,14 +545,7 @@ def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, nam
 def resolve(masters: Union[str, MasterPrecision], state: Union[str, StatePrecision],
             precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
     """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)``."""
-    if precision is None:
-        return LeanConfig.of(masters, state)
-    if isinstance(precision, LeanConfig):
-        return precision
-    if isinstance(precision, str):
-        return LeanConfig.preset(precision)
-    raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
-                    f"not {type(precision).__name__}")
+    return LeanConfig(masters, state) if precision is None else LeanConfig.parse(precision)
 
 
 def plain_modes(items: Sequence[Tuple[str, str]]) -> bool:

@@ -191,7 +191,7 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state, dtype):
         model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).to(dtype)
         model[1].float()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        config = LeanConfig.of(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
+        config = LeanConfig(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
         return model, fxamp.MixedPrecisionOptimizer(inner, precision=config, seed=7, model=model)
 
     def train(model, opt, n):
@@ -308,7 +308,7 @@ def test_auto_keeps_float32_where_rounding_bites_and_says_why():
     with torch.no_grad():
         model[0].weight.mul_(100)  # large weights: a 1e-3 step is far under their half-ulp
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                        precision=LeanConfig.of("auto", "auto", calibration_steps=2, small=100),
+                                        precision=LeanConfig("auto", "auto", calibration_steps=2, small=100),
                                         model=model)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(3):
@@ -329,7 +329,7 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
     with torch.no_grad():
         model.weight.mul_(0.01)  # small weights: a 1e-2 step is many ulps
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                        precision=LeanConfig.of("auto", "auto", calibration_steps=2, small=100))
+                                        precision=LeanConfig("auto", "auto", calibration_steps=2, small=100))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(3):
         opt.zero_grad()
@@ -392,7 +392,7 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
         amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                             release_grad_buffer=release,
-                                            precision=LeanConfig.of(masters, state, calibration_steps=2, small=100))
+                                            precision=LeanConfig(masters, state, calibration_steps=2, small=100))
         for step in range(4):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
             opt.zero_grad()
@@ -435,13 +435,23 @@ def test_a_float32_checkpoint_loads_into_a_lean_optimizer_as_configured():
     assert lean.optimizer.state[lean.master_pairs()[0][1]]["exp_avg"].dtype == torch.bfloat16
 
 
-def test_lean_config_takes_names_through_of_only():
-    assert LeanConfig.of("auto", "int8") == LeanConfig(MasterPrecision.AUTO, StatePrecision.INT8)
-    with pytest.raises(TypeError, match=r"LeanConfig's masters must be a MasterPrecision, not 'kahan': write "
-                                        r"LeanConfig.of\(masters='kahan'\)"):
-        LeanConfig("kahan")
-    with pytest.raises(ValueError, match="masters"):
-        LeanConfig.of("fp8")
+def test_lean_config_takes_names_and_parses_its_string_form():
+    """One factory, parse (presets and str()'s form); the constructor takes members or names (issue 38)."""
+    config = LeanConfig("auto", "int8")
+    assert config == LeanConfig(MasterPrecision.AUTO, StatePrecision.INT8) == LeanConfig.parse(str(config))
+    assert LeanConfig.parse("O2-lean") == LeanConfig("auto", "auto") and LeanConfig.parse("O2") == LeanConfig()
+    assert LeanConfig.parse("state=bfloat16") == LeanConfig(state=torch.bfloat16) == LeanConfig("fp32", "bf16")
+    with pytest.raises(ValueError, match=r"masters='fp8' is not a valid mode; valid: 'fp32' \(float32\), 'kahan'"):
+        LeanConfig("fp8")
+    with pytest.raises(ValueError, match=r"precision='O9' is not a preset; valid: 'O2', 'O2-lean', or "
+                                         r"'masters=<mode>,state=<mode>'"):
+        LeanConfig.parse("O9")
+    with pytest.warns(DeprecationWarning, match=r"LeanConfig.of\(...\) is deprecated and kept for one release: "
+                                                r"write LeanConfig\(...\)"):
+        assert LeanConfig.of("auto", "int8") == config
+    with pytest.warns(DeprecationWarning, match=r"LeanConfig.preset\(name\) is deprecated .*: write "
+                                                r"LeanConfig.parse\(name\)"):
+        assert LeanConfig.preset("O2-lean") == LeanConfig("auto", "auto")
 
 
 @pytest.mark.parametrize("masters,state", [("float32", "bfloat16"), (torch.float32, torch.bfloat16), ("FP32", "bf16"),
