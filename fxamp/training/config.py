@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..errors import warn_deprecated
 from ..info import policy_of
 
 __all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "OPTIONS", "config_for", "compute_dtype"]
@@ -57,12 +58,13 @@ class LossScaleConfig:
 
     ``LossScaleConfig()`` is dynamic scaling with the defaults of ``torch.amp.GradScaler`` plus a
     floor, a ceiling and DeepSpeed's hysteresis.  The fields other than ``kind`` and
-    ``init_scale`` matter only to dynamic scaling.
+    ``init_scale`` matter only to dynamic scaling.  The constructor takes ``kind`` as a
+    :class:`ScaleKind` or its string; :meth:`parse` reads the string form (``"static:1024"``).
     """
 
     kind: ScaleKind = ScaleKind.DYNAMIC
-    #: the first scale (:meth:`of`, :meth:`none` and :meth:`static` pick it for the other kinds)
-    init_scale: float = 2.0**16
+    #: the first scale, a float; None (the default) picks 2**16 for dynamic, 1 for none (static needs one)
+    init_scale: Optional[float] = None
     #: multiply the scale by this after ``growth_interval`` clean steps in a row
     growth_factor: float = 2.0
     #: multiply the scale by this on an overflow (once ``hysteresis`` overflows are used up)
@@ -78,10 +80,20 @@ class LossScaleConfig:
     hysteresis: int = 1
 
     def __post_init__(self) -> None:
-        """Validate only (normalising is :meth:`of`'s): a frozen config is never written after construction."""
-        kind, init = self.kind, self.init_scale
-        if not isinstance(kind, ScaleKind):
-            raise TypeError(f"kind={kind!r} must be a ScaleKind; LossScaleConfig.of(kind={kind!r}) takes its string")
+        """Normalise (``kind``'s string, ``init_scale`` None or an int), then validate."""
+        try:
+            kind = ScaleKind(self.kind)
+        except ValueError:
+            raise ValueError(f"kind={self.kind!r} is not a loss scale kind; use one of {_KINDS}") from None
+        init = self.init_scale
+        if init is None:
+            if kind is ScaleKind.STATIC:
+                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
+            init = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
+        if isinstance(init, int) and not isinstance(init, bool):
+            init = float(init)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "init_scale", init)
         if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init) or init <= 0:
             raise ValueError(f"init_scale={init!r} must be a finite number > 0")
         if kind is ScaleKind.NONE and init != 1.0:
@@ -104,19 +116,9 @@ class LossScaleConfig:
     @classmethod
     def of(cls, kind: Union[str, ScaleKind] = ScaleKind.DYNAMIC, init_scale: Optional[float] = None,
            **fields: Any) -> "LossScaleConfig":
-        """The validated constructor with normalising: ``kind`` a :class:`ScaleKind` or its string;
-        ``init_scale`` None picks 2**16 (dynamic) or 1 (none), and is required for static."""
-        try:
-            kind = ScaleKind(kind)
-        except ValueError:
-            raise ValueError(f"kind={kind!r} is not a loss scale kind; use one of {_KINDS}") from None
-        if init_scale is None:
-            if kind is ScaleKind.STATIC:
-                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
-            init_scale = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
-        if isinstance(init_scale, int) and not isinstance(init_scale, bool):
-            init_scale = float(init_scale)
-        return cls(kind=kind, init_scale=init_scale, **fields)
+        """Deprecated: the constructor normalises, ``LossScaleConfig("static", 128)``."""
+        warn_deprecated("LossScaleConfig.of(...)", "write LossScaleConfig(...): the constructor takes the kind's name")
+        return cls(kind, init_scale, **fields)
 
     @classmethod
     def parse(cls, text: str) -> "LossScaleConfig":
@@ -128,23 +130,23 @@ class LossScaleConfig:
             except ValueError:
                 pass
         elif not value and name in ("dynamic", "none"):
-            return cls.of(name)
+            return cls(name)
         raise ValueError(f"loss_scale={text!r} is not understood; use {OPTIONS}")
 
     @classmethod
     def dynamic(cls, **fields: Any) -> "LossScaleConfig":
         """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
-        return cls.of(ScaleKind.DYNAMIC, **fields)
+        return cls(ScaleKind.DYNAMIC, **fields)
 
     @classmethod
     def static(cls, scale: float) -> "LossScaleConfig":
         """A fixed scale."""
-        return cls.of(ScaleKind.STATIC, init_scale=scale)
+        return cls(ScaleKind.STATIC, init_scale=scale)
 
     @classmethod
     def none(cls) -> "LossScaleConfig":
         """No scaling (scale 1); non-finite gradients still skip the step."""
-        return cls.of(ScaleKind.NONE)
+        return cls(ScaleKind.NONE)
 
     def __str__(self) -> str:
         if self.kind is not ScaleKind.DYNAMIC:

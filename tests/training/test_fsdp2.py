@@ -180,7 +180,7 @@ def _accumulated(rank, sync_each):
 def _dcp_fresh(shard):
     model = _model("gpt", torch.float16)
     model = fxamp.shard(model) if shard else model
-    scale = fxamp.LossScaleConfig.of("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
+    scale = fxamp.LossScaleConfig("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
     return model, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
                                                 loss_scale=scale)
 
