@@ -68,3 +68,15 @@ def test_compare_and_autotune_take_the_order_of_convert():
         assert fxamp.autotune(model, batches, "O2", dtype="fp16")[1] == overrides
     with pytest.warns(DeprecationWarning, match=re.escape("autotune(inputs=...) is deprecated")):
         assert fxamp.autotune(model, "O2", inputs=batches, dtype="fp16")[1] == overrides
+
+
+def test_op_entry_takes_names_and_of_warns():
+    from fxamp.conversion.op_lists import Category, OpEntry, Source
+
+    entry = OpEntry("conditional", "my reason", condition="softmax", fallback="unsafe", source="override")
+    assert (entry.category, entry.fallback, entry.source) == (Category.CONDITIONAL, Category.UNSAFE, Source.OVERRIDE)
+    with pytest.raises(ValueError, match="'sure' is not a category; use one of safe, neutral"):
+        OpEntry("sure", "my reason")
+    with pytest.warns(DeprecationWarning, match=re.escape("OpEntry.of(...) is deprecated and kept for one release: "
+                                                          "write OpEntry(...)")):
+        assert OpEntry.of("unsafe", "my reason") == OpEntry(Category.UNSAFE, "my reason")

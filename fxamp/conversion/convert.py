@@ -85,9 +85,9 @@ def convert(
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
     pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert")
-    options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
-                                   node_overrides=node_overrides, weight_cache=weight_cache,
-                                   debug_overflow=debug_overflow, dynamic=dynamic)
+    options = ConvertOptions(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                             node_overrides=node_overrides, weight_cache=weight_cache,
+                             debug_overflow=debug_overflow, dynamic=dynamic)
     if isinstance(model, torch.jit.ScriptModule):  # torch.fx and torch.export read Python code, not TorchScript
         raise TypeError(f"fxamp.convert cannot capture a TorchScript module ({type(model).__name__}, from "
                         f"torch.jit.script/trace): convert the Python nn.Module it was made from instead")
@@ -157,8 +157,8 @@ def convert_(
     if not isinstance(keep_originals, bool):
         raise TypeError(f"keep_originals must be True or False, not {keep_originals!r}")
     pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert_")
-    options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
-                                   weight_cache=weight_cache, debug_overflow=debug_overflow)
+    options = ConvertOptions(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                             weight_cache=weight_cache, debug_overflow=debug_overflow)
     _refuse_other_low_dtype(model, pol)
     return convert_blocks(model, pol, options, blocks, notes=chosen, keep_originals=keep_originals)
 

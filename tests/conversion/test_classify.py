@@ -249,7 +249,7 @@ def test_with_overrides_makes_new_lists():
     lists = DEFAULT_OP_LISTS.with_overrides({torch.exp: "neutral"})
     assert lists.lookup(torch.exp).category is Category.NEUTRAL
     assert DEFAULT_OP_LISTS.lookup(torch.exp).category is Category.UNSAFE
-    custom = lists.with_overrides({torch.tanh: OpEntry.of("unsafe", "my reason")})
+    custom = lists.with_overrides({torch.tanh: OpEntry("unsafe", "my reason")})
     assert custom.lookup(torch.tanh).reason == "my reason"
     amp = fxamp.convert(build("TiedLM"), "O1", op_lists=custom)
     assert decisions(amp)["tanh"].reason == "my reason"
