@@ -69,3 +69,36 @@ def test_precision_enums_take_the_dtype_names_of_their_values():
     assert dtype_member(MasterPrecision, torch.float32) is MasterPrecision.FP32
     assert dtype_member(MasterPrecision, "bf16") is None and dtype_member(StatePrecision, "int4") is None
     assert spellings(StatePrecision) == "'fp32' (float32), 'bf16' (bfloat16), 'int8', 'auto'"
+
+
+def _str_enums():
+    import enum
+    import importlib
+    import pathlib
+
+    import fxamp
+
+    root = pathlib.Path(fxamp.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(("fxamp",) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        if name.endswith(("integrations.lightning", "integrations.hf", "fxamp.lightning", "__main__")):
+            continue  # import their framework; they define no enum
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, str) and issubclass(value, enum.Enum) and \
+                    value.__module__ == name:
+                found[f"{name}.{value.__name__}"] = value
+    return found
+
+
+def test_every_string_enum_takes_its_strings_and_dtype_valued_ones_every_dtype_spelling():
+    enums = _str_enums()
+    assert len(enums) >= 10, sorted(enums)
+    for name, kind in enums.items():
+        for member in kind:
+            assert kind(member.value) is member and member == member.value, name
+            dtype = NAMES.get({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(member.value, ""))
+            if dtype is not None:  # a dtype by its short name: every other name of it too
+                for spelling in [k for k, d in NAMES.items() if d is dtype] + [dtype, str(dtype)]:
+                    assert kind(spelling) is member, (name, spelling)
