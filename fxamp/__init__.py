@@ -21,11 +21,16 @@ enums, the op lists and the machinery (``classify``, ``Decision``, ``LossScaler`
 modules: ``from fxamp.training.loss_scale import LossScaler``.  The names that left the top level
 still resolve here for one release, with a ``DeprecationWarning`` naming their module (:data:`_MOVED`).
 
-Each config type has one factory, ``parse``, from the string form its ``str()`` prints
-(``Policy.parse("O2")``, ``Float8.parse("rowwise")``, ``LossScaleConfig.parse("static:1024")``,
-``LeanConfig.parse("O2-lean")``); the constructors take the fields, each a value or its name, as
-torch's constructors do.  Every dtype option takes a ``torch.dtype`` or the names of
-:data:`fxamp.dtypes.NAMES` (``bf16``/``bfloat16``, ``fp16``/``float16``, ``fp32``/``float32``).
+One vocabulary across them.  A config type has one factory, ``parse``, from the string form its
+``str()`` prints, presets included (``Policy.parse("O2")``, ``Float8.parse("rowwise")``,
+``LossScaleConfig.parse("static:1024")``, ``LeanConfig.parse("O2-lean")``), as jmp's ``get_policy``
+reads ``"p=f32,c=f16"``; the constructors take the fields, each a value or its name
+(``LeanConfig("kahan", "bf16")``), as torch's constructors take their options.  ``parse`` because every
+option already reads a string (``"O2"``, ``loss_scale="static:1024"``, ``float8="rowwise"``) and that
+reader was ``parse``; ``of`` and ``build`` only repeated the constructor (they, ``from_preset`` and
+``preset`` warn for one release).  Every dtype option takes a ``torch.dtype`` or a name of
+:data:`fxamp.dtypes.NAMES` (``bf16``/``bfloat16``, ``fp16``/``float16``, ``fp32``/``float32``).  Every
+entry point takes ``(model, policy, *, example_inputs=...)``, in ``convert``'s order.
 """
 
 import importlib as _importlib
