@@ -186,8 +186,8 @@ def realmodels() -> None:
             with torch.autocast("cpu", BF16):
                 ac = float_leaves(ref(*args, **kwargs))
             fp = float_leaves(ref(*args, **kwargs))
-        ours = min(fxamp.sqnr(f, o) for f, o in zip(fp, out))
-        theirs = min(fxamp.sqnr(f, a) for f, a in zip(fp, ac))
+        ours = min(fxamp.reporting.numerics.sqnr(f, o) for f, o in zip(fp, out))
+        theirs = min(fxamp.reporting.numerics.sqnr(f, a) for f, a in zip(fp, ac))
         families = {id(family_of(m)): family_of(m) for _, m in converted_modules(model)}.values()
         blocks = [f for f in families if not f.glue]
         print(f"| {entry.name} | ok | {ours:.1f} ({theirs:.1f}) | {sum(len(f.paths) for f in blocks)} / "

@@ -44,7 +44,7 @@ def _steps(base: nn.Module, regime: str, x, y):
         return (lambda: loss(m(xb)).backward()), opt.step, (lambda: opt.zero_grad(set_to_none=True))
     amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=6e-4), model=amp, seed=0,
-                                        precision=fxamp.LeanConfig.of(*LEAN[regime], calibration_steps=2))
+                                        precision=fxamp.LeanConfig(*LEAN[regime], calibration_steps=2))
     return (lambda: opt.backward(loss(amp(x)))), opt.step, opt.zero_grad
 
 

@@ -74,7 +74,7 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
     amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
     opt = fxamp.MixedPrecisionOptimizer(
         torch.optim.AdamW(amp.parameters(), lr=6e-4), model=amp, seed=0,
-        precision=fxamp.LeanConfig.of(masters, state, calibration_steps=2))
+        precision=fxamp.LeanConfig(masters, state, calibration_steps=2))
 
     def step():
         opt.backward(loss_of(amp(x)))

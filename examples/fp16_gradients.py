@@ -135,10 +135,10 @@ def main(argv=None) -> int:
     x, y = data[0]
     options = dict(gradients=True, loss_fn=lambda out: loss_fn(out, y))
     try:
-        rep = fxamp.report(runs[0].model, (x,), "O2", plot=png, **options)
+        rep = fxamp.report(runs[0].model, "O2", example_inputs=(x,), plot=png, **options)
     except ImportError as e:  # matplotlib is optional
         print(f"note: {e}")
-        rep, png = fxamp.report(runs[0].model, (x,), "O2", **options), None
+        rep, png = fxamp.report(runs[0].model, "O2", example_inputs=(x,), **options), None
     print("\n".join(rep.gradients.summary_lines()))
     if png:
         print(f"histogram of log2|gradient|: {png}")

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = Block()
     amp = fxamp.convert(model, args.policy, dtype=args.dtype)
-    print(f"policy {args.policy}: {fxamp.policy_of(amp)}\n")
+    print(f"policy {args.policy}: {fxamp.conversion_info(amp).policy}\n")
 
     rows = [(n.name, d.op, d.category.value, "as input" if d.compute is None else str(d.compute)[6:], d.reason[:70])
             for n in amp.graph.nodes if (d := n.meta.get("fxamp")) and n.op.startswith("call")]

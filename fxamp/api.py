@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .conversion.convert import convert, policy_of
 from .training.config import LossScaleOption
-from .training.lean import LeanConfig
+from .training.config import LeanConfig
 from .training.optimizer import MixedPrecisionOptimizer, check_optimizer
 from .dtypes import LOW
 from .policy import Policy
@@ -51,7 +51,7 @@ def initialize(
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError("initialize() takes the torch optimizer, not a MixedPrecisionOptimizer")
     check_optimizer(optimizer)
-    lean = LeanConfig.of(masters, state)  # (a bad mode raises before anything is converted)
+    lean = LeanConfig(masters, state)  # (a bad mode raises before anything is converted)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
     name_of: Dict[int, str] = {}

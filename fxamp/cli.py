@@ -266,7 +266,7 @@ def _report(args: argparse.Namespace) -> int:
         data = batches if (args.numerics or args.gradients) and len(batches) > 1 else inputs
         try:
             with _quiet(not args.debug):
-                return report(model, data, policy, example_kwargs=kwargs, **options)
+                return report(model, policy, example_inputs=data, example_kwargs=kwargs, **options)
         except Exception as e:
             raise ModelError(_explain(e, name, has_inputs=inputs is not None)) from e
 
@@ -324,8 +324,8 @@ def _tune(args: argparse.Namespace) -> int:
         batches = [tuple(_make_input(shape, dtype) for shape, dtype in shapes) for _ in range(args.batches)]
         try:
             with _quiet(not args.debug):
-                _, overrides = autotune(model, batches, args.policy, dtype=args.dtype, min_sqnr_db=args.min_sqnr,
-                                        leaf_modules=tuple(args.leaf_module), frontend=args.frontend, verbose=True)
+                _, overrides = autotune(model, args.policy, example_inputs=batches, dtype=args.dtype,
+                                        min_sqnr_db=args.min_sqnr, leaf_modules=tuple(args.leaf_module), frontend=args.frontend, verbose=True)
         except Exception as e:
             raise ModelError(_explain(e, name, has_inputs=True)) from e
     if args.save:

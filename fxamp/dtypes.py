@@ -8,11 +8,11 @@ graph value certainly has is the conversion's business (``fxamp.conversion.infer
 from __future__ import annotations
 
 import enum
-from typing import Any, Tuple, Union
+from typing import Any, Optional, Tuple, Type, Union
 
 import torch
 
-__all__ = ["StrEnum", "LOW", "CASTABLE", "NOT_FLOAT", "NAMES", "short_name", "dtype_name", "parse_dtype"]
+__all__ = ["StrEnum", "LOW", "CASTABLE", "NOT_FLOAT", "NAMES", "short_name", "dtype_name", "parse_dtype", "dtype_member", "spellings"]
 
 
 class StrEnum(str, enum.Enum):
@@ -73,3 +73,21 @@ def parse_dtype(value: Union[str, torch.dtype], *, what: str = "dtype",
             return NAMES[key]
     names = sorted(k for k, d in NAMES.items() if d in allowed)
     raise ValueError(f"{what}={value!r} is not a dtype fxamp understands; use a torch dtype or one of {names}")
+
+
+def dtype_member(kind: Type[Any], value: Any) -> Optional[Any]:
+    """The member of the str enum ``kind`` whose value is the short name (``"bf16"``) of the dtype ``value``
+    names, or None: each precision enum's ``_missing_``, so ``StatePrecision("bfloat16")`` and
+    ``StatePrecision(torch.bfloat16)`` are ``StatePrecision.BF16`` as ``"bf16"`` is."""
+    try:
+        dtype = parse_dtype(value)
+    except ValueError:
+        return None
+    return kind._value2member_map_.get(short_name(dtype))
+
+
+def spellings(kind: Type[Any]) -> str:
+    """The values of the str enum ``kind`` for an error message, each dtype one with its other names:
+    ``"'fp32' (float32), 'bf16' (bfloat16), 'int8', 'auto'"``."""
+    long = {short_name(d): dtype_name(d) for d in CASTABLE}
+    return ", ".join(f"{m.value!r}" + (f" ({long[m.value]})" if m.value in long else "") for m in kind)

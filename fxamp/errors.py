@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
-__all__ = ["FxampError", "TraceError", "ConversionError", "LossScaleError", "OptimizerStateError"]
+__all__ = ["FxampError", "TraceError", "ConversionError", "LossScaleError", "OptimizerStateError", "DEPRECATED",
+           "warn_deprecated"]
+
+#: the words of every deprecation fxamp warns of (the test suite turns warnings with them into errors)
+DEPRECATED = "is deprecated and kept for one release"
+
+
+def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """A DeprecationWarning that ``old`` (a name, a call) goes after this release, saying what to write: ``new``.
+
+    ``stacklevel`` 3 points at the caller of the function that warns (the user's line).
+    """
+    warnings.warn(f"{old} {DEPRECATED}: {new}", DeprecationWarning, stacklevel=stacklevel)
 
 
 class FxampError(RuntimeError):

@@ -31,7 +31,7 @@ class ConversionInfo:
     policy: Policy
     frontend: str  # "fx" or "export"
     notes: Tuple[str, ...] = ()
-    # a module that captures at its first call (fxamp.LazyConverted): the call signatures it holds a
+    # a module that captures at its first call (fxamp.conversion.lazy.LazyConverted): the call signatures it holds a
     # graph for, in the order captured; None for a module captured by convert() itself
     signatures: Optional[Tuple[str, ...]] = None
 

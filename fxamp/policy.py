@@ -3,12 +3,18 @@
 A :class:`Policy` is a frozen dataclass.  The apex opt levels ``"O0"``..``"O3"`` are presets, and
 every policy prints to (and parses from) a string of ``key=dtype`` pairs::
 
-    >>> str(Policy.from_preset("O2", torch.bfloat16))
+    >>> str(Policy.parse("O2", torch.bfloat16))
     'params=bfloat16,compute=bfloat16,unsafe=float32,norms=float32,output=float32'
 
 A policy may also run its safe matmuls in float8 (:class:`Float8`): ``float8=tensorwise`` (or
 ``rowwise``, ``rowwise_with_gw_hp``) after the dtypes, or after a preset: ``"O2,float8=rowwise"``.
 :meth:`Policy.parse` reads all of these (presets too); ``convert`` reads its policy through it.
+
+Factories: ``parse`` is the one, on every config type (``Float8.parse``, ``LossScaleConfig.parse``,
+``LeanConfig.parse``): it reads the string form ``str()`` prints, presets included, as jmp's
+``get_policy`` reads ``"p=f32,c=f16"``.  The constructors take the fields, each a value or its name
+(``Policy(compute="bf16")``, ``Float8("rowwise")``), as torch's constructors take their options.  The
+older ``Policy.of`` and ``Policy.from_preset`` warn and work for one release.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .dtypes import CASTABLE, LOW, StrEnum, dtype_name, parse_dtype
+from .errors import warn_deprecated
 
 __all__ = ["Policy", "Float8", "Float8Recipe", "Float8Cost", "PRESETS", "resolve_policy", "parse_dtype", "default_dtype", "device_type_of"]
 
@@ -43,6 +50,14 @@ class Float8Cost(StrEnum):
     ALWAYS = "always"  # every eligible matmul, whatever it costs (tests; a CPU, where float8 never pays)
 
 
+def _member(kind: type, value: object, what: str) -> enum.Enum:
+    """``value`` as a member of the str enum ``kind``: a member or its string; else a ValueError naming the valid ones."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what} must be one of {', '.join(repr(m.value) for m in kind)}, not {value!r}") from None
+
+
 @dataclass(frozen=True)
 class Float8:
     """Run the policy's safe matmuls (linear, matmul/mm with a 2-D operand, einsum reducing to one) in float8.
@@ -61,12 +76,10 @@ class Float8:
     cost: Float8Cost = Float8Cost.AUTO
 
     def __post_init__(self) -> None:
-        """Checks the types (``pow2`` None: the recipe's default, :attr:`power_of_two`)."""
-        if not isinstance(self.recipe, Float8Recipe):
-            raise TypeError(f"Float8's recipe must be a Float8Recipe, not {self.recipe!r}: write "
-                            f"Float8.parse({self.recipe!r}) to give it by name")
-        if not isinstance(self.cost, Float8Cost):
-            raise TypeError(f"Float8's cost must be a Float8Cost, not {self.cost!r}")
+        """Names become members (``"rowwise"``: ``Float8Recipe.ROWWISE``), then checks (``pow2`` None: the
+        recipe's default, :attr:`power_of_two`)."""
+        object.__setattr__(self, "recipe", _member(Float8Recipe, self.recipe, "Float8's recipe"))
+        object.__setattr__(self, "cost", _member(Float8Cost, self.cost, "Float8's cost"))
         if self.pow2 is not None and not isinstance(self.pow2, bool):
             raise TypeError(f"Float8's pow2 must be a bool or None, not {self.pow2!r}")
 
@@ -133,15 +146,16 @@ class Policy:
     float8: Optional[Float8] = None
 
     def __post_init__(self) -> None:
-        """Checks only: names (``"bfloat16"``) become dtypes in :meth:`of`, :meth:`parse` and :meth:`replace`."""
+        """Names become dtypes (``"bf16"``: ``torch.bfloat16``; ``float8="rowwise"``: a :class:`Float8`), then checks."""
         for key in _KEYS:
             value = getattr(self, key)
             if key == "output" and value is None:
                 continue
-            if not isinstance(value, torch.dtype):
-                raise TypeError(f"Policy's {key} must be a torch.dtype, not {value!r}: "
-                                f"write Policy.of({key}={value!r}) to give dtypes by name")
-            parse_dtype(value, what=key)  # one fxamp casts (float64 is a ValueError)
+            if not isinstance(value, (torch.dtype, str)):
+                raise TypeError(f"Policy's {key} must be a torch.dtype or its name (such as 'bf16'), not {value!r}")
+            object.__setattr__(self, key, parse_dtype(value, what=key))  # one fxamp casts (float64: ValueError)
+        if isinstance(self.float8, str):
+            object.__setattr__(self, "float8", Float8.parse(self.float8))
         lows = {d for d in (self.params, self.compute, self.unsafe, self.norms) if d in LOW}
         if len(lows) > 1:
             raise ValueError(
@@ -156,8 +170,8 @@ class Policy:
             raise ValueError("output=float64 is not supported")
         if self.float8 is not None:
             if not isinstance(self.float8, Float8):
-                raise TypeError(f"Policy's float8 must be a Float8 or None, not {self.float8!r}: write "
-                                f"Policy.of(float8={self.float8!r}) to give it by name")
+                raise TypeError(f"Policy's float8 must be a Float8, its name (such as 'rowwise') or None, "
+                                f"not {self.float8!r}")
             if self.compute != torch.bfloat16:
                 raise ValueError(
                     f"float8={self.float8} needs compute=bfloat16, not {dtype_name(self.compute)}: float8 recipes "
@@ -169,7 +183,13 @@ class Policy:
     def from_preset(
         cls, name: str, dtype: Union[str, torch.dtype] = torch.float16, *, keep_norms_fp32: bool = False
     ) -> "Policy":
-        """Build an apex-style opt level: O0 fp32, O1 casts per op, O2 low-precision weights, O3 pure low precision.
+        """Deprecated: ``Policy.parse(name, dtype)`` (this default dtype is float16, ``parse``'s autocast's)."""
+        warn_deprecated("Policy.from_preset(name, dtype)", "write Policy.parse(name, dtype)")
+        return cls.parse(name, dtype, keep_norms_fp32=keep_norms_fp32)
+
+    @classmethod
+    def _preset(cls, name: str, dtype: Union[str, torch.dtype], *, keep_norms_fp32: bool = False) -> "Policy":
+        """An apex-style opt level: O0 fp32, O1 casts per op, O2 low-precision weights, O3 pure low precision.
 
         ``keep_norms_fp32`` only matters for O3 (apex's ``keep_batchnorm_fp32``): O1/O2 always keep norms fp32.
         """
@@ -191,9 +211,9 @@ class Policy:
 
     @classmethod
     def of(cls, **fields: Union[str, torch.dtype, None]) -> "Policy":
-        """A policy from dtypes or their names: ``Policy.of(params="float32", compute="bf16")``; missing
-        keys take the O1 defaults, ``output=None`` leaves outputs as computed."""
-        return cls(**_dtypes(fields))
+        """Deprecated: the constructor takes names, ``Policy(params="float32", compute="bf16")``."""
+        warn_deprecated("Policy.of(...)", "write Policy(...): the constructor takes dtypes or their names")
+        return cls(**_fields(fields))
 
     @classmethod
     def parse(
@@ -266,7 +286,7 @@ class Policy:
         if dtype is None:
             # float8 recipes take bfloat16 alone, whatever autocast's default for the device
             dtype = torch.bfloat16 if changes.get("float8") is not None else default_dtype(device_type)[0]
-        base = cls.from_preset(name, dtype, keep_norms_fp32=keep_norms_fp32)
+        base = cls._preset(name, dtype, keep_norms_fp32=keep_norms_fp32)
         try:
             return base.replace(**changes)
         except TypeError as e:
@@ -284,17 +304,15 @@ class Policy:
 
     def replace(self, **changes: Union[str, torch.dtype, None]) -> "Policy":
         """A copy with some fields changed, given as dtypes or their names (validated again)."""
-        return dataclasses.replace(self, **_dtypes(changes))
+        return dataclasses.replace(self, **_fields(changes))
 
 
-def _dtypes(fields: dict) -> dict:
-    """``{key: dtype or name}`` -> ``{key: dtype}`` (``output`` and ``float8`` may be None; ``float8`` a
-    recipe name or a :class:`Float8`); unknown keys are a TypeError."""
+def _fields(fields: dict) -> dict:
+    """``fields`` unchanged, when each key is a field of Policy; else a TypeError naming the fields."""
     unknown = sorted(set(fields) - set(_KEYS) - {"float8"})
     if unknown:
         raise TypeError(f"Policy has no field {', '.join(unknown)}; its fields are {', '.join(_KEYS)}, float8")
-    return {k: None if k in ("output", "float8") and v is None else Float8.parse(v) if k == "float8"
-            else parse_dtype(v, what=k) for k, v in fields.items()}
+    return fields
 
 
 def device_type_of(model: nn.Module) -> str:

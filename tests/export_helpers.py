@@ -132,6 +132,6 @@ def unlisted_aten_ops(gm: torch.fx.GraphModule) -> Dict[str, int]:
     found: Dict[str, int] = {}
     for node in gm.graph.nodes:
         d = node.meta.get("fxamp")
-        if d is not None and d.category is fxamp.Category.UNLISTED and d.op.startswith("aten."):
+        if d is not None and d.category is fxamp.conversion.op_lists.Category.UNLISTED and d.op.startswith("aten."):
             found[d.op] = found.get(d.op, 0) + 1
     return found

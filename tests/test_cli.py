@@ -330,7 +330,7 @@ def test_convert_saves_a_module_that_loads_and_runs_as_converted(capsys, tmp_pat
     x = torch.randn(2, 8, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), here(x))
-    assert fxamp.policy_of(loaded) == fxamp.policy_of(here)
+    assert fxamp.info.policy_of(loaded) == fxamp.info.policy_of(here)
 
 
 def test_convert_with_overrides_and_usage_errors(capsys, tmp_path):
@@ -374,7 +374,7 @@ def test_convert_saves_a_model_torch_fx_cannot_trace(capsys, tmp_path):
     assert rc == 0, err
     assert "outputs: (3, 4) float32" in out and "aten.linear" in out and "captures with torch.export again" in out
     loaded = torch.load(path, weights_only=False)
-    assert isinstance(loaded, fxamp.LazyConverted) and loaded(torch.randn(5, 4)).shape == (5, 4)
+    assert isinstance(loaded, fxamp.conversion.lazy.LazyConverted) and loaded(torch.randn(5, 4)).shape == (5, 4)
     rc, out, err = _run(capsys, "convert", f"{src}:LenModel", "--code")
     assert rc == 0 and "pass --input to see the graph's code" in out
 

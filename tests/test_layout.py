@@ -269,3 +269,17 @@ def test_no_test_reads_a_private_attribute_of_fxamp(tmp_path):
     tests = PACKAGE.parent / "tests"
     found = [r for p in sorted(tests.rglob("*.py")) for r in _private_reads(p, fxamp_private)]
     assert not found, "tests read private attributes of fxamp:\n" + "\n".join(found)
+
+
+def test_the_front_door_is_small_and_every_name_resolves():
+    """At most 25 public names (what a user types); each of ``__all__`` is there, without a warning."""
+    import warnings
+
+    import fxamp
+
+    assert len(fxamp.__all__) <= 25, sorted(fxamp.__all__)
+    assert len(set(fxamp.__all__)) == len(fxamp.__all__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        missing = [name for name in fxamp.__all__ if getattr(fxamp, name, None) is None]
+    assert not missing, f"names in fxamp.__all__ that do not resolve: {missing}"

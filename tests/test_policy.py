@@ -12,14 +12,14 @@ from fxamp.policy import Policy, default_dtype, device_type_of, resolve_policy
     ("O3", "params=float16,compute=float16,unsafe=float16,norms=float16,output=float32"),
 ])
 def test_presets_print_and_parse_back(name, expected):
-    policy = Policy.from_preset(name)
+    policy = Policy.parse(name, torch.float16)
     assert str(policy) == expected
     assert Policy.parse(str(policy)) == policy
     assert resolve_policy(expected) == policy
 
 
 def test_bfloat16_and_shorthands():
-    assert Policy.from_preset("o2", "bf16") == Policy.parse("params=bfloat16,compute=bfloat16")
+    assert Policy.parse("o2", "bf16") == Policy.parse("params=bfloat16,compute=bfloat16")
     assert resolve_policy("O1", torch.bfloat16).compute == torch.bfloat16
     assert resolve_policy("O3", "float16", keep_norms_fp32=True).norms == torch.float32
     assert Policy.parse("compute=bf16,output=keep").output is None
@@ -30,11 +30,11 @@ def test_policy_parse_takes_every_string_convert_takes():
     # one parser: Policy.parse("O2") used to be "cannot parse 'O2'" although convert(model, "O2") works
     for text in ("O2", "o1", "O3", "O2,float8=rowwise", "O2,output=keep", "params=float32,compute=bf16"):
         assert Policy.parse(text) == resolve_policy(text)
-    assert Policy.parse("O2") == Policy.from_preset("O2", torch.bfloat16)  # autocast's CPU default, as convert
-    assert Policy.parse("O2", "float16") == Policy.from_preset("O2", torch.float16)
+    assert Policy.parse("O2") == Policy.parse("O2", torch.bfloat16)  # autocast's CPU default, as convert
+    assert Policy.parse("O2", "float16") == Policy.parse("O2", torch.float16)
     assert Policy.parse("O2", device_type="cuda").params == torch.float16
     assert Policy.parse("O3", keep_norms_fp32=True).norms == torch.float32
-    assert Policy.parse("O2,float8=rowwise") == Policy.from_preset("O2", "bf16").replace(float8="rowwise")
+    assert Policy.parse("O2,float8=rowwise") == Policy.parse("O2", "bf16").replace(float8="rowwise")
     with pytest.raises(ValueError, match="unknown policy 'O4'; use one of O0, O1, O2, O3"):
         Policy.parse("O4")
     with pytest.raises(ValueError, match="contradicts compute=bfloat16"):
@@ -45,7 +45,7 @@ def test_policy_parse_takes_every_string_convert_takes():
 
 def test_policy_is_frozen():
     with pytest.raises(Exception):
-        Policy.from_preset("O1").compute = torch.bfloat16
+        Policy.parse("O1").compute = torch.bfloat16
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -109,11 +109,11 @@ def test_float8_spellings_parse_and_print_back(text, recipe, pow2, cost):
 
 def test_a_preset_takes_float8_after_it_and_the_policy_prints_and_parses_back():
     policy = resolve_policy("O2,float8=rowwise", "bf16")
-    assert policy == Policy.from_preset("O2", "bf16").replace(float8="rowwise")
+    assert policy == Policy.parse("O2", "bf16").replace(float8="rowwise")
     assert str(policy).endswith(",output=float32,float8=rowwise")
     assert Policy.parse(str(policy)) == policy
-    assert Policy.of(compute="bf16", float8=Float8()).float8 == Float8.parse("tensorwise")
-    assert "float8" not in str(Policy.from_preset("O2", "bf16"))  # no float8: the string is as before
+    assert Policy(compute="bf16", float8=Float8()).float8 == Float8.parse("tensorwise")
+    assert "float8" not in str(Policy.parse("O2", "bf16"))  # no float8: the string is as before
     assert resolve_policy("O1,float8=tensorwise", "bf16").params == torch.float32
     # without dtype=, float8 picks bfloat16 even where autocast's default is float16 (CUDA)
     assert resolve_policy("O2,float8=tensorwise", device_type="cuda").compute == torch.bfloat16
@@ -135,7 +135,31 @@ def test_bad_float8_policies_are_one_clear_error(text, dtype, match):
 
 
 def test_float8_fields_are_checked_at_construction():
-    with pytest.raises(TypeError, match="write Float8.parse"):
-        Float8("rowwise")
-    with pytest.raises(TypeError, match="write Policy.of"):
-        Policy(params=torch.bfloat16, compute=torch.bfloat16, float8="rowwise")
+    assert Float8("rowwise", cost="always") == Float8.parse("rowwise:always")  # a field, or its name
+    assert Policy(params=torch.bfloat16, compute="bfloat16", float8="rowwise") == Policy.parse("O2,float8=rowwise")
+    with pytest.raises(ValueError, match="Float8's recipe must be one of 'tensorwise', 'rowwise', "
+                                         "'rowwise_with_gw_hp', not 'int8'"):
+        Float8("int8")
+    with pytest.raises(TypeError, match=r"Policy's float8 must be a Float8, its name \(such as 'rowwise'\) or None, "
+                                        r"not 8"):
+        Policy(compute="bf16", float8=8)
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "BF16", "torch.bfloat16", torch.bfloat16])
+def test_the_constructor_takes_dtypes_or_their_names(spelling):
+    """One factory (parse, for strings); the constructor takes the fields, each a dtype or its name (issue 38)."""
+    assert Policy(params=spelling, compute=spelling) == Policy.parse("O2", "bf16") == Policy.parse("params=bf16,compute=bf16")
+    with pytest.raises(TypeError, match=r"Policy's compute must be a torch.dtype or its name \(such as 'bf16'\), not 16"):
+        Policy(compute=16)
+    with pytest.raises(ValueError, match=r"compute='fp8' is not a dtype fxamp understands; use a torch dtype or one of "
+                                         r"\['bf16', 'bfloat16'"):
+        Policy(compute="fp8")
+
+
+def test_the_older_factories_warn_and_name_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"Policy.of\(...\) is deprecated and kept for one release: write "
+                                                r"Policy\(...\)"):
+        assert Policy.of(compute="bf16") == Policy(compute=torch.bfloat16)
+    with pytest.warns(DeprecationWarning, match=r"Policy.from_preset\(name, dtype\) is deprecated .*: write "
+                                                r"Policy.parse\(name, dtype\)"):
+        assert Policy.from_preset("O2") == Policy.parse("O2", torch.float16)  # its default stays float16

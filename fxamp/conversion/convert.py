@@ -62,19 +62,19 @@ def convert(
                       more than 10% of the parameters is noted and warned about).
     example_inputs / example_kwargs: let fxamp fall back to ``torch.export`` (or force it with
                       ``frontend="export"``).
-    dynamic:          export only, a :class:`~fxamp.Dynamic`: ``"batch"`` keeps batch and sequence sizes free
+    dynamic:          export only, a :class:`~fxamp.conversion.options.Dynamic`: ``"batch"`` keeps batch and sequence sizes free
                       (image sizes stay static), ``"all"`` every dim, ``"none"`` none; ``dynamic_shapes``
                       goes to ``torch.export`` as given.
     weight_cache:     reuse low-precision weight copies (leaf modules' too) across no-grad calls until a weight changes.
-    debug_overflow:   a :class:`~fxamp.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
+    debug_overflow:   a :class:`~fxamp.conversion.options.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
                       (forward) or gradient (backward) has inf/NaN (``fxamp.overflow_info(amp)``);
                       ``"raise"`` there.  See ``fxamp.conversion.debug``.
 
     The keywords from ``overrides`` to ``debug_overflow`` are checked and bundled into one
-    :class:`~fxamp.ConvertOptions` that the capture and the rewrite (now, or at each lazy capture) read.
+    :class:`~fxamp.conversion.options.ConvertOptions` that the capture and the rewrite (now, or at each lazy capture) read.
 
     Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
-    given (or ``frontend="export"`` without them), a :class:`fxamp.LazyConverted` that captures with
+    given (or ``frontend="export"`` without them), a :class:`fxamp.conversion.lazy.LazyConverted` that captures with
     ``torch.export`` at its first call and again for each new call signature; its parameters exist
     at once, in their storage dtypes, so an optimizer can be built before the first call.  A
     ``LazyConverted`` also when torch.export's training and eval captures differ (stochastic depth):
@@ -85,9 +85,9 @@ def convert(
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
     """
     pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert")
-    options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
-                                   node_overrides=node_overrides, weight_cache=weight_cache,
-                                   debug_overflow=debug_overflow, dynamic=dynamic)
+    options = ConvertOptions(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                             node_overrides=node_overrides, weight_cache=weight_cache,
+                             debug_overflow=debug_overflow, dynamic=dynamic)
     if isinstance(model, torch.jit.ScriptModule):  # torch.fx and torch.export read Python code, not TorchScript
         raise TypeError(f"fxamp.convert cannot capture a TorchScript module ({type(model).__name__}, from "
                         f"torch.jit.script/trace): convert the Python nn.Module it was made from instead")
@@ -157,8 +157,8 @@ def convert_(
     if not isinstance(keep_originals, bool):
         raise TypeError(f"keep_originals must be True or False, not {keep_originals!r}")
     pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert_")
-    options = ConvertOptions.build(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
-                                   weight_cache=weight_cache, debug_overflow=debug_overflow)
+    options = ConvertOptions(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                             weight_cache=weight_cache, debug_overflow=debug_overflow)
     _refuse_other_low_dtype(model, pol)
     return convert_blocks(model, pol, options, blocks, notes=chosen, keep_originals=keep_originals)
 
@@ -198,7 +198,7 @@ def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
 
 
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
-                  "fxamp.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
+                  "fxamp.conversion.lazy.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
                   "mode's is captured with torch.export at its first call, as is each new call signature")
 
 

@@ -248,7 +248,7 @@ class LazyConverted(nn.Module):
 
     @property
     def _fxamp_weight_cache(self) -> "_WeightCaches":
-        """What ``fxamp.clear_cast_cache`` clears: every capture's cache of low-precision weights."""
+        """What ``fxamp.conversion.convert.clear_cast_cache`` clears: every capture's cache of low-precision weights."""
         return _WeightCaches(self)
 
     # -- calling -----------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class LazyConverted(nn.Module):
         description = _describe(root, args, kwargs, _static(captured.graph_module, args, kwargs))
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "
-                                     f"predicted from the module tree (fxamp.LazyConverted)"])
+                                     f"predicted from the module tree (fxamp.conversion.lazy.LazyConverted)"])
         return self._store(key, description, captured.only_mode, gm)
 
     def adopt_capture(self, captured: Captured, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -322,7 +322,7 @@ class LazyConverted(nn.Module):
         key = self._learn_static(gm, args, kwargs)
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at convert time from the example inputs {description}; parameter "
-                                     f"storage predicted from the module tree (fxamp.LazyConverted)"])
+                                     f"storage predicted from the module tree (fxamp.conversion.lazy.LazyConverted)"])
         self._store(key, description, captured.only_mode, gm)
 
     def _store(self, key: Any, description: str, mode: Optional[bool], gm: fx.GraphModule) -> _Entry:
@@ -407,7 +407,7 @@ class LazyConverted(nn.Module):
 
 def _method_message(cls: type, name: str) -> str:
     """Why a converted module has no ``name`` although the original ``cls`` has that method, and what to do."""
-    what = (f"'{name}' is a method of the original {cls.__name__}, which fxamp.LazyConverted does not offer: "
+    what = (f"'{name}' is a method of the original {cls.__name__}, which fxamp.conversion.lazy.LazyConverted does not offer: "
             "it would run the original, unconverted forward, or call this module with inputs no capture "
             "can take")
     original = ("Call it on the original model: for O0/O1 it shares this module's parameters; for O2/O3 "

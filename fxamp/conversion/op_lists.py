@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..dtypes import StrEnum
+from ..errors import warn_deprecated
 
 __all__ = ["Category", "Source", "OpEntry", "OpLists", "DEFAULT_OP_LISTS", "op_key", "op_name", "as_entry",
            "is_inplace", "out_of_place", "keys_for"]
@@ -89,15 +90,10 @@ class OpEntry:
     source: Source = Source.OP_LIST
 
     def __post_init__(self) -> None:
-        """Checks only: :meth:`of` turns strings into categories."""
-        if not isinstance(self.category, Category):
-            raise TypeError(f"OpEntry's category must be a Category, not {self.category!r}: "
-                            f"write OpEntry.of({self.category!r}, ...) or Category({self.category!r})")
-        if self.fallback is not None and not isinstance(self.fallback, Category):
-            raise TypeError(f"OpEntry's fallback must be a Category or None, not {self.fallback!r}: "
-                            f"write OpEntry.of(..., fallback={self.fallback!r})")
-        if not isinstance(self.source, Source):
-            raise TypeError(f"OpEntry's source must be a Source, not {self.source!r}")
+        """Names become members (``OpEntry("unsafe", "my reason")``), then checks."""
+        object.__setattr__(self, "category", _category(self.category))
+        object.__setattr__(self, "fallback", None if self.fallback is None else _category(self.fallback))
+        object.__setattr__(self, "source", Source(self.source))
         if self.category is Category.CONDITIONAL:
             if self.condition not in CONDITIONS:
                 raise ValueError(f"a conditional entry needs condition= one of {CONDITIONS}, not {self.condition!r}")
@@ -107,15 +103,15 @@ class OpEntry:
     @classmethod
     def of(cls, category: Union[str, Category], reason: str, *, norm: bool = False, condition: Optional[str] = None,
            fallback: Union[str, Category, None] = None, source: Union[str, Source] = Source.OP_LIST) -> "OpEntry":
-        """An entry from a category's name (``OpEntry.of("unsafe", "my reason")``), checked."""
-        return cls(_category(category), reason, norm=norm, condition=condition,
-                   fallback=None if fallback is None else _category(fallback), source=Source(source))
+        """Deprecated: the constructor takes names, ``OpEntry("unsafe", "my reason")``."""
+        warn_deprecated("OpEntry.of(...)", "write OpEntry(...): the constructor takes the category's name")
+        return cls(category, reason, norm=norm, condition=condition, fallback=fallback, source=source)
 
 
 def _category(value: Union[str, Category]) -> Category:
     try:
         return Category(value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise ValueError(
             f"{value!r} is not a category; use one of {', '.join(c.value for c in Category)}"
         ) from None

@@ -1,10 +1,10 @@
 """The options of a conversion, as one frozen object: :class:`ConvertOptions`, and the two string enums
 it holds, :class:`DebugOverflow` and :class:`Dynamic`.
 
-``fxamp.convert(model, policy, **keywords)`` builds one ``ConvertOptions`` (:meth:`ConvertOptions.build`
+``fxamp.convert(model, policy, **keywords)`` builds one ``ConvertOptions`` (its constructor
 checks and normalises every keyword) and hands it on unchanged: to ``capture`` (``dynamic``), to
 ``pipeline.rewrite_captured`` (everything else) and, when the capture waits for the first call, to
-:class:`~fxamp.LazyConverted`, which keeps it for every later capture.  It pickles and deep-copies
+:class:`~fxamp.conversion.lazy.LazyConverted`, which keeps it for every later capture.  It pickles and deep-copies
 (a deep copy shares it: nothing in it changes).
 
 Each option has one type.  The enums are ``str`` enums, so ``"raise"`` and ``DebugOverflow.RAISE``
@@ -14,10 +14,11 @@ with a ``TypeError`` that names the value to write instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
 from ..dtypes import StrEnum
+from ..errors import warn_deprecated
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists, op_key
 
 __all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option"]
@@ -85,10 +86,10 @@ def _frozen_mapping(value: Optional[Mapping[str, Any]], what: str) -> Optional[M
 @dataclass(frozen=True)
 class ConvertOptions:
     """How a conversion classifies, rewrites and captures; everything ``convert`` takes except the
-    model, the policy and the capture's inputs.  Build one with :meth:`build` (which accepts the
-    enums' strings and applies ``overrides``); the constructor only checks types.
+    model, the policy and the capture's inputs, with ``convert``'s keywords: the constructor accepts
+    the enums' strings and applies ``overrides`` (an init-only argument) to ``op_lists``.
 
-    op_lists:         the op lists, with the user's ``overrides`` applied.
+    op_lists:         the op lists (None: the defaults), with the user's ``overrides`` applied.
     module_overrides: ``{module path: category}``, or None.
     node_overrides:   ``{node name: category}``, or None.
     weight_cache:     reuse low-precision weight copies across no-grad calls.
@@ -105,21 +106,28 @@ class ConvertOptions:
     debug_overflow: DebugOverflow = DebugOverflow.OFF
     dynamic: Dynamic = Dynamic.BATCH
     override_keys: Tuple[OpKey, ...] = ()
+    overrides: InitVar[Optional[Mapping[OpKey, Union[str, Category, OpEntry]]]] = None
 
-    def __post_init__(self) -> None:
-        checks = (("op_lists", OpLists, "an fxamp.OpLists"), ("weight_cache", bool, "a bool"),
-                  ("debug_overflow", DebugOverflow, "a DebugOverflow (ConvertOptions.build accepts its strings)"),
-                  ("dynamic", Dynamic, "a Dynamic (ConvertOptions.build accepts its strings)"))
-        for name, kind, words in checks:
-            value = getattr(self, name)
-            if not isinstance(value, kind):
-                raise TypeError(f"{name} must be {words}, not {value!r}")
-        for name in ("module_overrides", "node_overrides"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, dict):
-                raise TypeError(f"{name} must be a dict or None, not {type(value).__name__}")
+    def __post_init__(self, overrides: Optional[Mapping[OpKey, Union[str, Category, OpEntry]]]) -> None:
+        """Normalise ``convert``'s keywords (strings, None, empty mappings, ``overrides``), then check."""
+        lists = self.op_lists if self.op_lists is not None else DEFAULT_OP_LISTS
+        if not isinstance(lists, OpLists):
+            raise TypeError(f"op_lists must be an fxamp.conversion.op_lists.OpLists, not {type(lists).__name__}")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"overrides must be a mapping such as {{torch.exp: 'neutral', nn.GELU: 'unsafe'}}, "
+                            f"not {type(overrides).__name__}")
+        if overrides:
+            lists = lists.with_overrides(overrides)
+            object.__setattr__(self, "override_keys", tuple(op_key(k) for k in overrides))
+        if not isinstance(self.weight_cache, bool):
+            raise TypeError(f"weight_cache must be True or False, not {self.weight_cache!r}")
         if not isinstance(self.override_keys, tuple):
             raise TypeError(f"override_keys must be a tuple, not {type(self.override_keys).__name__}")
+        object.__setattr__(self, "op_lists", lists)
+        for name in ("module_overrides", "node_overrides"):
+            object.__setattr__(self, name, _frozen_mapping(getattr(self, name), name))
+        object.__setattr__(self, "debug_overflow", parse_option(DebugOverflow, self.debug_overflow, what="debug_overflow"))
+        object.__setattr__(self, "dynamic", parse_option(Dynamic, self.dynamic, what="dynamic"))
 
     @classmethod
     def build(
@@ -133,24 +141,11 @@ class ConvertOptions:
         debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
         dynamic: Union[str, Dynamic] = Dynamic.BATCH,
     ) -> "ConvertOptions":
-        """Check and normalise ``convert``'s keywords, then construct (the arguments are ``convert``'s)."""
-        lists = op_lists if op_lists is not None else DEFAULT_OP_LISTS
-        if not isinstance(lists, OpLists):
-            raise TypeError(f"op_lists must be an fxamp.OpLists, not {type(lists).__name__}")
-        if overrides is not None and not isinstance(overrides, Mapping):
-            raise TypeError(f"overrides must be a mapping such as {{torch.exp: 'neutral', nn.GELU: 'unsafe'}}, "
-                            f"not {type(overrides).__name__}")
-        if overrides:
-            lists = lists.with_overrides(overrides)
-        if not isinstance(weight_cache, bool):
-            raise TypeError(f"weight_cache must be True or False, not {weight_cache!r}")
-        return cls(op_lists=lists,
-                   module_overrides=_frozen_mapping(module_overrides, "module_overrides"),
-                   node_overrides=_frozen_mapping(node_overrides, "node_overrides"),
-                   weight_cache=weight_cache,
-                   debug_overflow=parse_option(DebugOverflow, debug_overflow, what="debug_overflow"),
-                   dynamic=parse_option(Dynamic, dynamic, what="dynamic"),
-                   override_keys=tuple(op_key(k) for k in (overrides or {})))
+        """Deprecated: the constructor takes the same keywords, ``ConvertOptions(overrides=..., dynamic="all")``."""
+        warn_deprecated("ConvertOptions.build(...)", "write ConvertOptions(...): the constructor takes convert's keywords")
+        return cls(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
+                   node_overrides=node_overrides, weight_cache=weight_cache, debug_overflow=debug_overflow,
+                   dynamic=dynamic)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertOptions":
         return self  # immutable: copies of a converted module share it

@@ -43,7 +43,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
     if storage not in ("decide", "keep"):
         raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
     if not isinstance(options, ConvertOptions):
-        raise TypeError(f"options must be a ConvertOptions (ConvertOptions.build), not {type(options).__name__}")
+        raise TypeError(f"options must be a ConvertOptions, not {type(options).__name__}")
     gm = as_converted(captured.graph_module)  # (its copies keep what conversion sets up below)
     decisions = annotate(gm, policy, options)
     if policy.enabled:

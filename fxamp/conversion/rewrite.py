@@ -75,7 +75,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     follows its input, but the op the transposed weight reaches decides.  Tied parameters stay
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
 
-    This is the one decision of storage from a graph; a :class:`~fxamp.LazyConverted` predicts
+    This is the one decision of storage from a graph; a :class:`~fxamp.conversion.lazy.LazyConverted` predicts
     its storage without one (``lazy.predict_storage``, whose docstring says where the two differ and
     how ``cast_kept_storage`` and ``insert_casts`` make every op compute as it would here).
     """

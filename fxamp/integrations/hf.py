@@ -47,7 +47,7 @@ Limits:
 * the Trainer logs ``grad_norm`` of the model's gradients: ``loss * scale`` ones in float16
   (``optimizer.last_grad_norm`` is the masters' true norm when ``prepare`` clips);
 * Hugging Face models defeat torch.fx: without ``example_batch=`` the model is a
-  ``fxamp.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
+  ``fxamp.conversion.lazy.LazyConverted`` that captures with ``torch.export`` from the Trainer's first batch (and
   again for a batch with other keys, e.g. at evaluation without ``labels``); its parameters exist
   at once, so the optimizer is built here as usual.  Its class shows the original ``forward``'s
   signature, so the Trainer finds ``labels`` and ``evaluate()`` reports ``eval_loss``;
@@ -206,7 +206,7 @@ def prepare(
         raise TypeError(f"hf.prepare() takes the transformers.TrainingArguments the Trainer gets, not "
                         f"{type(args).__name__}: prepare(model, TrainingArguments(output_dir=..., ...), ...)")
     low = resolve_dtype(dtype)
-    lean = fxamp.LeanConfig.of(masters, state)  # (a bad mode raises before the model is converted)
+    lean = fxamp.LeanConfig(masters, state)  # (a bad mode raises before the model is converted)
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         raise ValueError("TrainingArguments(bf16=True/fp16=True) turns on torch.autocast, which fxamp replaces; "
                          "leave both False and pass dtype= to prepare()")

@@ -59,7 +59,7 @@ class FxampPrecision(Precision):
     modules:        names (dotted paths) of the submodules to convert; default: every direct child
                     module that has parameters (the items of a ModuleList/ModuleDict).
     loss_scale:     ``"auto"`` (dynamic for float16, none for bfloat16), ``"dynamic"``, ``"none"``,
-                    ``"static:<scale>"``, a :class:`fxamp.LossScaleConfig`, or a :class:`fxamp.LossScaler`
+                    ``"static:<scale>"``, a :class:`fxamp.LossScaleConfig`, or a :class:`fxamp.training.loss_scale.LossScaler`
                     to share (a number is a static scale; ``None`` is refused: write ``"none"``).
     example_inputs: ``{"net": (x,)}``: example inputs for modules torch.fx cannot trace (used by
                     ``fxamp.convert``'s ``torch.export`` front end).
@@ -85,7 +85,7 @@ class FxampPrecision(Precision):
         state: str = "fp32",
         **convert_kwargs: Any,
     ) -> None:
-        self.lean = fxamp.LeanConfig.of(masters, state)  # (a bad mode raises here, before fit)
+        self.lean = fxamp.LeanConfig(masters, state)  # (a bad mode raises here, before fit)
         self.policy = policy
         self.dtype = resolve_dtype(dtype)
         self.precision = "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed"  # Lightning's vocabulary
@@ -94,8 +94,8 @@ class FxampPrecision(Precision):
         self.convert_kwargs = convert_kwargs
         self.compile_step = bool(compile_step)
         #: one loss scale for every optimizer of the LightningModule (as MixedPrecision's GradScaler)
-        self.scaler = loss_scale if isinstance(loss_scale, fxamp.LossScaler) else \
-            fxamp.LossScaler(config_for(loss_scale, self.dtype))
+        self.scaler = loss_scale if isinstance(loss_scale, fxamp.training.loss_scale.LossScaler) else \
+            fxamp.training.loss_scale.LossScaler(config_for(loss_scale, self.dtype))
         self._wrappers: List[fxamp.MixedPrecisionOptimizer] = []
 
     @property

@@ -1,16 +1,16 @@
 """What a converted model runs in which dtype, and why: one typed record per graph node.
 
-``report(model, example_inputs)`` calls :func:`fxamp.convert` and reads the converted graph
+``report(model, policy, example_inputs=...)`` calls :func:`fxamp.convert` and reads the converted graph
 itself: every original node carries its :class:`~fxamp.conversion.graph.Decision` in
 ``node.meta["fxamp"]`` and every inserted cast carries ``node.meta["fxamp_cast"]``, so the report
 and the conversion cannot disagree.  With example inputs the converted module runs once (on a
 copy of the model, under ``no_grad``) and each node's dtypes and shapes are recorded; without,
 the report shows what is known before running and says ``runtime`` for the rest::
 
-    >>> r = fxamp.report(model, torch.randn(2, 8, 32))
+    >>> r = fxamp.report(model, example_inputs=torch.randn(2, 8, 32))
     >>> print(r)                       # table, summary, dtype leaks
     >>> r.to_json(); r.to_csv()
-    >>> print(r.diff(fxamp.report(model, torch.randn(2, 8, 32), policy="O2")))
+    >>> print(r.diff(fxamp.report(model, "O2", example_inputs=torch.randn(2, 8, 32))))
 
 The package, by job: ``records`` (Row, Summary, Report), ``observe`` (the run-time recorder),
 ``build`` (rows from a graph), ``lints``, ``flops``, ``diff`` (two policies), ``formats``
@@ -34,6 +34,7 @@ from ..conversion.convert import convert, policy_of
 from ..info import conversion_info
 from ..conversion.lazy import LazyConverted
 from ..policy import Policy
+from .arguments import policy_and_inputs
 from .autotune import TuneResult, autotune, load_overrides, save_overrides
 from .blocks import blocks_report
 from .build import build
@@ -52,9 +53,9 @@ __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "NodeNumerics", "Numeri
 
 def report(
     model: nn.Module,
-    example_inputs: Any = None,
     policy: Union[str, Policy, None] = None,
-    *,
+    *deprecated_order: Any,
+    example_inputs: Any = None,
     dtype: Union[str, torch.dtype, None] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     numerics: bool = False,
@@ -65,6 +66,8 @@ def report(
 ) -> Report:
     """Convert ``model`` as :func:`fxamp.convert` would and report every node's category, reason and dtypes.
 
+    The arguments are ``convert``'s: ``report(model, "O2", example_inputs=x)`` (the older order
+    ``report(model, x, "O2")`` still works for one release, with a DeprecationWarning).
     example_inputs: a tensor or a tuple of them; when given, a copy of the converted model runs
                     once under ``no_grad`` to observe dtypes, shapes and FLOPs.  A list of tuples
                     (or another iterable of them) is several batches: the first is observed,
@@ -87,6 +90,7 @@ def report(
     convert_options: the other keyword options of ``convert`` (``overrides``, ``module_overrides``,
                     ``leaf_modules``, ``keep_norms_fp32``, ``frontend``, ``op_lists``, ``dynamic``…).
     """
+    policy, example_inputs = policy_and_inputs("report", policy, deprecated_order, example_inputs, default=None)
     if isinstance(model, LazyConverted):
         model = model.graph_module  # the graph its latest call ran (an error before its first call)
     info = conversion_info(model) if isinstance(model, nn.Module) else None
@@ -143,14 +147,18 @@ def report(
 
 def compare(
     model: nn.Module,
+    policies: Optional[Tuple[Union[str, Policy], Union[str, Policy]]] = None,
+    *deprecated_order: Any,
     example_inputs: Any = None,
-    policies: Tuple[Union[str, Policy], Union[str, Policy]] = ("O1", "O2"),
-    *,
     dtype: Union[str, torch.dtype, None] = None,
     **convert_options: Any,
 ) -> PolicyDiff:
-    """Report ``model`` under two policies and return the nodes that change category or dtype."""
+    """Report ``model`` under two policies (default ``("O1", "O2")``) and return the nodes that change category
+    or dtype: ``compare(model, ("O1", "O2"), example_inputs=x)``, the order of ``convert`` (the older
+    ``compare(model, x, policies)`` still works for one release, with a DeprecationWarning)."""
+    policies, example_inputs = policy_and_inputs("compare", policies, deprecated_order, example_inputs,
+                                                 default=("O1", "O2"), pair=True)
     if len(policies) != 2:
         raise ValueError(f"compare takes two policies, such as ('O1', 'O2'), not {policies!r}")
-    a, b = (report(model, example_inputs, p, dtype=dtype, **convert_options) for p in policies)
+    a, b = (report(model, p, example_inputs=example_inputs, dtype=dtype, **convert_options) for p in policies)
     return a.diff(b)

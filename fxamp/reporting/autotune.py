@@ -1,6 +1,6 @@
 """Accuracy-driven fallback: move the fewest modules/ops to float32 until the output is accurate enough.
 
-``autotune(model, inputs, "O1", min_sqnr_db=30)`` (or ``metric=fn, tolerance=t``):
+``autotune(model, "O1", example_inputs=batches, min_sqnr_db=30)`` (or ``metric=fn, tolerance=t``):
 
 1. convert with the policy and compare the output with float32's on every batch; done if it holds;
 2. otherwise measure each node side by side (:mod:`.numerics`) and rank the units that run in low
@@ -37,10 +37,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..conversion.convert import convert, policy_of
-from ..errors import FxampError
+from ..errors import FxampError, warn_deprecated
 from ..conversion.graph import CAST, DECISION, attr_target
 from ..conversion.op_lists import op_name
 from ..policy import Policy, device_type_of, resolve_policy
+from .arguments import policy_and_inputs
 from .float8 import FLOAT8_MIN_SQNR_DB, float8_refusals, measure_float8
 from .numerics import SideBySide, as_batches, node_drops, sqnr
 from .observe import bind_inputs
@@ -73,9 +74,9 @@ class TuneResult:
 
 def autotune(
     model: nn.Module,
-    inputs: Any,
     policy: Union[str, Policy] = "O1",
-    *,
+    *deprecated_order: Any,
+    example_inputs: Any = None,
     dtype: Union[str, torch.dtype, None] = None,
     min_sqnr_db: Optional[float] = None,
     metric: Optional[Callable[[Any, Any], float]] = None,
@@ -88,7 +89,9 @@ def autotune(
 ) -> Any:
     """Convert ``model`` with ``policy``, moving the fewest modules/ops to float32 until the output holds.
 
-    inputs:      a tuple of forward arguments, or a list of such tuples (batches; all must hold).
+    example_inputs: a tuple of forward arguments, or a list of such tuples (batches; all must hold); the
+                 arguments are ``convert``'s (the older ``autotune(model, inputs, policy)`` still works for one
+                 release, with a DeprecationWarning, as does ``inputs=``).
     min_sqnr_db: the output's SQNR against float32, in dB, on every batch (default 30).
     metric:      instead, ``metric(out_fp32, out_amp) -> float`` (or a one-element tensor), an error that
                  must stay ``<= tolerance``.  Give one criterion: both is an error, never one ignored.
@@ -99,6 +102,12 @@ def autotune(
 
     Returns ``(converted, overrides)`` (and a :class:`TuneResult` third with ``return_result=True``).
     """
+    if "inputs" in convert_options:  # the older name of example_inputs
+        if example_inputs is not None:
+            raise TypeError("autotune got inputs= and example_inputs=: pass example_inputs= alone")
+        warn_deprecated("autotune(inputs=...)", "write autotune(model, policy, example_inputs=...)")
+        example_inputs = convert_options.pop("inputs")
+    policy, inputs = policy_and_inputs("autotune", policy, deprecated_order, example_inputs, default="O1")
     if policy_of(model) is not None:
         raise ValueError("autotune needs the original float32 model: pass it, not the module fxamp.convert returned")
     if metric is not None and min_sqnr_db is not None:
@@ -118,7 +127,8 @@ def autotune(
                              f"or pass metric=")
     batches = as_batches(inputs)
     if not batches:
-        raise ValueError("autotune compares outputs: pass inputs (a tuple of forward arguments, or a list of them)")
+        raise ValueError("autotune compares outputs: pass example_inputs= (a tuple of forward arguments, or a list "
+                         "of them)")
     kwargs = dict(example_kwargs or {})
     user_overrides = dict(convert_options.pop("overrides", None) or {})
     user_modules = dict(convert_options.pop("module_overrides", None) or {})

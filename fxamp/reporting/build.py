@@ -152,7 +152,7 @@ def policy_label(pol: Policy) -> str:
         for low in LOW:
             for keep in (False, True):
                 try:
-                    if Policy.from_preset(preset, low, keep_norms_fp32=keep) == pol:
+                    if Policy.parse(preset, low, keep_norms_fp32=keep) == pol:
                         name = preset + (" keep_norms_fp32" if keep and preset == "O3" else "")
                         return f"{name} ({pol})" if preset != "O0" else f"O0 ({pol})"
                 except ValueError:  # pragma: no cover

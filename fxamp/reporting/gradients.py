@@ -1,6 +1,6 @@
 """Gradients: how much of them float16 would lose without loss scaling, and the scale that saves them.
 
-``report(model, inputs, gradients=True)`` runs one forward and backward of the *float32* twin of
+``report(model, policy, example_inputs=inputs, gradients=True)`` runs one forward and backward of the *float32* twin of
 the converted graph (:class:`~.numerics.SideBySide`'s reference environment) on the first batch,
 recording the gradient of every node's output (activation gradients, through tensor hooks) and of
 every parameter.  For each it gives the fraction of values float16 would flush to zero (nonzero

@@ -1,10 +1,13 @@
-"""How to scale the loss: :class:`ScaleKind`, the frozen :class:`LossScaleConfig`, and the parsing of
-``loss_scale=`` (:data:`LossScaleOption`, :func:`config_for`).
+"""What the optimizer wrapper reads at construction: how to scale the loss (:class:`ScaleKind`, the frozen
+:class:`LossScaleConfig`, the parsing of ``loss_scale=``: :data:`LossScaleOption`, :func:`config_for`), and
+the precision of masters and state per tensor (:class:`MasterPrecision`, :class:`StatePrecision`, the
+frozen :class:`LeanConfig`, :func:`resolve` of ``masters=``/``state=``/``precision=``; what they mean in a
+step: :mod:`fxamp.training.lean`).
 
 Float16 gradients underflow: backpropagating ``loss * scale`` keeps them representable, and the
 gradients are divided by ``scale`` (in float32) before the optimizer sees them.  Three kinds:
 
-* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`fxamp.LossScaler`.
+* ``"dynamic"`` (the default for float16): the scale adapts, see :class:`fxamp.training.loss_scale.LossScaler`.
 * ``"static"``: a fixed scale.
 * ``"none"`` (the default for bfloat16 and float32): the scale is 1.
 
@@ -24,10 +27,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..dtypes import StrEnum
+from ..dtypes import StrEnum, dtype_member, spellings
+from ..errors import warn_deprecated
 from ..info import policy_of
 
-__all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "OPTIONS", "config_for", "compute_dtype"]
+__all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "OPTIONS", "config_for", "compute_dtype",
+           "MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "resolve"]
 
 
 class ScaleKind(StrEnum):
@@ -55,12 +60,13 @@ class LossScaleConfig:
 
     ``LossScaleConfig()`` is dynamic scaling with the defaults of ``torch.amp.GradScaler`` plus a
     floor, a ceiling and DeepSpeed's hysteresis.  The fields other than ``kind`` and
-    ``init_scale`` matter only to dynamic scaling.
+    ``init_scale`` matter only to dynamic scaling.  The constructor takes ``kind`` as a
+    :class:`ScaleKind` or its string; :meth:`parse` reads the string form (``"static:1024"``).
     """
 
     kind: ScaleKind = ScaleKind.DYNAMIC
-    #: the first scale (:meth:`of`, :meth:`none` and :meth:`static` pick it for the other kinds)
-    init_scale: float = 2.0**16
+    #: the first scale, a float; None (the default) picks 2**16 for dynamic, 1 for none (static needs one)
+    init_scale: Optional[float] = None
     #: multiply the scale by this after ``growth_interval`` clean steps in a row
     growth_factor: float = 2.0
     #: multiply the scale by this on an overflow (once ``hysteresis`` overflows are used up)
@@ -76,10 +82,20 @@ class LossScaleConfig:
     hysteresis: int = 1
 
     def __post_init__(self) -> None:
-        """Validate only (normalising is :meth:`of`'s): a frozen config is never written after construction."""
-        kind, init = self.kind, self.init_scale
-        if not isinstance(kind, ScaleKind):
-            raise TypeError(f"kind={kind!r} must be a ScaleKind; LossScaleConfig.of(kind={kind!r}) takes its string")
+        """Normalise (``kind``'s string, ``init_scale`` None or an int), then validate."""
+        try:
+            kind = ScaleKind(self.kind)
+        except ValueError:
+            raise ValueError(f"kind={self.kind!r} is not a loss scale kind; use one of {_KINDS}") from None
+        init = self.init_scale
+        if init is None:
+            if kind is ScaleKind.STATIC:
+                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
+            init = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
+        if isinstance(init, int) and not isinstance(init, bool):
+            init = float(init)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "init_scale", init)
         if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init) or init <= 0:
             raise ValueError(f"init_scale={init!r} must be a finite number > 0")
         if kind is ScaleKind.NONE and init != 1.0:
@@ -102,19 +118,9 @@ class LossScaleConfig:
     @classmethod
     def of(cls, kind: Union[str, ScaleKind] = ScaleKind.DYNAMIC, init_scale: Optional[float] = None,
            **fields: Any) -> "LossScaleConfig":
-        """The validated constructor with normalising: ``kind`` a :class:`ScaleKind` or its string;
-        ``init_scale`` None picks 2**16 (dynamic) or 1 (none), and is required for static."""
-        try:
-            kind = ScaleKind(kind)
-        except ValueError:
-            raise ValueError(f"kind={kind!r} is not a loss scale kind; use one of {_KINDS}") from None
-        if init_scale is None:
-            if kind is ScaleKind.STATIC:
-                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
-            init_scale = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
-        if isinstance(init_scale, int) and not isinstance(init_scale, bool):
-            init_scale = float(init_scale)
-        return cls(kind=kind, init_scale=init_scale, **fields)
+        """Deprecated: the constructor normalises, ``LossScaleConfig("static", 128)``."""
+        warn_deprecated("LossScaleConfig.of(...)", "write LossScaleConfig(...): the constructor takes the kind's name")
+        return cls(kind, init_scale, **fields)
 
     @classmethod
     def parse(cls, text: str) -> "LossScaleConfig":
@@ -126,23 +132,23 @@ class LossScaleConfig:
             except ValueError:
                 pass
         elif not value and name in ("dynamic", "none"):
-            return cls.of(name)
+            return cls(name)
         raise ValueError(f"loss_scale={text!r} is not understood; use {OPTIONS}")
 
     @classmethod
     def dynamic(cls, **fields: Any) -> "LossScaleConfig":
         """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
-        return cls.of(ScaleKind.DYNAMIC, **fields)
+        return cls(ScaleKind.DYNAMIC, **fields)
 
     @classmethod
     def static(cls, scale: float) -> "LossScaleConfig":
         """A fixed scale."""
-        return cls.of(ScaleKind.STATIC, init_scale=scale)
+        return cls(ScaleKind.STATIC, init_scale=scale)
 
     @classmethod
     def none(cls) -> "LossScaleConfig":
         """No scaling (scale 1); non-finite gradients still skip the step."""
-        return cls.of(ScaleKind.NONE)
+        return cls(ScaleKind.NONE)
 
     def __str__(self) -> str:
         if self.kind is not ScaleKind.DYNAMIC:
@@ -189,3 +195,128 @@ def compute_dtype(model: Optional[torch.nn.Module], params: Sequence[torch.Tenso
         return policy.compute
     dtypes = {p.dtype for p in params}
     return torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes else None
+
+
+# -- masters and state per tensor ----------------------------------------------------------------
+
+class MasterPrecision(StrEnum):
+    """What keeps a low-precision weight's full value between steps."""
+
+    FP32 = "fp32"
+    KAHAN = "kahan"
+    STOCHASTIC = "stochastic"
+    AUTO = "auto"
+
+
+    @classmethod
+    def _missing_(cls, value: Any) -> Optional["MasterPrecision"]:
+        return dtype_member(cls, value)  # "float32", torch.float32: fp32
+
+
+class StatePrecision(StrEnum):
+    """How the optimizer state of a low-precision weight is stored between steps."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    AUTO = "auto"
+
+    @classmethod
+    def _missing_(cls, value: Any) -> Optional["StatePrecision"]:
+        return dtype_member(cls, value)  # "bfloat16", torch.bfloat16: bf16; "float32": fp32
+
+
+#: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``
+PRESETS = {"O2": ("fp32", "fp32"), "O2-lean": ("auto", "auto")}
+
+
+def _enum(cls, value: Any, option: str):
+    try:
+        return cls(value)
+    except ValueError:
+        raise ValueError(f"{option}={value!r} is not a valid mode; valid: {spellings(cls)}") from None
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    """The masters and state of a :class:`~fxamp.MixedPrecisionOptimizer`; validated at construction.
+
+    masters:           :class:`MasterPrecision` for every low-precision parameter
+    state:             :class:`StatePrecision` for their optimizer state
+    calibration_steps: with ``"auto"``, the first steps run with float32 masters and state and measure
+                       (:mod:`fxamp.training.calibrate`); the choice is made after the last of them
+    small:             with ``"auto"``, tensors under this many elements keep float32 where rounding bites,
+                       and float32 state (:data:`fxamp.training.calibrate.SMALL`)
+    """
+
+    masters: MasterPrecision = MasterPrecision.FP32
+    state: StatePrecision = StatePrecision.FP32
+    calibration_steps: int = 4
+    small: int = 65536
+
+    def __post_init__(self) -> None:
+        """Names become members (``"bfloat16"``: ``StatePrecision.BF16``), then checks."""
+        object.__setattr__(self, "masters", _enum(MasterPrecision, self.masters, "masters"))
+        object.__setattr__(self, "state", _enum(StatePrecision, self.state, "state"))
+        if not isinstance(self.calibration_steps, int) or self.calibration_steps < 1:
+            raise ValueError(f"calibration_steps={self.calibration_steps!r}: a positive int")
+        if not isinstance(self.small, int) or self.small < 0:
+            raise ValueError(f"small={self.small!r}: a non-negative int")
+
+    @classmethod
+    def parse(cls, text: Union[str, "LeanConfig"]) -> "LeanConfig":
+        """A preset (``"O2-lean"``, :data:`PRESETS`) or the string form ``str()`` prints (``"masters=auto,state=int8"``)."""
+        if isinstance(text, LeanConfig):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
+                            f"not {type(text).__name__}")
+        if text in PRESETS:
+            return cls(*PRESETS[text])
+        parts = dict(p.strip().partition("=")[::2] for p in text.split(",") if p.strip())
+        if "=" not in text or not set(parts) <= {"masters", "state"}:
+            raise ValueError(f"precision={text!r} is not a preset; valid: {', '.join(map(repr, PRESETS))}, or "
+                             f"'masters=<mode>,state=<mode>'")
+        return cls(**parts)
+
+    @classmethod
+    def of(cls, masters: Union[str, MasterPrecision] = "fp32", state: Union[str, StatePrecision] = "fp32",
+           calibration_steps: int = 4, small: int = 65536) -> "LeanConfig":
+        """Deprecated: the constructor takes names, ``LeanConfig("auto", "int8")``."""
+        warn_deprecated("LeanConfig.of(...)", "write LeanConfig(...): the constructor takes the modes' names")
+        return cls(masters, state, calibration_steps, small)
+
+    @classmethod
+    def preset(cls, name: str) -> "LeanConfig":
+        """Deprecated: ``LeanConfig.parse(name)``."""
+        warn_deprecated("LeanConfig.preset(name)", "write LeanConfig.parse(name)")
+        return cls.parse(name)
+
+    @property
+    def lean(self) -> bool:
+        return self.masters is not MasterPrecision.FP32 or self.state is not StatePrecision.FP32
+
+    @property
+    def auto(self) -> bool:
+        return self.masters is MasterPrecision.AUTO or self.state is StatePrecision.AUTO
+
+    def __str__(self) -> str:
+        return f"masters={self.masters},state={self.state}"
+
+
+def resolve(masters: Union[str, MasterPrecision, None], state: Union[str, StatePrecision, None],
+            precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
+    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)`` (None: not given;
+    ``precision`` sets both, so beside ``masters`` or ``state`` it is refused: one would be ignored)."""
+    if precision is None:
+        return LeanConfig("fp32" if masters is None else masters, "fp32" if state is None else state)
+    if not isinstance(precision, (str, LeanConfig)):
+        raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
+                        f"not {type(precision).__name__}")
+    config = precision if isinstance(precision, LeanConfig) else LeanConfig.parse(precision)
+    if masters is not None or state is not None:
+        given = " and ".join(f"{k}={v!r}" for k, v in (("masters", masters), ("state", state)) if v is not None)
+        want = [str(config.masters if masters is None else masters), str(config.state if state is None else state)]
+        raise ValueError(f"precision={precision!r} sets masters and state ({config}), so {given} beside it would be "
+                         f"ignored: pass one or the other, e.g. masters={want[0]!r}, state={want[1]!r} without precision")
+    return config

@@ -1,4 +1,5 @@
-"""Masters and optimizer state chosen per tensor: :class:`LeanConfig` and the float32 :class:`Workspace` of a step.
+"""Masters and optimizer state chosen per tensor: the float32 :class:`Workspace` of a step (the options,
+:class:`~fxamp.training.config.LeanConfig`, are read at construction in :mod:`fxamp.training.config`).
 
 A low-precision parameter's master is one of (:class:`MasterPrecision`):
 
@@ -34,96 +35,12 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..dtypes import StrEnum
 from . import native, quant
+from .config import LeanConfig
 from .inner import ForeachSGD, plain
 
-__all__ = ["MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "Choice", "Workspace",
-           "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable", "check_params",
-           "seed_from", "state_keys", "resolve", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
-
-
-class MasterPrecision(StrEnum):
-    """What keeps a low-precision weight's full value between steps."""
-
-    FP32 = "fp32"
-    KAHAN = "kahan"
-    STOCHASTIC = "stochastic"
-    AUTO = "auto"
-
-
-class StatePrecision(StrEnum):
-    """How the optimizer state of a low-precision weight is stored between steps."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    INT8 = "int8"
-    AUTO = "auto"
-
-
-#: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``
-PRESETS = {"O2": ("fp32", "fp32"), "O2-lean": ("auto", "auto")}
-
-
-def _enum(cls, value: Any, option: str):
-    try:
-        return cls(value)
-    except ValueError:
-        valid = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{option}={value!r} is not a valid mode; valid: {valid}") from None
-
-
-@dataclass(frozen=True)
-class LeanConfig:
-    """The masters and state of a :class:`~fxamp.MixedPrecisionOptimizer`; validated at construction.
-
-    masters:           :class:`MasterPrecision` for every low-precision parameter
-    state:             :class:`StatePrecision` for their optimizer state
-    calibration_steps: with ``"auto"``, the first steps run with float32 masters and state and measure
-                       (:mod:`fxamp.training.calibrate`); the choice is made after the last of them
-    small:             with ``"auto"``, tensors under this many elements keep float32 where rounding bites,
-                       and float32 state (:data:`fxamp.training.calibrate.SMALL`)
-    """
-
-    masters: MasterPrecision = MasterPrecision.FP32
-    state: StatePrecision = StatePrecision.FP32
-    calibration_steps: int = 4
-    small: int = 65536
-
-    def __post_init__(self) -> None:
-        for name, cls in (("masters", MasterPrecision), ("state", StatePrecision)):
-            if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"LeanConfig's {name} must be a {cls.__name__}, not {getattr(self, name)!r}: write "
-                                f"LeanConfig.of({name}={getattr(self, name)!r}) to give it by name")
-        if not isinstance(self.calibration_steps, int) or self.calibration_steps < 1:
-            raise ValueError(f"calibration_steps={self.calibration_steps!r}: a positive int")
-        if not isinstance(self.small, int) or self.small < 0:
-            raise ValueError(f"small={self.small!r}: a non-negative int")
-
-    @classmethod
-    def of(cls, masters: Union[str, MasterPrecision] = "fp32", state: Union[str, StatePrecision] = "fp32",
-           calibration_steps: int = 4, small: int = 65536) -> "LeanConfig":
-        """A LeanConfig from names (``LeanConfig.of("auto", "int8")``), each checked against its valid values."""
-        return cls(_enum(MasterPrecision, masters, "masters"), _enum(StatePrecision, state, "state"),
-                   calibration_steps, small)
-
-    @classmethod
-    def preset(cls, name: str) -> "LeanConfig":
-        if name not in PRESETS:
-            raise ValueError(f"precision={name!r} is not a preset; valid: {', '.join(map(repr, PRESETS))}")
-        masters, state = PRESETS[name]
-        return cls.of(masters, state)
-
-    @property
-    def lean(self) -> bool:
-        return self.masters is not MasterPrecision.FP32 or self.state is not StatePrecision.FP32
-
-    @property
-    def auto(self) -> bool:
-        return self.masters is MasterPrecision.AUTO or self.state is StatePrecision.AUTO
-
-    def __str__(self) -> str:
-        return f"masters={self.masters},state={self.state}"
+__all__ = ["Choice", "Workspace", "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable",
+           "check_params", "seed_from", "state_keys", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
 
 
 @dataclass
@@ -533,24 +450,6 @@ def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, nam
         raise ValueError(f"state={state!r} compresses the state of torch.optim.Adam, AdamW or SGD (their keys are "
                          f"known); {type(optimizer).__name__} keeps float32 state: pass state='fp32' (or 'auto', "
                          f"which keeps it float32 for this optimizer)")
-
-
-def resolve(masters: Union[str, MasterPrecision, None], state: Union[str, StatePrecision, None],
-            precision: Optional[Union[str, LeanConfig]]) -> LeanConfig:
-    """The :class:`LeanConfig` of ``MixedPrecisionOptimizer(masters=, state=, precision=)`` (None: not given;
-    ``precision`` sets both, so beside ``masters`` or ``state`` it is refused: one would be ignored)."""
-    if precision is None:
-        return LeanConfig.of("fp32" if masters is None else masters, "fp32" if state is None else state)
-    if not isinstance(precision, (str, LeanConfig)):
-        raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
-                        f"not {type(precision).__name__}")
-    config = precision if isinstance(precision, LeanConfig) else LeanConfig.preset(precision)
-    if masters is not None or state is not None:
-        given = " and ".join(f"{k}={v!r}" for k, v in (("masters", masters), ("state", state)) if v is not None)
-        want = [str(config.masters if masters is None else masters), str(config.state if state is None else state)]
-        raise ValueError(f"precision={precision!r} sets masters and state ({config}), so {given} beside it would be "
-                         f"ignored: pass one or the other, e.g. masters={want[0]!r}, state={want[1]!r} without precision")
-    return config
 
 
 def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[Dict[str, Any]]] = None,

@@ -338,7 +338,7 @@ class LossScaler:
     overflow flag and the caller calls :meth:`update` once per iteration, after every step, as
     with GradScaler::
 
-        scaler = fxamp.LossScaler()
+        scaler = fxamp.training.loss_scale.LossScaler()
         opt_a = fxamp.MixedPrecisionOptimizer(adam, loss_scale=scaler)
         opt_b = fxamp.MixedPrecisionOptimizer(sgd, loss_scale=scaler)
         opt_a.backward(loss_a + loss_b)

@@ -13,7 +13,7 @@
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
 step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
 Float32 parameters (O1, or norms under O2) are stepped directly.  The step's stages are the
-scaler's (:class:`fxamp.training.loss_scale.Stage`, kept by the :class:`fxamp.LossScaler` for each
+scaler's (:class:`fxamp.training.loss_scale.Stage`, kept by the :class:`fxamp.training.loss_scale.LossScaler` for each
 optimizer attached to it)::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
@@ -55,7 +55,7 @@ import torch.nn as nn
 from . import checkpoint, lean
 from . import plan as planning
 from . import step as engine
-from .config import LossScaleOption
+from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
 from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
@@ -150,11 +150,11 @@ class MixedPrecisionOptimizer:
         compile_step: bool = False,
         masters: Optional[str] = None,
         state: Optional[str] = None,
-        precision: Optional[Union[str, lean.LeanConfig]] = None,
+        precision: Optional[Union[str, LeanConfig]] = None,
         seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         check_optimizer(optimizer)
-        config = lean.resolve(masters, state, precision)
+        config = resolve_lean(masters, state, precision)
         lean.check_params(optimizer, config, model=model)  # (before anything changes)
         if compile_step and config.lean:
             raise ValueError(f"compile_step=True steps float32 masters and state; {config} is lean: pass one or the other")

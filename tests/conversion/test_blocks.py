@@ -490,7 +490,7 @@ def test_report_before_a_call_names_the_families_and_takes_no_options():
     assert not rep.rows and any("'layers.0' (shared by layers.0, layers.1, layers.2, layers.3): not called yet" in n
                                 for n in rep.notes)
     with pytest.raises(ValueError, match=r"converted in place \(fxamp.convert_\).*pass the model alone"):
-        fxamp.report(model, ids())
+        fxamp.report(model, example_inputs=ids())
 
 
 def test_torch_compile_traces_the_converted_model_as_one_graph():

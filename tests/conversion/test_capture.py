@@ -388,7 +388,7 @@ def test_finfo_of_a_traced_dtype_captures_at_the_first_call_without_inputs():
     torch.manual_seed(0)
     model = FinfoAttn()
     amp = fxamp.convert(model, "O1", dtype=torch.bfloat16)
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     x, mask = _mask_inputs()
     torch.testing.assert_close(amp(x, mask), model(x, mask), atol=2e-2, rtol=0)
 

@@ -135,7 +135,7 @@ def test_forced_export_on_a_traceable_model():
     assert "captured with torch.export (frontend='export')" in fxamp.conversion_info(amp).notes
     assert fxamp.conversion_info(fxamp.convert(model, "O1", example_inputs=(torch.randn(3, 4),))).frontend == "fx"
     # without inputs: captured at the first call (issue 12; tests/conversion/test_lazy.py)
-    assert isinstance(fxamp.convert(model, "O1", frontend="export"), fxamp.LazyConverted)
+    assert isinstance(fxamp.convert(model, "O1", frontend="export"), fxamp.conversion.lazy.LazyConverted)
 
 
 def test_dynamic_none_freezes_shapes():
@@ -269,7 +269,7 @@ def test_mode_dependent_branches_get_a_graph_per_mode_with_torch_export():
     model = StochasticDepth().eval()
     amp = fxamp.convert(model, "O1", dtype=torch.float16, example_inputs=(torch.randn(2, 8),),
                         frontend="export").eval()
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     lead = fxamp.conversion_info(amp).notes[0]
     assert "fxamp holds a graph per mode" in lead
     notes = " ".join(fxamp.conversion_info(amp.graph_modules()[0]).notes)
@@ -492,7 +492,7 @@ def test_leaf_modules_cannot_be_kept_by_export():
 
 def test_aten_ops_share_their_torch_functions_entries():
     """Every listed torch / F function with an aten op of the same name: the aten op has the same entry."""
-    lists = fxamp.DEFAULT_OP_LISTS
+    lists = fxamp.conversion.op_lists.DEFAULT_OP_LISTS
     checked, differ = 0, []
     for key, entry in lists.items():
         if isinstance(key, (type, str, torch._ops.OpOverloadPacket)):

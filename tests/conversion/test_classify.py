@@ -218,7 +218,7 @@ def test_node_overrides_change_one_root_level_op():
     muls = rec.of("mul")
     assert [c.inputs[0] for c in muls] == [torch.float16, torch.float32]  # the other mul stays low
     assert rec.of("addmm")[1].inputs == (torch.float32,) * 3
-    rep = fxamp.report(RootOps(), torch.randn(2, 8), node_overrides={"mul_1": "unsafe"}, dtype=torch.float16)
+    rep = fxamp.report(RootOps(), example_inputs=torch.randn(2, 8), node_overrides={"mul_1": "unsafe"}, dtype=torch.float16)
     row = next(r for r in rep.rows if r.node == "mul_1")
     assert row.source == "node override" and row.compute == "float32"
 
@@ -249,7 +249,7 @@ def test_with_overrides_makes_new_lists():
     lists = DEFAULT_OP_LISTS.with_overrides({torch.exp: "neutral"})
     assert lists.lookup(torch.exp).category is Category.NEUTRAL
     assert DEFAULT_OP_LISTS.lookup(torch.exp).category is Category.UNSAFE
-    custom = lists.with_overrides({torch.tanh: OpEntry.of("unsafe", "my reason")})
+    custom = lists.with_overrides({torch.tanh: OpEntry("unsafe", "my reason")})
     assert custom.lookup(torch.tanh).reason == "my reason"
     amp = fxamp.convert(build("TiedLM"), "O1", op_lists=custom)
     assert decisions(amp)["tanh"].reason == "my reason"
@@ -270,7 +270,7 @@ def test_with_overrides_makes_new_lists():
     ({"leaf_modules": ["nope"]}, ValueError, "leaf_modules: 'nope' is not a submodule path"),
     ({"leaf_modules": [3]}, TypeError, "leaf_modules takes nn.Module classes or module paths"),
     ({"frontend": "jit"}, ValueError, "frontend='jit' is not one of"),
-    ({"op_lists": {}}, TypeError, "op_lists must be an fxamp.OpLists"),
+    ({"op_lists": {}}, TypeError, "op_lists must be an fxamp.conversion.op_lists.OpLists"),
 ])
 def test_bad_options_say_what_to_do(kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -123,8 +123,8 @@ def test_softmax_between_matmuls_stays_low_elsewhere_float32():
     assert inputs == [(torch.bfloat16,), (torch.float32,), (torch.float32,)]
     d = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}
     assert "between low-precision matmul and matmul_1" in d["softmax"].reason  # the attention's
-    assert d["softmax"].resolved is fxamp.Category.NEUTRAL
-    assert d["softmax_1"].resolved is d["softmax_2"].resolved is fxamp.Category.UNSAFE
+    assert d["softmax"].resolved is fxamp.conversion.op_lists.Category.NEUTRAL
+    assert d["softmax_1"].resolved is d["softmax_2"].resolved is fxamp.conversion.op_lists.Category.UNSAFE
     with torch.no_grad():
         ref = model(x)
     assert sqnr(ref[0], probs) > SQNR_FLOOR[torch.bfloat16]
@@ -164,7 +164,7 @@ def test_causal_softmax_between_matmuls_stays_low(dtype, make_mask):
     x = torch.randn(2, 8, 32)
     amp = fxamp.convert(model, "O2", dtype=dtype)
     d = {n.name: decision_of(n) for n in amp.graph.nodes if decision_of(n)}
-    assert d["softmax"].resolved is fxamp.Category.NEUTRAL, d["softmax"].reason
+    assert d["softmax"].resolved is fxamp.conversion.op_lists.Category.NEUTRAL, d["softmax"].reason
     with torch.no_grad(), OpDtypes() as rec:
         out = amp(x)
     assert [c.inputs for c in rec.of("_softmax")] == [(dtype,)]
@@ -202,7 +202,7 @@ def test_a_sum_only_float32_ops_use_computes_in_float32():
     amp = fxamp.convert(model, "O2", dtype=torch.bfloat16).eval()
     d = decisions(amp)
     assert d["add"].compute == d["add_1"].compute == torch.float32
-    assert d["add"].resolved is fxamp.Category.UNSAFE and "only float32 ops use it (norm)" in d["add_1"].reason
+    assert d["add"].resolved is fxamp.conversion.op_lists.Category.UNSAFE and "only float32 ops use it (norm)" in d["add_1"].reason
     assert d["add_2"].compute is None and d["add_3"].compute is None  # feeds a linear / leaves the model
     assert amp.tok.weight.dtype == torch.bfloat16  # the tables still stored low: no memory given back
     with OpDtypes() as rec:
@@ -379,7 +379,7 @@ def test_save_load_and_deepcopy(policy, tmp_path):
     torch.save(amp, path)
     loaded = torch.load(path, weights_only=False)
     assert torch.equal(loaded(x), expected)
-    assert fxamp.policy_of(loaded) == fxamp.policy_of(amp)
+    assert fxamp.info.policy_of(loaded) == fxamp.info.policy_of(amp)
     clone = copy.deepcopy(amp)
     assert torch.equal(clone(x), expected)
     assert fxamp.conversion_info(clone) == fxamp.conversion_info(amp)
@@ -444,7 +444,7 @@ def test_mixed_cat_promotes_to_widest():
 def test_explicit_sum_dtype_is_respected():
     amp = fxamp.convert(build("ExplicitSum"), "O1", dtype=torch.float16)
     node = next(n for n in amp.graph.nodes if n.op == "call_method" and n.target == "sum")
-    assert decision_of(node).category is fxamp.Category.CONDITIONAL
+    assert decision_of(node).category is fxamp.conversion.op_lists.Category.CONDITIONAL
     assert "dtype=float32" in decision_of(node).reason
     with OpDtypes() as rec:
         amp(inputs_for("ExplicitSum")[0])
@@ -522,7 +522,7 @@ def test_o2_keeps_tensors_read_by_unlisted_ops_float32():
             return self.fc(x) + torch.logaddexp(angles, self.inv_freq).sum()
 
     amp = fxamp.convert(Rotary(), "O2", dtype=torch.bfloat16)
-    assert fxamp.DEFAULT_OP_LISTS.lookup(torch.logaddexp) is None
+    assert fxamp.conversion.op_lists.DEFAULT_OP_LISTS.lookup(torch.logaddexp) is None
     assert amp.inv_freq.dtype == torch.float32  # read by logaddexp, which no list knows
     assert amp.fc.weight.dtype == torch.bfloat16
 

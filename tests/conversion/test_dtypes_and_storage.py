@@ -277,7 +277,7 @@ def test_report_shows_float64_where_it_ran_although_the_decision_said_low():
             return (a @ b).softmax(-1)
 
     a, b = torch.randn(2, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
-    rep = fxamp.report(MatSoftmax(), (a, b), policy="O1")
+    rep = fxamp.report(MatSoftmax(), example_inputs=(a, b), policy="O1")
     rows = {r.node: r for r in rep.rows}
     assert rows["matmul"].compute == "float64"
     assert rep.summary.low_share == 0.0
@@ -300,6 +300,6 @@ def test_lazy_o2_casts_kept_low_storage_for_an_unlisted_op_reached_through_a_vie
     torch.manual_seed(0)
     model, x = LinearWeightToUnlistedOp().eval(), torch.randn(4, 16)
     amp = fxamp.convert(model, "O2", frontend="export", dtype=torch.float16)  # no inputs: storage predicted, kept at capture
-    assert isinstance(amp, fxamp.LazyConverted) and amp.proj.weight.dtype == torch.float16
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted) and amp.proj.weight.dtype == torch.float16
     with torch.no_grad():
         assert sqnr(model(x), amp(x)) > 30.0

@@ -1,4 +1,4 @@
-"""Convert first, capture at the first call (issue 12): ``fxamp.LazyConverted``.
+"""Convert first, capture at the first call (issue 12): ``fxamp.conversion.lazy.LazyConverted``.
 
 A model torch.fx cannot trace, converted without example inputs, captures with torch.export at its
 first call and again for each new call signature.  Pinned here: parameters exist (in their storage
@@ -79,7 +79,7 @@ def lazy(model=None, policy="O2", **kw):
     torch.manual_seed(0)
     model = model if model is not None else RankNet()
     amp = fxamp.convert(model, policy, dtype=torch.bfloat16, **kw)
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     return model, amp
 
 
@@ -112,7 +112,7 @@ def test_parameters_exist_before_the_first_call(policy, low):
 def test_frontend_export_without_inputs_is_lazy():
     torch.manual_seed(0)
     amp = fxamp.convert(nn.Sequential(nn.Linear(4, 4)), "O1", frontend="export", dtype=torch.float16)
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     assert fxamp.conversion_info(amp).notes[0].startswith("frontend='export' without example inputs")
     assert amp(torch.randn(3, 4)).shape == (3, 4)
     assert fxamp.conversion_info(amp.graph_module).frontend == "export"
@@ -257,7 +257,7 @@ def test_clear_cast_cache_reaches_every_capture():
         amp(torch.randn(2, 8))
     caches = [weight_cache_of(gm) for gm in amp.graph_modules()]
     assert len(caches) == 2 and all(len(c) > 0 for c in caches)
-    fxamp.clear_cast_cache(amp)
+    fxamp.conversion.convert.clear_cast_cache(amp)
     assert [len(c) for c in caches] == [0, 0]
 
 
@@ -266,7 +266,7 @@ def test_report_reads_the_captured_graph():
     x = torch.randn(2, 3, 8)
     amp(x)
     for target in (amp, amp.graph_module):
-        rep = fxamp.report(target, (x,))
+        rep = fxamp.report(target, example_inputs=(x,))
         assert any(r.node == "linear" and r.compute == "bfloat16" for r in rep.rows)
         assert rep.frontend == "export"
     with pytest.raises(RuntimeError, match="captures its graph at the first call"):
@@ -377,7 +377,7 @@ def test_hugging_face_training_without_example_inputs(name, policy):
     model = {"gpt2": _gpt2, "bert": _bert, "t5": _t5}[name](transformers)
     reference = copy.deepcopy(model)
     amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     assert amp.config.to_dict() == model.config.to_dict()  # the original's data attributes are readable
     generates = r"'generate' is a method of the original .*torch\.autocast" if hasattr(model, "generate") else None
     with pytest.raises(AttributeError, match=generates):
@@ -439,7 +439,7 @@ def test_initialize_rebinds_before_the_first_call():
     model = RankNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp, mp = fxamp.initialize(model, opt, "O2", dtype=torch.bfloat16)
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     assert amp.norm.weight is model.norm.weight  # float32 parameters re-bound to the original's
     before = model.fc.weight.detach().clone()
     mp.zero_grad()

@@ -64,7 +64,7 @@ def test_embedding_lookup_reason_names_its_float32_user():
         def forward(self, ids):
             return self.norm(self.emb(ids))
 
-    text = fxamp.report(Net(), torch.tensor([[1, 2, 3]]), "O2", dtype=torch.float16).to_json()
+    text = fxamp.report(Net(), "O2", example_inputs=torch.tensor([[1, 2, 3]]), dtype=torch.float16).to_json()
     assert "looking up in float32 keeps the table's bits" in text
 
 

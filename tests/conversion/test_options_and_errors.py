@@ -24,20 +24,20 @@ CPU_NOTE = "dtype=bfloat16 (autocast's default on cpu; pass dtype= to choose)"
 def test_a_cpu_model_defaults_to_bfloat16_and_says_so():
     model, x = _net(), torch.randn(2, 8)
     amp = fxamp.convert(model, "O1")
-    assert fxamp.policy_of(amp).compute == torch.bfloat16
+    assert fxamp.info.policy_of(amp).compute == torch.bfloat16
     assert fxamp.conversion_info(amp).notes[0] == CPU_NOTE
     with torch.no_grad():
         with torch.autocast("cpu"):  # autocast's own default on CPU: the same numbers
             expected = model(x)
         assert torch.allclose(amp(x), expected.float(), atol=1e-2)
-    assert CPU_NOTE in str(fxamp.report(model, (x,)))  # and the report shows the note
+    assert CPU_NOTE in str(fxamp.report(model, example_inputs=(x,)))  # and the report shows the note
 
 
 def test_an_explicit_dtype_or_policy_wins_and_needs_no_note():
     model = _net()
     for amp in (fxamp.convert(model, "O2", dtype=torch.float16), fxamp.convert(model, "compute=float16"),
-                fxamp.convert(model, fxamp.Policy.from_preset("O1", "float16"))):
-        assert fxamp.policy_of(amp).compute == torch.float16
+                fxamp.convert(model, fxamp.Policy.parse("O1", "float16"))):
+        assert fxamp.info.policy_of(amp).compute == torch.float16
         assert not any("autocast's default" in n for n in fxamp.conversion_info(amp).notes)
     o0_notes = fxamp.conversion_info(fxamp.convert(model, "O0")).notes  # nothing runs in low precision
     assert not any("autocast's default" in n for n in o0_notes)
@@ -45,7 +45,7 @@ def test_an_explicit_dtype_or_policy_wins_and_needs_no_note():
 
 def test_a_lazily_capturing_module_says_which_dtype_it_chose():
     amp = fxamp.convert(_net(), "O2", frontend="export")
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     assert fxamp.conversion_info(amp).notes[0] == CPU_NOTE
     assert dict(amp.named_parameters())["0.weight"].dtype == torch.bfloat16
 

@@ -1,6 +1,7 @@
 """``conversion/pipeline.py`` (``rewrite_captured``) and the options it reads (``conversion/options.py``)."""
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -65,8 +66,8 @@ def test_o0_changes_nothing_and_is_bitwise():
 
 
 def test_options_reach_the_passes():
-    options = ConvertOptions.build(debug_overflow="raise", weight_cache=False,
-                                   module_overrides={"fc": "unsafe"})
+    options = ConvertOptions(debug_overflow="raise", weight_cache=False,
+                             module_overrides={"fc": "unsafe"})
     _, gm = rewritten("O1", options)
     assert hasattr(gm, MONITOR_NAME)
     assert decision_of(next(n for n in gm.graph.nodes if n.name == "linear")).compute == torch.float32
@@ -88,29 +89,35 @@ def test_a_large_float32_leaf_is_noted_and_warned_about():
     model = Leafy()
     with pytest.warns(UserWarning, match=r"leaf module 'custom' \(Bilinear\) runs whole in float32 and holds"):
         gm = rewrite_captured(capture(model, leaf_modules=[nn.Bilinear]), resolve_policy("O1", "float16"),
-                              ConvertOptions.build(overrides={nn.Bilinear: "unsafe"}))
+                              ConvertOptions(overrides={nn.Bilinear: "unsafe"}))
     assert any("leaf module 'custom'" in n for n in fxamp.conversion_info(gm).notes)
     assert 0 < FLOAT32_LEAF_SHARE < 1
 
 
-def test_convert_options_build_normalises_and_the_constructor_only_checks():
-    options = ConvertOptions.build(debug_overflow="record", dynamic="all", overrides={torch.exp: "neutral"},
-                                   node_overrides={})
+def test_convert_options_normalises_convert_keywords_and_build_warns():
+    options = ConvertOptions(debug_overflow="record", dynamic="all", overrides={torch.exp: "neutral"},
+                             node_overrides={})
     assert options.debug_overflow is DebugOverflow.RECORD and options.dynamic is Dynamic.ALL
-    assert options.op_lists.lookup(torch.exp).category is fxamp.Category.NEUTRAL
+    assert options.op_lists.lookup(torch.exp).category is fxamp.conversion.op_lists.Category.NEUTRAL
+    assert options.override_keys == (torch.exp,)
     assert options.node_overrides is None  # empty: none
-    assert ConvertOptions() == ConvertOptions.build()
+    assert ConvertOptions() == ConvertOptions(op_lists=None)
     assert copy.deepcopy(options) is options
-    plain = ConvertOptions.build(module_overrides={"fc": "safe"})
+    plain = ConvertOptions(module_overrides={"fc": "safe"})
     assert pickle.loads(pickle.dumps(plain)) == plain
-    with pytest.raises(TypeError, match="debug_overflow must be a DebugOverflow"):
-        ConvertOptions(debug_overflow="raise")
-    with pytest.raises(TypeError, match="op_lists must be an fxamp.OpLists, not dict"):
-        ConvertOptions.build(op_lists={})
+    assert dataclasses.replace(options, dynamic="none").op_lists is options.op_lists  # overrides applied once
+    with pytest.raises(ValueError, match="debug_overflow='loud' is not one of 'off', 'record', 'raise'"):
+        ConvertOptions(debug_overflow="loud")
+    with pytest.raises(TypeError, match="op_lists must be an fxamp.conversion.op_lists.OpLists, not dict"):
+        ConvertOptions(op_lists={})
     with pytest.raises(TypeError, match="weight_cache must be True or False, not 'yes'"):
-        ConvertOptions.build(weight_cache="yes")
+        ConvertOptions(weight_cache="yes")
     with pytest.raises(TypeError, match="module_overrides must be a mapping"):
-        ConvertOptions.build(module_overrides=["fc"])
+        ConvertOptions(module_overrides=["fc"])
+    with pytest.warns(DeprecationWarning, match=r"ConvertOptions.build\(...\) is deprecated and kept for one release: "
+                                                r"write ConvertOptions\(...\)"):
+        assert ConvertOptions.build(dynamic="all", overrides={torch.exp: "neutral"}) == \
+            ConvertOptions(dynamic="all", overrides={torch.exp: "neutral"})
 
 
 @pytest.mark.parametrize("kind,value,exc,match", [

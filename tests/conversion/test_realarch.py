@@ -83,7 +83,7 @@ def test_a_lazily_converted_module_does_not_keep_the_original_model_alive(policy
     model = Untraceable()
     alive = weakref.ref(model)
     amp = fxamp.convert(model, policy, dtype=BF16)
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     del model
     gc.collect()
     assert alive() is None  # the stored torch.fx error's traceback held convert's `model`
@@ -284,7 +284,7 @@ def test_a_label_check_failure_comes_before_the_unrelated_fx_failure():
 def test_a_lazy_capture_talks_about_the_calls_arguments():
     ids = torch.randint(0, 10, (2, 5))
     amp = fxamp.convert(HFStyleLM(), "O1")
-    assert isinstance(amp, fxamp.LazyConverted)
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
     with pytest.raises(fxamp.TraceError, match=r"^torch\.export could not capture HFStyleLM") as info:
         amp(input_ids=ids, labels=ids)
     text = str(info.value)

@@ -231,7 +231,7 @@ def test_no_gradient_checkpointing_note_without_it():
 
 def _all_notes(amp):
     """The module's notes, and each held graph's (GPT-2 reads self.training: a graph per mode)."""
-    graphs = amp.graph_modules() if isinstance(amp, fxamp.LazyConverted) else []
+    graphs = amp.graph_modules() if isinstance(amp, fxamp.conversion.lazy.LazyConverted) else []
     return [*fxamp.conversion_info(amp).notes, *(n for g in graphs for n in fxamp.conversion_info(g).notes)]
 
 

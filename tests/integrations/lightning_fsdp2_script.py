@@ -27,7 +27,7 @@ class LM(pl.LightningModule):
         self.losses = []
 
     def configure_model(self):
-        if fxamp.policy_of(self.model) is None:
+        if fxamp.conversion_info(self.model) is None:
             fxamp.convert_(self.model, "O1", dtype=torch.bfloat16)
             fxamp.shard(self.model, mesh=self.device_mesh["data_parallel"])
 

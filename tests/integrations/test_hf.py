@@ -168,7 +168,7 @@ def test_prepare_without_an_example_batch_captures_at_the_first_call(tmp_path):
     torch.manual_seed(0)
     a = args(tmp_path, 6)
     model, optimizers = hf.prepare(gpt2(), a, "O2", dtype="bf16")
-    assert isinstance(model, fxamp.LazyConverted)
+    assert isinstance(model, fxamp.conversion.lazy.LazyConverted)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = transformers.Trainer(model=model, args=a, optimizers=optimizers, train_dataset=TRAIN)
     trainer.train()
@@ -195,7 +195,7 @@ def test_lazy_path_evaluate_returns_eval_loss_like_the_example_batch_path(tmp_pa
     a = args(tmp_path, 1)
     eager, eager_opts = hf.prepare(gpt2(), a, "O2", dtype="bf16", example_batch=example_batch())
     lazy, lazy_opts = hf.prepare(gpt2(), a, "O2", dtype="bf16")
-    assert isinstance(lazy, fxamp.LazyConverted)
+    assert isinstance(lazy, fxamp.conversion.lazy.LazyConverted)
     expected = transformers.Trainer(model=eager, args=a, optimizers=eager_opts, eval_dataset=VAL).evaluate()
     trainer = transformers.Trainer(model=lazy, args=a, optimizers=lazy_opts, eval_dataset=VAL)
     assert trainer.label_names == ["labels"]
@@ -228,7 +228,7 @@ def test_optimizers_passed_with_gradient_accumulation_does_not_warn(tmp_path, re
 
 
 def test_lean_masters_and_state_are_passed_on(tmp_path):
-    with pytest.raises(ValueError, match=r"masters='half' is not a valid mode; valid: 'fp32', 'kahan'"):
+    with pytest.raises(ValueError, match=r"masters='half' is not a valid mode; valid: 'fp32' \(float32\), 'kahan'"):
         hf.prepare(gpt2(), args(tmp_path, 10), "O2", masters="half", example_batch=example_batch())
     model, (opt, _) = hf.prepare(gpt2(), args(tmp_path, 10), "O2", masters="kahan", state="int8",
                                  example_batch=example_batch())

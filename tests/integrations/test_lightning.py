@@ -254,7 +254,7 @@ def test_modules_option_and_untraceable_error():
     assert fxamp.conversion_info(model.net) is not None and fxamp.conversion_info(model.aux) is None
     # an untraceable child becomes a LazyConverted; its data-dependent branch fails at the first call
     both = FxampPrecision("O2").convert_module(Two())
-    assert isinstance(both.aux, fxamp.LazyConverted)
+    assert isinstance(both.aux, fxamp.conversion.lazy.LazyConverted)
     with pytest.raises(fxamp.TraceError, match="data-dependent control flow"):
         both.aux(torch.randn(2, 64))
     with pytest.raises(ValueError, match="has no submodule 'nett'"):
@@ -350,7 +350,7 @@ def test_loss_scale_takes_the_optimizers_forms():
     assert FxampPrecision("O2", dtype="16", loss_scale=128.0).scaler.config == fxamp.LossScaleConfig.static(128.0)
     assert FxampPrecision("O2", dtype="16").scaler.kind == "dynamic"
     assert FxampPrecision("O2", dtype="bf16").scaler.kind == "none"
-    shared = fxamp.LossScaler(fxamp.LossScaleConfig.none())
+    shared = fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig.none())
     assert FxampPrecision("O2", dtype="16", loss_scale=shared).scaler is shared
     assert FxampPrecision("O2").optimizers == []
 
@@ -367,7 +367,7 @@ def test_validate_a_lazily_converted_network_like_an_eager_one():
     val = loaders()[1]
     expected = trainer(FxampPrecision("O2", dtype="bf16")).validate(eager, val, verbose=False)[0]["val_loss"]
     got = trainer(FxampPrecision("O2", dtype="bf16", frontend="export")).validate(lazy, val, verbose=False)
-    assert isinstance(lazy.net, fxamp.LazyConverted)
+    assert isinstance(lazy.net, fxamp.conversion.lazy.LazyConverted)
     assert list(inspect.signature(type(lazy.net).forward).parameters) == ["self", "input"]
     assert list(inspect.signature(lazy.net.forward).parameters) == ["input"]
     assert got[0]["val_loss"] == pytest.approx(expected, rel=1e-3)

@@ -212,7 +212,7 @@ MODES: Dict[str, Callable[[], Dict[str, Any]]] = {
     "fp32": lambda: {},
     "kahan": lambda: {"masters": "kahan"},
     "stochastic-int8": lambda: {"masters": "stochastic", "state": "int8"},
-    "auto": lambda: {"precision": fxamp.LeanConfig.of("auto", "auto", calibration_steps=2, small=0)},
+    "auto": lambda: {"precision": fxamp.LeanConfig("auto", "auto", calibration_steps=2, small=0)},
 }
 LAYOUT_STEPS = 5
 #: float32 masters, strided vs contiguous, where not bitwise: the largest loss difference (relative), from the

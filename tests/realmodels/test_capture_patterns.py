@@ -267,7 +267,7 @@ def _inputs():
 def test_item8_nn_transformers_run_in_low_precision_on_the_fx_path(name):
     torch.manual_seed(0)
     model = Wrapped(*TRANSFORMERS[name]).eval()
-    rep = fxamp.report(model, _inputs(), "O1", dtype=torch.bfloat16)
+    rep = fxamp.report(model, "O1", example_inputs=_inputs(), dtype=torch.bfloat16)
     assert rep.frontend == "fx"
     assert rep.summary.low_share >= 0.8, f"low-precision FLOP share {rep.summary.low_share:.0%}"
 
@@ -278,7 +278,7 @@ def test_item8_export_path_runs_them_in_low_precision(name):
     """The export path already gets most FLOPs into low precision: the bar item 8's fix must meet."""
     torch.manual_seed(0)
     model = Wrapped(*TRANSFORMERS[name]).eval()
-    rep = fxamp.report(model, _inputs(), "O1", dtype=torch.bfloat16, frontend="export")
+    rep = fxamp.report(model, "O1", example_inputs=_inputs(), dtype=torch.bfloat16, frontend="export")
     assert rep.summary.low_share >= 0.8, f"low-precision FLOP share {rep.summary.low_share:.0%}"
 
 

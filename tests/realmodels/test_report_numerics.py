@@ -29,11 +29,11 @@ def test_report_output_sqnr_matches_end_to_end(name, policy):
     dtype = torch.bfloat16
     model = build(entry).eval()
     args, kwargs = entry.inputs(0)
-    rep = fxamp.report(model, args, policy, dtype=dtype, example_kwargs=kwargs, numerics=True,
+    rep = fxamp.report(model, policy, example_inputs=args, dtype=dtype, example_kwargs=kwargs, numerics=True,
                        frontend=entry.frontend, **entry.convert_kwargs)
     amp = rm_checks.convert(entry, model, policy, dtype).eval()
     with torch.no_grad():
-        direct = fxamp.sqnr(model(*args, **kwargs), amp(*args, **kwargs))
+        direct = fxamp.reporting.numerics.sqnr(model(*args, **kwargs), amp(*args, **kwargs))
     measured = rep.numerics_summary.output_sqnr_db
     assert math.isfinite(direct) and direct > 10, direct
     assert measured == pytest.approx(direct, abs=0.1), (measured, direct)

@@ -29,7 +29,7 @@ class MLP(nn.Module):
 def _report(model, policy, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return fxamp.report(model, [(torch.randn(16, 32),), (torch.randn(16, 32),)], policy, **kw)
+        return fxamp.report(model, policy, example_inputs=[(torch.randn(16, 32),), (torch.randn(16, 32),)], **kw)
 
 
 def test_the_column_shows_the_choice_and_with_numerics_the_float8_error_and_scales():
@@ -82,7 +82,7 @@ def test_autotune_keeps_exactly_the_planted_node_in_bfloat16(recipe):
     batches = [(torch.randn(16, 32),), (torch.randn(16, 32),)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        amp, overrides, result = autotune(MLP(planted=True), batches, f"O2,float8={recipe}:always", return_result=True)
+        amp, overrides, result = autotune(MLP(planted=True), f"O2,float8={recipe}:always", example_inputs=batches, return_result=True)
     assert overrides["node_overrides"] == {"linear_1": "no_float8"}
     assert result.float8_refused == ("linear_1",) and result.chosen == ()
     chosen = {n.name for n in amp.graph.nodes if n.meta.get("fxamp") and n.meta["fxamp"].float8
@@ -95,7 +95,7 @@ def test_autotunes_float8_overrides_save_load_and_convert_the_same(tmp_path):
     model = MLP(planted=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        amp, overrides = autotune(model, [(torch.randn(16, 32),)], "O2,float8=tensorwise:always")
+        amp, overrides = autotune(model, "O2,float8=tensorwise:always", example_inputs=[(torch.randn(16, 32),)])
         fxamp.save_overrides(overrides, str(tmp_path / "o.json"))
         again = fxamp.convert(model, "O2,float8=tensorwise:always", **fxamp.load_overrides(str(tmp_path / "o.json")))
     x = torch.randn(4, 32)
@@ -106,7 +106,7 @@ def test_autotune_changes_nothing_on_a_healthy_mlp():
     torch.manual_seed(4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        amp, overrides, result = autotune(MLP(), [(torch.randn(16, 32),)], "O2,float8=tensorwise:always",
+        amp, overrides, result = autotune(MLP(), "O2,float8=tensorwise:always", example_inputs=[(torch.randn(16, 32),)],
                                           return_result=True)
     assert overrides == {"module_overrides": {}, "node_overrides": {}, "overrides": {}}
     assert result.float8_refused == () and result.score_before >= 15.0
@@ -120,7 +120,7 @@ def test_the_column_shows_how_far_one_nan_spreads_under_each_recipe(recipe, rows
     x[3, 5] = float("nan")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rep = fxamp.report(MLP(), [(x,)], f"O2,float8={recipe}:always", numerics=True)
+        rep = fxamp.report(MLP(), f"O2,float8={recipe}:always", example_inputs=[(x,)], numerics=True)
     measured = {r.node: r.float8.measured for r in rep.rows if r.float8 is not None}
     assert {n: m.nan_rows for n, m in measured.items()} == {n: (rows, 16) for n in ("linear", "linear_1", "linear_2")}
     text = str(rep)

@@ -30,7 +30,7 @@ def test_underflow_fractions_match_the_float32_gradients():
     def loss_fn(out):
         return out.float().pow(2).mean() * 1e-3
 
-    rep = fxamp.report(model, (x,), gradients=True, loss_fn=loss_fn)
+    rep = fxamp.report(model, example_inputs=(x,), gradients=True, loss_fn=loss_fn)
     g = rep.gradients
     # the same backward in plain PyTorch
     ref = planted.Healthy()
@@ -55,7 +55,7 @@ def test_underflow_fractions_match_the_float32_gradients():
 
 def test_default_loss_is_mean_square_or_own_loss():
     model, x = planted.Healthy(), torch.randn(4, 16)
-    rep = fxamp.report(model, (x,), gradients=True)
+    rep = fxamp.report(model, example_inputs=(x,), gradients=True)
     assert rep.gradients.loss_from == "mean square of the outputs"
     assert rep.gradients.loss == pytest.approx(float(model(x).pow(2).mean()), rel=1e-5)
 
@@ -72,7 +72,7 @@ class _ReturnsItsLoss(torch.nn.Module):
 def test_a_scalar_output_is_the_loss_not_squared():
     torch.manual_seed(0)
     model, x, y = _ReturnsItsLoss(), torch.randn(4, 16), torch.randn(4, 16)
-    g = fxamp.report(model, (x, y), gradients=True).gradients
+    g = fxamp.report(model, example_inputs=(x, y), gradients=True).gradients
     assert g.loss_from == "the output (a scalar: the model returns its loss)"
     assert g.loss == pytest.approx(float(model(x, y)), rel=1e-5)
     model(x, y).backward()  # the gradients of the loss itself, not of mean(loss ** 2)
@@ -83,20 +83,20 @@ def test_a_scalar_output_is_the_loss_not_squared():
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "grads.png"
-    fxamp.report(planted.Healthy(), (torch.randn(8, 16) * 1e-3,), gradients=True, plot=str(path))
+    fxamp.report(planted.Healthy(), example_inputs=(torch.randn(8, 16) * 1e-3,), gradients=True, plot=str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        fxamp.report(planted.Healthy(), (torch.randn(2, 16),), gradients=True, plot=str(tmp_path / "g.png"))
+        fxamp.report(planted.Healthy(), example_inputs=(torch.randn(2, 16),), gradients=True, plot=str(tmp_path / "g.png"))
 
 
 def test_bad_input():
     with pytest.raises(ValueError, match="gradients=True runs the model: pass example_inputs"):
         fxamp.report(planted.Healthy(), gradients=True)
     with pytest.raises(ValueError, match="loss_fn= and plot= go with gradients=True"):
-        fxamp.report(planted.Healthy(), (torch.randn(2, 16),), loss_fn=lambda o: o.sum())
+        fxamp.report(planted.Healthy(), example_inputs=(torch.randn(2, 16),), loss_fn=lambda o: o.sum())
     with pytest.raises(ValueError, match="loss_fn must return a scalar tensor"):
-        fxamp.report(planted.Healthy(), (torch.randn(2, 16),), gradients=True, loss_fn=lambda o: o)
+        fxamp.report(planted.Healthy(), example_inputs=(torch.randn(2, 16),), gradients=True, loss_fn=lambda o: o)

@@ -18,7 +18,7 @@ def test_gpt2_kv_cache_values_are_not_flagged():
                                      bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
-    rep = fxamp.report(model, (ids,))
+    rep = fxamp.report(model, example_inputs=(ids,))
     assert rep.frontend == "export" and rep.lints
     for lint in rep.lints:
         assert "overrides=" in lint.message or "store it in low precision" in lint.message, lint
@@ -36,8 +36,8 @@ def test_user_chosen_float32_is_not_flagged():
     import models
 
     block, x = models.TinyTransformerBlock(), torch.randn(2, 8, 32)
-    assert {lint.node for lint in fxamp.report(block, x).lints if lint.kind == "cast-down"} == {"norm1", "norm2"}
-    chosen = fxamp.report(block, x, module_overrides={"norm1": "unsafe"})
+    assert {lint.node for lint in fxamp.report(block, example_inputs=x).lints if lint.kind == "cast-down"} == {"norm1", "norm2"}
+    chosen = fxamp.report(block, example_inputs=x, module_overrides={"norm1": "unsafe"})
     assert {lint.node for lint in chosen.lints if lint.kind == "cast-down"} == {"norm2"}
 
 
@@ -47,7 +47,7 @@ def test_gpt2_export_table_fits_120_columns():
     config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=1, n_head=2)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    rep = fxamp.report(model, (ids,), policy="O1", dtype=torch.bfloat16)
+    rep = fxamp.report(model, example_inputs=(ids,), policy="O1", dtype=torch.bfloat16)
     text = rep.to_table()
     assert max(len(line) for line in text.splitlines()) <= 120
     assert "…" not in text
@@ -76,7 +76,7 @@ def test_a_root_level_float32_op_is_pointed_at_node_overrides():
             return self.fc2(torch.exp(self.fc(x)))
 
     x = torch.randn(2, 8)
-    (lint,) = [lint for lint in fxamp.report(Root(), x).lints if lint.kind == "cast-down"]
+    (lint,) = [lint for lint in fxamp.report(Root(), example_inputs=x).lints if lint.kind == "cast-down"]
     assert lint.node == "exp" and "(overrides= / node_overrides=)" in lint.message
-    assert not [lint for lint in fxamp.report(Root(), x, node_overrides={"exp": "unsafe"}).lints
+    assert not [lint for lint in fxamp.report(Root(), example_inputs=x, node_overrides={"exp": "unsafe"}).lints
                 if lint.kind == "cast-down"]

@@ -21,14 +21,14 @@ FRONTENDS = ["fx", "export"]
 
 def _end_to_end(model, amp, batches):
     with torch.no_grad():
-        return min(fxamp.sqnr(model(*b), amp(*b)) for b in batches)
+        return min(fxamp.reporting.numerics.sqnr(model(*b), amp(*b)) for b in batches)
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 @pytest.mark.parametrize("policy", ["O1", "O2"])
 def test_output_sqnr_matches_end_to_end(frontend, policy):
     model, batches = planted.Healthy().eval(), planted.batches(3)
-    rep = fxamp.report(model, batches, policy, numerics=True, frontend=frontend, dtype=torch.float16)
+    rep = fxamp.report(model, policy, example_inputs=batches, numerics=True, frontend=frontend, dtype=torch.float16)
     amp = fxamp.convert(model, policy, example_inputs=batches[0], frontend=frontend, dtype=torch.float16).eval()
     direct = _end_to_end(model, amp, batches)
     assert 50 < direct < 90
@@ -44,8 +44,8 @@ def test_output_sqnr_matches_end_to_end(frontend, policy):
 def test_min_over_batches():
     model = planted.Healthy().eval()
     batches = planted.batches(3)
-    per_batch = [fxamp.report(model, [b], numerics=True)["linear_1"].numerics.sqnr_db for b in batches]
-    assert fxamp.report(model, batches, numerics=True)["linear_1"].numerics.sqnr_db == pytest.approx(min(per_batch))
+    per_batch = [fxamp.report(model, example_inputs=[b], numerics=True)["linear_1"].numerics.sqnr_db for b in batches]
+    assert fxamp.report(model, example_inputs=batches, numerics=True)["linear_1"].numerics.sqnr_db == pytest.approx(min(per_batch))
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -53,7 +53,7 @@ def test_min_over_batches():
                                                    ("Underflows", "mul", "underflow"),
                                                    ("Unlisted", "special_i0", "overflow")])
 def test_worst_op_is_the_planted_culprit(frontend, name, culprit, column):
-    rep = fxamp.report(getattr(planted, name)(), planted.batches(), numerics=True, frontend=frontend, dtype=torch.float16)
+    rep = fxamp.report(getattr(planted, name)(), example_inputs=planted.batches(), numerics=True, frontend=frontend, dtype=torch.float16)
     s = rep.numerics_summary
     assert (s.worst, s.culprit) == (culprit, culprit)
     assert [r.node for r in rep.rows if r.numerics and r.numerics.culprit] == [culprit]
@@ -64,14 +64,14 @@ def test_worst_op_is_the_planted_culprit(frontend, name, culprit, column):
 
 
 def test_overflow_counts_nonfinite():
-    rep = fxamp.report(planted.Overflows(), planted.batches(), numerics=True, dtype=torch.float16)
+    rep = fxamp.report(planted.Overflows(), example_inputs=planted.batches(), numerics=True, dtype=torch.float16)
     n = rep["mul_1"].numerics
     assert n.sqnr_db == -math.inf and n.nonfinite > 0 and n.overflow >= n.nonfinite / (2 * 64)  # max over batches; counts add up
     assert rep["linear"].numerics.nonfinite == 0
 
 
 def test_json_and_csv():
-    rep = fxamp.report(planted.Underflows(), planted.batches(), numerics=True, dtype=torch.float16)
+    rep = fxamp.report(planted.Underflows(), example_inputs=planted.batches(), numerics=True, dtype=torch.float16)
     data = json.loads(rep.to_json())
     assert data["version"] == 2
     assert data["numerics_summary"] == {"output_sqnr_db": pytest.approx(rep.numerics_summary.output_sqnr_db),
@@ -87,12 +87,12 @@ def test_json_and_csv():
     assert (float(mul["sqnr_db"]), mul["culprit"]) == (pytest.approx(rep["mul"].numerics.sqnr_db, abs=0.05), "1")
     assert any(r["node"] == "numerics.worst" and r["value"] == "mul" for r in records)
     # exact equality is +inf dB: JSON writes the string "inf"
-    exact = json.loads(fxamp.report(planted.Healthy(), planted.batches(), "O0", numerics=True).to_json())
+    exact = json.loads(fxamp.report(planted.Healthy(), "O0", example_inputs=planted.batches(), numerics=True).to_json())
     assert exact["numerics_summary"]["output_sqnr_db"] == "inf"
 
 
 def test_plain_report_unchanged():
-    rep = fxamp.report(planted.Healthy(), planted.batches()[0])
+    rep = fxamp.report(planted.Healthy(), example_inputs=planted.batches()[0])
     assert rep.numerics_summary is None and all(r.numerics is None for r in rep.rows)
     assert "SQNR" not in rep.to_table()
     assert list(csv.reader(io.StringIO(rep.to_csv())))[0][-1] == "value"
@@ -103,7 +103,7 @@ def test_bad_input():
         fxamp.report(planted.Healthy(), numerics=True)
     amp = fxamp.convert(planted.Healthy())
     with pytest.raises(ValueError, match="needs the original float32 model"):
-        fxamp.report(amp, planted.batches()[0], numerics=True)
+        fxamp.report(amp, example_inputs=planted.batches()[0], numerics=True)
 
 
 def test_cost():
@@ -141,8 +141,8 @@ def test_cost():
 
 def test_batches_from_an_iterable():
     model, batches = planted.Underflows(), planted.batches(3)
-    from_list = fxamp.report(model, batches, numerics=True)
-    from_gen = fxamp.report(model, (b for b in batches), numerics=True)
+    from_list = fxamp.report(model, example_inputs=batches, numerics=True)
+    from_gen = fxamp.report(model, example_inputs=(b for b in batches), numerics=True)
     assert from_gen.numerics_summary == from_list.numerics_summary and from_gen.numerics_summary.batches == 3
     with pytest.raises(TypeError, match="a list of such tuples"):
-        fxamp.report(model, {"x": batches[0][0]}, numerics=True)
+        fxamp.report(model, example_inputs={"x": batches[0][0]}, numerics=True)

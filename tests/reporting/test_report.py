@@ -30,7 +30,7 @@ def _mlp_input():
 @pytest.fixture(scope="module")
 def mlp_report():
     torch.manual_seed(0)
-    return fxamp.report(models.TinyMLP(), _mlp_input(), dtype=torch.float16)
+    return fxamp.report(models.TinyMLP(), example_inputs=_mlp_input(), dtype=torch.float16)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_static_report_without_inputs():
     assert rep.summary.flops is None and rep.summary.low_share is None and rep.summary.noop_casts is None
     assert "unknown without example inputs" in str(rep)
     # the same categories and casts as with inputs: both come from the converted graph
-    with_inputs = fxamp.report(models.TinyMLP(), _mlp_input(), dtype=torch.float16)
+    with_inputs = fxamp.report(models.TinyMLP(), example_inputs=_mlp_input(), dtype=torch.float16)
     assert [(r.node, r.category, r.resolved, len(r.casts)) for r in rep.rows] == \
         [(r.node, r.category, r.resolved, len(r.casts)) for r in with_inputs.rows]
 
@@ -130,7 +130,7 @@ def test_table_columns_and_summary(mlp_report):
 
 @pytest.mark.parametrize("name, shape", [("TinyMLP", (2, 64)), ("TinyCNN", (2, 3, 16, 16))])
 def test_default_table_fits_120_columns_and_never_cuts_words(name, shape):
-    rep = fxamp.report(getattr(models, name)(), torch.randn(shape))
+    rep = fxamp.report(getattr(models, name)(), example_inputs=torch.randn(shape))
     text = rep.to_table()
     assert max(len(line) for line in text.splitlines()) <= 120
     words = {w.strip(":;,()") for w in " ".join(r.reason for r in rep.rows).split()}
@@ -153,7 +153,7 @@ def test_default_table_fits_120_columns_and_never_cuts_words(name, shape):
 def test_report_agrees_with_what_runs():
     torch.manual_seed(0)
     model = models.TinyMLP()
-    rep = fxamp.report(model, _mlp_input(), dtype=torch.float16)
+    rep = fxamp.report(model, example_inputs=_mlp_input(), dtype=torch.float16)
     with OpDtypes() as rec:
         fxamp.convert(model, "O1", dtype=torch.float16)(_mlp_input())
     matmuls = rec.of("addmm", "mm", "linear")
@@ -175,7 +175,7 @@ def test_model_is_not_changed():
     torch.manual_seed(0)
     model = models.TinyCNN().train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    rep = fxamp.report(model, torch.randn(2, 3, 8, 8), policy="O2", dtype=torch.float16)
+    rep = fxamp.report(model, example_inputs=torch.randn(2, 3, 8, 8), policy="O2", dtype=torch.float16)
     assert all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in model.state_dict().items())
     assert rep["conv1_weight"].output_dtype == "float16"  # O2 stores it low, in its own copy
     assert model.conv1.weight.dtype == torch.float32
@@ -183,12 +183,12 @@ def test_model_is_not_changed():
 
 def test_report_of_a_converted_module():
     gm = fxamp.convert(models.TinyMLP(), "O2", dtype="bfloat16")
-    rep = fxamp.report(gm, _mlp_input())
+    rep = fxamp.report(gm, example_inputs=_mlp_input())
     assert rep.policy.startswith("O2 (params=bfloat16")
     assert rep["fc1_weight"].output_dtype == "bfloat16"
     assert [str(c) for c in rep["linear"].casts] == ["x→bf16"]  # the weights are stored in bfloat16
     with pytest.raises(ValueError, match="already converted"):
-        fxamp.report(gm, _mlp_input(), policy="O1")
+        fxamp.report(gm, example_inputs=_mlp_input(), policy="O1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,20 +198,20 @@ def test_report_of_a_converted_module():
 
 def test_flops_conv_and_attention(block, block_input):
     torch.manual_seed(0)
-    cnn = fxamp.report(models.TinyCNN(), torch.randn(2, 3, 8, 8), dtype=torch.float16)
+    cnn = fxamp.report(models.TinyCNN(), example_inputs=torch.randn(2, 3, 8, 8), dtype=torch.float16)
     convs = [r for r in cnn.rows if r.op.endswith("conv2d")]
     assert [r.flops for r in convs] == [2 * (2 * 8 * 8 * 8) * 3 * 9, 2 * (2 * 16 * 4 * 4) * 8 * 9]
-    rep = fxamp.report(block, block_input, dtype=torch.float16)
+    rep = fxamp.report(block, example_inputs=block_input, dtype=torch.float16)
     sdpa = rep["scaled_dot_product_attention"]
     b, h, t, e = 2, 4, 8, 8
     assert sdpa.flops == 2 * b * h * t * t * (e + e) + 3 * b * h * t * t
     assert sdpa.compute == "float16" and sdpa.low_precision
-    o0 = fxamp.report(models.TinyMLP(), _mlp_input(), policy="O0")
+    o0 = fxamp.report(models.TinyMLP(), example_inputs=_mlp_input(), policy="O0")
     assert o0.summary.low_share == 0.0 and o0.summary.casts == 0
 
 
 def test_dtype_leak_lint(block, block_input):
-    rep = fxamp.report(block, block_input)
+    rep = fxamp.report(block, example_inputs=block_input)
     found = {(lint.kind, lint.node) for lint in rep.lints}
     assert found == {("param-promotion", "mul"), ("cast-down", "norm1"), ("cast-down", "norm2")}
     promo = next(lint for lint in rep.lints if lint.kind == "param-promotion")
@@ -220,25 +220,25 @@ def test_dtype_leak_lint(block, block_input):
     assert "dtype leaks (3):" in str(rep)
     # O2 keeps gamma (a layer scale, multiplied into the activations) float32, as autocast does, so the
     # promotion stays; O3 stores it in float16: none left.  The same lints are found without inputs.
-    assert {lint.kind for lint in fxamp.report(block, block_input, policy="O2").lints} == {"cast-down",
+    assert {lint.kind for lint in fxamp.report(block, example_inputs=block_input, policy="O2").lints} == {"cast-down",
                                                                                          "param-promotion"}
-    assert "param-promotion" not in {lint.kind for lint in fxamp.report(block, block_input, policy="O3").lints}
+    assert "param-promotion" not in {lint.kind for lint in fxamp.report(block, example_inputs=block_input, policy="O3").lints}
     assert {(lint.kind, lint.node) for lint in fxamp.report(block).lints} == found
 
 
 def test_diff_between_policies(block, block_input):
-    diff = fxamp.compare(block, block_input, ("O1", "O2"), dtype=torch.float16)
+    diff = fxamp.compare(block, ("O1", "O2"), example_inputs=block_input, dtype=torch.float16)
     changed = {r.node: r for r in diff.rows}
     assert changed["qkv_weight"].output_a == "float32" and changed["qkv_weight"].output_b == "float16"
     assert "norm1" not in changed and "x" not in changed
     assert "mul" not in changed  # gamma stays float32 under O2 (it enters the activations directly)
-    o3 = {r.node: r for r in fxamp.compare(block, block_input, ("O1", "O3"), dtype=torch.float16).rows}
+    o3 = {r.node: r for r in fxamp.compare(block, ("O1", "O3"), example_inputs=block_input, dtype=torch.float16).rows}
     assert (o3["mul"].compute_a, o3["mul"].compute_b) == ("float32", "float16")
     assert diff.summary_b.casts < diff.summary_a.casts
     text = str(diff)
     assert "fp32 → fp16" in text and "A: O1" in text and "B: O2" in text
     assert json.loads(diff.to_json())["rows"]
-    a = fxamp.report(block, block_input, dtype=torch.float16)
+    a = fxamp.report(block, example_inputs=block_input, dtype=torch.float16)
     assert not a.diff(a).rows
     with pytest.raises(ValueError, match="different graphs"):
         a.diff(fxamp.report(models.TinyMLP(), dtype=torch.float16))
@@ -317,7 +317,7 @@ def _validate(value, schema, path="$"):
 
 @pytest.mark.parametrize("with_inputs", [True, False])
 def test_json_schema(block, block_input, with_inputs):
-    rep = fxamp.report(block, block_input if with_inputs else None, dtype=torch.float16)
+    rep = fxamp.report(block, example_inputs=block_input if with_inputs else None, dtype=torch.float16)
     data = json.loads(rep.to_json())
     _validate(data, REPORT_SCHEMA)
     assert len(data["rows"]) == len(rep)
@@ -362,7 +362,7 @@ def test_only_and_lookup(mlp_report):
 
 
 def test_bfloat16_and_overrides():
-    rep = fxamp.report(models.TinyMLP(), _mlp_input(), policy="O1", dtype="bfloat16",
+    rep = fxamp.report(models.TinyMLP(), example_inputs=_mlp_input(), policy="O1", dtype="bfloat16",
                        overrides={torch.nn.functional.relu: "unsafe"})
     assert rep["linear"].compute == "bfloat16"
     relu = rep["relu"]
@@ -380,7 +380,7 @@ def test_leaf_modules_run_whole():
             h, _ = self.rnn(x)
             return self.mlp(h)
 
-    rep = fxamp.report(Net(), torch.randn(2, 3, 8), leaf_modules=["mlp"], dtype=torch.float16)
+    rep = fxamp.report(Net(), example_inputs=torch.randn(2, 3, 8), leaf_modules=["mlp"], dtype=torch.float16)
     rnn = next(r for r in rep.rows if r.module == "rnn")
     assert (rnn.kind, rnn.category.value, rnn.compute) == ("call_module", "safe", "float16")
     assert [str(c) for c in rnn.casts] == ["rnn.*→fp16"]  # weights cast inside call_module_cast
@@ -398,16 +398,16 @@ def test_example_kwargs_and_input_count():
         def forward(self, x, shift: float = 0.0):
             return self.fc(x) + shift
 
-    rep = fxamp.report(Two(), torch.randn(2, 4), dtype=torch.float16)
+    rep = fxamp.report(Two(), example_inputs=torch.randn(2, 4), dtype=torch.float16)
     assert rep["linear"].compute == "float16"
     with pytest.raises(ValueError, match="forward takes 2 inputs .*3 example inputs"):
-        fxamp.report(Two(), (torch.randn(2, 4), torch.randn(1), torch.randn(1)), dtype=torch.float16)
+        fxamp.report(Two(), example_inputs=(torch.randn(2, 4), torch.randn(1), torch.randn(1)), dtype=torch.float16)
 
 
 def test_run_failure_names_the_node():
     with pytest.raises(fxamp.FxampError, match=r"failed at node linear \(torch.nn.functional.linear in fc1\).*"
                                                r"mat1 and mat2 shapes cannot be multiplied"):
-        fxamp.report(models.TinyMLP(), torch.randn(2, 63))
+        fxamp.report(models.TinyMLP(), example_inputs=torch.randn(2, 63))
 
 
 @pytest.mark.parametrize("name", [m.__name__ for m in models.MODELS])
@@ -418,7 +418,7 @@ def test_each_example_model(name):
         "TinyTransformerBlock": torch.randn(2, 6, 32)}[name]
     model = cls()
     assert model(x).dtype == torch.float32  # runnable as it is
-    rep = fxamp.report(model, x, dtype=torch.float16)
+    rep = fxamp.report(model, example_inputs=x, dtype=torch.float16)
     assert rep.summary.low_share > 0.9
     assert all(r.compute in ("float16", "float32", "-") for r in rep.rows if r.is_op)
 
@@ -427,7 +427,7 @@ def test_the_idle_cast_legend_shows_a_cast_of_this_report():
     """The legend of ``(a→dtype)`` names the dtype of a cast the table shows, not a fixed float16."""
     from models import TinyTransformerBlock
 
-    text = str(fxamp.report(TinyTransformerBlock(), (torch.randn(2, 8, 32),), dtype=torch.bfloat16))
+    text = str(fxamp.report(TinyTransformerBlock(), example_inputs=(torch.randn(2, 8, 32),), dtype=torch.bfloat16))
     assert "(x→fp32)" in text  # the input cast in front of norm1: already float32
     assert "(a→fp32): a run-time checked cast that changed nothing for these inputs" in text
     assert "a→fp16" not in text
@@ -457,8 +457,8 @@ def test_a_checkpointed_block_is_reported_op_by_op_as_without_checkpointing():
                          tuple(str(c) for c in r.casts)) for r in rep.rows}
 
     x = torch.randn(2, 8)
-    plain = fxamp.report(_Block(False), (x,), dtype=torch.bfloat16)
-    kept = fxamp.report(_Block(True), (x,), dtype=torch.bfloat16)
+    plain = fxamp.report(_Block(False), example_inputs=(x,), dtype=torch.bfloat16)
+    kept = fxamp.report(_Block(True), example_inputs=(x,), dtype=torch.bfloat16)
     assert any("activation checkpointing at" in n and "kept" in n for n in kept.notes)
     assert table(kept) == table(plain)
     amp = fxamp.convert(_Block(True), "O1", dtype=torch.bfloat16)

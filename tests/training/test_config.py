@@ -1,4 +1,4 @@
-"""fxamp.training.config on its own: config_for over every loss_scale= form, LossScaleConfig.of/parse, compute_dtype."""
+"""fxamp.training.config on its own: config_for over every loss_scale= form, LossScaleConfig(...)/parse, compute_dtype."""
 
 import dataclasses
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from fxamp import LossScaleConfig, LossScaler, ScaleKind
-from fxamp.training.config import OPTIONS, compute_dtype, config_for
-from fxamp.training.loss_scale import scaler_for
+from fxamp import LossScaleConfig
+from fxamp.training.config import OPTIONS, ScaleKind, compute_dtype, config_for
+from fxamp.training.loss_scale import LossScaler, scaler_for
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 VALID = (r"'auto', 'dynamic', 'none', 'static:<scale>' \(e\.g\. 'static:1024'\) or the scale itself \(1024\.0\), "
@@ -99,19 +99,19 @@ def test_options_text_lists_every_form():
         assert word in OPTIONS
 
 
-# --------------------------------------------------------------------------- LossScaleConfig.of / parse
+# --------------------------------------------------------------------------- LossScaleConfig(...) / parse
 
-def test_of_picks_the_scale_per_kind_and_normalises():
-    dyn = LossScaleConfig.of()
+def test_the_constructor_picks_the_scale_per_kind_and_normalises():
+    dyn = LossScaleConfig()
     assert dyn == LossScaleConfig() and dyn.kind is ScaleKind.DYNAMIC and dyn.init_scale == 2.0**16
-    none = LossScaleConfig.of("none")
+    none = LossScaleConfig("none")
     assert none.kind is ScaleKind.NONE and none.init_scale == 1.0 and str(none) == "none"
-    st = LossScaleConfig.of(ScaleKind.STATIC, 512)
+    st = LossScaleConfig(ScaleKind.STATIC, 512)
     assert st.kind is ScaleKind.STATIC and st.init_scale == 512.0 and type(st.init_scale) is float
-    assert LossScaleConfig.of("dynamic", 1024, hysteresis=2) == LossScaleConfig(
+    assert LossScaleConfig("dynamic", 1024, hysteresis=2) == LossScaleConfig(
         kind=ScaleKind.DYNAMIC, init_scale=1024.0, hysteresis=2)
     # the string and the enum are one kind
-    assert LossScaleConfig.of("static", 2.0) == LossScaleConfig.static(2.0)
+    assert LossScaleConfig("static", 2.0) == LossScaleConfig.static(2.0)
     assert ScaleKind("static") is ScaleKind.STATIC and str(ScaleKind.NONE) == "none"
 
 
@@ -129,9 +129,9 @@ def test_of_picks_the_scale_per_kind_and_normalises():
     (("dynamic",), dict(min_scale=-1.0), ValueError, r"need 0 <= min_scale <= max_scale"),
     (("dynamic",), dict(bogus=1), TypeError, r"bogus"),
 ])
-def test_of_validates(args, kwargs, error, match):
+def test_the_constructor_validates(args, kwargs, error, match):
     with pytest.raises(error, match=match):
-        LossScaleConfig.of(*args, **kwargs)
+        LossScaleConfig(*args, **kwargs)
 
 
 def test_static_scale_need_not_lie_in_the_dynamic_range():
@@ -140,13 +140,15 @@ def test_static_scale_need_not_lie_in_the_dynamic_range():
     assert LossScaleConfig.static(2.0**30).init_scale == 2.0**30
 
 
-def test_the_constructor_validates_without_normalising():
-    with pytest.raises(TypeError, match=r"kind='static' must be a ScaleKind; LossScaleConfig\.of\(kind='static'\) takes its string"):
-        LossScaleConfig(kind="static", init_scale=4.0)
-    cfg = LossScaleConfig(kind=ScaleKind.STATIC, init_scale=4)
-    assert cfg.init_scale == 4 and type(cfg.init_scale) is int  # of() is the normalising constructor
+def test_the_constructor_takes_the_kind_by_name_and_of_warns():
+    """One factory, parse (for the string form); the constructor takes the fields, the kind by name (issue 38)."""
+    cfg = LossScaleConfig(kind="static", init_scale=4)
+    assert cfg == LossScaleConfig(ScaleKind.STATIC, 4.0) and cfg.kind is ScaleKind.STATIC and type(cfg.init_scale) is float
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kind = ScaleKind.NONE
+    with pytest.warns(DeprecationWarning, match=r"LossScaleConfig.of\(...\) is deprecated and kept for one release: "
+                                                r"write LossScaleConfig\(...\)"):
+        assert LossScaleConfig.of("static", 4) == cfg
 
 
 def test_parse_round_trips_the_shorthands():

@@ -49,7 +49,7 @@ class Net(nn.Module):
 def fresh(policy="O1", **kw):
     torch.manual_seed(0)
     model = fxamp.convert_(Net(), policy, dtype=torch.float16)
-    scale = fxamp.LossScaleConfig.of("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
+    scale = fxamp.LossScaleConfig("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
     return model, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model,
                                                 loss_scale=scale, **kw)
 

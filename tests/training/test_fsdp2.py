@@ -180,7 +180,7 @@ def _accumulated(rank, sync_each):
 def _dcp_fresh(shard):
     model = _model("gpt", torch.float16)
     model = fxamp.shard(model) if shard else model
-    scale = fxamp.LossScaleConfig.of("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
+    scale = fxamp.LossScaleConfig("dynamic", init_scale=2.0**10, growth_interval=2)  # the scale moves
     return model, fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
                                                 loss_scale=scale)
 
@@ -334,7 +334,7 @@ def _misread(rank):
     called(x)
     called = fxamp.shard(called)
     out["called"] = called(x).item()
-    out["table"] = fxamp.sharding_table(called)
+    out["table"] = fxamp.sharding.sharding_table(called)
     kept = fxamp.shard(_scaled(), gather_float32=["blocks.*.fc.weight"])
     out["kept"] = kept(x).item()
     out["front ends"] = _front_ends(kept)  # captured under sharding, through bfloat16-gathered fc.bias
@@ -357,7 +357,7 @@ def _worker(rank, port, out_dir):
         result["misread"] = _misread(rank)
         sharded = fxamp.shard(_model("gpt", torch.bfloat16))
         result["dtypes"] = _op_dtypes(sharded, rank)
-        result["table"] = fxamp.sharding_table(sharded)
+        result["table"] = fxamp.sharding.sharding_table(sharded)
         result["accumulated"] = _accumulated(rank, sync_each=False)
         result["synced each"] = _accumulated(rank, sync_each=True)
         result["refusals"] = _refusals(rank)
@@ -567,11 +567,11 @@ def test_dcp_checkpoint_of_2_ranks_loads_on_1(ranks):
 
 
 def test_sharding_table_of_a_model_not_sharded_nor_called_yet():
-    table = fxamp.sharding_table(_model("gpt", torch.bfloat16))
+    table = fxamp.sharding.sharding_table(_model("gpt", torch.bfloat16))
     row = next(line for line in table.splitlines() if line.startswith("blocks.0.ln1.weight "))
     assert [c.strip() for c in row.split(" | ")[1:]] == ["float32", "-", "(not captured yet)", "-"]
     with pytest.raises(ValueError, match="was not converted by fxamp"):
-        fxamp.sharding_table(GPT())
+        fxamp.sharding.sharding_table(GPT())
 
 
 class Nested(nn.Module):
@@ -604,5 +604,5 @@ def test_the_plan_from_graphs_is_the_prediction_for_nested_layers():
     model(torch.randn(4, D))
     assert low_gathered(model) == predicted  # from the captured graphs now
     rows = {line.split(" | ")[0].strip(): line.split(" | ")[3].strip() for line in
-            fxamp.sharding_table(model).splitlines()[2:]}
+            fxamp.sharding.sharding_table(model).splitlines()[2:]}
     assert rows["blocks.1.mlp.2.weight"] == "bfloat16" and rows["blocks.1.ln.weight"] == "float32"

@@ -14,7 +14,8 @@ import fxamp
 from fxamp.info import ORIGIN
 from fxamp.training import quant
 from fxamp.training import lean as lean_module
-from fxamp.training.lean import LeanConfig, MasterPrecision, StatePrecision, stochastic_round
+from fxamp.training.config import LeanConfig, MasterPrecision, StatePrecision
+from fxamp.training.lean import stochastic_round
 
 MODES = [("fp32", "fp32"), ("kahan", "fp32"), ("stochastic", "fp32"), ("fp32", "int8"), ("kahan", "bf16"),
          ("stochastic", "int8"), ("auto", "auto")]
@@ -203,7 +204,7 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state, dtype):
         model = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32)).to(dtype)
         model[1].float()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        config = LeanConfig.of(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
+        config = LeanConfig(masters, state, calibration_steps=2, small=100)  # (auto: decided at step 2, of 3 before the checkpoint)
         return model, fxamp.MixedPrecisionOptimizer(inner, precision=config, seed=7, model=model)
 
     def train(model, opt, n):
@@ -320,7 +321,7 @@ def test_auto_keeps_float32_where_rounding_bites_and_says_why():
     with torch.no_grad():
         model[0].weight.mul_(100)  # large weights: a 1e-3 step is far under their half-ulp
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                        precision=LeanConfig.of("auto", "auto", calibration_steps=2, small=100),
+                                        precision=LeanConfig("auto", "auto", calibration_steps=2, small=100),
                                         model=model)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(3):
@@ -341,7 +342,7 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
     with torch.no_grad():
         model.weight.mul_(0.01)  # small weights: a 1e-2 step is many ulps
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                        precision=LeanConfig.of("auto", "auto", calibration_steps=2, small=100))
+                                        precision=LeanConfig("auto", "auto", calibration_steps=2, small=100))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     for _ in range(3):
         opt.zero_grad()
@@ -354,8 +355,8 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(masters="kahn"), ValueError, r"masters='kahn' is not a valid mode; valid: 'fp32', 'kahan', 'stochastic', 'auto'"),
-    (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32', 'bf16', 'int8', 'auto'"),
+    (dict(masters="kahn"), ValueError, r"masters='kahn' is not a valid mode; valid: 'fp32' \(float32\), 'kahan', 'stochastic', 'auto'"),
+    (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32' \(float32\), 'bf16' \(bfloat16\), 'int8', 'auto'"),
     (dict(precision="O9"), ValueError, r"precision='O9' is not a preset; valid: 'O2', 'O2-lean'"),
     (dict(masters="kahan", compile_step=True), ValueError, r"compile_step=True .* lean"),
     (dict(precision="O2-lean", masters="kahan"), ValueError,
@@ -363,7 +364,7 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
      r"be ignored: pass one or the other, e.g. masters='kahan', state='auto' without precision"),
     (dict(precision="O2", state="int8"), ValueError, r"precision='O2' .* so state='int8' beside it would be ignored: "
      r".* masters='fp32', state='int8' without precision"),
-    (dict(precision=LeanConfig.of("kahan"), masters="fp32", state="fp32"), ValueError,
+    (dict(precision=LeanConfig("kahan"), masters="fp32", state="fp32"), ValueError,
      r"precision=LeanConfig\(.*\) sets masters and state \(masters=kahan,state=fp32\), so masters='fp32' and "
      r"state='fp32' beside it would be ignored"),
 ])
@@ -412,7 +413,7 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
         amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                             release_grad_buffer=release,
-                                            precision=LeanConfig.of(masters, state, calibration_steps=2, small=100))
+                                            precision=LeanConfig(masters, state, calibration_steps=2, small=100))
         for step in range(4):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
             opt.zero_grad()
@@ -455,13 +456,36 @@ def test_a_float32_checkpoint_loads_into_a_lean_optimizer_as_configured():
     assert lean.optimizer.state[lean.master_pairs()[0][1]]["exp_avg"].dtype == torch.bfloat16
 
 
-def test_lean_config_takes_names_through_of_only():
-    assert LeanConfig.of("auto", "int8") == LeanConfig(MasterPrecision.AUTO, StatePrecision.INT8)
-    with pytest.raises(TypeError, match=r"LeanConfig's masters must be a MasterPrecision, not 'kahan': write "
-                                        r"LeanConfig.of\(masters='kahan'\)"):
-        LeanConfig("kahan")
-    with pytest.raises(ValueError, match="masters"):
-        LeanConfig.of("fp8")
+def test_lean_config_takes_names_and_parses_its_string_form():
+    """One factory, parse (presets and str()'s form); the constructor takes members or names (issue 38)."""
+    config = LeanConfig("auto", "int8")
+    assert config == LeanConfig(MasterPrecision.AUTO, StatePrecision.INT8) == LeanConfig.parse(str(config))
+    assert LeanConfig.parse("O2-lean") == LeanConfig("auto", "auto") and LeanConfig.parse("O2") == LeanConfig()
+    assert LeanConfig.parse("state=bfloat16") == LeanConfig(state=torch.bfloat16) == LeanConfig("fp32", "bf16")
+    with pytest.raises(ValueError, match=r"masters='fp8' is not a valid mode; valid: 'fp32' \(float32\), 'kahan'"):
+        LeanConfig("fp8")
+    with pytest.raises(ValueError, match=r"precision='O9' is not a preset; valid: 'O2', 'O2-lean', or "
+                                         r"'masters=<mode>,state=<mode>'"):
+        LeanConfig.parse("O9")
+    with pytest.warns(DeprecationWarning, match=r"LeanConfig.of\(...\) is deprecated and kept for one release: "
+                                                r"write LeanConfig\(...\)"):
+        assert LeanConfig.of("auto", "int8") == config
+    with pytest.warns(DeprecationWarning, match=r"LeanConfig.preset\(name\) is deprecated .*: write "
+                                                r"LeanConfig.parse\(name\)"):
+        assert LeanConfig.preset("O2-lean") == LeanConfig("auto", "auto")
+
+
+@pytest.mark.parametrize("masters,state", [("float32", "bfloat16"), (torch.float32, torch.bfloat16), ("FP32", "bf16"),
+                                           ("fp32", "bf16")])
+def test_masters_and_state_take_every_dtype_spelling(masters, state):
+    """The dtype vocabulary of fxamp.dtypes: masters='float32' and state='bfloat16' as 'fp32' and 'bf16' (issue 38)."""
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters=masters, state=state)
+    assert (opt.precision.masters, opt.precision.state) == (MasterPrecision.FP32, StatePrecision.BF16)
+    assert StatePrecision("bfloat16") is StatePrecision(torch.bfloat16) is StatePrecision.BF16
+    with pytest.raises(ValueError, match=r"state='float16' is not a valid mode; valid: 'fp32' \(float32\), 'bf16' "
+                                         r"\(bfloat16\), 'int8', 'auto'"):
+        fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), state="float16")
 
 
 def test_explicit_lean_modes_without_low_precision_parameters_are_refused():
@@ -579,7 +603,7 @@ def _layout_run(masters, state, layout, segmented):
         amp = amp.to(memory_format=torch.channels_last)
     lows = [amp.get_parameter(name) for name in ("c1.weight", "c2.weight", "w")]
     assert all(p.dtype == torch.bfloat16 and p.is_contiguous() != layout.startswith("strided") for p in lows)
-    precision = LeanConfig.of(masters, state, calibration_steps=2, small=10)  # (O2-lean's "auto", for tiny tensors)
+    precision = LeanConfig(masters, state, calibration_steps=2, small=10)  # (O2-lean's "auto", for tiny tensors)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                         release_grad_buffer=segmented, precision=precision)
     losses = []

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import fxamp
-from fxamp import LossScaleConfig, LossScaleError, LossScaler, OptimizerStateError, ScaleKind
-from fxamp.training.loss_scale import FoundInf, Stage, note_non_finite_
+from fxamp import LossScaleConfig, LossScaleError, OptimizerStateError
+from fxamp.training.config import ScaleKind
+from fxamp.training.loss_scale import FoundInf, LossScaler, Stage, note_non_finite_
 
 
 def run(scaler, flags, blame=("w",)):
@@ -27,7 +28,7 @@ def test_defaults_are_gradscalers_plus_floor_and_ceiling():
     assert (cfg.min_scale, cfg.max_scale, cfg.hysteresis) == (1.0, 2.0**24, 1)
     assert LossScaleConfig.static(128).init_scale == 128.0
     assert LossScaleConfig.none().init_scale == 1.0
-    assert LossScaleConfig.of(kind="none") == LossScaleConfig.none() and LossScaleConfig.of("static", 4).init_scale == 4.0
+    assert LossScaleConfig(kind="none") == LossScaleConfig.none() and LossScaleConfig("static", 4).init_scale == 4.0
     assert str(LossScaleConfig.static(128)) == "static(128)"
     assert "max_scale=16777216" in str(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -50,7 +51,7 @@ def test_defaults_are_gradscalers_plus_floor_and_ceiling():
 ])
 def test_bad_config_names_value_and_valid_ones(fields, match):
     with pytest.raises(ValueError, match=match):
-        LossScaleConfig.of(**fields)
+        LossScaleConfig(**fields)
 
 
 def test_scaler_takes_a_config_only():
@@ -156,7 +157,7 @@ def test_unscale_and_check_all_dtypes_one_kernel_each():
 
 
 def test_public_names():
-    for name in ("LossScaleConfig", "LossScaler", "ScaleKind", "MixedPrecisionOptimizer", "initialize"):
+    for name in ("LossScaleConfig", "MixedPrecisionOptimizer", "initialize"):
         assert name in fxamp.__all__ and hasattr(fxamp, name)
 
 

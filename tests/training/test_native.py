@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.training import lean, native, quant
-from fxamp.training.lean import LeanConfig
+from fxamp.training.config import LeanConfig
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
 
@@ -196,7 +196,7 @@ def _trained(masters, steps=30, seed=0, state="int8"):
     model = nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 512))
     amp = fxamp.convert(model, "O2", dtype=torch.bfloat16)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=3e-3), model=amp, seed=1,
-                                        precision=LeanConfig.of(masters, state))
+                                        precision=LeanConfig(masters, state))
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 512, (8, 17), generator=g) for _ in range(4)]  # learnt by heart: the loss falls
     losses = []
@@ -310,7 +310,7 @@ def test_a_segmented_step_feeds_the_kernel_the_bfloat16_gradients_bitwise_the_pl
                             "O2", dtype=torch.bfloat16)
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                             release_grad_buffer=release, loss_scale="static:3000",
-                                            precision=LeanConfig.of(masters, state))
+                                            precision=LeanConfig(masters, state))
         for step in range(4):
             opt.zero_grad()
             opt.backward(amp(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).float().square().mean())

@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp import LossScaleConfig, LossScaleError, LossScaler, MixedPrecisionOptimizer, OptimizerStateError
+from fxamp import LossScaleConfig, LossScaleError, MixedPrecisionOptimizer, OptimizerStateError
+from fxamp.training.loss_scale import LossScaler
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 INF, NAN = float("inf"), float("nan")

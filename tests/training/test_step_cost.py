@@ -13,6 +13,7 @@ import torch.nn as nn
 import fxamp
 from dispatch_count import count, mlp, set_grads
 from fxamp import MixedPrecisionOptimizer
+from fxamp.training.loss_scale import LossScaler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,7 +151,7 @@ def fake_cuda(monkeypatch):
     from fxamp.training import loss_scale as L
 
     monkeypatch.setattr(L.DeviceFlag, "__bool__", lambda self: False)
-    scaler = fxamp.LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
+    scaler = LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
     return FakeTensorMode(allow_non_fake_inputs=True), scaler
 
 
