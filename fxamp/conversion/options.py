@@ -20,12 +20,17 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar, Union
 
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists, op_key
 
-__all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option"]
+__all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option",
+           "RECOMPUTE", "NO_RECOMPUTE"]
 
 #: module path -> category: every op under the module (``{"encoder.layers.3": "unsafe"}``)
 ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
 #: node name (the report's ``node`` column) -> category: one op, wherever it is (a root-level op too)
 NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
+
+#: override values (``node_overrides``/``module_overrides``) that decide a float32 island (``conversion.islands``)
+RECOMPUTE = "recompute"  # recompute the island this node belongs to whatever the rule says (where it can)
+NO_RECOMPUTE = "no_recompute"  # keep this node's island as it runs without recomputation
 
 
 class DebugOverflow(str, enum.Enum):
@@ -102,6 +107,10 @@ class ConvertOptions:
     dynamic:          :class:`Dynamic` (``torch.export`` captures only).
     override_keys:    the op keys of the user's ``overrides`` (already in ``op_lists``), so that the
                       classification can say which of them matched no op of the graph.
+    recompute_islands: float32 islands whose inputs are exact upcasts keep those low-precision inputs for
+                      backward and recompute (``conversion.islands``).
+    island_overrides: ``(("node" or "module", name or path, RECOMPUTE or NO_RECOMPUTE), ...)``: the
+                      ``node_overrides``/``module_overrides`` entries with those values (:meth:`build` moves them here).
     """
 
     op_lists: OpLists = field(default_factory=lambda: DEFAULT_OP_LISTS)
@@ -111,9 +120,12 @@ class ConvertOptions:
     debug_overflow: DebugOverflow = DebugOverflow.OFF
     dynamic: Dynamic = Dynamic.BATCH
     override_keys: Tuple[OpKey, ...] = ()
+    recompute_islands: bool = True
+    island_overrides: Tuple[Tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         checks = (("op_lists", OpLists, "an fxamp.OpLists"), ("weight_cache", bool, "a bool"),
+                  ("recompute_islands", bool, "a bool"), ("island_overrides", tuple, "a tuple"),
                   ("debug_overflow", DebugOverflow, "a DebugOverflow (ConvertOptions.build accepts its strings)"),
                   ("dynamic", Dynamic, "a Dynamic (ConvertOptions.build accepts its strings)"))
         for name, kind, words in checks:
@@ -138,6 +150,7 @@ class ConvertOptions:
         weight_cache: bool = True,
         debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
         dynamic: Union[str, Dynamic] = Dynamic.BATCH,
+        recompute_islands: bool = True,
     ) -> "ConvertOptions":
         """Check and normalise ``convert``'s keywords, then construct (the arguments are ``convert``'s)."""
         lists = op_lists if op_lists is not None else DEFAULT_OP_LISTS
@@ -150,9 +163,25 @@ class ConvertOptions:
             lists = lists.with_overrides(overrides)
         if not isinstance(weight_cache, bool):
             raise TypeError(f"weight_cache must be True or False, not {weight_cache!r}")
+        if not isinstance(recompute_islands, bool):
+            raise TypeError(f"recompute_islands must be True or False, not {recompute_islands!r}")
+        module_overrides = _frozen_mapping(module_overrides, "module_overrides")
+        node_overrides = _frozen_mapping(node_overrides, "node_overrides")
+        islands = tuple((kind, key, value) for kind, given in (("module", module_overrides), ("node", node_overrides))
+                        for key, value in (given or {}).items() if value in (RECOMPUTE, NO_RECOMPUTE))
+        forced = next((key for _, key, value in islands if value == RECOMPUTE), None)
+        if forced is not None and not recompute_islands:
+            raise ValueError(f"overrides: {forced!r} asks for {RECOMPUTE!r}, but recompute_islands=False turns "
+                             f"recomputation off; drop one of the two")
+        if islands:
+            module_overrides = {k: v for k, v in module_overrides.items() if v not in (RECOMPUTE, NO_RECOMPUTE)} \
+                if module_overrides else None
+            node_overrides = {k: v for k, v in node_overrides.items() if v not in (RECOMPUTE, NO_RECOMPUTE)} \
+                if node_overrides else None
         return cls(op_lists=lists,
-                   module_overrides=_frozen_mapping(module_overrides, "module_overrides"),
-                   node_overrides=_frozen_mapping(node_overrides, "node_overrides"),
+                   module_overrides=module_overrides or None,
+                   node_overrides=node_overrides or None,
+                   recompute_islands=recompute_islands, island_overrides=islands,
                    weight_cache=weight_cache,
                    debug_overflow=parse_option(DebugOverflow, debug_overflow, what="debug_overflow"),
                    dynamic=parse_option(Dynamic, dynamic, what="dynamic"),
