@@ -82,6 +82,8 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
         if node in claimed or not _upcast(node, static) or not _admissible(node, decisions):
             continue
         members, entries = _grow(graph, node, static, decisions, claimed)
+        if all(_name(m) in _FREE for m in members):
+            continue  # views, casts, adds and sums save no float32 tensor: no island to speak of
         claimed.update(members)
         choice = _choose(members, entries, static, options)
         for m in members:
@@ -103,7 +105,7 @@ def _upcast(node: fx.Node, static: DtypeInference) -> bool:
     """A cast to float32 of a value known to be float16/bfloat16: the exact upcast an island starts from."""
     if node.op not in _OPS or not node.args or not isinstance(node.args[0], fx.Node):
         return False
-    if static(node.args[0]) not in LOW:
+    if low_dtype(node.args[0], static) is None:
         return False
     if CAST in node.meta:
         return node.meta[CAST][1] == torch.float32
@@ -118,6 +120,23 @@ def _upcast(node: fx.Node, static: DtypeInference) -> bool:
     if node.target in (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default):
         return torch.float32 in (*node.args[1:2], node.kwargs.get("dtype"))
     return False
+
+
+#: ops whose result has their first argument's dtype (a slice, a view, a copy)
+_MOVES = frozenset({"getitem", "view", "reshape", "contiguous", "permute", "transpose", "flatten", "squeeze",
+                    "unsqueeze", "expand", "narrow", "select", "slice", "t", "clone", "view_as", "expand_as"})
+
+
+def low_dtype(node: fx.Node, static: DtypeInference) -> Optional[torch.dtype]:
+    """The low-precision dtype ``node``'s value certainly has, through slices and views of a known value."""
+    while True:
+        known = static(node)
+        if known in LOW:
+            return known
+        if known is not None or node.op not in _OPS or _name(node) not in _MOVES or not node.args \
+                or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
 
 
 def _name(node: fx.Node) -> str:
@@ -214,7 +233,7 @@ def _override(members: List[fx.Node], options: ConvertOptions) -> Optional[Tuple
 def _choose(members: List[fx.Node], entries: List[fx.Node], static: DtypeInference,
             options: ConvertOptions) -> IslandChoice:
     name = f"island_{members[0].name}"
-    low = static(entries[0].args[0])
+    low = low_dtype(entries[0].args[0], static)
     what = dict(island=name, entries=tuple(e.name for e in entries))
     forced = _override(members, options)
     if forced is not None and forced[0] == NO_RECOMPUTE:
@@ -223,9 +242,7 @@ def _choose(members: List[fx.Node], entries: List[fx.Node], static: DtypeInferen
     inside = set(members)
     why = None
     saving = [m for m in members if _name(m) not in _FREE]
-    if not saving:
-        why = "its float32 ops save nothing for backward (views, casts, adds, sums): nothing to gain"
-    elif any(u not in inside and u.op != "output" for e in entries for u in e.users):
+    if any(u not in inside and u.op != "output" for e in entries for u in e.users):
         why = "its float32 upcast is read outside the island too, which keeps it for backward anyway"
     else:
         val = entries[0].args[0].meta.get("val")
@@ -237,8 +254,8 @@ def _choose(members: List[fx.Node], entries: List[fx.Node], static: DtypeInferen
     ops = ", ".join(dict.fromkeys(_name(m) for m in saving))
     by = f" ({forced[2]}, override)" if forced is not None else ""
     return IslandChoice(chosen=True, saved=low, source=source, **what,
-                        reason=f"recomputed in backward from its {dtype_name(low)} input{by}: {ops} keep "
-                               f"{dtype_name(low)} instead of float32 for backward")
+                        reason=f"recomputed in backward from its {dtype_name(low)} input{by}, which backward "
+                               f"keeps instead of the float32 tensors {ops} would save")
 
 
 def _check_overrides(gm: fx.GraphModule, options: ConvertOptions) -> None:

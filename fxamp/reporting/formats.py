@@ -32,6 +32,9 @@ NUMERICS_COLUMNS = ["sqnr_db", "max_rel_error", "nonfinite", "overflow", "underf
 #: appended when the policy runs float8 (a row per candidate matmul; the measured ones with numerics)
 FLOAT8_COLUMNS = ["float8", "float8_reason", "float8_sqnr_db", "float8_input_amax", "float8_weight_amax",
                   "float8_scale"]
+#: appended when the graph has float32 islands (conversion.islands): one per node of an island
+RECOMPUTE_COLUMNS = ["recompute_island", "recompute", "recompute_reason", "recompute_saved_dtype",
+                     "recompute_bytes_saved"]
 
 
 def unique(items: Iterable[str]) -> List[str]:
@@ -153,6 +156,9 @@ def table(rep: Any, *, wide: bool = False) -> str:
     float8 = any(r.float8 is not None for r in rep.rows)
     if float8:
         headers += ["float8"]
+    recompute = any(r.recompute is not None for r in rep.rows)
+    if recompute:
+        headers += ["recompute"]
 
     def render(widths: Any) -> str:
         body = []
@@ -173,6 +179,8 @@ def table(rep: Any, *, wide: bool = False) -> str:
                 line += _numerics_cells(r.numerics)
             if float8:
                 line.append(float8_cell(r.float8, wide))
+            if recompute:
+                line.append(recompute_cell(r.recompute, wide))
             body.append(line)
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)"
 
@@ -193,6 +201,9 @@ def table(rep: Any, *, wide: bool = False) -> str:
     if float8:
         lines.append("float8: f8 runs in float8, bf16 stays bfloat16 (why: shape, cost, override; --wide says it "
                      "in full); dB: the float8 result against the bfloat16 one, measured with numerics")
+    if recompute:
+        lines.append("recompute: a float32 island keeps its low-precision input for backward and recomputes there "
+                     "(dtype kept, bytes saved with example inputs; no: why not); ↑: the island of the row above")
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]
@@ -220,6 +231,19 @@ def float8_cell(cell: Any, wide: bool = False) -> str:
     text = "f8" if cell.chosen else "bf16 (" + {"graph": "shape", "default": "cost"}.get(cell.source, "override") + ")"
     if cell.measured is not None:
         text += f" {format_db(cell.measured.sqnr_db)}dB"
+    return f"{text}: {cell.reason}" if wide else text
+
+
+def recompute_cell(cell: Any, wide: bool = False) -> str:
+    """``bf16 -8.4MB`` on an island's first row, ``↑`` on its other rows, ``no (why)``; ``wide`` adds the reason."""
+    if cell is None:
+        return ""
+    if not cell.first:
+        return "↑"
+    if cell.chosen:
+        text = short_name(cell.saved_dtype) + ("" if cell.bytes_saved is None else f" -{cell.bytes_saved / 1e6:.3g}MB")
+    else:
+        text = "no (" + ("override" if "override" in cell.source else "rule") + ")"
     return f"{text}: {cell.reason}" if wide else text
 
 
@@ -278,7 +302,9 @@ def to_csv(rep: Any) -> str:
     """
     numerics = any(r.numerics is not None for r in rep.rows)
     float8 = any(r.float8 is not None for r in rep.rows)
-    columns = CSV_COLUMNS + (NUMERICS_COLUMNS if numerics else []) + (FLOAT8_COLUMNS if float8 else [])
+    recompute = any(r.recompute is not None for r in rep.rows)
+    columns = CSV_COLUMNS + (NUMERICS_COLUMNS if numerics else []) + (FLOAT8_COLUMNS if float8 else []) + \
+        (RECOMPUTE_COLUMNS if recompute else [])
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(columns)
@@ -300,6 +326,10 @@ def to_csv(rep: Any) -> str:
             line += ["", "", "", "", "", ""] if c is None else [
                 int(c.chosen), c.reason, "" if m is None else format_db(m.sqnr_db),
                 *(("",) * 3 if m is None else (" ".join(map(repr, v)) for v in (m.input_amax, m.weight_amax, m.scale)))]
+        if recompute:
+            c = r.recompute
+            line += ["", "", "", "", ""] if c is None else [
+                c.island, int(c.chosen), c.reason, c.saved_dtype or "", "" if c.bytes_saved is None else c.bytes_saved]
         w.writerow(line)
     pad = [""] * (len(columns) - len(CSV_COLUMNS))
     blank = [""] * (len(CSV_COLUMNS) - 3)
