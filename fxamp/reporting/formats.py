@@ -157,7 +157,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
     if float8:
         headers += ["float8"]
     recompute = any(r.recompute is not None for r in rep.rows)
-    if recompute:
+    if recompute and wide:
         headers += ["recompute"]
 
     def render(widths: Any) -> str:
@@ -174,12 +174,12 @@ def table(rep: Any, *, wide: bool = False) -> str:
                 cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
                 dtypes = wrap_dtypes(ins, short_name(r.compute), short_name(r.output_dtype), dtypes_w)
                 line = [wrap(r.node, node_w), wrap(short_op_label(r), op_w), cat, short_reason(r.reason, reason_w),
-                        dtypes, wrap(casts, casts_w)]
+                        dtypes, wrap(casts, casts_w)]  # (float32 islands: listed below the table, a column in wide)
             if numerics:
                 line += _numerics_cells(r.numerics)
             if float8:
                 line.append(float8_cell(r.float8, wide))
-            if recompute:
+            if recompute and wide:
                 line.append(recompute_cell(r.recompute, wide))
             body.append(line)
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)"
@@ -202,8 +202,7 @@ def table(rep: Any, *, wide: bool = False) -> str:
         lines.append("float8: f8 runs in float8, bf16 stays bfloat16 (why: shape, cost, override; --wide says it "
                      "in full); dB: the float8 result against the bfloat16 one, measured with numerics")
     if recompute:
-        lines.append("recompute: a float32 island keeps its low-precision input for backward and recomputes there "
-                     "(dtype kept, bytes saved with example inputs; no: why not); ↑: the island of the row above")
+        lines += ["", *island_lines(rep)]
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]
@@ -235,16 +234,40 @@ def float8_cell(cell: Any, wide: bool = False) -> str:
 
 
 def recompute_cell(cell: Any, wide: bool = False) -> str:
-    """``bf16 -8.4MB`` on an island's first row, ``↑`` on its other rows, ``no (why)``; ``wide`` adds the reason."""
+    """``bf16 -8.39MB`` on an island's first row, ``↑`` on its other rows, ``no``; ``wide`` adds the reason."""
     if cell is None:
         return ""
     if not cell.first:
         return "↑"
-    if cell.chosen:
-        text = short_name(cell.saved_dtype) + ("" if cell.bytes_saved is None else f" -{cell.bytes_saved / 1e6:.3g}MB")
-    else:
-        text = "no (" + ("override" if "override" in cell.source else "rule") + ")"
+    text = "no" if not cell.chosen else short_name(cell.saved_dtype) + (
+        "" if cell.bytes_saved is None else " -" + _bytes(cell.bytes_saved))
     return f"{text}: {cell.reason}" if wide else text
+
+
+def island_lines(rep: Any) -> List[str]:
+    """One line per float32 island (``conversion.islands``): recomputed or not, and why."""
+    islands: Dict[str, List[Any]] = {}
+    for r in rep.rows:
+        if r.recompute is not None:
+            islands.setdefault(r.recompute.island, []).append(r)
+    lines = [f"float32 islands ({len(islands)}; recomputed: backward keeps their low-precision inputs, not float32):"]
+    for name, rows in islands.items():
+        c = rows[0].recompute
+        nodes = rows[0].node + ("" if len(rows) == 1 else f" to {rows[-1].node} ({len(rows)} ops)")
+        what = (f"recomputed, keeps {c.saved_dtype} for backward" + ("" if c.bytes_saved is None else
+                                                                     f", {_bytes(c.bytes_saved)} less") if c.chosen else
+                f"not recomputed: {c.reason}")
+        lines += textwrap.wrap(f"{nodes}: {what}", TABLE_WIDTH - 2, initial_indent="  ", subsequent_indent="    ",
+                               break_long_words=False)
+    return lines
+
+
+def _bytes(n: int) -> str:
+    """``16.4kB``, ``8.39MB``, ``1.65GB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n}B"
 
 
 def header(rep: Any) -> str:

@@ -159,11 +159,12 @@ def test_the_report_shows_each_island_with_the_dtype_kept_and_the_bytes_saved(da
     assert cells["cross_entropy"].chosen and cells["cross_entropy"].saved_dtype == "bfloat16"
     first = [c for c in cells.values() if c.first]
     assert len(first) == 1 and first[0].bytes_saved == 8 * 63 * 512 * 2  # float32 logits less their bf16 copy
-    assert "recompute" in rep.to_table() and "bf16 -0.516MB" in rep.to_table()
+    assert "  cross_entropy: recomputed, keeps bfloat16 for backward, 516kB less" in rep.to_table()
+    assert "bf16 -516kB: recomputed in backward" in rep.to_table(wide=True)
     assert "recompute_bytes_saved" in rep.to_csv().splitlines()[0]
     assert rep.to_dict()["rows"][[r.node for r in rep.rows].index("cross_entropy")]["recompute"]["chosen"]
     off = fxamp.report(model, (x, x), "O1", dtype=BF16, recompute_islands=False)
-    assert all(r.recompute is None for r in off.rows) and "recompute" not in off.to_table()
+    assert all(r.recompute is None for r in off.rows) and "float32 islands" not in off.to_table()
 
 
 def test_node_overrides_decide_one_island(data):
