@@ -102,20 +102,22 @@ def run_program(program: Tuple[Any, ...], inputs: Sequence[Any]) -> List[Any]:
     """
     steps, outputs = program
     env = list(inputs)
-
-    def load(a: Any) -> Any:
-        if isinstance(a, Ref):
-            return env[a.i]
-        if isinstance(a, (tuple, list)):
-            return type(a)(load(v) for v in a)
-        if isinstance(a, slice):
-            return slice(load(a.start), load(a.stop), load(a.step))
-        return a
-
     for kind, target, args, kwargs in steps:
-        args, kw = load(args), {k: load(v) for k, v in kwargs}
+        args, kw = _load(args, env), {k: _load(v, env) for k, v in kwargs}
         env.append(resolve(target)(*args, **kw) if kind == "f" else getattr(args[0], target)(*args[1:], **kw))
     return [env[i] for i in outputs]
+
+
+def _load(a: Any, env: List[Any]) -> Any:
+    """``a`` with each :class:`Ref` replaced by its value (a module function: a recursive closure would make a
+    reference cycle that holds the recomputed tensors until the garbage collector runs)."""
+    if isinstance(a, Ref):
+        return env[a.i]
+    if isinstance(a, (tuple, list)):
+        return type(a)(_load(v, env) for v in a)
+    if isinstance(a, slice):
+        return slice(_load(a.start, env), _load(a.stop, env), _load(a.step, env))
+    return a
 
 
 def resolve(name: str) -> Any:
