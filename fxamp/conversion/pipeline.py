@@ -48,6 +48,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         raise TypeError(f"options must be a ConvertOptions (ConvertOptions.build), not {type(options).__name__}")
     gm = as_converted(captured.graph_module)  # (its copies keep what conversion sets up below)
     decisions = annotate(gm, policy, options)
+    island_notes: List[str] = []
     if policy.enabled:
         if storage == "decide":
             store_params(gm, decisions, policy)
@@ -59,7 +60,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
             rewrite_float8(gm, decisions, policy.float8)
         low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
         if options.debug_overflow is DebugOverflow.OFF:  # (the checks watch every op's gradient: run as written)
-            notes = tuple(notes) + tuple(recompute_islands(gm, options))
+            island_notes = recompute_islands(gm, options)
         gm.graph.lint()
         gm.recompile()
     if options.debug_overflow is not DebugOverflow.OFF:
@@ -70,7 +71,8 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         warnings.warn(f"fxamp: {note}", stacklevel=3)
     # after the casts (and overflow checks) exist: each checkpointed block takes its casts along
     leaf_notes += keep_checkpoints(gm, captured.frontend)
-    info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes) + tuple(leaf_notes))
+    info = ConversionInfo(policy, captured.frontend,
+                          tuple(notes) + tuple(captured.notes) + tuple(leaf_notes) + tuple(island_notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
