@@ -304,11 +304,17 @@ def test_backward_frees_the_recomputed_tensors_without_the_garbage_collector():
     model = LM(vocab=2048, seq=32, d=32, layers=1)
     x = torch.randint(0, 2048, (4, 32))
     amp = fxamp.convert(model, "O1", dtype=BF16)
+    def logits_sized():
+        return {id(o): o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.numel() >= 4 * 31 * 2048}
+
     enabled = gc.isenabled()
+    gc.collect()
     gc.disable()
     try:
+        before = logits_sized()
         amp(x, x)[0].backward()
-        big = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.numel() >= 4 * 31 * 2048]
+        grads = {id(p.grad) for p in amp.parameters() if p.grad is not None}
+        big = [t for i, t in logits_sized().items() if i not in before and i not in grads]
     finally:
         if enabled:
             gc.enable()
