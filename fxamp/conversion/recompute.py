@@ -76,6 +76,9 @@ class _Recomputed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # backward with create_graph=True: the recompute's graph is cut from the inputs
+            raise RuntimeError("fxamp: a recomputed float32 island cannot be differentiated twice (create_graph=True); "
+                               "convert with recompute_islands=False for higher-order gradients")
         saved = ctx.saved_tensors
         needs = ctx.needs_input_grad[3:]
         values = [ctx.literals[i] if t is None else t.detach().requires_grad_(needs[i]) for i, t in enumerate(saved)]

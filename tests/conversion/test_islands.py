@@ -319,3 +319,20 @@ def test_backward_frees_the_recomputed_tensors_without_the_garbage_collector():
         if enabled:
             gc.enable()
     assert not big, [(t.shape, t.dtype) for t in big]
+
+
+def test_double_backward_through_an_island_is_refused_not_wrong():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.log_softmax(self.fc(x).float(), -1).sum()
+
+    amp = fxamp.convert(M(), "O1", dtype=BF16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice .* recompute_islands=False"):
+        torch.autograd.grad(amp(x), x, create_graph=True)
+    (g,) = torch.autograd.grad(fxamp.convert(M(), "O1", dtype=BF16, recompute_islands=False)(x), x, create_graph=True)
+    assert g.requires_grad
