@@ -82,18 +82,24 @@ class _Recomputed(torch.autograd.Function):
         saved = ctx.saved_tensors
         needs = ctx.needs_input_grad[3:]
         values = [ctx.literals[i] if t is None else t.detach().requires_grad_(needs[i]) for i, t in enumerate(saved)]
-        with torch.enable_grad():
-            results = run_program(ctx.program, values)
-        pairs = [(results[k], g) for k, g in zip(ctx.tensor_at, grads)
-                 if g is not None and isinstance(results[k], torch.Tensor) and results[k].requires_grad]
         wanted = [i for i, n in enumerate(needs) if n]
         out: List[Any] = [None] * len(values)
-        if pairs and wanted:
-            got = torch.autograd.grad([r for r, _ in pairs], [values[i] for i in wanted], [g for _, g in pairs],
-                                      allow_unused=True)
-            for i, g in zip(wanted, got):
-                out[i] = g
+        # what the recompute saves is used at once, here: past any saved-tensor hooks around the backward call
+        # (a checkpoint's, an offload to CPU's, a measurement's)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            results = run_program(ctx.program, values)
+            pairs = [(results[k], g) for k, g in zip(ctx.tensor_at, grads)
+                     if g is not None and isinstance(results[k], torch.Tensor) and results[k].requires_grad]
+            if pairs and wanted:
+                got = torch.autograd.grad([r for r, _ in pairs], [values[i] for i in wanted], [g for _, g in pairs],
+                                          allow_unused=True)
+                for i, g in zip(wanted, got):
+                    out[i] = g
         return (None, None, None, *out)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def run_program(program: Tuple[Any, ...], inputs: Sequence[Any]) -> List[Any]:
