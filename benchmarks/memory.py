@@ -15,6 +15,15 @@ state, and O2 with lean masters/state (kahan + bf16 state, stochastic + int8 sta
 * With ``--device cuda`` both are the CUDA allocator's counts (``memory_allocated``, and
   ``max_memory_allocated`` over one step), exact.
 * ``step ms``: median of the timed steps (after the calibration steps of ``"auto"``).
+
+``--loss-inside`` puts the loss in the model's ``forward`` (``model(idx, labels)``, as Hugging Face models
+compute it with ``labels=``, the logits cast up with ``.float()``), so fxamp converts it too: its
+log-softmax is a float32 island that keeps the bfloat16 logits for backward (issue 40); the
+``... no-recompute`` regimes turn that off (``recompute_islands=False``) for the step-time comparison.
+Full size (GPT-2 small at 8 x 1024 tokens; a long run on a CPU)::
+
+    python -m benchmarks.memory --loss-inside --layers 12 --vocab 50304 --seq 1024 --batch 8 --steps 2 \
+        --regimes "fp32,autocast,bf16,O2,O2 no-recompute,O2 auto+auto,O2 auto+auto no-recompute"
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from benchmarks.models import DecoderLM, ResNet50
 from benchmarks.real import cpu_flags, live_storage_bytes, step_peak_bytes
 
 REGIMES = ["fp32", "autocast", "bf16", "O2", "O2 kahan+bf16", "O2 stochastic+int8", "O2 auto+auto",
-           "bf16 optimi-kahan", "bf16 torchao-8bit"]
+           "bf16 optimi-kahan", "bf16 torchao-8bit", "O2 no-recompute", "O2 auto+auto no-recompute"]
+#: a regime's name ends with this: fxamp converts with recompute_islands=False
+NO_RECOMPUTE = " no-recompute"
 #: pure bfloat16 models stepped by other libraries' lean optimizers (rows skipped where they do not import)
 _OTHERS = {"bf16 optimi-kahan": ("optimi", lambda mod, ps: mod.AdamW(ps, lr=6e-4, kahan_sum=True)),
            "bf16 torchao-8bit": ("torchao.optim", lambda mod, ps: mod.AdamW8bit(ps, lr=6e-4))}
@@ -43,11 +54,26 @@ _LEAN = {"O2 kahan+bf16": ("kahan", "bf16"), "O2 stochastic+int8": ("stochastic"
          "O2 auto+auto": ("auto", "auto")}
 
 
+class WithLoss(nn.Module):
+    """``model(idx, labels)`` returns the loss: the cross-entropy of the logits cast up to float32."""
+
+    def __init__(self, lm: nn.Module, vocab: int):
+        super().__init__()
+        self.lm, self.vocab = lm, vocab
+
+    def forward(self, idx, labels):
+        return F.cross_entropy(self.lm(idx).float().reshape(-1, self.vocab), labels.reshape(-1))
+
+
 def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab: int
           ) -> Tuple[Callable[[], Any], Callable[[], None], Any]:
     """``(step, zero_grad, optimizer)`` for ``regime``; ``step`` runs forward, backward and the optimizer step."""
-    def loss_of(out):
-        return F.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
+    inside = isinstance(base, WithLoss)
+
+    def loss_of(model, inputs):
+        if inside:
+            return model(inputs, y)
+        return F.cross_entropy(model(inputs).float().reshape(-1, vocab), y.reshape(-1))
 
     xb = x.to(torch.bfloat16) if x.is_floating_point() else x  # (pure bf16 takes bf16 images)
 
@@ -65,19 +91,20 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
 
         def step():
             with torch.autocast(x.device.type, torch.bfloat16, enabled=regime == "autocast"):
-                loss = loss_of(m(x if regime in ("fp32", "autocast") else xb))
+                loss = loss_of(m, x if regime in ("fp32", "autocast") else xb)
             loss.backward()
             opt.step()
 
         return step, lambda: opt.zero_grad(set_to_none=True), opt
-    masters, state = _LEAN.get(regime, ("fp32", "fp32"))
-    amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16)
+    recompute = not regime.endswith(NO_RECOMPUTE)
+    masters, state = _LEAN.get(regime.removesuffix(NO_RECOMPUTE), ("fp32", "fp32"))
+    amp = fxamp.convert(copy.deepcopy(base), "O2", dtype=torch.bfloat16, recompute_islands=recompute)
     opt = fxamp.MixedPrecisionOptimizer(
         torch.optim.AdamW(amp.parameters(), lr=6e-4), model=amp, seed=0,
         precision=fxamp.LeanConfig(masters, state, calibration_steps=2))
 
     def step():
-        opt.backward(loss_of(amp(x)))
+        opt.backward(loss_of(amp, x))
         opt.step()
 
     return step, opt.zero_grad, opt
@@ -149,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tables", action="store_true", help="print the per-tensor table of each lean regime")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: robust to a shared, loaded CPU)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: bytes are then the CUDA allocator's, exactly")
+    ap.add_argument("--loss-inside", action="store_true",
+                    help="GPT: the loss inside forward (model(idx, labels)), so fxamp converts it (issue 40)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -164,6 +193,8 @@ def main(argv=None) -> int:
         x = torch.randint(0, a.vocab, (a.batch, a.seq))
         y = torch.randint(0, a.vocab, (a.batch, a.seq))
         what = f"GPT d{a.d} L{a.layers} vocab {a.vocab} b{a.batch} s{a.seq}"
+        if a.loss_inside:
+            base, what = WithLoss(base, a.vocab), what + ", loss inside forward"
     device = torch.device(a.device)
     base, x, y = base.to(device), x.to(device), y.to(device)
     flags = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU flags {cpu_flags()}"

@@ -170,6 +170,16 @@ def test_memory_script_prints_the_table_and_the_precision_tables():
     assert "## O2 stochastic+int8" in proc.stdout and "bytes/param" in proc.stdout
 
 
+def test_memory_script_loss_inside_with_and_without_recompute():
+    """``--loss-inside`` (issue 40): the loss is in forward, fxamp recomputes its float32 island, or not."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--loss-inside", "--d", "64", "--layers", "1",
+                           "--vocab", "256", "--seq", "16", "--steps", "1", "--regimes", "autocast,O2,O2 no-recompute"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loss inside forward" in proc.stdout and "| O2 no-recompute |" in proc.stdout
+
+
 def test_float8_benchmarks_run_tiny_on_cpu():
     """benchmarks/float8_cost.py and float8_gpt.py (prepared for a GPU) run end to end at CPU sizes."""
     from benchmarks import float8_cost, float8_gpt

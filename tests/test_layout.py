@@ -25,11 +25,12 @@ STAGES: Dict[str, int] = {
     # the conversion wing, top to bottom
     "conversion": 3, "conversion.op_lists": 3,
     "conversion.graph": 4, "conversion.options": 4,
-    "conversion.inference": 5, "conversion.runtime": 5,
+    "conversion.inference": 5, "conversion.runtime": 5, "conversion.recompute": 5,
     "conversion.float8": 5,  # float8 matmuls (run by graphs, like runtime) and the choice of them
     "conversion.capture": 6,  # and every conversion.capture.* module
     "conversion.classify": 7,
     "conversion.rewrite": 8, "conversion.attention": 8, "conversion.debug": 8, "conversion.checkpointing": 8,
+    "conversion.islands": 8,
     "conversion.calls": 4, "conversion.pipeline": 9, "conversion.lazy": 9, "conversion.blocks": 9,
     "conversion.families": 9,
     "conversion.convert": 10,

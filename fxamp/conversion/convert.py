@@ -45,6 +45,7 @@ def convert(
     dynamic_shapes: Any = None,
     weight_cache: bool = True,
     debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
+    recompute_islands: bool = True,
 ) -> nn.Module:
     """Return a copy of ``model`` whose forward runs mixed precision through explicit casts.
 
@@ -69,8 +70,12 @@ def convert(
     debug_overflow:   a :class:`~fxamp.conversion.options.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
                       (forward) or gradient (backward) has inf/NaN (``fxamp.overflow_info(amp)``);
                       ``"raise"`` there.  See ``fxamp.conversion.debug``.
+    recompute_islands: float32 ops reading exact upcasts of low-precision values (the loss's log-softmax,
+                      norms, softmax) keep the low-precision input for backward and recompute in backward,
+                      with the same gradients (``fxamp.conversion.islands``); per node, ``node_overrides``/
+                      ``module_overrides`` take ``"recompute"``/``"no_recompute"``.  False: off.
 
-    The keywords from ``overrides`` to ``debug_overflow`` are checked and bundled into one
+    The keywords from ``overrides`` to ``recompute_islands`` are checked and bundled into one
     :class:`~fxamp.conversion.options.ConvertOptions` that the capture and the rewrite (now, or at each lazy capture) read.
 
     Returns a ``GraphModule``; or, when torch.fx cannot trace ``model`` and no example inputs were
@@ -87,7 +92,8 @@ def convert(
     pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert")
     options = ConvertOptions(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                              node_overrides=node_overrides, weight_cache=weight_cache,
-                             debug_overflow=debug_overflow, dynamic=dynamic)
+                             debug_overflow=debug_overflow, dynamic=dynamic,
+                             recompute_islands=recompute_islands)
     if isinstance(model, torch.jit.ScriptModule):  # torch.fx and torch.export read Python code, not TorchScript
         raise TypeError(f"fxamp.convert cannot capture a TorchScript module ({type(model).__name__}, from "
                         f"torch.jit.script/trace): convert the Python nn.Module it was made from instead")
@@ -133,6 +139,7 @@ def convert_(
     weight_cache: bool = True,
     debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
     keep_originals: bool = True,
+    recompute_islands: bool = True,
 ) -> nn.Module:
     """Convert ``model`` in place, block by block, and return it (the same object): see ``blocks.py``.
 
@@ -158,7 +165,8 @@ def convert_(
         raise TypeError(f"keep_originals must be True or False, not {keep_originals!r}")
     pol, chosen = _resolve(model, policy, dtype, keep_norms_fp32, "convert_")
     options = ConvertOptions(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
-                             weight_cache=weight_cache, debug_overflow=debug_overflow)
+                             weight_cache=weight_cache, debug_overflow=debug_overflow,
+                             recompute_islands=recompute_islands)
     _refuse_other_low_dtype(model, pol)
     return convert_blocks(model, pol, options, blocks, notes=chosen, keep_originals=keep_originals)
 

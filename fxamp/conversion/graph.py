@@ -32,7 +32,7 @@ from ..info import remember_origin
 
 __all__ = [
     "INPUT_DTYPE",
-    "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice",
+    "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice", "IslandChoice",
     "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
     "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
     "tensor_slots", "replace_tensors", "rebind",
@@ -61,6 +61,27 @@ class Float8Choice:
 
 
 @dataclass(frozen=True)
+class IslandChoice:
+    """Whether a float32 island (``conversion.islands``) keeps its low-precision input for backward and
+    recomputes its float32 ops there, instead of keeping the float32 tensors its ops save.
+
+    island:  the island's name (its first node's, ``island_<node>``); every node of it carries the choice.
+    chosen:  recomputed in backward; False: runs as it did (the reason says why).
+    reason:  the rule that decided, in words.
+    saved:   the dtype the island keeps for backward in place of float32 (the upcasts' inputs'), or None.
+    entries: the names of the upcast nodes it starts from (the report counts the bytes saved from their shapes).
+    source:  :class:`~fxamp.conversion.op_lists.Source`: DEFAULT (the rule), or a node/module override.
+    """
+
+    island: str
+    chosen: bool
+    reason: str
+    saved: Optional[torch.dtype] = None
+    entries: Tuple[str, ...] = ()
+    source: Source = Source.DEFAULT
+
+
+@dataclass(frozen=True)
 class Decision:
     """What fxamp does with one node.
 
@@ -74,6 +95,7 @@ class Decision:
     resolved: what the node behaves as: its category, or for a conditional op the category its
               condition chose (safe, neutral or unsafe).
     float8:   a :class:`Float8Choice` for a matmul float8 could run (policy with ``float8=``), else None.
+    recompute: an :class:`IslandChoice` for a node of a float32 island (``conversion.islands``), else None.
     """
 
     op: str
@@ -85,6 +107,7 @@ class Decision:
     module: str = ""
     resolved: Optional[Category] = None  # required: Decision.of fills it in from category
     float8: Optional[Float8Choice] = None
+    recompute: Optional[IslandChoice] = None
 
     def __post_init__(self) -> None:
         """Checks only: :meth:`of` fills ``resolved`` in."""

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..dtypes import CASTABLE, LOW, NOT_FLOAT
 from .graph import ATTR, CAST, INPUT_DTYPE, Decision, fetch_attr
+from .recompute import island_input
 from .op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 
 __all__ = ["DtypeInference"]
@@ -93,6 +94,8 @@ class DtypeInference:
             if known in CASTABLE:
                 return dtype
             return _IfCastable(dtype) if known is None else known  # NOT_FLOAT or float64: left as it is
+        if node.op == "call_function" and node.target is island_input:  # a recomputed island's input, detached
+            return self._get(node.args[0])
         if node.op == "call_method" and node.target in _EXPLICIT:
             return _EXPLICIT[node.target]
         if node.op == "call_method" and node.target == "to":

@@ -21,12 +21,17 @@ from ..dtypes import StrEnum
 from ..errors import warn_deprecated
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists, op_key
 
-__all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option"]
+__all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option",
+           "RECOMPUTE", "NO_RECOMPUTE"]
 
 #: module path -> category: every op under the module (``{"encoder.layers.3": "unsafe"}``)
 ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
 #: node name (the report's ``node`` column) -> category: one op, wherever it is (a root-level op too)
 NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
+
+#: override values (``node_overrides``/``module_overrides``) that decide a float32 island (``conversion.islands``)
+RECOMPUTE = "recompute"  # recompute the island this node belongs to whatever the rule says (where it can)
+NO_RECOMPUTE = "no_recompute"  # keep this node's island as it runs without recomputation
 
 
 class DebugOverflow(StrEnum):
@@ -97,6 +102,10 @@ class ConvertOptions:
     dynamic:          :class:`Dynamic` (``torch.export`` captures only).
     override_keys:    the op keys of the user's ``overrides`` (already in ``op_lists``), so that the
                       classification can say which of them matched no op of the graph.
+    recompute_islands: float32 islands whose inputs are exact upcasts keep those low-precision inputs for
+                      backward and recompute (``conversion.islands``).
+    island_overrides: ``(("node" or "module", name or path, RECOMPUTE or NO_RECOMPUTE), ...)``: the
+                      ``node_overrides``/``module_overrides`` entries with those values (the constructor moves them here).
     """
 
     op_lists: OpLists = field(default_factory=lambda: DEFAULT_OP_LISTS)
@@ -106,6 +115,8 @@ class ConvertOptions:
     debug_overflow: DebugOverflow = DebugOverflow.OFF
     dynamic: Dynamic = Dynamic.BATCH
     override_keys: Tuple[OpKey, ...] = ()
+    recompute_islands: bool = True
+    island_overrides: Tuple[Tuple[str, str, str], ...] = ()
     overrides: InitVar[Optional[Mapping[OpKey, Union[str, Category, OpEntry]]]] = None
 
     def __post_init__(self, overrides: Optional[Mapping[OpKey, Union[str, Category, OpEntry]]]) -> None:
@@ -121,6 +132,11 @@ class ConvertOptions:
             object.__setattr__(self, "override_keys", tuple(op_key(k) for k in overrides))
         if not isinstance(self.weight_cache, bool):
             raise TypeError(f"weight_cache must be True or False, not {self.weight_cache!r}")
+        if not isinstance(self.recompute_islands, bool):
+            raise TypeError(f"recompute_islands must be True or False, not {self.recompute_islands!r}")
+        if not isinstance(self.island_overrides, tuple):
+            raise TypeError(f"island_overrides must be a tuple, not {type(self.island_overrides).__name__}")
+        self._split_island_overrides()
         if not isinstance(self.override_keys, tuple):
             raise TypeError(f"override_keys must be a tuple, not {type(self.override_keys).__name__}")
         object.__setattr__(self, "op_lists", lists)
@@ -140,12 +156,32 @@ class ConvertOptions:
         weight_cache: bool = True,
         debug_overflow: Union[str, DebugOverflow] = DebugOverflow.OFF,
         dynamic: Union[str, Dynamic] = Dynamic.BATCH,
+        recompute_islands: bool = True,
     ) -> "ConvertOptions":
         """Deprecated: the constructor takes the same keywords, ``ConvertOptions(overrides=..., dynamic="all")``."""
         warn_deprecated("ConvertOptions.build(...)", "write ConvertOptions(...): the constructor takes convert's keywords")
         return cls(op_lists=op_lists, overrides=overrides, module_overrides=module_overrides,
                    node_overrides=node_overrides, weight_cache=weight_cache, debug_overflow=debug_overflow,
-                   dynamic=dynamic)
+                   dynamic=dynamic, recompute_islands=recompute_islands)
+
+    def _split_island_overrides(self) -> None:
+        """``"recompute"``/``"no_recompute"`` values of ``module_overrides``/``node_overrides`` are no categories:
+        they move to ``island_overrides`` (checked against ``recompute_islands``)."""
+        module_overrides = _frozen_mapping(self.module_overrides, "module_overrides")
+        node_overrides = _frozen_mapping(self.node_overrides, "node_overrides")
+        islands = tuple((kind, key, value) for kind, given in (("module", module_overrides), ("node", node_overrides))
+                        for key, value in (given or {}).items() if value in (RECOMPUTE, NO_RECOMPUTE))
+        islands = self.island_overrides + islands
+        forced = next((key for _, key, value in islands if value == RECOMPUTE), None)
+        if forced is not None and not self.recompute_islands:
+            raise ValueError(f"overrides: {forced!r} asks for {RECOMPUTE!r}, but recompute_islands=False turns "
+                             f"recomputation off; drop one of the two")
+        if islands:
+            module_overrides = {k: v for k, v in (module_overrides or {}).items() if v not in (RECOMPUTE, NO_RECOMPUTE)}
+            node_overrides = {k: v for k, v in (node_overrides or {}).items() if v not in (RECOMPUTE, NO_RECOMPUTE)}
+        object.__setattr__(self, "module_overrides", module_overrides or None)
+        object.__setattr__(self, "node_overrides", node_overrides or None)
+        object.__setattr__(self, "island_overrides", islands)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertOptions":
         return self  # immutable: copies of a converted module share it

@@ -20,6 +20,7 @@ from .checkpointing import keep_checkpoints
 from .classify import annotate, unused_overrides
 from .debug import add_overflow_checks
 from .float8 import float8_notes, rewrite_float8
+from .islands import recompute_islands
 from ..info import INFO_ATTR, ConversionInfo
 from .options import ConvertOptions, DebugOverflow
 from ..policy import Policy
@@ -33,8 +34,9 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
                      storage: str = "decide", notes: Sequence[str] = ()) -> fx.GraphModule:
     """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
 
-    options: the op lists, overrides, weight cache and overflow checks (``options.debug_overflow``:
-    the checks of :mod:`fxamp.conversion.debug`); ``options.dynamic`` was the capture's business.
+    options: the op lists, overrides, weight cache, overflow checks (``options.debug_overflow``:
+    the checks of :mod:`fxamp.conversion.debug`) and recomputed float32 islands (``options.recompute_islands``:
+    :mod:`fxamp.conversion.islands`); ``options.dynamic`` was the capture's business.
     storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
     (``store_params``); ``"keep"``: the parameters already have their dtypes (a lazily capturing
     module made them before any graph existed), and consumers that want another dtype get a cast.
@@ -46,6 +48,7 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         raise TypeError(f"options must be a ConvertOptions, not {type(options).__name__}")
     gm = as_converted(captured.graph_module)  # (its copies keep what conversion sets up below)
     decisions = annotate(gm, policy, options)
+    island_notes: List[str] = []
     if policy.enabled:
         if storage == "decide":
             store_params(gm, decisions, policy)
@@ -56,6 +59,8 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         if policy.float8 is not None:
             rewrite_float8(gm, decisions, policy.float8)
         low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
+        if options.debug_overflow is DebugOverflow.OFF:  # (the checks watch every op's gradient: run as written)
+            island_notes = recompute_islands(gm, options)
         gm.graph.lint()
         gm.recompile()
     if options.debug_overflow is not DebugOverflow.OFF:
@@ -66,7 +71,8 @@ def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions
         warnings.warn(f"fxamp: {note}", stacklevel=3)
     # after the casts (and overflow checks) exist: each checkpointed block takes its casts along
     leaf_notes += keep_checkpoints(gm, captured.frontend)
-    info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes) + tuple(leaf_notes))
+    info = ConversionInfo(policy, captured.frontend,
+                          tuple(notes) + tuple(captured.notes) + tuple(leaf_notes) + tuple(island_notes))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info

@@ -3,6 +3,7 @@ and shapes a run observed (or what is certain statically), into a :class:`~.reco
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -16,12 +17,13 @@ from ..conversion.inference import DtypeInference
 from ..conversion.graph import CAST, DECISION, Decision, attr_target, fetch_attr
 from ..conversion.op_lists import Category
 from ..policy import PRESETS, Policy
+from ..conversion.recompute import island_input
 from ..conversion.runtime import call_module_cast
 from .flops import estimate_flops
 from .formats import unique
 from .lints import find_lints
 from .observe import Meta, Recorder, dtype_of_meta, leaves
-from .records import AS_INPUT, RUNTIME, CastIn, Float8Cell, Report, Row, Summary
+from .records import AS_INPUT, RUNTIME, CastIn, Float8Cell, RecomputeCell, Report, Row, Summary
 
 __all__ = ["build", "DtypeView", "describe_input", "policy_label"]
 
@@ -37,11 +39,16 @@ def build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs: 
     view = DtypeView(gm, static, observed)
 
     rows: List[Row] = []
+    islands: set = set()
     for node in gm.graph.nodes:
         d = decisions.get(node)
         if d is None:
-            continue  # a cast, or a helper node fxamp inserted (the weight cache)
-        rows.append(_row(node, d, view, modules, params, buffers))
+            continue  # a cast, or a helper node fxamp inserted (the weight cache, a recomputed island's calls)
+        row = _row(node, d, view, modules, params, buffers)
+        if d.recompute is not None:
+            row = dataclasses.replace(row, recompute=_recompute_cell(d.recompute, view, d.recompute.island not in islands))
+            islands.add(d.recompute.island)
+        rows.append(row)
     cast_nodes = [n for n in gm.graph.nodes if CAST in n.meta]
     ops = [r for r in rows if r.is_op]
     categories = {c.value: sum(r.category is c for r in ops) for c in Category}
@@ -79,9 +86,9 @@ class DtypeView:
         return RUNTIME if known is None else dtype_name(known)
 
     def source(self, node: fx.Node) -> fx.Node:
-        """The value a cast node casts (or the node itself)."""
-        while CAST in node.meta:
-            node = node.meta[CAST][0]
+        """The value a cast node casts, or a recomputed island reads (or the node itself)."""
+        while CAST in node.meta or (node.op == "call_function" and node.target is island_input):
+            node = node.meta[CAST][0] if CAST in node.meta else node.args[0]
         return node
 
     def cast_effective(self, cast: fx.Node) -> Optional[bool]:
@@ -144,6 +151,19 @@ def _row(node: fx.Node, d: Decision, view: DtypeView, modules: Dict[str, nn.Modu
     float8 = None if d.float8 is None else Float8Cell(d.float8.chosen, d.float8.reason, d.float8.source.value)
     return Row(node.name, kind, op, module, d.category, resolved, d.reason, d.source.value, input_dtypes, compute,
                out or "-", shape, casts, flops, float8=float8)
+
+
+def _recompute_cell(choice: Any, view: DtypeView, first: bool) -> RecomputeCell:
+    """The node's island choice; with a run's shapes, the bytes it saves (float32 upcasts less the kept inputs)."""
+    saved = None
+    if choice.chosen and choice.saved is not None and view.observed is not None:
+        nodes = {n.name: n for n in view.gm.graph.nodes}
+        shapes = [getattr(view.observed.results.get(nodes.get(e)), "shape", None) for e in choice.entries]
+        if shapes and all(s is not None for s in shapes):
+            per = 4 - torch.empty((), dtype=choice.saved).element_size()
+            saved = sum(per * int(torch.Size(s).numel()) for s in shapes)
+    return RecomputeCell(choice.island, choice.chosen, choice.reason, choice.source.value,
+                         None if choice.saved is None else dtype_name(choice.saved), saved, first)
 
 
 def policy_label(pol: Policy) -> str:

@@ -32,6 +32,9 @@ NUMERICS_COLUMNS = ["sqnr_db", "max_rel_error", "nonfinite", "overflow", "underf
 #: appended when the policy runs float8 (a row per candidate matmul; the measured ones with numerics)
 FLOAT8_COLUMNS = ["float8", "float8_reason", "float8_sqnr_db", "float8_input_amax", "float8_weight_amax",
                   "float8_scale", "float8_nan_rows"]
+#: appended when the graph has float32 islands (conversion.islands): one per node of an island
+RECOMPUTE_COLUMNS = ["recompute_island", "recompute", "recompute_reason", "recompute_saved_dtype",
+                     "recompute_bytes_saved"]
 
 
 def unique(items: Iterable[str]) -> List[str]:
@@ -153,6 +156,9 @@ def table(rep: Any, *, wide: bool = False) -> str:
     float8 = any(r.float8 is not None for r in rep.rows)
     if float8:
         headers += ["float8"]
+    recompute = any(r.recompute is not None for r in rep.rows)
+    if recompute and wide:
+        headers += ["recompute"]
 
     def render(widths: Any) -> str:
         body = []
@@ -168,11 +174,13 @@ def table(rep: Any, *, wide: bool = False) -> str:
                 cat = r.category.value if r.resolved is r.category else f"{r.resolved.value}*"
                 dtypes = wrap_dtypes(ins, short_name(r.compute), short_name(r.output_dtype), dtypes_w)
                 line = [wrap(r.node, node_w), wrap(short_op_label(r), op_w), cat, short_reason(r.reason, reason_w),
-                        dtypes, wrap(casts, casts_w)]
+                        dtypes, wrap(casts, casts_w)]  # (float32 islands: listed below the table, a column in wide)
             if numerics:
                 line += _numerics_cells(r.numerics)
             if float8:
                 line.append(float8_cell(r.float8, wide))
+            if recompute and wide:
+                line.append(recompute_cell(r.recompute, wide))
             body.append(line)
         return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True) if body else "(no rows)"
 
@@ -197,6 +205,8 @@ def table(rep: Any, *, wide: bool = False) -> str:
             lines.append("NaN→k/m rows: one NaN planted in one input row made k of the m output rows NaN (tensorwise: "
                          "one scale for the whole tensor, so one non-finite input spoils every row; rowwise keeps it "
                          "to its row)")
+    if recompute:
+        lines += ["", *island_lines(rep)]
     lines += ["", *summary_lines(rep)]
     if rep.lints:
         lines += ["", f"dtype leaks ({len(rep.lints)}):"]
@@ -227,6 +237,43 @@ def float8_cell(cell: Any, wide: bool = False) -> str:
         if cell.measured.spreads:
             text += " NaN→{}/{} rows".format(*cell.measured.nan_rows)
     return f"{text}: {cell.reason}" if wide else text
+
+
+def recompute_cell(cell: Any, wide: bool = False) -> str:
+    """``bf16 -8.39MB`` on an island's first row, ``↑`` on its other rows, ``no``; ``wide`` adds the reason."""
+    if cell is None:
+        return ""
+    if not cell.first:
+        return "↑"
+    text = "no" if not cell.chosen else short_name(cell.saved_dtype) + (
+        "" if cell.bytes_saved is None else " -" + _bytes(cell.bytes_saved))
+    return f"{text}: {cell.reason}" if wide else text
+
+
+def island_lines(rep: Any) -> List[str]:
+    """One line per float32 island (``conversion.islands``): recomputed or not, and why."""
+    islands: Dict[str, List[Any]] = {}
+    for r in rep.rows:
+        if r.recompute is not None:
+            islands.setdefault(r.recompute.island, []).append(r)
+    lines = [f"float32 islands ({len(islands)}; recomputed: backward keeps their low-precision inputs, not float32):"]
+    for name, rows in islands.items():
+        c = rows[0].recompute
+        nodes = rows[0].node + ("" if len(rows) == 1 else f" to {rows[-1].node} ({len(rows)} ops)")
+        what = (f"recomputed, keeps {c.saved_dtype} for backward" + ("" if c.bytes_saved is None else
+                                                                     f", {_bytes(c.bytes_saved)} less") if c.chosen else
+                f"not recomputed: {c.reason}")
+        lines += textwrap.wrap(f"{nodes}: {what}", TABLE_WIDTH - 2, initial_indent="  ", subsequent_indent="    ",
+                               break_long_words=False)
+    return lines
+
+
+def _bytes(n: int) -> str:
+    """``16.4kB``, ``8.39MB``, ``1.65GB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n}B"
 
 
 def header(rep: Any) -> str:
@@ -284,7 +331,9 @@ def to_csv(rep: Any) -> str:
     """
     numerics = any(r.numerics is not None for r in rep.rows)
     float8 = any(r.float8 is not None for r in rep.rows)
-    columns = CSV_COLUMNS + (NUMERICS_COLUMNS if numerics else []) + (FLOAT8_COLUMNS if float8 else [])
+    recompute = any(r.recompute is not None for r in rep.rows)
+    columns = CSV_COLUMNS + (NUMERICS_COLUMNS if numerics else []) + (FLOAT8_COLUMNS if float8 else []) + \
+        (RECOMPUTE_COLUMNS if recompute else [])
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(columns)
@@ -307,6 +356,10 @@ def to_csv(rep: Any) -> str:
                 int(c.chosen), c.reason, "" if m is None else format_db(m.sqnr_db),
                 *(("",) * 4 if m is None else (" ".join(map(repr, v)) for v in (m.input_amax, m.weight_amax, m.scale,
                                                                                  m.nan_rows)))]
+        if recompute:
+            c = r.recompute
+            line += ["", "", "", "", ""] if c is None else [
+                c.island, int(c.chosen), c.reason, c.saved_dtype or "", "" if c.bytes_saved is None else c.bytes_saved]
         w.writerow(line)
     pad = [""] * (len(columns) - len(CSV_COLUMNS))
     blank = [""] * (len(CSV_COLUMNS) - 3)

@@ -10,6 +10,7 @@ import torch.fx as fx
 from ..dtypes import dtype_name
 from ..conversion.graph import CAST, Decision, attr_target
 from ..conversion.op_lists import Source
+from ..conversion.recompute import island_output
 from .records import LOW_NAMES, Lint
 
 __all__ = ["find_lints"]
@@ -56,7 +57,8 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
             continue
         if view.dtype(src) != "float32" or view.cast_effective(cast) is False:
             continue
-        users = ", ".join(u.name for u in cast.users)
+        readers = _readers(cast)
+        users = ", ".join(u.name for u in readers)
         ops, attrs = _origins(src, decisions, view)
         attrs = [a for a in attrs if attr_target(a) in stored]  # not constants the model makes (an empty cache)
         ops = [o for o in ops if decisions[o].source not in _USER_CHOSEN]  # the user chose float32 there
@@ -65,7 +67,7 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
             names = ", ".join(o.name for o in ops)
             why = (f"{d.op} runs in float32 ({d.resolved.value})" if ops == [src] else
                    f"it comes from {names} ({d.op}, {d.resolved.value}), which runs in float32")
-            fix = (f"expected after a float32 op; if {users} tolerate{'s' if len(cast.users) == 1 else ''} it, let "
+            fix = (f"expected after a float32 op; if {users} tolerate{'s' if len(readers) == 1 else ''} it, let "
                    f"{ops[0].name} run in low precision (overrides= / "
                    f"{'module_overrides=' if d.module else 'node_overrides='})")  # (at the root no path covers it)
         elif attrs:
@@ -76,6 +78,18 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
         else:
             continue  # made in float32 by the model itself (a KV cache, a float32 input): nothing to act on
         yield Lint("cast-down", src.name, f"float32 output is cast to {dtype_name(dtype)} for {users}: {why}; {fix}")
+
+
+def _readers(node: fx.Node) -> List[fx.Node]:
+    """The nodes that read ``node``'s value, through a recomputed island's output (``conversion.islands``)."""
+    out: List[fx.Node] = []
+    for u in node.users:
+        if u.op == "call_function" and u.target is island_output and node in u.args[3]:
+            k = list(u.args[3]).index(node)
+            out += [r for g in u.users if g.args[1] == k for r in g.users]
+        else:
+            out.append(u)
+    return out
 
 
 def _origins(node: fx.Node, decisions: Dict[fx.Node, Decision], view: Any) -> Tuple[List[fx.Node], List[fx.Node]]:

@@ -15,7 +15,7 @@ from . import formats
 from .diff import PolicyDiff, diff_reports
 
 __all__ = ["RUNTIME", "AS_INPUT", "LOW_NAMES", "CastIn", "Row", "Lint", "Summary", "NodeNumerics",
-           "NumericsSummary", "Report", "as_category", "Float8Measure", "Float8Cell"]
+           "NumericsSummary", "Report", "as_category", "Float8Measure", "Float8Cell", "RecomputeCell"]
 
 RUNTIME = "runtime"  #: a dtype known only when the model runs
 AS_INPUT = "as input"  #: compute=None: the op runs in the dtype its inputs arrive in
@@ -127,6 +127,31 @@ class Float8Cell:
 
 
 @dataclass(frozen=True)
+class RecomputeCell:
+    """The recompute column of a node in a float32 island (``conversion.islands``).
+
+    island:      the island's name (every node of it shows the same choice).
+    chosen:      the island keeps its low-precision input for backward and recomputes there.
+    reason:      why (the rule, or an override): the node's ``Decision.recompute``.
+    source:      where the choice came from (``default``, or an override).
+    saved_dtype: the dtype kept for backward in place of float32 (chosen islands), else None.
+    bytes_saved: float32 bytes of the upcast values less the kept ones, from the shapes a run observed; else None.
+    first:       the island's first row in the table (where the table prints the cell).
+    """
+
+    island: str
+    chosen: bool
+    reason: str
+    source: str
+    saved_dtype: Optional[str] = None
+    bytes_saved: Optional[int] = None
+    first: bool = True
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class NumericsSummary:
     """What the side-by-side run found: the output's SQNR, the worst op and the culprit.
 
@@ -188,6 +213,7 @@ class Row:
     flops:        estimated floating point operations (None without example inputs).
     numerics:     measured error against float32 (``report(..., numerics=True)``), else None.
     float8:       a :class:`Float8Cell` for a matmul a float8 policy could run in float8, else None.
+    recompute:    a :class:`RecomputeCell` for a node of a float32 island, else None.
     """
 
     node: str
@@ -206,6 +232,7 @@ class Row:
     flops: Optional[int]
     numerics: Optional[NodeNumerics] = None
     float8: Optional[Float8Cell] = None
+    recompute: Optional[RecomputeCell] = None
 
     @property
     def is_op(self) -> bool:
@@ -227,6 +254,7 @@ class Row:
         d["casts"] = [asdict(c) for c in self.casts]
         d["numerics"] = None if self.numerics is None else self.numerics.to_dict()
         d["float8"] = None if self.float8 is None else self.float8.to_dict()
+        d["recompute"] = None if self.recompute is None else self.recompute.to_dict()
         return d
 
 

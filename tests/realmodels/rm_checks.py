@@ -45,7 +45,7 @@ class NotApplicable(Exception):
 
 
 #: the keywords of fxamp.convert that fxamp.convert_ takes too
-_IN_PLACE_KWARGS = ("keep_norms_fp32", "overrides", "module_overrides", "op_lists", "weight_cache")
+_IN_PLACE_KWARGS = ("keep_norms_fp32", "overrides", "module_overrides", "op_lists", "weight_cache", "recompute_islands")
 
 
 def convert(entry: Entry, model: nn.Module, policy: str, dtype: torch.dtype, *, in_place: bool = False,
@@ -317,9 +317,11 @@ def check_training_lean(entry: Entry, policy: str, dtype: torch.dtype) -> Dict[s
 
 def check_training(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: bool = False,
                    **lean: str) -> Dict[str, Any]:
-    """A few AdamW steps through MixedPrecisionOptimizer track float32's losses and bring the loss down."""
+    """A few AdamW steps through MixedPrecisionOptimizer track float32's losses and bring the loss down; with
+    float32 islands recomputed (the default) the losses are bitwise those without (issue 40)."""
     ref_model = build(entry)
     model = copy.deepcopy(ref_model)  # O0/O1 share the original's parameters: train a separate copy
+    start = copy.deepcopy(model)
     amp = convert(entry, model.eval(), policy, dtype, in_place=in_place)
     ref_model.train()
     amp.train()
@@ -327,18 +329,32 @@ def check_training(entry: Entry, policy: str, dtype: torch.dtype, *, in_place: b
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=TRAIN_LR), model=amp, **lean)
     inputs = entry.inputs(2)
     ref_losses, losses = [], []
-    for _ in range(TRAIN_STEPS):
+    for step in range(TRAIN_STEPS):
         ref_opt.zero_grad()
         loss = loss_of(call_model(ref_model, inputs))
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
         opt.zero_grad()
+        torch.manual_seed(step)  # (the same dropout masks in the run without recomputation below)
         loss = loss_of(call_model(amp, inputs))
         assert loss.dtype == torch.float32
         opt.backward(loss)
         opt.step()
         losses.append(loss.item())
+    if not lean:  # (stochastic rounding draws its own numbers)
+        plain = convert(entry, start.eval(), policy, dtype, in_place=in_place, recompute_islands=False)
+        plain.train()
+        plain_opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(plain.parameters(), lr=TRAIN_LR), model=plain)
+        plain_losses = []
+        for step in range(TRAIN_STEPS):
+            plain_opt.zero_grad()
+            torch.manual_seed(step)
+            loss = loss_of(call_model(plain, inputs))
+            plain_opt.backward(loss)
+            plain_opt.step()
+            plain_losses.append(loss.item())
+        assert plain_losses == losses, f"recomputed islands changed the losses: {losses} vs {plain_losses} without"
     assert all(math.isfinite(v) for v in losses), f"non-finite losses {losses}"
     scale = max(abs(v) for v in ref_losses)
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses)) / scale

@@ -16,6 +16,7 @@ import torch.nn as nn
 import fxamp
 from fxamp.conversion.graph import cast_of, decision_of
 from fxamp.reporting import CSV_COLUMNS, Row
+from fxamp.reporting.formats import RECOMPUTE_COLUMNS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import models  # noqa: E402  examples/models.py
@@ -114,6 +115,8 @@ def test_table_columns_and_summary(mlp_report):
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("node "))
     assert header.split() == ["node", "op", "category", "reason", "in→compute→out", "casts", "before"]
+    # the log-softmax over the fp16 logits is a float32 island (issue 40): listed below the table
+    assert any(line.startswith("  log_softmax: recomputed, keeps float16 for backward") for line in lines)
     at = next(i for i, line in enumerate(lines) if line.startswith("linear "))
     for cell in ('fc1: linear', "safe", "linear layer", "fp32→fp16→fp16", "x→fp16, fc1.weight→fp16,"):
         assert cell in lines[at]
@@ -335,7 +338,7 @@ def test_json_schema_rejects_garbage():
 
 def test_csv(mlp_report):
     records = list(csv.DictReader(io.StringIO(mlp_report.to_csv())))
-    assert list(records[0]) == CSV_COLUMNS
+    assert list(records[0]) == CSV_COLUMNS + RECOMPUTE_COLUMNS  # (a float32 island: its log-softmax)
     nodes = [r for r in records if r["record"] == "node"]
     assert [r["node"] for r in nodes] == [r.node for r in mlp_report.rows]
     linear = next(r for r in nodes if r["node"] == "linear")
