@@ -154,7 +154,7 @@ def test_the_report_shows_each_island_with_the_dtype_kept_and_the_bytes_saved(da
     torch.manual_seed(0)
     model = LM(vocab=512, upcast=False)
     x = data % 512
-    rep = fxamp.report(model, (x, x), "O1", dtype=BF16)
+    rep = fxamp.report(model, "O1", example_inputs=(x, x), dtype=BF16)
     cells = {r.node: r.recompute for r in rep.rows if r.recompute is not None}
     assert cells["cross_entropy"].chosen and cells["cross_entropy"].saved_dtype == "bfloat16"
     first = [c for c in cells.values() if c.first]
@@ -163,7 +163,7 @@ def test_the_report_shows_each_island_with_the_dtype_kept_and_the_bytes_saved(da
     assert "bf16 -516kB: recomputed in backward" in rep.to_table(wide=True)
     assert "recompute_bytes_saved" in rep.to_csv().splitlines()[0]
     assert rep.to_dict()["rows"][[r.node for r in rep.rows].index("cross_entropy")]["recompute"]["chosen"]
-    off = fxamp.report(model, (x, x), "O1", dtype=BF16, recompute_islands=False)
+    off = fxamp.report(model, "O1", example_inputs=(x, x), dtype=BF16, recompute_islands=False)
     assert all(r.recompute is None for r in off.rows) and "float32 islands" not in off.to_table()
 
 
