@@ -175,8 +175,15 @@ def _resolve(model: nn.Module, policy: Union[str, Policy], dtype: Union[str, tor
              keep_norms_fp32: bool, entry: str) -> Tuple[Policy, Tuple[str, ...]]:
     """The policy for ``model``'s device, and the note saying which dtype a preset without ``dtype=`` chose
     (autocast's per-device default)."""
+    if isinstance(model, type) and issubclass(model, nn.Module):  # `convert(Net, ...)`: the class, not a model
+        raise TypeError(f"fxamp.{entry} takes an nn.Module instance, not the class {model.__name__}: "
+                        f"pass {model.__name__}(...)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp.{entry} takes an nn.Module, not {type(model).__name__}")
+    lazy = next((n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)), None)
+    if lazy is not None:  # a LazyLinear/LazyConv before its first call: its shapes are not known yet
+        raise ValueError(f"fxamp.{entry}: parameter {lazy!r} is uninitialized (a lazy module, e.g. nn.LazyLinear): "
+                         f"run the model once on an example input before converting it")
     device_type = device_type_of(model)
     pol = resolve_policy(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)
     chosen = (default_dtype(device_type)[1],) if dtype is None and isinstance(policy, str) and "=" not in policy \

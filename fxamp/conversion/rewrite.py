@@ -308,8 +308,13 @@ def insert_casts(
             else:
                 node.args = fx.node.map_arg(node.args, lambda n: casts.to(n, dtype, node))
                 node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
-        elif d is not None and d.norm and node.op == "call_function":
-            _cast_norm_tensors(node, policy.norms, casts)
+        elif d is not None and d.norm:
+            if policy.norms in LOW and node.args and isinstance(node.args[0], fx.Node):
+                # norms stored low (O3): the kernels refuse a float32 input with low-precision weights
+                # ("mixed dtype (CPU)"), as from a model whose first layer is a batch norm
+                node.args = (casts.to(node.args[0], policy.norms, node), *node.args[1:])
+            if node.op == "call_function":
+                _cast_norm_tensors(node, policy.norms, casts)
         if isinstance(into, fx.Node):
             casts.forget(into)  # casts of it made before this write hold its old values
     casts.finish()

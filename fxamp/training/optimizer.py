@@ -81,6 +81,9 @@ def check_optimizer(optimizer: Any) -> None:
     """Raise TypeError unless ``optimizer`` is a torch optimizer or like one; OptimizerStateError if already wrapped."""
     if isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError("optimizer is already a MixedPrecisionOptimizer; wrap the torch optimizer once")
+    if isinstance(optimizer, type):  # `MixedPrecisionOptimizer(torch.optim.AdamW, ...)`: the class, not one built
+        raise TypeError(f"optimizer must be an optimizer instance, not the class {optimizer.__name__}: build it "
+                        f"first, e.g. {optimizer.__name__}(model.parameters())")
     if isinstance(optimizer, torch.optim.Optimizer):
         return refuse_wrapped(optimizer)  # a second wrapper would step the first one's masters, which get no gradient
     missing = [name for name in _OPTIMIZER_ATTRS if not hasattr(optimizer, name)]

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -265,9 +266,16 @@ def _mark_counters(train_gm: fx.GraphModule, eval_gm: fx.GraphModule) -> None:
 def _where(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-    if len(lines) >= 2 and lines[-2].startswith("File "):
-        return f" ({lines[-2]}: `{lines[-1]}`)"
+    # the innermost frame of the user's code: torch.fx's tracer records its own frames (proxy.py) after it
+    for i in range(len(lines) - 2, -1, -1):
+        if lines[i].startswith("File ") and not lines[i + 1].startswith("File ") \
+                and not any(root in lines[i] for root in _LIBRARY_ROOTS):
+            return f" ({lines[i]}: `{lines[i + 1]}`)"
     return ""
+
+
+_LIBRARY_ROOTS = (os.path.dirname(torch.__file__) + os.sep,
+                  os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep)  # torch's, fxamp's
 
 
 def capture_in_both_modes(
