@@ -13,8 +13,7 @@
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
 step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
 Float32 parameters (O1, or norms under O2) are stepped directly.  The step's stages are the
-scaler's (:class:`fxamp.training.loss_scale.Stage`, kept by the :class:`fxamp.training.loss_scale.LossScaler` for each
-optimizer attached to it)::
+scaler's (``loss_scale.Stage``, kept by its ``LossScaler`` for each optimizer attached to it)::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
                             \\________________step()________________/
@@ -60,8 +59,8 @@ from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_origin
-from .loss_scale import FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree, scaler_for
-from .ownership import mark_master, refuse_foreign_model, refuse_unheld_model, refuse_wrapped
+from .loss_scale import FoundInf, Stage, StepResult, agree, ranks_to_agree, scaler_for
+from .ownership import mark_master, refuse_unheld_model, refuse_wrapped
 
 if TYPE_CHECKING:
     from .kernels import Kernels  # (imported by __init__ with compile_step=True only: it brings torch.compile's)
