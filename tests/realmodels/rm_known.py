@@ -15,21 +15,18 @@ from typing import Dict, Optional, Tuple
 
 Key = Tuple[str, str, str, str]
 
-#: issue 37's items, as the reasons say them
-_I1 = "issue 37 item 1: a BatchNorm whose training flag follows self.training runs batch statistics in eval"
-_I1_2 = ("issue 37 items 1 and 2: BatchNorm in eval runs batch statistics (the BNAct blocks' flag follows "
-         "self.training; convert_'s glue BatchNorm ignores eval())")
-_I3 = ("issue 37 item 3: convert_ under O2 gives the bfloat16-rounded weights back, not the user's float32 "
-       "(fp32_state_dict matches masters by id(); save_pretrained writes bfloat16)")
-_I4 = ("issue 37 item 4: lean masters/state on channels_last or transposed weights train differently "
-       "(kahan) or crash (stochastic, auto: 'view size is not compatible')")
-_I8 = ("issue 37 item 8: DCP's Stateful idiom {'model': model, 'optim': opt} resumes differently from the "
-       "uninterrupted run, without a word")
-_I10 = ("issue 37 item 10: convert_ refuses a block whose mask buffer is inverted in forward "
-        "(torch.fx folds ~self.mask into _tensor_constant0)")
-_I11 = "issue 37 item 11: convert_ finds blocks only in nn.ModuleList, not in nn.Sequential stages"
-
-KNOWN: Dict[Key, str] = {}
+_ROWS_BN = ("in place, a glue BatchNorm after a glue conv runs in float32 on a float32 input; the whole-model "
+            "graph runs it on the conv's bfloat16 output (both are float32 norms; the rows differ)")
+_ROWS_SOFTMAX = ("in place, the attention softmax of a block whose mask is a lifted graph input runs float32; the "
+                 "whole-model graph keeps it bfloat16 between the two low-precision matmuls")
+_SHARD_MHA = ("fxamp.shard predicts a bfloat16 all-gather for out_proj.weight, which nn.MultiheadAttention reads "
+              "directly as float32 in place; it refuses in one line (gather_float32=[...] or a call before shard)")
+KNOWN: Dict[Key, str] = {
+    ("bn-act", "in-place-rows", "*", "*"): _ROWS_BN,
+    ("resnet-seq*", "in-place-rows", "*", "*"): _ROWS_BN,
+    ("gpt-mask-buffer", "in-place-rows", "*", "*"): _ROWS_SOFTMAX,
+    ("vit-seq-pool", "eval-*/shard", "*", "*"): _SHARD_MHA,
+}
 
 # CLIPModel bfloat16 was listed (4 dB below autocast) until the numerics check pooled its SQNR over enough
 # input draws: on CLIP's 2×2 similarity matrix one draw put fxamp anywhere from 10 dB below to 4 dB above
