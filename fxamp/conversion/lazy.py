@@ -260,7 +260,20 @@ class LazyConverted(nn.Module):
 
     def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        key = self._key(args, kwargs)
+        base = self._key(args, kwargs)
+        variant = 0
+        while True:
+            # a capture's dynamic dims hold only in the range its branches allow (``x.shape[0] > 2``):
+            # a call outside it tries the next capture of the signature, or captures one for its range
+            key = base if variant == 0 else (base, "range", variant)
+            try:
+                return self._run(key, args, kwargs)
+            except RuntimeError as exc:  # torch.export's input check, a pre-hook: nothing of forward ran
+                if not str(exc).startswith("Expected input at "):
+                    raise
+            variant += 1
+
+    def _run(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         cache = self._fxamp_cache
         entry_key = (key, None) if (key, None) in cache else (key, self.training)
         entry = cache.get(entry_key)
@@ -301,7 +314,9 @@ class LazyConverted(nn.Module):
                                dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
                                graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
-        key = self._learn_static(captured.graph_module, args, kwargs)
+        learned = self._learn_static(captured.graph_module, args, kwargs)
+        key = learned if not (isinstance(key, tuple) and len(key) == 3 and key[1] == "range") else (
+            learned, "range", key[2])  # another range of one signature: kept beside the first capture
         description = _describe(root, args, kwargs, _static(captured.graph_module, args, kwargs))
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at a call with {description}; parameter storage "
