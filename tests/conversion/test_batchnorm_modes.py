@@ -126,7 +126,7 @@ def _eval_checks(model: nn.Module, amp: nn.Module, x: torch.Tensor) -> None:
 PATHS = ["fx", "export", "lazy"]
 
 
-@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("policy", ["O1"])  # (the mode flag is the capture's, not the policy's: O2 below)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_a_batch_norm_subclass_converted_in_eval_mode_runs_its_running_statistics(layer, path, policy):
@@ -136,7 +136,7 @@ def test_a_batch_norm_subclass_converted_in_eval_mode_runs_its_running_statistic
     _eval_checks(model, amp, x)
 
 
-@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("policy", ["O2"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_a_batch_norm_subclass_converted_in_training_mode_updates_statistics_then_follows_eval(layer, path, policy):
