@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple, Type, Union
 
 import torch
 
-__all__ = ["StrEnum", "LOW", "CASTABLE", "NOT_FLOAT", "NAMES", "short_name", "dtype_name", "parse_dtype", "dtype_member", "spellings"]
+__all__ = ["StrEnum", "DtypeEnum", "LOW", "CASTABLE", "NOT_FLOAT", "NAMES", "short_name", "dtype_name", "parse_dtype", "dtype_member", "spellings"]
 
 
 class StrEnum(str, enum.Enum):
@@ -22,6 +22,15 @@ class StrEnum(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
+
+class DtypeEnum(StrEnum):
+    """A string option whose values are dtypes' short names (``"fp32"``, ``"bf16"``) among others: it also takes
+    the dtype's other spellings (``"bfloat16"``, ``torch.bfloat16``: :func:`dtype_member`)."""
+
+    @classmethod
+    def _missing_(cls, value: Any) -> Optional["DtypeEnum"]:
+        return dtype_member(cls, value)
 
 #: the low-precision float dtypes fxamp computes in
 LOW = (torch.float16, torch.bfloat16)

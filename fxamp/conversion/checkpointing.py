@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture.regions import CHECKPOINT, CheckpointMark, traced_through_note
-from .graph import CAST, rename_node
+from .graph import CAST, region_in_order, rename_node
 from .runtime import cast_weights, checkpointed
 
 __all__ = ["keep_checkpoints", "checkpoint_calls", "inline_checkpoints_", "BLOCK_NAME"]
@@ -146,16 +146,9 @@ def _keep(gm: fx.GraphModule, marked: List[fx.Node], mark: CheckpointMark) -> Op
     region = _region(graph, marked)
     if not _convex(region):
         return "a value leaves its block and comes back into it"
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    nodes = sorted(region, key=order.__getitem__)
-    first, last = nodes[0], nodes[-1]
-
     # the block's inputs (values from outside, then the modules it calls) and outputs (values used after it)
-    inputs: List[fx.Node] = []
-    for node in nodes:
-        for value in node.all_input_nodes:
-            if value not in region and value not in inputs:
-                inputs.append(value)
+    order, nodes, inputs = region_in_order(graph, region)
+    first, last = nodes[0], nodes[-1]
     modules = list(dict.fromkeys(str(n.target) for n in nodes if n.op == "call_module"))
     outputs = [n for n in nodes if any(u not in region for u in n.users)]
     try:

@@ -21,7 +21,7 @@ dotted name of the parameter or buffer the node reads; a ``MODULE`` is ``(module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 import torch.fx as fx
@@ -33,7 +33,7 @@ from ..info import remember_origin
 __all__ = [
     "INPUT_DTYPE",
     "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice", "IslandChoice",
-    "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
+    "region_in_order", "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
     "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
     "tensor_slots", "replace_tensors", "rebind",
 ]
@@ -132,6 +132,17 @@ def decision_of(node: fx.Node) -> Optional[Decision]:
 def cast_of(node: fx.Node) -> Optional[Tuple[fx.Node, torch.dtype]]:
     """``(source node, dtype)`` for a cast the rewrite inserted (``meta[CAST]``), None for any other node."""
     return node.meta.get(CAST)
+
+
+def region_in_order(graph: fx.Graph, region: Iterable[fx.Node]
+                    ) -> Tuple[Dict[fx.Node, int], List[fx.Node], List[fx.Node]]:
+    """``(each node's position in the graph, the region's nodes in graph order, the values they read from outside
+    the region, first read first)``: what a pass moving a region into a call (checkpointing, islands) starts from."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = sorted(region, key=order.__getitem__)
+    inside = set(nodes)
+    outside = list(dict.fromkeys(v for n in nodes for v in n.all_input_nodes if v not in inside))
+    return order, nodes, outside
 
 
 def fetch_attr(module: nn.Module, target: str) -> Any:

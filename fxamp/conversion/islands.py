@@ -36,10 +36,10 @@ from torch.fx.node import _get_qualified_name
 
 from ..dtypes import LOW, dtype_name
 from .capture.regions import CHECKPOINT
-from .graph import CAST, DECISION, IslandChoice, module_path_of
+from .graph import CAST, DECISION, IslandChoice, module_path_of, region_in_order
 from .inference import DtypeInference
 from .op_lists import Category, Source
-from .options import NO_RECOMPUTE, RECOMPUTE, ConvertOptions
+from .options import NO_RECOMPUTE, ConvertOptions
 from .recompute import Ref, island_input, island_on, island_output, resolve
 from .runtime import cast, cast_dense
 
@@ -268,15 +268,9 @@ def _check_overrides(gm: fx.GraphModule, options: ConvertOptions) -> None:
 
 def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) -> None:
     """Route one island through ``island_on`` / ``island_input`` / ``island_output`` (the module docstring)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    members = sorted(members, key=order.__getitem__)
+    order, members, externals = region_in_order(graph, members)
     inside = set(members)
     first, last = members[0], members[-1]
-    externals: List[fx.Node] = []
-    for m in members:
-        for i in m.all_input_nodes:
-            if i not in inside and i not in externals:
-                externals.append(i)
     # what the island reads must exist before its first op: move those computed later (none reads the island)
     needed: Set[fx.Node] = set()
     todo = list(externals)

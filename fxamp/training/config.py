@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..dtypes import StrEnum, dtype_member, spellings
+from ..dtypes import DtypeEnum, StrEnum, spellings
 from ..errors import warn_deprecated
 from ..info import policy_of
 
@@ -199,8 +199,8 @@ def compute_dtype(model: Optional[torch.nn.Module], params: Sequence[torch.Tenso
 
 # -- masters and state per tensor ----------------------------------------------------------------
 
-class MasterPrecision(StrEnum):
-    """What keeps a low-precision weight's full value between steps."""
+class MasterPrecision(DtypeEnum):
+    """What keeps a low-precision weight's full value between steps (``"float32"``, ``torch.float32``: fp32)."""
 
     FP32 = "fp32"
     KAHAN = "kahan"
@@ -208,22 +208,13 @@ class MasterPrecision(StrEnum):
     AUTO = "auto"
 
 
-    @classmethod
-    def _missing_(cls, value: Any) -> Optional["MasterPrecision"]:
-        return dtype_member(cls, value)  # "float32", torch.float32: fp32
-
-
-class StatePrecision(StrEnum):
-    """How the optimizer state of a low-precision weight is stored between steps."""
+class StatePrecision(DtypeEnum):
+    """How the optimizer state of a low-precision weight is stored between steps (``"bfloat16"``: bf16)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
     AUTO = "auto"
-
-    @classmethod
-    def _missing_(cls, value: Any) -> Optional["StatePrecision"]:
-        return dtype_member(cls, value)  # "bfloat16", torch.bfloat16: bf16; "float32": fp32
 
 
 #: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``
