@@ -23,7 +23,7 @@ still resolve here for one release, with a ``DeprecationWarning`` naming their m
 
 One vocabulary across them.  A config type has one factory, ``parse``, from the string form its
 ``str()`` prints, presets included (``Policy.parse("O2")``, ``Float8.parse("rowwise")``,
-``LossScaleConfig.parse("static:1024")``, ``LeanConfig.parse("O2-lean")``), as jmp's ``get_policy``
+``LossScaleConfig.parse("static:1024")``, ``LeanConfig.parse("lean")``), as jmp's ``get_policy``
 reads ``"p=f32,c=f16"``; the constructors take the fields, each a value or its name
 (``LeanConfig("kahan", "bf16")``), as torch's constructors take their options.  ``parse`` because every
 option already reads a string (``"O2"``, ``loss_scale="static:1024"``, ``float8="rowwise"``) and that

@@ -217,8 +217,11 @@ class StatePrecision(DtypeEnum):
     AUTO = "auto"
 
 
-#: named presets: ``MixedPrecisionOptimizer(opt, precision="O2-lean")``
-PRESETS = {"O2": ("fp32", "fp32"), "O2-lean": ("auto", "auto")}
+#: named presets: ``MixedPrecisionOptimizer(opt, precision="lean")``.  Not the policies' names: ``"O2"`` is a
+#: conversion policy (``fxamp.convert(model, "O2")``), and an optimizer precision is a different thing.
+PRESETS = {"fp32": ("fp32", "fp32"), "lean": ("auto", "auto")}
+#: the presets' former names, which read as policies; accepted for one release with a DeprecationWarning
+_OLD_PRESETS = {"O2": "fp32", "O2-lean": "lean"}
 
 
 def _enum(cls, value: Any, option: str):
@@ -256,12 +259,16 @@ class LeanConfig:
 
     @classmethod
     def parse(cls, text: Union[str, "LeanConfig"]) -> "LeanConfig":
-        """A preset (``"O2-lean"``, :data:`PRESETS`) or the string form ``str()`` prints (``"masters=auto,state=int8"``)."""
+        """A preset (``"lean"``, :data:`PRESETS`) or the string form ``str()`` prints (``"masters=auto,state=int8"``)."""
         if isinstance(text, LeanConfig):
             return text
         if not isinstance(text, str):
             raise TypeError(f"precision must be a preset name ({', '.join(map(repr, PRESETS))}) or a LeanConfig, "
                             f"not {type(text).__name__}")
+        if text in _OLD_PRESETS:
+            warn_deprecated(f"precision={text!r}", f"write precision={_OLD_PRESETS[text]!r} (the optimizer's presets are "
+                            f"not named after the conversion policies)")
+            text = _OLD_PRESETS[text]
         if text in PRESETS:
             return cls(*PRESETS[text])
         parts = dict(p.strip().partition("=")[::2] for p in text.split(",") if p.strip())

@@ -130,7 +130,7 @@ class MixedPrecisionOptimizer:
     masters, state: per-tensor precision (:mod:`fxamp.training.lean`): masters ``"fp32"`` (the default),
                    ``"kahan"``, ``"stochastic"`` or ``"auto"``; state ``"fp32"``, ``"bf16"``, ``"int8"`` or
                    ``"auto"`` (measured during the first steps: :mod:`fxamp.training.calibrate`).
-                   ``precision``: a preset (``"O2-lean"``: auto and auto) or a :class:`LeanConfig` instead
+                   ``precision``: a preset (``"lean"``: auto and auto; ``"fp32"``) or a :class:`LeanConfig` instead
                    (refused beside ``masters=`` or ``state=``, which it would override).
                    ``seed``: of the stochastic rounding (an int, or a torch.Generator to draw it from; default 0,
                    the same on every rank, so DDP replicas round alike).

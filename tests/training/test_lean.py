@@ -357,12 +357,12 @@ def test_auto_picks_stochastic_and_int8_where_updates_survive_rounding():
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(masters="kahn"), ValueError, r"masters='kahn' is not a valid mode; valid: 'fp32' \(float32\), 'kahan', 'stochastic', 'auto'"),
     (dict(state="int4"), ValueError, r"state='int4' is not a valid mode; valid: 'fp32' \(float32\), 'bf16' \(bfloat16\), 'int8', 'auto'"),
-    (dict(precision="O9"), ValueError, r"precision='O9' is not a preset; valid: 'O2', 'O2-lean'"),
+    (dict(precision="O9"), ValueError, r"precision='O9' is not a preset; valid: 'fp32', 'lean'"),
     (dict(masters="kahan", compile_step=True), ValueError, r"compile_step=True .* lean"),
-    (dict(precision="O2-lean", masters="kahan"), ValueError,
-     r"precision='O2-lean' sets masters and state \(masters=auto,state=auto\), so masters='kahan' beside it would "
+    (dict(precision="lean", masters="kahan"), ValueError,
+     r"precision='lean' sets masters and state \(masters=auto,state=auto\), so masters='kahan' beside it would "
      r"be ignored: pass one or the other, e.g. masters='kahan', state='auto' without precision"),
-    (dict(precision="O2", state="int8"), ValueError, r"precision='O2' .* so state='int8' beside it would be ignored: "
+    (dict(precision="fp32", state="int8"), ValueError, r"precision='fp32' .* so state='int8' beside it would be ignored: "
      r".* masters='fp32', state='int8' without precision"),
     (dict(precision=LeanConfig("kahan"), masters="fp32", state="fp32"), ValueError,
      r"precision=LeanConfig\(.*\) sets masters and state \(masters=kahan,state=fp32\), so masters='fp32' and "
@@ -460,11 +460,11 @@ def test_lean_config_takes_names_and_parses_its_string_form():
     """One factory, parse (presets and str()'s form); the constructor takes members or names (issue 38)."""
     config = LeanConfig("auto", "int8")
     assert config == LeanConfig(MasterPrecision.AUTO, StatePrecision.INT8) == LeanConfig.parse(str(config))
-    assert LeanConfig.parse("O2-lean") == LeanConfig("auto", "auto") and LeanConfig.parse("O2") == LeanConfig()
+    assert LeanConfig.parse("lean") == LeanConfig("auto", "auto") and LeanConfig.parse("fp32") == LeanConfig()
     assert LeanConfig.parse("state=bfloat16") == LeanConfig(state=torch.bfloat16) == LeanConfig("fp32", "bf16")
     with pytest.raises(ValueError, match=r"masters='fp8' is not a valid mode; valid: 'fp32' \(float32\), 'kahan'"):
         LeanConfig("fp8")
-    with pytest.raises(ValueError, match=r"precision='O9' is not a preset; valid: 'O2', 'O2-lean', or "
+    with pytest.raises(ValueError, match=r"precision='O9' is not a preset; valid: 'fp32', 'lean', or "
                                          r"'masters=<mode>,state=<mode>'"):
         LeanConfig.parse("O9")
     with pytest.warns(DeprecationWarning, match=r"LeanConfig.of\(...\) is deprecated and kept for one release: "
@@ -472,7 +472,10 @@ def test_lean_config_takes_names_and_parses_its_string_form():
         assert LeanConfig.of("auto", "int8") == config
     with pytest.warns(DeprecationWarning, match=r"LeanConfig.preset\(name\) is deprecated .*: write "
                                                 r"LeanConfig.parse\(name\)"):
-        assert LeanConfig.preset("O2-lean") == LeanConfig("auto", "auto")
+        assert LeanConfig.preset("lean") == LeanConfig("auto", "auto")
+    for old, new in (("O2", LeanConfig()), ("O2-lean", LeanConfig("auto", "auto"))):  # read as policies: renamed
+        with pytest.warns(DeprecationWarning, match=rf"precision='{old}' is deprecated .*: write precision="):
+            assert LeanConfig.parse(old) == new
 
 
 @pytest.mark.parametrize("masters,state", [("float32", "bfloat16"), (torch.float32, torch.bfloat16), ("FP32", "bf16"),
@@ -603,7 +606,7 @@ def _layout_run(masters, state, layout, segmented):
         amp = amp.to(memory_format=torch.channels_last)
     lows = [amp.get_parameter(name) for name in ("c1.weight", "c2.weight", "w")]
     assert all(p.dtype == torch.bfloat16 and p.is_contiguous() != layout.startswith("strided") for p in lows)
-    precision = LeanConfig(masters, state, calibration_steps=2, small=10)  # (O2-lean's "auto", for tiny tensors)
+    precision = LeanConfig(masters, state, calibration_steps=2, small=10)  # (preset "lean"'s "auto", for tiny tensors)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, seed=3,
                                         release_grad_buffer=segmented, precision=precision)
     losses = []
