@@ -42,10 +42,11 @@ the user) see the same module they would get from the fx front end:
    cannot return (a Hugging Face ``DynamicCache``) come back as ``None``, with a note.
 
 5. **Run-time checks.**  Export's input checks (the ``_in_spec`` match and shape ranges, run by a
-   forward pre-hook) stay; fxamp's input binding, a pre-hook before them, refuses first, in its own words,
-   a size outside a range the model's code narrowed (``if x.shape[0] > 2``: :func:`.shapes.check_range`).  ``aten._assert_tensor_metadata`` nodes that assert a *floating* dtype
-   lose that dtype (mixed precision changes float dtypes on purpose); shape, device and integer
-   dtype checks stay.
+   forward pre-hook) stay; fxamp's input binding, a pre-hook before them, refuses first, in its own
+   words, a size outside a range the model's code narrowed (``if x.shape[0] > 2``:
+   :func:`.shapes.check_range`).  ``aten._assert_tensor_metadata`` nodes that assert a *floating*
+   dtype lose that dtype (mixed precision changes float dtypes on purpose); shape, device and
+   integer dtype checks stay.
 
 Models neither front end can capture (data-dependent control flow such as ``if x.sum() > 0:``)
 raise :class:`~fxamp.errors.TraceError` naming the source line and the module, and suggesting
@@ -80,7 +81,7 @@ from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 from .regions import region_notes
-from .shapes import STATIC_SIZES, asked_dims, check_range, dim_ranges, fixed_dims, shape_note
+from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
 
 __all__ = ["ExportFrontEnd"]
@@ -356,7 +357,7 @@ class _BindInputs:
     def __init__(self, signature: inspect.Signature, positional: Tuple[str, ...], keywords: Tuple[str, ...],
                  constants: Dict[str, Any], static: Dict[str, Tuple[Optional[int], ...]], dynamic: Any,
                  fixed: Optional[Dict[str, Dict[int, str]]] = None,
-                 ranges: Optional[Dict[str, Dict[int, Tuple[Optional[int], Optional[int]]]]] = None):
+                 ranges: Optional[Dict[str, Dict[int, Range]]] = None):
         self.signature = signature
         self.positional = positional
         self.keywords = keywords

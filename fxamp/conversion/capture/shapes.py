@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from ...errors import FxampError
 from ..options import Dynamic
 
-__all__ = ["STATIC_SIZES", "OutsideCapturedRange", "asked_dims", "check_range", "dim_ranges", "dynamic_shapes",
+__all__ = ["STATIC_SIZES", "OutsideCapturedRange", "Range", "asked_dims", "check_range", "dim_ranges", "dynamic_shapes",
            "fixed_dims", "shape_note", "usual_dims"]
 
 #: ``gm.meta`` key of a captured graph module's ``static_sizes(args, kwargs)``: the sizes a call
