@@ -13,7 +13,9 @@ the same children, parameters, buffers, attributes and hooks::
       ├─ storage (O2/O3): lazy.predict_storage over the whole model, re-bound once through the root
       │  (tied tensors stay tied), before any capture, so an optimizer can be built at once; a glue
       │  tensor that code around it reads directly (read_around) keeps float32
-      └─ each instance re-registered where the original was (same names: state_dict keys unchanged)
+      ├─ each instance re-registered where the original was (same names: state_dict keys unchanged)
+      └─ a root with ``save_pretrained`` and a ``config`` (a Hugging Face model) whose storage changed: its
+         class becomes :func:`converted_root_class`'s subclass, which writes config.json's dtype right
 
     block(*args, **kwargs)      (the converted block's forward; hooks, checkpointing wrappers run as before)
       └─ its Family's run (``families.py``): a graph per call signature, captured at the first call,
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import fnmatch
+import inspect
 import itertools
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -48,7 +51,7 @@ from ..policy import Policy
 from .runtime import WeightCastCache
 
 __all__ = ["convert_blocks", "find_blocks", "glue_modules", "converted_modules", "BLOCKS_FRONTEND",
-           "is_converted_block", "family_of", "Family"]
+           "is_converted_block", "family_of", "Family", "converted_root_class"]
 
 #: ConversionInfo.frontend of a model converted in place
 BLOCKS_FRONTEND = "blocks"
@@ -244,6 +247,79 @@ def converted_class(cls: type) -> type:
     return made
 
 
+# -- the root of a Hugging Face model: config.json says the dtype of the weights written --------------
+
+#: the class attribute of a converted root class that names the class it derives from
+_ROOT_OF = "_fxamp_root_of"
+
+
+def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """The class's own ``save_pretrained``, then ``config.json``'s ``dtype`` set to that of the weights it wrote.
+
+    transformers writes ``model.dtype`` there, the dtype of the first floating parameter: the bfloat16 storage
+    of an embedding under O2, while ``state_dict`` gives the float32 originals (the masters once trained),
+    and ``from_pretrained``'s default ``dtype="auto"`` would load them rounded.  ``model.dtype`` itself stays
+    (the model computes in it).  ``push_to_hub=True`` is refused: it uploads config.json before the fix."""
+    save = super(converted_root_class(getattr(type(self), _ROOT_OF)), self).save_pretrained
+    try:
+        signature = inspect.signature(save)
+        bound = signature.bind(save_directory, *args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return save(save_directory, *args, **kwargs)  # its own error for a wrong call
+    given: Dict[str, Any] = {}
+    for name, value in bound.items():
+        given.update(value if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    if given.get("push_to_hub"):
+        raise ValueError(f"{type(self).__name__}.save_pretrained(push_to_hub=True) of a model fxamp.convert_ converted "
+                         f"would upload config.json before its dtype is set to that of the weights written: save, "
+                         f"then upload the folder (huggingface_hub.upload_folder)")
+    result = save(save_directory, *args, **kwargs)
+    state = given.get("state_dict")
+    written = next((v.dtype for v in (self.state_dict() if state is None else state).values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    config = self.config
+    name = str(written).removeprefix("torch.")
+    if written is not None and str(getattr(config, "dtype", None)).removeprefix("torch.") != name:
+        config.dtype = name  # (as transformers writes it)
+        if given.get("is_main_process", True):
+            config.save_pretrained(save_directory)
+    return result
+
+
+def _rebuild_root(cls: type, state: Dict[str, Any]) -> nn.Module:
+    """Unpickling (and deep copies) of a converted root: an instance of ``cls``'s converted root class."""
+    new = converted_root_class(cls).__new__(converted_root_class(cls))
+    new.__dict__.update(state)
+    return new
+
+
+def _reduce_root(self: nn.Module, protocol: Any) -> Any:
+    return _rebuild_root, (getattr(type(self), _ROOT_OF), self.__dict__)
+
+
+#: each root class's converted subclass, made once (as ``_CLASSES``): copies and unpickled models share it
+_ROOT_CLASSES: Dict[type, type] = {}
+
+
+def converted_root_class(cls: type) -> type:
+    """The subclass of a Hugging Face model class (duck-typed: ``save_pretrained`` and a ``config``) whose
+    ``save_pretrained`` writes the dtype of the weights it wrote into config.json: same name, module and
+    methods otherwise, so ``isinstance``, ``config.architectures`` and ``from_pretrained`` of the folder hold."""
+    made = _ROOT_CLASSES.get(cls)
+    if made is None:
+        made = type(cls.__name__, (cls,), {"save_pretrained": _save_pretrained, "__reduce_ex__": _reduce_root,
+                                           "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                           _ROOT_OF: cls})
+        _ROOT_CLASSES[cls] = made
+    return made
+
+
+def _saves_pretrained(model: nn.Module) -> bool:
+    """Whether ``model`` saves like a Hugging Face model: ``save_pretrained``, and a ``config`` that saves too."""
+    return callable(getattr(model, "save_pretrained", None)) and \
+        callable(getattr(getattr(model, "config", None), "save_pretrained", None))
+
+
 # -- the entry point -------------------------------------------------------------------------------
 
 def _structure(m: nn.Module) -> Any:
@@ -380,6 +456,10 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
             for parent, name, child in parents:
                 if child is old:
                     parent._modules[name] = new
+    if saved and _saves_pretrained(model) and not hasattr(type(model), _ROOT_OF):
+        # low storage: transformers would write its dtype, not the saved weights', into config.json (torch's
+        # fully_shard and parametrize swap in a subclass the same way)
+        model.__class__ = converted_root_class(type(model))
     info = ConversionInfo(policy, BLOCKS_FRONTEND, tuple(notes) + (
         f"converted in place: {len(block_paths)} blocks in {sum(not f.glue for f, _ in families)} families, "
         f"{len(glue_paths)} glue modules; each family captures at its first call per call signature",))

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import Captured, capture
-from .capture.shapes import STATIC_SIZES
+from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
 from ..info import INFO_ATTR, ConversionInfo, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
@@ -268,8 +268,10 @@ class LazyConverted(nn.Module):
             key = base if variant == 0 else (base, "range", variant)
             try:
                 return self._run(key, args, kwargs)
-            except RuntimeError as exc:  # torch.export's input check, a pre-hook: nothing of forward ran
-                if not str(exc).startswith("Expected input at "):
+            except RuntimeError as exc:  # an input check, a pre-hook: nothing of forward ran
+                # fxamp's range check (capture/shapes.py), or torch.export's own for what it does not
+                # cover (dims related to others), recognised by torch's words
+                if not (isinstance(exc, OutsideCapturedRange) or str(exc).startswith("Expected input at ")):
                     raise
             variant += 1
 

@@ -35,9 +35,12 @@ How the Trainer's loop meets fxamp's, without patching either:
   divides by the number of labels before the shift: ``(T-1)/T`` of the mean, 1.6% at T=64.
   Compare evaluation losses computed the same way.)
 
-A ``PreTrainedModel`` converted in place (``fxamp.convert_``) keeps its own ``save_pretrained``, which
-writes the float32 weights (the masters once trained); :func:`save_pretrained` also records float32 in
-``config.json``, where transformers writes the dtype of the model's first parameter (bfloat16 under O2).
+A ``PreTrainedModel`` converted in place (``fxamp.convert_``) saves with its own ``save_pretrained`` (and so
+``Trainer.save_model``): the float32 weights (the masters once trained), and float32 in ``config.json``, where
+transformers would write the dtype of the model's first parameter (bfloat16 under O2): under O2/O3 the model's
+class becomes a subclass of the same name whose ``save_pretrained`` corrects it
+(``fxamp.conversion.blocks.converted_root_class``).  :func:`save_pretrained` is that call, kept for code written
+against it.
 
 Limits:
 
@@ -276,7 +279,8 @@ def _untie_hook(aliases: List[str]) -> Callable[..., None]:
 def save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` for a model converted in place (``fxamp.convert_``),
     with ``config.json``'s ``dtype`` that of the weights it wrote (float32), so ``from_pretrained`` gives the
-    float32 model back.
+    float32 model back.  The model's own ``save_pretrained`` does the same since ``convert_`` gives an O2/O3
+    model's root a subclass that corrects ``config.json``; this call checks it again.
 
     transformers records ``model.dtype``, the dtype of the model's first floating parameter: under O2 that
     is its bfloat16 storage (an embedding), while the weights written are float32 (the masters, or the

@@ -90,12 +90,50 @@ class _ShapeBranch(nn.Module):
         return self.a(x) if x.shape[0] > 2 else self.b(x)
 
 
-@pytest.mark.xfail(strict=True, reason="an export capture's batch-range guard (from a Python branch on the batch "
-                                       "size) fails in torch's words, naming neither fxamp's option nor the fix")
 def test_export_batch_range_guard_says_what_to_do():
     amp = fxamp.convert(_ShapeBranch(), "O1", dtype=BF, example_inputs=(torch.randn(4, 4),), frontend="export")
-    with pytest.raises(RuntimeError, match=r"input 'x'.*frontend='export' and no example inputs"):
+    with pytest.raises(RuntimeError, match=r"input 'x' has size 2 in dim 0, but this capture holds only for sizes "
+                                           r">= 3 there: .*a Python branch on `x\.shape\[0\]`.*"
+                                           r"frontend='export' and no example inputs"):
         amp(torch.randn(2, 4))
+    with torch.no_grad():  # inside the range it runs; 0 and 1 pass a range that starts at 2 only
+        assert amp(torch.randn(3, 4)).shape == (3, 4)
+
+
+class _LengthBranch(nn.Module):
+    """Branches on dim 1 (the length) of a keyword input, which dynamic='batch' keeps dynamic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, *, y=None):
+        h = self.fc(x)
+        return h + y.sum(1) if y.shape[1] < 6 else h - y.mean(1)
+
+
+def test_export_range_guard_on_a_keyword_input_names_it_and_its_dim():
+    model = _LengthBranch()
+    amp = fxamp.convert(model, "O1", dtype=BF, example_inputs=(torch.randn(4, 4),),
+                        example_kwargs={"y": torch.randn(4, 3, 4)}, frontend="export")
+    with pytest.raises(RuntimeError, match=r"input 'y' has size 7 in dim 1, but this capture holds only for sizes "
+                                           r"<= 5 there: .*frontend='export' and no example inputs"):
+        amp(torch.randn(4, 4), y=torch.randn(4, 7, 4))
+    x, y = torch.randn(2, 4), torch.randn(2, 5, 4)
+    with torch.no_grad():
+        assert sqnr(model(x, y=y), amp(x, y=y)) > 25
+
+
+def test_lazy_module_captures_again_for_a_keyword_input_outside_the_range():
+    torch.manual_seed(0)
+    model = _LengthBranch()
+    amp = fxamp.convert(copy.deepcopy(model), "O1", dtype=BF, frontend="export")
+    x = torch.randn(2, 4)
+    for n in (3, 7, 5, 6):
+        y = torch.randn(2, n, 4)
+        with torch.no_grad():
+            assert sqnr(model(x, y=y), amp(x, y=y)) > 25
+    assert len(amp.graph_modules()) == 2
 
 
 def _drop_path(x, p, training):

@@ -9,7 +9,9 @@ saved for backward within 1.2x of autocast's with checkpointing) on those and on
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import warnings
 
 import pytest
@@ -128,6 +130,56 @@ def test_o2_trained_save_pretrained_gives_the_float32_masters_back(name, tmp_pat
     assert torch.equal(opt.fp32_state_dict()[key], master)
     with pytest.raises(ValueError, match="upload the folder"):
         hf.save_pretrained(model, tmp_path, push_to_hub=True)
+
+
+def float32_config_and_weights(folder, expected):
+    """config.json says float32, and the default ``from_pretrained`` (``dtype="auto"``: the config's) gives the
+    original class back in float32, with ``expected``'s weights bit for bit."""
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert loaded.dtype == torch.float32 and "fxamp" not in type(loaded).__module__
+    state = loaded.state_dict()
+    for key, value in expected.items():
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], value), key
+    return loaded
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_o2_models_own_save_pretrained_writes_float32_in_config_json(name, tmp_path):
+    """Issue 37 B: ``model.save_pretrained`` itself (what ``Trainer.save_model`` calls) writes the dtype of the
+    weights it wrote, not ``model.dtype`` (bfloat16 under O2, which the model keeps computing in)."""
+    ref, model = MODELS[name](), converted(MODELS[name], "O2")
+    cls = type(ref)
+    assert model.dtype == BF16 and isinstance(model, cls) and type(model).__name__ == cls.__name__
+    model.save_pretrained(tmp_path / "plain")
+    assert model.dtype == BF16 and model.get_input_embeddings().weight.dtype == BF16
+    loaded = float32_config_and_weights(tmp_path / "plain", ref.state_dict())
+    assert type(loaded) is cls
+    for i, copied in enumerate((copy.deepcopy(model), pickle.loads(pickle.dumps(model)))):
+        assert type(copied) is type(model) and copied.dtype == BF16
+        copied.save_pretrained(tmp_path / str(i))  # (a copy's state_dict: its own weights, as float32)
+        float32_config_and_weights(tmp_path / str(i), copied.state_dict())
+    with pytest.raises(ValueError, match=r"save_pretrained\(push_to_hub=True\) of a model fxamp\.convert_ "
+                                         r"converted would upload config\.json .*upload the folder"):
+        model.save_pretrained(tmp_path / "hub", push_to_hub=True)
+    o1 = converted(MODELS[name], "O1")  # float32 storage: transformers writes float32 itself, the class stays
+    assert type(o1) is cls
+
+
+def test_trainer_save_model_after_o2_training_gives_the_float32_masters_back(tmp_path):
+    model = converted(gpt2, "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
+    x = ids()
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(model(x, labels=x).loss)
+        assert opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    masters = {names[id(low)]: m for low, m in opt.master_pairs()}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[])
+    transformers.Trainer(model=model, args=args, optimizers=(opt, None)).save_model(str(tmp_path / "saved"))
+    float32_config_and_weights(tmp_path / "saved", masters)
+    assert model.dtype == BF16
 
 
 def saved_bytes(model, x, autocast: bool) -> int:

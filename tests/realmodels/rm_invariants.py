@@ -361,18 +361,21 @@ def _through(kind: str, entry: Entry, path: str, amp: nn.Module, opt: fxamp.Mixe
         return got, (amp2, opt2)
     if kind == "save_pretrained":
         from fxamp.integrations import hf
-        # the documented call: transformers writes config.json's dtype from the first parameter, a bfloat16 one
-        hf.save_pretrained(amp, where)
-        with open(os.path.join(where, "config.json")) as f:
-            config = json.load(f)
-        saved_dtype = config.get("dtype", config.get("torch_dtype"))
-        assert saved_dtype in (None, "float32"), f"save_pretrained wrote dtype {saved_dtype!r} in config.json"
-        loaded = type(amp).from_pretrained(where)  # convert_ keeps the model's class at the root
-        plain = os.path.join(where, "plain")  # the model's own save_pretrained: the same float32 weights
+        # the model's own call (Trainer.save_model's) and fxamp's: float32 in config.json both, where transformers
+        # would write the first parameter's dtype (a bfloat16 one under O2), so the default from_pretrained
+        # (dtype="auto", the config's) gives float32 back
+        plain = os.path.join(where, "plain")
         amp.save_pretrained(plain)
-        loaded_plain = type(amp).from_pretrained(plain, dtype=torch.float32)
+        hf.save_pretrained(amp, where)
+        for folder in (plain, where):
+            with open(os.path.join(folder, "config.json")) as f:
+                config = json.load(f)
+            saved_dtype = config.get("dtype", config.get("torch_dtype"))
+            assert saved_dtype in (None, "float32"), f"save_pretrained wrote dtype {saved_dtype!r} in {folder}"
+        loaded = type(amp).from_pretrained(where)  # convert_ keeps the model's class (a same-named subclass under O2)
+        loaded_plain = type(amp).from_pretrained(plain)
         return {"fxamp.integrations.hf.save_pretrained, from_pretrained": _float_state(loaded.state_dict()),
-                "model.save_pretrained, from_pretrained(dtype=float32)": _float_state(loaded_plain.state_dict())}, None
+                "model.save_pretrained, from_pretrained": _float_state(loaded_plain.state_dict())}, None
     if kind == "dcp":
         import torch.distributed.checkpoint as dcp
         try:

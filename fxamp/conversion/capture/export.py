@@ -42,9 +42,11 @@ the user) see the same module they would get from the fx front end:
    cannot return (a Hugging Face ``DynamicCache``) come back as ``None``, with a note.
 
 5. **Run-time checks.**  Export's input checks (the ``_in_spec`` match and shape ranges, run by a
-   forward pre-hook) stay.  ``aten._assert_tensor_metadata`` nodes that assert a *floating* dtype
-   lose that dtype (mixed precision changes float dtypes on purpose); shape, device and integer
-   dtype checks stay.
+   forward pre-hook) stay; fxamp's input binding, a pre-hook before them, refuses first, in its own
+   words, a size outside a range the model's code narrowed (``if x.shape[0] > 2``:
+   :func:`.shapes.check_range`).  ``aten._assert_tensor_metadata`` nodes that assert a *floating*
+   dtype lose that dtype (mixed precision changes float dtypes on purpose); shape, device and
+   integer dtype checks stay.
 
 Models neither front end can capture (data-dependent control flow such as ``if x.sum() > 0:``)
 raise :class:`~fxamp.errors.TraceError` naming the source line and the module, and suggesting
@@ -79,7 +81,7 @@ from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 from .regions import region_notes
-from .shapes import STATIC_SIZES, asked_dims, fixed_dims, shape_note
+from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
 
 __all__ = ["ExportFrontEnd"]
@@ -354,7 +356,8 @@ class _BindInputs:
 
     def __init__(self, signature: inspect.Signature, positional: Tuple[str, ...], keywords: Tuple[str, ...],
                  constants: Dict[str, Any], static: Dict[str, Tuple[Optional[int], ...]], dynamic: Any,
-                 fixed: Optional[Dict[str, Dict[int, str]]] = None):
+                 fixed: Optional[Dict[str, Dict[int, str]]] = None,
+                 ranges: Optional[Dict[str, Dict[int, Range]]] = None):
         self.signature = signature
         self.positional = positional
         self.keywords = keywords
@@ -362,6 +365,7 @@ class _BindInputs:
         self.static = static  # input name -> its size per dim, None where dynamic
         self.dynamic = dynamic  # the dynamic= the capture ran with, for the error
         self.fixed = fixed or {}  # input name -> {dim: why} where the model fixed a dim asked dynamic
+        self.ranges = ranges or {}  # input name -> {dim: (low, high)} where a dynamic dim holds only in a range
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
@@ -389,6 +393,8 @@ class _BindInputs:
                 f"(e.g. one module with labels= for training, one without for inference)"
             )
         self._check_static_sizes(given)
+        for name, ranges in self.ranges.items():  # before export's own check, which names neither option nor fix
+            check_range(name, given.get(name), ranges, self.dynamic)
         return tuple(given[n] for n in self.positional), {n: given[n] for n in self.keywords}
 
     def _by_name(self, arguments: Dict[str, Any]) -> Dict[str, Any]:
@@ -472,7 +478,8 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and node.name in signature.parameters:
             static[node.name] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
-    hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic, fixed)
+    ranges = {name: dims for name, dims in dim_ranges(gm).items() if name in signature.parameters}
+    hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic, fixed, ranges)
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     gm.meta[STATIC_SIZES] = hook.static_sizes
 

@@ -6,6 +6,12 @@ it, and then returns a plain size without failing.  :func:`fixed_dims` finds tho
 capture, :func:`shape_note` names them ("dim 1 of x is static: the model specialised it (...)"),
 and the export front end's call-time check refuses another size with the same reason; a lazily
 capturing module keys its cache on those sizes (:data:`STATIC_SIZES`) and captures again.
+
+A dim export keeps dynamic may still hold only in a range: a Python branch on it (``if x.shape[0] > 2``)
+or a slice of a fixed-size table narrows ``range_constraints``.  :func:`dim_ranges` reads those ranges
+after the capture and :func:`check_range` refuses a size outside them in fxamp's words
+(:class:`OutsideCapturedRange`), before torch.export's own input check would in its words; a lazily
+capturing module catches that error and captures again for the call's range.
 """
 
 from __future__ import annotations
@@ -17,13 +23,26 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ...errors import FxampError
 from ..options import Dynamic
 
-__all__ = ["STATIC_SIZES", "asked_dims", "dynamic_shapes", "fixed_dims", "shape_note", "usual_dims"]
+__all__ = ["STATIC_SIZES", "OutsideCapturedRange", "Range", "asked_dims", "check_range", "dim_ranges", "dynamic_shapes",
+           "fixed_dims", "shape_note", "usual_dims"]
 
 #: ``gm.meta`` key of a captured graph module's ``static_sizes(args, kwargs)``: the sizes a call
 #: gives the dims the capture kept static (set by the export front end's input binding)
 STATIC_SIZES = "fxamp_static_sizes"
+
+#: (lowest, highest) size a dynamic dim's capture holds for; None where unbounded on that side
+Range = Tuple[Optional[int], Optional[int]]
+
+
+class OutsideCapturedRange(FxampError):
+    """A call gives a dynamic dim a size outside the range its capture holds for (:func:`check_range`).
+
+    Raised by the converted module's input binding, a forward pre-hook: nothing of forward ran, so a
+    lazily capturing module can capture again for the call's size.
+    """
 
 
 def usual_dims(t: torch.Tensor) -> range:
@@ -137,3 +156,67 @@ def shape_note(gm: fx.GraphModule, dynamic: Union[Dynamic, str],
         for dim, why in dims.items():
             note += f"; dim {dim} of {name} is static: the model specialised it ({why})"
     return note
+
+
+def _as_int(bound: Any) -> Optional[int]:
+    """A range bound as an int; None for torch's integer infinities (``int_oo``) and anything not an integer."""
+    import sympy
+
+    if isinstance(bound, bool):
+        return None
+    return int(bound) if isinstance(bound, (int, sympy.Integer)) else None
+
+
+def dim_ranges(gm: fx.GraphModule) -> Dict[str, Dict[int, Range]]:
+    """Input name -> {dim: (low, high)} for each dynamic dim of a top-level input whose capture holds only in
+    a range narrower than any size: export's ``range_constraints`` on a dim that is one plain symbol.
+
+    A lower bound of 2 or less is no bound: ``Dim.AUTO`` starts every range at 2 (sizes 0 and 1 are
+    specialised) and torch's own check lets 0 and 1 through such a range too.  Dims related to others
+    (``2 * s0``), or a layout this does not recognise, give no entry: torch.export's input check, which
+    stays on the module, still refuses them, in its own words.
+    """
+    constraints = getattr(gm, "range_constraints", None)
+    if not isinstance(constraints, dict) or not constraints:
+        return {}
+    ranges: Dict[str, Dict[int, Range]] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim, size in enumerate(val.shape):
+            expr = getattr(getattr(size, "node", None), "expr", None) if isinstance(size, torch.SymInt) else None
+            bounds = constraints.get(expr) if getattr(expr, "is_Symbol", False) else None
+            if bounds is None:
+                continue
+            low, high = _as_int(getattr(bounds, "lower", None)), _as_int(getattr(bounds, "upper", None))
+            low = low if low is not None and low > 2 else None
+            if low is not None or high is not None:
+                ranges.setdefault(node.name, {})[dim] = (low, high)
+    return ranges
+
+
+def _describe_range(low: Optional[int], high: Optional[int]) -> str:
+    if low is not None and high is not None:
+        return f"sizes {low} to {high}"
+    return f"sizes >= {low}" if low is not None else f"sizes <= {high}"
+
+
+def check_range(name: str, value: Any, ranges: Dict[int, Range], dynamic: Any) -> None:
+    """Refuse a size of input ``name`` outside the range its capture holds for, saying what to do."""
+    if not isinstance(value, torch.Tensor):
+        return
+    for dim, (low, high) in ranges.items():
+        if dim >= value.dim():
+            continue
+        got = int(value.shape[dim])
+        if (low is not None and got < low) or (high is not None and got > high):
+            given = (" or widen that dim's range in dynamic_shapes=" if dynamic == "given" else "")
+            raise OutsideCapturedRange(
+                f"input {name!r} has size {got} in dim {dim}, but this capture holds only for "
+                f"{_describe_range(low, high)} there: torch.export recorded the model's code for the example "
+                f"inputs' size, and that code depends on the size (a Python branch on "
+                f"`{name}.shape[{dim}]`, or a slice of a fixed-size table). What to do: convert with "
+                f"frontend='export' and no example inputs (that module captures again for each range it is "
+                f"called with), or convert with example inputs whose sizes are in the range you will call it "
+                f"with{given}")
