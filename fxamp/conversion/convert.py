@@ -115,13 +115,16 @@ def convert(
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
         return owned(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen))
-    if captured.only_mode is not None and captured.frontend == "export" and dynamic_shapes is None:
+    if captured.only_mode is not None and dynamic_shapes is None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
         # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
+        fx_graphs = captured.frontend == "fx"  # (a torch.fx graph takes any call: no example inputs kept)
+        lead = (_PER_MODE_NOTE_FX if fx_graphs else _PER_MODE_NOTE).format(
+            mode="training" if captured.only_mode else "eval")
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
-                            lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"),
-                            notes=chosen)
-        amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
+                            lead_note=lead, notes=chosen, frontend=captured.frontend, leaf_modules=leaf_modules)
+        amp.adopt_capture(captured, () if fx_graphs else tuple(example_inputs or ()),
+                          {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
     return owned(rewrite_captured(captured, pol, options, notes=chosen))
 
@@ -215,6 +218,9 @@ def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
                   "fxamp.conversion.lazy.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
                   "mode's is captured with torch.export at its first call, as is each new call signature")
+_PER_MODE_NOTE_FX = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
+                     "fxamp.conversion.lazy.LazyConverted): torch.fx captured the {mode} mode graph now, and captures "
+                     "the other mode's at its first call; both share one set of parameters")
 
 
 def _refuse_other_low_dtype(model: nn.Module, policy: Policy) -> None:
