@@ -82,9 +82,10 @@ def convert(
     given (or ``frontend="export"`` without them), a :class:`fxamp.conversion.lazy.LazyConverted` that captures with
     ``torch.export`` at its first call and again for each new call signature; its parameters exist
     at once, in their storage dtypes, so an optimizer can be built before the first call.  A
-    ``LazyConverted`` also when torch.export's training and eval captures differ (stochastic depth):
-    it holds the example inputs' graph for the current mode and captures the other mode at its
-    first call in that mode, so ``train()``/``eval()`` switch the whole computation.
+    ``LazyConverted`` also when the training and eval captures differ (stochastic depth), with either
+    front end: it holds the graph captured now for the current mode and captures the other mode at its
+    first call in that mode (torch.fx: with no inputs; torch.export: from that call's), so
+    ``train()``/``eval()`` switch the whole computation.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.

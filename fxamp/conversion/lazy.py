@@ -172,7 +172,8 @@ def _new_lazy() -> "LazyConverted":
 
 class LazyConverted(nn.Module):
     """A converted module that captures its graph with ``torch.export`` at the first call, and again
-    for each new call signature (see the module docstring).  Made by :func:`fxamp.convert`.
+    for each new call signature, or (``frontend="fx"``) with torch.fx once per train/eval mode (see the
+    module docstring).  Made by :func:`fxamp.convert`.
 
     Its children, parameters and buffers are the original's (for O2/O3 a copy's, in their storage
     dtypes); ``state_dict`` keys are the original's.  ``graph_module`` is the graph the latest call

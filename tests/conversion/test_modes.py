@@ -321,3 +321,21 @@ def test_fx_per_mode_under_torch_compile_follows_the_mode():
         torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
         amp.train()
         assert _dropped_rows(compiled(x), x).any()  # recompiled for training mode: stochastic depth on
+
+
+def test_convert_inplace_blocks_with_drop_path_hold_a_graph_per_mode_without_a_warning():
+    import warnings
+
+    import fxamp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(DropPathNet(), DropPathNet()).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # it warned "the graph follows training mode" at the capture
+        warnings.filterwarnings("ignore", message=".*MixedPrecisionOptimizer")
+        fxamp.convert_(model, "O1", dtype=torch.bfloat16, blocks=["*"])
+        x = torch.randn(256, 8)
+        with torch.no_grad():
+            assert _dropped_rows(model[0](x), x).any()  # training: stochastic depth
+            model.eval()
+            assert not _dropped_rows(model[0](x), x).any() and torch.equal(model(x), model(x))
