@@ -208,10 +208,11 @@ def _per_mode(policy, mode, seed=0):
 
     torch.manual_seed(seed)
     model = getattr(DropPathNet(), mode)()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no "the graph follows ... mode" warning any more
-        warnings.filterwarnings("ignore", message=".*MixedPrecisionOptimizer")  # (no optimizer in most tests)
+    with warnings.catch_warnings(record=True) as caught:  # (not "error": a capture would fail over to export)
+        warnings.simplefilter("always")
         amp = fxamp.convert(copy.deepcopy(model), policy, dtype=torch.bfloat16)
+    assert not [w for w in caught if "different graphs" in str(w.message)]  # it warned "the graph follows ..."
+    assert fxamp.conversion_info(amp).frontend == "fx"
     return model, amp
 
 
@@ -330,12 +331,13 @@ def test_convert_inplace_blocks_with_drop_path_hold_a_graph_per_mode_without_a_w
 
     torch.manual_seed(0)
     model = nn.Sequential(DropPathNet(), DropPathNet()).train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # it warned "the graph follows training mode" at the capture
-        warnings.filterwarnings("ignore", message=".*MixedPrecisionOptimizer")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fxamp.convert_(model, "O1", dtype=torch.bfloat16, blocks=["*"])
         x = torch.randn(256, 8)
         with torch.no_grad():
             assert _dropped_rows(model[0](x), x).any()  # training: stochastic depth
             model.eval()
             assert not _dropped_rows(model[0](x), x).any() and torch.equal(model(x), model(x))
+    assert not [w for w in caught if "different graphs" in str(w.message)]  # "the graph follows training mode"
+    assert str(fxamp.report(model)).count("fx graph for a call") == 2  # a graph per mode, each by torch.fx
