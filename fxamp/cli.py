@@ -399,8 +399,9 @@ def _convert(args: argparse.Namespace) -> int:
         except (RuntimeError, pickle.PicklingError, AttributeError, TypeError) as e:  # a missing folder; a model
             raise ModelError(f"cannot save to {args.output!r}: {one_line(str(e))}") from e  # that cannot pickle
         lines.append(f"saved to {args.output}: torch.load({args.output!r}, weights_only=False) where fxamp is installed"
-                     + ("; it captures with torch.export again at its first call (exported graphs do not pickle)"
-                        if lazy else ""))
+                     + ("" if not lazy else "; it captures a graph per train/eval mode with torch.fx again at first use"
+                        if info is not None and info.frontend == "fx" else
+                        "; it captures with torch.export again at its first call (exported graphs do not pickle)"))
     print("\n".join(lines))
     return 0
 

@@ -388,3 +388,36 @@ def test_the_default_dtype_is_autocasts_for_the_device_and_is_printed(in_workdir
     assert rc == 0 and "compute=float16" in out.splitlines()[0] and "autocast's default" not in out
     rc, out, err = _run(capsys, "convert", "bad.py:Good", "--input", "2,4", "--code")
     assert rc == 0 and "compute=bfloat16" in out.splitlines()[0] and out.splitlines()[1] == note
+
+
+def test_convert_saves_a_per_mode_fx_module_saying_how_it_captures_again(tmp_path, capsys):
+    """A model whose modes capture different graphs (stochastic depth) holds a torch.fx graph per mode."""
+    import torch
+
+    import fxamp
+
+    src = tmp_path / "droppath.py"
+    src.write_text(textwrap.dedent("""
+        import torch.nn as nn
+
+        def drop_path(x, p, training):
+            if not training:
+                return x
+            return x * x.new_empty((x.shape[0], 1)).bernoulli_(1 - p) / (1 - p)
+
+        class DropPathModel(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return x + drop_path(self.fc(x), 0.5, self.training)
+    """))
+    path = tmp_path / "amp.pt"
+    rc, out, err = _run(capsys, "convert", f"{src}:DropPathModel", "--output", str(path), "--code")
+    assert rc == 0, err
+    assert "bernoulli_" in out and "with torch.fx again at first use" in out
+    loaded = torch.load(path, weights_only=False)
+    assert isinstance(loaded, fxamp.conversion.lazy.LazyConverted)
+    x = torch.randn(64, 4)
+    assert torch.equal(loaded.eval()(x), loaded(x))

@@ -82,9 +82,10 @@ def convert(
     given (or ``frontend="export"`` without them), a :class:`fxamp.conversion.lazy.LazyConverted` that captures with
     ``torch.export`` at its first call and again for each new call signature; its parameters exist
     at once, in their storage dtypes, so an optimizer can be built before the first call.  A
-    ``LazyConverted`` also when torch.export's training and eval captures differ (stochastic depth):
-    it holds the example inputs' graph for the current mode and captures the other mode at its
-    first call in that mode, so ``train()``/``eval()`` switch the whole computation.
+    ``LazyConverted`` also when the training and eval captures differ (stochastic depth), with either
+    front end: it holds the graph captured now for the current mode and captures the other mode at its
+    first call in that mode (torch.fx: with no inputs; torch.export: from that call's), so
+    ``train()``/``eval()`` switch the whole computation.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
@@ -115,13 +116,16 @@ def convert(
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
         return owned(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen))
-    if captured.only_mode is not None and captured.frontend == "export" and dynamic_shapes is None:
+    if captured.only_mode is not None and dynamic_shapes is None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
         # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
+        fx_graphs = captured.frontend == "fx"  # (a torch.fx graph takes any call: no example inputs kept)
+        lead = (_PER_MODE_NOTE_FX if fx_graphs else _PER_MODE_NOTE).format(
+            mode="training" if captured.only_mode else "eval")
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
-                            lead_note=_PER_MODE_NOTE.format(mode="training" if captured.only_mode else "eval"),
-                            notes=chosen)
-        amp.adopt_capture(captured, tuple(example_inputs or ()), dict(example_kwargs or {}))
+                            lead_note=lead, notes=chosen, frontend=captured.frontend, leaf_modules=leaf_modules)
+        amp.adopt_capture(captured, () if fx_graphs else tuple(example_inputs or ()),
+                          {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
     return owned(rewrite_captured(captured, pol, options, notes=chosen))
 
@@ -215,6 +219,9 @@ def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
                   "fxamp.conversion.lazy.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
                   "mode's is captured with torch.export at its first call, as is each new call signature")
+_PER_MODE_NOTE_FX = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
+                     "fxamp.conversion.lazy.LazyConverted): torch.fx captured the {mode} mode graph now, and captures "
+                     "the other mode's at its first call; both share one set of parameters")
 
 
 def _refuse_other_low_dtype(model: nn.Module, policy: Policy) -> None:

@@ -155,7 +155,7 @@ class Family:
         captured = fx_error = None
         if all(isinstance(v, torch.Tensor) for v in leaves):  # (an object's proxy fails isinstance checks)
             try:
-                captured = capture(root, frontend="fx")
+                captured = capture(root, frontend="fx", graph_per_mode=True)  # (graphs are kept per mode)
             except TraceError as e:
                 fx_error = e
             made = _extras(captured.graph_module, block) if captured is not None else {}

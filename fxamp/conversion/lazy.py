@@ -31,6 +31,12 @@ keys are the original's); the graphs are not children.
 
 A captured graph that depends on the training mode (the two modes capture different graphs) is
 cached for that mode only; ``train()``/``eval()`` then capture again at the next call.
+
+``convert`` also returns one for a model torch.fx traces whose two modes capture different graphs
+(timm's ``drop_path(x, p, self.training)``): made with ``frontend="fx"``, it holds the graph
+``convert`` captured for the current mode and captures the other mode with torch.fx at its first
+call in that mode (a copy or a loaded module: each mode at its first call, or when its graph is
+read).  A torch.fx graph takes any call, so the cache key is the mode alone.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .capture import Captured, capture
+from .capture import Captured, LeafSpec, capture
 from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
 from ..info import INFO_ATTR, ConversionInfo, watch_for_masters
 from .pipeline import rewrite_captured
@@ -121,6 +127,8 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
 
 
 _MISSING = object()
+#: the cache key of every call of a torch.fx capture (its graph takes any inputs): only the mode differs
+_ANY_CALL = "any call"
 
 
 class _Entry:
@@ -164,7 +172,8 @@ def _new_lazy() -> "LazyConverted":
 
 class LazyConverted(nn.Module):
     """A converted module that captures its graph with ``torch.export`` at the first call, and again
-    for each new call signature (see the module docstring).  Made by :func:`fxamp.convert`.
+    for each new call signature, or (``frontend="fx"``) with torch.fx once per train/eval mode (see the
+    module docstring).  Made by :func:`fxamp.convert`.
 
     Its children, parameters and buffers are the original's (for O2/O3 a copy's, in their storage
     dtypes); ``state_dict`` keys are the original's.  ``graph_module`` is the graph the latest call
@@ -176,7 +185,7 @@ class LazyConverted(nn.Module):
 
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
                  owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None,
-                 notes: Sequence[str] = ()):
+                 notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = ()):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -195,6 +204,8 @@ class LazyConverted(nn.Module):
         d["_fxamp_policy"] = policy
         d["_fxamp_stored_low"] = frozenset(name for name, dtype in storage.items() if dtype != torch.float32)
         d["_fxamp_options"] = options
+        d["_fxamp_frontend"] = frontend  # "fx": a graph per mode for any call (leaf_modules: torch.fx's)
+        d["_fxamp_leaf_modules"] = tuple(leaf_modules)
         d["_fxamp_fx_error"] = _detached(fx_error)
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         # signature -> static_sizes(args, kwargs) of its latest capture: the sizes of the dims it kept static
@@ -211,12 +222,18 @@ class LazyConverted(nn.Module):
     # -- what it reports ---------------------------------------------------------------------
     @property
     def _fxamp_info(self) -> ConversionInfo:
-        return ConversionInfo(self._fxamp_policy, "export", tuple(self._fxamp_notes),
+        return ConversionInfo(self._fxamp_policy, self._frontend, tuple(self._fxamp_notes),
                               signatures=tuple(e.description for e in self._entries()))
 
     @property
+    def _frontend(self) -> str:
+        return self.__dict__.get("_fxamp_frontend", "export")  # (a module pickled before fx captures existed)
+
+    @property
     def graph_module(self) -> fx.GraphModule:
-        """The converted graph module the latest call ran."""
+        """The converted graph module the latest call ran (torch.fx's: the current mode's, captured now if need be)."""
+        if self._fxamp_last is None and self._frontend == "fx":  # a copy: torch.fx captures without inputs
+            self.__dict__["_fxamp_last"] = self._entry(_ANY_CALL, (), {})
         if self._fxamp_last is None:
             raise RuntimeError("this module captures its graph at the first call: call it once (with the inputs "
                                "you will use), then read graph_module")
@@ -259,6 +276,8 @@ class LazyConverted(nn.Module):
         return self._fxamp_forward(*args, **kwargs)
 
     def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._frontend == "fx":  # one graph per mode takes every call, as the user wrote it
+            return self._run(_ANY_CALL, args, kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         base = self._key(args, kwargs)
         variant = 0
@@ -275,14 +294,18 @@ class LazyConverted(nn.Module):
                     raise
             variant += 1
 
-    def _run(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _entry(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
+        """The graph cached for ``key`` and the current mode (or for both modes), captured first if there is none."""
         cache = self._fxamp_cache
         entry_key = (key, None) if (key, None) in cache else (key, self.training)
         entry = cache.get(entry_key)
         if entry is None:
-            entry = self._capture(key, args, kwargs)
-        else:
-            cache.move_to_end(entry_key)
+            return self._capture(key, args, kwargs)
+        cache.move_to_end(entry_key)
+        return entry
+
+    def _run(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        entry = self._entry(key, args, kwargs)
         self.__dict__["_fxamp_last"] = entry
         gm = entry.gm
         gm.training = self.training
@@ -295,6 +318,8 @@ class LazyConverted(nn.Module):
 
     def _key(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The cache key of a call: its signature, and the sizes of the dims its capture kept static."""
+        if self._frontend == "fx":
+            return _ANY_CALL
         key = _signature(args, kwargs)
         # setdefault: a module pickled before this table existed has none
         static_sizes = self.__dict__.setdefault("_fxamp_static", {}).get(key)
@@ -312,22 +337,32 @@ class LazyConverted(nn.Module):
         root = self._fxamp_root
         root.training = self.training
         with float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
-            captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
-                               dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
-                               graph_per_mode=True, at_call=True)
+            if self._frontend == "fx":  # this mode's graph: torch.fx needs no inputs
+                captured = capture(root, frontend="fx", leaf_modules=self._fxamp_leaf_modules, graph_per_mode=True)
+            else:
+                captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
+                                   dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
+                                   graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         learned = self._learn_static(captured.graph_module, args, kwargs)
         key = learned if not (isinstance(key, tuple) and len(key) == 3 and key[1] == "range") else (
             learned, "range", key[2])  # another range of one signature: kept beside the first capture
-        description = _describe(root, args, kwargs, _static(captured.graph_module, args, kwargs))
+        description = self._describe(args, kwargs, captured.graph_module)
+        where = "with torch.fx at this mode's first use" if self._frontend == "fx" else \
+            f"at a call with {description}"
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
-                              notes=[f"captured at a call with {description}; parameter storage "
+                              notes=[f"captured {where}; parameter storage "
                                      f"predicted from the module tree (fxamp.conversion.lazy.LazyConverted)"])
         return self._store(key, description, captured.only_mode, gm)
 
+    def _describe(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], gm: fx.GraphModule) -> str:
+        if self._frontend == "fx":
+            return "(any arguments)"  # a torch.fx graph's inputs are forward's parameters
+        return _describe(self._fxamp_root, args, kwargs, _static(gm, args, kwargs))
+
     def adopt_capture(self, captured: Captured, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Cache a capture made from ``args``/``kwargs`` before this module existed (``convert`` with
-        example inputs, when the two modes capture different graphs), as if a call had made it.
+        """Cache a capture made from ``args``/``kwargs`` before this module existed (``convert`` when the
+        two modes capture different graphs: with example inputs, or torch.fx's with none), as if a call had made it.
 
         ``captured`` must have been made from this module's original, with float32 parameters.
         """
@@ -335,12 +370,13 @@ class LazyConverted(nn.Module):
         gm = captured.graph_module
         gm._parameters.update(self._parameters)  # root-level tensors: the ones in their storage dtypes
         gm._buffers.update(self._buffers)
-        description = _describe(self._fxamp_root, args, kwargs, _static(gm, args, kwargs))
+        description = self._describe(args, kwargs, gm)
         key = self._learn_static(gm, args, kwargs)
+        where = "with torch.fx" if self._frontend == "fx" else f"from the example inputs {description}"
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
-                              notes=[f"captured at convert time from the example inputs {description}; parameter "
+                              notes=[f"captured at convert time {where}; parameter "
                                      f"storage predicted from the module tree (fxamp.conversion.lazy.LazyConverted)"])
-        self._store(key, description, captured.only_mode, gm)
+        self.__dict__["_fxamp_last"] = self._store(key, description, captured.only_mode, gm)
 
     def _store(self, key: Any, description: str, mode: Optional[bool], gm: fx.GraphModule) -> _Entry:
         """Cache a converted graph for ``key`` (and ``mode`` when it is right in one mode only)."""
@@ -359,7 +395,7 @@ class LazyConverted(nn.Module):
             logger.info("fxamp: %s", notes[-1])
         cache[(key, mode)] = entry
         notes.append(f"captured {description} (signature {len(cache)} of at most {self.max_signatures})")
-        logger.info("fxamp: %s with torch.export", notes[-1])
+        logger.info("fxamp: %s with %s", notes[-1], "torch.fx" if self._frontend == "fx" else "torch.export")
         return entry
 
     # -- nn.Module plumbing --------------------------------------------------------------------

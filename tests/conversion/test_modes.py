@@ -175,3 +175,169 @@ def test_a_read_guarded_by_a_falsy_flag_does_not_count_until_the_flag_is_on():
     assert mode_reader(model) is None
     model.gradient_checkpointing = True
     assert mode_reader(model) == "<root> (GuardedRead)"
+
+
+# ---------------------------------------------------------------------------------------------
+# A graph per mode with torch.fx (issue 37): timm's drop_path(x, p, self.training), no example inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _drop_path(x, p, training):
+    if p == 0.0 or not training:
+        return x
+    mask = x.new_empty((x.shape[0], 1)).bernoulli_(1 - p)  # timm's stochastic depth
+    return x * mask / (1 - p)
+
+
+class DropPathNet(nn.Module):
+    """A residual block with stochastic depth: a dropped row of the output is exactly its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return x + _drop_path(self.fc(self.norm(x)), 0.5, self.training)
+
+
+def _per_mode(policy, mode, seed=0):
+    import copy
+    import warnings
+
+    import fxamp
+
+    torch.manual_seed(seed)
+    model = getattr(DropPathNet(), mode)()
+    with warnings.catch_warnings(record=True) as caught:  # (not "error": a capture would fail over to export)
+        warnings.simplefilter("always")
+        amp = fxamp.convert(copy.deepcopy(model), policy, dtype=torch.bfloat16)
+    assert not [w for w in caught if "different graphs" in str(w.message)]  # it warned "the graph follows ..."
+    assert fxamp.conversion_info(amp).frontend == "fx"
+    return model, amp
+
+
+def _dropped_rows(out, x):
+    return (out == x).all(1)
+
+
+def test_fx_converted_in_eval_then_train_gives_stochastic_depth():
+    import fxamp
+
+    model, amp = _per_mode("O1", "eval")
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
+    info = fxamp.conversion_info(amp)
+    assert info.frontend == "fx" and "torch.fx captured the eval mode graph now" in info.notes[0]
+    x = torch.randn(4096, 8)
+    with torch.no_grad():
+        assert not _dropped_rows(amp(x), x).any()  # eval: the block runs whole
+        model.train()
+        amp.train()
+        torch.manual_seed(7)
+        out = amp(x)
+        torch.manual_seed(7)
+        ref = model(x)
+    drops = _dropped_rows(out, x)
+    assert 0.45 < drops.float().mean() < 0.55  # the original's rate, p = 0.5
+    assert torch.equal(drops, _dropped_rows(ref, x))  # the same seed draws the same masks
+    kept = ~drops
+    assert fxamp.reporting.numerics.sqnr(ref[kept], out[kept]) > 25  # kept rows scaled by 1 / (1 - p), as the original
+    assert len(amp.graph_modules()) == 2
+    assert [fxamp.conversion_info(gm).frontend for gm in amp.graph_modules()] == ["fx", "fx"]
+
+
+def test_fx_per_mode_graphs_share_the_o2_storage():
+    from fxamp.conversion.graph import attr_target
+
+    model, amp = _per_mode("O2", "train")
+    x = torch.randn(16, 8)
+    amp(x)
+    amp.eval()(x)
+    train_gm, eval_gm = amp.graph_modules()
+    assert amp.fc.weight.dtype == torch.bfloat16 and amp.norm.weight.dtype == torch.float32
+    params = dict(amp.named_parameters())
+    for gm in (train_gm, eval_gm):
+        read = {attr_target(n) for n in gm.graph.nodes if attr_target(n) in params}
+        assert read == {"fc.weight", "fc.bias"}  # inlined: read as graph values
+        assert all(gm.get_parameter(name) is params[name] for name in read)  # one set of tensors
+        (norm,) = gm.graph.find_nodes(op="call_module", target="norm")  # a leaf: its module is amp's own
+        assert gm.get_submodule("norm") is amp.norm
+    assert list(amp.state_dict()) == list(model.state_dict())
+
+
+def test_fx_per_mode_training_step_then_eval_matches_float32():
+    import fxamp
+
+    model, amp = _per_mode("O2", "train")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(amp.parameters(), lr=0.5), model=amp)
+    before = amp.fc.weight.clone()
+    x = torch.randn(64, 8)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(amp(x).square().mean())
+        opt.step()
+    assert not torch.equal(amp.fc.weight, before)
+    model.load_state_dict(opt.fp32_state_dict(amp))  # the float32 model, trained as far
+    model.eval()
+    amp.eval()
+    with torch.no_grad():
+        out = amp(x)
+        assert torch.equal(amp(x), out)  # stochastic depth off
+        assert fxamp.reporting.numerics.sqnr(model(x), out) > 25
+
+
+def test_fx_per_mode_state_dict_round_trip_copy_save_and_report():
+    import copy
+    import io
+
+    import fxamp
+
+    model, amp = _per_mode("O2", "train", seed=0)
+    _, other = _per_mode("O2", "train", seed=1)
+    other.load_state_dict(amp.state_dict())
+    x = torch.randn(32, 8)
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    copies = [other, copy.deepcopy(amp), loaded]
+    assert all(list(c.state_dict()) == list(model.state_dict()) for c in copies)
+    for mode in ("train", "eval"):
+        getattr(amp, mode)()
+        torch.manual_seed(3)
+        want = amp(x)
+        for c in copies:
+            getattr(c, mode)()
+            torch.manual_seed(3)
+            assert torch.equal(c(x), want), mode  # each copy captures its graphs with torch.fx again
+    rows = fxamp.report(copy.deepcopy(amp)).rows  # a copy's graph: the current mode's, captured when read
+    assert any(r.op == "torch.nn.functional.linear" and r.compute == "bfloat16" for r in rows)
+    assert "frontend fx" in str(fxamp.report(model.train(), "O1", dtype=torch.bfloat16))
+
+
+def test_fx_per_mode_under_torch_compile_follows_the_mode():
+    model, amp = _per_mode("O1", "eval")
+    compiled = torch.compile(amp)
+    x = torch.randn(256, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
+        amp.train()
+        assert _dropped_rows(compiled(x), x).any()  # recompiled for training mode: stochastic depth on
+
+
+def test_convert_inplace_blocks_with_drop_path_hold_a_graph_per_mode_without_a_warning():
+    import warnings
+
+    import fxamp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(DropPathNet(), DropPathNet()).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxamp.convert_(model, "O1", dtype=torch.bfloat16, blocks=["*"])
+        x = torch.randn(256, 8)
+        with torch.no_grad():
+            assert _dropped_rows(model[0](x), x).any()  # training: stochastic depth
+            model.eval()
+            assert not _dropped_rows(model[0](x), x).any() and torch.equal(model(x), model(x))
+    assert not [w for w in caught if "different graphs" in str(w.message)]  # "the graph follows training mode"
+    assert str(fxamp.report(model)).count("fx graph for a call") == 2  # a graph per mode, each by torch.fx

@@ -1,5 +1,6 @@
 """Unusual inputs a new user tried (issue 37, last criterion): each a crash or a poorly said error once."""
 import copy
+import re
 
 import pytest
 import torch
@@ -152,14 +153,13 @@ class _DropPathBlock(nn.Module):
         return x + _drop_path(self.fc(x), 0.5, self.training)
 
 
-def test_mode_difference_warning_names_the_users_line_not_torch_fx():
+def test_mode_difference_note_names_the_users_line_not_torch_fx():
     # it named torch/fx/proxy.py's `user_stack_summary = CapturedTraceback.extract().summary()`
-    with pytest.warns(UserWarning, match=r"test_newuser_findings\.py\", line \d+, in _drop_path: `mask = x\.new_empty"):
-        fxamp.convert(_DropPathBlock().eval(), "O1", dtype=BF)
+    amp = fxamp.convert(_DropPathBlock().eval(), "O1", dtype=BF)
+    (note,) = [n for n in fxamp.conversion_info(amp.graph_module).notes if "capture different graphs" in n]
+    assert re.search(r"test_newuser_findings\.py\", line \d+, in _drop_path: `mask = x\.new_empty", note)
 
 
-@pytest.mark.xfail(strict=True, reason="torch.fx without example inputs keeps one graph when the modes differ (it "
-                                       "warns): a timm drop_path converted for training stays active after eval()")
 def test_fx_drop_path_converted_in_training_is_off_in_eval():
     import warnings
 
@@ -182,3 +182,51 @@ def test_lazy_capture_again_for_a_batch_size_outside_the_branch_range():
         x = torch.randn(n, 4)
         with torch.no_grad():
             assert sqnr(model(x), amp(x)) > 25
+
+
+class _Counts(nn.Module):
+    """``self.count += 1`` on a registered buffer: torch.fx would run it once, while tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.fc(x)
+
+
+class _CountsInTraining(_Counts):
+    def forward(self, x):
+        if self.training:
+            self.count += 1
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("path", ["auto", "export", "lazy"])
+@pytest.mark.parametrize("cls", [_Counts, _CountsInTraining])
+def test_a_buffer_counter_counts_as_the_originals_does(cls, path, policy):
+    # torch.fx refuses the write; without inputs fxamp captures with torch.export at the first call
+    x = torch.randn(2, 4)
+    kwargs = {"auto": {}, "export": {"example_inputs": (x,)}, "lazy": {"frontend": "export"}}[path]
+    model = cls().train()
+    amp = fxamp.convert(copy.deepcopy(model), policy, dtype=BF, **kwargs)
+    for mode, step in (("train", 1), ("eval", 1 if cls is _Counts else 0), ("train", 1)):
+        getattr(amp, mode)()
+        getattr(model, mode)()
+        before = amp.count.item()
+        with torch.no_grad():
+            amp(x)
+            model(x)
+        assert amp.count.item() == before + step == model.count.item(), mode
+
+
+@pytest.mark.parametrize("cls", [_Counts, _CountsInTraining])
+def test_torch_fx_refuses_a_buffer_counter_naming_its_line(cls):
+    model = cls().train()
+    with pytest.raises(fxamp.TraceError, match=r"writes the buffer\(s\) count in place \(`self\.count \+= 1` at "
+                                               r".*test_newuser_findings\.py:\d+ .*Capture it with torch\.export"):
+        fxamp.convert(model, "O1", dtype=BF, frontend="fx")
+    assert model.count.item() == 0  # the trace's write undone

@@ -57,8 +57,8 @@ def capture(
     example inputs) or ``"auto"``: fx first, export when fx fails and example inputs were given.
     fx_error: with ``"export"``: torch.fx's error when the caller already knows it fails (fxamp's
     lazily capturing module); notes and errors then read as for ``"auto"``'s fallback.
-    graph_per_mode: the caller keeps a graph per mode when the export front end's two modes capture
-    different graphs (``Captured.only_mode``): no warning then, and the note says so.
+    graph_per_mode: the caller keeps a graph per mode when the two modes capture different graphs
+    (``Captured.only_mode``): no warning then, and the note says so.
     at_call: the example inputs are a call's (fxamp's lazily capturing module): errors name the call's
     arguments, not ``example_kwargs``.
     """
@@ -82,7 +82,7 @@ def capture(
     if frontend == "export":
         return export(fx_error)
     try:
-        return _run(model, FxFrontEnd(model, leaf_modules))
+        return _run(model, FxFrontEnd(model, leaf_modules), graph_per_mode=graph_per_mode)
     except TraceError as e:
         if frontend == "auto" and has_inputs:
             return export(e)

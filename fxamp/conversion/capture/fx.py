@@ -30,7 +30,7 @@ from ..recompute import island_input, island_on, island_output
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar
-from .regions import (confirmed, copy_root_hooks, fx_region_error, region_state, scan,
+from .regions import (confirmed, copy_root_hooks, fx_region_error, region_note, region_state, scan,
                       traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
@@ -159,10 +159,14 @@ def _buffer_writes_refused(model: nn.Module) -> Iterator[None]:
     if not written:
         return
     names = ", ".join(name for name, _, _ in written)
-    path = written[0][0].rpartition(".")[0]
+    path, _, attr = written[0][0].rpartition(".")
+    # the line that writes the first one, when it is the model's own code (torch's BatchNorm is not scanned)
+    line = next((region_note(p, f) for p, _, f in scan(model) if p == path and f.kind == "state:" + attr), None)
+    where = f"({line})" if line else ("(a counter's `self.num_batches_tracked.add_(1)`, a batch norm's running "
+                                       "statistics)")
     raise UnsoundCapture(
         f"torch.fx cannot capture {type(model).__name__}: its forward writes the buffer(s) {names} in place "
-        f"(a counter's `self.num_batches_tracked.add_(1)`, a batch norm's running statistics), which torch.fx "
+        f"{where}, which torch.fx "
         f"would run once while tracing and leave out of the graph. Capture it with torch.export, which keeps "
         f"the write: pass example_inputs=(...), or leave frontend= at 'auto' (fxamp then captures it at its "
         f"first call).",

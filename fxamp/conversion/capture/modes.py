@@ -31,11 +31,14 @@ argument becomes the owner's flag, or ``getitem((eval value, training value), fl
                                                          drop_path = drop_path(linear, 0.5, training)
 
 When the two captures differ otherwise (a ``DropPath`` that returns its input unless
-``self.training``, any other branch on the mode), no single graph is right in both modes: the
-capture of the model's current mode is kept, its dropout and batch-norm flags still switch, and a
-note and a warning name the first op that differs.  Convert in the mode you will use the result in.
-With torch.export the caller can do better (``graph_per_mode``): ``convert`` with example inputs
-and the lazily capturing module hold a graph per mode, the other mode captured at its first call.
+``self.training``, timm's ``drop_path(x, p, self.training)`` traced through, any other branch on the
+mode), no single graph is right in both modes: the capture of the model's current mode is kept, its
+dropout and batch-norm flags still switch, and a note names the first op that differs.  Callers
+that pass ``graph_per_mode`` hold a graph per mode: ``convert`` (either front end, with or without
+example inputs) returns a ``fxamp.conversion.lazy.LazyConverted`` holding this graph for the current
+mode, which captures the other mode at its first call in that mode (torch.fx needs no inputs), with
+one set of parameters for both; ``convert_``'s families key their graphs by mode too.  Without
+``graph_per_mode`` (a direct ``capture``), a warning says the graph follows the mode at capture.
 
 A batch norm's flag is rebound only where it follows the module's mode: it differs between the two
 captures, or (one capture) the call is a ``BatchNorm``'s own with running statistics.  A constant

@@ -164,6 +164,9 @@ def _scan_function(func: ast.AST, file: str, lines: Sequence[str], off: int, own
                 add("checkpoint", node, (node.lineno, node.end_lineno or node.lineno), _call_info(node, name))
             elif name == "print" and state:
                 add("print", node, (node.lineno, node.lineno))
+            elif state and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_") \
+                    and _self_attr(node.func.value, self_name) is not None:  # self.count.add_(1): in place
+                add("state:" + _self_attr(node.func.value, self_name), node, (node.lineno, node.lineno))
         elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and state:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
