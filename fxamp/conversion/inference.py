@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..dtypes import CASTABLE, LOW, NOT_FLOAT
 from .graph import ATTR, CAST, INPUT_DTYPE, Decision, fetch_attr
-from .recompute import island_input
+from .runtime.recompute import island_input
 from .op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 
 __all__ = ["DtypeInference"]

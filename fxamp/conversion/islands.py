@@ -40,7 +40,7 @@ from .graph import CAST, DECISION, IslandChoice, module_path_of, region_in_order
 from .inference import DtypeInference
 from .op_lists import Category, Source
 from .options import NO_RECOMPUTE, ConvertOptions
-from .recompute import Ref, island_input, island_on, island_output, resolve
+from .runtime.recompute import Ref, island_input, island_on, island_output, resolve
 from .runtime import cast, cast_dense
 
 __all__ = ["recompute_islands", "MAX_OPS", "MIN_NUMEL"]

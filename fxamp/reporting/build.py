@@ -17,7 +17,7 @@ from ..conversion.inference import DtypeInference
 from ..conversion.graph import CAST, DECISION, Decision, attr_target, fetch_attr
 from ..conversion.op_lists import Category
 from ..policy import PRESETS, Policy
-from ..conversion.recompute import island_input
+from ..conversion.runtime.recompute import island_input
 from ..conversion.runtime import call_module_cast
 from .flops import estimate_flops
 from .formats import unique

@@ -10,7 +10,7 @@ import torch.fx as fx
 from ..dtypes import dtype_name
 from ..conversion.graph import CAST, Decision, attr_target
 from ..conversion.op_lists import Source
-from ..conversion.recompute import island_output
+from ..conversion.runtime.recompute import island_output
 from .records import LOW_NAMES, Lint
 
 __all__ = ["find_lints"]
