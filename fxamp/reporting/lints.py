@@ -81,7 +81,7 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
 
 
 def _readers(node: fx.Node) -> List[fx.Node]:
-    """The nodes that read ``node``'s value, through a recomputed island's output (``conversion.islands``)."""
+    """The nodes that read ``node``'s value, through a recomputed island's output (``conversion.rewrite.islands``)."""
     out: List[fx.Node] = []
     for u in node.users:
         if u.op == "call_function" and u.target is island_output and node in u.args[3]:

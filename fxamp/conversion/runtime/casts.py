@@ -65,7 +65,7 @@ def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def cast_dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The cast of a tensor whose dtype is known to differ from ``dtype``: :func:`cast` without its checks.
 
-    For ``rewrite.py``'s casts of values whose dtype it inferred (where it emits a plain
+    For ``rewrite/casts.py``'s casts of values whose dtype it inferred (where it emits a plain
     ``x.to(dtype)``, which keeps a transposed input's strides; see :func:`_to`).
     """
     return _to(x, dtype)

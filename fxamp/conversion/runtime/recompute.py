@@ -1,4 +1,4 @@
-"""What a recomputed float32 island calls at run time (the graph side is ``conversion/islands.py``).
+"""What a recomputed float32 island calls at run time (the graph side is ``conversion/rewrite/islands.py``).
 
 An island's ops stay in the converted graph; three calls around them make backward keep the
 island's low-precision inputs instead of the float32 tensors its ops would save::

@@ -35,7 +35,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any 
     in float32.  Here, on CPU with float16/bfloat16 inputs and dropout on, attention is computed in
     the inputs' dtype: ``softmax(q·scale @ kᵀ + mask)`` (the softmax kernel accumulates in float32)
     → dropout → ``@ v``.  Otherwise (no dropout, float32, another device) it is SDPA itself.
-    Placed by :func:`fxamp.conversion.attention.low_precision_attention`.
+    Placed by :func:`fxamp.conversion.rewrite.attention.low_precision_attention`.
     """
     if (dropout_p == 0.0 or q.device.type != "cpu" or q.dtype not in LOW
             or k.dtype != q.dtype or v.dtype != q.dtype):
@@ -72,7 +72,7 @@ def multi_head_attention(module: nn.MultiheadAttention, dtype: torch.dtype, *arg
     ``F.multi_head_attention_forward``'s own steps with :func:`attention` in their middle: the
     projections, the merged float mask, attention, the output projection.  Anything else is the
     module itself (through :func:`call_module_cast` when its parameters are not in ``dtype``, with
-    the weight cache ``_fxamp_cache``).  Placed by :func:`fxamp.conversion.attention.low_precision_attention`
+    the weight cache ``_fxamp_cache``).  Placed by :func:`fxamp.conversion.rewrite.attention.low_precision_attention`
     (O1: instead of ``call_module_cast``).
     """
     bound = dict(zip(_MHA_ARGS, _MHA_DEFAULTS))

@@ -26,10 +26,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import FxampError
-from .graph import DECISION, attr_target
+from ...errors import FxampError
+from ..graph import DECISION, attr_target
+from ..options import DebugOverflow
+from ..passes import Conversion, Pass, Stage
 
-__all__ = ["OverflowMonitor", "OverflowInfo", "add_overflow_checks", "overflow_info", "MONITOR_NAME"]
+__all__ = ["OverflowMonitor", "OverflowInfo", "add_overflow_checks", "overflow_info", "MONITOR_NAME",
+           "OVERFLOW_CHECKS"]
 
 MONITOR_NAME = "_fxamp_overflow"
 
@@ -149,3 +152,13 @@ def overflow_info(module: nn.Module) -> OverflowInfo:
         raise ValueError("this module has no overflow checks: convert it with fxamp.convert(model, ..., "
                          "debug_overflow='record')")
     return monitor.info()
+
+
+def _overflow_checks(gm: fx.GraphModule, conversion: Conversion) -> List[str]:
+    add_overflow_checks(gm, raise_on_overflow=conversion.options.debug_overflow is DebugOverflow.RAISE)
+    return []
+
+
+#: opt-in (``convert(debug_overflow=...)``), whatever the policy: a check after each node
+OVERFLOW_CHECKS = Pass("overflow checks", Stage.REWRITE, _overflow_checks,
+                       applies=lambda c: c.options.debug_overflow is not DebugOverflow.OFF)
