@@ -332,7 +332,6 @@ def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Dec
     raise ConversionError(f"unknown condition {cond!r} in an op list entry")  # pragma: no cover
 
 
-
 #: a float32 leaf holding more of the parameters than this is reported and warned about
 FLOAT32_LEAF_SHARE = 0.10
 

@@ -15,7 +15,6 @@ from ..runtime.float8 import float8_addmm, float8_einsum, float8_linear, float8_
 __all__ = ["rewrite_float8", "FLOAT8"]
 
 
-
 def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], config: Float8) -> int:
     """Replace each chosen matmul (its inputs already cast to bfloat16) by its float8 form; returns how many::
 
