@@ -1,4 +1,4 @@
-"""Measure float8's speed-up over bfloat16 per matmul shape: the rows of ``fxamp.conversion.float8.COST_TABLES``.
+"""Measure float8's speed-up over bfloat16 per matmul shape: the rows of ``fxamp.conversion.classify.float8.COST_TABLES``.
 
     python -m benchmarks.float8_cost [--device cpu|cuda] [--tokens M] [--shapes 1024x1024,4096x4096] [--repeat R]
                                      [--compile | --eager]
@@ -6,7 +6,7 @@
 For each (K, N) it times one forward and backward of ``F.linear`` on a (M, K) bfloat16 input and an
 (N, K) bfloat16 weight, then the same through fxamp's float8 linear (scaling and casts included)
 for each recipe, medians of interleaved rounds, and prints the ratio table (bf16 time / float8
-time: above 1 float8 pays) and a ``COST_TABLES`` entry to paste into ``fxamp/conversion/float8.py``
+time: above 1 float8 pays) and a ``COST_TABLES`` entry to paste into ``fxamp/conversion/classify/float8.py``
 for this device kind.  On a CPU ``torch._scaled_mm`` runs emulated, so every ratio is below 1.
 On CUDA each variant is compiled by default (``--eager`` to measure eager): a float8 linear pays only
 when its amax, scale and saturating cast fuse into one kernel per operand, which eager cannot do, so
@@ -26,7 +26,8 @@ from typing import Callable, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from fxamp.conversion.float8 import device_kind, float8_linear
+from fxamp.conversion.classify.float8 import device_kind
+from fxamp.conversion.runtime.float8 import float8_linear
 from fxamp.policy import Float8, Float8Recipe
 
 

@@ -2,7 +2,7 @@
 # The GPU checks, in one call of a leased GPU machine (at most 8 minutes on one H100/H200), each step
 # bounded so that one that hangs leaves the others their time; every log lands in $OUT (or ./gpu-out).
 #   bash benchmarks/gpu_checks.sh            torchao rows need torchao on PYTHONPATH (pip install --no-deps torchao)
-# 1. float8's cost table for this GPU, compiled (paste its COST_TABLES entry into fxamp/conversion/float8.py)
+# 1. float8's cost table for this GPU, compiled (paste its COST_TABLES entry into fxamp/conversion/classify/float8.py)
 # 2. where a training step's time goes (torch.profiler, top kernels): pure bf16, O2, O2 with lean auto state
 # 3. GPT-2 small tokens/s compiled (the rows that matter): bf16 O2, torchao float8, fxamp float8 :always
 # 4. the memory suite at GPT-2 small size on CUDA: bytes/param and peak by the allocator, every lean mode

@@ -38,7 +38,7 @@ import types as _types
 
 from .api import initialize
 from .conversion.convert import convert, convert_
-from .conversion.debug import overflow_info
+from .conversion.rewrite.debug import overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
 from .errors import warn_deprecated as _warn_deprecated
 from .info import conversion_info, release_originals
@@ -82,13 +82,13 @@ __all__ = [
 #: the names that left the top level, and the module each is imported from now; ``fxamp.<name>``
 #: still returns them for one release, with a DeprecationWarning naming the import to write
 _MOVED = _types.MappingProxyType({
-    "classify": "fxamp.conversion.classify",
+    "classify": "fxamp.conversion.classify.categories",
     "Decision": "fxamp.conversion.graph",
     "ConversionInfo": "fxamp.info",
     "policy_of": "fxamp.info",
     "clear_cast_cache": "fxamp.conversion.convert",
     "LazyConverted": "fxamp.conversion.lazy",
-    "OverflowInfo": "fxamp.conversion.debug",
+    "OverflowInfo": "fxamp.conversion.rewrite.debug",
     "ConvertOptions": "fxamp.conversion.options",
     "DebugOverflow": "fxamp.conversion.options",
     "Dynamic": "fxamp.conversion.options",

@@ -2,7 +2,7 @@
 and :class:`StrEnum`, the base of every string option (``Category``, ``ScaleKind``, ``StatePrecision``...).
 
 Conversion, training, reporting and the integrations all read dtypes from here; what dtype a
-graph value certainly has is the conversion's business (``fxamp.conversion.inference``).
+graph value certainly has is the conversion's business (``fxamp.conversion.classify.inference``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class Float8Recipe(StrEnum):
 class Float8Cost(StrEnum):
     """Which eligible matmuls run in float8: those the cost model says pay, or all of them."""
 
-    AUTO = "auto"  # skip a matmul the cost table (fxamp.conversion.float8) says is too small to pay
+    AUTO = "auto"  # skip a matmul the cost table (fxamp.conversion.classify.float8) says is too small to pay
     ALWAYS = "always"  # every eligible matmul, whatever it costs (tests; a CPU, where float8 never pays)
 
 

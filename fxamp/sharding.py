@@ -63,7 +63,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from .conversion.blocks import converted_modules, family_of
 from .conversion.lazy import LazyConverted
-from .conversion.rewrite import CACHE_NAME
+from .conversion.rewrite.casts import CACHE_NAME
 from .conversion.runtime import WeightCastCache, cast_weights
 from .dtypes import LOW, dtype_name
 from .info import policy_of

@@ -91,3 +91,51 @@ def test_op_entry_takes_names_and_of_warns():
     with pytest.warns(DeprecationWarning, match=re.escape("OpEntry.of(...) is deprecated and kept for one release: "
                                                           "write OpEntry(...)")):
         assert OpEntry.of("unsafe", "my reason") == OpEntry(Category.UNSAFE, "my reason")
+
+
+# -- the conversion's modules that became stage folders (issue 38) -------------------------------------------------
+
+#: (old module, name) -> the module it is imported from now
+OLD_CONVERSION_PATHS = {
+    ("fxamp.conversion.classify", "classify"): "fxamp.conversion.classify.categories",
+    ("fxamp.conversion.classify", "annotate"): "fxamp.conversion.pipeline",
+    ("fxamp.conversion.classify", "unused_overrides"): "fxamp.conversion.classify.categories",
+    ("fxamp.conversion.classify", "NodeOverrides"): "fxamp.conversion.options",
+    ("fxamp.conversion.rewrite", "insert_casts"): "fxamp.conversion.rewrite.casts",
+    ("fxamp.conversion.rewrite", "weight_cache_of"): "fxamp.conversion.rewrite.casts",
+    ("fxamp.conversion.float8", "choose"): "fxamp.conversion.classify.float8",
+    ("fxamp.conversion.float8", "COST_TABLES"): "fxamp.conversion.classify.float8",
+    ("fxamp.conversion.float8", "REFUSE"): "fxamp.conversion.classify.overrides",
+    ("fxamp.conversion.float8", "rewrite_float8"): "fxamp.conversion.rewrite.float8",
+    ("fxamp.conversion.debug", "overflow_info"): "fxamp.conversion.rewrite.debug",
+}
+
+
+@pytest.mark.parametrize("old, name", sorted(OLD_CONVERSION_PATHS))
+def test_a_conversion_name_at_its_old_module_resolves_with_a_warning_naming_the_new_one(old, name):
+    new = OLD_CONVERSION_PATHS[old, name]
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old}.{name} is deprecated and kept for one release: "
+                                                          f"write 'from {new} import {name}'")):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new), name)
+
+
+@pytest.mark.parametrize("old, new, names", [
+    ("fxamp.conversion.runtime", "fxamp.conversion.runtime.casts", ("cast", "cast_weights", "StorageCheck")),
+    ("fxamp.conversion.recompute", "fxamp.conversion.runtime.recompute", ("island_on", "island_output", "Ref")),
+    ("fxamp.conversion.float8", "fxamp.conversion.runtime.float8", ("float8_linear", "float8_einsum", "PLAIN")),
+    ("fxamp.conversion.debug", "fxamp.conversion.rewrite.debug", ("OverflowMonitor", "OverflowInfo")),
+])
+def test_what_a_saved_graph_names_at_an_old_path_resolves_silently(old, new, names):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values = [getattr(importlib.import_module(old), name) for name in names]
+    assert values == [getattr(importlib.import_module(new), name) for name in names]
+
+
+def test_an_unknown_name_at_an_old_conversion_path_is_an_attribute_error():
+    for old in ("fxamp.conversion.classify", "fxamp.conversion.rewrite", "fxamp.conversion.float8", "fxamp.conversion.debug"):
+        with pytest.raises(AttributeError, match=f"module '{re.escape(old)}' has no attribute 'nope'"):
+            getattr(importlib.import_module(old), "nope")

@@ -11,17 +11,16 @@ import torch.nn as nn
 
 from .capture import LeafSpec, capture
 from .graph import replace_tensors, tensor_slots
-from .classify import ModuleOverrides, NodeOverrides
 from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .blocks import convert_blocks
 from .lazy import LazyConverted
 from .op_lists import Category, OpEntry, OpKey, OpLists
-from .options import ConvertOptions, DebugOverflow, Dynamic
+from .options import ConvertOptions, DebugOverflow, Dynamic, ModuleOverrides, NodeOverrides
 from .pipeline import rewrite_captured
 from ..policy import Policy, default_dtype, device_type_of, resolve_policy
-from .rewrite import CACHE_NAME
+from .rewrite.casts import CACHE_NAME
 
 __all__ = ["convert", "convert_", "policy_of", "clear_cast_cache", "ConversionInfo", "conversion_info", "ConvertOptions",
            "DebugOverflow", "Dynamic"]
@@ -69,10 +68,10 @@ def convert(
     weight_cache:     reuse low-precision weight copies (leaf modules' too) across no-grad calls until a weight changes.
     debug_overflow:   a :class:`~fxamp.conversion.options.DebugOverflow`: ``"off"``; ``"record"`` the first node whose output
                       (forward) or gradient (backward) has inf/NaN (``fxamp.overflow_info(amp)``);
-                      ``"raise"`` there.  See ``fxamp.conversion.debug``.
+                      ``"raise"`` there.  See ``fxamp.conversion.rewrite.debug``.
     recompute_islands: float32 ops reading exact upcasts of low-precision values (the loss's log-softmax,
                       norms, softmax) keep the low-precision input for backward and recompute in backward,
-                      with the same gradients (``fxamp.conversion.islands``); per node, ``node_overrides``/
+                      with the same gradients (``fxamp.conversion.rewrite.islands``); per node, ``node_overrides``/
                       ``module_overrides`` take ``"recompute"``/``"no_recompute"``.  False: off.
 
     The keywords from ``overrides`` to ``recompute_islands`` are checked and bundled into one

@@ -6,7 +6,7 @@ Who writes and who reads each key (``docs/DESIGN.md`` draws the whole flow):
 ========================  ==================================  ==========================================
 key                       written by                          read by
 ========================  ==================================  ==========================================
-``DECISION`` "fxamp"      ``classify.annotate``               ``decision_of`` (rewrite, ``reporting``)
+``DECISION`` "fxamp"      ``classify/`` (its first pass)      ``decision_of`` (rewrite, ``reporting``)
 ``CAST``  "fxamp_cast"    ``rewrite.insert_casts``            ``cast_of`` (``inference.DtypeInference``,
                                                               ``reporting``)
 ``ATTR``  "fxamp_attr"    ``rewrite.lower_attribute_reads``   ``attr_target`` (rewrite, inference,
@@ -50,7 +50,7 @@ MODULE = "fxamp_module"
 class Float8Choice:
     """Whether a matmul that could run in float8 (a policy with ``float8=``) does, and why.
 
-    chosen: runs in float8 (``conversion.float8``); False: in the policy's compute dtype (bfloat16).
+    chosen: runs in float8 (``conversion/classify/float8.py`` chose it); False: in the policy's compute dtype (bfloat16).
     reason: the rule that decided, in words (the shape, the cost model's row, an override).
     source: :class:`~fxamp.conversion.op_lists.Source`: DEFAULT (cost model), GRAPH (shape), or an override.
     """
@@ -62,7 +62,7 @@ class Float8Choice:
 
 @dataclass(frozen=True)
 class IslandChoice:
-    """Whether a float32 island (``conversion.islands``) keeps its low-precision input for backward and
+    """Whether a float32 island (``conversion.rewrite.islands``) keeps its low-precision input for backward and
     recomputes its float32 ops there, instead of keeping the float32 tensors its ops save.
 
     island:  the island's name (its first node's, ``island_<node>``); every node of it carries the choice.
@@ -95,7 +95,7 @@ class Decision:
     resolved: what the node behaves as: its category, or for a conditional op the category its
               condition chose (safe, neutral or unsafe).
     float8:   a :class:`Float8Choice` for a matmul float8 could run (policy with ``float8=``), else None.
-    recompute: an :class:`IslandChoice` for a node of a float32 island (``conversion.islands``), else None.
+    recompute: an :class:`IslandChoice` for a node of a float32 island (``conversion.rewrite.islands``), else None.
     """
 
     op: str
@@ -125,7 +125,7 @@ class Decision:
 
 
 def decision_of(node: fx.Node) -> Optional[Decision]:
-    """The :class:`Decision` ``classify.annotate`` recorded on ``node`` (``meta[DECISION]``), or None."""
+    """The :class:`Decision` the classify stage recorded on ``node`` (``meta[DECISION]``), or None."""
     return node.meta.get(DECISION)
 
 

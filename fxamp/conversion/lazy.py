@@ -61,7 +61,7 @@ from ..errors import TraceError
 from .graph import rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
-from .rewrite import CACHE_NAME
+from .rewrite.casts import CACHE_NAME
 from .runtime import refuse_dtype_change
 
 __all__ = ["LazyConverted", "predict_storage", "is_norm", "float32_for_capture"]
@@ -89,7 +89,7 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  A tensor tied
     across modules follows the most specific owner: a norm, else a layer (BERT's decoder bias).
 
-    Why this is not :func:`~fxamp.conversion.rewrite.store_params`, and what reconciles the two.
+    Why this is not :func:`~fxamp.conversion.rewrite.casts.store_params`, and what reconciles the two.
     ``store_params`` decides from a graph: a tensor is stored low only when every consumer in it
     runs low.  A lazily capturing module must make its parameters before any graph exists (an
     optimizer is built on them before the first call), and every later capture shares them, so

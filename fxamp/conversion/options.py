@@ -29,13 +29,13 @@ ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
 #: node name (the report's ``node`` column) -> category: one op, wherever it is (a root-level op too)
 NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
 
-#: override values (``node_overrides``/``module_overrides``) that decide a float32 island (``conversion.islands``)
+#: override values (``node_overrides``/``module_overrides``) that decide a float32 island (``conversion.rewrite.islands``)
 RECOMPUTE = "recompute"  # recompute the island this node belongs to whatever the rule says (where it can)
 NO_RECOMPUTE = "no_recompute"  # keep this node's island as it runs without recomputation
 
 
 class DebugOverflow(StrEnum):
-    """``convert(debug_overflow=...)``: overflow checks after every node (:mod:`fxamp.conversion.debug`)."""
+    """``convert(debug_overflow=...)``: overflow checks after every node (:mod:`fxamp.conversion.rewrite.debug`)."""
 
     OFF = "off"  # no checks, no cost
     RECORD = "record"  # record the first node whose output or gradient has inf/NaN (fxamp.overflow_info)
@@ -103,7 +103,7 @@ class ConvertOptions:
     override_keys:    the op keys of the user's ``overrides`` (already in ``op_lists``), so that the
                       classification can say which of them matched no op of the graph.
     recompute_islands: float32 islands whose inputs are exact upcasts keep those low-precision inputs for
-                      backward and recompute (``conversion.islands``).
+                      backward and recompute (``conversion.rewrite.islands``).
     island_overrides: ``(("node" or "module", name or path, RECOMPUTE or NO_RECOMPUTE), ...)``: the
                       ``node_overrides``/``module_overrides`` entries with those values (the constructor moves them here).
     """

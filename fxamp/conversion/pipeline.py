@@ -1,110 +1,96 @@
-"""classify → rewrite over a captured graph: what ``convert()`` and the lazily capturing module share.
+"""classify → rewrite over a captured graph: what ``convert()``, the lazily capturing module and the block
+families share.
 
-``rewrite_captured`` annotates every node with its :class:`~fxamp.conversion.graph.Decision`, chooses (or
-keeps) parameter storage, lowers parameter reads, inserts the casts, optionally the overflow
-checks, and attaches the :class:`~fxamp.info.ConversionInfo`.
+:data:`PASSES` is the conversion after capture, in the order it runs: the classify stage's rules (they
+decide: one :class:`~fxamp.conversion.graph.Decision` per node, in ``node.meta["fxamp"]``), then the
+rewrite stage's passes (they change the graph as decided).  ``rewrite_captured`` runs each that applies,
+lints and recompiles once, and attaches the :class:`~fxamp.info.ConversionInfo` with every pass's notes.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Mapping, Sequence
+from typing import Dict, List, Sequence, Tuple
 
-import torch
 import torch.fx as fx
-import torch.nn as nn
 
-from .attention import low_precision_attention
-from .capture import Captured
-from .checkpointing import keep_checkpoints
-from .classify import annotate, unused_overrides
-from .debug import add_overflow_checks
-from .float8 import float8_notes, rewrite_float8
-from .islands import recompute_islands
 from ..info import INFO_ATTR, ConversionInfo
-from .options import ConvertOptions, DebugOverflow
 from ..policy import Policy
-from .rewrite import cast_kept_storage, insert_casts, lower_attribute_reads, store_params
+from .capture import Captured
+from .classify.categories import CATEGORIES, FLOAT32_LEAVES, UNUSED_OVERRIDES
+from .classify.float8 import FLOAT8_CHOICE
+from .graph import Decision
+from .options import ConvertOptions
+from .passes import Conversion, Pass, Stage
+from .rewrite.attention import ATTENTION
+from .rewrite.casts import ATTRIBUTE_READS, CASTS, STORAGE
+from .rewrite.checkpointing import CHECKPOINTS
+from .rewrite.debug import OVERFLOW_CHECKS
+from .rewrite.float8 import FLOAT8
+from .rewrite.islands import ISLANDS
 from .runtime import as_converted, name_failing_nodes
 
-__all__ = ["rewrite_captured", "FLOAT32_LEAF_SHARE"]
+__all__ = ["PASSES", "annotate", "rewrite_captured"]
+
+#: every pass after capture, in the order it runs (each says when it applies: ``Pass.applies``)
+PASSES: Tuple[Pass, ...] = (
+    CATEGORIES,         # classify: each node's category and compute dtype (op lists, overrides)
+    FLOAT8_CHOICE,      # classify: which safe matmuls run in float8 (a policy with float8=)
+    FLOAT32_LEAVES,     # classify: a note (and warning) for a large leaf module left in float32
+    UNUSED_OVERRIDES,   # classify: a note (and warning) for an op override that matched nothing
+    STORAGE,            # rewrite: O2/O3 parameter storage, decided or kept
+    ATTRIBUTE_READS,    # rewrite: parameter reads through the module's own dict
+    CASTS,              # rewrite: a cast per (value, dtype), one weight-cast call per forward
+    FLOAT8,             # rewrite: chosen matmuls call their float8 form (their inputs are bfloat16 now)
+    ATTENTION,          # rewrite: SDPA with dropout saves low-precision probabilities
+    ISLANDS,            # rewrite: float32 islands recomputed in backward (off under debug_overflow)
+    OVERFLOW_CHECKS,    # rewrite: debug_overflow's check after every node
+    CHECKPOINTS,        # rewrite: each checkpointed block takes its casts and checks along
+)
+
+
+def _run(gm: fx.GraphModule, conversion: Conversion, stages: Sequence[Stage]) -> Tuple[List[str], List[str]]:
+    """Run the passes of ``stages`` that apply; ``(notes, the notes to warn about)``."""
+    notes: List[str] = []
+    warn: List[str] = []
+    for p in PASSES:
+        if p.stage in stages and p.applies(conversion):
+            said = list(p.run(gm, conversion))
+            notes += said
+            warn += said if p.warns else []
+    return notes, warn
+
+
+def annotate(gm: fx.GraphModule, policy: Policy, options: ConvertOptions = ConvertOptions()) -> Dict[fx.Node, Decision]:
+    """The classify stage alone: each node's decision, recorded in ``node.meta["fxamp"]`` (read it back with
+    ``graph.decision_of``) and returned; the graph is not changed."""
+    conversion = Conversion(policy, options)
+    _run(gm, conversion, (Stage.CLASSIFY,))
+    return conversion.decisions
 
 
 def rewrite_captured(captured: Captured, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
                      storage: str = "decide", notes: Sequence[str] = ()) -> fx.GraphModule:
-    """Classify and rewrite a captured graph in place; returns its graph module, its ConversionInfo attached.
+    """Classify and rewrite a captured graph in place (:data:`PASSES`); returns its graph module, its
+    ConversionInfo attached.
 
-    options: the op lists, overrides, weight cache, overflow checks (``options.debug_overflow``:
-    the checks of :mod:`fxamp.conversion.debug`) and recomputed float32 islands (``options.recompute_islands``:
-    :mod:`fxamp.conversion.islands`); ``options.dynamic`` was the capture's business.
+    options: the op lists, overrides, weight cache, overflow checks (``options.debug_overflow``) and
+    recomputed float32 islands (``options.recompute_islands``); ``options.dynamic`` was the capture's business.
     storage: ``"decide"``: O2/O3 re-bind parameters to the dtype their consumers run in
     (``store_params``); ``"keep"``: the parameters already have their dtypes (a lazily capturing
     module made them before any graph existed), and consumers that want another dtype get a cast.
     notes: put before the capture's own notes.
     """
-    if storage not in ("decide", "keep"):
-        raise ValueError(f"storage={storage!r} is not 'decide' or 'keep'")
-    if not isinstance(options, ConvertOptions):
-        raise TypeError(f"options must be a ConvertOptions, not {type(options).__name__}")
+    conversion = Conversion(policy, options, storage, captured.frontend)
     gm = as_converted(captured.graph_module)  # (its copies keep what conversion sets up below)
-    decisions = annotate(gm, policy, options)
-    island_notes: List[str] = []
-    if policy.enabled:
-        if storage == "decide":
-            store_params(gm, decisions, policy)
-        else:
-            cast_kept_storage(gm, decisions, policy)
-        lower_attribute_reads(gm)
-        insert_casts(gm, decisions, policy, weight_cache=options.weight_cache)
-        if policy.float8 is not None:
-            rewrite_float8(gm, decisions, policy.float8)
-        low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
-        if options.debug_overflow is DebugOverflow.OFF:  # (the checks watch every op's gradient: run as written)
-            island_notes = recompute_islands(gm, options)
-        gm.graph.lint()
-        gm.recompile()
-    if options.debug_overflow is not DebugOverflow.OFF:
-        add_overflow_checks(gm, raise_on_overflow=options.debug_overflow is DebugOverflow.RAISE)
-    leaf_notes = (_float32_leaves(gm, decisions) if policy.enabled else []) + unused_overrides(gm, options)
-    notes = tuple(notes) + tuple(float8_notes(decisions, policy.float8))
-    for note in leaf_notes:
+    said, warn = _run(gm, conversion, tuple(Stage))
+    for note in warn:
         warnings.warn(f"fxamp: {note}", stacklevel=3)
-    # after the casts (and overflow checks) exist: each checkpointed block takes its casts along
-    leaf_notes += keep_checkpoints(gm, captured.frontend)
-    info = ConversionInfo(policy, captured.frontend,
-                          tuple(notes) + tuple(captured.notes) + tuple(leaf_notes) + tuple(island_notes))
+    gm.graph.lint()
+    gm.recompile()
+    info = ConversionInfo(policy, captured.frontend, tuple(notes) + tuple(captured.notes) + tuple(said))
     # pickling keeps instance attributes; GraphModule's deepcopy keeps the ones listed in meta
     setattr(gm, INFO_ATTR, info)
     gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
     name_failing_nodes(gm)  # torch's message, the node named; not torch.fx's dump of the generated code
     return gm
-
-
-#: a float32 leaf holding more of the parameters than this is reported and warned about
-FLOAT32_LEAF_SHARE = 0.10
-
-
-def _float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Any]) -> List[str]:
-    """Opaque leaf modules that run in float32 with a large share of the model's work.
-
-    No inputs exist at convert time, so the share of FLOPs is estimated by the share of parameters;
-    norms (float32 by design) and embedding lookups (parameters without FLOPs) are left out.
-    """
-    total = sum(p.numel() for p in gm.parameters())
-    notes = []
-    for node, d in decisions.items():
-        if node.op != "call_module" or d.compute != torch.float32 or d.norm:
-            continue
-        m = gm.get_submodule(str(node.target))
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            continue
-        share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
-        if share > FLOAT32_LEAF_SHARE:
-            notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
-                         f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
-                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
-                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
-                         f"or use frontend='export'")
-    return notes
-
-

@@ -15,7 +15,7 @@ the report shows what is known before running and says ``runtime`` for the rest:
 The package, by job: ``records`` (Row, Summary, Report), ``observe`` (the run-time recorder),
 ``build`` (rows from a graph), ``lints``, ``flops``, ``diff`` (two policies), ``formats``
 (table, JSON, CSV), ``numerics`` (error against float32, node by node), ``gradients``
-(underflow and loss scale), ``autotune`` (float32 fallback until a tolerance holds),
+(underflow and loss scale), ``tuning`` (``autotune``: float32 fallback until a tolerance holds),
 ``debug`` (the first node to overflow).
 """
 
@@ -29,21 +29,21 @@ import torch
 import torch.nn as nn
 
 from ..conversion.blocks import BLOCKS_FRONTEND
-from ..conversion.checkpointing import checkpoint_calls, inline_checkpoints_
+from ..conversion.rewrite.checkpointing import checkpoint_calls, inline_checkpoints_
 from ..conversion.convert import convert, policy_of
 from ..info import conversion_info
 from ..conversion.lazy import LazyConverted
 from ..policy import Policy
 from .arguments import policy_and_inputs
-from .autotune import TuneResult, autotune, load_overrides, save_overrides
+from .tuning import TuneResult, autotune, load_overrides, save_overrides
 from .blocks import blocks_report
-from .build import build
+from .build import build_report
 from .diff import DiffRow, PolicyDiff
 from .float8 import measure_float8
 from .formats import CSV_COLUMNS, FLOAT8_COLUMNS, NUMERICS_COLUMNS
 from .numerics import as_batches, measure, sqnr
 from .gradients import GradientReport, GradStats, plot_histogram, scan_gradients
-from .observe import bind_inputs, observe
+from .observe import bind_inputs, observe_run
 from .records import CastIn, Float8Cell, Float8Measure, Lint, NodeNumerics, NumericsSummary, Report, Row, Summary
 
 __all__ = ["Report", "Row", "CastIn", "Lint", "Summary", "NodeNumerics", "NumericsSummary", "PolicyDiff", "DiffRow",
@@ -127,8 +127,8 @@ def report(
     if checkpoint_calls(gm):  # every op in one table: the blocks run inline in the report's own copy
         gm = copy.deepcopy(gm) if gm is model else gm
         inline_checkpoints_(gm)
-    observed = observe(gm, inputs, example_kwargs or {}) if (inputs is not None or example_kwargs) else None
-    rep = build(gm, type(model).__name__, inputs or (), example_kwargs or {}, observed)
+    observed = observe_run(gm, inputs, example_kwargs or {}) if (inputs is not None or example_kwargs) else None
+    rep = build_report(gm, type(model).__name__, inputs or (), example_kwargs or {}, observed)
     if numerics:
         low = policy_of(gm).compute
         per_node, summary = measure(gm, source, batches or [()], example_kwargs or {}, low)

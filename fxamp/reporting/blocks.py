@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..conversion.blocks import converted_modules, family_of
 from ..conversion.op_lists import Category
 from ..info import conversion_info
-from .build import build, policy_label
+from .build import build_report, policy_label
 from .records import Report, Row, Summary
 
 __all__ = ["blocks_report", "MODULE_LEVEL"]
@@ -49,7 +49,7 @@ def blocks_report(model: nn.Module) -> Report:
                 notes.append(f"{kind} {path!r}{shared}: not called yet, no graph to report")
             continue
         for graph in [g for variants in family.graphs.values() for g in variants]:
-            rep = build(graph.gm, type(module).__name__, (), {}, None)
+            rep = build_report(graph.gm, type(module).__name__, (), {}, None)
             notes.append(f"{kind} {path!r}{shared}: {graph.frontend} graph for a call with {graph.description}")
             casts += rep.summary.casts
             weight_casts += rep.summary.weight_casts

@@ -13,11 +13,11 @@ import torch.nn as nn
 
 from ..conversion.convert import conversion_info, policy_of
 from ..dtypes import LOW, NOT_FLOAT, dtype_name
-from ..conversion.inference import DtypeInference
+from ..conversion.classify.inference import DtypeInference
 from ..conversion.graph import CAST, DECISION, Decision, attr_target, fetch_attr
 from ..conversion.op_lists import Category
 from ..policy import PRESETS, Policy
-from ..conversion.recompute import island_input
+from ..conversion.runtime.recompute import island_input
 from ..conversion.runtime import call_module_cast
 from .flops import estimate_flops
 from .formats import unique
@@ -25,10 +25,10 @@ from .lints import find_lints
 from .observe import Meta, Recorder, dtype_of_meta, leaves
 from .records import AS_INPUT, RUNTIME, CastIn, Float8Cell, RecomputeCell, Report, Row, Summary
 
-__all__ = ["build", "DtypeView", "describe_input", "policy_label"]
+__all__ = ["build_report", "DtypeView", "describe_input", "policy_label"]
 
 
-def build(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs: Dict[str, Any],
+def build_report(gm: fx.GraphModule, model_name: str, inputs: Tuple[Any, ...], kwargs: Dict[str, Any],
            observed: Optional[Recorder]) -> Report:
     pol = policy_of(gm)
     modules = dict(gm.named_modules())

@@ -28,8 +28,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..conversion.float8 import (E4M3, REFUSE, einsum_plan, float8_addmm, float8_einsum, float8_linear,
-                                 float8_matmul, matmul_shape, to_float8)
+from ..conversion.classify.float8 import REFUSE, matmul_shape
+from ..conversion.runtime.float8 import (E4M3, einsum_plan, float8_addmm, float8_einsum, float8_linear, float8_matmul,
+                                         to_float8)
 from ..conversion.graph import DECISION
 from ..conversion.convert import policy_of
 from ..policy import Float8, Float8Recipe

@@ -32,7 +32,7 @@ NUMERICS_COLUMNS = ["sqnr_db", "max_rel_error", "nonfinite", "overflow", "underf
 #: appended when the policy runs float8 (a row per candidate matmul; the measured ones with numerics)
 FLOAT8_COLUMNS = ["float8", "float8_reason", "float8_sqnr_db", "float8_input_amax", "float8_weight_amax",
                   "float8_scale", "float8_nan_rows"]
-#: appended when the graph has float32 islands (conversion.islands): one per node of an island
+#: appended when the graph has float32 islands (conversion.rewrite.islands): one per node of an island
 RECOMPUTE_COLUMNS = ["recompute_island", "recompute", "recompute_reason", "recompute_saved_dtype",
                      "recompute_bytes_saved"]
 
@@ -251,7 +251,7 @@ def recompute_cell(cell: Any, wide: bool = False) -> str:
 
 
 def island_lines(rep: Any) -> List[str]:
-    """One line per float32 island (``conversion.islands``): recomputed or not, and why."""
+    """One line per float32 island (``conversion.rewrite.islands``): recomputed or not, and why."""
     islands: Dict[str, List[Any]] = {}
     for r in rep.rows:
         if r.recompute is not None:

@@ -10,7 +10,7 @@ import torch.fx as fx
 from ..dtypes import dtype_name
 from ..conversion.graph import CAST, Decision, attr_target
 from ..conversion.op_lists import Source
-from ..conversion.recompute import island_output
+from ..conversion.runtime.recompute import island_output
 from .records import LOW_NAMES, Lint
 
 __all__ = ["find_lints"]
@@ -81,7 +81,7 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
 
 
 def _readers(node: fx.Node) -> List[fx.Node]:
-    """The nodes that read ``node``'s value, through a recomputed island's output (``conversion.islands``)."""
+    """The nodes that read ``node``'s value, through a recomputed island's output (``conversion.rewrite.islands``)."""
     out: List[fx.Node] = []
     for u in node.users:
         if u.op == "call_function" and u.target is island_output and node in u.args[3]:

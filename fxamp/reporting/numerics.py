@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..dtypes import LOW
-from ..conversion.float8 import PLAIN
+from ..conversion.runtime.float8 import PLAIN
 from ..conversion.graph import CAST, DECISION, attr_target, fetch_attr
 from ..conversion.runtime import call_module_cast, cast_weights
 from .records import NodeNumerics, NumericsSummary

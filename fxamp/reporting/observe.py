@@ -13,7 +13,7 @@ from ..errors import FxampError
 from ..conversion.graph import DECISION
 from .formats import unique
 
-__all__ = ["Meta", "Recorder", "observe", "leaves", "dtype_of_meta", "bind_inputs"]
+__all__ = ["Meta", "Recorder", "observe_run", "leaves", "dtype_of_meta", "bind_inputs"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def bind_inputs(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: D
     return args
 
 
-def observe(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: Dict[str, Any]) -> Recorder:
+def observe_run(gm: fx.GraphModule, inputs: Optional[Tuple[Any, ...]], kwargs: Dict[str, Any]) -> Recorder:
     """Run ``gm`` once under ``no_grad`` on the inputs, recording every node (errors name the node)."""
     rec = Recorder(gm)
     args = bind_inputs(gm, inputs, kwargs)

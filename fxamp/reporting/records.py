@@ -128,7 +128,7 @@ class Float8Cell:
 
 @dataclass(frozen=True)
 class RecomputeCell:
-    """The recompute column of a node in a float32 island (``conversion.islands``).
+    """The recompute column of a node in a float32 island (``conversion.rewrite.islands``).
 
     island:      the island's name (every node of it shows the same choice).
     chosen:      the island keeps its low-precision input for backward and recomputes there.

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.conversion.graph import attr_target, cast_of, decision_of
-from fxamp.conversion.rewrite import weight_cache_of
+from fxamp.conversion.rewrite.casts import weight_cache_of
 from dtype_observer import OpDtypes
 from zoo import ZOO, build, inputs_for
 

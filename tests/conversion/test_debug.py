@@ -7,7 +7,7 @@ import torch
 
 import fxamp
 import planted
-from fxamp.conversion.debug import MONITOR_NAME
+from fxamp.conversion.rewrite.debug import MONITOR_NAME
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,9 @@ import re
 import pytest
 import torch
 
-from fxamp.conversion.float8 import (E4M3, E5M2, CostTable, amax_to_scale, cost_says, einsum_plan, float8_einsum,
-                                     float8_linear, float8_matmul, to_float8, torchao_default)
+from fxamp.conversion.classify.float8 import CostTable, cost_says, torchao_default
+from fxamp.conversion.runtime.float8 import (E4M3, E5M2, amax_to_scale, einsum_plan, float8_einsum, float8_linear,
+                                             float8_matmul, to_float8)
 from fxamp.policy import Float8, Float8Recipe
 from tests.dtype_observer import OpDtypes
 from tests.example_loader import load_example
@@ -277,8 +278,7 @@ def test_always_runs_every_eligible_matmul_in_float8_and_says_why_the_rest_stay(
     assert "N=40: float8 GEMMs need K and N multiples of 16" in choices["linear_1"].reason
     assert "K=40" in choices["linear_2"].reason
     assert "no 2-D parameter or buffer" in choices["matmul_1"].reason
-    notes = fxamp.conversion_info(amp).notes
-    assert notes[0].startswith("float8: 3 of 6 matmuls run in float8; kept in bfloat16 for their shape")
+    assert _float8_note(amp).startswith("float8: 3 of 6 matmuls run in float8; kept in bfloat16 for their shape")
     x = torch.randn(4, 32)
     with OpDtypes() as rec:
         out = amp(x)
@@ -289,6 +289,12 @@ def test_always_runs_every_eligible_matmul_in_float8_and_says_why_the_rest_stay(
     assert [c.inputs[:2] for c in scaled].count((E4M3, E4M3)) == 3
     assert [c.inputs[:2] for c in scaled].count((E5M2, E4M3)) == 3 + 2 and len(scaled) == 8
     assert all(p.grad is not None for p in amp.parameters())
+
+
+def _float8_note(amp) -> str:
+    """The conversion's one float8 note (after the capture's notes: the classify stage's rule says it)."""
+    (note,) = [n for n in fxamp.conversion_info(amp).notes if n.startswith("float8:")]
+    return note
 
 
 def test_the_converted_graph_computes_what_the_float8_functions_do():
@@ -304,8 +310,8 @@ def test_the_converted_graph_computes_what_the_float8_functions_do():
 
 
 def test_on_the_measured_cpu_the_note_quotes_the_cost_tables_row(monkeypatch):
-    monkeypatch.setattr("fxamp.conversion.float8.device_kind", lambda device: "cpu:no-bf16-kernels")
-    note = fxamp.conversion_info(_convert(Matmuls(), "O2,float8=tensorwise")).notes[0]
+    monkeypatch.setattr("fxamp.conversion.classify.float8.device_kind", lambda device: "cpu:no-bf16-kernels")
+    note = _float8_note(_convert(Matmuls(), "O2,float8=tensorwise"))
     assert note.startswith("float8: 0 of 6 matmuls run in float8; the cost model kept 3 in bfloat16 as too small to "
                            "pay (linear at K=32, N=64: measured 0.30x of bfloat16 near K=32, N=64 on cpu: Intel Xeon, "
                            "AVX-512, no bf16 kernels); 'float8=tensorwise:always' or a node/module override 'float8' "
@@ -317,14 +323,13 @@ def test_by_default_the_cost_model_keeps_ci_sized_matmuls_in_bfloat16():
     assert _targets(amp) == []
     assert "kept in bfloat16: too small to pay at K=32, N=64" in _choices(amp)["linear"].reason
     # the note says why (the cost table's row, or torchao's thresholds where none was measured) and how to force
-    note = fxamp.conversion_info(amp).notes[0]
+    note = _float8_note(amp)
     assert re.fullmatch(r"float8: 0 of 6 matmuls run in float8; the cost model kept 3 in bfloat16 as too small to "
                         r"pay \(linear at K=32, N=64: (measured \d\.\d\dx of bfloat16 near K=32, N=64 on cpu: .*|no cost "
                         r"table for cpu.*, where float8 runs emulated, so torchao's H100 thresholds .*)\); "
                         r"'float8=tensorwise:always' or a node/module override 'float8' forces them; kept in "
                         r"bfloat16 for their shape .*", note), note
-    assert "'float8=rowwise:nopow2:always'" in fxamp.conversion_info(_convert(Matmuls(), "O2,float8=rowwise:nopow2")
-                                                                     ).notes[0]
+    assert "'float8=rowwise:nopow2:always'" in _float8_note(_convert(Matmuls(), "O2,float8=rowwise:nopow2"))
     assert cost_says("cpu:amx-bf16", Float8Recipe.TENSORWISE, 64, 64, {}) == (
         False, "no cost table for cpu:amx-bf16, where float8 runs emulated, so torchao's H100 thresholds "
                "(tensorwise skips K <= 4096 and N <= 1024)")

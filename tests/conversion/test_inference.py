@@ -7,9 +7,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 import fxamp
-from fxamp.conversion.classify import annotate
+from fxamp.conversion.pipeline import annotate
 from fxamp.conversion.graph import cast_of
-from fxamp.conversion.inference import DtypeInference
+from fxamp.conversion.classify.inference import DtypeInference
 from fxamp.conversion.options import ConvertOptions
 from fxamp.dtypes import NOT_FLOAT
 from fxamp.policy import resolve_policy

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fxamp
 from fxamp.conversion.graph import DECISION
-from fxamp.conversion.recompute import island_output
+from fxamp.conversion.runtime.recompute import island_output
 
 BF16 = torch.bfloat16
 

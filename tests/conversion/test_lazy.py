@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.conversion.graph import attr_target
-from fxamp.conversion.rewrite import weight_cache_of
+from fxamp.conversion.rewrite.casts import weight_cache_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

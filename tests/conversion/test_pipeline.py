@@ -10,10 +10,11 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.conversion.capture import capture
-from fxamp.conversion.debug import MONITOR_NAME
+from fxamp.conversion.rewrite.debug import MONITOR_NAME
 from fxamp.conversion.graph import attr_target, cast_of, decision_of
 from fxamp.conversion.options import ConvertOptions, DebugOverflow, Dynamic, parse_option
-from fxamp.conversion.pipeline import FLOAT32_LEAF_SHARE, rewrite_captured
+from fxamp.conversion.classify.categories import FLOAT32_LEAF_SHARE
+from fxamp.conversion.pipeline import rewrite_captured
 from fxamp.policy import resolve_policy
 
 

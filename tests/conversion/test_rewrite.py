@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from fxamp.conversion.capture import capture
-from fxamp.conversion.classify import annotate
+from fxamp.conversion.pipeline import annotate
 from fxamp.conversion.graph import ATTR, attr_target, cast_of
-from fxamp.conversion.rewrite import (CACHE_NAME, cast_kept_storage, insert_casts, lower_attribute_reads,
+from fxamp.conversion.rewrite.casts import (CACHE_NAME, cast_kept_storage, insert_casts, lower_attribute_reads,
                                       store_params)
 from fxamp.conversion.runtime import cast, cast_weights
 from fxamp.policy import resolve_policy

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ...errors import TraceError
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
-from ..recompute import island_input, island_on, island_output
+from ..runtime.recompute import island_input, island_on, island_output
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar

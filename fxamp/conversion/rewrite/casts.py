@@ -1,6 +1,6 @@
 """Apply the decisions: store parameters in their dtype (O2/O3), read them cheaply, insert the casts.
 
-The passes read ``node.meta["fxamp"]`` (see ``classify.py``) and change only the graph module
+The passes read ``node.meta["fxamp"]`` (``classify/``) and change only the graph module
 they are given.  Before and after, for ``y = exp(linear(x))`` under O1/float16::
 
     fc_weight = self.fc.weight                    fc = self.fc;  params = fc._parameters
@@ -31,15 +31,17 @@ import torch.nn.functional as F
 
 import operator
 
-from ..dtypes import CASTABLE, LOW, NOT_FLOAT
-from .inference import DtypeInference
-from .graph import ATTR, CAST, Decision, attr_target, fetch_attr, rebind, rename_node, tensor_slots
-from .op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key, out_of_place
-from ..info import watch_for_masters
-from ..policy import Policy
-from .runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights, check_storage
+from ...dtypes import CASTABLE, LOW, NOT_FLOAT
+from ..classify.inference import DtypeInference
+from ..graph import ATTR, CAST, Decision, attr_target, fetch_attr, rebind, rename_node, tensor_slots
+from ..passes import Conversion, Pass, Stage
+from ..op_lists import VIEW_ATTRS, VIEW_OPS, Category, Source, is_inplace, op_key, out_of_place
+from ...info import watch_for_masters
+from ...policy import Policy
+from ..runtime import WeightCastCache, call_module_cast, cast, cast_dense, cast_weights, check_storage
 
-__all__ = ["store_params", "cast_kept_storage", "insert_casts", "lower_attribute_reads", "CACHE_NAME",
+__all__ = ["STORAGE", "ATTRIBUTE_READS", "CASTS", "store_params", "cast_kept_storage", "insert_casts",
+           "lower_attribute_reads", "CACHE_NAME",
            "weight_cache_of"]
 
 CACHE_NAME = "_fxamp_weight_cache"
@@ -433,3 +435,31 @@ def lower_attribute_reads(gm: fx.GraphModule) -> int:
         if source is not None and source[0] in replaced:
             node.meta[CAST] = (replaced[source[0]], source[1])
     return len(replaced)
+
+
+def _enabled(conversion: Conversion) -> bool:
+    return conversion.policy.enabled
+
+
+def _storage(gm: fx.GraphModule, conversion: Conversion) -> List[str]:
+    """O2/O3 storage: decided here (``storage="decide"``), or kept as made and cast where a consumer wants another."""
+    if conversion.storage == "decide":
+        store_params(gm, conversion.decisions, conversion.policy)
+    else:
+        cast_kept_storage(gm, conversion.decisions, conversion.policy)
+    return []
+
+
+def _attribute_reads(gm: fx.GraphModule, conversion: Conversion) -> List[str]:
+    lower_attribute_reads(gm)
+    return []
+
+
+def _casts(gm: fx.GraphModule, conversion: Conversion) -> List[str]:
+    insert_casts(gm, conversion.decisions, conversion.policy, weight_cache=conversion.options.weight_cache)
+    return []
+
+
+STORAGE = Pass("storage", Stage.REWRITE, _storage, applies=_enabled)
+ATTRIBUTE_READS = Pass("attribute reads", Stage.REWRITE, _attribute_reads, applies=_enabled)
+CASTS = Pass("casts", Stage.REWRITE, _casts, applies=_enabled)

@@ -16,16 +16,19 @@ middle of the module's own steps.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..dtypes import LOW
-from .graph import DECISION, fetch_attr
-from .runtime import attention, call_module_cast, multi_head_attention
+from ...dtypes import LOW
+from ..graph import DECISION, fetch_attr
+from ..passes import Conversion, Pass, Stage
+from ..runtime import attention, call_module_cast, multi_head_attention
 
-__all__ = ["low_precision_attention"]
+__all__ = ["low_precision_attention", "ATTENTION"]
 
 _SDPA = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -55,7 +58,7 @@ def low_precision_attention(gm: fx.GraphModule) -> int:
         node.args = args + (bound.get("scale"),)
         node.kwargs = {}
         replaced += 1
-    return replaced  # the caller (pipeline.rewrite_captured) lints and recompiles once
+    return replaced  # the pipeline lints and recompiles once, after its last pass
 
 
 def _multi_head_attention(gm: fx.GraphModule, node: fx.Node) -> int:
@@ -83,3 +86,10 @@ def _multi_head_attention(gm: fx.GraphModule, node: fx.Node) -> int:
         return 1
     return 0
 
+
+def _attention(gm: fx.GraphModule, conversion: Conversion) -> List[str]:
+    low_precision_attention(gm)  # CPU SDPA with dropout would save float32 probabilities
+    return []
+
+
+ATTENTION = Pass("attention", Stage.REWRITE, _attention, applies=lambda c: c.policy.enabled)

@@ -1,47 +1,36 @@
 """Decide, for every node of a captured graph, its category, the reason, and the dtype it computes in.
 
-``classify`` is a pure pass: it reads the graph, the policy and the op lists and returns one
-:class:`Decision` per node (``annotate`` also records it as ``node.meta["fxamp"]``).  The rewrite
-and the report both read these records, so they can never disagree.
+``classify`` is pure: it reads the graph, the policy and the op lists and returns one :class:`Decision`
+per node; the pass :data:`CATEGORIES` (the first of ``pipeline.PASSES``) also records each as
+``node.meta["fxamp"]``.  The rewrite and the report both read these records, so they can never disagree.
+:data:`UNUSED_OVERRIDES` and :data:`FLOAT32_LEAVES` are the stage's notes on what the decisions mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
-from . import float8
+from ...dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
+from ...errors import ConversionError
+from ...policy import Policy
+from ..graph import ATTR, Decision, module_path_of
+from ..op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
+                        out_of_place)
+from ..options import ConvertOptions, ModuleOverrides, NodeOverrides
+from ..passes import Conversion, Pass, Stage, record
 from .inference import DtypeInference
-from ..errors import ConversionError
-from .graph import ATTR, DECISION, Decision, covering, module_path_of
-from .op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
-                       out_of_place)
-from .options import ConvertOptions, ModuleOverrides, NodeOverrides
-from ..policy import Policy
+from .overrides import check_places, override_for, split_overrides
 
-__all__ = ["classify", "annotate", "unused_overrides", "ModuleOverrides", "NodeOverrides"]
+__all__ = ["classify", "unused_overrides", "float32_leaves", "FLOAT32_LEAF_SHARE", "ModuleOverrides", "NodeOverrides",
+           "CATEGORIES", "UNUSED_OVERRIDES", "FLOAT32_LEAVES"]
 
 #: the sources that are the user's choice for one place: no later rule of fxamp's changes them
 _PINNED = (Source.MODULE_OVERRIDE, Source.NODE_OVERRIDE)
-
-
-def annotate(gm: fx.GraphModule, policy: Policy, options: ConvertOptions = ConvertOptions()) -> Dict[fx.Node, Decision]:
-    """:func:`classify` with the options' op lists and overrides, then (a policy with ``float8=``) the float8
-    choice of each safe matmul (``float8.choose``: override values ``"float8"``/``"no_float8"`` go there),
-    and record each decision in ``node.meta["fxamp"]`` (read it back with ``graph.decision_of``)."""
-    module_overrides, module_f8 = float8.split_overrides(options.module_overrides)
-    node_overrides, node_f8 = float8.split_overrides(options.node_overrides)
-    decisions = classify(gm, policy, options.op_lists, module_overrides, node_overrides)
-    float8.choose(gm, decisions, policy, module_f8, node_f8)
-    for node, decision in decisions.items():
-        node.meta[DECISION] = decision
-    return decisions
 
 
 def unused_overrides(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
@@ -76,13 +65,16 @@ def classify(
 ) -> Dict[fx.Node, Decision]:
     """One :class:`Decision` per node, in graph order.  A node override beats a module override,
     which beats the op lists (with their ``overrides``)."""
-    overrides = _check_module_overrides(gm, module_overrides or {})
-    by_node = _check_node_overrides(gm, node_overrides or {})
+    check_places(gm, module_overrides or {}, node_overrides or {})
+    overrides = {path: as_entry(value, f"module {path!r} overridden by the user", Source.MODULE_OVERRIDE)
+                 for path, value in (module_overrides or {}).items()}
+    by_node = {name: as_entry(value, f"node {name!r} overridden by the user", Source.NODE_OVERRIDE)
+               for name, value in (node_overrides or {}).items()}
     modules = dict(gm.named_modules())
     decisions: Dict[fx.Node, Decision] = {}
     infer = DtypeInference(gm, modules, decisions)  # asked only about decided nodes (inputs come first)
     for node in gm.graph.nodes:
-        d = _decide(node, policy, op_lists, overrides, modules, decisions, infer, by_node.get(node.name))
+        d = _decide(node, policy, op_lists, overrides, by_node, modules, decisions, infer)
         if d.compute is not None and node.op != "output" and _has_float64_input(node, modules, infer):
             d = dataclasses.replace(d, compute=None, resolved=Category.NEUTRAL, source=Source.FLOAT64, reason=(
                 f"float64 input: fxamp never casts float64, so it runs in float64 (as a {d.resolved.value} op "
@@ -216,42 +208,6 @@ def _runs_float32_listed(d: Decision) -> bool:
     return d.compute == torch.float32 and d.category is not Category.CONDITIONAL
 
 
-def _check_module_overrides(gm: fx.GraphModule, overrides: ModuleOverrides) -> Dict[str, OpEntry]:
-    paths = {name for name, _ in gm.named_modules()}
-    checked: Dict[str, OpEntry] = {}
-    for path, value in overrides.items():
-        if not isinstance(path, str):
-            raise TypeError(f"module_overrides keys are module paths such as 'encoder.layers.3', not {path!r}")
-        if path not in paths:
-            close = sorted(p for p in paths if p and (p.startswith(path) or path.startswith(p)))[:5]
-            raise ValueError(
-                f"module_overrides: {path!r} is not a submodule of the model"
-                + (f"; did you mean one of {close}?" if close else "")
-            )
-        checked[path] = as_entry(value, f"module {path!r} overridden by the user", Source.MODULE_OVERRIDE)
-    return checked
-
-
-def _check_node_overrides(gm: fx.GraphModule, overrides: NodeOverrides) -> Dict[str, OpEntry]:
-    names = {n.name: n for n in gm.graph.nodes}
-    checked: Dict[str, OpEntry] = {}
-    for name, value in overrides.items():
-        if not isinstance(name, str):
-            raise TypeError(f"node_overrides keys are node names as fxamp.report shows them (e.g. 'add_1'), "
-                            f"not {name!r}")
-        node = names.get(name)
-        if node is None:
-            close = difflib.get_close_matches(name, list(names), n=5)
-            raise ValueError(
-                f"node_overrides: the graph has no node {name!r}"
-                + (f"; did you mean one of {close}?" if close else "")
-                + " (names are those of fxamp.report's node column, for the same front end)")
-        if node.op in ("placeholder", "get_attr", "output"):
-            raise ValueError(f"node_overrides: {name!r} is a graph {node.op}, not an op; override the ops that use it")
-        checked[name] = as_entry(value, f"node {name!r} overridden by the user", Source.NODE_OVERRIDE)
-    return checked
-
-
 def _inplace(node: fx.Node, name: str, path: str, policy: Policy, override: Optional[OpEntry],
              op_lists: OpLists, infer: DtypeInference) -> Decision:
     """An in-place op: an unsafe one writing into an activation runs out of place in float32 and is
@@ -288,11 +244,11 @@ def _decide(
     node: fx.Node,
     policy: Policy,
     op_lists: OpLists,
-    overrides: Dict[str, OpEntry],
+    overrides: Mapping[str, OpEntry],
+    by_node: Mapping[str, OpEntry],
     modules: Dict[str, nn.Module],
     done: Mapping[fx.Node, Decision],
     infer: DtypeInference,
-    pinned: Optional[OpEntry] = None,
 ) -> Decision:
     path = module_path_of(node)
     if node.op == "placeholder":
@@ -318,8 +274,8 @@ def _decide(
         target = node.target
         name = op_name(op_key(target))
 
-    cover = covering(path, overrides)
-    override = pinned if pinned is not None else cover[1] if cover is not None else None
+    found = override_for(node, by_node, overrides)  # the user's entry for this node, if any
+    override = found.value if found is not None else None
     if is_inplace(node.op, node.target):
         return _inplace(node, name, path, policy, override, op_lists, infer)
     entry = override if override is not None else op_lists.lookup(target)
@@ -374,3 +330,51 @@ def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Dec
         return entry.fallback, ("need_weights=True (the default): the attention softmax runs in low precision "
                                 "too; pass need_weights=False or override to 'unsafe'")
     raise ConversionError(f"unknown condition {cond!r} in an op list entry")  # pragma: no cover
+
+
+#: a float32 leaf holding more of the parameters than this is reported and warned about
+FLOAT32_LEAF_SHARE = 0.10
+
+
+def float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision]) -> List[str]:
+    """Opaque leaf modules that run in float32 with a large share of the model's work.
+
+    No inputs exist at convert time, so the share of FLOPs is estimated by the share of parameters;
+    norms (float32 by design) and embedding lookups (parameters without FLOPs) are left out.
+    """
+    total = sum(p.numel() for p in gm.parameters())
+    notes = []
+    for node, d in decisions.items():
+        if node.op != "call_module" or d.compute != torch.float32 or d.norm:
+            continue
+        m = gm.get_submodule(str(node.target))
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
+        if share > FLOAT32_LEAF_SHARE:
+            notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
+                         f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
+                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
+                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
+                         f"or use frontend='export'")
+    return notes
+
+
+def _categories(gm: fx.GraphModule, conversion: Conversion) -> List[str]:
+    """The first rule: every node's category from the op lists and the category overrides, recorded."""
+    options = conversion.options
+    decisions = classify(gm, conversion.policy, options.op_lists, split_overrides(options.module_overrides)[0],
+                         split_overrides(options.node_overrides)[0])
+    conversion.decisions.update(decisions)
+    record(decisions)
+    return []
+
+
+def _enabled(conversion: Conversion) -> bool:
+    return conversion.policy.enabled
+
+
+CATEGORIES = Pass("categories", Stage.CLASSIFY, _categories)
+UNUSED_OVERRIDES = Pass("unused overrides", Stage.CLASSIFY, lambda gm, c: unused_overrides(gm, c.options), warns=True)
+FLOAT32_LEAVES = Pass("float32 leaves", Stage.CLASSIFY, lambda gm, c: float32_leaves(gm, c.decisions),
+                      applies=_enabled, warns=True)

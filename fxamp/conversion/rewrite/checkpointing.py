@@ -37,11 +37,12 @@ from typing import Dict, List, Optional, Set
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture.regions import CHECKPOINT, CheckpointMark, traced_through_note
-from .graph import CAST, region_in_order, rename_node
-from .runtime import cast_weights, checkpointed
+from ..capture.regions import CHECKPOINT, CheckpointMark, traced_through_note
+from ..graph import CAST, region_in_order, rename_node
+from ..passes import Pass, Stage
+from ..runtime import cast_weights, checkpointed
 
-__all__ = ["keep_checkpoints", "checkpoint_calls", "inline_checkpoints_", "BLOCK_NAME"]
+__all__ = ["keep_checkpoints", "checkpoint_calls", "inline_checkpoints_", "BLOCK_NAME", "CHECKPOINTS"]
 
 #: the sub-``GraphModule`` of the i-th checkpointed block is the child ``f"{BLOCK_NAME}_{i}"``
 BLOCK_NAME = "_fxamp_checkpoint"
@@ -287,3 +288,7 @@ def _is_module(gm: fx.GraphModule, node: fx.Node) -> bool:
         return isinstance(gm.get_submodule(str(node.target)), nn.Module)
     except AttributeError:
         return False
+
+
+#: the last pass: each checkpointed block takes its casts (and overflow checks) along
+CHECKPOINTS = Pass("checkpoints", Stage.REWRITE, lambda gm, c: keep_checkpoints(gm, c.frontend))

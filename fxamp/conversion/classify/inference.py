@@ -14,10 +14,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..dtypes import CASTABLE, LOW, NOT_FLOAT
-from .graph import ATTR, CAST, INPUT_DTYPE, Decision, fetch_attr
-from .recompute import island_input
-from .op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
+from ...dtypes import CASTABLE, NOT_FLOAT
+from ..graph import ATTR, CAST, INPUT_DTYPE, Decision, fetch_attr
+from ..runtime.recompute import island_input
+from ..op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 
 __all__ = ["DtypeInference"]
 

@@ -34,16 +34,17 @@ import torch
 import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
-from ..dtypes import LOW, dtype_name
-from .capture.regions import CHECKPOINT
-from .graph import CAST, DECISION, IslandChoice, module_path_of, region_in_order
-from .inference import DtypeInference
-from .op_lists import Category, Source
-from .options import NO_RECOMPUTE, ConvertOptions
-from .recompute import Ref, island_input, island_on, island_output, resolve
-from .runtime import cast, cast_dense
+from ...dtypes import LOW, dtype_name
+from ..capture.regions import CHECKPOINT
+from ..graph import CAST, DECISION, IslandChoice, module_path_of, region_in_order
+from ..classify.inference import DtypeInference
+from ..op_lists import Category, Source
+from ..options import NO_RECOMPUTE, ConvertOptions, DebugOverflow
+from ..passes import Pass, Stage
+from ..runtime.recompute import Ref, island_input, island_on, island_output, resolve
+from ..runtime import cast, cast_dense
 
-__all__ = ["recompute_islands", "MAX_OPS", "MIN_NUMEL"]
+__all__ = ["recompute_islands", "MAX_OPS", "MIN_NUMEL", "ISLANDS"]
 
 #: an island holds at most this many ops: the recompute stays a few passes over one tensor
 MAX_OPS = 32
@@ -68,7 +69,7 @@ _FXAMP_OK = (cast, cast_dense)
 def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
     """Find, decide and rewrite every float32 island of ``gm`` (after the casts are inserted); returns notes.
 
-    The caller (``pipeline.rewrite_captured``) lints and recompiles.
+    The pipeline lints and recompiles after its last pass.
     """
     if not options.recompute_islands:
         return []
@@ -319,3 +320,8 @@ def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) ->
     for n in later:  # what ran between the island's ops and reads its outputs now runs after it
         after.append(n)
         after = n
+
+
+#: after the casts; off under debug_overflow (its checks watch every op's gradient: the ops run as written)
+ISLANDS = Pass("islands", Stage.REWRITE, lambda gm, c: recompute_islands(gm, c.options),
+               applies=lambda c: c.policy.enabled and c.options.debug_overflow is DebugOverflow.OFF)

@@ -1,0 +1,107 @@
+"""What a converted ``GraphModule`` is at run time: its class, which keeps conversion's set-up through deepcopy
+and pickling, and the call that names the node an error came from."""
+
+from __future__ import annotations
+
+import re
+import traceback
+from typing import Any, Dict, Tuple
+
+import torch.fx as fx
+
+from ...errors import FxampError
+from ...info import watch_for_masters
+from ..graph import decision_of
+
+__all__ = ["NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted"]
+
+
+_NODE_LINE = re.compile(r"\s*(\w+)\s*=")  # the generated forward assigns each node's value to its name
+
+
+class NodeErrors:
+    """How a converted ``GraphModule`` is called (its ``_wrapped_call``, which ``GraphModule.__call__``
+    looks up on the instance): as before, but an error raised by one of its nodes keeps torch's own
+    message, followed by the node's name and op, instead of torch.fx printing the generated code
+    and its traceback to stderr first.  Holds nothing: it pickles and deep-copies as it is.
+    """
+
+    def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        try:
+            # the class's __call__ resolved at each call (torch.fx's tracer patches nn.Module.__call__)
+            return super(type(gm), gm).__call__(*args, **kwargs)
+        except FxampError:
+            raise  # fxamp's own errors (debug_overflow="raise") name their node already
+        except Exception as e:
+            frames = [f for f in traceback.extract_tb(e.__traceback__) if "eval_with_key" in f.filename]
+            if not frames or getattr(e, "fxamp_node", None) is not None:
+                raise  # not from this module's generated code, or an inner converted module named its node
+            match = _NODE_LINE.match(frames[-1].line or "")
+            name = match.group(1) if match else None
+            node = next((n for n in gm.graph.nodes if n.name == name), None)
+            if node is None:
+                raise
+            e.fxamp_node = node.name  # type: ignore[attr-defined]
+            d = decision_of(node)
+            where = f" ({d.op}{f' in module {d.module!r}' if d.module else ''})" if d is not None else ""
+            said = f"[raised by the converted module's node {node.name!r}{where}]"
+            if len(e.args) == 1 and isinstance(e.args[0], str) and not isinstance(e, KeyError):
+                e.args = (f"{e.args[0]} {said}",)
+            else:
+                e.add_note(said)
+            if "eval_with_key" in traceback.extract_tb(e.__traceback__)[-1].filename:
+                raise e.with_traceback(None) from None  # raised by the generated line itself: nothing below it
+            raise
+
+
+def name_failing_nodes(gm: fx.GraphModule) -> None:
+    """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy (and, for a
+    :class:`ConvertedGraphModule`, pickling)."""
+    gm._wrapped_call = NodeErrors()
+    gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+
+
+def _rearm(gm: fx.GraphModule) -> None:
+    """What a copy of a converted module needs again: its node-naming call and its first-gradient check
+    (tensor hooks are not copied with the tensors; see :func:`fxamp.info.watch_for_masters`)."""
+    name_failing_nodes(gm)
+    watch_for_masters(gm.parameters())
+
+
+class ConvertedGraphModule(fx.GraphModule):
+    """The class of a converted module captured by torch.fx: a ``GraphModule`` whose copies keep what
+    conversion set up on it.
+
+    ``GraphModule`` rebuilds a plain ``GraphModule`` from its generated code when unpickled (the
+    node-naming call, a class attribute there, is lost) and neither deepcopy nor pickling copies
+    tensor hooks (the check that warns when no ``MixedPrecisionOptimizer`` keeps masters).  Both are
+    set up again on the copy.  (A module captured by torch.export keeps torch's own class.)
+    """
+
+    def __reduce__(self) -> Any:
+        rebuild, args = super().__reduce__()
+        return (_unpickle_converted, (rebuild, args))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertedGraphModule":
+        copied = super().__deepcopy__(memo)
+        _rearm(copied)
+        return copied
+
+
+def as_converted(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as a :class:`ConvertedGraphModule` (same attributes, same graph), if it is a plain
+    ``GraphModule``; a subclass (torch.export's) is returned as it is."""
+    if isinstance(gm, ConvertedGraphModule) or type(gm).__mro__[1] is not fx.GraphModule:
+        return gm
+    converted = ConvertedGraphModule.__new__(ConvertedGraphModule)
+    vars(converted).update(vars(gm))
+    converted.graph = gm.graph  # the graph's owner, and the generated forward on the new class
+    type(converted).__name__ = type(gm).__name__
+    return converted
+
+
+def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...]) -> ConvertedGraphModule:
+    plain = rebuild(*args)
+    converted = as_converted(plain)
+    _rearm(converted)
+    return converted
