@@ -10,7 +10,7 @@ the same children, parameters, buffers, attributes and hooks::
       ├─ glue: the leaf Linear/Embedding/convolution/norm modules outside blocks (module-level decisions)
       ├─ families: instances of one class with the same structure; plain attributes that differ between
       │  them (``layer_idx``) become graph inputs, so one capture serves every instance
-      ├─ storage (O2/O3): lazy.predict_storage over the whole model, re-bound once through the root
+      ├─ storage (O2/O3): storage.predict_storage over the whole model, re-bound once through the root
       │  (tied tensors stay tied), before any capture, so an optimizer can be built at once; a glue
       │  tensor that code around it reads directly (read_around) keeps float32
       ├─ each instance re-registered where the original was (same names: state_dict keys unchanged)
@@ -45,7 +45,7 @@ from ..errors import FxampError
 from .families import FAMILY, LIFTED, Family, OriginalDtypes
 from .graph import rebind
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, remember_origin, watch_for_masters
-from .lazy import is_norm, predict_storage
+from .storage import is_norm, predict_storage
 from .options import ConvertOptions
 from ..policy import Policy
 from .runtime import WeightCastCache

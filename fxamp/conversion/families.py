@@ -39,7 +39,7 @@ from ..dtypes import LOW
 from ..errors import FxampError, TraceError
 from .graph import INPUT_DTYPE, fetch_attr, node_arg, replace_node_arg
 from ..info import INFO_ATTR, origin_of
-from .lazy import float32_for_capture
+from .storage import float32_for_capture
 from .options import ConvertOptions
 from .pipeline import rewrite_captured
 from ..policy import Policy

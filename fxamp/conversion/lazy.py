@@ -45,7 +45,7 @@ import collections
 import copy
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -54,77 +54,20 @@ import torch.utils._pytree as pytree
 
 from .capture import Captured, LeafSpec, capture
 from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
-from ..info import INFO_ATTR, ConversionInfo, watch_for_masters
+from ..info import ConversionInfo, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
-from .graph import rebind, replace_tensors, tensor_slots
+from .graph import rebind
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
 from .runtime import refuse_dtype_change
+from .storage import float32_for_capture, predict_storage
 
-__all__ = ["LazyConverted", "predict_storage", "is_norm", "float32_for_capture"]
+__all__ = ["LazyConverted"]
 
 logger = logging.getLogger("fxamp")
-
-#: layers whose tensors feed low-precision ops (matmuls, convolutions, lookups)
-_LOW_LAYERS: Tuple[type, ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag,
-                                 nn.MultiheadAttention, nn.RNNBase)
-#: class names of other libraries' linear layers (Hugging Face GPT-2's ``Conv1D`` is a transposed linear)
-_LOW_LAYER_NAMES = ("Conv1D",)
-_NORMS: Tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
-                            nn.RMSNorm)
-
-
-def is_norm(m: nn.Module) -> bool:
-    return isinstance(m, _NORMS) or "norm" in type(m).__name__.lower()
-
-
-def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
-    """The dtype each float32 parameter and buffer of ``model`` will be stored in, by name, without a graph.
-
-    Layers of :data:`_LOW_LAYERS` (and ``Conv1D``): ``policy.params``; normalisation layers (a norm
-    class, or ``Norm`` in the class name): ``policy.norms``; other modules' parameters float32, or
-    ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  A tensor tied
-    across modules follows the most specific owner: a norm, else a layer (BERT's decoder bias).
-
-    Why this is not :func:`~fxamp.conversion.rewrite.casts.store_params`, and what reconciles the two.
-    ``store_params`` decides from a graph: a tensor is stored low only when every consumer in it
-    runs low.  A lazily capturing module must make its parameters before any graph exists (an
-    optimizer is built on them before the first call), and every later capture shares them, so
-    the storage is predicted here from module classes and never re-decided.  The two may
-    disagree: a ``Linear`` weight also read by an unsafe op, or a layer's bias mixed into the
-    residual stream, is predicted low where ``store_params`` keeps it float32; a custom module's
-    parameter that only a matmul reads stays float32 here.  Each capture is therefore rewritten
-    with ``storage="keep"`` (``pipeline.rewrite_captured``): ``rewrite.cast_kept_storage`` casts a
-    low tensor for every consumer that wants float32 and follows its inputs, and
-    ``rewrite.insert_casts`` casts for every consumer with a compute dtype, so each op computes in
-    the dtype ``convert`` would have given it; only where the tensor is stored (its memory, and the
-    master an optimizer keeps for it) can differ.
-    """
-    # per tensor: (strength, dtype); a norm's claim beats a layer's, a layer's beats any other module's
-    claims: Dict[int, Tuple[int, torch.dtype]] = {}
-    names: Dict[int, List[str]] = collections.defaultdict(list)
-    others = policy.params if policy.unsafe != torch.float32 else torch.float32
-    for name, m, attr, t in tensor_slots(model):
-        if t.dtype != torch.float32:
-            continue
-        if is_norm(m):
-            strength, dtype = 2, policy.norms
-        elif isinstance(m, _LOW_LAYERS) or type(m).__name__ in _LOW_LAYER_NAMES:
-            strength, dtype = 1, policy.params
-        else:
-            strength, dtype = 0, others if attr in m._parameters else torch.float32
-        names[id(t)].append(name)
-        if id(t) not in claims or claims[id(t)][0] < strength:
-            claims[id(t)] = (strength, dtype)
-    out: Dict[str, torch.dtype] = {}
-    for key, (_, dtype) in claims.items():
-        for name in names[key]:
-            out[name] = dtype
-    return out
-
 
 _MISSING = object()
 #: the cache key of every call of a torch.fx capture (its graph takes any inputs): only the mode differs
@@ -575,45 +518,3 @@ def _describe(root: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         named = [(f"args[{i}]", v) for i, v in enumerate(args)] + list(kwargs.items())
     return "(" + ", ".join(f"{name}={_describe_value(v, static.get(name))}" for name, v in named) + ")"
 
-
-# ---------------------------------------------------------------------------------------------
-# Float32 parameters for the capture only
-# ---------------------------------------------------------------------------------------------
-
-
-class _Restore:
-    """Puts the stored tensors back: in the model's modules, and in the graph modules named by ``also``."""
-
-    def __init__(self, model: nn.Module, originals: Dict[int, torch.Tensor]):
-        self.model = model
-        self.originals = originals  # id(float32 stand-in) -> stored tensor
-        self.graphs: List[nn.Module] = []
-
-    def also(self, gm: nn.Module) -> None:
-        self.graphs.append(gm)
-
-    def __call__(self) -> None:
-        for module in [self.model, *self.graphs]:
-            replace_tensors(module, lambda name, t: self.originals.get(id(t)))
-
-
-class float32_for_capture:
-    """Within: every parameter and buffer of ``model`` named in ``stored_low`` is a float32 stand-in.
-
-    The model's forward was written for float32 tensors (``F.linear(x, self.weight)`` with a float32
-    ``x``): torch.export traces it with float32 tensors, and the rewrite then sees the stored dtypes
-    and casts where needed.  Parameters' stand-ins are uninitialised (export traces with fake
-    values); buffers' are real copies (a forward may read their values).
-    """
-
-    def __init__(self, model: nn.Module, stored_low: frozenset):
-        self.model = model
-        self.stored_low = stored_low
-
-    def __enter__(self) -> _Restore:
-        changed = rebind(self.model, dict.fromkeys(self.stored_low, torch.float32), values=False)
-        self.restore = _Restore(self.model, {id(new): old for old, new in changed.values()})
-        return self.restore
-
-    def __exit__(self, *exc: Any) -> None:
-        self.restore()

@@ -78,7 +78,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
 
     This is the one decision of storage from a graph; a :class:`~fxamp.conversion.lazy.LazyConverted` predicts
-    its storage without one (``lazy.predict_storage``, whose docstring says where the two differ and
+    its storage without one (``storage.predict_storage``, whose docstring says where the two differ and
     how ``cast_kept_storage`` and ``insert_casts`` make every op compute as it would here).
     """
     # the dtypes decided here are the ones every cast of the graph assumes: .half() on it is refused
