@@ -120,6 +120,9 @@ def test_o2_trained_save_pretrained_gives_the_float32_masters_back(name, tmp_pat
     names = {id(p): n for n, p in model.named_parameters()}
     masters = {names[id(low)]: m for low, m in opt.master_pairs()}
     assert len(masters) > 4
+    for i, copied in enumerate((copy.deepcopy(model), pickle.loads(pickle.dumps(model)))):
+        copied.save_pretrained(tmp_path / f"copy{i}")  # a copy: the masters' values when copied, not their rounding
+        float32_config_and_weights(tmp_path / f"copy{i}", masters)
     hf.save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
     loaded = type(model).from_pretrained(tmp_path)
@@ -157,8 +160,8 @@ def test_o2_models_own_save_pretrained_writes_float32_in_config_json(name, tmp_p
     assert type(loaded) is cls
     for i, copied in enumerate((copy.deepcopy(model), pickle.loads(pickle.dumps(model)))):
         assert type(copied) is type(model) and copied.dtype == BF16
-        copied.save_pretrained(tmp_path / str(i))  # (a copy's state_dict: its own weights, as float32)
-        float32_config_and_weights(tmp_path / str(i), copied.state_dict())
+        copied.save_pretrained(tmp_path / str(i))  # (a copy holds the float32 originals too: issue 37)
+        float32_config_and_weights(tmp_path / str(i), ref.state_dict())
     with pytest.raises(ValueError, match=r"save_pretrained\(push_to_hub=True\) of a model fxamp\.convert_ "
                                          r"converted would upload config\.json .*upload the folder"):
         model.save_pretrained(tmp_path / "hub", push_to_hub=True)
