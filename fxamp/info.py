@@ -126,16 +126,17 @@ class _Origin:
     keep the float32 values through copies (``convert_``'s, whose ``state_dict`` gives them) takes them
     along itself: :func:`origins_for_copy`, :func:`hold_origins`."""
 
-    __slots__ = ("ref", "held", "read", "version")
+    __slots__ = ("ref", "held", "read", "stamp")
 
     def __init__(self, tensor: Optional[torch.Tensor], strong: bool = False,
-                 read: Optional[Callable[[], Optional[torch.Tensor]]] = None, version: Optional[int] = None) -> None:
+                 read: Optional[Callable[[], Optional[torch.Tensor]]] = None,
+                 stamp: Optional[Tuple[int, int]] = None) -> None:
         self.ref = None if tensor is None or strong else weakref.ref(tensor)
         self.held = tensor if strong else None
         self.read = read  # (a master: its float32 value, computed when asked; None once its optimizer is gone)
-        # a copied value (hold_origins): the low tensor's version counter then; valid while it is unchanged, since
-        # a lean master's value (low plus a term) need not round to low
-        self.version = version
+        # a copied value (hold_origins): the low tensor's stamp (_stamp) then; valid while it is unchanged, since a
+        # lean master's value (low plus a term) need not round to low
+        self.stamp = stamp
 
     def __call__(self) -> Optional[torch.Tensor]:
         if self.held is not None:
@@ -152,14 +153,20 @@ class _Origin:
 
 
 def remember_origin(low: torch.Tensor, original: torch.Tensor, *, hold: bool = False,
-                    version: Optional[int] = None) -> None:
+                    stamp: Optional[Tuple[int, int]] = None) -> None:
     """Note on ``low`` (a float16/bfloat16 copy conversion made) the float32 tensor it was rounded from.
 
     hold: keep ``original`` alive (nothing else holds it: in-place conversion) until :func:`take_origin`.
-    version: ``low._version`` when ``original`` is its float32 value though not its rounding (a lean master's,
-    copied: :func:`hold_origins`); it stays valid until ``low`` changes in place."""
+    stamp: ``_stamp(low)`` when ``original`` is its float32 value though not its rounding (a lean master's,
+    copied: :func:`hold_origins`); it stays valid while ``low`` is unchanged (or holds its rounding)."""
     if low.dtype in LOW and original.dtype == torch.float32 and low.shape == original.shape:
-        setattr(low, ORIGIN, _Origin(original, strong=hold, version=version))
+        setattr(low, ORIGIN, _Origin(original, strong=hold, stamp=stamp))
+
+
+def _stamp(low: torch.Tensor) -> Tuple[int, int]:
+    """What changes when ``low``'s values may have: its version counter (in-place writes: a step, a load) and its
+    memory (``.data =``, which keeps the counter)."""
+    return low._version, low.data_ptr()
 
 
 def remember_master(low: torch.Tensor, read: Callable[[], Optional[torch.Tensor]]) -> None:
@@ -188,7 +195,7 @@ def origins_for_copy(params: Iterable[torch.Tensor]) -> Tuple[Tuple[torch.Tensor
 def hold_origins(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Let each copied low-precision parameter hold its copied float32 value (:func:`origins_for_copy`)."""
     for low, value in pairs:
-        remember_origin(low, value, hold=True, version=low._version)
+        remember_origin(low, value, hold=True, stamp=_stamp(low))
 
 
 def held_origins(params: Iterable[torch.Tensor]) -> int:
@@ -233,7 +240,9 @@ def origin_of(low: torch.Tensor) -> Optional[torch.Tensor]:
     original = origin() if isinstance(origin, _Origin) else None
     if original is None or original.shape != low.shape or original.dtype != torch.float32:
         return None
-    if origin.read is not None or origin.version == low._version:  # a master: its reader checked (remember_master)
+    if origin.read is not None:  # a master: its reader checked (remember_master)
+        return original
+    if origin.stamp is not None and origin.stamp == _stamp(low):  # a copied value, low unchanged since
         return original
     with torch.no_grad():
         if not torch.equal(original.detach().to(device=low.device, dtype=low.dtype), low.detach()):

@@ -253,6 +253,14 @@ def test_copies_state_dict_gives_the_same_float32_originals_and_masters_bitwise(
     opt.step()  # the original trains on; the copy keeps the values it was copied with
     same_state(copied, state)
     assert not torch.equal(model.state_dict()["head.weight"], state["head.weight"])
+    stale = COPIES[how](model)  # a weight changed in the copy since: given as it is now
+    with torch.no_grad():
+        stale.head.weight.data = torch.zeros_like(stale.head.weight)  # (.data = keeps the version counter)
+        stale.layers[0].fc1.weight.add_(1.0)
+    got = stale.state_dict()
+    assert {"head.weight", "layers.0.fc1.weight"} <= set(low)
+    assert torch.equal(got["head.weight"], torch.zeros(V, D))
+    assert torch.equal(got["layers.0.fc1.weight"], stale.layers[0].fc1.weight.float())
     again = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(copied.parameters(), lr=0.0), model=copied,
                                           precision=fxamp.LeanConfig(masters, "fp32"))
     assert all(torch.equal(again.fp32_state_dict()[n], exact[n]) for n in low)  # the copy's masters: exact
