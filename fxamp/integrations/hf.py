@@ -16,7 +16,7 @@ the Trainer's learning-rate schedule on it (``args.lr_scheduler_type``, warmup, 
 How the Trainer's loop meets fxamp's, without patching either:
 
 * backward: the Trainer calls ``loss.backward()`` (through accelerate), not ``opt.backward``.
-  ``prepare`` registers a forward hook on the converted module (its own object): in training,
+  ``prepare`` registers a forward hook on the converted module (in place: the model): in training,
   the returned ``loss`` keeps its value (the Trainer logs the true loss) but backpropagates
   through ``opt.scale_loss(loss)``, so gradients arrive scaled (float16) and the optimizer knows
   a backward happened.
@@ -38,7 +38,8 @@ How the Trainer's loop meets fxamp's, without patching either:
 In place: ``prepare(model, args, "O2", dtype="bf16", in_place=True)`` converts with ``fxamp.convert_`` (a model
 ``convert_`` already converted is taken as it is) and returns ``model`` itself, with the same optimizers and loss
 hook; the Trainer's own loss keeps its ``num_items_in_batch``.  Without ``prepare``, a ``MixedPrecisionOptimizer``
-built by hand never sees the Trainer's ``loss.backward()``: its ``step()`` refuses, naming ``prepare``.  A
+built by hand never sees the Trainer's ``loss.backward()``: its ``step()`` refuses, naming ``prepare`` (with no
+scheduler, the Trainer's own refuses it first: torch's "is not an Optimizer").  A
 ``PreTrainedModel`` converted in place saves with its own ``save_pretrained`` (and so ``Trainer.save_model``): the
 float32 weights (the masters once trained), and float32 in ``config.json``, where transformers would write the
 dtype of the model's first parameter (bfloat16 under O2): under O2/O3 the model's class becomes a subclass of the
