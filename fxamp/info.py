@@ -21,7 +21,7 @@ from .policy import Policy
 
 __all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "ORIGIN", "conversion_info", "policy_of", "remember_origin",
            "remember_master", "origin_of", "take_origin", "held_origins", "release_origins", "release_originals",
-           "watch_for_masters"]
+           "watch_for_masters", "origins_for_copy", "hold_origins"]
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,22 @@ class _Origin:
     original model holds it: ``convert``), or strong (``convert_`` replaced it in the user's model, so
     conversion holds it until a ``MixedPrecisionOptimizer`` takes it as the master, without a copy).
 
-    Pickling drops it (an unpickled module has no original): it unpickles as a dead reference; a deep
-    copy of the module shares it where the parameter's attributes are copied (torch's
-    ``Parameter.__deepcopy__`` does not copy them)."""
+    Pickling drops it: it unpickles as a dead reference (a deep copy shares it where the parameter's
+    attributes are copied; torch's ``Parameter.__deepcopy__`` does not copy them).  A module that must
+    keep the float32 values through copies (``convert_``'s, whose ``state_dict`` gives them) takes them
+    along itself: :func:`origins_for_copy`, :func:`hold_origins`."""
 
-    __slots__ = ("ref", "held", "read")
+    __slots__ = ("ref", "held", "read", "stamp")
 
     def __init__(self, tensor: Optional[torch.Tensor], strong: bool = False,
-                 read: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> None:
+                 read: Optional[Callable[[], Optional[torch.Tensor]]] = None,
+                 stamp: Optional[Tuple[int, int]] = None) -> None:
         self.ref = None if tensor is None or strong else weakref.ref(tensor)
         self.held = tensor if strong else None
         self.read = read  # (a master: its float32 value, computed when asked; None once its optimizer is gone)
+        # a copied value (hold_origins): the low tensor's stamp (_stamp) then; valid while it is unchanged, since a
+        # lean master's value (low plus a term) need not round to low
+        self.stamp = stamp
 
     def __call__(self) -> Optional[torch.Tensor]:
         if self.held is not None:
@@ -147,12 +152,21 @@ class _Origin:
         return (_Origin, (None,))
 
 
-def remember_origin(low: torch.Tensor, original: torch.Tensor, *, hold: bool = False) -> None:
+def remember_origin(low: torch.Tensor, original: torch.Tensor, *, hold: bool = False,
+                    stamp: Optional[Tuple[int, int]] = None) -> None:
     """Note on ``low`` (a float16/bfloat16 copy conversion made) the float32 tensor it was rounded from.
 
-    hold: keep ``original`` alive (nothing else holds it: in-place conversion) until :func:`take_origin`."""
+    hold: keep ``original`` alive (nothing else holds it: in-place conversion) until :func:`take_origin`.
+    stamp: ``_stamp(low)`` when ``original`` is its float32 value though not its rounding (a lean master's,
+    copied: :func:`hold_origins`); it stays valid while ``low`` is unchanged (or holds its rounding)."""
     if low.dtype in LOW and original.dtype == torch.float32 and low.shape == original.shape:
-        setattr(low, ORIGIN, _Origin(original, strong=hold))
+        setattr(low, ORIGIN, _Origin(original, strong=hold, stamp=stamp))
+
+
+def _stamp(low: torch.Tensor) -> Tuple[int, int]:
+    """What changes when ``low``'s values may have: its version counter (in-place writes: a step, a load) and its
+    memory (``.data =``, which keeps the counter)."""
+    return low._version, low.data_ptr()
 
 
 def remember_master(low: torch.Tensor, read: Callable[[], Optional[torch.Tensor]]) -> None:
@@ -162,6 +176,26 @@ def remember_master(low: torch.Tensor, read: Callable[[], Optional[torch.Tensor]
     term, which may exceed half a unit of ``low``)."""
     if low.dtype in LOW:
         setattr(low, ORIGIN, _Origin(None, read=read))
+
+
+def origins_for_copy(params: Iterable[torch.Tensor]) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
+    """``(low, float32)`` for each of ``params`` whose float32 value :func:`origin_of` knows: what a copy of
+    their module (deepcopy, pickling: its ``__reduce_ex__`` returns them) takes along, for :func:`hold_origins`.
+
+    A copy's parameters lose the reference (``Parameter.__deepcopy__`` drops attributes, pickling drops
+    :class:`_Origin`, and an optimizer's master is not in the module at all), so its ``state_dict`` would give
+    the low-precision weights widened, not the float32 values the module's gives; the copy holds those values
+    instead (copied with it: the master's value at the time of the copy), and a ``MixedPrecisionOptimizer`` built
+    on the copy takes them as its masters, as it takes a fresh ``convert_``'s originals."""
+    unique = {id(p): p for p in params}  # (tied parameters: once)
+    pairs = ((p, origin_of(p)) for p in unique.values() if p.dtype in LOW)
+    return tuple((low, value.detach()) for low, value in pairs if value is not None)
+
+
+def hold_origins(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Let each copied low-precision parameter hold its copied float32 value (:func:`origins_for_copy`)."""
+    for low, value in pairs:
+        remember_origin(low, value, hold=True, stamp=_stamp(low))
 
 
 def held_origins(params: Iterable[torch.Tensor]) -> int:
@@ -207,6 +241,8 @@ def origin_of(low: torch.Tensor) -> Optional[torch.Tensor]:
     if original is None or original.shape != low.shape or original.dtype != torch.float32:
         return None
     if origin.read is not None:  # a master: its reader checked (remember_master)
+        return original
+    if origin.stamp is not None and origin.stamp == _stamp(low):  # a copied value, low unchanged since
         return original
     with torch.no_grad():
         if not torch.equal(original.detach().to(device=low.device, dtype=low.dtype), low.detach()):

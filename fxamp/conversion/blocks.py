@@ -44,7 +44,8 @@ from .capture.modes import MODE_FLAG
 from ..errors import FxampError
 from .families import FAMILY, LIFTED, Family, OriginalDtypes
 from .graph import rebind
-from ..info import INFO_ATTR, ConversionInfo, conversion_info, remember_origin, watch_for_masters
+from ..info import (INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, remember_origin,
+                    watch_for_masters)
 from .storage import is_norm, predict_storage
 from .options import ConvertOptions
 from ..policy import Policy
@@ -216,15 +217,20 @@ def _converted_apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
     return super(converted_class(self.__dict__[FAMILY].cls), self)._apply(fn, *args, **kwargs)
 
 
-def _rebuild_block(cls: type, state: Dict[str, Any]) -> nn.Module:
-    """Unpickling (and deep copies): an instance of ``cls``'s converted class with ``state``."""
+def _rebuild_block(cls: type, state: Dict[str, Any], originals: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()
+                   ) -> nn.Module:
+    """Unpickling (and deep copies): an instance of ``cls``'s converted class with ``state``, whose low-precision
+    parameters hold the copied float32 values ``originals`` (``fxamp.info.hold_origins``)."""
     new = converted_class(cls).__new__(converted_class(cls))
     new.__dict__.update(state)
+    hold_origins(originals)
     return new
 
 
 def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
-    return _rebuild_block, (self.__dict__[FAMILY].cls, self.__dict__)
+    # the float32 values state_dict gives (originals, or an optimizer's masters, which a copy of the model does
+    # not reach) go along, so a copy's state_dict gives them too, not the low-precision weights widened
+    return _rebuild_block, (self.__dict__[FAMILY].cls, self.__dict__, origins_for_copy(self.parameters()))
 
 
 #: each original class's converted subclass, made once: every instance (and every copy or unpickled one)

@@ -4,7 +4,7 @@
 
     from fxamp.integrations import hf
     args = TrainingArguments(output_dir=..., learning_rate=2e-3, max_steps=300, ...)   # bf16/fp16 left False
-    model, optimizers = hf.prepare(model, args, "O2", dtype="bf16", example_batch=batch)
+    model, optimizers = hf.prepare(model, args, "O2", dtype="bf16", example_batch=batch)   # or in_place=True
     trainer = Trainer(model=model, args=args, optimizers=optimizers, train_dataset=..., ...)
     trainer.train()                          # resume_from_checkpoint=... works too
 
@@ -16,7 +16,7 @@ the Trainer's learning-rate schedule on it (``args.lr_scheduler_type``, warmup, 
 How the Trainer's loop meets fxamp's, without patching either:
 
 * backward: the Trainer calls ``loss.backward()`` (through accelerate), not ``opt.backward``.
-  ``prepare`` registers a forward hook on the converted module (its own object): in training,
+  ``prepare`` registers a forward hook on the converted module (in place: the model): in training,
   the returned ``loss`` keeps its value (the Trainer logs the true loss) but backpropagates
   through ``opt.scale_loss(loss)``, so gradients arrive scaled (float16) and the optimizer knows
   a backward happened.
@@ -35,12 +35,16 @@ How the Trainer's loop meets fxamp's, without patching either:
   divides by the number of labels before the shift: ``(T-1)/T`` of the mean, 1.6% at T=64.
   Compare evaluation losses computed the same way.)
 
-A ``PreTrainedModel`` converted in place (``fxamp.convert_``) saves with its own ``save_pretrained`` (and so
-``Trainer.save_model``): the float32 weights (the masters once trained), and float32 in ``config.json``, where
-transformers would write the dtype of the model's first parameter (bfloat16 under O2): under O2/O3 the model's
-class becomes a subclass of the same name whose ``save_pretrained`` corrects it
-(``fxamp.conversion.blocks.converted_root_class``).  :func:`save_pretrained` is that call, kept for code written
-against it.
+In place: ``prepare(model, args, "O2", dtype="bf16", in_place=True)`` converts with ``fxamp.convert_`` (a model
+``convert_`` already converted is taken as it is) and returns ``model`` itself, with the same optimizers and loss
+hook; the Trainer's own loss keeps its ``num_items_in_batch``.  Without ``prepare``, a ``MixedPrecisionOptimizer``
+built by hand never sees the Trainer's ``loss.backward()``: its ``step()`` refuses, naming ``prepare`` (with no
+scheduler, the Trainer's own refuses it first: torch's "is not an Optimizer").  A
+``PreTrainedModel`` converted in place saves with its own ``save_pretrained`` (and so ``Trainer.save_model``): the
+float32 weights (the masters once trained), and float32 in ``config.json``, where transformers would write the
+dtype of the model's first parameter (bfloat16 under O2): under O2/O3 the model's class becomes a subclass of the
+same name whose ``save_pretrained`` corrects it (``fxamp.conversion.blocks.converted_root_class``).
+:func:`save_pretrained` is that call, kept for code written against it.
 
 Limits:
 
@@ -115,23 +119,37 @@ class _GradThroughScaled(torch.autograd.Function):
         return None, grad
 
 
-def _loss_hook(opt: fxamp.MixedPrecisionOptimizer, accumulation: int) -> Callable[..., Any]:
-    # training forwards that found the loss of an earlier one still unstepped: more than the
-    # Trainer's gradient accumulation means another optimizer steps the model (optimizers= forgotten)
-    unstepped = [0]
+class _LossHook:
+    """The forward hook ``prepare`` registers: in training, the returned loss keeps its value but backpropagates
+    through ``opt.scale_loss(loss)``.
 
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if not (module.training and torch.is_grad_enabled()):
+    A copy of the model (deepcopy, pickling: ``torch.save(model)``) gets an inert hook: ``opt`` steps the
+    model's own parameters, not the copy's, and the optimizer does not pickle with the model."""
+
+    def __init__(self, opt: Optional[fxamp.MixedPrecisionOptimizer], accumulation: int) -> None:
+        self.opt = opt
+        self.accumulation = accumulation
+        # training forwards that found the loss of an earlier one still unstepped: more than the
+        # Trainer's gradient accumulation means another optimizer steps the model (optimizers= forgotten)
+        self.unstepped = 0
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        opt = self.opt
+        if opt is None or not (module.training and torch.is_grad_enabled()):
             return output
         loss, put = _find_loss(output)
         if loss is None or not loss.requires_grad:
             return output
-        unstepped[0] = unstepped[0] + 1 if opt.stage == "scaled" else 0
-        if unstepped[0] == accumulation:  # once: the count only grows from here
+        self.unstepped = self.unstepped + 1 if opt.stage == "scaled" else 0
+        if self.unstepped == self.accumulation:  # once: the count only grows from here
             warnings.warn(_FORGOTTEN, RuntimeWarning, stacklevel=2)
         return put(_GradThroughScaled.apply(loss, opt.scale_loss(loss)))
 
-    return hook
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_LossHook":
+        return _LossHook(None, self.accumulation)
+
+    def __reduce__(self) -> Any:
+        return _LossHook, (None, self.accumulation)
 
 
 _FORGOTTEN = ("fxamp: the optimizer hf.prepare() built is not being stepped, so another optimizer updates the "
@@ -184,6 +202,7 @@ def prepare(
     compile_step: bool = False,
     masters: str = "fp32",
     state: str = "fp32",
+    in_place: bool = False,
     **convert_kwargs: Any,
 ) -> Tuple[nn.Module, Tuple[TrainerOptimizer, Any]]:
     """Convert ``model`` and build ``(optimizer, scheduler)`` for ``Trainer(model=..., optimizers=...)``.
@@ -203,7 +222,10 @@ def prepare(
                     ``compile_step``; AdamW, Adam, SGD).
     masters, state: per-tensor precision of the masters and the optimizer state, as
                     :class:`fxamp.MixedPrecisionOptimizer`'s (``"auto"``, ``"kahan"``, ``"int8"``...).
-    convert_kwargs: passed on to :func:`fxamp.convert`.
+    in_place:       convert with :func:`fxamp.convert_` (block by block: ``model`` itself is returned, still a
+                    ``PreTrainedModel``, which the Trainer saves with ``save_pretrained``); a model already
+                    converted in place is taken as it is (then ``convert_kwargs`` must be empty).
+    convert_kwargs: passed on to :func:`fxamp.convert` (or ``fxamp.convert_``).
     """
     if isinstance(args, Mapping) or not hasattr(args, "learning_rate"):
         raise TypeError(f"hf.prepare() takes the transformers.TrainingArguments the Trainer gets, not "
@@ -219,13 +241,23 @@ def prepare(
             f"TrainingArguments(max_grad_norm={trainer_clip:g}) would clip the model's loss-scaled float16 "
             f"gradients; set max_grad_norm=0 there and pass prepare(..., max_grad_norm={trainer_clip:g}), which "
             f"clips the float32 masters after unscaling")
-    if example_batch is not None:
-        convert_kwargs.setdefault("example_inputs", ())
-        convert_kwargs.setdefault("example_kwargs", dict(example_batch))
-    # without example_batch, a model torch.fx cannot trace captures at its first call; convert's own
-    # TraceError (leaf_modules=, frontend="fx") already says what to do
-    amp = fxamp.convert(model, policy, dtype=low, **convert_kwargs)
-    amp.accepts_loss_kwargs = False  # the captured graph takes exactly the batch's keys (no num_items_in_batch)
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be True or False, not {in_place!r}")
+    in_place = in_place or _converted_in_place(model, low, convert_kwargs)
+    if in_place:
+        if example_batch is not None:
+            raise ValueError("prepare(in_place=True) takes no example_batch=: a model converted in place captures "
+                             "each block family at its first call; drop it")
+        amp = model if fxamp.conversion_info(model) is not None else fxamp.convert_(model, policy, dtype=low,
+                                                                                     **convert_kwargs)
+    else:
+        if example_batch is not None:
+            convert_kwargs.setdefault("example_inputs", ())
+            convert_kwargs.setdefault("example_kwargs", dict(example_batch))
+        # without example_batch, a model torch.fx cannot trace captures at its first call; convert's own
+        # TraceError (leaf_modules=, frontend="fx") already says what to do
+        amp = fxamp.convert(model, policy, dtype=low, **convert_kwargs)
+        amp.accepts_loss_kwargs = False  # the captured graph takes exactly the batch's keys (no num_items_in_batch)
 
     groups = _decay_groups(amp, float(getattr(args, "weight_decay", 0.0)))
     if optimizer is None:
@@ -246,11 +278,33 @@ def prepare(
                              "set TrainingArguments(max_steps=...) or pass num_training_steps= (or scheduler=)")
         sched = get_scheduler(args.lr_scheduler_type, inner, num_warmup_steps=args.get_warmup_steps(steps),
                               num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
-    amp.register_forward_hook(_loss_hook(opt, max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))))
-    tied = _tied_aliases(amp)
+    amp.register_forward_hook(_LossHook(opt, max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))))
+    tied = [] if in_place else _tied_aliases(amp)  # (in place: save_pretrained handles tied weights itself)
     if tied:
-        amp.register_state_dict_post_hook(_untie_hook(tied))
+        amp.register_state_dict_post_hook(_Untie(tied))
     return amp, (opt, sched)
+
+
+#: ``ConversionInfo.frontend`` of a model ``fxamp.convert_`` converted (``fxamp.conversion.blocks``)
+_IN_PLACE = "blocks"
+
+
+def _converted_in_place(model: nn.Module, low: torch.dtype, convert_kwargs: Mapping[str, Any]
+                        ) -> bool:
+    """Whether ``model`` is already converted in place: ``prepare`` then takes it as it is, if nothing asks for
+    another conversion (a dtype it was not converted to, conversion options)."""
+    info = fxamp.conversion_info(model)
+    if info is None or info.frontend != _IN_PLACE:
+        return False
+    if info.policy.compute != low:
+        raise ValueError(f"prepare(dtype={str(low)[6:]}) of a model fxamp.convert_ converted to "
+                         f"{str(info.policy.compute)[6:]}: pass dtype={str(info.policy.compute)[6:]!r}, or "
+                         f"prepare the unconverted model")
+    if convert_kwargs:
+        raise ValueError(f"prepare() of a model already converted in place takes no conversion options "
+                         f"({', '.join(sorted(convert_kwargs))}): pass them to fxamp.convert_, or prepare the "
+                         f"unconverted model with in_place=True")
+    return True
 
 
 def _tied_aliases(model: nn.Module) -> List[str]:
@@ -263,17 +317,19 @@ def _tied_aliases(model: nn.Module) -> List[str]:
     return aliases
 
 
-def _untie_hook(aliases: List[str]) -> Callable[..., None]:
-    """Copy tied entries of ``state_dict()``: the Trainer saves a non-``PreTrainedModel`` with safetensors, which
-    refuses tensors sharing memory.  Loading writes the same values into the one parameter twice."""
+class _Untie:
+    """A state_dict hook that copies tied entries of ``state_dict()``: the Trainer saves a non-``PreTrainedModel``
+    with safetensors, which refuses tensors sharing memory.  Loading writes the same values into the one parameter
+    twice.  (A class, not a closure: the model still pickles.)"""
 
-    def hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for name in aliases:
+    def __init__(self, aliases: List[str]) -> None:
+        self.aliases = aliases
+
+    def __call__(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name in self.aliases:
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):  # keep_vars=True: leave it
                 state_dict[prefix + name] = value.clone()
-
-    return hook
 
 
 def save_pretrained(model: nn.Module, save_directory: Any, **kwargs: Any) -> None:

@@ -298,7 +298,9 @@ _MISUSE = {
         "unscale_() before any backward(); call opt.backward(loss) (or opt.scale_loss(loss).backward()) first"),
     ("step", Stage.READY): (
         "step() without a backward pass since the last step; call opt.backward(loss) "
-        "(or opt.scale_loss(loss).backward()) before opt.step()"),
+        "(or opt.scale_loss(loss).backward()) before opt.step(); a loop that calls loss.backward() itself "
+        "(transformers.Trainer) needs its loss routed through opt.scale_loss: build the model and optimizers "
+        "with fxamp.integrations.hf.prepare(model, args, ..., in_place=True for a model fxamp.convert_ converted)"),
     ("step", Stage.STEPPED): (
         "step() was already called since the shared scaler's last update(); call scaler.update() "
         "once per iteration, after every optimizer sharing it has stepped"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -213,6 +214,82 @@ def _pickled(model):
     torch.save(model, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)), "torch.save": _pickled}
+
+
+@pytest.mark.parametrize("masters", ["fp32", "kahan"])
+@pytest.mark.parametrize("how", COPIES)
+def test_copies_state_dict_gives_the_same_float32_originals_and_masters_bitwise(how, masters):
+    """Issue 37: a copy of an O2 model converted in place (deepcopy, pickle, torch.save/torch.load of the model)
+    gives the original's state_dict bit for bit: the float32 originals before an optimizer took them, the masters
+    after it stepped (values at the time of the copy, which the copy holds: the optimizer is not copied), not the
+    bfloat16 weights widened.  An optimizer built on the copy takes those values as its masters.  (A Kahan master's
+    value, the weight plus its term, need not round to the weight.)"""
+    model = make()
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    x = ids()
+    state = model.state_dict()
+    low = {n: p for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
+    assert all(not torch.equal(state[n], p.float()) for n, p in low.items())  # not the rounding: a copy can lose it
+    same_state(COPIES[how](model), state)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model,
+                                        precision=fxamp.LeanConfig(masters, "fp32"))
+    for _ in range(2):
+        opt.zero_grad()
+        _, loss = model(x, x)
+        opt.backward(loss)
+        assert opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # (state_dict, as torch's, aliases the tensors)
+    exact = {k: v.clone() for k, v in opt.fp32_state_dict().items()}
+    assert all(torch.equal(state[n], exact[n]) and not torch.equal(state[n], p.float()) for n, p in low.items())
+    copied = COPIES[how](model)
+    same_state(copied, state)
+    assert torch.equal(copied(x, x)[1], model(x, x)[1])
+    opt.zero_grad()
+    _, loss = model(x, x)
+    opt.backward(loss)
+    opt.step()  # the original trains on; the copy keeps the values it was copied with
+    same_state(copied, state)
+    assert not torch.equal(model.state_dict()["head.weight"], state["head.weight"])
+    stale = COPIES[how](model)  # a weight changed in the copy since: given as it is now
+    with torch.no_grad():
+        stale.head.weight.data = torch.zeros_like(stale.head.weight)  # (.data = keeps the version counter)
+        stale.layers[0].fc1.weight.add_(1.0)
+    got = stale.state_dict()
+    assert {"head.weight", "layers.0.fc1.weight"} <= set(low)
+    assert torch.equal(got["head.weight"], torch.zeros(V, D))
+    assert torch.equal(got["layers.0.fc1.weight"], stale.layers[0].fc1.weight.float())
+    again = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(copied.parameters(), lr=0.0), model=copied,
+                                          precision=fxamp.LeanConfig(masters, "fp32"))
+    assert all(torch.equal(again.fp32_state_dict()[n], exact[n]) for n in low)  # the copy's masters: exact
+
+
+def same_state(copied, state):
+    got = copied.state_dict()
+    assert list(got) == list(state)
+    for key, value in state.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_copies_of_a_model_without_originals_give_its_widened_weights():
+    model = make()
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16, keep_originals=False)  # nothing float32 to keep: as the model
+    state = model.state_dict()
+    assert torch.equal(state["head.weight"], model.head.weight.float())
+    for how in COPIES.values():
+        same_state(how(model), state)
+
+
+def test_whole_model_o2_copies_give_the_same_state_dict_its_storage():
+    """``fxamp.convert`` (O2) owns low-precision copies: its state_dict gives them as stored (docs/conversion.md),
+    and so do its copies."""
+    amp = fxamp.convert(make(), "O2", dtype=torch.bfloat16)
+    state = amp.state_dict()
+    assert state["head.weight"].dtype == torch.bfloat16 and state["norm.weight"].dtype == torch.float32
+    for how in COPIES.values():
+        same_state(how(amp), state)
 
 
 def test_blocks_named_by_glob():

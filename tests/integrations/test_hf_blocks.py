@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pickle
 import warnings
 
@@ -120,6 +121,9 @@ def test_o2_trained_save_pretrained_gives_the_float32_masters_back(name, tmp_pat
     names = {id(p): n for n, p in model.named_parameters()}
     masters = {names[id(low)]: m for low, m in opt.master_pairs()}
     assert len(masters) > 4
+    for i, copied in enumerate((copy.deepcopy(model), pickle.loads(pickle.dumps(model)))):
+        copied.save_pretrained(tmp_path / f"copy{i}")  # a copy: the masters' values when copied, not their rounding
+        float32_config_and_weights(tmp_path / f"copy{i}", masters)
     hf.save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
     loaded = type(model).from_pretrained(tmp_path)
@@ -157,8 +161,8 @@ def test_o2_models_own_save_pretrained_writes_float32_in_config_json(name, tmp_p
     assert type(loaded) is cls
     for i, copied in enumerate((copy.deepcopy(model), pickle.loads(pickle.dumps(model)))):
         assert type(copied) is type(model) and copied.dtype == BF16
-        copied.save_pretrained(tmp_path / str(i))  # (a copy's state_dict: its own weights, as float32)
-        float32_config_and_weights(tmp_path / str(i), copied.state_dict())
+        copied.save_pretrained(tmp_path / str(i))  # (a copy holds the float32 originals too: issue 37)
+        float32_config_and_weights(tmp_path / str(i), ref.state_dict())
     with pytest.raises(ValueError, match=r"save_pretrained\(push_to_hub=True\) of a model fxamp\.convert_ "
                                          r"converted would upload config\.json .*upload the folder"):
         model.save_pretrained(tmp_path / "hub", push_to_hub=True)
@@ -180,6 +184,127 @@ def test_trainer_save_model_after_o2_training_gives_the_float32_masters_back(tmp
     transformers.Trainer(model=model, args=args, optimizers=(opt, None)).save_model(str(tmp_path / "saved"))
     float32_config_and_weights(tmp_path / "saved", masters)
     assert model.dtype == BF16
+
+
+class Rows(torch.utils.data.Dataset):
+    """Eight rows of ``ids``-like tokens, the model's own loss from labels."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        row = ids(8, 8)[i]
+        return {"input_ids": row, "labels": row}
+
+
+def trainer_args(out, **kw):
+    return transformers.TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
+                                          learning_rate=1e-3, warmup_steps=1, max_grad_norm=0.0, save_strategy="no",
+                                          use_cpu=True, report_to=[], seed=0, disable_tqdm=True, logging_steps=1, **kw)
+
+
+def record_calls(model):
+    """The keyword arguments of each training forward (the Trainer's batches, ``num_items_in_batch`` included), and
+    the hook's handle."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        if module.training:
+            calls.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def without_dropout(model):
+    """Training forwards that depend on the weights and the batch only (GPT-2's dropout draws from the RNG)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.train()
+
+
+@pytest.mark.parametrize("name,converted_first", [("gpt2", False), ("llama", True)])
+def test_trainer_trains_a_model_converted_in_place_as_a_plain_loop_and_saves_the_masters(name, converted_first,
+                                                                                          tmp_path):
+    """Issue 37: ``hf.prepare(..., in_place=True)`` (or a model ``fxamp.convert_`` already converted) gives the same
+    model object, still a ``PreTrainedModel``, and the optimizers; ``Trainer.train()`` then gives bit for bit the
+    losses and masters of a plain loop with the same optimizer (``opt.backward``) on the same batches, and
+    ``Trainer.save_model`` the masters, float32 in config.json."""
+    from fxamp.integrations import hf
+
+    args = trainer_args(tmp_path / "run")
+    model = without_dropout(MODELS[name]())
+    if converted_first:
+        fxamp.convert_(model, "O2", dtype=BF16)
+        prepared, (opt, sched) = hf.prepare(model, args, "O2", dtype="bf16")
+    else:
+        prepared, (opt, sched) = hf.prepare(model, args, "O2", dtype="bf16", in_place=True)
+    assert prepared is model and isinstance(model, transformers.PreTrainedModel) and model.dtype == BF16
+    calls, recording = record_calls(model)
+    trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, sched), train_dataset=Rows())
+    trainer.train()
+    recording.remove()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == len(calls) == 3 and all(math.isfinite(x) for x in losses)
+    assert opt.skipped_steps == 0
+    names = {id(p): n for n, p in model.named_parameters()}
+    masters = {names[id(low)]: m.detach().clone() for low, m in opt.master_pairs()}
+
+    plain = fxamp.convert_(without_dropout(MODELS[name]()), "O2", dtype=BF16)  # the same optimizer, by hand
+    inner = torch.optim.AdamW(plain.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    mine = fxamp.MixedPrecisionOptimizer(inner, model=plain)
+    schedule = transformers.get_scheduler(args.lr_scheduler_type, inner, num_warmup_steps=1, num_training_steps=3)
+    expected = []
+    for call in calls:
+        loss = plain(**call).loss
+        expected.append(loss.item())
+        mine.backward(loss)
+        assert mine.step()
+        schedule.step()
+        mine.zero_grad()
+    assert losses == expected
+    plain_names = {id(p): n for n, p in plain.named_parameters()}
+    pairs = {plain_names[id(low)]: master for low, master in mine.master_pairs()}
+    assert sorted(pairs) == sorted(masters) and len(masters) > 4
+    for key, master in pairs.items():
+        assert torch.equal(master, masters[key]), key
+    trainer.save_model(str(tmp_path / "saved"))
+    float32_config_and_weights(tmp_path / "saved", masters)
+    state = model.state_dict()
+    torch.save(model, tmp_path / "model.pt")  # (prepare's hook pickles: a copy gets an inert one)
+    for copied in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)):
+        assert all(torch.equal(copied.state_dict()[k], v) for k, v in state.items())
+        copied(**calls[0]).loss.backward()  # a copy's training forward: not scaled through opt, which stays ready
+        assert opt.stage == "ready"
+
+
+def test_trainer_with_an_optimizer_built_by_hand_names_prepare(tmp_path):
+    """Without ``hf.prepare`` the Trainer's ``loss.backward()`` bypasses the loss scale: step() says what to do."""
+    model = converted(gpt2, "O2").train()
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), model=model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda step: 1.0)
+    trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path), optimizers=(opt, sched),
+                                   train_dataset=Rows())
+    with pytest.raises(fxamp.OptimizerStateError, match=r"step\(\) without a backward pass .*transformers\.Trainer.*"
+                                                        r"fxamp\.integrations\.hf\.prepare\(model, args, \.\.\., "
+                                                        r"in_place=True"):
+        trainer.train()
+
+
+def test_prepare_in_place_refuses_what_it_cannot_honour(tmp_path):
+    from fxamp.integrations import hf
+
+    args = trainer_args(tmp_path)
+    with pytest.raises(ValueError, match=r"prepare\(in_place=True\) takes no example_batch=: .* drop it"):
+        hf.prepare(gpt2(), args, "O2", in_place=True, example_batch={"input_ids": ids()})
+    with pytest.raises(TypeError, match="in_place must be True or False, not 'yes'"):
+        hf.prepare(gpt2(), args, "O2", in_place="yes")
+    model = converted(gpt2, "O2")
+    with pytest.raises(ValueError, match=r"prepare\(dtype=float16\) of a model fxamp.convert_ converted to bfloat16: "
+                                         r"pass dtype='bfloat16'"):
+        hf.prepare(model, args, "O2", dtype="16")
+    with pytest.raises(ValueError, match=r"already converted in place takes no conversion options \(blocks\)"):
+        hf.prepare(model, args, "O2", blocks=["transformer.h.*"])
 
 
 def saved_bytes(model, x, autocast: bool) -> int:
