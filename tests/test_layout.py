@@ -37,13 +37,13 @@ STAGES: Dict[str, int] = {
     # the training wing
     "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
     "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
-    "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, the plan)
-    "training.inner": 3,  # which of torch's paths (fused, foreach) steps the masters
+    "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, runs, the plan)
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
-    "training.lean": 4,
-    "training.step": 4,
-    "training.kernels": 5,
-    "training.optimizer": 6,
+    "training.executors": 4,  # how a checked step's masters are stepped (plain, segmented, lean, compiled)
+    "training.kernels": 5,  # compile_step's kernels, called by the compiled executor
+    "training.lean": 5,  # per-tensor masters and state, the workspace the executors enter and leave
+    "training.step": 6,  # the step engine: stage -> check -> execute -> record
+    "training.optimizer": 7,  # the facade: masters, state_dict, the public verbs
 }
 WINGS = ("conversion", "training")
 TOP = 11  # reporting/, integrations/, api and other features built on both wings
@@ -284,3 +284,4 @@ def test_the_front_door_is_small_and_every_name_resolves():
         warnings.simplefilter("error")
         missing = [name for name in fxamp.__all__ if getattr(fxamp, name, None) is None]
     assert not missing, f"names in fxamp.__all__ that do not resolve: {missing}"
+
