@@ -73,6 +73,195 @@ class Fused(Protocol):
              segment_numel: int, found: Optional[torch.Tensor] = None) -> None: ...
 
 
+# -- the executors -----------------------------------------------------------------------------------
+
+class Plain:
+    """The plain step: every master holds its float32 gradient (``unscale_()``); one inner step of all of them
+    (:func:`run_step`, the lean ones inside the workspace, some by the CPU kernel), then :func:`refresh`.
+    ``runs``: not read (the plain step is one run of every master of ``plan``); the multiplier was applied
+    by ``unscale_()``."""
+
+    __slots__ = ("plan", "ws", "split")
+
+    def __init__(self, plan: Plan, ws: Optional[Lean] = None, split: bool = True) -> None:
+        self.plan, self.ws, self.split = plan, ws, split
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        run_step(optimizer, self.ws, [m for b in self.plan.buckets for m in b.masters], partial(refresh, self.plan),
+                 self.split)
+        return []
+
+
+class Segmented:
+    """A run at a time (see :mod:`fxamp.training.step`): per run, every group's ``params`` list but the run's
+    emptied; its float32 parameters stepped; its masters with a gradient offered to :class:`LeanKernel` and
+    :class:`LeanChunked` (with a workspace ``ws``), the rest unscaled into one reused segment (``segments``:
+    the plan's, kept between steps with each run's views, ``runs`` then the plan's; else one for this call),
+    stepped (:func:`run_step`) and refreshed.  Every group's ``params`` list is restored, even on error."""
+
+    __slots__ = ("ws", "segments", "lean")
+
+    def __init__(self, ws: Optional[Lean] = None, segments: Optional[Segments] = None) -> None:
+        self.ws, self.segments = ws, segments
+        self.lean = () if ws is None else (LeanKernel(ws), LeanChunked(ws))
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        groups = optimizer.param_groups
+        lists = [g["params"] for g in groups]
+        segments, keep = self.segments, self.segments is not None
+        if segments is None:  # one segment per device, reused by every run of this call
+            segments = Segments(max((r.numel for r in runs), default=0))
+        ws = self.ws
+        sizes: Dict[torch.device, int] = {}
+
+        def size_on(device: torch.device) -> int:  # the largest run there that takes the segment
+            if device not in sizes:
+                sizes[device] = max((r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
+                                     and r.numel <= segments.limit and not (ws is not None and ws.chunks(r, optimizer))),
+                                    default=0)
+            return sizes[device]
+
+        try:
+            for index, run in enumerate(runs):
+                for gi, group in enumerate(groups):
+                    group["params"] = [] if gi != run.group else list(run.own) if run.own else [m for _, m in run.pairs]
+                if run.own:
+                    optimizer.step()
+                    continue
+                part = _with_grads(run)
+                if part is None:
+                    continue
+                key = index if keep and part is run else None  # views kept for a whole run only
+                rest = self._offer(optimizer, part, multiplier)
+                if rest is None:
+                    continue
+                if rest is not part:
+                    key = None
+                _through_segment(optimizer, ws, rest, segments, key, size_on(rest.pairs[0][1].device), multiplier)
+        finally:
+            for group, params in zip(groups, lists):
+                group["params"] = params
+        return []
+
+    def _offer(self, optimizer: Any, run: Run, multiplier: Multiplier) -> Optional[Run]:
+        """What the lean executors leave of ``run`` (None: they took it all).  What :class:`LeanKernel` left of
+        a run it took part of goes to the segment: a run of several masters is never chunked."""
+        for executor in self.lean:
+            left = executor.step(optimizer, [run], multiplier)
+            if not left or left[0] is not run:
+                return left[0] if left else None
+        return run
+
+
+class LeanKernel:
+    """Lean masters the CPU kernel takes (:meth:`fxamp.training.lean.Workspace.step_native`), stepped from their
+    low-precision gradients where they are, times the multiplier: no float32 gradient.  The rest are left."""
+
+    __slots__ = ("ws",)
+
+    def __init__(self, ws: Lean) -> None:
+        self.ws = ws
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        left = []
+        for run in runs:
+            masters = [m for _, m in run.pairs]
+            device = masters[0].device
+            done = {id(m) for m in self.ws.step_native(optimizer, masters, grads=[low.grad for low, _ in run.pairs],
+                                                       multiplier=None if multiplier is None else multiplier(device),
+                                                       group=optimizer.param_groups[run.group])}
+            if not done:
+                left.append(run)
+            elif len(done) < len(masters):
+                left.append(_part(run, [i for i, m in enumerate(masters) if id(m) not in done]))
+        return left
+
+
+class LeanChunked:
+    """A run of one large lean master (:meth:`fxamp.training.lean.Workspace.chunks`) stepped a slice at a time
+    (:meth:`~fxamp.training.lean.Workspace.step_chunked`); other runs are left.  Every group but the run's holds no
+    parameter during the call (:class:`Segmented` empties them)."""
+
+    __slots__ = ("ws",)
+
+    def __init__(self, ws: Lean) -> None:
+        self.ws = ws
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        left = []
+        for run in runs:
+            if self.ws.chunks(run, optimizer):
+                self.ws.step_chunked(optimizer, run, multiplier)
+            else:
+                left.append(run)
+        return left
+
+
+class Compiled:
+    """``compile_step=True``: the runs' masters stepped by :meth:`fxamp.training.kernels.Kernels.step`, one pass
+    from the low-precision gradient to the low weight; what its kernels do not take through :func:`step_runs`.
+    ``found``: the overflow flag of a step decided on the device (the kernels skip there)."""
+
+    __slots__ = ("kernels", "segment_numel", "found")
+
+    def __init__(self, kernels: Fused, segment_numel: int, found: Optional[torch.Tensor] = None) -> None:
+        self.kernels, self.segment_numel, self.found = kernels, segment_numel, found
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        self.kernels.step(runs, multiplier, partial(step_runs, optimizer, inv_scale_on=multiplier),
+                          segment_numel=self.segment_numel, found=self.found)
+        return []
+
+
+def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Multiplier, ws: Optional[Lean] = None,
+              segments: Optional[Segments] = None) -> None:
+    """Step ``optimizer`` run by run (:class:`Segmented`); ``inv_scale_on(device)`` is ``1/scale`` there, or None
+    when the scale is 1; ``ws``: the workspace of lean masters; ``segments``: the plan's, kept between steps
+    (``runs`` then are the plan's runs), else one segment per device for this call alone."""
+    Segmented(ws, segments).step(optimizer, runs, inv_scale_on)
+
+
+def _with_grads(run: Run) -> Optional[Run]:
+    """``run`` itself when every low-precision parameter of it has a gradient; else the part that has one (the
+    other masters get no ``.grad``: not stepped, as a plain optimizer would not), or None when none has."""
+    present = [i for i, (low, _) in enumerate(run.pairs) if low.grad is not None]
+    if len(present) == len(run.pairs):
+        return run
+    for low, m in run.pairs:
+        if low.grad is None:
+            m.grad = None  # (none left by an unscale_())
+    return _part(run, present) if present else None
+
+
+def _part(run: Run, keep: Sequence[int]) -> Run:
+    """The pairs ``keep`` (indices) of ``run``, with their strides."""
+    pairs = tuple(run.pairs[i] for i in keep)
+    strides = None if run.strides is None else tuple(run.strides[i] for i in keep)
+    return Run(run.group, pairs=pairs, numel=sum(m.numel() for _, m in pairs), strides=strides)
+
+
+def _through_segment(optimizer: Any, ws: Optional[Lean], run: Run, segments: Segments, key: Optional[int],
+                     numel: int, multiplier: Multiplier) -> None:
+    """Step ``run``'s masters from float32 gradients in ``segments`` (views kept under ``key``; ``numel``: the
+    segment's size on the device): the low-precision gradients copied there times the multiplier, bound as the
+    masters' ``.grad`` for the inner step, unbound after."""
+    lows = [low for low, _ in run.pairs]
+    masters = [m for _, m in run.pairs]
+    with torch.no_grad():
+        views = segments.views_for(key, masters, run.strides, numel)
+        torch._foreach_copy_(views, [low.grad for low in lows])
+        if multiplier is not None:
+            torch._foreach_mul_(views, multiplier(masters[0].device))
+    for m, v in zip(masters, views):
+        m.grad = v
+    try:
+        run_step(optimizer, ws, masters, partial(torch._foreach_copy_, lows, masters), kernel=False)
+    finally:
+        for m in masters:
+            m.grad = None
+        del views
+
+
 # -- the inner step: which of torch's paths steps the masters ------------------------------------
 
 def plain(t: torch.Tensor) -> bool:
@@ -194,193 +383,3 @@ def refresh(plan: Plan) -> None:
     with torch.no_grad():
         for bucket in plan.buckets:
             torch._foreach_copy_(bucket.lows, bucket.masters)
-
-
-
-# -- the executors -----------------------------------------------------------------------------------
-
-class Plain:
-    """The plain step: every master holds its float32 gradient (``unscale_()``); one inner step of all of them
-    (:func:`run_step`, the lean ones inside the workspace, some by the CPU kernel), then :func:`refresh`.
-    ``runs``: not read (the plain step is one run of every master of ``plan``); the multiplier was applied
-    by ``unscale_()``."""
-
-    __slots__ = ("plan", "ws", "split")
-
-    def __init__(self, plan: Plan, ws: Optional[Lean] = None, split: bool = True) -> None:
-        self.plan, self.ws, self.split = plan, ws, split
-
-    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
-        run_step(optimizer, self.ws, [m for b in self.plan.buckets for m in b.masters], partial(refresh, self.plan),
-                 self.split)
-        return []
-
-
-class LeanKernel:
-    """Lean masters the CPU kernel takes (:meth:`fxamp.training.lean.Workspace.step_native`), stepped from their
-    low-precision gradients where they are, times the multiplier: no float32 gradient.  The rest are left."""
-
-    __slots__ = ("ws",)
-
-    def __init__(self, ws: Lean) -> None:
-        self.ws = ws
-
-    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
-        left = []
-        for run in runs:
-            masters = [m for _, m in run.pairs]
-            device = masters[0].device
-            done = {id(m) for m in self.ws.step_native(optimizer, masters, grads=[low.grad for low, _ in run.pairs],
-                                                       multiplier=None if multiplier is None else multiplier(device),
-                                                       group=optimizer.param_groups[run.group])}
-            if not done:
-                left.append(run)
-            elif len(done) < len(masters):
-                left.append(_part(run, [i for i, m in enumerate(masters) if id(m) not in done]))
-        return left
-
-
-class LeanChunked:
-    """A run of one large lean master (:meth:`fxamp.training.lean.Workspace.chunks`) stepped a slice at a time
-    (:meth:`~fxamp.training.lean.Workspace.step_chunked`); other runs are left.  Every group but the run's holds no
-    parameter during the call (:class:`Segmented` empties them)."""
-
-    __slots__ = ("ws",)
-
-    def __init__(self, ws: Lean) -> None:
-        self.ws = ws
-
-    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
-        left = []
-        for run in runs:
-            if self.ws.chunks(run, optimizer):
-                self.ws.step_chunked(optimizer, run, multiplier)
-            else:
-                left.append(run)
-        return left
-
-
-class Segmented:
-    """A run at a time (see :mod:`fxamp.training.step`): per run, every group's ``params`` list but the run's
-    emptied; its float32 parameters stepped; its masters with a gradient offered to :class:`LeanKernel` and
-    :class:`LeanChunked` (with a workspace ``ws``), the rest unscaled into one reused segment (``segments``:
-    the plan's, kept between steps with each run's views, ``runs`` then the plan's; else one for this call),
-    stepped (:func:`run_step`) and refreshed.  Every group's ``params`` list is restored, even on error."""
-
-    __slots__ = ("ws", "segments", "lean")
-
-    def __init__(self, ws: Optional[Lean] = None, segments: Optional[Segments] = None) -> None:
-        self.ws, self.segments = ws, segments
-        self.lean = () if ws is None else (LeanKernel(ws), LeanChunked(ws))
-
-    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
-        groups = optimizer.param_groups
-        lists = [g["params"] for g in groups]
-        segments, keep = self.segments, self.segments is not None
-        if segments is None:  # one segment per device, reused by every run of this call
-            segments = Segments(max((r.numel for r in runs), default=0))
-        ws = self.ws
-        sizes: Dict[torch.device, int] = {}
-
-        def size_on(device: torch.device) -> int:  # the largest run there that takes the segment
-            if device not in sizes:
-                sizes[device] = max((r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
-                                     and r.numel <= segments.limit and not (ws is not None and ws.chunks(r, optimizer))),
-                                    default=0)
-            return sizes[device]
-
-        try:
-            for index, run in enumerate(runs):
-                for gi, group in enumerate(groups):
-                    group["params"] = [] if gi != run.group else list(run.own) if run.own else [m for _, m in run.pairs]
-                if run.own:
-                    optimizer.step()
-                    continue
-                part = _with_grads(run)
-                if part is None:
-                    continue
-                key = index if keep and part is run else None  # views kept for a whole run only
-                rest = self._offer(optimizer, part, multiplier)
-                if rest is None:
-                    continue
-                if rest is not part:
-                    key = None
-                _through_segment(optimizer, ws, rest, segments, key, size_on(rest.pairs[0][1].device), multiplier)
-        finally:
-            for group, params in zip(groups, lists):
-                group["params"] = params
-        return []
-
-    def _offer(self, optimizer: Any, run: Run, multiplier: Multiplier) -> Optional[Run]:
-        """What the lean executors leave of ``run`` (None: they took it all).  What :class:`LeanKernel` left of
-        a run it took part of goes to the segment: a run of several masters is never chunked."""
-        for executor in self.lean:
-            left = executor.step(optimizer, [run], multiplier)
-            if not left or left[0] is not run:
-                return left[0] if left else None
-        return run
-
-
-class Compiled:
-    """``compile_step=True``: the runs' masters stepped by :meth:`fxamp.training.kernels.Kernels.step`, one pass
-    from the low-precision gradient to the low weight; what its kernels do not take through :func:`step_runs`.
-    ``found``: the overflow flag of a step decided on the device (the kernels skip there)."""
-
-    __slots__ = ("kernels", "segment_numel", "found")
-
-    def __init__(self, kernels: Fused, segment_numel: int, found: Optional[torch.Tensor] = None) -> None:
-        self.kernels, self.segment_numel, self.found = kernels, segment_numel, found
-
-    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
-        self.kernels.step(runs, multiplier, partial(step_runs, optimizer, inv_scale_on=multiplier),
-                          segment_numel=self.segment_numel, found=self.found)
-        return []
-
-
-def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Multiplier, ws: Optional[Lean] = None,
-              segments: Optional[Segments] = None) -> None:
-    """Step ``optimizer`` run by run (:class:`Segmented`); ``inv_scale_on(device)`` is ``1/scale`` there, or None
-    when the scale is 1; ``ws``: the workspace of lean masters; ``segments``: the plan's, kept between steps
-    (``runs`` then are the plan's runs), else one segment per device for this call alone."""
-    Segmented(ws, segments).step(optimizer, runs, inv_scale_on)
-
-
-def _with_grads(run: Run) -> Optional[Run]:
-    """``run`` itself when every low-precision parameter of it has a gradient; else the part that has one (the
-    other masters get no ``.grad``: not stepped, as a plain optimizer would not), or None when none has."""
-    present = [i for i, (low, _) in enumerate(run.pairs) if low.grad is not None]
-    if len(present) == len(run.pairs):
-        return run
-    for low, m in run.pairs:
-        if low.grad is None:
-            m.grad = None  # (none left by an unscale_())
-    return _part(run, present) if present else None
-
-
-def _part(run: Run, keep: Sequence[int]) -> Run:
-    """The pairs ``keep`` (indices) of ``run``, with their strides."""
-    pairs = tuple(run.pairs[i] for i in keep)
-    strides = None if run.strides is None else tuple(run.strides[i] for i in keep)
-    return Run(run.group, pairs=pairs, numel=sum(m.numel() for _, m in pairs), strides=strides)
-
-
-def _through_segment(optimizer: Any, ws: Optional[Lean], run: Run, segments: Segments, key: Optional[int],
-                     numel: int, multiplier: Multiplier) -> None:
-    """Step ``run``'s masters from float32 gradients in ``segments`` (views kept under ``key``; ``numel``: the
-    segment's size on the device): the low-precision gradients copied there times the multiplier, bound as the
-    masters' ``.grad`` for the inner step, unbound after."""
-    lows = [low for low, _ in run.pairs]
-    masters = [m for _, m in run.pairs]
-    with torch.no_grad():
-        views = segments.views_for(key, masters, run.strides, numel)
-        torch._foreach_copy_(views, [low.grad for low in lows])
-        if multiplier is not None:
-            torch._foreach_mul_(views, multiplier(masters[0].device))
-    for m, v in zip(masters, views):
-        m.grad = v
-    try:
-        run_step(optimizer, ws, masters, partial(torch._foreach_copy_, lows, masters), kernel=False)
-    finally:
-        for m in masters:
-            m.grad = None
-        del views
