@@ -362,3 +362,30 @@ def test_a_step_runs_code_in_the_files_the_design_names_and_the_engine_is_its_hu
     assert [callee for _, callee in calls].count("training/optimizer.py") == 1, calls  # the facade's step(), once
     into_engine = {caller for caller, callee in calls if callee == "training/step.py"}
     assert into_engine <= {"training/optimizer.py", "training/step.py"}, into_engine
+
+
+def test_the_engine_holds_no_reference_back_to_its_facade():
+    """The facade holds its engine, never the other way: a dropped optimizer (and its float32 masters) is freed at
+    once, without waiting for the cycle collector."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.nn as nn
+
+    import fxamp
+
+    model = fxamp.convert(nn.Linear(8, 8), "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+    opt.zero_grad()
+    opt.backward(model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum())
+    opt.step()
+    dropped, master = weakref.ref(opt), weakref.ref(opt.master_pairs()[0][1])
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del opt
+        assert dropped() is None and master() is None
+    finally:
+        if enabled:
+            gc.enable()

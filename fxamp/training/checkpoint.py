@@ -134,7 +134,7 @@ def load(opt: Any, state: Any) -> None:
     for i, (have, saved, (mmode, _)) in enumerate(zip(opt._masters, masters, modes)):
         want = tuple(have.shape) if mmode != "stochastic" else (0,)
         if tuple(saved.shape) != want:
-            raise ValueError(f"master {i} ({opt._name(have)}) has shape {tuple(have.shape)}, the "
+            raise ValueError(f"master {i} ({opt._engine.name(have)}) has shape {tuple(have.shape)}, the "
                              f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
     inner = state["optimizer"]
     if state.get("stateful") is not None and isinstance(inner, Mapping) and isinstance(inner.get("state"), Mapping):

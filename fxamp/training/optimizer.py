@@ -230,8 +230,8 @@ class MixedPrecisionOptimizer:
         self._ws = lean.Workspace(optimizer, config, lean.seed_from(seed)) if config.lean else None
         self.scaler, owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
         #: the step engine (:class:`fxamp.training.step.Engine`): every verb of a step is its
-        self._engine = Engine(optimizer, self.scaler, owns_scaler, self._low_of, self._ws, kernels,
-                              self.overflowed_params, sync_overflow=bool(sync_overflow), process_group=process_group,
+        self._engine = Engine(optimizer, self.scaler, owns_scaler, self._low_of, self._names, self._ws, kernels,
+                              sync_overflow=bool(sync_overflow), process_group=process_group,
                               release_grad_buffer=bool(release_grad_buffer))
         for group in optimizer.param_groups:
             self._bind_group(group)
@@ -354,17 +354,6 @@ class MixedPrecisionOptimizer:
         self._engine.settle()
         return self.scaler.scale
 
-    def _name(self, p: torch.Tensor) -> str:
-        low = self._low_of.get(id(p))
-        key = id(low) if low is not None else id(p)
-        if key in self._names:
-            return self._names[key]
-        for i, group in enumerate(self.optimizer.param_groups):
-            for j, q in enumerate(group["params"]):
-                if q is p:
-                    return f"group {i}, param {j}"
-        return f"a parameter of shape {tuple(p.shape)}"  # pragma: no cover
-
     # -- state machine ---------------------------------------------------------------------
     @property
     def stage(self) -> str:
@@ -440,11 +429,7 @@ class MixedPrecisionOptimizer:
 
         Computed only on overflow (one ``_foreach_norm``); on a distributed run, only this rank's.
         """
-        self._engine.settle()
-        if self._engine.overflow is None:
-            return []
-        params, bad = self._engine.overflow
-        return [self._name(p) for p, b in zip(params, bad.tolist()) if b]
+        return self._engine.overflowed()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -466,7 +451,7 @@ class MixedPrecisionOptimizer:
         """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""
         from .calibrate import table
 
-        ws, names = self._ws, self._name
+        ws, names = self._ws, self._engine.name
         rows = [(names(m), self._low_of.get(id(m), m), None if ws is None or id(m) not in ws.choices
                  else ws.choices[id(m)], lean.state_keys(self.optimizer)) for m in self.master_params()]
         if ws is None:  # every master float32, as configured

@@ -167,15 +167,15 @@ class Engine:
     low_of:      id(master) -> its low-precision parameter (the facade's pairs, shared)
     ws:          the lean workspace, or None; ``kernels``: ``compile_step``'s (:class:`fxamp.training.kernels.Kernels`,
                  imported only then), or None
-    blame:       names the parameters that overflowed (the facade's ``overflowed_params``), for errors
+    names:       id(parameter) -> its name in the model (for errors and :meth:`overflowed`)
     sync_overflow, process_group, release_grad_buffer: the facade's options (it sets them here)
     """
 
     def __init__(self, optimizer: Any, scaler: LossScaler, owns_scaler: bool, low_of: Dict[int, torch.Tensor],
-                 ws: Optional[Lean], kernels: Optional[Any], blame: Callable[[], List[str]], *,
-                 sync_overflow: bool, process_group: Optional[Any], release_grad_buffer: bool) -> None:
+                 names: Dict[int, str], ws: Optional[Lean], kernels: Optional[Any], *, sync_overflow: bool,
+                 process_group: Optional[Any], release_grad_buffer: bool) -> None:
         self.optimizer, self.scaler, self.owns_scaler = optimizer, scaler, owns_scaler
-        self.low_of_id, self.ws, self.kernels, self.blame = low_of, ws, kernels, blame
+        self.low_of_id, self.names, self.ws, self.kernels = low_of, names, ws, kernels
         self.sync_overflow, self.process_group = sync_overflow, process_group
         self.release_grad_buffer = release_grad_buffer
         self.client = scaler.attach()  # this optimizer's stage, kept by the scaler
@@ -207,7 +207,7 @@ class Engine:
             self.skipped += 1
         else:
             self.execute(self.kept, check)
-        blame = self.blame if found or check.on_device else tuple
+        blame = self.overflowed if found or check.on_device else tuple
         return self.record(check, found, blame)
 
     def unscale_(self) -> None:
@@ -417,6 +417,27 @@ class Engine:
         """The tensors the inner optimizer steps: float32 masters and float32 parameters."""
         for group in self.optimizer.param_groups:
             yield from group["params"]
+
+    def overflowed(self) -> List[str]:
+        """:meth:`fxamp.MixedPrecisionOptimizer.overflowed_params`: the names of the parameters whose gradients
+        held an inf/NaN at the latest skipped step."""
+        self.settle()
+        if self.overflow is None:
+            return []
+        params, bad = self.overflow
+        return [self.name(p) for p, b in zip(params, bad.tolist()) if b]
+
+    def name(self, p: torch.Tensor) -> str:
+        """``p``'s name in the model (a master's: its low-precision parameter's), else its place in the groups."""
+        low = self.low_of_id.get(id(p))
+        key = id(low) if low is not None else id(p)
+        if key in self.names:
+            return self.names[key]
+        for i, group in enumerate(self.optimizer.param_groups):
+            for j, q in enumerate(group["params"]):
+                if q is p:
+                    return f"group {i}, param {j}"
+        return f"a parameter of shape {tuple(p.shape)}"  # pragma: no cover
 
     def restore(self, skipped: int) -> None:
         """A checkpoint was loaded: its count of skipped steps; this optimizer has neither unscaled nor stepped
