@@ -40,13 +40,13 @@ STAGES: Dict[str, int] = {
     # the training wing
     "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
     "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
-    "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, the plan)
-    "training.inner": 3,  # which of torch's paths (fused, foreach) steps the masters
+    "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, runs, the plan)
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
-    "training.lean": 4,
-    "training.step": 4,
-    "training.kernels": 5,
-    "training.optimizer": 6,
+    "training.executors": 4,  # how a checked step's masters are stepped (plain, segmented, lean, compiled)
+    "training.kernels": 5,  # compile_step's kernels, called by the compiled executor
+    "training.lean": 5,  # per-tensor masters and state, the workspace the executors enter and leave
+    "training.step": 6,  # the step engine: stage -> check -> execute -> record
+    "training.optimizer": 7,  # the facade: masters, state_dict, the public verbs
 }
 WINGS = ("conversion", "training")
 #: the conversion's stage folders, in the order a conversion runs through them (runtime/ first: what every
@@ -366,3 +366,108 @@ def test_the_front_door_is_small_and_every_name_resolves():
         warnings.simplefilter("error")
         missing = [name for name in fxamp.__all__ if getattr(fxamp, name, None) is None]
     assert not missing, f"names in fxamp.__all__ that do not resolve: {missing}"
+
+
+# -- the step's files: traced ----------------------------------------------------------------------------------
+
+#: the fxamp files one step runs code in (docs/DESIGN.md, "Training: one step engine"): the facade hands the step
+#: to the engine, which calls the scaler, the plan and one executor; a lean step adds the workspace and its state
+#: codes (``native`` too where fxamp's CPU kernel steps a master), ``torch.distributed`` ``distributed`` and
+#: ``compile_step`` ``kernels``
+STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.py", "training/plan.py",
+              "training/loss_scale.py"}
+LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py"}
+
+
+def _traced_step(inner, segmented=False, **options):
+    """The (caller, callee) fxamp files of every call ``opt.step()`` makes, at a model's third step."""
+    import sys
+
+    import torch
+    import torch.nn as nn
+
+    import fxamp
+    from fxamp.training import plan
+
+    torch.manual_seed(0)
+    model = fxamp.convert(nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 4)),
+                          "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(inner(model.parameters()), model=model, release_grad_buffer=segmented,
+                                        **options)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    calls = []
+
+    def tracer(frame, event, arg):
+        callee = frame.f_code.co_filename
+        if event == "call" and callee.startswith(str(PACKAGE)):
+            caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+            calls.append((caller.removeprefix(str(PACKAGE) + "/"), callee.removeprefix(str(PACKAGE) + "/")))
+
+    for i in range(3):
+        opt.zero_grad()
+        opt.backward(model(x).float().sum())
+        if i == 2:
+            sys.settrace(tracer)
+            try:
+                opt.step()
+            finally:
+                sys.settrace(None)
+        else:
+            opt.step()
+    assert (opt.plan.runs is not None) == segmented
+    return calls
+
+
+STEPS = {
+    "O2 AdamW": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), False, {}, STEP_FILES),
+    "O2 SGD momentum": (lambda ps: __import__("torch").optim.SGD(ps, lr=1e-3, momentum=0.9), False, {}, STEP_FILES),
+    "O2 AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True, {}, STEP_FILES),
+    "kahan AdamW": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), False, {"masters": "kahan"},
+                    LEAN_STEP_FILES),
+    "kahan AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True, {"masters": "kahan"},
+                              LEAN_STEP_FILES),
+}
+
+
+@pytest.mark.parametrize("case", list(STEPS))
+def test_a_step_runs_code_in_the_files_the_design_names_and_the_engine_is_its_hub(case, monkeypatch):
+    """``sys.settrace`` over ``opt.step()``: the fxamp files it runs code in are the facade, the engine and what the
+    engine calls (``STEP_FILES``); the facade is entered once and hands over, and nothing below the engine calls
+    back into it (no lambda from an executor or the plan into ``step.py``)."""
+    inner, segmented, options, allowed = STEPS[case]
+    if segmented:
+        monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)  # (this model's gradients are small)
+    calls = _traced_step(inner, segmented, **options)
+    files = {callee for _, callee in calls}
+    assert files <= allowed, f"{case}: a step now runs code in {sorted(files - allowed)} too"
+    assert {"training/optimizer.py", "training/step.py", "training/executors.py"} <= files
+    assert [callee for _, callee in calls].count("training/optimizer.py") == 1, calls  # the facade's step(), once
+    into_engine = {caller for caller, callee in calls if callee == "training/step.py"}
+    assert into_engine <= {"training/optimizer.py", "training/step.py"}, into_engine
+
+
+def test_the_engine_holds_no_reference_back_to_its_facade():
+    """The facade holds its engine, never the other way: a dropped optimizer (and its float32 masters) is freed at
+    once, without waiting for the cycle collector."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.nn as nn
+
+    import fxamp
+
+    model = fxamp.convert(nn.Linear(8, 8), "O2", dtype=torch.bfloat16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+    opt.zero_grad()
+    opt.backward(model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum())
+    opt.step()
+    dropped, master = weakref.ref(opt), weakref.ref(opt.master_pairs()[0][1])
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del opt
+        assert dropped() is None and master() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -134,7 +134,7 @@ def load(opt: Any, state: Any) -> None:
     for i, (have, saved, (mmode, _)) in enumerate(zip(opt._masters, masters, modes)):
         want = tuple(have.shape) if mmode != "stochastic" else (0,)
         if tuple(saved.shape) != want:
-            raise ValueError(f"master {i} ({opt._name(have)}) has shape {tuple(have.shape)}, the "
+            raise ValueError(f"master {i} ({opt._engine.name(have)}) has shape {tuple(have.shape)}, the "
                              f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
     inner = state["optimizer"]
     if state.get("stateful") is not None and isinstance(inner, Mapping) and isinstance(inner.get("state"), Mapping):
@@ -148,7 +148,7 @@ def load(opt: Any, state: Any) -> None:
                 f"state_dict() holds, and this one holds none for them): save and load with "
                 f"fxamp.sharded_state_dict(model, opt), or torch.save(opt.state_dict())")
         inner = {**inner, "state": {i: v for i, v in inner["state"].items() if int(i) in stateful}}
-    opt._settle()
+    opt._engine.settle()
     if ws is not None:
         for m, (mmode, smode) in zip(opt._masters, modes):
             ws.set_modes(m, mmode, smode)
@@ -169,14 +169,20 @@ def load(opt: Any, state: Any) -> None:
         for m, entry in zip(opt._masters, precision["modes"]):
             c = ws.choices[id(m)]
             c.reason, c.lost, c.state_error, c.count = entry[2], entry[3], entry[4], int(entry[5])
-    opt._refresh()
+    _refresh(opt)
     if ws is not None and precision is None and not ws.config.auto:  # float32 masters saved: now as configured
         for m in opt._masters:
             ws.set_modes(m, ws.config.masters.value, ws.config.state.value)
     opt.scaler.load_state_dict(state["scaler"])
-    opt._skipped = int(state["skipped_steps"])
-    opt.scaler.forget(opt._client)
-    opt._overflow = None
+    opt._engine.restore(state["skipped_steps"])
+
+
+def _refresh(opt: Any) -> None:
+    """Round the loaded masters into the low-precision parameters (a lean master's weight is loaded as it is)."""
+    pairs = [(lo, m) for lo, m in zip(opt._lows, opt._masters) if opt._ws is None or not opt._ws.lean(m)]
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_copy_([lo for lo, _ in pairs], [m for _, m in pairs])
 
 
 def save_own(opt: Any) -> Dict[str, Any]:
@@ -186,11 +192,9 @@ def save_own(opt: Any) -> Dict[str, Any]:
 
 def load_own(opt: Any, state: Mapping[str, Any]) -> None:
     """Restore :func:`save_own`'s dict (the inner optimizer loaded already)."""
-    opt._settle()
+    opt._engine.settle()
     opt.scaler.load_state_dict(dict(state["scaler"]))
-    opt._skipped = int(state["skipped_steps"])
-    opt.scaler.forget(opt._client)
-    opt._overflow = None
+    opt._engine.restore(state["skipped_steps"])
 
 
 def fp32_state_dict(opt: Any, model: nn.Module) -> "OrderedDict[str, torch.Tensor]":

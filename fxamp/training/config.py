@@ -15,7 +15,7 @@ Whatever the kind, a step whose gradients hold an inf or NaN is skipped.
 
 Construction time only: a :class:`fxamp.MixedPrecisionOptimizer` (or ``FxampPrecision``) reads its
 ``loss_scale=`` here once and builds a :class:`~fxamp.training.loss_scale.LossScaler`; a step never
-visits this module (its path is optimizer -> step -> loss_scale, see :mod:`fxamp.training.step`).
+visits this module (its files: :mod:`fxamp.training.step`'s docstring).
 """
 
 from __future__ import annotations

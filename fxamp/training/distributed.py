@@ -11,7 +11,7 @@ directly (no master copies); each rank checks its own shard (:func:`max_abs`: an
 clean), and this all-reduce makes the skip decision global (docs/training.md, "More than one
 process: FSDP2").
 
-A step visits this module (a fourth file after optimizer -> step -> loss_scale) only when
+A step visits this module (a file beyond those the engine names, :mod:`fxamp.training.step`) only when
 ``torch.distributed`` is initialized and ``sync_overflow`` is on
 (:func:`fxamp.training.loss_scale.ranks_to_agree`).
 """

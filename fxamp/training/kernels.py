@@ -27,8 +27,8 @@ device, a fused inner optimizer: see its ``step``), the Adam kernel takes the fl
 the bias corrections are computed on the device from the step counts: the host never waits.
 SGD's decision is read on the host.
 
-The fourth file of a step with ``compile_step`` (optimizer -> step -> loss_scale, and this module's
-:meth:`Kernels.step` as the executor of the runs).  Imported by the wrapper only when
+A step's extra file with ``compile_step``: the engine's compiled executor
+(:class:`fxamp.training.executors.Compiled`) calls :meth:`Kernels.step` for the runs.  Imported by the wrapper only when
 ``compile_step=True`` is asked for: it brings ``torch._dynamo``, which ``import fxamp`` does not.
 """
 
@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .lean import fusable as fusable_master
-from .step import SEGMENT_NUMEL, Run, cut_runs
+from .executors import fusable as fusable_master
+from .plan import Run, cut_runs
 
 __all__ = ["fusable", "worth_fusing", "skips_on_device", "Kernels", "step_fused", "adam_rows", "KERNELS",
            "DistinctLengths", "CHUNK", "FUSED_MIN_NUMEL", "FUSED_MIN_TOTAL"]
@@ -204,7 +204,7 @@ def worth_fusing(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
 def _plain_is_fused(optimizer: Any, masters: Sequence[torch.Tensor]) -> bool:
     """Whether the plain step steps ``masters`` with torch's fused kernel: the optimizer was built fused, or
     (on a CPU) the engine steps a stock Adam/AdamW/SGD's masters with ``fused=True``
-    (:func:`fxamp.training.lean.step_inner`)."""
+    (:func:`fxamp.training.executors.step_inner`)."""
     groups = optimizer.param_groups
     if all(g.get("fused") for g in groups):
         return True
@@ -270,10 +270,10 @@ class Kernels:
         return worth_fusing(self.optimizer, masters)
 
     def step(self, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
-             fallback: Callable[[Sequence[Run]], None], *, segment_numel: int = SEGMENT_NUMEL,
+             fallback: Callable[[Sequence[Run]], None], *, segment_numel: int,
              found: Optional[torch.Tensor] = None) -> None:
-        """:func:`step_fused` of the optimizer with these kernels: the executor of a step's runs
-        (:func:`fxamp.training.step.step`)."""
+        """:func:`step_fused` of the optimizer with these kernels: what the engine's compiled executor
+        (:class:`fxamp.training.executors.Compiled`) calls."""
         step_fused(self.optimizer, self, runs, scale_on, fallback, segment_numel=segment_numel, found=found)
 
     def scratch(self) -> List[torch.Tensor]:
@@ -504,12 +504,12 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
 
 def step_fused(optimizer: Any, kernels: Kernels, runs: Sequence[Run],
                scale_on: Optional[Callable[[torch.device], torch.Tensor]], fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
-               segment_numel: int = SEGMENT_NUMEL, found: Optional[torch.Tensor] = None) -> None:
+               *, segment_numel: int, found: Optional[torch.Tensor] = None) -> None:
     """Step ``runs`` (:func:`~fxamp.training.step.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
     (None: 1); the float32 parameters, masters of fewer than ``min_numel`` elements (default
     :data:`FUSED_MIN_NUMEL`) and pairs the kernel cannot step (a sparse or complex gradient) through
-    one call of ``fallback`` (:func:`~fxamp.training.step.step_runs`), the masters of each group
+    one call of ``fallback`` (:func:`~fxamp.training.executors.step_runs`), the masters of each group
     and device gathered into runs of at most ``segment_numel`` elements (each run is one inner
     ``optimizer.step()``, ~0.2 ms of Python).  Each parameter is stepped once, from its own gradient
     and state, so the order does not matter.

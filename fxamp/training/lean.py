@@ -14,8 +14,8 @@ Its optimizer state is one of (:class:`StatePrecision`) ``"fp32"``, ``"bf16"`` o
 (:mod:`fxamp.training.quant`; stock Adam/AdamW/SGD only).  ``"auto"`` for either is decided from
 measurement (:mod:`fxamp.training.calibrate`).
 
-The step is unchanged for the inner optimizer: around each ``optimizer.step()`` of the engine
-(:mod:`fxamp.training.step`), :meth:`Workspace.enter` rebuilds each lean master's float32 value
+The step is unchanged for the inner optimizer: around each ``optimizer.step()`` of an executor
+(:mod:`fxamp.training.executors`), :meth:`Workspace.enter` rebuilds each lean master's float32 value
 (weight, plus term) and decompresses its state, the optimizer steps float32 tensors as ever, the
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
 (the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
@@ -37,7 +37,8 @@ import torch
 
 from . import native, quant
 from .config import LeanConfig
-from .inner import ForeachSGD, plain
+from .executors import FUSED, FusedFor as _FusedFor, Multiplier, fusable, run_step, step_inner
+from .plan import Run
 
 __all__ = ["Choice", "Workspace", "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable",
            "check_params", "seed_from", "state_keys", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
@@ -68,40 +69,6 @@ ACCELERATOR_PIECE = 2 ** 24
 def piece_for(device: torch.device) -> int:
     """Elements per slice of a large lean master's chunked step on ``device``."""
     return PIECE if device.type == "cpu" else ACCELERATOR_PIECE
-
-
-#: the stock optimizers whose masters (float32 or lean) are stepped by torch's fused kernel on a CPU (``fused=True``
-#: for the call: one pass over value, gradient and both moments instead of the for-loop's eight; the same update up
-#: to float32 rounding; SGD's: bitwise its for-loop, in one pass instead of three), wherever a master is stepped, so
-#: every path gives it the same bits (:func:`step_inner`)
-FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-
-
-def fusable(optimizer: Any, group: Dict[str, Any], master: torch.Tensor) -> bool:
-    """Whether ``master`` (a master of ``group``: float32 or lean) is stepped by :data:`FUSED`'s kernel: a stock
-    Adam/AdamW/SGD, a plain (not distributed) CPU tensor without a sparse gradient, a group that is not
-    ``differentiable`` and was not built with ``fused=False`` (the user's way to keep the for-loop).  Not on CUDA:
-    torch's fused kernel there wants ``state["step"]`` on the device, which an optimizer made without
-    ``fused=True`` keeps on the CPU (its foreach path steps every master in one call there anyway)."""
-    return (type(optimizer) in FUSED and master.device.type == "cpu" and plain(master)
-            and not group.get("differentiable", False) and group.get("fused") is not False
-            and not (master.grad is not None and master.grad.is_sparse))
-
-
-class _FusedFor:
-    """``groups`` step with ``fused=True`` (and ``foreach=False``) inside the block; their flags restored after."""
-
-    def __init__(self, groups: Sequence[Dict[str, Any]]) -> None:
-        self.groups = list(groups)
-        self.saved = [(g.get("fused"), g.get("foreach")) for g in self.groups]
-
-    def __enter__(self) -> None:
-        for g in self.groups:
-            g["fused"], g["foreach"] = True, False
-
-    def __exit__(self, *exc: Any) -> None:
-        for g, (fused, foreach) in zip(self.groups, self.saved):
-            g["fused"], g["foreach"] = fused, foreach
 
 
 def placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -167,6 +134,7 @@ class Workspace:
     def __init__(self, optimizer: Any, config: LeanConfig, seed: int) -> None:
         self.optimizer = optimizer
         self.config = config
+        self.auto = config.auto  # (the config is frozen: read once here, not per master and step)
         self.seed = int(seed)
         self.choices: Dict[int, Choice] = {}  # id(master) -> choice
         self.index: Dict[int, int] = {}  # id(master) -> its place in the wrapper's masters
@@ -325,7 +293,7 @@ class Workspace:
                 if choice.state != "fp32" and m in self.optimizer.state:
                     quant.compress(self.optimizer.state[m], choice.state)
 
-    def chunks(self, run: Any, optimizer: Any) -> bool:
+    def chunks(self, run: Run, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
         larger than :func:`piece_for` its device, of a stock elementwise optimizer (Adam, AdamW, SGD), not
         calibrating."""
@@ -334,7 +302,7 @@ class Workspace:
         low, master = run.pairs[0]
         return self.lean(master) and low.numel() > piece_for(low.device)
 
-    def step_chunked(self, optimizer: Any, run: Any, inv_scale_on: Any) -> None:
+    def step_chunked(self, optimizer: Any, run: Run, inv_scale_on: Multiplier) -> None:
         """Step one large lean master :func:`piece_for` elements at a time: each slice's float32 value, gradient
         and state are built, stepped as a parameter of its own, and written back (weight, term, compressed
         state), so the step's transient memory is a slice's, not the tensor's.  Bitwise the whole step: the
@@ -401,7 +369,7 @@ class Workspace:
     # -- auto ----------------------------------------------------------------------------------
     @property
     def calibrating(self) -> bool:
-        return self.config.auto and self.steps < self.config.calibration_steps
+        return self.auto and self.steps < self.config.calibration_steps
 
     def _measure(self, m: torch.Tensor, low: torch.Tensor, choice: Choice) -> None:
         from .calibrate import lost_fraction  # (only while calibrating)
@@ -493,56 +461,3 @@ def state_keys(optimizer: Any) -> int:
     if type(optimizer) is torch.optim.SGD:
         return int(any(g.get("momentum", 0) for g in optimizer.param_groups))
     return 2
-
-
-def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
-               skip: Sequence[torch.Tensor] = ()) -> None:
-    """``optimizer.step()`` on the groups as they stand (``masters``: fxamp's float32 masters among them, lean
-    ones entered), the masters that :func:`fusable` says so by torch's fused kernel: a second call of ``step()``
-    with only them in the groups and ``fused=True`` (the groups' lists and flags restored after, even on error);
-    the user's own parameters as the optimizer was built.  Not unless ``split`` (the engine's
-    :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and such an optimizer is
-    never segmented either).  ``skip``: stepped already (:meth:`Workspace.step_native`)."""
-    groups = optimizer.param_groups
-    skip_ids = {id(m) for m in skip}
-    ids = {id(m) for m in masters} - skip_ids
-    fused = [[p for p in g["params"] if id(p) in ids and fusable(optimizer, g, p)] for g in groups] if split else []
-    if not skip_ids and not any(fused):
-        with ForeachSGD(optimizer):
-            optimizer.step()
-        return
-    lists = [g["params"] for g in groups]
-    try:
-        ids = {id(p) for ps in fused for p in ps}
-        rest = [[p for p in ps if id(p) not in ids and id(p) not in skip_ids] for ps in lists]
-        if any(rest):
-            for g, ps in zip(groups, rest):
-                g["params"] = ps
-            with ForeachSGD(optimizer):
-                optimizer.step()
-        if any(fused):
-            for g, ps in zip(groups, fused):
-                g["params"] = ps
-            with _FusedFor([g for g, ps in zip(groups, fused) if ps]):
-                optimizer.step()
-    finally:
-        for g, ps in zip(groups, lists):
-            g["params"] = ps
-
-
-def run_step(optimizer: Any, ws: Optional[Workspace], masters: List[torch.Tensor], round_in: Any,
-             split: bool = True, kernel: bool = True) -> None:
-    """``optimizer.step()``, then ``round_in()`` (the low weights from the masters), inside ``ws``'s float32
-    workspace when there is one (the engine's one call of the inner step: :mod:`fxamp.training.step`);
-    ``split``: whether its masters may take a second, fused ``step()`` (:func:`step_inner`);
-    ``kernel``: whether the CPU kernel may take some (False: a segmented step offered them to it already)."""
-    native_done: List[torch.Tensor] = []
-    if ws is not None:
-        if kernel:
-            native_done = ws.step_native(optimizer, masters, split)
-        ws.enter(masters, native_done)
-    step_inner(optimizer, masters, split, native_done)
-    with torch.no_grad():
-        round_in()
-    if ws is not None:
-        ws.leave(masters, native_done)

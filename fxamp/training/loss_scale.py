@@ -22,10 +22,10 @@ passes its :class:`ScalerClient` to the scaler's methods; it never reads the sca
 
 A call out of this order raises :class:`OptimizerStateError` saying what to call instead.
 
-A step's path through the files: :mod:`fxamp.training.optimizer` (``step()``) -> :mod:`fxamp.training.step`
-(the engine) -> this module (stage, check, decision, scale update); a fourth only under an
-initialized ``torch.distributed`` (:mod:`fxamp.training.distributed`, the all-reduce of the flag)
-or with ``compile_step`` (:mod:`fxamp.training.kernels`, the compiled executor of the runs).
+The step engine (:class:`fxamp.training.step.Engine`) is the one caller of these methods during a step:
+it stages, asks this module for the check and the decision, hands the step to an executor and records
+the outcome here; :mod:`fxamp.training.distributed` joins only under an initialized ``torch.distributed``
+(the all-reduce of the flag).
 """
 
 from __future__ import annotations

@@ -22,10 +22,9 @@ A skip changes no weight, master or optimizer state.  On a GPU with a fused inne
 verdict is not read on the host: its kernel skips on the device, and the host learns the outcome
 at the next iteration's start (see :meth:`MixedPrecisionOptimizer.step`).
 
-The step itself is :mod:`fxamp.training.step`, one engine: plan runs, check, then per run unscale into
-a float32 segment, step the inner optimizer on the run's masters and refresh the low weights.  A
-step's path: this module -> ``step`` -> ``loss_scale`` (the stage, the check, the decision, the
-scale); ``distributed`` too under torch.distributed, ``kernels`` with ``compile_step``.
+This class is the facade: it binds the masters, keeps ``state_dict`` and offers the public verbs; every
+verb of a step is its :class:`~fxamp.training.step.Engine`'s (:mod:`fxamp.training.step`: stage -> check ->
+execute -> record), which hands the checked step to an executor (:mod:`fxamp.training.executors`).
 The plain step is one run of every master (after ``unscale_()``, whose float32 gradients are views
 into a few flat segments, freed by ``zero_grad()`` from 16 MiB on unless ``release_grad_buffer=False``);
 on a large model with a stock per-parameter torch optimizer, a ``step()`` not preceded by
@@ -44,7 +43,6 @@ The wrapped optimizer may be any object that behaves like one (``param_groups``,
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -53,14 +51,13 @@ import torch.nn as nn
 
 from . import checkpoint, lean
 from . import plan as planning
-from . import step as engine
 from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
-from .distributed import reduces_on_device
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_origin
-from .loss_scale import FoundInf, Stage, StepResult, agree, ranks_to_agree, scaler_for
+from .loss_scale import StepResult, scaler_for
 from .ownership import mark_master, refuse_unheld_model, refuse_wrapped
+from .step import Engine
 
 if TYPE_CHECKING:
     from .kernels import Kernels  # (imported by __init__ with compile_step=True only: it brings torch.compile's)
@@ -69,11 +66,6 @@ __all__ = ["MixedPrecisionOptimizer", "StepResult", "check_optimizer"]
 
 #: what the wrapper uses of the optimizer it wraps (a duck-typed one needs them all)
 _OPTIMIZER_ATTRS = ("param_groups", "state", "step", "zero_grad", "state_dict", "load_state_dict")
-
-
-def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
-    """True when ``optimizer.zero_grad`` is ``Optimizer.zero_grad`` (no subclass or instance override)."""
-    return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -99,6 +91,67 @@ def check_optimizer(optimizer: Any) -> None:
             f"torch.optim.Optimizer's (the wrapper swaps float32 masters into those lists)"
         )
     refuse_wrapped(optimizer)
+
+
+def _kernels_for(optimizer: Any) -> Kernels:
+    """``compile_step=True``'s kernels for ``optimizer``, or ValueError saying why it cannot be fused.  torch.compile's
+    modules (torch._dynamo) are imported here, not by ``import fxamp``."""
+    from .kernels import Kernels, fusable
+
+    why = fusable(optimizer)
+    if why is not None:
+        raise ValueError(f"compile_step=True: {why}; pass compile_step=False to step it as it is")
+    return Kernels(optimizer)
+
+
+def _check_model(model: Any, optimizer: Any) -> None:
+    """Raise unless ``model`` is an ``nn.Module`` whose parameters ``optimizer`` holds (its policy would pick the
+    loss scale of a model not stepped)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
+    refuse_unheld_model(model, optimizer)
+
+
+def _master_for(p: torch.Tensor, optimizer: Any) -> nn.Parameter:
+    """A float32 master for the low-precision parameter ``p``, taking over its state in ``optimizer`` (in float32)."""
+    # the float32 tensor conversion rounded p from, if alive: its exact values; taken as it is when
+    # conversion alone held it (convert_), else copied (the user's original model holds it)
+    origin, owned = take_origin(p)
+    if origin is None:
+        value = p.detach().float()
+    else:
+        value = origin.detach().to(p.device, torch.float32, copy=not owned)
+    master = nn.Parameter(value, requires_grad=p.requires_grad)
+    state = optimizer.state.pop(p, None)
+    if state:
+        optimizer.state[master] = {
+            k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+            for k, v in state.items()
+        }
+    return master
+
+
+def _check_loss(loss: Any) -> None:
+    """Raise unless ``loss`` is a floating point scalar tensor that requires grad (what ``scale_loss`` scales)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss must be a tensor, not {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}; reduce it first "
+            f"(loss.mean() or loss.sum()), or pass a reduction='mean' loss function"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"the loss must be a floating point tensor, not {loss.dtype}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: it was computed under torch.no_grad()/inference_mode, "
+            "detached, or from parameters with requires_grad=False"
+        )
+
+
+def _on_engine(name: str) -> property:
+    """A constructor option the facade keeps on its engine, which reads it at every step (settable, as before)."""
+    return property(lambda self: getattr(self._engine, name), lambda self, value: setattr(self._engine, name, value))
 
 
 class MixedPrecisionOptimizer:
@@ -160,26 +213,12 @@ class MixedPrecisionOptimizer:
         lean.check_params(optimizer, config, model=model)  # (before anything changes)
         if compile_step and config.lean:
             raise ValueError(f"compile_step=True steps float32 masters and state; {config} is lean: pass one or the other")
-        #: ``compile_step``'s :class:`~fxamp.training.kernels.Kernels` (what it compiled and keeps); None without it
-        self.kernels: Optional[Kernels] = None
-        if compile_step:  # torch.compile's modules (torch._dynamo) are imported here, not by `import fxamp`
-            from .kernels import Kernels, fusable
-
-            why = fusable(optimizer)
-            if why is not None:
-                raise ValueError(f"compile_step=True: {why}; pass compile_step=False to step it as it is")
-            self.kernels = Kernels(optimizer)
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
+        kernels = _kernels_for(optimizer) if compile_step else None
         if model is not None:
-            refuse_unheld_model(model, optimizer)  # (its policy would pick the loss scale of a model not stepped)
+            _check_model(model, optimizer)
         self.optimizer = optimizer
         self.model = model
-        self.sync_overflow = bool(sync_overflow)
-        self.process_group = process_group
-        self.release_grad_buffer = bool(release_grad_buffer)
         self.compile_step = bool(compile_step)
-        self._hooks_warned = False
         self._names: Dict[int, str] = {}
         if model is not None:
             for name, p in model.named_parameters(remove_duplicate=False):
@@ -187,19 +226,15 @@ class MixedPrecisionOptimizer:
         self._lows: List[torch.Tensor] = []  # low-precision model parameters ...
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
-        self._nparams = 0
-        self._plan: Optional[planning.Plan] = None  # built at the first unscale_(), see _get_plan()
         self.precision = config
         self._ws = lean.Workspace(optimizer, config, lean.seed_from(seed)) if config.lean else None
-        self.scaler, self._owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
+        self.scaler, owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
+        #: the step engine (:class:`fxamp.training.step.Engine`): every verb of a step is its
+        self._engine = Engine(optimizer, self.scaler, owns_scaler, self._low_of, self._names, self._ws, kernels,
+                              sync_overflow=bool(sync_overflow), process_group=process_group,
+                              release_grad_buffer=bool(release_grad_buffer))
         for group in optimizer.param_groups:
             self._bind_group(group)
-        self._client = self.scaler.attach()  # this optimizer's stage, kept by the scaler
-        self._skipped = 0  # steps skipped (skipped_steps) ...
-        self._due: Optional[engine.Check] = None  # ... and the last step, if decided on the device and not yet counted
-        self._check: Optional[engine.Check] = None  # this step's check, from unscale_() (or clip) to step()
-        #: the parameters checked at the latest overflow, and which of them held an inf/NaN
-        self._overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:
@@ -207,43 +242,18 @@ class MixedPrecisionOptimizer:
         params = group["params"]
         for j, p in enumerate(params):
             if p.dtype in LOW:
-                # the float32 tensor conversion rounded p from, if alive: its exact values; taken as it is when
-                # conversion alone held it (convert_), else copied (the user's original model holds it)
-                origin, owned = take_origin(p)
-                if origin is None:
-                    value = p.detach().float()
-                else:
-                    value = origin.detach().to(p.device, torch.float32, copy=not owned)
-                master = nn.Parameter(value, requires_grad=p.requires_grad)
-                state = self.optimizer.state.pop(p, None)
-                if state:
-                    self.optimizer.state[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                        for k, v in state.items()
-                    }
-                params[j] = master
-                self._pair(p, master)
-        self._nparams += len(params)
+                params[j] = _master_for(p, self.optimizer)
+                self._pair(p, params[j])
+        self._engine.nparams += len(params)
 
     def _pair(self, low: torch.Tensor, master: torch.Tensor) -> None:
         self._lows.append(low)
         self._masters.append(master)
         self._low_of[id(master)] = low
-        self._plan = None
+        self._engine.kept = None  # (planned again at the next step)
         mark_master(low, master, self._ws)
         if self._ws is not None:
             self._ws.add(low, master, len(self._masters) - 1, self._names.get(id(low), "a parameter"))
-
-    def _get_plan(self) -> planning.Plan:
-        """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
-        self._check_params()
-        plan = self._plan
-        if plan is None or not plan.matches(self.optimizer.param_groups):
-            plan = self._plan = planning.Plan(self.optimizer.param_groups, self._low_of_master)
-        return plan
-
-    def _low_of_master(self, master: torch.Tensor) -> Optional[torch.Tensor]:
-        return self._low_of.get(id(master))
 
     def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.
@@ -278,9 +288,9 @@ class MixedPrecisionOptimizer:
         except (TypeError, ValueError):
             self.optimizer.param_groups.pop()  # nothing changed
             raise
-        before = self._nparams
+        before = self._engine.nparams
         self._bind_group(self.optimizer.param_groups[-1])
-        assert self._nparams == before + len(self.optimizer.param_groups[-1]["params"])
+        assert self._engine.nparams == before + len(self.optimizer.param_groups[-1]["params"])
 
     def master_params(self) -> Iterator[torch.Tensor]:
         """The tensors the inner optimizer steps: float32 masters and float32 parameters (clip these)."""
@@ -302,7 +312,16 @@ class MixedPrecisionOptimizer:
     def plan(self) -> planning.Plan:
         """What the next step touches (:class:`fxamp.training.plan.Plan`: its buckets of masters and
         their float32 gradient segments, its runs once a step was segmented); read it, do not change it."""
-        return self._get_plan()
+        return self._engine.plan()
+
+    @property
+    def kernels(self) -> Optional[Kernels]:
+        """``compile_step``'s :class:`~fxamp.training.kernels.Kernels` (what it compiled and keeps); None without it."""
+        return self._engine.kernels
+
+    sync_overflow = _on_engine("sync_overflow")
+    process_group = _on_engine("process_group")
+    release_grad_buffer = _on_engine("release_grad_buffer")
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -315,62 +334,32 @@ class MixedPrecisionOptimizer:
     @property
     def skipped_steps(self) -> int:
         """Steps skipped by this optimizer because a gradient was inf/NaN."""
-        self._settle()
-        return self._skipped
+        self._engine.settle()
+        return self._engine.skipped
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._settle()
-        self._skipped = int(value)
-
-    def _settle(self) -> None:
-        """Learn the outcome of the last step if it was decided on the device: count a skip, find the
-        culprits (their gradients are still there: called before zero_grad drops them), update the scale.
-
-        Called by everything that reads the outcome or starts the next iteration, so the host waits
-        for the check at most once per step, and only once the step's kernels are queued behind it.
-        """
-        due = self._due
-        if due is None:
-            return
-        self._due = None
-        if bool(due.verdict):
-            self._skipped += 1
-            self._overflow = engine.which_overflowed(self.master_params(), self._low_of_master, due.in_place)
-        else:
-            self._overflow = None
-        if due.update:
-            self.scaler.update()
+        self._engine.settle()
+        self._engine.skipped = int(value)
 
     @property
     def compiled_step_active(self) -> bool:
         """Whether ``step()`` steps the masters with ``compile_step``'s compiled kernels: asked for, and
         the masters hold enough elements for them to pay (``fxamp.training.kernels.FUSED_MIN_TOTAL``)."""
-        return self._fuses(self._get_plan())
+        return self._engine.fuses(self._engine.plan())
 
     @property
     def current_scale(self) -> float:
         """The loss scale the next backward() multiplies by."""
-        self._settle()
+        self._engine.settle()
         return self.scaler.scale
-
-    def _name(self, p: torch.Tensor) -> str:
-        low = self._low_of.get(id(p))
-        key = id(low) if low is not None else id(p)
-        if key in self._names:
-            return self._names[key]
-        for i, group in enumerate(self.optimizer.param_groups):
-            for j, q in enumerate(group["params"]):
-                if q is p:
-                    return f"group {i}, param {j}"
-        return f"a parameter of shape {tuple(p.shape)}"  # pragma: no cover
 
     # -- state machine ---------------------------------------------------------------------
     @property
     def stage(self) -> str:
         """``"ready"``, ``"scaled"`` (after backward), ``"unscaled"`` or ``"stepped"`` (shared scaler, before update)."""
-        self._settle()
-        return self.scaler.stage(self._client).value
+        self._engine.settle()
+        return self.scaler.stage(self._engine.client).value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model's parameters and of the masters; starts the iteration over.
@@ -381,48 +370,13 @@ class MixedPrecisionOptimizer:
         inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
-        self._settle()
-        self._check = None
-        if set_to_none:
-            if not _stock_zero_grad(self.optimizer):
-                self.optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
-            for p in [*self.master_params(), *self._lows]:  # what Optimizer.zero_grad does, whatever the inner one did
-                p.grad = None
-            if self.release_grad_buffer and self._plan is not None:
-                for bucket in self._plan.buckets:
-                    bucket.release()
-        else:
-            self.optimizer.zero_grad(set_to_none=False)
-            grads = []
-            for p in self._lows:
-                if p.grad is not None:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    grads.append(p.grad)
-            if grads:
-                torch._foreach_zero_(grads)
-        self.scaler.restart(self._client, drop_scaled=self._owns_scaler)
+        self._engine.zero_grad(set_to_none, self._lows)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * current_scale``, for a backward you run yourself (``opt.scale_loss(loss).backward()``)."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"the loss must be a tensor, not {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(
-                f"the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}; reduce it first "
-                f"(loss.mean() or loss.sum()), or pass a reduction='mean' loss function"
-            )
-        if not loss.is_floating_point():
-            raise TypeError(f"the loss must be a floating point tensor, not {loss.dtype}")
-        if not loss.requires_grad:
-            raise ValueError(
-                "the loss does not require grad: it was computed under torch.no_grad()/inference_mode, "
-                "detached, or from parameters with requires_grad=False"
-            )
-        self._settle()
-        return self.scaler.scale_loss(loss, self._client)
+        _check_loss(loss)
+        self._engine.settle()
+        return self.scaler.scale_loss(loss, self._engine.client)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale).backward(**kwargs)``; call several times to accumulate gradients."""
@@ -435,66 +389,7 @@ class MixedPrecisionOptimizer:
         The model's float16/bfloat16 parameters keep their scaled gradients; clip and inspect
         :meth:`master_params`, whose gradients are the true ones.
         """
-        self._settle()
-        flags = self.scaler.start_unscale(self._client)
-        plan = self._get_plan()
-        with torch.no_grad():
-            self._decide(flags, engine.unscale(plan, flags), plan, in_place=False)
-
-    def _decide(self, flags: FoundInf, checked: int, plan: planning.Plan, in_place: bool) -> engine.Check:
-        """Whether this step overflowed (:func:`~fxamp.training.loss_scale.agree`); tell the scaler, keep the
-        step's :class:`~fxamp.training.step.Check` for ``step()``.  Where the decision stays on the device
-        (:func:`fxamp.training.plan.decides_on`) the host does not wait: the scaler is told "no overflow"
-        for now, the inner optimizer gets the flag and skips on the device, and the outcome is counted
-        when the next iteration starts (:meth:`_settle`).  Elsewhere the flag is read here."""
-        if not checked:
-            raise OptimizerStateError(
-                "no parameter of this optimizer has a gradient: the loss does not depend on them, "
-                "or backward() ran on another model (if the optimizer was built on the original "
-                "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
-            )
-        verdict, local = agree(flags, self._decides_on(plan), self.sync_overflow, self.process_group)
-        check = self._check = engine.Check(flags, in_place, verdict)
-        if check.on_device:
-            self.scaler.finish_unscale(self._client, False)
-            return check
-        if local:  # rare: note which tensors overflowed, before clipping can spread NaNs
-            self._overflow = engine.which_overflowed(self.master_params(), self._low_of_master, in_place)
-        else:  # clean here; on another rank, perhaps
-            self._overflow = ([], torch.zeros(0, dtype=torch.bool)) if verdict else None
-        self.scaler.finish_unscale(self._client, verdict)
-        return check
-
-    def _decides_on(self, plan: planning.Plan) -> Optional[torch.device]:
-        host_only = self._fuses(plan) and not self.kernels.skips_on_device
-        return planning.decides_on(plan, self.optimizer, host_only, lambda d: not ranks_to_agree(self.sync_overflow)
-                                 or reduces_on_device(d, self.process_group))
-
-    def _fuses(self, plan: planning.Plan) -> bool:
-        """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
-        for them to be faster than the plain step (:meth:`fxamp.training.kernels.Kernels.worth`; decided once
-        a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
-        if self.kernels is None or not plan.buckets:
-            return False
-        if plan.fuse is None:
-            plan.fuse = self.kernels.worth([m for b in plan.buckets for m in b.masters])
-        return plan.fuse
-
-    def _segmentable(self, plan: planning.Plan) -> bool:
-        """Whether step() may step the masters a segment at a time (:mod:`fxamp.training.step`):
-        the gradient buffer is released between steps, the inner optimizer steps each parameter on
-        its own, the masters' gradients would take 16 MiB or more, and no gradient is sparse
-        (with ``compile_step``'s kernels at any size: no float32 gradient at all)."""
-        per_parameter = engine.steps_per_parameter(self.optimizer)
-        if self._fuses(plan):
-            if not per_parameter and not self._hooks_warned:  # step hooks must run once per step
-                self._hooks_warned = True
-                warnings.warn("compile_step=True: the optimizer has step hooks, which must see one "
-                              "step of every parameter, so it is stepped as it is (not fused)",
-                              RuntimeWarning, stacklevel=3)
-        elif not (self.release_grad_buffer and plan.buckets and plan.nbytes() >= planning.RELEASE_MIN_BYTES):
-            return False
-        return per_parameter and not plan.has_sparse_grad()
+        self._engine.unscale_()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -507,25 +402,7 @@ class MixedPrecisionOptimizer:
         ``step()``, so clipping allocates no float32 gradient for every master.  A non-finite norm
         means an overflow: it is returned as is, nothing is clipped, and ``step()`` skips.
         """
-        self._settle()
-        if self._check is not None and self._check.coef is not None:  # the masters have no gradients to clip again
-            raise OptimizerStateError(
-                "clip_grad_norm_() already ran since the last backward(): call it once, between the last "
-                "backward() and step()")
-        plan = self._get_plan()
-        stage = self.scaler.stage(self._client)
-        if not (stage is Stage.SCALED and self._segmentable(plan)):
-            if stage is not Stage.UNSCALED:
-                self.unscale_()  # (says what is wrong when there was no backward)
-            return torch.nn.utils.clip_grad_norm_(list(self.master_params()), max_norm, norm_type,
-                                                  error_if_nonfinite)
-        flags = self.scaler.start_unscale(self._client)
-        exact = self._decides_on(plan) is not None  # (exact, and the host does not wait)
-        with torch.no_grad():
-            checked, norms, own = engine.clip_in_place(plan, flags, norm_type, exact)
-            check = self._decide(flags, checked, plan, in_place=True)
-            total, check.coef = engine.clip_factor(norms, own, max_norm, norm_type, error_if_nonfinite)
-        return total
+        return self._engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def step(self, closure: None = None) -> Union[bool, StepResult]:
         """Step the inner optimizer unless a gradient is inf/NaN; refresh the low-precision weights; update the scale.
@@ -545,73 +422,19 @@ class MixedPrecisionOptimizer:
                 "step(closure) is not supported: the loss must be scaled; run the closure's forward and "
                 "opt.backward(loss) yourself, then call step()"
             )
-        self._settle()
-        if self.scaler.start_step(self._client) is Stage.SCALED:
-            plan = self._get_plan()
-            if self._segmentable(plan):
-                flags = self.scaler.start_unscale(self._client)
-                with torch.no_grad():
-                    self._decide(flags, engine.check_in_place(plan, flags), plan, in_place=True)
-            else:
-                self.unscale_()
-        check, self._check = self._check, None
-        found = self.scaler.found_inf(self._client)  # (False for now when deciding on the device)
-        if found:
-            self._skipped += 1
-            blame = self.overflowed_params
-        else:
-            plan = self._plan
-            executor = self.kernels.step if self._fuses(plan) else None
-            engine.step(self.optimizer, plan, check, self._low_of_master, executor, self._ws)
-            # a fused inner step writes without bumping version counters: a converted module's weight cache
-            # (fxamp.conversion.runtime.WeightCastCache) must see the float32 weights it stepped change
-            torch.autograd.graph.increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
-            if self._ws is not None:
-                self._ws.stepped()
-            blame = self.overflowed_params if check.on_device else tuple
-        if check.on_device:
-            self.scaler.record(check.verdict, blame, self._client)
-            check.update = self._owns_scaler  # (a dynamic scale moves on the outcome: at _settle)
-            self._due = check
-            if self._owns_scaler:  # reading the scaler itself settles too (a shared one: the caller's update())
-                self.scaler.defer(self._settle)
-            return StepResult(check.verdict)
-        self.scaler.record(found, blame, self._client)
-        if self._owns_scaler:
-            self.scaler.update()
-        return not found
-
-    def _refresh(self) -> None:
-        """Round the masters into the low-precision parameters (after loading them)."""
-        pairs = [(lo, m) for lo, m in zip(self._lows, self._masters) if self._ws is None or not self._ws.lean(m)]
-        if pairs:
-            with torch.no_grad():
-                torch._foreach_copy_([lo for lo, _ in pairs], [m for _, m in pairs])
-
-    def _check_params(self) -> None:
-        n = sum(len(g["params"]) for g in self.optimizer.param_groups)
-        if n != self._nparams:
-            raise OptimizerStateError(
-                f"the inner optimizer now holds {n} parameters, the wrapper knows {self._nparams}: a "
-                f"param group was added to it directly; use opt.add_param_group(...) on the wrapper so "
-                f"float16/bfloat16 parameters get float32 masters"
-            )
+        return self._engine.step()
 
     def overflowed_params(self) -> List[str]:
         """Names of the parameters whose gradients were inf/NaN at the latest skipped step ([] after a clean step).
 
         Computed only on overflow (one ``_foreach_norm``); on a distributed run, only this rank's.
         """
-        self._settle()
-        if self._overflow is None:
-            return []
-        params, bad = self._overflow
-        return [self._name(p) for p, b in zip(params, bad.tolist()) if b]
+        return self._engine.overflowed()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to resume, with the model's own ``state_dict`` (layout: :mod:`fxamp.training.checkpoint`)."""
-        self._settle()
+        self._engine.settle()
         return checkpoint.save(self)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -628,7 +451,7 @@ class MixedPrecisionOptimizer:
         """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""
         from .calibrate import table
 
-        ws, names = self._ws, self._name
+        ws, names = self._ws, self._engine.name
         rows = [(names(m), self._low_of.get(id(m), m), None if ws is None or id(m) not in ws.choices
                  else ws.choices[id(m)], lean.state_keys(self.optimizer)) for m in self.master_params()]
         if ws is None:  # every master float32, as configured
@@ -646,5 +469,5 @@ class MixedPrecisionOptimizer:
 
     def __repr__(self) -> str:
         return (f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, {len(self._masters)} float32 masters, "
-                f"{self._nparams - len(self._masters)} float32 params, {self.scaler}"
+                f"{self._engine.nparams - len(self._masters)} float32 params, {self.scaler}"
                 + ("" if self._ws is None else f", {self.precision}") + ")")

@@ -2,22 +2,23 @@
 masters and the masters' gradient segments; the :class:`Plan` of a step (what it touches, as lists ready
 for foreach calls, built once per layout of ``param_groups``); and where its overflow decision stays.
 
-The step engine (:mod:`fxamp.training.step`) runs a step over a plan; the optimizer
-(:mod:`fxamp.training.optimizer`) builds the plan and keeps it.
+A segmented step's runs (:class:`Run`, :func:`cut_runs`) are the plan's too.  The step engine
+(:mod:`fxamp.training.step`) builds the plan, keeps it and runs a step over it; the executors
+(:mod:`fxamp.training.executors`) step its runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._utils import _unflatten_dense_tensors
 
 __all__ = ["CAT_NUMEL", "GRAD_SEGMENT_NUMEL", "RELEASE_MIN_BYTES", "DECIDE_ON", "Strides", "grad_strides",
-           "flat_grads", "Bucket", "Segments", "Plan", "decides_on"]
+           "flat_grads", "Run", "cut_runs", "Bucket", "Segments", "Plan", "decides_on"]
 
 Strides = Optional[Tuple[Tuple[int, ...], ...]]
-
 
 
 def grad_strides(masters: Sequence[torch.Tensor]) -> Strides:
@@ -42,6 +43,43 @@ def flat_grads(masters: Sequence[torch.Tensor], strides: Strides, flat: Optional
         views.append(flat.as_strided(m.shape, stride, flat.storage_offset() + offset))
         offset += m.numel()
     return flat, views
+
+
+
+@dataclass(frozen=True)
+class Run:
+    """Masters of one param group stepped together: ``pairs`` (low, master) on one device, or
+    ``own`` float32 parameters stepped directly (their gradients are unscaled in place beforehand).
+    ``numel`` and ``strides`` (:func:`grad_strides`) are the masters', known when the run is planned."""
+
+    group: int
+    pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
+    own: Tuple[torch.Tensor, ...] = ()
+    numel: int = 0
+    strides: Strides = None
+
+
+def _run(group: int, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Run:
+    masters = [m for _, m in pairs]
+    return Run(group, pairs=tuple(pairs), numel=sum(m.numel() for m in masters), strides=grad_strides(masters))
+
+
+def cut_runs(group: int, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], segment_numel: int) -> List[Run]:
+    """``pairs`` (low, master) of one group and device, in order, as runs of at most ``segment_numel``
+    elements (a larger master is a run of its own)."""
+    runs: List[Run] = []
+    run: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    total = 0
+    for pair in pairs:
+        n = pair[1].numel()
+        if run and total + n > segment_numel:
+            runs.append(_run(group, run))
+            run, total = [], 0
+        run.append(pair)
+        total += n
+    if run:
+        runs.append(_run(group, run))
+    return runs
 
 
 # -- the plan: buckets of (low, master) pairs and their gradient segments ---------------------
@@ -250,7 +288,7 @@ class Plan:
         self.buckets = [Bucket(*lists) for lists in pairs.values()]
         self.own = list(own.values())
         self.layout = [(g["params"], len(g["params"])) for g in groups]
-        self.runs: Optional[List[Any]] = None  # (fxamp.training.step.Run: planned by plan_runs)
+        self.runs: Optional[List[Run]] = None  # (planned by fxamp.training.step.plan_runs)
         self.segments: Optional[Segments] = None
         self.decide_on: Any = _UNKNOWN
         self.fuse: Optional[bool] = None

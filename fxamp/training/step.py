@@ -1,23 +1,30 @@
-"""The step engine: plan runs -> check -> per run: unscale into a segment, step, refresh.
+"""The step engine: one optimizer's step, top to bottom: stage -> check -> execute (and refresh) -> record.
 
-``MixedPrecisionOptimizer.step()`` (:mod:`fxamp.training.optimizer`) is this engine; the
-optimizer keeps the masters and the public API, :mod:`fxamp.training.loss_scale` the scale, the
-check and the stages.  A step's path through the files is optimizer -> step (this module) ->
-loss_scale, and no other: a fourth only under an initialized ``torch.distributed``
-(:mod:`fxamp.training.distributed`: the flag's all-reduce) or with ``compile_step``
-(:mod:`fxamp.training.kernels`: the compiled executor of the runs).  One step, in order::
+``MixedPrecisionOptimizer`` (:mod:`fxamp.training.optimizer`, the facade: masters, ``state_dict``, the public
+verbs) hands every verb of a step to its :class:`Engine`; the scaler (:mod:`fxamp.training.loss_scale`) keeps
+the scale, the stages and the overflow decision; the engine hands the checked step to one executor
+(:mod:`fxamp.training.executors`, the :class:`~fxamp.training.executors.Executor` protocol).  One step::
 
-    plan     the step's tensor lists (:mod:`fxamp.training.plan`'s Plan: per (device, dtype) a
-             Bucket of low-precision parameters and their float32 masters; the float32 parameters
-             stepped directly; the runs of a segmented step), built once per layout of ``param_groups``
-    check    every gradient for inf/NaN (FoundInf, one fused kernel per device and dtype), the
-             verdict agreed across ranks and read on the host or left on the device
-             (:func:`fxamp.training.loss_scale.agree`: the one place that decides)
-    per run  copy the run's low-precision gradients into a float32 segment divided by the
-             scale, step the inner optimizer on the run's masters (on a CPU a stock Adam/AdamW/SGD
-             steps them with ``fused=True``: :func:`fxamp.training.lean.step_inner`; or the
-             compiled executor of :mod:`fxamp.training.kernels`), refresh the low weights
-             (``torch._foreach_copy_``)
+    stage    the gradients where the executor reads them: the plain step puts every master's float32
+             gradient in its ``.grad`` (:func:`unscale`: copied from the low-precision one into the plan's
+             segments, divided by the scale, checked on the way); a segmented one checks the low-precision
+             gradients where they are (:func:`check_in_place`).  The plan (:mod:`fxamp.training.plan`: per
+             (device, dtype) a Bucket of low-precision parameters and their masters, the float32 parameters
+             stepped directly, a segmented step's runs) is built once per layout of ``param_groups``
+    check    the verdict: the flags of every device agreed across ranks, read on the host or left on the
+             device (:func:`fxamp.training.loss_scale.agree`: the one place that decides); a skip changes
+             no weight, master or optimizer state
+    execute  the executor steps the masters and rounds them into the low weights (the refresh: inside the
+             executor, since a lean master's workspace is left after its rounding): :class:`Plain`, or a
+             run at a time (:class:`Segmented`, which offers each run to :class:`LeanKernel` and
+             :class:`LeanChunked` first), or ``compile_step``'s :class:`Compiled`
+    record   the outcome told to the scaler, which moves the scale (or, decided on the device, when the
+             next iteration starts: :meth:`Engine.settle`)
+
+A step runs code in the facade, this module, ``executors``, ``plan`` and ``loss_scale``; with lean masters
+also ``lean`` (the workspace) and ``quant`` (its state codes), ``native`` for the CPU kernel; a further one
+only under an initialized ``torch.distributed`` (:mod:`fxamp.training.distributed`: the flag's all-reduce)
+or with ``compile_step`` (:mod:`fxamp.training.kernels`).  ``tests/test_layout.py`` traces a step to hold it there.
 
 The runs take one of two shapes:
 
@@ -25,43 +32,43 @@ The runs take one of two shapes:
   gradient at once, as views into a few flat segments of the Bucket (``GRAD_SEGMENT_NUMEL``;
   on CPU the small ones gathered by ``torch.cat`` first); the inner optimizer steps once, and
   each bucket's low weights are refreshed.  Any optimizer, hooks and all.
-* **segmented** (:func:`step_runs`): on a large model (``RELEASE_MIN_BYTES`` of float32 gradients)
-  with a stock per-parameter torch optimizer (:func:`steps_per_parameter`) and no ``unscale_()``
-  before ``step()``, the low-precision gradients are checked where they are, then each run (one
-  param group, one device, at most ``SEGMENT_NUMEL`` elements) is unscaled into one reused
-  segment (kept by the plan with each run's views: :class:`~fxamp.training.plan.Segments`, so a
-  step's ops grow with its runs, not its tensors), stepped (every group's "params" list but the
-  run's emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the
-  largest master's gradient) instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
-  (:meth:`fxamp.training.lean.Workspace.step_native`) takes no segment: the kernel reads its
-  low-precision gradient where it is, times 1/scale.  Bitwise the plain step: each parameter is
-  updated from its own gradient and state with its group's hyperparameters
+* **segmented** (:class:`~fxamp.training.executors.Segmented`): on a large model (``RELEASE_MIN_BYTES`` of
+  float32 gradients) with a stock per-parameter torch optimizer (:func:`steps_per_parameter`) and no
+  ``unscale_()`` before ``step()``, the low-precision gradients are checked where they are, then each run
+  (one param group, one device, at most ``SEGMENT_NUMEL`` elements: :func:`plan_runs`) is unscaled into one
+  reused segment (kept by the plan with each run's views: :class:`~fxamp.training.plan.Segments`, so a
+  step's ops grow with its runs, not its tensors), stepped (every group's "params" list but the run's
+  emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the largest master's
+  gradient) instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
+  takes no segment: the kernel reads its low-precision gradient where it is, times 1/scale.  Bitwise the
+  plain step: each parameter is updated from its own gradient and state with its group's hyperparameters
   (tests/training/test_optimizer.py).  After it the masters hold no ``.grad``.
-
-``compile_step=True`` is a second executor for the runs (:meth:`fxamp.training.kernels.Kernels.step`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.optim.optimizer as _torch_optimizer
 
-from .distributed import max_abs
-from .lean import run_step
-from .loss_scale import DeviceFlag, FoundInf
-from .plan import Bucket, Plan, Segments, Strides, flat_grads, grad_strides
+from . import plan as planning
+from .distributed import max_abs, reduces_on_device
+from .executors import Compiled, Executor, Lean, Plain, Segmented, refresh, step_runs
+from ..errors import OptimizerStateError
+from .loss_scale import DeviceFlag, FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree
+from .plan import Bucket, Plan, Run, Segments, cut_runs, flat_grads, grad_strides
 
 __all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "segment_numel_for", "Run", "Check",
-           "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "unscale", "check_in_place",
-           "clip_in_place", "clip_factor", "step", "refresh", "which_overflowed"]
+           "Engine", "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "unscale", "check_in_place",
+           "clip_in_place", "clip_factor", "refresh", "which_overflowed", "flat_grads", "grad_strides"]
 
 #: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
 #: every run, so this is all the step adds to the memory of the low-precision gradients; a few
 #: dozen inner steps for a 25 M-parameter model (each costs ~0.1 ms of Python)
 SEGMENT_NUMEL = 1024 * 1024
+
 
 #: float32 elements per segment on an accelerator (128 MiB): there the caching allocator recycles any
 #: size and each run costs kernel launches and Python (~0.3 ms), not cache misses; a GPT-2 small
@@ -98,24 +105,6 @@ def steps_per_parameter(optimizer: Any) -> bool:
     return not any(hooks)
 
 
-@dataclass(frozen=True)
-class Run:
-    """Masters of one param group stepped together: ``pairs`` (low, master) on one device, or
-    ``own`` float32 parameters stepped directly (their gradients are unscaled in place beforehand).
-    ``numel`` and ``strides`` (:func:`grad_strides`) are the masters', known when the run is planned."""
-
-    group: int
-    pairs: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
-    own: Tuple[torch.Tensor, ...] = ()
-    numel: int = 0
-    strides: Strides = None
-
-
-def _run(group: int, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Run:
-    masters = [m for _, m in pairs]
-    return Run(group, pairs=tuple(pairs), numel=sum(m.numel() for m in masters), strides=grad_strides(masters))
-
-
 def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
               segment_numel: Optional[int] = None) -> List[Run]:
     """The runs of a step, in the order of ``param_groups``: per group, its float32 parameters, then
@@ -137,99 +126,6 @@ def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor],
         for pairs in by_device.values():
             runs.extend(cut_runs(gi, pairs, segment_numel))
     return runs
-
-
-def cut_runs(group: int, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], segment_numel: int) -> List[Run]:
-    """``pairs`` (low, master) of one group and device, in order, as runs of at most ``segment_numel``
-    elements (a larger master is a run of its own)."""
-    runs: List[Run] = []
-    run: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    total = 0
-    for pair in pairs:
-        n = pair[1].numel()
-        if run and total + n > segment_numel:
-            runs.append(_run(group, run))
-            run, total = [], 0
-        run.append(pair)
-        total += n
-    if run:
-        runs.append(_run(group, run))
-    return runs
-
-
-def step_runs(optimizer: Any, runs: Sequence[Run], inv_scale_on: Optional[Callable[[torch.device], torch.Tensor]],
-              ws: Any = None, segments: Optional[Segments] = None) -> None:
-    """Step ``optimizer`` run by run (see the module docstring); ``inv_scale_on(device)`` is ``1/scale``
-    there, or None when the scale is 1; ``ws``: the :class:`~fxamp.training.lean.Workspace` of lean
-    masters, entered and left around each run; ``segments``: the plan's, kept between steps with each
-    run's views (``runs`` then are the plan's runs), else one segment per device for this call alone.
-    Every group's ``params`` list is restored, even on error."""
-    groups = optimizer.param_groups
-    lists = [g["params"] for g in groups]
-    keep = segments is not None
-    if segments is None:  # one segment per device, reused by every run of this call
-        segments = Segments(max((r.numel for r in runs), default=0))
-    sizes: Dict[torch.device, int] = {}
-
-    def size_on(device: torch.device) -> int:  # the largest run there that takes the segment
-        if device not in sizes:
-            sizes[device] = max((r.numel for r in runs if r.pairs and r.pairs[0][1].device == device
-                                 and r.numel <= segments.limit and not (ws is not None and ws.chunks(r, optimizer))),
-                                default=0)
-        return sizes[device]
-
-    try:
-        for index, run in enumerate(runs):
-            for gi, group in enumerate(groups):
-                group["params"] = [] if gi != run.group else list(run.own) if run.own else [m for _, m in run.pairs]
-            if run.own:
-                optimizer.step()
-                continue
-            present = [i for i, (low, _) in enumerate(run.pairs) if low.grad is not None]
-            if not present:
-                for _, m in run.pairs:
-                    m.grad = None  # not stepped, as a plain optimizer would not (none left by an unscale_())
-                continue
-            strides = run.strides
-            key = index if keep and len(present) == len(run.pairs) else None  # views kept for a whole run only
-            if len(present) < len(run.pairs):
-                for low, m in run.pairs:
-                    if low.grad is None:
-                        m.grad = None
-                strides = None if strides is None else tuple(strides[i] for i in present)
-            lows = [run.pairs[i][0] for i in present]
-            masters = [run.pairs[i][1] for i in present]
-            device = masters[0].device
-            if ws is not None:  # lean masters the CPU kernel steps from their low-precision gradients: no segment
-                done = {id(m) for m in ws.step_native(optimizer, masters, grads=[low.grad for low in lows],
-                                                      multiplier=None if inv_scale_on is None else inv_scale_on(device),
-                                                      group=groups[run.group])}
-                if done:
-                    rest = [i for i, m in enumerate(masters) if id(m) not in done]
-                    if not rest:
-                        continue
-                    lows, masters = [lows[i] for i in rest], [masters[i] for i in rest]
-                    strides = None if strides is None else tuple(strides[i] for i in rest)
-                    key = None
-                if ws.chunks(run, optimizer):  # a large lean master: a slice at a time
-                    ws.step_chunked(optimizer, run, inv_scale_on)
-                    continue
-            with torch.no_grad():
-                views = segments.views_for(key, masters, strides, size_on(device))
-                torch._foreach_copy_(views, [low.grad for low in lows])
-                if inv_scale_on is not None:
-                    torch._foreach_mul_(views, inv_scale_on(device))
-            for m, v in zip(masters, views):
-                m.grad = v
-            try:
-                run_step(optimizer, ws, masters, lambda: torch._foreach_copy_(lows, masters), kernel=False)
-            finally:
-                for m in masters:
-                    m.grad = None
-                del views
-    finally:
-        for group, params in zip(groups, lists):
-            group["params"] = params
 
 
 class Check:
@@ -263,7 +159,301 @@ class Check:
         return lambda device: flags.inv_scale_on(device) * coef.to(device)
 
 
-# -- check --------------------------------------------------------------------------------------
+class Engine:
+    """The steps of one :class:`~fxamp.MixedPrecisionOptimizer`: its verbs' work and the state between them.
+
+    optimizer:   the inner optimizer, stepping float32 masters and parameters
+    scaler:      the :class:`LossScaler` (``owns_scaler``: not shared, so the engine updates it each step)
+    low_of:      id(master) -> its low-precision parameter (the facade's pairs, shared)
+    ws:          the lean workspace, or None; ``kernels``: ``compile_step``'s (:class:`fxamp.training.kernels.Kernels`,
+                 imported only then), or None
+    names:       id(parameter) -> its name in the model (for errors and :meth:`overflowed`)
+    sync_overflow, process_group, release_grad_buffer: the facade's options (it sets them here)
+    """
+
+    def __init__(self, optimizer: Any, scaler: LossScaler, owns_scaler: bool, low_of: Dict[int, torch.Tensor],
+                 names: Dict[int, str], ws: Optional[Lean], kernels: Optional[Any], *, sync_overflow: bool,
+                 process_group: Optional[Any], release_grad_buffer: bool) -> None:
+        self.optimizer, self.scaler, self.owns_scaler = optimizer, scaler, owns_scaler
+        self.low_of_id, self.names, self.ws, self.kernels = low_of, names, ws, kernels
+        self.sync_overflow, self.process_group = sync_overflow, process_group
+        self.release_grad_buffer = release_grad_buffer
+        self.client = scaler.attach()  # this optimizer's stage, kept by the scaler
+        self.nparams = 0  # parameters bound by the facade (a group added behind its back is refused)
+        self.kept: Optional[Plan] = None  # the plan, kept while param_groups keep their layout (see plan())
+        self.check: Optional[Check] = None  # this step's check, from unscale_() (or clip) to step()
+        self.due: Optional[Check] = None  # the last step, if decided on the device and not yet counted
+        self.skipped = 0  # steps skipped
+        #: the parameters checked at the latest overflow, and which of them held an inf/NaN
+        self.overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
+        self.hooks_warned = False
+
+    # -- a step, in the order it runs ----------------------------------------------------------------
+    def step(self) -> Union[bool, StepResult]:
+        """stage -> check -> execute -> record (see the module docstring); True stepped, False skipped, or a
+        :class:`StepResult` when the decision stayed on the device."""
+        self.settle()
+        if self.scaler.start_step(self.client) is Stage.SCALED:  # stage (unless unscale_() did)
+            plan = self.plan()
+            if self.segmentable(plan):
+                flags = self.scaler.start_unscale(self.client)
+                with torch.no_grad():
+                    self.decide(flags, check_in_place(plan, flags), plan, in_place=True)
+            else:
+                self.unscale_()
+        check, self.check = self.check, None
+        found = self.scaler.found_inf(self.client)  # check (False for now when deciding on the device)
+        if found:
+            self.skipped += 1
+        else:
+            self.execute(self.kept, check)
+        blame = self.overflowed if found or check.on_device else tuple
+        return self.record(check, found, blame)
+
+    def unscale_(self) -> None:
+        """The plain step's stage: every master's float32 gradient in its ``.grad``, unscaled and checked."""
+        self.settle()
+        flags = self.scaler.start_unscale(self.client)
+        plan = self.plan()
+        with torch.no_grad():
+            self.decide(flags, unscale(plan, flags), plan, in_place=False)
+
+    def plan(self) -> Plan:
+        """The step's tensor lists, rebuilt only when ``param_groups`` changed layout since the last step."""
+        groups = self.optimizer.param_groups
+        n = sum(len(g["params"]) for g in groups)
+        if n != self.nparams:
+            raise OptimizerStateError(
+                f"the inner optimizer now holds {n} parameters, the wrapper knows {self.nparams}: a "
+                f"param group was added to it directly; use opt.add_param_group(...) on the wrapper so "
+                f"float16/bfloat16 parameters get float32 masters"
+            )
+        plan = self.kept
+        if plan is None or not plan.matches(groups):
+            plan = self.kept = Plan(groups, self.low_of)
+        return plan
+
+    def decide(self, flags: FoundInf, checked: int, plan: Plan, in_place: bool) -> Check:
+        """Whether this step overflowed (:func:`~fxamp.training.loss_scale.agree`); tell the scaler, keep the
+        step's :class:`Check` for ``step()``.  Where the decision stays on the device
+        (:func:`fxamp.training.plan.decides_on`) the host does not wait: the scaler is told "no overflow"
+        for now, the inner optimizer gets the flag and skips on the device, and the outcome is counted
+        when the next iteration starts (:meth:`settle`).  Elsewhere the flag is read here."""
+        if not checked:
+            raise OptimizerStateError(
+                "no parameter of this optimizer has a gradient: the loss does not depend on them, "
+                "or backward() ran on another model (if the optimizer was built on the original "
+                "model's parameters, use fxamp.initialize(model, optimizer) to re-point it)"
+            )
+        verdict, local = agree(flags, self.decides_on(plan), self.sync_overflow, self.process_group)
+        check = self.check = Check(flags, in_place, verdict)
+        if check.on_device:
+            self.scaler.finish_unscale(self.client, False)
+            return check
+        if local:  # rare: note which tensors overflowed, before clipping can spread NaNs
+            self.overflow = which_overflowed(self.params(), self.low_of, in_place)
+        else:  # clean here; on another rank, perhaps
+            self.overflow = ([], torch.zeros(0, dtype=torch.bool)) if verdict else None
+        self.scaler.finish_unscale(self.client, verdict)
+        return check
+
+    def execute(self, plan: Plan, check: Check) -> None:
+        """Step a clean (or device-decided) step through its executor.  A device-decided step hands the flag
+        to the inner optimizer, as GradScaler does (``found_inf``; ``grad_scale`` None): its fused kernel skips
+        (the masters left as they were: the same rounding)."""
+        optimizer = self.optimizer
+        found = check.verdict.flag if check.on_device else None
+        if found is not None:
+            optimizer.found_inf, optimizer.grad_scale = found, None
+        executor = self.executor(plan, check, found)
+        try:
+            executor.step(optimizer, plan.runs if check.in_place else (), check.multiplier())
+        finally:
+            if found is not None:
+                del optimizer.found_inf, optimizer.grad_scale
+        # a fused inner step writes without bumping version counters: a converted module's weight cache
+        # (fxamp.conversion.runtime.WeightCastCache) must see the float32 weights it stepped change
+        torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
+        if self.ws is not None:
+            self.ws.stepped()
+
+    def executor(self, plan: Plan, check: Check, found: Optional[torch.Tensor]) -> Executor:
+        """The plain step's :class:`Plain`; a segmented one's (runs planned at its first step: :func:`plan_runs`)
+        :class:`Segmented`, or with ``compile_step``'s kernels :class:`Compiled`."""
+        if not check.in_place:
+            return Plain(plan, self.ws, steps_per_parameter(self.optimizer))
+        if plan.runs is None:
+            segment_numel = segment_numel_for(plan.devices())
+            plan.runs = plan_runs(self.optimizer.param_groups, self.low_of, segment_numel)
+            plan.segments = Segments(segment_numel)
+        if self.fuses(plan):
+            return Compiled(self.kernels, plan.segments.limit, found)
+        return Segmented(self.ws, plan.segments)
+
+    def record(self, check: Check, found: bool, blame: Callable[[], Sequence[str]]) -> Union[bool, StepResult]:
+        """Tell the scaler the outcome; update the scale when this optimizer owns it.  A device-decided step
+        is recorded as pending and settles when the next iteration starts."""
+        if check.on_device:
+            self.scaler.record(check.verdict, blame, self.client)
+            check.update = self.owns_scaler  # (a dynamic scale moves on the outcome: at settle())
+            self.due = check
+            if self.owns_scaler:  # reading the scaler itself settles too (a shared one: the caller's update())
+                self.scaler.defer(self.settle)
+            return StepResult(check.verdict)
+        self.scaler.record(found, blame, self.client)
+        if self.owns_scaler:
+            self.scaler.update()
+        return not found
+
+    def settle(self) -> None:
+        """Learn the outcome of the last step if it was decided on the device: count a skip, find the
+        culprits (their gradients are still there: called before zero_grad drops them), update the scale.
+
+        Called by everything that reads the outcome or starts the next iteration, so the host waits
+        for the check at most once per step, and only once the step's kernels are queued behind it.
+        """
+        due = self.due
+        if due is None:
+            return
+        self.due = None
+        if bool(due.verdict):
+            self.skipped += 1
+            self.overflow = which_overflowed(self.params(), self.low_of, due.in_place)
+        else:
+            self.overflow = None
+        if due.update:
+            self.scaler.update()
+
+    def zero_grad(self, set_to_none: bool, lows: Sequence[torch.Tensor]) -> None:
+        """:meth:`fxamp.MixedPrecisionOptimizer.zero_grad`: the iteration starts over (``lows``: the low-precision
+        parameters whose gradients are cleared too)."""
+        self.settle()
+        self.check = None
+        optimizer = self.optimizer
+        if set_to_none:
+            if not _stock_zero_grad(optimizer):
+                optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
+            for p in [*self.params(), *lows]:  # what Optimizer.zero_grad does, whatever the inner one did
+                p.grad = None
+            if self.release_grad_buffer and self.kept is not None:
+                for bucket in self.kept.buckets:
+                    bucket.release()
+        else:
+            optimizer.zero_grad(set_to_none=False)
+            grads = []
+            for p in lows:
+                if p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    grads.append(p.grad)
+            if grads:
+                torch._foreach_zero_(grads)
+        self.scaler.restart(self.client, drop_scaled=self.owns_scaler)
+
+    # -- clipping: a stage of its own between backward() and step() ------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """:meth:`fxamp.MixedPrecisionOptimizer.clip_grad_norm_`: without leaving a segmented step, the norms
+        from the low-precision gradients and the clip factor joined to the unscaling inside ``step()``."""
+        self.settle()
+        if self.check is not None and self.check.coef is not None:  # the masters have no gradients to clip again
+            raise OptimizerStateError(
+                "clip_grad_norm_() already ran since the last backward(): call it once, between the last "
+                "backward() and step()")
+        plan = self.plan()
+        stage = self.scaler.stage(self.client)
+        if not (stage is Stage.SCALED and self.segmentable(plan)):
+            if stage is not Stage.UNSCALED:
+                self.unscale_()  # (says what is wrong when there was no backward)
+            return torch.nn.utils.clip_grad_norm_(list(self.params()), max_norm, norm_type, error_if_nonfinite)
+        flags = self.scaler.start_unscale(self.client)
+        exact = self.decides_on(plan) is not None  # (exact, and the host does not wait)
+        with torch.no_grad():
+            checked, norms, own = clip_in_place(plan, flags, norm_type, exact)
+            check = self.decide(flags, checked, plan, in_place=True)
+            total, check.coef = clip_factor(norms, own, max_norm, norm_type, error_if_nonfinite)
+        return total
+
+    # -- what the stages ask ----------------------------------------------------------------------------
+    def segmentable(self, plan: Plan) -> bool:
+        """Whether step() may step the masters a segment at a time: the gradient buffer is released between
+        steps, the inner optimizer steps each parameter on its own, the masters' gradients would take 16 MiB
+        or more, and no gradient is sparse (with ``compile_step``'s kernels at any size: no float32 gradient
+        at all)."""
+        per_parameter = steps_per_parameter(self.optimizer)
+        if self.fuses(plan):
+            if not per_parameter and not self.hooks_warned:  # step hooks must run once per step
+                self.hooks_warned = True
+                warnings.warn("compile_step=True: the optimizer has step hooks, which must see one "
+                              "step of every parameter, so it is stepped as it is (not fused)",
+                              RuntimeWarning, stacklevel=4)
+        elif not (self.release_grad_buffer and plan.buckets and plan.nbytes() >= planning.RELEASE_MIN_BYTES):
+            return False
+        return per_parameter and not plan.has_sparse_grad()
+
+    def fuses(self, plan: Plan) -> bool:
+        """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
+        for them to be faster than the plain step (:meth:`fxamp.training.kernels.Kernels.worth`; decided once
+        a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
+        if self.kernels is None or not plan.buckets:
+            return False
+        if plan.fuse is None:
+            plan.fuse = self.kernels.worth([m for b in plan.buckets for m in b.masters])
+        return plan.fuse
+
+    def decides_on(self, plan: Plan) -> Optional[torch.device]:
+        """The device the overflow decision stays on, or None (:func:`fxamp.training.plan.decides_on`)."""
+        host_only = self.fuses(plan) and not self.kernels.skips_on_device
+        return planning.decides_on(plan, self.optimizer, host_only, lambda d: not ranks_to_agree(self.sync_overflow)
+                                   or reduces_on_device(d, self.process_group))
+
+    def low_of(self, master: torch.Tensor) -> Optional[torch.Tensor]:
+        """The low-precision parameter of ``master``, or None for a parameter stepped directly."""
+        return self.low_of_id.get(id(master))
+
+    def params(self) -> Iterator[torch.Tensor]:
+        """The tensors the inner optimizer steps: float32 masters and float32 parameters."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def overflowed(self) -> List[str]:
+        """:meth:`fxamp.MixedPrecisionOptimizer.overflowed_params`: the names of the parameters whose gradients
+        held an inf/NaN at the latest skipped step."""
+        self.settle()
+        if self.overflow is None:
+            return []
+        params, bad = self.overflow
+        return [self.name(p) for p, b in zip(params, bad.tolist()) if b]
+
+    def name(self, p: torch.Tensor) -> str:
+        """``p``'s name in the model (a master's: its low-precision parameter's), else its place in the groups."""
+        low = self.low_of_id.get(id(p))
+        key = id(low) if low is not None else id(p)
+        if key in self.names:
+            return self.names[key]
+        for i, group in enumerate(self.optimizer.param_groups):
+            for j, q in enumerate(group["params"]):
+                if q is p:
+                    return f"group {i}, param {j}"
+        return f"a parameter of shape {tuple(p.shape)}"  # pragma: no cover
+
+    def restore(self, skipped: int) -> None:
+        """A checkpoint was loaded: its count of skipped steps; this optimizer has neither unscaled nor stepped
+        this iteration, and no overflow is known."""
+        self.settle()
+        self.skipped = int(skipped)
+        self.scaler.forget(self.client)
+        self.overflow = None
+
+
+def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.zero_grad`` is ``Optimizer.zero_grad`` (no subclass or instance override)."""
+    return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
+
+
+# -- stage: the gradients where the executor reads them, checked -------------------------------------
 
 def unscale(plan: Plan, flags: FoundInf) -> int:
     """Put the unscaled gradients of every master in its ``.grad`` (the plain step) and unscale the
@@ -380,46 +570,6 @@ def _unscale_own(params: List[torch.Tensor], flags: FoundInf) -> int:
     return len(grads)
 
 
-# -- per run: unscale, step, refresh --------------------------------------------------------------
-
-def step(optimizer: Any, plan: Plan, check: Check, low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-         executor: Optional[Callable[..., None]] = None, ws: Any = None) -> None:
-    """Step the inner optimizer on a checked, clean (or device-decided) step, and refresh the low weights.
-
-    Plain (``check.in_place`` False): the masters hold their float32 gradients, one ``optimizer.step()``.
-    Segmented: the runs of :func:`plan_runs`, through :func:`step_runs`, or ``executor``
-    (:meth:`fxamp.training.kernels.Kernels.step`) with ``step_runs`` for what it does not take.  ``ws``:
-    lean masters' workspace.  A device-decided step hands the flag to the inner optimizer, as
-    GradScaler does (``found_inf``; ``grad_scale`` None): its fused kernel skips."""
-    found = check.verdict.flag if check.on_device else None
-    if found is not None:
-        optimizer.found_inf, optimizer.grad_scale = found, None
-    try:
-        if not check.in_place:  # (a skip on the device left the masters as they were: the same rounding)
-            return run_step(optimizer, ws, [m for b in plan.buckets for m in b.masters], lambda: refresh(plan),
-                            steps_per_parameter(optimizer))
-        segment_numel = segment_numel_for(plan.devices())
-        if plan.runs is None:
-            plan.runs = plan_runs(optimizer.param_groups, low_of, segment_numel)
-            plan.segments = Segments(segment_numel)
-        scale_on = check.multiplier()
-        if executor is None:
-            step_runs(optimizer, plan.runs, scale_on, ws, plan.segments)
-        else:
-            executor(plan.runs, scale_on, lambda runs: step_runs(optimizer, runs, scale_on),
-                     segment_numel=segment_numel, found=found)
-    finally:
-        if found is not None:
-            del optimizer.found_inf, optimizer.grad_scale
-
-
-def refresh(plan: Plan) -> None:
-    """Round the masters into the low-precision parameters: one ``_foreach_copy_`` per (device, dtype)."""
-    with torch.no_grad():
-        for bucket in plan.buckets:
-            torch._foreach_copy_(bucket.lows, bucket.masters)
-
-
 def which_overflowed(params: Iterator[torch.Tensor], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
                      in_place: bool) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """The parameters whose gradients were checked, and which of them hold an inf/NaN: the masters'
@@ -433,3 +583,4 @@ def which_overflowed(params: Iterator[torch.Tensor], low_of: Callable[[torch.Ten
             grads.append(g)
     maxabs = max_abs([g._values() if g.is_sparse else g for g in grads])  # (uncoalesced values too)
     return checked, ~torch.isfinite(maxabs)
+
