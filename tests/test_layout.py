@@ -40,6 +40,7 @@ STAGES: Dict[str, int] = {
     "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, the plan)
     "training.inner": 3,  # which of torch's paths (fused, foreach) steps the masters
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
+    "training.flat": 3,  # the lean step's flat buffers of a run's masters, and the stochastic rounding's hash
     "training.lean": 4,
     "training.step": 4,
     "training.kernels": 5,

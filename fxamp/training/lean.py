@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from . import native, quant
+from .flat import Flat, decode, encode, key as noise_key, round_stochastic_
 from .config import LeanConfig
 from .inner import ForeachSGD, plain
 
@@ -115,50 +116,19 @@ def _term(full: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 
 def _seed_for(seed: int, index: int, count: int) -> int:
+    """The CPU kernel's key for a stochastic rounding (it hashes the key with each element's place itself)."""
     return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
 
 
-def _host_reads_cheaply(device: torch.device) -> bool:
-    """Whether the host may read a value on ``device`` to pick a path (elsewhere that read waits for the device)."""
-    return device.type == "cpu"
-
-
-def draw_noise(m: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """16 bits of noise for each of ``m`` elements (uint16), four from each full-range 64-bit draw: the stream
-    ``torch.randint(-2**63, 2**63 - 1)`` gives, without its modulo; on a CPU, drawing a tensor's noise slice by
-    slice (slices of a multiple of 4) gives the same bits as drawing it at once."""
-    draws = torch.empty(-(-m // 4), dtype=torch.int64, device=device)
-    draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
-    return draws.view(torch.uint16)[:m]
-
-
-def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
+def stochastic_round(x: torch.Tensor, out: torch.Tensor, key: int, first: int = 0) -> None:
     """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction.
 
-    16 random bits per element, four from each 64-bit draw (full-range draws: no modulo), added to the
-    float32 bits; the low 16 bits are dropped.  A slice of :func:`~fxamp.training.quant.chunk_for` elements
-    at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied: on a CPU a sum
-    over the slice says whether it has any (only then the slower masked path); elsewhere the masked path
-    always (the same bits; asking would make the host wait for the device)."""
-    # the stream's element i rounds row-major element i, whatever the strides (a strided ``out`` through a copy)
-    bits, dst = x.detach().reshape(-1).view(torch.int32), out.reshape(-1) if out.is_contiguous() else out.flatten()
-    dst16 = dst.view(torch.int16)
-    chunk, on_cpu = quant.chunk_for(x.device), _host_reads_cheaply(x.device)
-    for start in range(0, bits.numel(), chunk):
-        part = bits[start:start + chunk]
-        m = part.numel()
-        noise = draw_noise(m, generator, x.device).to(torch.int32)
-        noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
-        # (a finite slice whose sum overflows takes the slower path: the same result)
-        if on_cpu and torch.isfinite(part.view(torch.float32).sum()):
-            # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
-            dst16[start:start + m].copy_(noise.bitwise_right_shift_(16))
-        else:
-            value = noise.bitwise_and_(-65536).view(torch.float32)  # (0xFFFF0000): the low 16 bits dropped
-            value = torch.where(torch.isfinite(part.view(torch.float32)), value, part.view(torch.float32))
-            dst[start:start + m].copy_(value)  # exact: a bfloat16
-    if not out.is_contiguous():
-        out.copy_(dst.view(out.shape))
+    Row-major element i takes the noise of element ``first + i`` of the master whose rounding key is ``key``
+    (:func:`fxamp.training.flat.key`; :func:`fxamp.training.flat.round_stochastic_` says how), whatever the
+    strides of ``x`` and ``out``; ``x`` is left as it was."""
+    work = x.detach().reshape(-1).clone()
+    round_stochastic_(work, [(work.numel(), key, first)])
+    out.copy_(work.view(out.shape))
 
 
 class Workspace:
@@ -173,7 +143,11 @@ class Workspace:
         self.low_of: Dict[int, torch.Tensor] = {}
         self.steps = 0  # steps taken (calibration ends after config.calibration_steps)
         self._old: Dict[int, torch.Tensor] = {}  # calibration: each master before the step
-        self._gens: Dict[torch.device, torch.Generator] = {}
+        self._flats: Dict[tuple, Flat] = {}  # ids of masters moved together -> their flat buffers
+        self._used: Dict[int, Flat] = {}  # the flats of the step in progress (freed by leave)
+        self._saved: Dict[tuple, torch.Tensor] = {}  # (id(state), key) -> what _decode took from it
+        self._holders: Dict[int, torch.Tensor] = {}  # id(master) -> its placeholder between steps
+        self._open: Optional[tuple] = None  # enter's groups of (master, choice), for leave
 
     # -- modes ---------------------------------------------------------------------------------
     def add(self, low: torch.Tensor, master: torch.Tensor, index: int, name: str) -> None:
@@ -246,23 +220,30 @@ class Workspace:
             return []
         group_of = {} if group is not None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
         mul = 1.0 if multiplier is None else float(multiplier)
-        done = []
+        todo = []
+        for i, m in enumerate(masters):
+            choice, g = self.choices.get(id(m)), group if group is not None else group_of.get(id(m))
+            grad = m.grad if grads is None else grads[i]
+            if choice is None or g is None or grad is None:
+                continue
+            low, state = self.low_of[id(m)], optimizer.state.get(m, {})
+            if self._by_kernel(optimizer, g, choice, low, state):
+                todo.append((m, choice, g, grad, low, state))
+        if not todo:
+            return []
+        counts = [st["step"] for *_, st in todo]
+        steps = torch.stack(counts).tolist()  # (every step count in one read, not one read per master)
+        hyper: Dict[int, Dict[str, Any]] = {}  # (a tensor lr: read once per group)
         with torch.no_grad():
-            for i, m in enumerate(masters):
-                choice, g = self.choices.get(id(m)), group if group is not None else group_of.get(id(m))
-                grad = m.grad if grads is None else grads[i]
-                if choice is None or g is None or grad is None:
-                    continue
-                low, state = self.low_of[id(m)], optimizer.state.get(m, {})
-                if not self._by_kernel(optimizer, g, choice, low, state):
-                    continue
-                native.adam_step(optimizer, g, state, low, choice.term, grad.contiguous(),
-                                 self._key_for(m, choice), choice.state, grad_mul=mul)
-                state["step"] += 1
+            for (m, choice, g, grad, low, state), step in zip(todo, steps):
+                if id(g) not in hyper:
+                    hyper[id(g)] = native.hyperparameters(optimizer, g)
+                native.adam_step(state, low, choice.term, grad.contiguous(), self._key_for(m, choice), choice.state,
+                                 hyper[id(g)], step=step + 1, grad_mul=mul)
                 if grads is None:
                     m.data = low
-                done.append(m)
-        return done
+            torch._foreach_add_(counts, 1)
+        return [m for m, *_ in todo]
 
     @staticmethod
     def _by_kernel(optimizer: Any, group: Dict[str, Any], choice: Choice, low: torch.Tensor,
@@ -279,51 +260,125 @@ class Workspace:
         return _seed_for(self.seed, self.index[id(m)], choice.count - 1)
 
     def enter(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
-        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s)."""
-        calibrating = self.calibrating
+        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s).
+
+        The masters of one device whose gradients are row-major (or absent) are moved together, a ``_foreach``
+        call per role over their :class:`~fxamp.training.flat.Flat` (their values: weight, plus term; each moment
+        decoded in one pass); any other (a gradient of other strides, a tensor subclass) on its own."""
         skip_ids = {id(m) for m in skip}
+        entries = [(m, c) for m, c in ((m, self.choices.get(id(m))) for m in masters)
+                   if c is not None and id(m) not in skip_ids]
+        groups: Dict[torch.device, List[Any]] = {}
+        rest = []
+        for m, c in entries:
+            g = m.grad
+            if plain(m) and (g is None or (g.layout == torch.strided and g.is_contiguous())):
+                groups.setdefault(m.device, []).append((m, c))
+            else:
+                rest.append((m, c))
+        self._open = (list(groups.values()), rest)
+        state = self.optimizer.state
         with torch.no_grad():
-            for m in masters:
-                choice = self.choices.get(id(m))
-                if choice is None or id(m) in skip_ids:
-                    continue
-                if choice.master != "fp32":
+            for group in self._open[0]:
+                lean = [(m, c) for m, c in group if c.master != "fp32"]
+                if lean:
+                    views = self._flat([m for m, _ in lean]).take("value")[1]
+                    torch._foreach_copy_(views, [self.low_of[id(m)] for m, _ in lean])
+                    kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
+                    if kahan:  # (float32 arithmetic: the term's values are exact in it)
+                        torch._foreach_add_([views[i] for i in kahan], [lean[i][1].term for i in kahan])
+                    for (m, _), v in zip(lean, views):
+                        m.data = v
+                for mode in ("bf16", "int8"):
+                    coded = [(m, state[m]) for m, c in group if c.state == mode and state.get(m)]
+                    if coded:
+                        decode(self._flat([m for m, _ in coded]), mode, [st for _, st in coded], self._saved)
+            for m, c in rest:
+                if c.master != "fp32":
                     m.data = self.value(m, m.grad)
-                if m in self.optimizer.state:
-                    if choice.state != "fp32":
-                        quant.decompress(self.optimizer.state[m])
-                    quant.conform(self.optimizer.state[m], m)  # (decoded row-major; the value may not be)
-                if calibrating:
+                if c.state != "fp32" and state.get(m):
+                    quant.decompress(state[m])
+            for m, _ in entries:
+                if m in state:
+                    quant.conform(state[m], m)  # (decoded row-major; the value may not be)
+                if self.calibrating:
                     self._old[id(m)] = m.detach().clone()
 
     def leave(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
         """After the step and the refresh (the weights hold the round-to-nearest of the new values):
         the term, or the stochastic rounding; compressed state; placeholders again (``skip``: stepped by
         :meth:`step_native`, only their placeholders)."""
-        calibrating = self.calibrating
-        skip_ids = {id(m) for m in skip}
+        for m in skip:
+            if id(m) in self.choices:
+                m.data = self._holder(m)
+        groups, rest = self._open if self._open is not None else ([], [])
+        self._open = None
+        state = self.optimizer.state
         with torch.no_grad():
-            for m in masters:
-                choice = self.choices.get(id(m))
-                if choice is None:
-                    continue
-                if id(m) in skip_ids:
-                    m.data = placeholder(m)
-                    continue
+            if self.calibrating:
+                for m, c in [e for group in groups for e in group] + rest:
+                    self._measure(m, self.low_of[id(m)], c)
+            for group in groups:
+                lean = [(m, c) for m, c in group if c.master != "fp32"]
+                if lean:
+                    self._split(lean)
+                for mode in ("bf16", "int8"):
+                    coded = [(m, state[m]) for m, c in group if c.state == mode and state.get(m)]
+                    if coded:
+                        encode(self._flat([m for m, _ in coded]), mode, [st for _, st in coded], self._saved)
+            for m, c in rest:
                 low = self.low_of[id(m)]
-                if calibrating:
-                    self._measure(m, low, choice)
-                if choice.master == "kahan":
-                    choice.term.copy_(m.detach() - low.float())
-                elif choice.master == "stochastic":
-                    gen = self._generator(m.device)
-                    gen.manual_seed(_seed_for(self.seed, self.index[id(m)], choice.count))
-                    choice.count += 1
-                    stochastic_round(m.detach(), low, gen)
-                if choice.master != "fp32":
-                    m.data = placeholder(m)
-                if choice.state != "fp32" and m in self.optimizer.state:
-                    quant.compress(self.optimizer.state[m], choice.state)
+                if c.master == "kahan":
+                    c.term.copy_(m.detach() - low.float())
+                elif c.master == "stochastic":
+                    stochastic_round(m.detach(), low, noise_key(self.seed, self.index[id(m)], c.count))
+                    c.count += 1
+                if c.master != "fp32":
+                    m.data = self._holder(m)
+                if c.state != "fp32" and state.get(m):
+                    quant.compress(state[m], c.state)
+        for flat in self._used.values():
+            flat.free()
+        self._used.clear()
+        self._saved.clear()
+
+    def _flat(self, masters: List[torch.Tensor]) -> Flat:
+        """The :class:`~fxamp.training.flat.Flat` of ``masters`` (made at the first step that moves them together)."""
+        k = tuple(id(m) for m in masters)
+        flat = self._flats.get(k)
+        if flat is None:
+            flat = self._flats[k] = Flat(masters)
+        self._used[id(flat)] = flat
+        return flat
+
+    def _holder(self, master: torch.Tensor) -> torch.Tensor:
+        """``master``'s placeholder between steps (made once: binding it dispatches nothing)."""
+        held = self._holders.get(id(master))
+        if held is None or held.shape != master.shape:
+            held = self._holders[id(master)] = placeholder(master)
+        return held
+
+    def _split(self, lean: List[Any]) -> None:
+        """Write back the stepped values of ``lean`` (masters and choices, bound to a flat's views): Kahan's terms,
+        the stochastic roundings into the weights (one hash over the buffer); placeholders again."""
+        flat = self._flat([m for m, _ in lean])
+        buffer, views = flat.take("value")
+        lows = [self.low_of[id(m)] for m, _ in lean]
+        kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
+        if kahan:  # term = value - weight (the weight: the value's round-to-nearest, from the refresh)
+            torch._foreach_sub_([views[i] for i in kahan], [lows[i] for i in kahan])
+            torch._foreach_copy_([lean[i][1].term for i in kahan], [views[i] for i in kahan])
+        rounded = [i for i, (_, c) in enumerate(lean) if c.master == "stochastic"]
+        if rounded:
+            keys = [0] * len(lean)
+            for i in rounded:
+                m, c = lean[i]
+                keys[i] = noise_key(self.seed, self.index[id(m)], c.count)
+                c.count += 1
+            round_stochastic_(buffer, flat.segments(keys))
+            torch._foreach_copy_([lows[i] for i in rounded], [views[i] for i in rounded])
+        for m, _ in lean:
+            m.data = self._holder(m)
 
     def chunks(self, run: Any, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
@@ -349,10 +404,9 @@ class Workspace:
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
-        gen = None
+        rounding = None  # the stochastic rounding's key: slice after slice, the elements' row-major places
         if choice.master == "stochastic":
-            gen = self._generator(low.device)
-            gen.manual_seed(_seed_for(self.seed, self.index[id(master)], choice.count))
+            rounding = noise_key(self.seed, self.index[id(master)], choice.count)
             choice.count += 1
         # the stepped state is written over the old, a slice after that slice was read (no second copy of
         # the state: its tensors of the mode's dtype are reused; "step" and the like are the last slice's)
@@ -381,8 +435,9 @@ class Workspace:
                 with fused:
                     optimizer.step()
                 with torch.no_grad():
-                    if gen is not None:
-                        stochastic_round(piece, flat[sl], gen)
+                    if rounding is not None:
+                        round_stochastic_(piece.detach(), [(m, rounding, start)])
+                        flat[sl].copy_(piece)
                     else:
                         flat[sl].copy_(piece)
                         term[sl].copy_(piece.sub_(flat[sl]))  # (the stepped value is not needed after)
@@ -392,11 +447,6 @@ class Workspace:
         optimizer.state[master] = new
         if copied:
             low.detach().copy_(flat.view(low.shape))
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._gens:
-            self._gens[device] = torch.Generator(device=device)
-        return self._gens[device]
 
     # -- auto ----------------------------------------------------------------------------------
     @property

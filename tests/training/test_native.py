@@ -28,7 +28,7 @@ def _state(n, seed=0):
     return w, grad, m, v
 
 
-def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
+def _eager(w, term, grad, m, v, step, noise_key, opt_cls, **hp):
     """The eager lean step of one tensor: float32 value, torch's fused Adam(W), 8-bit codes, the weight's rounding."""
     p = nn.Parameter(w.float() + (term.float() if term is not None else 0))
     p.grad = grad.clone()
@@ -41,7 +41,7 @@ def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
     new_w = torch.empty_like(w)
     new_term = p.detach().clone()  # stochastic: the float32 value the kernel's rounding must land beside
     if term is None:
-        lean.stochastic_round(p.detach(), new_w, noise_gen)
+        lean.stochastic_round(p.detach(), new_w, noise_key)  # (any key: the kernel hashes its own noise)
     else:
         new_w.copy_(p.detach())
         new_term = (p.detach() - new_w.float()).to(torch.bfloat16)
@@ -62,7 +62,7 @@ def test_the_kernel_is_the_eager_lean_step_up_to_float32_rounding(kahan, opt_cls
     w, grad, m, v = _state(n)
     term = (torch.randn(n) * 1e-5).bfloat16() if kahan else None
     hp = dict(lr=6e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
-    ref_w, ref_term, (cm_r, am_r, cv_r, av_r) = _eager(w, term, grad, m, v, 7, torch.Generator().manual_seed(5),
+    ref_w, ref_term, (cm_r, am_r, cv_r, av_r) = _eager(w, term, grad, m, v, 7, 5,
                                                       opt_cls, **hp)
     cm, am = quant.quantize(m, True)
     cv, av = quant.quantize(v, False)
@@ -240,7 +240,8 @@ def test_codes_a_loader_cast_to_float_step_as_the_codes_do():
         if cast:
             state = {k: t.float() for k, t in state.items()}
         low = w.clone()
-        native.adam_step(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group, state, low, None, grad, 5, "int8")
+        hyper = native.hyperparameters(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group)
+        native.adam_step(state, low, None, grad, 5, "int8", hyper, step=4.0)
         runs.append((low, state["exp_avg"], state["exp_avg_sq"]))
     assert runs[1][1].dtype == torch.int8 and runs[1][2].dtype == torch.uint8
     assert all(torch.equal(a, b) for a, b in zip(*runs))
