@@ -95,7 +95,8 @@ def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]])
                                            torch.tensor(counts, dtype=torch.int64, device=x.device), output_size=m))
         z.bitwise_xor_(z >> 30).mul_(_M1_S)
         z.bitwise_xor_(z >> 27).mul_(_M2_S)
-        part, bits = x[start:start + m], bits_all[start:start + m]
+        # (narrow, not x[a:b]: Python indexing of an accelerator's tensor wants its runtime, a fake one's too)
+        part, bits = (x, bits_all) if m == n else (x.narrow(0, start, m), bits_all.narrow(0, start, m))
         nan = torch.isnan(part)
         # noise in [0, 2^16): the product's top 16 bits (signed) + 2^15; int32 arithmetic wraps only for NaNs
         bits.add_(z.bitwise_right_shift_(48)).add_(2 ** 15).bitwise_and_(-65536)
@@ -136,10 +137,9 @@ class Flat:
         if entry is None:
             flat = torch.empty(size, dtype=dtype, device=self.device)
             if blocks:
-                views = [flat[o // quant.BLOCK:o // quant.BLOCK + -(-n // quant.BLOCK)]
-                         for o, n in zip(self.offsets, self.numels)]
+                views = [flat.narrow(0, o // quant.BLOCK, -(-n // quant.BLOCK)) for o, n in zip(self.offsets, self.numels)]
             else:
-                views = [flat[o:o + n].view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)]
+                views = [flat.narrow(0, o, n).view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)]
             entry = self.buffers[role] = (flat, views)
         else:
             storage = entry[0].untyped_storage()
@@ -162,7 +162,7 @@ class Flat:
             flat = self.take(role)[0]
             views = self.buffers.get(role + ".pads")
             if views is None:
-                views = self.buffers[role + ".pads"] = (flat, [flat[o:o + k] for o, k in self.pads])
+                views = self.buffers[role + ".pads"] = (flat, [flat.narrow(0, o, k) for o, k in self.pads])
             torch._foreach_zero_(views[1])
 
     def segments(self, keys: Sequence[int]) -> List[Tuple[int, int, int]]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 from . import native, quant
 from .flat import Flat, decode, encode, key as noise_key, round_stochastic_
@@ -148,6 +149,7 @@ class Workspace:
         self._saved: Dict[tuple, torch.Tensor] = {}  # (id(state), key) -> what _decode took from it
         self._holders: Dict[int, torch.Tensor] = {}  # id(master) -> its placeholder between steps
         self._open: Optional[tuple] = None  # enter's groups of (master, choice), for leave
+        self._multiplier: Optional[tuple] = None  # (a segmented step's 1/scale, its value read on the host)
 
     # -- modes ---------------------------------------------------------------------------------
     def add(self, low: torch.Tensor, master: torch.Tensor, index: int, name: str) -> None:
@@ -219,7 +221,6 @@ class Workspace:
         if not split or self.calibrating:
             return []
         group_of = {} if group is not None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        mul = 1.0 if multiplier is None else float(multiplier)
         todo = []
         for i, m in enumerate(masters):
             choice, g = self.choices.get(id(m)), group if group is not None else group_of.get(id(m))
@@ -231,6 +232,7 @@ class Workspace:
                 todo.append((m, choice, g, grad, low, state))
         if not todo:
             return []
+        mul = 1.0 if multiplier is None else self._on_host(multiplier)
         counts = [st["step"] for *_, st in todo]
         steps = torch.stack(counts).tolist()  # (every step count in one read, not one read per master)
         hyper: Dict[int, Dict[str, Any]] = {}  # (a tensor lr: read once per group)
@@ -244,6 +246,12 @@ class Workspace:
                     m.data = low
             torch._foreach_add_(counts, 1)
         return [m for m, *_ in todo]
+
+    def _on_host(self, multiplier: torch.Tensor) -> float:
+        """``float(multiplier)``, read once for the runs of a segmented step that share the tensor (1/scale)."""
+        if self._multiplier is None or self._multiplier[0] is not multiplier:
+            self._multiplier = (multiplier, float(multiplier))
+        return self._multiplier[1]
 
     @staticmethod
     def _by_kernel(optimizer: Any, group: Dict[str, Any], choice: Choice, low: torch.Tensor,
@@ -272,7 +280,8 @@ class Workspace:
         rest = []
         for m, c in entries:
             g = m.grad
-            if plain(m) and (g is None or (g.layout == torch.strided and g.is_contiguous())):
+            if (isinstance(m, FakeTensor) or plain(m)) and (g is None or (g.layout == torch.strided
+                                                                     and g.is_contiguous())):
                 groups.setdefault(m.device, []).append((m, c))
             else:
                 rest.append((m, c))
