@@ -27,32 +27,33 @@ from . import quant
 
 __all__ = ["key", "round_stochastic_", "Flat", "decode", "encode"]
 
-_MASK = 2 ** 64 - 1
-#: splitmix64's increment (the golden ratio) and multipliers: the noise of element j of a master is a hash of
-#: ``key + j * GOLDEN``, splitmix64's state sequence
-_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _signed(v: int) -> int:
-    """``v`` modulo 2^64 as an int64 value."""
-    v &= _MASK
-    return v - 2 ** 64 if v >= 2 ** 63 else v
-
-
-def _mix(z: int) -> int:
-    """splitmix64's finalizer on a Python int (the keys are mixed on the host: no linear relation between them)."""
-    z = ((z ^ (z >> 30)) * _M1) & _MASK
-    z = ((z ^ (z >> 27)) * _M2) & _MASK
-    return z ^ (z >> 31)
-
-
 def key(seed: int, index: int, count: int) -> int:
-    """The stochastic rounding's key for the ``count``-th rounding of the master at ``index`` (64 bits)."""
-    return _mix(_mix(_mix(seed & _MASK) ^ index) ^ count)
+    """The stochastic rounding's key for the ``count``-th rounding of the master at ``index`` (63 bits): the CPU
+    kernel's (:mod:`fxamp.training.native`), which hashes the same noise from it."""
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
 
 
-#: int64 constants of the hash (their two's complement)
-_GOLDEN_S, _M1_S, _M2_S = (_signed(c) for c in (_GOLDEN, _M1, _M2))
+def _i32(v: int) -> int:
+    """``v`` modulo 2^32 as an int32 value."""
+    v &= 0xFFFFFFFF
+    return v - 2 ** 32 if v >= 2 ** 31 else v
+
+
+#: murmur3's finalizer's multipliers, as int32
+_C1, _C2 = _i32(0x85EBCA6B), _i32(0xC2B2AE35)
+
+
+def _xorshift_(x: torch.Tensor, s: int, tmp: torch.Tensor) -> torch.Tensor:
+    """``x ^= x >> s`` with a logical shift, on int32 (an arithmetic shift, its sign bits masked off); ``tmp``: a
+    buffer of ``x``'s size (a new tensor per shift cost more than the shift on a CPU)."""
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, s, out=tmp).bitwise_and_((1 << (32 - s)) - 1))
+
+
+def _mix32_(x: torch.Tensor, tmp: torch.Tensor, last: bool = True) -> torch.Tensor:
+    """murmur3's 32-bit finalizer in place on int32 (products wrap as uint32's): lean_kernel.c's ``mix32``; without
+    its ``last`` xorshift, which leaves the top 16 bits as they are (all the rounding reads)."""
+    x = _xorshift_(_xorshift_(x, 16, tmp).mul_(_C1), 13, tmp).mul_(_C2)
+    return _xorshift_(x, 16, tmp) if last else x
 
 
 def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]]) -> None:
@@ -61,45 +62,59 @@ def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]])
 
     ``segments``: ``(count, key, first)`` for consecutive stretches of ``x`` (covering it, in order): the stretch's
     elements are elements ``first, first + 1, ...`` (row-major) of the master of :func:`key` ``key``.  Element j's
-    noise is the top 16 bits of a hash of ``key + j * golden`` (splitmix64's sequence, two of its xorshift-multiply
-    rounds; arithmetic shifts, the top bits of the last product taken), added to the float32 bits, the low 16 bits
-    dropped.  A slice of :func:`~fxamp.training.quant.chunk_for` elements at a time (a slice's temporaries: 8 bytes
-    an element), with a few ops per slice whatever the number of masters in it.  Noise added to an infinity's bits
-    leaves it infinite (the low bits are dropped); a NaN is written as NaN (its bits could carry into the exponent)."""
+    16 bits of noise are the CPU kernel's (``lean_kernel.c``): ``mix32(mix32(j ^ k0) ^ k1) >> 16`` (murmur3's
+    finalizer; k0, k1 the key's low and high 32 bits), added to the float32 bits, the low 16 bits dropped; so the
+    kernel and this rounding give the same bits for the same value.  int32 arithmetic, a slice of
+    :func:`~fxamp.training.quant.chunk_for` elements at a time, a few dozen ops per slice whatever the number of
+    masters in it.  An infinity stays infinite (the noise does not reach its exponent), a NaN is written as NaN
+    (noise added to a payload in its low bits could carry into the exponent)."""
     n = x.numel()
     chunk = quant.chunk_for(x.device)
     bits_all = x.view(torch.int32)
     where = [0]
-    for count, _, _ in segments:
+    for count, _, first in segments:
         where.append(where[-1] + count)
+        assert first + count <= 2 ** 32, "a master of 2^32 elements or more"  # (the kernel's j is 32 bits too)
     assert where[-1] == n, (where[-1], n)
     s = 0
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        bases, counts = [], []
+        words = []  # per stretch in the slice: (j - its place in the slice, k0, k1), and its length
+        counts = []
         while s < len(segments) and where[s] < start + m:  # the stretches overlapping [start, start + m)
             count, k, first = segments[s]
             lo, hi = max(where[s], start), min(where[s + 1], start + m)
-            if hi > lo:
-                # element j = first + (lo - where[s]) + i sits at position p = lo - start + i of the slice
-                bases.append(_signed(k + (first + lo - where[s] - (lo - start)) * _GOLDEN))
+            if hi > lo:  # element j = first + (lo - where[s]) + i sits at place lo - start + i of the slice
+                words.append((_i32(first + lo - where[s] - (lo - start)), _i32(k), _i32(k >> 32)))
                 counts.append(hi - lo)
             if where[s + 1] > start + m:
                 break
             s += 1
-        z = torch.arange(m, dtype=torch.int64, device=x.device).mul_(_GOLDEN_S)
-        if len(bases) == 1:
-            z.add_(bases[0])
+        if start == 0:  # the slice's hash and a buffer for its shifts (made once, reused by the next slices)
+            z = torch.empty(m, dtype=torch.int32, device=x.device)
+            tmp = torch.empty(m, dtype=torch.int32, device=x.device)
+        if len(words) == 1:
+            offset, k0, k1 = words[0]
         else:
-            z.add_(torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64, device=x.device),
-                                           torch.tensor(counts, dtype=torch.int64, device=x.device), output_size=m))
-        z.bitwise_xor_(z >> 30).mul_(_M1_S)
-        z.bitwise_xor_(z >> 27).mul_(_M2_S)
+            # each stretch's three words, element by element: their steps at the stretches' starts, summed along
+            # (int32 sums wrap: each word is its stretch's exactly; a gather of them ran 10x slower on a CPU)
+            starts, steps, before, place = [], [], (0, 0, 0), 0
+            for word, count in zip(words, counts):
+                starts.append(place)
+                steps.append([_i32(a - b) for a, b in zip(word, before)])
+                before, place = word, place + count
+            delta = torch.zeros(3, m, dtype=torch.int32, device=x.device)
+            delta.view(-1).index_put_(
+                (torch.tensor([r * m + at for r in range(3) for at in starts], dtype=torch.int64, device=x.device),),
+                torch.tensor([step[r] for r in range(3) for step in steps], dtype=torch.int32, device=x.device))
+            offset, k0, k1 = delta.cumsum_(1).unbind(0)
+        u, w = (z, tmp) if m == z.numel() else (z.narrow(0, 0, m), tmp.narrow(0, 0, m))
+        _mix32_(torch.arange(0, m, out=u).add_(offset).bitwise_xor_(k0), w).bitwise_xor_(k1)
+        noise = _mix32_(u, w, last=False).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
         # (narrow, not x[a:b]: Python indexing of an accelerator's tensor wants its runtime, a fake one's too)
         part, bits = (x, bits_all) if m == n else (x.narrow(0, start, m), bits_all.narrow(0, start, m))
         nan = torch.isnan(part)
-        # noise in [0, 2^16): the product's top 16 bits (signed) + 2^15; int32 arithmetic wraps only for NaNs
-        bits.add_(z.bitwise_right_shift_(48)).add_(2 ** 15).bitwise_and_(-65536)
+        bits.add_(noise).bitwise_and_(-65536)  # (int32 arithmetic wraps as the kernel's uint32)
         part.masked_fill_(nan, float("nan"))
 
 

@@ -116,11 +116,6 @@ def _term(full: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return (full - low.float()).to(low.dtype, memory_format=torch.contiguous_format)
 
 
-def _seed_for(seed: int, index: int, count: int) -> int:
-    """The CPU kernel's key for a stochastic rounding (it hashes the key with each element's place itself)."""
-    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
-
-
 def stochastic_round(x: torch.Tensor, out: torch.Tensor, key: int, first: int = 0) -> None:
     """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction.
 
@@ -265,7 +260,7 @@ class Workspace:
         if choice.master != "stochastic":
             return None
         choice.count += 1
-        return _seed_for(self.seed, self.index[id(m)], choice.count - 1)
+        return noise_key(self.seed, self.index[id(m)], choice.count - 1)
 
     def enter(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
         """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s).

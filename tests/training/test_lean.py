@@ -261,18 +261,22 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
 
 
 def _hash_oracle(x, key, first=0):
-    """The rounding of float32 ``x`` (row-major elements ``first, ...`` of the master of ``key``), in Python ints:
-    noise = the top 16 bits of splitmix64's two xorshift-multiply rounds (arithmetic shifts) of key + j * golden."""
-    def signed(v, bits=64):
-        v &= (1 << bits) - 1
-        return v - (1 << bits) if v >= 1 << (bits - 1) else v
+    """The rounding of float32 ``x`` (row-major elements ``first, ...`` of the master of ``key``), in Python ints, as
+    lean_kernel.c writes it: noise = mix32(mix32(j ^ k0) ^ k1) >> 16 (murmur3's finalizer; k0, k1 the key's halves)
+    added to the float32 bits (uint32), the low 16 bits dropped."""
+    def mix32(v):
+        v ^= v >> 16
+        v = (v * 0x85EBCA6B) & 0xFFFFFFFF
+        v ^= v >> 13
+        v = (v * 0xC2B2AE35) & 0xFFFFFFFF
+        return v ^ (v >> 16)
 
+    k0, k1 = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
     out = []
     for i, b in enumerate(x.view(torch.int32).tolist()):
-        z = signed(key + (first + i) * 0x9E3779B97F4A7C15)
-        z = signed((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9)
-        z = signed((z ^ (z >> 27)) * 0x94D049BB133111EB)
-        out.append(signed(b + (z >> 48) + 2 ** 15, 32) & -65536)
+        noise = mix32(mix32((first + i) ^ k0) ^ k1) >> 16
+        u = ((b & 0xFFFFFFFF) + noise) & 0xFFFF0000
+        out.append(u - (1 << 32) if u >= 1 << 31 else u)
     return torch.tensor(out, dtype=torch.int32).view(torch.float32)
 
 
