@@ -12,9 +12,10 @@ scales as the master's own quantization).
 
 The stochastic rounding (:func:`round_stochastic_`) adds to each float32 value 16 bits of noise hashed from the
 master's key for this step (:func:`key`: seed, the master's place among the wrapper's masters, its count of
-roundings) and the element's row-major index: a pure function of those, so a step is bitwise resumable and the
-same whichever run, slice or order a master is stepped in; one hash over a buffer of many masters, no random
-stream read in order, and no host read (a NaN stays NaN, an infinity stays infinite, by construction).
+roundings) and the element's row-major index, as the CPU kernel (``lean_kernel.c``) hashes it: a pure function of
+those, so a step is bitwise resumable, the same whichever run, slice or order a master is stepped in, and the
+kernel's bits for the same value; one hash over a buffer of many masters, no random stream read in order, no
+host read.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from . import quant
 
 __all__ = ["key", "round_stochastic_", "Flat", "decode", "encode"]
+
 
 def key(seed: int, index: int, count: int) -> int:
     """The stochastic rounding's key for the ``count``-th rounding of the master at ``index`` (63 bits): the CPU
@@ -152,9 +154,11 @@ class Flat:
         if entry is None:
             flat = torch.empty(size, dtype=dtype, device=self.device)
             if blocks:
-                views = [flat.narrow(0, o // quant.BLOCK, -(-n // quant.BLOCK)) for o, n in zip(self.offsets, self.numels)]
+                views = [flat.narrow(0, o // quant.BLOCK, -(-n // quant.BLOCK))
+                         for o, n in zip(self.offsets, self.numels)]
             else:
-                views = [flat.narrow(0, o, n).view(shape) for o, n, shape in zip(self.offsets, self.numels, self.shapes)]
+                views = [flat.narrow(0, o, n).view(shape)
+                         for o, n, shape in zip(self.offsets, self.numels, self.shapes)]
             entry = self.buffers[role] = (flat, views)
         else:
             storage = entry[0].untyped_storage()

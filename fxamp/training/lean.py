@@ -7,8 +7,9 @@ A low-precision parameter's master is one of (:class:`MasterPrecision`):
 * ``"kahan"``: no master; a compensation term in the weight's dtype beside it (2 bytes), so
   weight + term carry ~16 significant bits and updates far below the weight's half-ulp add up;
 * ``"stochastic"``: no master, no term; the new float32 value is rounded into the bfloat16 weight
-  stochastically (unbiased), from a seeded stream that is a pure function of (seed, tensor, count),
-  so a step is bitwise resumable from a checkpoint and independent of the order tensors are stepped in.
+  stochastically (unbiased), with noise hashed from (seed, tensor, count) and each element's row-major index
+  (:func:`fxamp.training.flat.round_stochastic_`, the CPU kernel's hash), so a step is bitwise resumable from a
+  checkpoint and independent of the order, run or slice tensors are stepped in.
 
 Its optimizer state is one of (:class:`StatePrecision`) ``"fp32"``, ``"bf16"`` or ``"int8"``
 (:mod:`fxamp.training.quant`; stock Adam/AdamW/SGD only).  ``"auto"`` for either is decided from
@@ -18,7 +19,8 @@ The step is unchanged for the inner optimizer: around each ``optimizer.step()`` 
 (:mod:`fxamp.training.step`), :meth:`Workspace.enter` rebuilds each lean master's float32 value
 (weight, plus term) and decompresses its state, the optimizer steps float32 tensors as ever, the
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
-(the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
+(the term, or the stochastic rounding) and compresses the state: for a run's masters together, through
+:class:`~fxamp.training.flat.Flat` (a ``_foreach`` call per role, one coding pass per moment).  Between steps a lean master is a
 placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
 identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  On a CPU a stock
 Adam/AdamW/SGD steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
@@ -397,11 +399,12 @@ class Workspace:
         """Step one large lean master :func:`piece_for` elements at a time: each slice's float32 value, gradient
         and state are built, stepped as a parameter of its own, and written back (weight, term, compressed
         state), so the step's transient memory is a slice's, not the tensor's.  Bitwise the whole step: the
-        optimizer is elementwise, the slices are whole 8-bit blocks, the stochastic stream runs on in order."""
+        optimizer is elementwise, the slices are whole 8-bit blocks, the rounding's noise follows the row-major
+        index."""
         low, master = run.pairs[0]
         choice, group = self.choices[id(master)], optimizer.param_groups[run.group]
         state, n = optimizer.state.get(master, {}), low.numel()
-        # slices of every tensor's row-major order (the 8-bit blocks' and the stochastic stream's): a weight of other
+        # slices of every tensor's row-major order (the 8-bit blocks' and the rounding's noise): a weight of other
         # strides (channels_last, a transpose) is stepped in a row-major copy, copied back after
         flat, grad, copied = low.detach().reshape(-1), low.grad.reshape(-1), not low.is_contiguous()
         quant.conform(state, low, row_major=True)
