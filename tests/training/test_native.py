@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.training import lean, native, quant
+from fxamp.training import flat, lean, native, quant
 from fxamp.training.config import LeanConfig
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
@@ -128,7 +128,7 @@ def test_the_kernel_and_the_eager_path_round_with_the_same_noise(base):
     n = 5000
     low = torch.ones(n, dtype=torch.bfloat16)
     cm, am, cv, av = _zero_state(n)
-    key = lean.noise_key(3, 5, 7)
+    key = flat.key(3, 5, 7)
     native.lean_adam(low, None, torch.ones(n), cm, am, cv, av, key, TABLES, lr=2 ** -9, beta1=0.0, beta2=0.0,
                      eps=0.0, weight_decay=0.0, decoupled=True, step=1, codes=CODES, base=base)
     eager = torch.empty_like(low)
