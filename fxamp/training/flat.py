@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import quant
+from . import native, quant
 
 __all__ = ["key", "round_stochastic_", "Flat", "decode", "encode"]
 
@@ -66,11 +66,14 @@ def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]])
     elements are elements ``first, first + 1, ...`` (row-major) of the master of :func:`key` ``key``.  Element j's
     16 bits of noise are the CPU kernel's (``lean_kernel.c``): ``mix32(mix32(j ^ k0) ^ k1) >> 16`` (murmur3's
     finalizer; k0, k1 the key's low and high 32 bits), added to the float32 bits, the low 16 bits dropped; so the
-    kernel and this rounding give the same bits for the same value.  int32 arithmetic, a slice of
+    kernel and this rounding give the same bits for the same value.  On a CPU the kernel's own pass does it
+    (:func:`fxamp.training.native.round_stochastic_`: no op dispatched); elsewhere int32 arithmetic, a slice of
     :func:`~fxamp.training.quant.chunk_for` elements at a time, a few dozen ops per slice whatever the number of
     masters in it.  An infinity stays infinite (the noise does not reach its exponent), a NaN is written as NaN
     (noise added to a payload in its low bits could carry into the exponent)."""
     n = x.numel()
+    if x.device.type == "cpu" and type(x) is torch.Tensor and native.round_stochastic_(x, segments):
+        return  # (the CPU kernel: one pass, the same bits)
     chunk = quant.chunk_for(x.device)
     bits_all = x.view(torch.int32)
     where = [0]

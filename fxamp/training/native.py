@@ -30,7 +30,8 @@ import torch
 from . import quant
 from .inner import plain
 
-__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "eligible", "hyperparameters", "adam_step"]
+__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochastic_", "eligible", "hyperparameters",
+           "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
@@ -113,6 +114,10 @@ def build() -> Any:
                        ctypes.c_int, f, f, f, f, f, f, f, ctypes.c_int]
         fn.restype = None
         fns[mode] = fn
+    fn = lib.fxamp_round_stochastic
+    fn.argtypes = [ctypes.c_int64, p, p, p, p]
+    fn.restype = None
+    fns["round"] = fn
     return fns
 
 
@@ -176,6 +181,20 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
        (key or 0) % 2 ** 64, base, _ptr(tables[0]), _ptr(tables[1]), beta2, 1.0 - beta1, 1.0 - beta2, eps,
        weight_decay, int(decoupled), 1.0 - lr * weight_decay, lr / bc1, bc2_sqrt, *codes,
        int(grad.dtype == torch.bfloat16))
+
+
+def round_stochastic_(x: torch.Tensor, segments: "list[tuple[int, int, int]]") -> bool:
+    """:func:`fxamp.training.flat.round_stochastic_` by the kernel (``x``: a contiguous float32 CPU tensor; the same
+    bits, in one pass, no op dispatched): False, doing nothing, where the kernel is not here."""
+    fns = kernel()
+    if fns is None:
+        return False
+    k = len(segments)
+    counts, keys, firsts = ((ctypes.c_int64 * k)(*[s[0] for s in segments]),
+                            (ctypes.c_uint64 * k)(*[s[1] % 2 ** 64 for s in segments]),
+                            (ctypes.c_int64 * k)(*[s[2] for s in segments]))
+    fns["round"](k, x.data_ptr(), counts, keys, firsts)
+    return True
 
 
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:

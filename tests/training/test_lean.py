@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.info import ORIGIN
-from fxamp.training import flat, quant
+from fxamp.training import flat, native, quant
 from fxamp.training import lean as lean_module
 from fxamp.training.config import LeanConfig, MasterPrecision, StatePrecision
 from fxamp.training.lean import stochastic_round
@@ -280,12 +280,18 @@ def _hash_oracle(x, key, first=0):
     return torch.tensor(out, dtype=torch.int32).view(torch.float32)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("chunk", [256, 1 << 18])
-def test_stochastic_rounding_is_a_hash_of_key_and_place_slice_by_slice_and_keeps_inf_and_nan(monkeypatch, chunk):
+def test_stochastic_rounding_is_a_hash_of_key_and_place_slice_by_slice_and_keeps_inf_and_nan(monkeypatch, chunk,
+                                                                                            kernel):
     """The noise of element j of a master is a hash of (its key, j): the same bits rounded at once, slice by slice
     (the chunked step), or beside other masters in one buffer (a run's flat values), in any order; inf and NaN kept
     (no host read decides a path: the accelerator's step and the CPU's are one)."""
     monkeypatch.setattr(quant, "CHUNK", chunk)  # four slices of the rounding, or one
+    if not kernel:  # (on a CPU the kernel rounds; the torch ops are the accelerator's path)
+        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+    elif native.kernel() is None:
+        pytest.skip(f"no CPU kernel here: {native.unavailable_reason()}")
     x = torch.randn(1000) * 100
     x[[3, 700]], x[5], x[999] = float("inf"), -float("inf"), 3.3e38  # (two slices hold inf/NaN)
     x.view(torch.int32)[[6, 7]] = torch.tensor([0x7F800001, -1], dtype=torch.int32)  # NaNs: adding noise to their
