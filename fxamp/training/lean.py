@@ -20,8 +20,8 @@ The step is unchanged for the inner optimizer: around each ``optimizer.step()`` 
 (weight, plus term) and decompresses its state, the optimizer steps float32 tensors as ever, the
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
 (the term, or the stochastic rounding) and compresses the state: for a run's masters together, through
-:class:`~fxamp.training.flat.Flat` (a ``_foreach`` call per role, one coding pass per moment).  Between steps a lean master is a
-placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
+:class:`~fxamp.training.flat.Flat` (a ``_foreach`` call per role, one coding pass per moment).  Between steps a
+lean master is a placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
 identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  On a CPU a stock
 Adam/AdamW/SGD steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
 torch's one-pass kernel; on every path, so a segmented step and a plain one give the same bits).  On a
