@@ -78,9 +78,8 @@ def test_a_flat_codes_every_master_as_its_own_compression_and_decodes_it_back(mo
     for st, ref in zip(states, alone):
         quant.decompress(ref)
         assert all(torch.equal(st[k], ref[k]) for k in ("exp_avg", "exp_avg_sq"))
-    kept = {k: st[k] for st in states for k in ("exp_avg",)}  # (decoded in the flat: views of its buffer)
     flat.encode(fl, mode, states, saved)  # written over what decode took (no new tensors)
-    assert all(st["exp_avg"] is saved[(id(st), "exp_avg")] for st in states) and kept
+    assert all(st["exp_avg"] is saved[(id(st), "exp_avg")] for st in states)
 
 
 @pytest.mark.parametrize("masters,state", [("kahan", "int8"), ("stochastic", "bf16"), ("fp32", "int8")])
