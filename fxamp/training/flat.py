@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 from . import native, quant
 
@@ -56,6 +57,14 @@ def _mix32_(x: torch.Tensor, tmp: torch.Tensor, last: bool = True) -> torch.Tens
     its ``last`` xorshift, which leaves the top 16 bits as they are (all the rounding reads)."""
     x = _xorshift_(_xorshift_(x, 16, tmp).mul_(_C1), 13, tmp).mul_(_C2)
     return _xorshift_(x, 16, tmp) if last else x
+
+
+def _small(values: List[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A small tensor of host ``values`` on ``like``'s device; to an accelerator from pinned memory, without waiting
+    (a copy from pageable memory would make the host wait for the device)."""
+    if like.device.type == "cpu" or isinstance(like, FakeTensor):
+        return torch.tensor(values, dtype=dtype, device=like.device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(like.device, non_blocking=True)
 
 
 def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]]) -> None:
@@ -109,9 +118,8 @@ def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]])
                 steps.append([_i32(a - b) for a, b in zip(word, before)])
                 before, place = word, place + count
             delta = torch.zeros(3, m, dtype=torch.int32, device=x.device)
-            delta.view(-1).index_put_(
-                (torch.tensor([r * m + at for r in range(3) for at in starts], dtype=torch.int64, device=x.device),),
-                torch.tensor([step[r] for r in range(3) for step in steps], dtype=torch.int32, device=x.device))
+            delta.view(-1).index_put_((_small([r * m + at for r in range(3) for at in starts], torch.int64, x),),
+                                      _small([step[r] for r in range(3) for step in steps], torch.int32, x))
             offset, k0, k1 = delta.cumsum_(1).unbind(0)
         u, w = (z, tmp) if m == z.numel() else (z.narrow(0, 0, m), tmp.narrow(0, 0, m))
         _mix32_(torch.arange(0, m, out=u).add_(offset).bitwise_xor_(k0), w).bitwise_xor_(k1)

@@ -292,7 +292,9 @@ class Workspace:
                     torch._foreach_copy_(views, [self.low_of[id(m)] for m, _ in lean])
                     kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
                     if kahan:  # (float32 arithmetic: the term's values are exact in it)
-                        torch._foreach_add_([views[i] for i in kahan], [lean[i][1].term for i in kahan])
+                        flat = self._flat([m for m, _ in lean])
+                        torch._foreach_add_([views[i] for i in kahan],
+                                            _widened(flat, [lean[i][1].term for i in kahan], kahan))
                     for (m, _), v in zip(lean, views):
                         m.data = v
                 for mode in ("bf16", "int8"):
@@ -372,7 +374,7 @@ class Workspace:
         lows = [self.low_of[id(m)] for m, _ in lean]
         kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
         if kahan:  # term = value - weight (the weight: the value's round-to-nearest, from the refresh)
-            torch._foreach_sub_([views[i] for i in kahan], [lows[i] for i in kahan])
+            torch._foreach_sub_([views[i] for i in kahan], _widened(flat, [lows[i] for i in kahan], kahan))
             torch._foreach_copy_([lean[i][1].term for i in kahan], [views[i] for i in kahan])
         rounded = [i for i, (_, c) in enumerate(lean) if c.master == "stochastic"]
         if rounded:
@@ -496,6 +498,18 @@ class Workspace:
         if choice.master == "kahan":
             return choice.term
         return torch.empty(0, dtype=self.low_of[id(master)].dtype)
+
+
+def _widened(flat: Flat, tensors: List[torch.Tensor], idx: List[int]) -> List[torch.Tensor]:
+    """``tensors`` (bfloat16/float16, of ``flat``'s masters ``idx``) as an operand of a float32 ``_foreach`` op: as
+    they are on a CPU (the op widens them as it reads); elsewhere copied into float32 first (a ``_foreach`` op over
+    lists of two dtypes leaves the multi-tensor kernel there, for a launch per tensor)."""
+    if tensors[0].device.type == "cpu":
+        return tensors
+    views = flat.take("widened")[1]
+    out = [views[i] for i in idx]
+    torch._foreach_copy_(out, tensors)
+    return out
 
 
 def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, name: str) -> None:
