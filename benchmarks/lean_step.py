@@ -115,7 +115,7 @@ def parts_table() -> str:
     v = m * m
     cm, am = quant.quantize(m, True)
     cv, av = quant.quantize(v, False)
-    w, value, gen = torch.randn(n).bfloat16(), torch.randn(n), torch.Generator().manual_seed(0)
+    w, value = torch.randn(n).bfloat16(), torch.randn(n)
     rows = [("AdamW step, bfloat16 (pure bf16's step)", adam(torch.bfloat16)),
             ("AdamW step, float32, for-loop (torch's default on a CPU)", adam(torch.float32)),
             ("AdamW step, float32, fused=True (O2's masters; the eager lean step's inner step)",
@@ -124,19 +124,19 @@ def parts_table() -> str:
             ("int8 encode, both moments", lambda: (quant.quantize(m, True, out=cm, absmax_out=am),
                                                    quant.quantize(v, False, out=cv, absmax_out=av))),
             ("bf16 state in and out, both moments", lambda: (m.bfloat16().float(), v.bfloat16().float())),
-            ("stochastic rounding into the weight", lambda: lean.stochastic_round(value, w, gen)),
+            ("stochastic rounding into the weight", lambda: lean.stochastic_round(value, w, 12345)),
             ("weight and gradient to float32", lambda: (w.float(), w.float()))]
     if native.kernel() is not None:  # what replaces all of the above but pure bf16's row for 8-bit lean masters
         wk, gk = w.clone(), torch.randn(n) * 1e-3
         group = {"lr": 6e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
         state = {"step": torch.tensor(3.0), "exp_avg": cm.clone(), "exp_avg.absmax": am.clone(),
                  "exp_avg_sq": cv.clone(), "exp_avg_sq.absmax": av.clone()}
-        opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
+        hyper = native.hyperparameters(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group)
         rows.append(("the CPU kernel: all of the lean step above (stochastic + int8, its noise hashed)",
-                     lambda: native.adam_step(opt, group, state, wk, None, gk, 12345, "int8")))
+                     lambda: native.adam_step(state, wk, None, gk, 12345, "int8", hyper, step=4.0)))
         g16 = gk.bfloat16()
         rows.append(("the CPU kernel, reading the bfloat16 gradient (a segmented step's)",
-                     lambda: native.adam_step(opt, group, state, wk, None, g16, 12345, "int8")))
+                     lambda: native.adam_step(state, wk, None, g16, 12345, "int8", hyper, step=4.0)))
     lines = [f"# per part, ms per million elements ({n}-element slices, minimum of 25 runs)",
              "| part | ms / M elements |", "|---|---|"]
     lines += [f"| {name} | {per_million(f):.2f} |" for name, f in rows]

@@ -42,6 +42,7 @@ STAGES: Dict[str, int] = {
     "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
     "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, runs, the plan)
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
+    "training.flat": 3,  # the lean step's flat buffers of a run's masters, and the stochastic rounding's hash
     "training.executors": 4,  # how a checked step's masters are stepped (plain, segmented, lean, compiled)
     "training.kernels": 5,  # compile_step's kernels, called by the compiled executor
     "training.lean": 5,  # per-tensor masters and state, the workspace the executors enter and leave
@@ -376,7 +377,7 @@ def test_the_front_door_is_small_and_every_name_resolves():
 #: ``compile_step`` ``kernels``
 STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.py", "training/plan.py",
               "training/loss_scale.py"}
-LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py"}
+LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py", "training/flat.py"}
 
 
 def _traced_step(inner, segmented=False, **options):

@@ -32,10 +32,10 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
-from .plan import Plan, Run, Segments
+from .plan import Plan, Run, Segments, plain
 
 __all__ = ["Multiplier", "Executor", "Lean", "Fused", "Plain", "Segmented", "LeanKernel", "LeanChunked", "Compiled",
-           "step_runs", "run_step", "step_inner", "refresh", "FUSED", "fusable", "FusedFor", "ForeachSGD", "plain"]
+           "step_runs", "run_step", "step_inner", "refresh", "FUSED", "fusable", "FusedFor", "ForeachSGD"]
 
 #: what a step multiplies the low-precision gradients by on a device (``1/scale``, times the clip factor), or
 #: None for 1
@@ -263,12 +263,6 @@ def _through_segment(optimizer: Any, ws: Optional[Lean], run: Run, segments: Seg
 
 
 # -- the inner step: which of torch's paths steps the masters ------------------------------------
-
-def plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain tensor or parameter, not a subclass such as DTensor (asked without ``t.data``,
-    which is a detach: one dispatched op per master and step)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t.data) is torch.Tensor
-
 
 class ForeachSGD:
     """A stock SGD's groups that left ``foreach`` to torch step with ``foreach=True`` inside the block (restored

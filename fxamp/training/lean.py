@@ -7,8 +7,9 @@ A low-precision parameter's master is one of (:class:`MasterPrecision`):
 * ``"kahan"``: no master; a compensation term in the weight's dtype beside it (2 bytes), so
   weight + term carry ~16 significant bits and updates far below the weight's half-ulp add up;
 * ``"stochastic"``: no master, no term; the new float32 value is rounded into the bfloat16 weight
-  stochastically (unbiased), from a seeded stream that is a pure function of (seed, tensor, count),
-  so a step is bitwise resumable from a checkpoint and independent of the order tensors are stepped in.
+  stochastically (unbiased), with noise hashed from (seed, tensor, count) and each element's row-major index
+  (:func:`fxamp.training.flat.round_stochastic_`, the CPU kernel's hash), so a step is bitwise resumable from a
+  checkpoint and independent of the order, run or slice tensors are stepped in.
 
 Its optimizer state is one of (:class:`StatePrecision`) ``"fp32"``, ``"bf16"`` or ``"int8"``
 (:mod:`fxamp.training.quant`; stock Adam/AdamW/SGD only).  ``"auto"`` for either is decided from
@@ -18,8 +19,9 @@ The step is unchanged for the inner optimizer: around each ``optimizer.step()`` 
 (:mod:`fxamp.training.executors`), :meth:`Workspace.enter` rebuilds each lean master's float32 value
 (weight, plus term) and decompresses its state, the optimizer steps float32 tensors as ever, the
 engine rounds the masters into the weights, and :meth:`Workspace.leave` splits the value back
-(the term, or the stochastic rounding) and compresses the state.  Between steps a lean master is a
-placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
+(the term, or the stochastic rounding) and compresses the state: for a run's masters together, through
+:class:`~fxamp.training.flat.Flat` (a ``_foreach`` call per role, one coding pass per moment).  Between steps a
+lean master is a placeholder (a float32 zero expanded to its shape: no memory), so the inner optimizer keeps its
 identity as a state key.  Any torch optimizer works: it sees float32 tensors only.  On a CPU a stock
 Adam/AdamW/SGD steps the masters, float32 and lean, with ``fused=True`` (:func:`step_inner`, :data:`FUSED`:
 torch's one-pass kernel; on every path, so a segmented step and a plain one give the same bits).  On a
@@ -34,11 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 from . import native, quant
+from .flat import Flat, decode, encode, key as noise_key, round_stochastic_
 from .config import LeanConfig
 from .executors import FUSED, FusedFor as _FusedFor, Multiplier, fusable, run_step, step_inner
-from .plan import Run
+from .plan import Run, plain
 
 __all__ = ["Choice", "Workspace", "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable",
            "check_params", "seed_from", "state_keys", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
@@ -81,51 +85,15 @@ def _term(full: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return (full - low.float()).to(low.dtype, memory_format=torch.contiguous_format)
 
 
-def _seed_for(seed: int, index: int, count: int) -> int:
-    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + count * 0xC2B2AE3D) % (2 ** 63 - 1)
-
-
-def _host_reads_cheaply(device: torch.device) -> bool:
-    """Whether the host may read a value on ``device`` to pick a path (elsewhere that read waits for the device)."""
-    return device.type == "cpu"
-
-
-def draw_noise(m: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """16 bits of noise for each of ``m`` elements (uint16), four from each full-range 64-bit draw: the stream
-    ``torch.randint(-2**63, 2**63 - 1)`` gives, without its modulo; on a CPU, drawing a tensor's noise slice by
-    slice (slices of a multiple of 4) gives the same bits as drawing it at once."""
-    draws = torch.empty(-(-m // 4), dtype=torch.int64, device=device)
-    draws.random_(-2 ** 63, None, generator=generator).bitwise_xor_(-2 ** 63)
-    return draws.view(torch.uint16)[:m]
-
-
-def stochastic_round(x: torch.Tensor, out: torch.Tensor, generator: torch.Generator) -> None:
+def stochastic_round(x: torch.Tensor, out: torch.Tensor, key: int, first: int = 0) -> None:
     """Round float32 ``x`` into bfloat16 ``out`` stochastically: up with probability the dropped bits' fraction.
 
-    16 random bits per element, four from each 64-bit draw (full-range draws: no modulo), added to the
-    float32 bits; the low 16 bits are dropped.  A slice of :func:`~fxamp.training.quant.chunk_for` elements
-    at a time (the temporaries of a slice, not of the tensor).  Non-finite values are copied: on a CPU a sum
-    over the slice says whether it has any (only then the slower masked path); elsewhere the masked path
-    always (the same bits; asking would make the host wait for the device)."""
-    # the stream's element i rounds row-major element i, whatever the strides (a strided ``out`` through a copy)
-    bits, dst = x.detach().reshape(-1).view(torch.int32), out.reshape(-1) if out.is_contiguous() else out.flatten()
-    dst16 = dst.view(torch.int16)
-    chunk, on_cpu = quant.chunk_for(x.device), _host_reads_cheaply(x.device)
-    for start in range(0, bits.numel(), chunk):
-        part = bits[start:start + chunk]
-        m = part.numel()
-        noise = draw_noise(m, generator, x.device).to(torch.int32)
-        noise.add_(part)  # (no overflow for a finite value: its bits are at most 0x7F7FFFFF in magnitude)
-        # (a finite slice whose sum overflows takes the slower path: the same result)
-        if on_cpu and torch.isfinite(part.view(torch.float32).sum()):
-            # the high 16 bits (an arithmetic shift: int16's range) are the bfloat16's bits, the low ones dropped
-            dst16[start:start + m].copy_(noise.bitwise_right_shift_(16))
-        else:
-            value = noise.bitwise_and_(-65536).view(torch.float32)  # (0xFFFF0000): the low 16 bits dropped
-            value = torch.where(torch.isfinite(part.view(torch.float32)), value, part.view(torch.float32))
-            dst[start:start + m].copy_(value)  # exact: a bfloat16
-    if not out.is_contiguous():
-        out.copy_(dst.view(out.shape))
+    Row-major element i takes the noise of element ``first + i`` of the master whose rounding key is ``key``
+    (:func:`fxamp.training.flat.key`; :func:`fxamp.training.flat.round_stochastic_` says how), whatever the
+    strides of ``x`` and ``out``; ``x`` is left as it was."""
+    work = x.detach().reshape(-1).clone()
+    round_stochastic_(work, [(work.numel(), key, first)])
+    out.copy_(work.view(out.shape))
 
 
 class Workspace:
@@ -141,7 +109,12 @@ class Workspace:
         self.low_of: Dict[int, torch.Tensor] = {}
         self.steps = 0  # steps taken (calibration ends after config.calibration_steps)
         self._old: Dict[int, torch.Tensor] = {}  # calibration: each master before the step
-        self._gens: Dict[torch.device, torch.Generator] = {}
+        self._flats: Dict[tuple, Flat] = {}  # ids of masters moved together -> their flat buffers
+        self._used: Dict[int, Flat] = {}  # the flats of the step in progress (freed by leave)
+        self._saved: Dict[tuple, torch.Tensor] = {}  # (id(state), key) -> what _decode took from it
+        self._holders: Dict[int, torch.Tensor] = {}  # id(master) -> its placeholder between steps
+        self._open: Optional[tuple] = None  # enter's groups of (master, choice), for leave
+        self._multiplier: Optional[tuple] = None  # (a segmented step's 1/scale, its value read on the host)
 
     # -- modes ---------------------------------------------------------------------------------
     def add(self, low: torch.Tensor, master: torch.Tensor, index: int, name: str) -> None:
@@ -213,24 +186,37 @@ class Workspace:
         if not split or self.calibrating:
             return []
         group_of = {} if group is not None else {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        mul = 1.0 if multiplier is None else float(multiplier)
-        done = []
+        todo = []
+        for i, m in enumerate(masters):
+            choice, g = self.choices.get(id(m)), group if group is not None else group_of.get(id(m))
+            grad = m.grad if grads is None else grads[i]
+            if choice is None or g is None or grad is None:
+                continue
+            low, state = self.low_of[id(m)], optimizer.state.get(m, {})
+            if self._by_kernel(optimizer, g, choice, low, state):
+                todo.append((m, choice, g, grad, low, state))
+        if not todo:
+            return []
+        mul = 1.0 if multiplier is None else self._on_host(multiplier)
+        counts = [st["step"] for *_, st in todo]
+        steps = torch.stack(counts).tolist()  # (every step count in one read, not one read per master)
+        hyper: Dict[int, Dict[str, Any]] = {}  # (a tensor lr: read once per group)
         with torch.no_grad():
-            for i, m in enumerate(masters):
-                choice, g = self.choices.get(id(m)), group if group is not None else group_of.get(id(m))
-                grad = m.grad if grads is None else grads[i]
-                if choice is None or g is None or grad is None:
-                    continue
-                low, state = self.low_of[id(m)], optimizer.state.get(m, {})
-                if not self._by_kernel(optimizer, g, choice, low, state):
-                    continue
-                native.adam_step(optimizer, g, state, low, choice.term, grad.contiguous(),
-                                 self._key_for(m, choice), choice.state, grad_mul=mul)
-                state["step"] += 1
+            for (m, choice, g, grad, low, state), step in zip(todo, steps):
+                if id(g) not in hyper:
+                    hyper[id(g)] = native.hyperparameters(optimizer, g)
+                native.adam_step(state, low, choice.term, grad.contiguous(), self._key_for(m, choice), choice.state,
+                                 hyper[id(g)], step=step + 1, grad_mul=mul)
                 if grads is None:
                     m.data = low
-                done.append(m)
-        return done
+            torch._foreach_add_(counts, 1)
+        return [m for m, *_ in todo]
+
+    def _on_host(self, multiplier: torch.Tensor) -> float:
+        """``float(multiplier)``, read once for the runs of a segmented step that share the tensor (1/scale)."""
+        if self._multiplier is None or self._multiplier[0] is not multiplier:
+            self._multiplier = (multiplier, float(multiplier))
+        return self._multiplier[1]
 
     @staticmethod
     def _by_kernel(optimizer: Any, group: Dict[str, Any], choice: Choice, low: torch.Tensor,
@@ -244,54 +230,131 @@ class Workspace:
         if choice.master != "stochastic":
             return None
         choice.count += 1
-        return _seed_for(self.seed, self.index[id(m)], choice.count - 1)
+        return noise_key(self.seed, self.index[id(m)], choice.count - 1)
 
     def enter(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
-        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s)."""
-        calibrating = self.calibrating
+        """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s).
+
+        The masters of one device whose gradients are row-major (or absent) are moved together, a ``_foreach``
+        call per role over their :class:`~fxamp.training.flat.Flat` (their values: weight, plus term; each moment
+        decoded in one pass); any other (a gradient of other strides, a tensor subclass) on its own."""
         skip_ids = {id(m) for m in skip}
+        entries = [(m, c) for m, c in ((m, self.choices.get(id(m))) for m in masters)
+                   if c is not None and id(m) not in skip_ids]
+        groups: Dict[torch.device, List[Any]] = {}
+        rest = []
+        for m, c in entries:
+            g = m.grad
+            if (isinstance(m, FakeTensor) or plain(m)) and (g is None or (g.layout == torch.strided
+                                                                     and g.is_contiguous())):
+                groups.setdefault(m.device, []).append((m, c))
+            else:
+                rest.append((m, c))
+        self._open = (list(groups.values()), rest)
+        state = self.optimizer.state
         with torch.no_grad():
-            for m in masters:
-                choice = self.choices.get(id(m))
-                if choice is None or id(m) in skip_ids:
-                    continue
-                if choice.master != "fp32":
+            for group in self._open[0]:
+                lean = [(m, c) for m, c in group if c.master != "fp32"]
+                if lean:
+                    views = self._flat([m for m, _ in lean]).take("value")[1]
+                    torch._foreach_copy_(views, [self.low_of[id(m)] for m, _ in lean])
+                    kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
+                    if kahan:  # (float32 arithmetic: the term's values are exact in it)
+                        flat = self._flat([m for m, _ in lean])
+                        torch._foreach_add_([views[i] for i in kahan],
+                                            _widened(flat, [lean[i][1].term for i in kahan], kahan))
+                    for (m, _), v in zip(lean, views):
+                        m.data = v
+                for mode in ("bf16", "int8"):
+                    coded = [(m, state[m]) for m, c in group if c.state == mode and state.get(m)]
+                    if coded:
+                        decode(self._flat([m for m, _ in coded]), mode, [st for _, st in coded], self._saved)
+            for m, c in rest:
+                if c.master != "fp32":
                     m.data = self.value(m, m.grad)
-                if m in self.optimizer.state:
-                    if choice.state != "fp32":
-                        quant.decompress(self.optimizer.state[m])
-                    quant.conform(self.optimizer.state[m], m)  # (decoded row-major; the value may not be)
-                if calibrating:
+                if c.state != "fp32" and state.get(m):
+                    quant.decompress(state[m])
+            for m, _ in entries:
+                if m in state:
+                    quant.conform(state[m], m)  # (decoded row-major; the value may not be)
+                if self.calibrating:
                     self._old[id(m)] = m.detach().clone()
 
     def leave(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
         """After the step and the refresh (the weights hold the round-to-nearest of the new values):
         the term, or the stochastic rounding; compressed state; placeholders again (``skip``: stepped by
         :meth:`step_native`, only their placeholders)."""
-        calibrating = self.calibrating
-        skip_ids = {id(m) for m in skip}
+        for m in skip:
+            if id(m) in self.choices:
+                m.data = self._holder(m)
+        groups, rest = self._open if self._open is not None else ([], [])
+        self._open = None
+        state = self.optimizer.state
         with torch.no_grad():
-            for m in masters:
-                choice = self.choices.get(id(m))
-                if choice is None:
-                    continue
-                if id(m) in skip_ids:
-                    m.data = placeholder(m)
-                    continue
+            if self.calibrating:
+                for m, c in [e for group in groups for e in group] + rest:
+                    self._measure(m, self.low_of[id(m)], c)
+            for group in groups:
+                lean = [(m, c) for m, c in group if c.master != "fp32"]
+                if lean:
+                    self._split(lean)
+                for mode in ("bf16", "int8"):
+                    coded = [(m, state[m]) for m, c in group if c.state == mode and state.get(m)]
+                    if coded:
+                        encode(self._flat([m for m, _ in coded]), mode, [st for _, st in coded], self._saved)
+            for m, c in rest:
                 low = self.low_of[id(m)]
-                if calibrating:
-                    self._measure(m, low, choice)
-                if choice.master == "kahan":
-                    choice.term.copy_(m.detach() - low.float())
-                elif choice.master == "stochastic":
-                    gen = self._generator(m.device)
-                    gen.manual_seed(_seed_for(self.seed, self.index[id(m)], choice.count))
-                    choice.count += 1
-                    stochastic_round(m.detach(), low, gen)
-                if choice.master != "fp32":
-                    m.data = placeholder(m)
-                if choice.state != "fp32" and m in self.optimizer.state:
-                    quant.compress(self.optimizer.state[m], choice.state)
+                if c.master == "kahan":
+                    c.term.copy_(m.detach() - low.float())
+                elif c.master == "stochastic":
+                    stochastic_round(m.detach(), low, noise_key(self.seed, self.index[id(m)], c.count))
+                    c.count += 1
+                if c.master != "fp32":
+                    m.data = self._holder(m)
+                if c.state != "fp32" and state.get(m):
+                    quant.compress(state[m], c.state)
+        for flat in self._used.values():
+            flat.free()
+        self._used.clear()
+        self._saved.clear()
+
+    def _flat(self, masters: List[torch.Tensor]) -> Flat:
+        """The :class:`~fxamp.training.flat.Flat` of ``masters`` (made at the first step that moves them together)."""
+        k = tuple(id(m) for m in masters)
+        flat = self._flats.get(k)
+        if flat is None:
+            flat = self._flats[k] = Flat(masters)
+        self._used[id(flat)] = flat
+        return flat
+
+    def _holder(self, master: torch.Tensor) -> torch.Tensor:
+        """``master``'s placeholder between steps (made once: binding it dispatches nothing)."""
+        held = self._holders.get(id(master))
+        if held is None or held.shape != master.shape:
+            held = self._holders[id(master)] = placeholder(master)
+        return held
+
+    def _split(self, lean: List[Any]) -> None:
+        """Write back the stepped values of ``lean`` (masters and choices, bound to a flat's views): Kahan's terms,
+        the stochastic roundings into the weights (one hash over the buffer); placeholders again."""
+        flat = self._flat([m for m, _ in lean])
+        buffer, views = flat.take("value")
+        lows = [self.low_of[id(m)] for m, _ in lean]
+        kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
+        if kahan:  # term = value - weight (the weight: the value's round-to-nearest, from the refresh)
+            torch._foreach_sub_([views[i] for i in kahan], _widened(flat, [lows[i] for i in kahan], kahan))
+            torch._foreach_copy_([lean[i][1].term for i in kahan], [views[i] for i in kahan])
+        rounded = [i for i, (_, c) in enumerate(lean) if c.master == "stochastic"]
+        if rounded:
+            keys = [0] * len(lean)
+            for i in rounded:
+                m, c = lean[i]
+                keys[i] = noise_key(self.seed, self.index[id(m)], c.count)
+                c.count += 1
+            round_stochastic_(buffer, flat.segments(keys))
+            torch._foreach_copy_([lows[i] for i in rounded], [views[i] for i in rounded])
+        for m, _ in lean:
+            m.data = self._holder(m)
 
     def chunks(self, run: Run, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
@@ -306,21 +369,21 @@ class Workspace:
         """Step one large lean master :func:`piece_for` elements at a time: each slice's float32 value, gradient
         and state are built, stepped as a parameter of its own, and written back (weight, term, compressed
         state), so the step's transient memory is a slice's, not the tensor's.  Bitwise the whole step: the
-        optimizer is elementwise, the slices are whole 8-bit blocks, the stochastic stream runs on in order."""
+        optimizer is elementwise, the slices are whole 8-bit blocks, the rounding's noise follows the row-major
+        index."""
         low, master = run.pairs[0]
         choice, group = self.choices[id(master)], optimizer.param_groups[run.group]
         state, n = optimizer.state.get(master, {}), low.numel()
-        # slices of every tensor's row-major order (the 8-bit blocks' and the stochastic stream's): a weight of other
+        # slices of every tensor's row-major order (the 8-bit blocks' and the rounding's noise): a weight of other
         # strides (channels_last, a transpose) is stepped in a row-major copy, copied back after
         flat, grad, copied = low.detach().reshape(-1), low.grad.reshape(-1), not low.is_contiguous()
         quant.conform(state, low, row_major=True)
         term = None if choice.term is None else choice.term.view(-1)
         inv = None if inv_scale_on is None else inv_scale_on(low.device)
         fused = _FusedFor([group] if fusable(optimizer, group, low) else [])
-        gen = None
+        rounding = None  # the stochastic rounding's key: slice after slice, the elements' row-major places
         if choice.master == "stochastic":
-            gen = self._generator(low.device)
-            gen.manual_seed(_seed_for(self.seed, self.index[id(master)], choice.count))
+            rounding = noise_key(self.seed, self.index[id(master)], choice.count)
             choice.count += 1
         # the stepped state is written over the old, a slice after that slice was read (no second copy of
         # the state: its tensors of the mode's dtype are reused; "step" and the like are the last slice's)
@@ -349,8 +412,9 @@ class Workspace:
                 with fused:
                     optimizer.step()
                 with torch.no_grad():
-                    if gen is not None:
-                        stochastic_round(piece, flat[sl], gen)
+                    if rounding is not None:
+                        round_stochastic_(piece.detach(), [(m, rounding, start)])
+                        flat[sl].copy_(piece)
                     else:
                         flat[sl].copy_(piece)
                         term[sl].copy_(piece.sub_(flat[sl]))  # (the stepped value is not needed after)
@@ -360,11 +424,6 @@ class Workspace:
         optimizer.state[master] = new
         if copied:
             low.detach().copy_(flat.view(low.shape))
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._gens:
-            self._gens[device] = torch.Generator(device=device)
-        return self._gens[device]
 
     # -- auto ----------------------------------------------------------------------------------
     @property
@@ -407,6 +466,18 @@ class Workspace:
         if choice.master == "kahan":
             return choice.term
         return torch.empty(0, dtype=self.low_of[id(master)].dtype)
+
+
+def _widened(flat: Flat, tensors: List[torch.Tensor], idx: List[int]) -> List[torch.Tensor]:
+    """``tensors`` (bfloat16/float16, of ``flat``'s masters ``idx``) as an operand of a float32 ``_foreach`` op: as
+    they are on a CPU (the op widens them as it reads); elsewhere copied into float32 first (a ``_foreach`` op over
+    lists of two dtypes leaves the multi-tensor kernel there, for a launch per tensor)."""
+    if tensors[0].device.type == "cpu":
+        return tensors
+    views = flat.take("widened")[1]
+    out = [views[i] for i in idx]
+    torch._foreach_copy_(out, tensors)
+    return out
 
 
 def check_modes(optimizer: Any, low: torch.Tensor, masters: str, state: str, name: str) -> None:

@@ -207,3 +207,26 @@ void fxamp_lean_adam_int8(LEAN_ARGS, int grad_bf16) {
 void fxamp_lean_adam_bf16(LEAN_ARGS, int grad_bf16) {
     if (grad_bf16) LEAN_LOOP(1, 1); else LEAN_LOOP(1, 0);
 }
+
+/* The stochastic rounding alone, for the eager lean step on a CPU (flat.py's round_stochastic_): float32 values in
+   place to bfloat16 values (the low 16 bits dropped), with the noise above. Stretch s of x holds counts[s] elements
+   of the master whose key is keys[s], the first its element firsts[s]; a NaN is written as 0x7FC00000. */
+void fxamp_round_stochastic(int64_t nseg, float *x, const int64_t *counts, const uint64_t *keys,
+                            const int64_t *firsts) {
+    int64_t start = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t n = counts[s], base = firsts[s];
+        const uint32_t k0 = (uint32_t)keys[s], k1 = (uint32_t)(keys[s] >> 32);
+        uint32_t *u = (uint32_t *)(x + start);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#endif
+        for (int64_t i = 0; i < n; i++) {
+            const uint64_t at = (uint64_t)(base + i);
+            const uint32_t noise = mix32(mix32((uint32_t)at ^ k0) ^ k1 ^ (uint32_t)(at >> 32)) >> 16;
+            const uint32_t v = u[i];
+            u[i] = (v & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (v + noise) & 0xFFFF0000u;
+        }
+        start += n;
+    }
+}

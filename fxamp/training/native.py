@@ -28,8 +28,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import quant
+from .plan import plain
 
-__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "eligible", "adam_step"]
+__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochastic_", "eligible", "hyperparameters",
+           "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
@@ -112,6 +114,10 @@ def build() -> Any:
                        ctypes.c_int, f, f, f, f, f, f, f, ctypes.c_int]
         fn.restype = None
         fns[mode] = fn
+    fn = lib.fxamp_round_stochastic
+    fn.argtypes = [ctypes.c_int64, p, p, p, p]
+    fn.restype = None
+    fns["round"] = fn
     return fns
 
 
@@ -177,6 +183,20 @@ def lean_adam(low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tenso
        int(grad.dtype == torch.bfloat16))
 
 
+def round_stochastic_(x: torch.Tensor, segments: "list[tuple[int, int, int]]") -> bool:
+    """:func:`fxamp.training.flat.round_stochastic_` by the kernel (``x``: a contiguous float32 CPU tensor; the same
+    bits, in one pass, no op dispatched): False, doing nothing, where the kernel is not here."""
+    fns = kernel()
+    if fns is None:
+        return False
+    k = len(segments)
+    counts, keys, firsts = ((ctypes.c_int64 * k)(*[s[0] for s in segments]),
+                            (ctypes.c_uint64 * k)(*[s[1] % 2 ** 64 for s in segments]),
+                            (ctypes.c_int64 * k)(*[s[2] for s in segments]))
+    fns["round"](k, x.data_ptr(), counts, keys, firsts)
+    return True
+
+
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:
     """Whether the kernel can step ``low``'s lean master under ``group``, its state in ``mode`` (``"int8"`` or
     ``"bf16"``): a stock Adam/AdamW without amsgrad, maximize, differentiable or capturable; a bfloat16 CPU
@@ -185,31 +205,35 @@ def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Di
     made = (all(k in state for k in ("exp_avg.absmax", "exp_avg_sq.absmax")) if mode == "int8" else
             mode == "bf16" and not any(k.endswith(".absmax") for k in state))
     return (made and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and low.dtype == torch.bfloat16
-            and low.device.type == "cpu" and type(low.data) is torch.Tensor
+            and low.device.type == "cpu" and plain(low)
             and all(torch.is_tensor(state.get(k)) for k in ("step", "exp_avg", "exp_avg_sq"))
             and not any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable"))
             and getattr(optimizer, "found_inf", None) is None and kernel() is not None)
 
 
-def adam_step(optimizer: Any, group: Dict[str, Any], state: Dict[str, Any], low: torch.Tensor,
-              term: Optional[torch.Tensor], grad: torch.Tensor, key: Optional[int], mode: str,
-              grad_mul: float = 1.0) -> None:
+def hyperparameters(optimizer: Any, group: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`adam_step`'s hyperparameters of ``group`` (read once per group and step: a tensor lr is a host read)."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)))
+
+
+def adam_step(state: Dict[str, Any], low: torch.Tensor, term: Optional[torch.Tensor], grad: torch.Tensor,
+              key: Optional[int], mode: str, hyper: Dict[str, Any], step: float, grad_mul: float = 1.0) -> None:
     """Step ``low`` with the kernel from ``grad`` (float32 or bfloat16, row-major) times ``grad_mul`` and
     ``state`` (``mode``: "int8" or "bf16"; updated in place but for ``state["step"]``, which the caller
-    advances); ``key``: the stochastic rounding's (None with a Kahan ``term``).  Every tensor in row-major order
-    (an element's index, which the stochastic rounding's noise is hashed from, is its row-major one): a weight
-    with other strides (channels_last, a transpose) is stepped in a row-major copy, copied back after."""
+    advances); ``hyper``: :func:`hyperparameters`; ``step``: the count after this step; ``key``: the stochastic
+    rounding's (None with a Kahan ``term``).  Every tensor in row-major order (an element's index, which the
+    stochastic rounding's noise is hashed from, is its row-major one): a weight with other strides (channels_last,
+    a transpose) is stepped in a row-major copy, copied back after.  No view is made (the kernel takes pointers):
+    a step of many masters dispatches nothing per master."""
     quant.recompress(state, mode)  # (a loader may have cast the state to the parameter's dtype: exact values)
     quant.conform(state, low, row_major=True)
     absmax = (lambda k: state[k + ".absmax"]) if mode == "int8" else (lambda k: None)
-    beta1, beta2 = (float(b) for b in group["betas"])
     tables, codes = quant.code_constants()
     weight = low if low.is_contiguous() else low.contiguous()
-    lean_adam(weight.view(-1), None if term is None else term.view(-1), grad.reshape(-1),
-              state["exp_avg"].view(-1), absmax("exp_avg"), state["exp_avg_sq"].view(-1), absmax("exp_avg_sq"),
-              key, tables, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-              eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-              decoupled=bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)),
-              step=float(state["step"]) + 1, codes=codes, grad_mul=grad_mul)
+    lean_adam(weight, term, grad, state["exp_avg"], absmax("exp_avg"), state["exp_avg_sq"], absmax("exp_avg_sq"),
+              key, tables, step=step, codes=codes, grad_mul=grad_mul, **hyper)
     if weight is not low:
         low.copy_(weight)

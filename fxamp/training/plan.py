@@ -16,7 +16,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 __all__ = ["CAT_NUMEL", "GRAD_SEGMENT_NUMEL", "RELEASE_MIN_BYTES", "DECIDE_ON", "Strides", "grad_strides",
-           "flat_grads", "Run", "cut_runs", "Bucket", "Segments", "Plan", "decides_on"]
+           "flat_grads", "Run", "cut_runs", "Bucket", "Segments", "Plan", "decides_on", "plain"]
 
 Strides = Optional[Tuple[Tuple[int, ...], ...]]
 
@@ -330,3 +330,9 @@ def decides_on(plan: Plan, optimizer: Any, host_only: bool, reduces_on_device: C
             if reduces_on_device(device):
                 plan.decide_on = device
     return plan.decide_on
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor or parameter, not a subclass such as DTensor (asked without ``t.data``,
+    which is a detach: one dispatched op per master and step)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t.data) is torch.Tensor

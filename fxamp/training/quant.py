@@ -25,6 +25,7 @@ import math
 from typing import Any, Dict, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 __all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible",
            "compress", "decompress", "recompress", "slice_state", "store_slice", "quantize", "dequantize", "code_constants", "state_bytes",
@@ -75,27 +76,26 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
     codes_flat = codes.view(-1)
     top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
     chunk = chunk_for(x.device)
+    # (narrow, not t[a:b]: Python indexing of an accelerator's tensor wants its runtime, a fake one's too)
     for start in range(0, n, chunk):
-        part = flat[start:start + chunk]
-        m = part.numel()
+        m = min(chunk, n - start)
+        part = _part(flat, start, m)
         full = m - m % BLOCK
         b0 = start // BLOCK
         if full:
-            blocks = part[:full].view(-1, BLOCK)
+            blocks = _part(part, 0, full).view(-1, BLOCK)
             q = blocks.abs() if signed else blocks  # (an unsigned state is non-negative: its own magnitude)
-            amax = torch.amax(q, dim=1, keepdim=True)
-            absmax[b0:b0 + blocks.shape[0]] = amax.view(-1)
+            amax = torch.amax(q, dim=1, out=_part(absmax, b0, full // BLOCK)).view(-1, 1)
             q = _log2_magnitude(q, signed)
             _code_(q, amax, top, k, blocks, signed)
-            codes_flat[start:start + full].copy_(_integral(q.view(-1), signed))
+            _store(_part(codes_flat, start, full), _integral(q.view(-1), signed))
         if full < m:  # the last, partial block
-            tail = part[full:]
+            tail = part.narrow(0, full, m - full)
             q = tail.abs() if signed else tail
-            amax = q.amax()
-            absmax[-1] = amax
+            amax = torch.amax(q, dim=0, keepdim=True, out=absmax.narrow(0, nblocks - 1, 1))
             q = _log2_magnitude(q, signed)
             _code_(q, amax, top, k, tail, signed)
-            codes_flat[start + full:start + m].copy_(_integral(q, signed))
+            _store(codes_flat.narrow(0, start + full, m - full), _integral(q, signed))
     return codes.view(x.shape), absmax
 
 
@@ -132,6 +132,18 @@ def _code_(q: torch.Tensor, amax: torch.Tensor, top: int, k: float, x: torch.Ten
     else:  # a second moment never decodes to zero (the update m / sqrt(v) of a small one would explode): at
         q.clamp_(1, top)  # least code 1, a zero too (its first moment is zero, so is its update; a zero block
         # has absmax 0 and decodes to zeros)
+
+
+def _part(t: torch.Tensor, start: int, m: int) -> torch.Tensor:
+    """Elements ``start`` to ``start + m`` of 1-D ``t``: ``t`` itself when that is all of it (a view less to make: on
+    an accelerator each op the step dispatches costs about a launch's time on the host)."""
+    return t if start == 0 and m == t.numel() else t.narrow(0, start, m)
+
+
+def _store(codes: torch.Tensor, q: torch.Tensor) -> None:
+    """``codes.copy_(q)``, converted to the codes' integer type in the copy; as a ``_foreach_copy_`` of one tensor
+    (the same kernel), which a fake accelerator's tensor also runs (the step's op count in tests, on a CPU)."""
+    torch._foreach_copy_([codes], [q])
 
 
 def _integral(q: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -174,18 +186,18 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat = codes.reshape(-1).view(torch.uint8)
     n = flat.numel()
     dst = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out.view(-1)
-    table = _TABLES[signed] if codes.device.type == "cpu" else _table_on(signed, codes.device)
+    table = _TABLES[signed] if codes.device.type == "cpu" else \
+        _TABLES[signed].to(codes.device) if isinstance(codes, FakeTensor) else _table_on(signed, codes.device)
     chunk = chunk_for(codes.device)
     for start in range(0, n, chunk):
-        part = dst[start:start + chunk]
-        torch.index_select(table, 0, flat[start:start + chunk].to(torch.int32), out=part)
-        m = part.numel()
-        scale = absmax[start // BLOCK:(start + m - 1) // BLOCK + 1]
-        full = m - m % BLOCK
+        m = min(chunk, n - start)
+        part = _part(dst, start, m)
+        torch.index_select(table, 0, _part(flat, start, m).to(torch.int32), out=part)
+        b0, full = start // BLOCK, m - m % BLOCK
         if full:
-            part[:full].view(-1, BLOCK).mul_(scale[:full // BLOCK].view(-1, 1))
+            _part(part, 0, full).view(-1, BLOCK).mul_(_part(absmax, b0, full // BLOCK).view(-1, 1))
         if full < m:
-            part[full:].mul_(scale[-1])
+            part.narrow(0, full, m - full).mul_(absmax.narrow(0, b0 + full // BLOCK, 1))
     return dst.view(codes.shape) if out is None else out
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.info import ORIGIN
-from fxamp.training import quant
+from fxamp.training import flat, native, quant
 from fxamp.training import lean as lean_module
 from fxamp.training.config import LeanConfig, MasterPrecision, StatePrecision
 from fxamp.training.lean import stochastic_round
@@ -249,30 +249,70 @@ def test_lean_masters_hold_no_float32_copy_and_state_is_compressed():
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
     x = torch.full((20000,), 1.0 + 2 ** -9)  # a quarter of the way from 1.0 to the next bfloat16 (1 + 2^-7)
     out = torch.empty_like(x, dtype=torch.bfloat16)
-    stochastic_round(x, out, torch.Generator().manual_seed(0))
+    stochastic_round(x, out, flat.key(0, 0, 0))
     assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert abs(float(out.float().mean()) - float(x[0])) < 2e-4
+    # the noise is uniform over 16 bits: a value 3/4 of the way rounds up 3/4 of the time, at every place and key
+    x = torch.full((1 << 16,), 1.0 + 3 * 2 ** -9)
+    for key in (flat.key(3, 1, 0), flat.key(3, 2, 0), flat.key(3, 1, 1)):
+        stochastic_round(x, out := torch.empty_like(x, dtype=torch.bfloat16), key)
+        up = (out.float() > 1.0).float()
+        assert abs(float(up.mean()) - 0.75) < 0.01 and abs(float(up[::2].mean()) - float(up[1::2].mean())) < 0.02
 
 
-@pytest.mark.parametrize("host_check", [True, False], ids=["cpu-path", "accelerator-path"])
-def test_stochastic_rounding_is_randints_stream_slice_by_slice_and_keeps_inf_and_nan(monkeypatch, host_check):
-    monkeypatch.setattr(quant, "CHUNK", 256)  # four slices, drawn one after another from the generator
-    # off a CPU no finiteness check picks the path (it would wait for the device): the masked path, the same bits
-    monkeypatch.setattr(lean_module, "_host_reads_cheaply", lambda device: host_check)
+def _hash_oracle(x, key, first=0):
+    """The rounding of float32 ``x`` (row-major elements ``first, ...`` of the master of ``key``), in Python ints, as
+    lean_kernel.c writes it: noise = mix32(mix32(j ^ k0) ^ k1) >> 16 (murmur3's finalizer; k0, k1 the key's halves)
+    added to the float32 bits (uint32), the low 16 bits dropped."""
+    def mix32(v):
+        v ^= v >> 16
+        v = (v * 0x85EBCA6B) & 0xFFFFFFFF
+        v ^= v >> 13
+        v = (v * 0xC2B2AE35) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+
+    k0, k1 = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
+    out = []
+    for i, b in enumerate(x.view(torch.int32).tolist()):
+        noise = mix32(mix32((first + i) ^ k0) ^ k1) >> 16
+        u = ((b & 0xFFFFFFFF) + noise) & 0xFFFF0000
+        out.append(u - (1 << 32) if u >= 1 << 31 else u)
+    return torch.tensor(out, dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("chunk", [256, 1 << 18])
+def test_stochastic_rounding_is_a_hash_of_key_and_place_slice_by_slice_and_keeps_inf_and_nan(monkeypatch, chunk,
+                                                                                            kernel):
+    """The noise of element j of a master is a hash of (its key, j): the same bits rounded at once, slice by slice
+    (the chunked step), or beside other masters in one buffer (a run's flat values), in any order; inf and NaN kept
+    (no host read decides a path: the accelerator's step and the CPU's are one)."""
+    monkeypatch.setattr(quant, "CHUNK", chunk)  # four slices of the rounding, or one
+    if not kernel:  # (on a CPU the kernel rounds; the torch ops are the accelerator's path)
+        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+    elif native.kernel() is None:
+        pytest.skip(f"no CPU kernel here: {native.unavailable_reason()}")
     x = torch.randn(1000) * 100
     x[[3, 700]], x[5], x[999] = float("inf"), -float("inf"), 3.3e38  # (two slices hold inf/NaN)
     x.view(torch.int32)[[6, 7]] = torch.tensor([0x7F800001, -1], dtype=torch.int32)  # NaNs: adding noise to their
     # bits would make an inf and a zero of them
+    k = flat.key(7, 4, 2)
     out = torch.empty_like(x, dtype=torch.bfloat16)
-    stochastic_round(x, out, torch.Generator().manual_seed(7))
-    # the oracle: 16 bits of noise per element, four from each randint(-2^63, 2^63) draw, added to the
-    # float32 bits, the low 16 bits dropped; inf and NaN copied
-    draws = torch.randint(-2 ** 63, 2 ** 63 - 1, (250,), dtype=torch.int64, generator=torch.Generator().manual_seed(7))
-    noise = draws.view(torch.int16).to(torch.int32) & 0xFFFF
-    want = ((x.view(torch.int32) + noise) & -65536).view(torch.float32)
+    stochastic_round(x, out, k)
+    want = _hash_oracle(x, k)
     finite = torch.isfinite(x)
     assert torch.equal(out[finite].float(), want[finite])
     assert out[[3, 700, 5]].float().tolist() == [math.inf, math.inf, -math.inf] and bool(out[[6, 7]].isnan().all())
+    sliced = torch.empty_like(out)
+    for start, end in ((0, 300), (300, 600), (600, 1000)):  # slices of any length, each from its first element's place
+        stochastic_round(x[start:end], sliced[start:end], k, first=start)
+    assert torch.equal(sliced.view(torch.int16), out.view(torch.int16))
+    other = torch.randn(300) * 3
+    alone = torch.empty_like(other, dtype=torch.bfloat16)
+    stochastic_round(other, alone, flat.key(7, 9, 2))
+    both = torch.cat([other, x])  # two masters in one buffer, the other first
+    flat.round_stochastic_(both, [(300, flat.key(7, 9, 2), 0), (1000, k, 0)])
+    assert torch.equal(both[:300], alone.float()) and torch.equal(both[300:][finite], out[finite].float())
 
 
 def test_accelerator_slices_are_whole_blocks_and_chunks():

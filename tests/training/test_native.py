@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.training import lean, native, quant
+from fxamp.training import flat, lean, native, quant
 from fxamp.training.config import LeanConfig
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
@@ -28,7 +28,7 @@ def _state(n, seed=0):
     return w, grad, m, v
 
 
-def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
+def _eager(w, term, grad, m, v, step, noise_key, opt_cls, **hp):
     """The eager lean step of one tensor: float32 value, torch's fused Adam(W), 8-bit codes, the weight's rounding."""
     p = nn.Parameter(w.float() + (term.float() if term is not None else 0))
     p.grad = grad.clone()
@@ -41,7 +41,7 @@ def _eager(w, term, grad, m, v, step, noise_gen, opt_cls, **hp):
     new_w = torch.empty_like(w)
     new_term = p.detach().clone()  # stochastic: the float32 value the kernel's rounding must land beside
     if term is None:
-        lean.stochastic_round(p.detach(), new_w, noise_gen)
+        lean.stochastic_round(p.detach(), new_w, noise_key)  # (any key: the kernel hashes its own noise)
     else:
         new_w.copy_(p.detach())
         new_term = (p.detach() - new_w.float()).to(torch.bfloat16)
@@ -57,12 +57,13 @@ def test_the_kernel_is_the_eager_lean_step_up_to_float32_rounding(kahan, opt_cls
     """Same update (torch's fused Adam(W) arithmetic and coefficients), same codes but within ~1e-6 of a code
     boundary (a series log2): Kahan's weight and term equal but for a last-bit rounding, a stochastically
     rounded weight one of the two bfloat16 neighbours of the same float32 value (the noise is the kernel's own
-    hash, not the eager path's stream); codes equal but for a few in ten thousand, one code apart."""
+    hash, the eager path's too, of a float32 value that may differ in its last bit); codes equal but for a few in
+    ten thousand, one code apart."""
     n = 5 * 256 + 100
     w, grad, m, v = _state(n)
     term = (torch.randn(n) * 1e-5).bfloat16() if kahan else None
     hp = dict(lr=6e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
-    ref_w, ref_term, (cm_r, am_r, cv_r, av_r) = _eager(w, term, grad, m, v, 7, torch.Generator().manual_seed(5),
+    ref_w, ref_term, (cm_r, am_r, cv_r, av_r) = _eager(w, term, grad, m, v, 7, 5,
                                                       opt_cls, **hp)
     cm, am = quant.quantize(m, True)
     cv, av = quant.quantize(v, False)
@@ -117,6 +118,23 @@ def test_bfloat16_state_is_the_eager_steps_rounding_to_nearest(kahan):
 def _zero_state(n):
     return (torch.zeros(n, dtype=torch.int8), torch.zeros(-(-n // 256)), torch.zeros(n, dtype=torch.uint8),
             torch.zeros(-(-n // 256)))
+
+
+@pytest.mark.parametrize("base", [0, 1000])
+def test_the_kernel_and_the_eager_path_round_with_the_same_noise(base):
+    """With beta1 = beta2 = 0 and no eps, Adam's step from gradient 1 moves every weight by lr exactly: 1 - 2^-9,
+    halfway between two bfloat16 values; the kernel's stochastic rounding of it is lean.stochastic_round's, bit for
+    bit (one hash of the key and the element's place), so a master stepped by either path is rounded alike."""
+    n = 5000
+    low = torch.ones(n, dtype=torch.bfloat16)
+    cm, am, cv, av = _zero_state(n)
+    key = flat.key(3, 5, 7)
+    native.lean_adam(low, None, torch.ones(n), cm, am, cv, av, key, TABLES, lr=2 ** -9, beta1=0.0, beta2=0.0,
+                     eps=0.0, weight_decay=0.0, decoupled=True, step=1, codes=CODES, base=base)
+    eager = torch.empty_like(low)
+    lean.stochastic_round(torch.full((n,), 1.0 - 2 ** -9), eager, key, first=base)
+    assert set(low.float().unique().tolist()) == {1.0 - 2 ** -8, 1.0}
+    assert torch.equal(low.view(torch.int16), eager.view(torch.int16))
 
 
 def test_the_kernels_stochastic_rounding_is_unbiased_and_a_pure_function_of_key_and_place():
@@ -240,7 +258,8 @@ def test_codes_a_loader_cast_to_float_step_as_the_codes_do():
         if cast:
             state = {k: t.float() for k, t in state.items()}
         low = w.clone()
-        native.adam_step(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group, state, low, None, grad, 5, "int8")
+        hyper = native.hyperparameters(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), group)
+        native.adam_step(state, low, None, grad, 5, "int8", hyper, step=4.0)
         runs.append((low, state["exp_avg"], state["exp_avg_sq"]))
     assert runs[1][1].dtype == torch.int8 and runs[1][2].dtype == torch.uint8
     assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -13,6 +13,7 @@ import torch.nn as nn
 import fxamp
 from dispatch_count import count, mlp, set_grads
 from fxamp import MixedPrecisionOptimizer
+from fxamp.training import native
 from fxamp.training.loss_scale import LossScaler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,13 +156,13 @@ def fake_cuda(monkeypatch):
     return FakeTensorMode(allow_non_fake_inputs=True), scaler
 
 
-def _accelerator_step(fake_cuda, inner, tensors, numel):
+def _accelerator_step(fake_cuda, inner, tensors, numel, **lean):
     from fxamp.training.loss_scale import StepResult
 
     mode, scaler = fake_cuda
     with mode:
         params = [nn.Parameter(torch.randn(numel, device="cuda").to(BF16)) for _ in range(tensors)]
-        opt = MixedPrecisionOptimizer(inner(params), loss_scale=scaler)
+        opt = MixedPrecisionOptimizer(inner(params), loss_scale=scaler, **lean)
     token = torch.zeros((), requires_grad=True)  # (a real CPU loss: the scale's copy on the device is made in step())
 
     results = []
@@ -211,3 +212,102 @@ def test_the_segmented_accelerator_step_costs_the_same_at_16_and_64_tensors_of_t
     assert small == large, (small, large)
     assert sum(small.values()) <= 4 * 16, small
     assert "aten._local_scalar_dense.default" not in small
+
+
+# -- the lean modes (masters= and state=): every combination, on the CPU and on the accelerator's path ------------
+
+LEAN = [("kahan", "fp32"), ("stochastic", "fp32"), ("fp32", "bf16"), ("kahan", "bf16"), ("stochastic", "bf16"),
+        ("fp32", "int8"), ("kahan", "int8"), ("stochastic", "int8"), ("auto", "auto")]
+#: 8-bit state coded by eager ops (the CPU kernel takes a lean master's under Adam/AdamW, not SGD's nor a float32
+#: master's; on an accelerator every one): its code is a dozen elementwise ops per moment each way (block scales,
+#: log2, bias, clamp, sign, the integer cast; decoding a table lookup and a scale), one set over all of a run's
+#: masters, so it is constant in the number of tensors but above 4x the reference with two moments (and the
+#: stochastic rounding's hash beside them): pinned at 2.5x the limit instead
+EAGER_8BIT = 2.5
+#: the stochastic rounding by eager ops (an accelerator's; on a CPU the kernel rounds, dispatching nothing): its noise
+#: is the CPU kernel's hash (two murmur3 finalizers, each logical shift an arithmetic shift and a mask in int32),
+#: about 30 elementwise ops over a run's values (a slice's: 64 MiB on an accelerator), plus a handful to spread the
+#: masters' keys over their elements: constant in the number of tensors, a few ops over 4x the reference: pinned
+#: at 1.25x the limit
+EAGER_ROUNDING = 1.25
+
+
+def _bound(inner, masters, state, limit, on_cpu=True):
+    """The ops a lean step may take: the limit, or the pinned bounds above where eager ops take the 8-bit state (the
+    CPU kernel steps a lean Adam/AdamW master with lean state whole) or the stochastic rounding (the kernel rounds
+    on a CPU)."""
+    kernel = on_cpu and native.kernel() is not None
+    whole = kernel and inner in ("AdamW", "Adam") and masters not in ("fp32", "auto") and state != "fp32"
+    if state in ("int8", "auto") and not whole:
+        return EAGER_8BIT * limit
+    return (EAGER_ROUNDING if masters in ("stochastic", "auto") and not kernel else 1) * limit
+
+
+def _lean_step(tensors, inner, masters, state):
+    model = fxamp.convert(mlp(tensors), "O2", dtype=BF16)
+    opt = MixedPrecisionOptimizer(INNERS[inner](model.parameters()), model=model, loss_scale="dynamic",
+                                  masters=masters, state=state)
+    x = torch.randn(4, 16, dtype=BF16)
+
+    def prepare():
+        opt.zero_grad()
+        opt.backward(model(x).float().sum())
+
+    # ("auto" calibrates per tensor in its first steps, the one exception: counted after them)
+    counted = count(lambda: opt.step(), prepare, warmup=3 if masters != "auto" else 6)
+    if masters != "fp32":
+        assert {opt.precision_of(m).master for _, m in opt.master_pairs()} != {"fp32"}  # lean masters were stepped
+    return counted
+
+
+@pytest.mark.parametrize("masters,state", LEAN, ids=[f"{m}-{s}" for m, s in LEAN])
+@pytest.mark.parametrize("inner", ["AdamW", "SGD-momentum"])
+def test_the_lean_step_costs_the_same_at_18_and_66_tensors(inner, masters, state, limit):
+    """A run's lean masters are moved together (training/flat.py: a ``_foreach`` call per role, one (de)coding pass
+    per moment, one hash for the stochastic rounding), or stepped by the CPU kernel without a view per master."""
+    small, large = (_lean_step(n, inner, masters, state) for n in SIZES)
+    assert small.by_op == large.by_op, (small, large)
+    assert small.ops <= _bound(inner, masters, state, limit), small
+    assert small.host_reads <= 2, small
+
+
+@pytest.mark.parametrize("masters,state", [("kahan", "fp32"), ("stochastic", "int8")])
+def test_the_segmented_lean_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(masters, state, monkeypatch,
+                                                                                      limit):
+    from fxamp.training import step as S
+
+    monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr(S, "SEGMENT_NUMEL", 2 ** 12)
+    counts = []
+    for tensors in (16, 64):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(2 ** 14 // tensors).to(BF16)) for _ in range(tensors)]
+        opt = MixedPrecisionOptimizer(INNERS["SGD-momentum"](params), loss_scale="dynamic", masters=masters,
+                                      state=state)
+        token = torch.zeros((), requires_grad=True)
+
+        def prepare():
+            set_grads(params)
+            opt.scale_loss(token)
+
+        counts.append(count(lambda: opt.step(), prepare))
+        assert len(opt.plan.runs) == 4  # segmented: 4 runs
+    small, large = counts
+    assert small.by_op == large.by_op, (small, large)
+    assert small.host_reads <= 2, small
+
+
+@ON_FAKE_CUDA
+@pytest.mark.parametrize("masters,state", [("kahan", "fp32"), ("stochastic", "fp32"), ("kahan", "bf16"),
+                                           ("fp32", "int8"), ("stochastic", "int8")])
+def test_the_lean_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_at_18_and_66_tensors(
+        masters, state, fake_cuda, limit):
+    """No host read decides a path (the stochastic rounding's NaNs and infinities are kept by construction), and
+    the flat buffers' memory is taken and given back through their storage (their views are kept)."""
+    inner = FUSED_INNERS["AdamW"]
+    (small, opt), (large, _) = (_accelerator_step(fake_cuda, inner, n, 256, masters=masters, state=state)
+                                for n in SIZES)
+    assert small == large, (small, large)
+    assert sum(small.values()) <= _bound("AdamW", masters, state, limit, on_cpu=False), small
+    assert "aten._local_scalar_dense.default" not in small
+    assert all(m.stride() == (0,) for _, m in opt.master_pairs()) if masters != "fp32" else True  # placeholders
