@@ -636,7 +636,7 @@ def bench_optimizer(s: Settings) -> List[Record]:
             for tag, dtype, compiled in ((f"fxamp wrapper ({_short(s.dtype)} params, O2)", s.dtype, False),
                                          (f"fxamp wrapper ({_short(s.dtype)} params, O2, compiled step)", s.dtype, True),
                                          ("fxamp wrapper (fp32 params, O1)", torch.float32, False)):
-                w = MixedPrecisionOptimizer(make(fresh(dtype)), loss_scale=LossScaleConfig.dynamic(**dyn),
+                w = MixedPrecisionOptimizer(make(fresh(dtype)), loss_scale=LossScaleConfig("dynamic", **dyn),
                                             compile_step=compiled)
                 token = torch.zeros((), device=s.device, requires_grad=True)
 

@@ -27,8 +27,8 @@ One vocabulary across them.  A config type has one factory, ``parse``, from the 
 reads ``"p=f32,c=f16"``; the constructors take the fields, each a value or its name
 (``LeanConfig("kahan", "bf16")``), as torch's constructors take their options.  ``parse`` because every
 option already reads a string (``"O2"``, ``loss_scale="static:1024"``, ``float8="rowwise"``) and that
-reader was ``parse``; ``of`` and ``build`` only repeated the constructor (they, ``from_preset`` and
-``preset`` warn for one release).  Every dtype option takes a ``torch.dtype`` or a name of
+reader was ``parse``; ``of``, ``build`` and ``LossScaleConfig``'s ``static``/``dynamic``/``none`` only
+repeated the constructor (they, ``from_preset`` and ``preset`` warn for one release).  Every dtype option takes a ``torch.dtype`` or a name of
 :data:`fxamp.dtypes.NAMES` (``bf16``/``bfloat16``, ``fp16``/``float16``, ``fp32``/``float32``).  Every
 entry point takes ``(model, policy, *, example_inputs=...)``, in ``convert``'s order.
 """

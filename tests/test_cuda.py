@@ -217,7 +217,7 @@ def test_a_shared_dynamic_scaler_reads_the_flag_in_update_only():
     """Two optimizers, one float16 LossScaler (as FxampPrecision shares it): step() does not wait;
     the caller's update() reads both flags and moves the scale."""
     torch.manual_seed(0)
-    scaler = fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig.dynamic(init_scale=2.0 ** 10))
+    scaler = fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig("dynamic", init_scale=2.0 ** 10))
     a = fxamp.convert(nn.Sequential(nn.Linear(32, 32), nn.GELU()).to(DEV), "O2", dtype=torch.float16)
     b = fxamp.convert(nn.Linear(32, 4).to(DEV), "O2", dtype=torch.float16)
     opts = [fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), model=m,

@@ -90,7 +90,7 @@ class LossScaleConfig:
         init = self.init_scale
         if init is None:
             if kind is ScaleKind.STATIC:
-                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig.static(128.0)")
+                raise ValueError("a static loss scale needs init_scale=<the scale>, e.g. LossScaleConfig('static', 128.0)")
             init = 2.0**16 if kind is ScaleKind.DYNAMIC else 1.0
         if isinstance(init, int) and not isinstance(init, bool):
             init = float(init)
@@ -128,7 +128,7 @@ class LossScaleConfig:
         name, _, value = text.partition(":")
         if name == "static" and value:
             try:
-                return cls.static(float(value))
+                return cls(ScaleKind.STATIC, float(value))
             except ValueError:
                 pass
         elif not value and name in ("dynamic", "none"):
@@ -137,17 +137,21 @@ class LossScaleConfig:
 
     @classmethod
     def dynamic(cls, **fields: Any) -> "LossScaleConfig":
-        """Dynamic scaling; ``fields`` override the defaults (``init_scale=2**12, hysteresis=2``…)."""
+        """Deprecated: ``LossScaleConfig("dynamic", **fields)``."""
+        warn_deprecated("LossScaleConfig.dynamic(...)", 'write LossScaleConfig("dynamic", ...): the constructor takes '
+                        "the kind's name")
         return cls(ScaleKind.DYNAMIC, **fields)
 
     @classmethod
     def static(cls, scale: float) -> "LossScaleConfig":
-        """A fixed scale."""
+        """Deprecated: ``LossScaleConfig("static", scale)``."""
+        warn_deprecated("LossScaleConfig.static(scale)", 'write LossScaleConfig("static", scale)')
         return cls(ScaleKind.STATIC, init_scale=scale)
 
     @classmethod
     def none(cls) -> "LossScaleConfig":
-        """No scaling (scale 1); non-finite gradients still skip the step."""
+        """Deprecated: ``LossScaleConfig("none")``."""
+        warn_deprecated("LossScaleConfig.none()", 'write LossScaleConfig("none")')
         return cls(ScaleKind.NONE)
 
     def __str__(self) -> str:
@@ -177,11 +181,11 @@ def config_for(loss_scale: Union[str, LossScaleConfig], low: Optional[torch.dtyp
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"loss_scale={loss_scale!r}: a number is a static loss scale, finite and > 0 "
                              f"(e.g. 128.0); or use {OPTIONS}")
-        return LossScaleConfig.static(scale)
+        return LossScaleConfig(ScaleKind.STATIC, scale)
     if not isinstance(loss_scale, str):
         raise TypeError(f"loss_scale={loss_scale!r} ({type(loss_scale).__name__}) is not accepted; use {OPTIONS}")
     if loss_scale == "auto":
-        return LossScaleConfig.none() if low in (torch.bfloat16, torch.float32) else LossScaleConfig.dynamic()
+        return LossScaleConfig(ScaleKind.NONE if low in (torch.bfloat16, torch.float32) else ScaleKind.DYNAMIC)
     return LossScaleConfig.parse(loss_scale)
 
 

@@ -353,7 +353,7 @@ class LossScaler:
             config = LossScaleConfig()
         if not isinstance(config, LossScaleConfig):
             raise TypeError(f"config must be a LossScaleConfig, not {type(config).__name__}; "
-                            f"e.g. LossScaler(LossScaleConfig.static(128.0))")
+                            f"e.g. LossScaler(LossScaleConfig('static', 128.0))")
         self.config = config
         self._scale = torch.full((), config.init_scale, dtype=torch.float32)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)

@@ -347,10 +347,10 @@ def test_the_old_spellings_of_loss_scale_are_refused(value, message):
 
 def test_loss_scale_takes_the_optimizers_forms():
     assert FxampPrecision("O2", dtype="16", loss_scale="static:128").scaler.scale == 128.0
-    assert FxampPrecision("O2", dtype="16", loss_scale=128.0).scaler.config == fxamp.LossScaleConfig.static(128.0)
+    assert FxampPrecision("O2", dtype="16", loss_scale=128.0).scaler.config == fxamp.LossScaleConfig("static", 128.0)
     assert FxampPrecision("O2", dtype="16").scaler.kind == "dynamic"
     assert FxampPrecision("O2", dtype="bf16").scaler.kind == "none"
-    shared = fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig.none())
+    shared = fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig("none"))
     assert FxampPrecision("O2", dtype="16", loss_scale=shared).scaler is shared
     assert FxampPrecision("O2").optimizers == []
 

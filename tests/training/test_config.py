@@ -23,14 +23,14 @@ VALID = (r"'auto', 'dynamic', 'none', 'static:<scale>' \(e\.g\. 'static:1024'\) 
 def test_auto_scales_only_for_float16_or_unknown(low, kind):
     cfg = config_for("auto", low)
     assert cfg.kind is kind
-    assert cfg == (LossScaleConfig.dynamic() if kind is ScaleKind.DYNAMIC else LossScaleConfig.none())
+    assert cfg == (LossScaleConfig("dynamic") if kind is ScaleKind.DYNAMIC else LossScaleConfig("none"))
     assert cfg.init_scale == (2.0**16 if kind is ScaleKind.DYNAMIC else 1.0)
 
 
 @pytest.mark.parametrize("low", [F16, BF16, F32, None])
 def test_named_forms_ignore_the_compute_dtype(low):
     assert config_for("dynamic", low) == LossScaleConfig()
-    assert config_for("none", low) == LossScaleConfig.none()
+    assert config_for("none", low) == LossScaleConfig("none")
     static = config_for("static:1024", low)
     assert static.kind is ScaleKind.STATIC and static.init_scale == 1024.0 and isinstance(static.init_scale, float)
     assert config_for("static:0.5", low).init_scale == 0.5
@@ -38,15 +38,15 @@ def test_named_forms_ignore_the_compute_dtype(low):
 
 
 def test_a_config_is_returned_as_it_is():
-    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, hysteresis=3)
+    cfg = LossScaleConfig("dynamic", init_scale=2.0**10, hysteresis=3)
     assert config_for(cfg, BF16) is cfg  # not replaced by "auto"'s none for bfloat16
-    none = LossScaleConfig.none()
+    none = LossScaleConfig("none")
     assert config_for(none, F16) is none
 
 
 def test_a_shared_scaler_is_shared_not_parsed():
     """config_for takes everything but a shared scaler; scaler_for hands that one back as it is, unowned."""
-    shared = LossScaler(LossScaleConfig.static(64.0))
+    shared = LossScaler(LossScaleConfig("static", 64.0))
     scaler, owned = scaler_for(shared)
     assert scaler is shared and owned is False
     with pytest.raises(TypeError, match=r"\(LossScaler\) is not accepted; use " + VALID):
@@ -67,7 +67,7 @@ def test_a_shared_scaler_is_shared_not_parsed():
 ])
 def test_non_strings_are_refused_naming_the_form_to_write(option, match):
     if match is None:
-        assert config_for(option, F16) == LossScaleConfig.dynamic()
+        assert config_for(option, F16) == LossScaleConfig("dynamic")
         return
     with pytest.raises(TypeError, match=match):
         config_for(option, F16)
@@ -75,7 +75,7 @@ def test_non_strings_are_refused_naming_the_form_to_write(option, match):
 
 @pytest.mark.parametrize("number", [128, 1024.0, 0.25])
 def test_a_number_is_a_static_scale(number):
-    assert config_for(number, F16) == LossScaleConfig.static(float(number))
+    assert config_for(number, F16) == LossScaleConfig("static", float(number))
     assert config_for(number, torch.bfloat16).kind == ScaleKind.STATIC  # (not "auto"'s none for bfloat16)
 
 
@@ -111,7 +111,7 @@ def test_the_constructor_picks_the_scale_per_kind_and_normalises():
     assert LossScaleConfig("dynamic", 1024, hysteresis=2) == LossScaleConfig(
         kind=ScaleKind.DYNAMIC, init_scale=1024.0, hysteresis=2)
     # the string and the enum are one kind
-    assert LossScaleConfig("static", 2.0) == LossScaleConfig.static(2.0)
+    assert LossScaleConfig("static", 2.0) == LossScaleConfig("static", 2.0)
     assert ScaleKind("static") is ScaleKind.STATIC and str(ScaleKind.NONE) == "none"
 
 
@@ -136,11 +136,11 @@ def test_the_constructor_validates(args, kwargs, error, match):
 
 def test_static_scale_need_not_lie_in_the_dynamic_range():
     """min_scale/max_scale bound only a dynamic scale."""
-    assert LossScaleConfig.static(0.5).init_scale == 0.5
-    assert LossScaleConfig.static(2.0**30).init_scale == 2.0**30
+    assert LossScaleConfig("static", 0.5).init_scale == 0.5
+    assert LossScaleConfig("static", 2.0**30).init_scale == 2.0**30
 
 
-def test_the_constructor_takes_the_kind_by_name_and_of_warns():
+def test_the_constructor_takes_the_kind_by_name_and_the_named_constructors_warn():
     """One factory, parse (for the string form); the constructor takes the fields, the kind by name (issue 38)."""
     cfg = LossScaleConfig(kind="static", init_scale=4)
     assert cfg == LossScaleConfig(ScaleKind.STATIC, 4.0) and cfg.kind is ScaleKind.STATIC and type(cfg.init_scale) is float
@@ -149,12 +149,17 @@ def test_the_constructor_takes_the_kind_by_name_and_of_warns():
     with pytest.warns(DeprecationWarning, match=r"LossScaleConfig.of\(...\) is deprecated and kept for one release: "
                                                 r"write LossScaleConfig\(...\)"):
         assert LossScaleConfig.of("static", 4) == cfg
+    for call, old, new in ((lambda: LossScaleConfig.static(4), r"static\(scale\)", r'"static", scale'),
+                           (lambda: LossScaleConfig.dynamic(init_scale=8.0), r"dynamic\(...\)", r'"dynamic", ...'),
+                           (lambda: LossScaleConfig.none(), r"none\(\)", r'"none"')):
+        with pytest.warns(DeprecationWarning, match=rf"LossScaleConfig.{old} is deprecated .*: write LossScaleConfig\({new}\)"):
+            assert call() in (cfg, LossScaleConfig("dynamic", init_scale=8.0), LossScaleConfig("none"))
 
 
 def test_parse_round_trips_the_shorthands():
-    assert LossScaleConfig.parse("static:1e3") == LossScaleConfig.static(1000.0)
-    assert LossScaleConfig.parse("dynamic") == LossScaleConfig.dynamic()
-    assert LossScaleConfig.parse("none") == LossScaleConfig.none()
+    assert LossScaleConfig.parse("static:1e3") == LossScaleConfig("static", 1000.0)
+    assert LossScaleConfig.parse("dynamic") == LossScaleConfig("dynamic")
+    assert LossScaleConfig.parse("none") == LossScaleConfig("none")
     with pytest.raises(ValueError, match=r"loss_scale='auto' is not understood"):
         LossScaleConfig.parse("auto")  # "auto" needs the compute dtype: config_for's
 
@@ -192,5 +197,5 @@ def test_compute_dtype_reads_the_models_policy_first():
 
     assert compute_dtype(Wrapper(amp), []) is BF16
     # and so "auto" through scaler_for: no scaling for a bfloat16 policy, dynamic for float16 parameters
-    assert scaler_for("auto", amp, params)[0].config == LossScaleConfig.none()
-    assert scaler_for("auto", None, _params(F16))[0].config == LossScaleConfig.dynamic()
+    assert scaler_for("auto", amp, params)[0].config == LossScaleConfig("none")
+    assert scaler_for("auto", None, _params(F16))[0].config == LossScaleConfig("dynamic")

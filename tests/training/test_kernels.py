@@ -464,7 +464,7 @@ def flat_pair(lengths, make_opt):
     sides = []
     for compile_step in (False, True):
         lows = [nn.Parameter(v.to(BF16)) for v in values]
-        scale = fxamp.LossScaleConfig.dynamic(init_scale=4.0)
+        scale = fxamp.LossScaleConfig("dynamic", init_scale=4.0)
         sides.append((lows, MixedPrecisionOptimizer(make_opt(lows), loss_scale=scale, compile_step=compile_step)))
     return sides
 

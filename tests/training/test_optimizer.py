@@ -133,7 +133,7 @@ def test_fp32_dynamic_matches_gradscaler_skips_scales_and_weights(growth, backof
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_factor=growth, backoff_factor=backoff,
                                   growth_interval=3)
     plain = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_factor=growth, backoff_factor=backoff,
+    cfg = LossScaleConfig("dynamic", init_scale=2.0**10, growth_factor=growth, backoff_factor=backoff,
                                   growth_interval=3, min_scale=0.0, max_scale=math.inf)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9), loss_scale=cfg)
     rng = random.Random(0)
@@ -183,7 +183,7 @@ def test_nonfinite_gradient_skips_and_changes_nothing(dtype, name, bad):
 
 def test_random_injection_never_corrupts_a_weight():
     model = fxamp.convert(net(), "O2")
-    cfg = LossScaleConfig.dynamic(init_scale=2.0**12, growth_interval=3)
+    cfg = LossScaleConfig("dynamic", init_scale=2.0**12, growth_interval=3)
     opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3), loss_scale=cfg, model=model)
     rng = random.Random(1)
     names = [n for n, _ in model.named_parameters()]
@@ -216,7 +216,7 @@ def test_random_injection_never_corrupts_a_weight():
 
 def test_overflow_storm_raises_naming_the_parameters():
     model = fxamp.convert(net(), "O2")
-    cfg = LossScaleConfig.dynamic(init_scale=2.0, min_scale=1.0)
+    cfg = LossScaleConfig("dynamic", init_scale=2.0, min_scale=1.0)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=cfg, model=model)
     assert train_step(model, opt, 0, inject=("fc2.bias", INF)) is False
     assert opt.current_scale == 1.0
@@ -275,7 +275,7 @@ def test_accumulation_matches_one_batch_in_fp32():
 
 def test_two_optimizers_share_one_scaler_like_gradscaler():
     model = fxamp.convert(net(), "O2")
-    scaler = LossScaler(LossScaleConfig.dynamic(init_scale=2.0**8, growth_interval=2))
+    scaler = LossScaler(LossScaleConfig("dynamic", init_scale=2.0**8, growth_interval=2))
     a = MixedPrecisionOptimizer(torch.optim.Adam(model.fc1.parameters(), lr=1e-3), loss_scale=scaler, model=model)
     b = MixedPrecisionOptimizer(torch.optim.SGD([*model.bn.parameters(), *model.fc2.parameters()], lr=0.1),
                                 loss_scale=scaler, model=model)
@@ -662,11 +662,11 @@ def test_a_number_is_a_static_loss_scale(value):
     """apex users write ``loss_scale=128.0``: a number has one meaning, a static scale (``"static:128"``)."""
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=value, model=model)
-    assert opt.scaler.config == LossScaleConfig.static(float(value)) == LossScaleConfig.parse(f"static:{value}")
+    assert opt.scaler.config == LossScaleConfig("static", float(value)) == LossScaleConfig.parse(f"static:{value}")
     assert train_step(model, opt, 0) and opt.scaler.scale == float(value)  # static: never grows
     orig = net()
     _, opt = fxamp.initialize(orig, torch.optim.SGD(orig.parameters(), lr=0.1), "O2", loss_scale=value)
-    assert opt.scaler.config == LossScaleConfig.static(float(value))
+    assert opt.scaler.config == LossScaleConfig("static", float(value))
 
 
 # -- the auto loss scale ----------------------------------------------------------------------
@@ -705,7 +705,7 @@ def test_existing_state_moves_to_float32_masters():
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_resume_mid_training_is_bitwise(dtype):
-    cfg = LossScaleConfig.dynamic(init_scale=2.0**10, growth_interval=3) if dtype == F16 else "none"
+    cfg = LossScaleConfig("dynamic", init_scale=2.0**10, growth_interval=3) if dtype == F16 else "none"
 
     def make(seed):
         model = fxamp.convert(net(seed), "O2", dtype=dtype)
@@ -1013,7 +1013,7 @@ def test_an_object_that_is_not_an_optimizer_is_refused_naming_what_it_lacks():
 def test_min_scale_zero_keeps_skipping_without_giving_up():
     model = fxamp.convert(net(), "O2")
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                  loss_scale=LossScaleConfig.dynamic(init_scale=2.0**-124, min_scale=0.0))
+                                  loss_scale=LossScaleConfig("dynamic", init_scale=2.0**-124, min_scale=0.0))
     for step in range(6):  # an inf every step: the scale stops at the smallest normal float32
         assert not train_step(model, opt, step, inject=("fc2.weight", INF))
     assert opt.current_scale == torch.finfo(torch.float32).tiny and opt.skipped_steps == 6

@@ -152,7 +152,7 @@ def fake_cuda(monkeypatch):
     from fxamp.training import loss_scale as L
 
     monkeypatch.setattr(L.DeviceFlag, "__bool__", lambda self: False)
-    scaler = LossScaler(fxamp.LossScaleConfig.dynamic(growth_interval=10 ** 6))
+    scaler = LossScaler(fxamp.LossScaleConfig("dynamic", growth_interval=10 ** 6))
     return FakeTensorMode(allow_non_fake_inputs=True), scaler
 
 

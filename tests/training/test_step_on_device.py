@@ -37,7 +37,7 @@ def _run(dtype, steps, *, big=False, clip=None, poison=(), fused=True, shared=Fa
     """Train ``steps`` steps; the steps in ``poison`` get a NaN loss.  Returns (model, opt, results, scales)."""
     model = _model(dtype, big)
     inner = (make or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=fused)))(model.parameters())
-    kwargs = {"loss_scale": fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig.dynamic(init_scale=2.0 ** 8))} if shared else {}
+    kwargs = {"loss_scale": fxamp.training.loss_scale.LossScaler(fxamp.LossScaleConfig("dynamic", init_scale=2.0 ** 8))} if shared else {}
     opt = fxamp.MixedPrecisionOptimizer(inner, model=model, compile_step=compile_step, **kwargs)
     g = torch.Generator().manual_seed(1)
     results, scales = [], []
