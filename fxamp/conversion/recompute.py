@@ -306,8 +306,8 @@ def row_plan(program: Tuple[Any, ...], n_inputs: int) -> Union[RowPlan, str]:
             rows.update(inputs)
             kinds[idx] = "row"
         elif name in _ROWWISE and args and isinstance(args[0], Ref) and kinds.get(args[0].i) == "row" and \
-                len(tensors) == 1 and len(args) > 1 and isinstance(args[1], int):
-            dims.append((args[0].i, args[1]))
+                len(tensors) == 1 and isinstance(args[1] if len(args) > 1 else dict(kwargs).get("dim"), int):
+            dims.append((args[0].i, args[1] if len(args) > 1 else dict(kwargs)["dim"]))
             kinds[idx] = "row"
         else:
             return f"{name} is not row-wise (elementwise, softmax over a row, or a loss over rows)"
@@ -347,9 +347,11 @@ def _chunked_grads(program: Tuple[Any, ...], plan: RowPlan, values: List[Any], n
         return None
     rows_n, rank = x.shape[0], x.dim()
     losses = dict(plan.losses)
-    for r in plan.rows:
+    for r in plan.rows:  # (an input that is no tensor, a dtype say, is passed whole)
         v = values[r]
-        if not isinstance(v, torch.Tensor) or v.shape[:1] != x.shape[:1]:
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.shape[:1] != x.shape[:1]:
             return None
         is_target = not v.is_floating_point()
         if (v.dim() != rank - 1) if is_target else (v.dim() != rank):
@@ -383,7 +385,8 @@ def _chunked_grads(program: Tuple[Any, ...], plan: RowPlan, values: List[Any], n
             loss_grads[idx] = loss_grads[idx] / total  # the kernel's grad_output / total_weight, bit for bit
     if not row_grads and not loss_grads:
         return None
-    wrt = [r for r in sorted(plan.rows) if needs[r] and values[r].is_floating_point()]
+    chunked = [r for r in sorted(plan.rows) if isinstance(values[r], torch.Tensor)]
+    wrt = [r for r in chunked if needs[r] and values[r].is_floating_point()]
     want_x = needs[plan.entry]
     gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None
     bufs = {r: torch.empty_like(values[r], memory_format=torch.contiguous_format) for r in wrt}
@@ -395,7 +398,7 @@ def _chunked_grads(program: Tuple[Any, ...], plan: RowPlan, values: List[Any], n
         xc = x[r0:r1].detach().requires_grad_(want_x)
         up = xc.to(torch.float32)
         cenv: List[Any] = list(env)
-        for i in plan.rows:
+        for i in chunked:
             cenv[i] = values[i][r0:r1].detach().requires_grad_(i in bufs)
         for a in plan.aliases:
             cenv[a] = xc if a == plan.entry else up
