@@ -499,7 +499,7 @@ def test_the_chunked_backward_holds_no_float32_tensor_of_the_logits_size(monkeyp
         peaks[on] = allocations(loss.backward)
     (peak, largest), chunk = peaks[True], full32 // 16
     assert largest < full32  # the bfloat16 gradient of the logits (and a matmul's workspace for it); no float32 copy
-    assert peaks[False][1] >= full32 and peaks[False][0] >= 2 * full32  # log-probabilities' and logits' gradients
+    assert peaks[False][1] >= full32 and peaks[False][0] >= 1.9 * full32  # log-probabilities' and logits' gradients
     # the bf16 gradient (shifted: also the bf16 rows and the slice's gradient), the Linear's workspace, a few chunks
     assert peak <= (2 if shift else 1) * full32 // 2 + largest + 5 * chunk
     assert peak < 0.8 * peaks[False][0]
