@@ -511,7 +511,7 @@ def test_the_report_says_which_islands_run_their_backward_in_row_chunks():
     h, labels = head_data(None, b=4, s=64, vocab=512)
     rep = fxamp.report(model, "O1", example_inputs=(h, labels), dtype=BF16)
     assert "recomputed, keeps bfloat16 for backward, 262kB less, backward in row chunks" in rep.to_table()
-    assert "its backward runs in chunks of rows of ~16 MiB of float32" in rep.to_table(wide=True)
+    assert "its backward runs in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
     header, *lines = rep.to_csv().splitlines()
     assert header.endswith("recompute_chunked") and any(line.endswith(",1") for line in lines)
     smooth = fxamp.report(Head(vocab=512, label_smoothing=0.1), "O1", example_inputs=(h, labels), dtype=BF16)
