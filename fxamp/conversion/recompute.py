@@ -44,7 +44,7 @@ from torch.fx.operator_schemas import normalize_function
 from ..dtypes import LOW
 
 __all__ = ["Ref", "island_on", "island_input", "island_output", "run_program", "resolve", "RowPlan", "row_plan",
-           "CHUNK_BYTES", "ACCELERATOR_CHUNK_BYTES"]
+           "CHUNK_BYTES", "ACCELERATOR_CHUNK_BYTES", "chunked_grads"]
 
 #: float32 bytes of one chunk of rows in a row-chunked backward.  Small, so that a chunk's temporaries stay
 #: in cache and the allocator reuses their blocks: a backward over whole float32 logits spends much of its
@@ -113,7 +113,7 @@ class _Recomputed(torch.autograd.Function):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             plan = row_plan(ctx.program, len(values))
             if isinstance(plan, RowPlan) and wanted:
-                got = _chunked_grads(ctx.program, plan, values, needs, dict(zip(ctx.tensor_at, grads)))
+                got = chunked_grads(ctx.program, plan, values, needs, dict(zip(ctx.tensor_at, grads)))
                 if got is not None:
                     return (None, None, None, *got)
             results = run_program(ctx.program, values)
@@ -336,7 +336,7 @@ def _loss_arguments(fn: Any, args: Any, kwargs: Any) -> Optional[Dict[str, Any]]
     return None if pair is None else dict(pair.kwargs)
 
 
-def _chunked_grads(program: Tuple[Any, ...], plan: RowPlan, values: List[Any], needs: Sequence[bool],
+def chunked_grads(program: Tuple[Any, ...], plan: RowPlan, values: List[Any], needs: Sequence[bool],
                    grads: Dict[int, Optional[torch.Tensor]]) -> Optional[List[Any]]:
     """The inputs' gradients, the island's backward run in chunks of rows; None where the run's shapes do not
     fit the plan (the caller then recomputes the island whole).  Runs with grad enabled."""

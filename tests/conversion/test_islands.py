@@ -377,18 +377,19 @@ def head_grads(model, h, labels, weights=None):
 
 @pytest.fixture
 def spy_chunks(monkeypatch):
-    """Counts the chunks each chunked backward runs (``recompute._chunked_grads``' loop, through its row count)."""
+    """One entry per island backward that tried the row chunks (``recompute.chunked_grads``): True where it ran them
+    (False: the run's shapes did not fit, and the island was recomputed whole)."""
     from fxamp.conversion import recompute
 
     runs = []
-    real = recompute._chunked_grads
+    real = recompute.chunked_grads
 
     def spy(program, plan, values, needs, grads):
         got = real(program, plan, values, needs, grads)
         runs.append(got is not None)
         return got
 
-    monkeypatch.setattr(recompute, "_chunked_grads", spy)
+    monkeypatch.setattr(recompute, "chunked_grads", spy)
     return runs
 
 
@@ -516,3 +517,36 @@ def test_the_report_says_which_islands_run_their_backward_in_row_chunks():
     assert header.endswith("recompute_chunked") and any(line.endswith(",1") for line in lines)
     smooth = fxamp.report(Head(vocab=512, label_smoothing=0.1), "O1", example_inputs=(h, labels), dtype=BF16)
     assert "not recomputed: a loss whose backward cannot run in row chunks" in smooth.to_table()
+
+
+def test_a_hugging_face_causal_lm_loss_runs_in_row_chunks_bitwise(monkeypatch, spy_chunks):
+    """GPT-2 with ``labels=`` (its loss pads the labels with ignore_index and casts the logits up), O1: the loss's
+    backward in chunks of 5 rows gives the gradients of the recompute off, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from fxamp.conversion import recompute
+
+    class WithLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16,
+                                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                          attn_pdrop=0.0)  # no dropout: two runs draw no masks
+            self.lm = transformers.GPT2LMHeadModel(cfg)
+
+        def forward(self, idx, labels):
+            return self.lm(input_ids=idx, labels=labels).loss
+
+    torch.manual_seed(0)
+    model = WithLabels()
+    x = torch.randint(0, 128, (3, 7))
+    labels = x.clone()
+    labels[1, :2] = -100
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 128 * 5)
+    runs = []
+    for on in (True, False):
+        amp = fxamp.convert(model, "O1", dtype=BF16, recompute_islands=on, example_inputs=(x, labels))
+        amp.zero_grad(set_to_none=True)
+        loss = amp(x, labels)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert same(*runs) and True in spy_chunks
