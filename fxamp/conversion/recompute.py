@@ -299,18 +299,20 @@ def row_plan(program: Tuple[Any, ...], n_inputs: int) -> Union[RowPlan, str]:
                 return f"{name} with class weights, label smoothing or a legacy reduction"
             rows.add(tgt.i)
             losses.append((idx, reduction))
-            kinds[idx] = "row" if reduction == "none" else "scalar"
+            kinds[idx] = "per-row" if reduction == "none" else "scalar"  # one value a row (rank 1)
         elif tensors and all(kinds.get(r) == "scalar" for r in tensors) and len(set(tensors)) == 1 and \
                 (_cast_dtype(steps[j]) == torch.float32 or name in _LAYOUT):
             src = tensors[0]
-            scalar_of[idx] = dict(scalar_of).get(src, src)
+            scalar_of[idx] = scalar_of.get(src, src)
             kinds[idx] = "scalar"
-        elif name in _ELEMENTWISE and any(kinds.get(r) == "row" for r in tensors) and \
-                all(kinds.get(r) == "row" or r in inputs for r in tensors):
+        elif name in _ELEMENTWISE and len({kinds.get(r) for r in tensors if r not in inputs}) == 1 and \
+                kinds.get(next(r for r in tensors if r not in inputs)) in ("row", "per-row"):
+            # (rows and per-row values never meet: (r, V) * (r,) would broadcast along V, not along the rows)
             rows.update(inputs)
-            kinds[idx] = "row"
+            kinds[idx] = kinds.get(next(r for r in tensors if r not in inputs))
         elif name in _ROWWISE and args and isinstance(args[0], Ref) and kinds.get(args[0].i) == "row" and \
-                len(tensors) == 1 and isinstance(args[1] if len(args) > 1 else dict(kwargs).get("dim"), int):
+                len(tensors) == 1 and isinstance(args[1] if len(args) > 1 else dict(kwargs).get("dim"), int) and \
+                (args[1] if len(args) > 1 else dict(kwargs)["dim"]) != 0:  # (a negative dim is checked at run time)
             dims.append((args[0].i, args[1] if len(args) > 1 else dict(kwargs)["dim"]))
             kinds[idx] = "row"
         else:

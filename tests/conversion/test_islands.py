@@ -550,3 +550,31 @@ def test_a_hugging_face_causal_lm_loss_runs_in_row_chunks_bitwise(monkeypatch, s
         loss.backward()
         runs.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     assert same(*runs) and True in spy_chunks
+
+
+@pytest.mark.parametrize("dim", [0, -2, 1])
+def test_a_softmax_over_dim_0_is_recomputed_whole(monkeypatch, spy_chunks, dim):
+    """Chunks are rows of dim 0: a softmax over dim 0 mixes them (refused from the graph for dim=0, at run time
+    for -2 of a 2-D input); dim 1 runs in chunks.  Bitwise the gradients without the recompute each way."""
+    from fxamp.conversion import recompute
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return torch.log_softmax(self.fc(x).float(), dim=dim)
+
+    torch.manual_seed(0)
+    model, x, w = M(), torch.randn(11, 8), torch.randn(11, 16)
+    on = fxamp.convert(model, "O1", dtype=BF16)
+    assert next(n.meta[DECISION].recompute for n in on.graph.nodes if n.name == "log_softmax").chunked == (dim != 0)
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 16 * 3)
+    runs = []
+    for m in (on, fxamp.convert(model, "O1", dtype=BF16, recompute_islands=False)):
+        model.zero_grad(set_to_none=True)
+        (m(x) * w).sum().backward()
+        runs.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert spy_chunks == ([] if dim == 0 else [dim == 1])
