@@ -71,6 +71,8 @@ class IslandChoice:
     saved:   the dtype the island keeps for backward in place of float32 (the upcasts' inputs'), or None.
     entries: the names of the upcast nodes it starts from (the report counts the bytes saved from their shapes).
     source:  :class:`~fxamp.conversion.op_lists.Source`: DEFAULT (the rule), or a node/module override.
+    chunked: its backward runs in chunks of rows (``conversion.runtime.recompute.row_plan``), holding one chunk's
+             float32 tensors at a time; False: it recomputes the island whole.
     """
 
     island: str
@@ -79,6 +81,7 @@ class IslandChoice:
     saved: Optional[torch.dtype] = None
     entries: Tuple[str, ...] = ()
     source: Source = Source.DEFAULT
+    chunked: bool = False
 
 
 @dataclass(frozen=True)

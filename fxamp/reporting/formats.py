@@ -34,7 +34,7 @@ FLOAT8_COLUMNS = ["float8", "float8_reason", "float8_sqnr_db", "float8_input_ama
                   "float8_scale", "float8_nan_rows"]
 #: appended when the graph has float32 islands (conversion.rewrite.islands): one per node of an island
 RECOMPUTE_COLUMNS = ["recompute_island", "recompute", "recompute_reason", "recompute_saved_dtype",
-                     "recompute_bytes_saved"]
+                     "recompute_bytes_saved", "recompute_chunked"]
 
 
 def unique(items: Iterable[str]) -> List[str]:
@@ -261,7 +261,8 @@ def island_lines(rep: Any) -> List[str]:
         c = rows[0].recompute
         nodes = rows[0].node + ("" if len(rows) == 1 else f" to {rows[-1].node} ({len(rows)} ops)")
         what = (f"recomputed, keeps {c.saved_dtype} for backward" + ("" if c.bytes_saved is None else
-                                                                     f", {_bytes(c.bytes_saved)} less") if c.chosen else
+                                                                     f", {_bytes(c.bytes_saved)} less")
+                + (", backward in row chunks" if c.chunked else ", backward whole") if c.chosen else
                 f"not recomputed: {c.reason}")
         lines += textwrap.wrap(f"{nodes}: {what}", TABLE_WIDTH - 2, initial_indent="  ", subsequent_indent="    ",
                                break_long_words=False)
@@ -358,8 +359,9 @@ def to_csv(rep: Any) -> str:
                                                                                  m.nan_rows)))]
         if recompute:
             c = r.recompute
-            line += ["", "", "", "", ""] if c is None else [
-                c.island, int(c.chosen), c.reason, c.saved_dtype or "", "" if c.bytes_saved is None else c.bytes_saved]
+            line += [""] * len(RECOMPUTE_COLUMNS) if c is None else [
+                c.island, int(c.chosen), c.reason, c.saved_dtype or "", "" if c.bytes_saved is None else c.bytes_saved,
+                int(c.chunked)]
         w.writerow(line)
     pad = [""] * (len(columns) - len(CSV_COLUMNS))
     blank = [""] * (len(CSV_COLUMNS) - 3)

@@ -137,6 +137,7 @@ class RecomputeCell:
     saved_dtype: the dtype kept for backward in place of float32 (chosen islands), else None.
     bytes_saved: float32 bytes of the upcast values less the kept ones, from the shapes a run observed; else None.
     first:       the island's first row in the table (where the table prints the cell).
+    chunked:     its backward runs in chunks of rows (one chunk's float32 tensors at a time), else whole.
     """
 
     island: str
@@ -146,6 +147,7 @@ class RecomputeCell:
     saved_dtype: Optional[str] = None
     bytes_saved: Optional[int] = None
     first: bool = True
+    chunked: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

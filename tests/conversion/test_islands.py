@@ -336,3 +336,245 @@ def test_double_backward_through_an_island_is_refused_not_wrong():
         torch.autograd.grad(amp(x), x, create_graph=True)
     (g,) = torch.autograd.grad(fxamp.convert(M(), "O1", dtype=BF16, recompute_islands=False)(x), x, create_graph=True)
     assert g.requires_grad
+
+
+# ---- row-chunked backward ------------------------------------------------------------------------------------
+
+class Head(nn.Module):
+    """Logits from a Linear, cast up, and a loss over them: the loss island, as Hugging Face's ForCausalLMLoss writes
+    it (``logits.float()``, a view to rows, shifted labels with ignore_index) or with the logits shifted instead."""
+
+    def __init__(self, d=16, vocab=64, reduction="mean", shift_logits=False, label_smoothing=0.0):
+        super().__init__()
+        self.fc = nn.Linear(d, vocab)
+        self.vocab, self.reduction, self.shift_logits, self.smoothing = vocab, reduction, shift_logits, label_smoothing
+
+    def forward(self, h, labels):
+        logits = self.fc(h).float()
+        if self.shift_logits:
+            logits, labels = logits[:, :-1, :].contiguous(), labels[:, 1:].contiguous()
+        return F.cross_entropy(logits.view(-1, self.vocab), labels.reshape(-1), ignore_index=-100,
+                               reduction=self.reduction, label_smoothing=self.smoothing)
+
+
+def head_data(dtype, b=3, s=7, d=16, vocab=64):
+    """Odd row counts (3 x 7 = 21 rows) with ignore_index rows."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(b, s, d, generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[0, :3] = -100
+    labels[2, -1] = -100
+    return h if dtype is None else h.to(dtype), labels
+
+
+def head_grads(model, h, labels, weights=None):
+    model.zero_grad(set_to_none=True)
+    h = h.detach().requires_grad_()
+    out = model(h, labels)
+    (out if out.dim() == 0 else (out * weights).sum()).backward()
+    return out.detach(), [h.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def spy_chunks(monkeypatch):
+    """One entry per island backward that tried the row chunks (``recompute.chunked_grads``): True where it ran them
+    (False: the run's shapes did not fit, and the island was recomputed whole)."""
+    from fxamp.conversion.runtime import recompute
+
+    runs = []
+    real = recompute.chunked_grads
+
+    def spy(program, plan, values, needs, grads):
+        got = real(program, plan, values, needs, grads)
+        runs.append(got is not None)
+        return got
+
+    monkeypatch.setattr(recompute, "chunked_grads", spy)
+    return runs
+
+
+@pytest.mark.filterwarnings("ignore:fxamp. the converted module's")
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("reduction,shift", [("mean", False), ("sum", False), ("none", False), ("mean", True)])
+def test_chunked_backward_is_bitwise_the_whole_recompute_and_recompute_off(monkeypatch, spy_chunks, dtype, policy,
+                                                                           reduction, shift):
+    from fxamp.conversion.runtime import recompute
+
+    torch.manual_seed(0)
+    model = Head(reduction=reduction, shift_logits=shift)
+    h, labels = head_data(dtype if policy == "O2" else None)
+    weights = torch.rand(3 * (6 if shift else 7))
+    off = fxamp.convert(model, policy, dtype=dtype, recompute_islands=False)
+    on = fxamp.convert(model, policy, dtype=dtype)
+    choice = next(n.meta[DECISION].recompute for n in on.graph.nodes if n.name == "cross_entropy")
+    assert choice.chosen and choice.chunked and "chunks of rows" in choice.reason
+    ref = head_grads(off, h, labels, weights)
+    runs = {}
+    for rows in (1, 5, 64):  # 21 (or 18) rows: chunks of 1 row, of 5 (not dividing them), all in one
+        monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 64 * rows)
+        runs[rows] = head_grads(on, h, labels, weights)
+        assert same(runs[rows], ref), rows
+    assert spy_chunks == [True] * 3
+    monkeypatch.setattr(recompute, "row_plan", lambda program, n: "whole, for the test")  # the whole recompute
+    assert same(head_grads(on, h, labels, weights), ref)
+    if policy == "O1" and dtype == BF16:
+        with torch.autocast("cpu", BF16):
+            assert same(head_grads(model, h, labels, weights), ref)
+
+
+def test_a_softmax_island_runs_in_row_chunks_bitwise(monkeypatch, spy_chunks):
+    from fxamp.conversion.runtime import recompute
+
+    torch.manual_seed(0)
+    base = Stack(d=16)
+    x = torch.randn(5, 12, 16)
+    off, on = (fxamp.convert(base, "O1", dtype=BF16, recompute_islands=r) for r in (False, True))
+    assert all(n.meta[DECISION].recompute.chunked for n in on.graph.nodes
+               if DECISION in n.meta and n.meta[DECISION].recompute is not None)
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 12 * 12 * 2)  # 2 of the 5 rows (dim 0) a chunk
+    runs = []
+    for m in (off, on):
+        m.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        m(xs).pow(2).sum().backward()
+        runs.append([xs.grad] + [p.grad.clone() for p in base.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs)) and spy_chunks == [True, True]
+
+
+def test_a_loss_island_that_cannot_run_in_chunks_is_not_recomputed():
+    """Label smoothing's mean divides two terms by the count in an order a chunk's sum cannot repeat: recomputed
+    whole, the loss's backward would hold its float32 tensors and the kept logits at once, raising the peak."""
+    model = Head(label_smoothing=0.1)
+    h, labels = head_data(None)
+    amp = fxamp.convert(model, "O1", dtype=BF16)
+    choice = next(n.meta[DECISION].recompute for n in amp.graph.nodes if n.name == "cross_entropy")
+    assert not choice.chosen and "cannot run in row chunks (cross_entropy with class weights, label smoothing" \
+        in choice.reason
+    assert not any(n.target is island_output for n in amp.graph.nodes)
+    forced = fxamp.convert(model, "O1", dtype=BF16, node_overrides={"cross_entropy": "recompute"})
+    choice = next(n.meta[DECISION].recompute for n in forced.graph.nodes if n.name == "cross_entropy")
+    assert choice.chosen and not choice.chunked and "recomputes it whole" in choice.reason
+    assert same(head_grads(forced, h, labels), head_grads(amp, h, labels))
+
+
+def allocations(fn):
+    """``(peak, largest)`` bytes of the CPU allocations ``fn`` makes and has not freed, from torch.profiler's
+    memory events (a running sum of this call's allocations less their frees)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    live, now, peak, largest = {}, 0, 0, 0
+    for _, ptr, size in sorted(events, key=lambda t: t[0]):
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+            now, largest = now + size, max(largest, size)
+            peak = max(peak, now)
+        elif ptr in live:
+            now -= live.pop(ptr)
+    return peak, largest
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_the_chunked_backward_holds_no_float32_tensor_of_the_logits_size(monkeypatch, shift):
+    from fxamp.conversion.runtime import recompute
+
+    torch.manual_seed(0)
+    vocab = 512
+    model = Head(d=16, vocab=vocab, shift_logits=shift)
+    h, labels = head_data(None, b=4, s=64, vocab=vocab)
+    full32 = 4 * 64 * vocab * 4
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", full32 // 16)
+    peaks = {}
+    for on in (True, False):
+        amp = fxamp.convert(model, "O1", dtype=BF16, recompute_islands=on)
+        loss = amp(h, labels)
+        peaks[on] = allocations(loss.backward)
+    (peak, largest), chunk = peaks[True], full32 // 16
+    assert largest < full32  # the bfloat16 gradient of the logits (and a matmul's workspace for it); no float32 copy
+    assert peaks[False][1] >= full32 and peaks[False][0] >= 1.9 * full32  # log-probabilities' and logits' gradients
+    # the bf16 gradient (shifted: also the bf16 rows and the slice's gradient), the Linear's workspace, a few chunks
+    assert peak <= (2 if shift else 1) * full32 // 2 + largest + 5 * chunk
+    assert peak < 0.8 * peaks[False][0]
+
+
+def test_the_report_says_which_islands_run_their_backward_in_row_chunks():
+    torch.manual_seed(0)
+    model = Head(vocab=512)
+    h, labels = head_data(None, b=4, s=64, vocab=512)
+    rep = fxamp.report(model, "O1", example_inputs=(h, labels), dtype=BF16)
+    assert "recomputed, keeps bfloat16 for backward, 262kB less, backward in row chunks" in rep.to_table()
+    assert "its backward runs in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
+    header, *lines = rep.to_csv().splitlines()
+    assert header.endswith("recompute_chunked") and any(line.endswith(",1") for line in lines)
+    smooth = fxamp.report(Head(vocab=512, label_smoothing=0.1), "O1", example_inputs=(h, labels), dtype=BF16)
+    assert "not recomputed: a loss whose backward cannot run in row chunks" in smooth.to_table()
+
+
+def test_a_hugging_face_causal_lm_loss_runs_in_row_chunks_bitwise(monkeypatch, spy_chunks):
+    """GPT-2 with ``labels=`` (its loss pads the labels with ignore_index and casts the logits up), O1: the loss's
+    backward in chunks of 5 rows gives the gradients of the recompute off, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from fxamp.conversion.runtime import recompute
+
+    class WithLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16,
+                                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                          attn_pdrop=0.0)  # no dropout: two runs draw no masks
+            self.lm = transformers.GPT2LMHeadModel(cfg)
+
+        def forward(self, idx, labels):
+            return self.lm(input_ids=idx, labels=labels).loss
+
+    torch.manual_seed(0)
+    model = WithLabels()
+    x = torch.randint(0, 128, (3, 7))
+    labels = x.clone()
+    labels[1, :2] = -100
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 128 * 5)
+    runs = []
+    for on in (True, False):
+        amp = fxamp.convert(model, "O1", dtype=BF16, recompute_islands=on, example_inputs=(x, labels))
+        amp.zero_grad(set_to_none=True)
+        loss = amp(x, labels)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert same(*runs) and True in spy_chunks
+
+
+@pytest.mark.parametrize("dim", [0, -2, 1])
+def test_a_softmax_over_dim_0_is_recomputed_whole(monkeypatch, spy_chunks, dim):
+    """Chunks are rows of dim 0: a softmax over dim 0 mixes them (refused from the graph for dim=0, at run time
+    for -2 of a 2-D input); dim 1 runs in chunks.  Bitwise the gradients without the recompute each way."""
+    from fxamp.conversion.runtime import recompute
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return torch.log_softmax(self.fc(x).float(), dim=dim)
+
+    torch.manual_seed(0)
+    model, x, w = M(), torch.randn(11, 8), torch.randn(11, 16)
+    on = fxamp.convert(model, "O1", dtype=BF16)
+    assert next(n.meta[DECISION].recompute for n in on.graph.nodes if n.name == "log_softmax").chunked == (dim != 0)
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 16 * 3)
+    runs = []
+    for m in (on, fxamp.convert(model, "O1", dtype=BF16, recompute_islands=False)):
+        model.zero_grad(set_to_none=True)
+        (m(x) * w).sum().backward()
+        runs.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert spy_chunks == ([] if dim == 0 else [dim == 1])

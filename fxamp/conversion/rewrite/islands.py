@@ -5,7 +5,7 @@ logits, a norm or softmax whose input was cast up) keeps float32 tensors for bac
 more information than the low-precision value they came from: the loss's log-probabilities cost 4
 bytes per logit.  :func:`recompute_islands` finds each such island (an upcast and the float32
 elementwise/reduction ops that follow it, never a matmul), decides whether recomputing it pays, and
-makes backward keep the island's inputs instead (``conversion/recompute.py`` runs it)::
+makes backward keep the island's inputs instead (``conversion/runtime/recompute.py`` runs it)::
 
     logits = linear(h, w)                        logits = linear(h, w)
     f = logits.float()                           on = island_on(logits)
@@ -41,7 +41,7 @@ from ..classify.inference import DtypeInference
 from ..op_lists import Category, Source
 from ..options import NO_RECOMPUTE, ConvertOptions, DebugOverflow
 from ..passes import Pass, Stage
-from ..runtime.recompute import Ref, island_input, island_on, island_output, resolve
+from ..runtime.recompute import CHUNK_BYTES, Ref, RowPlan, island_input, island_on, island_output, resolve, row_plan
 from ..runtime import cast, cast_dense
 
 __all__ = ["recompute_islands", "MAX_OPS", "MIN_NUMEL", "ISLANDS"]
@@ -61,6 +61,10 @@ _FREE = frozenset({"view", "reshape", "getitem", "contiguous", "permute", "trans
 #: never in an island: matrix products (the point is to recompute cheap ops), random ops (a replay would differ)
 _NEVER = ("matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "conv", "einsum", "attention", "dropout", "rand",
           "bernoulli", "multinomial", "normal", "uniform", "exponential", "embedding", "copy_", "set_")
+#: losses: an island holding one that cannot run its backward in row chunks is not recomputed (see _choose)
+_LOSSES = frozenset({"cross_entropy", "nll_loss", "cross_entropy_loss", "nll_loss_nd", "nll_loss_forward",
+                     "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "mse_loss", "l1_loss",
+                     "smooth_l1_loss", "huber_loss", "poisson_nll_loss", "gaussian_nll_loss"})
 _LITERALS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout,
              type(Ellipsis))
 _FXAMP_OK = (cast, cast_dense)
@@ -86,7 +90,7 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
         if all(_name(m) in _FREE for m in members):
             continue  # views, casts, adds and sums save no float32 tensor: no island to speak of
         claimed.update(members)
-        choice = _choose(members, entries, static, options)
+        choice = _choose(graph, members, entries, static, options)
         for m in members:
             if DECISION in m.meta:
                 m.meta[DECISION] = dataclasses.replace(m.meta[DECISION], recompute=choice)
@@ -231,7 +235,7 @@ def _override(members: List[fx.Node], options: ConvertOptions) -> Optional[Tuple
     return None if best is None else (best[1], Source.MODULE_OVERRIDE, f"module {best[0]!r}")
 
 
-def _choose(members: List[fx.Node], entries: List[fx.Node], static: DtypeInference,
+def _choose(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], static: DtypeInference,
             options: ConvertOptions) -> IslandChoice:
     name = f"island_{members[0].name}"
     low = low_dtype(entries[0].args[0], static)
@@ -250,13 +254,21 @@ def _choose(members: List[fx.Node], entries: List[fx.Node], static: DtypeInferen
         numel = val.numel() if isinstance(val, torch.Tensor) else None  # (a symbolic size is no int)
         if isinstance(numel, int) and numel < MIN_NUMEL and forced is None:
             why = f"{numel} elements: too few to pay for a recompute (fewer than {MIN_NUMEL})"
+    program, _, externals = _program(graph, members)
+    plan = row_plan(program, len(externals))
+    chunked = isinstance(plan, RowPlan)
+    if why is None and not chunked and forced is None and any(_name(m) in _LOSSES for m in members):
+        why = (f"a loss whose backward cannot run in row chunks ({plan}): recomputed whole, it would hold its "
+               f"float32 tensors again on top of the kept input where backward starts, at the step's peak")
     if why is not None:
         return IslandChoice(chosen=False, reason=why, source=source, **what)
     ops = ", ".join(dict.fromkeys(_name(m) for m in saving))
     by = f" ({forced[2]}, override)" if forced is not None else ""
-    return IslandChoice(chosen=True, saved=low, source=source, **what,
+    how = (f"; its backward runs in chunks of rows of ~{CHUNK_BYTES >> 20} MiB of float32" if chunked else
+           f"; its backward recomputes it whole ({plan})")
+    return IslandChoice(chosen=True, saved=low, source=source, chunked=chunked, **what,
                         reason=f"recomputed in backward from its {dtype_name(low)} input{by}, which backward "
-                               f"keeps instead of the float32 tensors {ops} would save")
+                               f"keeps instead of the float32 tensors {ops} would save{how}")
 
 
 def _check_overrides(gm: fx.GraphModule, options: ConvertOptions) -> None:
@@ -267,9 +279,37 @@ def _check_overrides(gm: fx.GraphModule, options: ConvertOptions) -> None:
                              f"fxamp.report's node column)")
 
 
+def _program(graph: fx.Graph, members: List[fx.Node]) -> Tuple[Tuple[Any, ...], List[fx.Node], List[fx.Node]]:
+    """``(the island's program, its members in graph order, the values it reads from outside)``.
+
+    The program is ``(steps, outputs)`` (``conversion/runtime/recompute.py``): each member as ``(kind, op name,
+    args, kwargs)`` with a :class:`Ref` for each value it reads (the outside values first, then the
+    members in order), and the members read after the island.
+    """
+    _, members, externals = region_in_order(graph, members)
+    inside = set(members)
+    index: Dict[fx.Node, int] = {x: i for i, x in enumerate(externals)}
+    index.update({m: len(externals) + j for j, m in enumerate(members)})
+
+    def encode(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return Ref(index[a])
+        if isinstance(a, (tuple, list)):
+            return type(a)(encode(v) for v in a)
+        if isinstance(a, slice):
+            return slice(encode(a.start), encode(a.stop), encode(a.step))
+        return a
+
+    steps = tuple(("m" if m.op == "call_method" else "f", _target_name(m), encode(tuple(m.args)),
+                   tuple((k, encode(v)) for k, v in m.kwargs.items())) for m in members)
+    outputs = [m for m in members if any(u not in inside for u in m.users)]
+    return (steps, tuple(index[o] for o in outputs)), members, externals
+
+
 def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) -> None:
     """Route one island through ``island_on`` / ``island_input`` / ``island_output`` (the module docstring)."""
-    order, members, externals = region_in_order(graph, members)
+    program, members, externals = _program(graph, members)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(members)
     first, last = members[0], members[-1]
     # what the island reads must exist before its first op: move those computed later (none reads the island)
@@ -288,27 +328,11 @@ def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) ->
     with graph.inserting_before(first):
         on = graph.call_function(island_on, tuple(e.args[0] for e in entries))
         detached = {x: graph.call_function(island_input, (x, on)) for x in externals}
+    outputs = [m for m in members if any(u not in inside for u in m.users)]
     for m in members:
         for x in m.all_input_nodes:
             if x in detached:
                 m.replace_input_with(x, detached[x])
-
-    outputs = [m for m in members if any(u not in inside for u in m.users)]
-    index: Dict[fx.Node, int] = {detached[x]: i for i, x in enumerate(externals)}
-    index.update({m: len(externals) + j for j, m in enumerate(members)})
-
-    def encode(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return Ref(index[a])
-        if isinstance(a, (tuple, list)):
-            return type(a)(encode(v) for v in a)
-        if isinstance(a, slice):
-            return slice(encode(a.start), encode(a.stop), encode(a.step))
-        return a
-
-    steps = tuple(("m" if m.op == "call_method" else "f", _target_name(m), encode(tuple(m.args)),
-                   tuple((k, encode(v)) for k, v in m.kwargs.items())) for m in members)
-    program = (steps, tuple(index[o] for o in outputs))
     with graph.inserting_after(last):
         exit_node = graph.call_function(island_output, (on, program, tuple(externals), tuple(outputs)))
     after = exit_node
