@@ -1,5 +1,7 @@
 """``conversion/capture/modes.py``: capture in both modes, and make the baked ``training`` flags switchable."""
 
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
@@ -56,6 +58,63 @@ def test_a_failing_other_mode_keeps_the_capture_that_worked():
     with pytest.warns(UserWarning, match=r"captured in training mode only \(eval mode failed: RuntimeError\)"):
         gm, mode, notes = capture_in_both_modes(model, trace)
     assert mode is True and len(notes) == 1
+
+
+def test_a_failing_other_mode_is_no_warning_where_the_caller_keeps_a_graph_per_mode(recwarn):
+    # the caller captures that mode at its first use: "train()/eval() switch its dropout" would be untrue
+    model = RootDropout().train()
+
+    def trace():
+        if not model.training:
+            raise RuntimeError("no eval")
+        return fx.symbolic_trace(model)
+
+    gm, mode, notes = capture_in_both_modes(model, trace, graph_per_mode=True)
+    assert mode is True and not [w for w in recwarn if "fxamp" in str(w.message)]
+    assert notes == ["captured in training mode (eval mode failed: RuntimeError): a graph per mode, the eval "
+                     "mode's is captured at its first call"]
+
+
+class EvalOnlyDataBranch(nn.Module):
+    """torch.fx traces it in training mode only: eval mode branches on a tensor's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if not self.training and bool(x.sum() > 0):
+            y = y * 2
+        return y
+
+
+def test_fx_convert_of_a_model_eval_mode_cannot_trace_refuses_the_eval_call_not_runs_the_training_graph(recwarn):
+    import fxamp
+    from fxamp.conversion.lazy import LazyConverted
+    amp = fxamp.convert(EvalOnlyDataBranch().train(), "O1", dtype=torch.bfloat16, frontend="fx")
+    assert isinstance(amp, LazyConverted)
+    assert not [w for w in recwarn if "fxamp" in str(w.message)]  # (was: "train()/eval() switch its dropout")
+    x = torch.ones(2, 4)
+    amp(x)
+    with pytest.raises(fxamp.TraceError, match=r"torch.fx could not trace EvalOnlyDataBranch .*x.sum\(\) > 0"):
+        amp.eval()(x)  # the training graph would silently skip the eval branch's y * 2
+
+
+def test_convert_in_place_of_a_torch_transformer_encoder_switches_modes_without_a_warning(recwarn):
+    import fxamp
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    ref = copy.deepcopy(model)
+    amp = fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 8)
+    amp.train()(x)
+    with torch.no_grad():
+        out = amp.eval()(x)  # the eval graph torch.fx cannot take (the fast-path checks) is captured on its own
+        want = ref.eval()(x)
+    assert not [w for w in recwarn if "fxamp" in str(w.message)]  # (was: "captured in training mode only ...")
+    assert out.dtype == torch.float32 and (out - want).norm() / want.norm() < 2e-2
 
 
 def test_a_mode_dependent_branch_keeps_the_current_mode_and_says_so():

@@ -288,7 +288,7 @@ def capture_in_both_modes(
     captured in, notes).  The training-mode graph when the two agree, else the current mode's.
 
     graph_per_mode: the caller keeps a graph per mode (captures the other mode when it is used), so
-    graphs that differ are no warning, and the note says so.
+    graphs that differ, or another mode that fails to capture, are no warning, and the note says so.
     """
     current = model.training
     with training_mode(model, current):
@@ -299,6 +299,11 @@ def capture_in_both_modes(
     except UnsoundCapture:  # the front end cannot capture this model in any mode
         raise
     except Exception as e:  # the other mode fails: keep the capture that worked
+        if graph_per_mode:  # the caller captures the other mode at its first call, in its own words if it fails
+            # again (or with another front end: a block's torch.export), so this graph is for this mode only
+            return first, current, [f"captured in {_mode(current)} mode ({_mode(not current)} mode failed: "
+                                    f"{type(e).__name__}): a graph per mode, the {_mode(not current)} mode's is "
+                                    f"captured at its first call"]
         note = (f"captured in {_mode(current)} mode only ({_mode(not current)} mode failed: {type(e).__name__}); "
                 f"train()/eval() switch its dropout and batch norms")
         warn(note)
