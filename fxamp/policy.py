@@ -26,7 +26,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from .dtypes import CASTABLE, LOW, StrEnum, dtype_name, parse_dtype
+from .dtypes import LOW, StrEnum, dtype_name, parse_dtype
 from .errors import warn_deprecated
 
 __all__ = ["Policy", "Float8", "Float8Recipe", "Float8Cost", "PRESETS", "resolve_policy", "parse_dtype", "default_dtype", "device_type_of"]
@@ -50,7 +50,7 @@ class Float8Cost(StrEnum):
     ALWAYS = "always"  # every eligible matmul, whatever it costs (tests; a CPU, where float8 never pays)
 
 
-def _member(kind: type, value: object, what: str) -> enum.Enum:
+def _member(kind: type, value: object, what: str) -> StrEnum:
     """``value`` as a member of the str enum ``kind``: a member or its string; else a ValueError naming the valid ones."""
     try:
         return kind(value)

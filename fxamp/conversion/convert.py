@@ -6,7 +6,6 @@ import copy
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 from .capture import LeafSpec, capture

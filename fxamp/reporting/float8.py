@@ -20,7 +20,6 @@ float8 policy.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch

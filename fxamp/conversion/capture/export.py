@@ -68,7 +68,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
