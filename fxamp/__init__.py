@@ -33,14 +33,13 @@ repeated the constructor (they, ``from_preset`` and ``preset`` warn for one rele
 entry point takes ``(model, policy, *, example_inputs=...)``, in ``convert``'s order.
 """
 
-import importlib as _importlib
 import types as _types
 
 from .api import initialize
 from .conversion.convert import convert, convert_
 from .conversion.rewrite.debug import overflow_info
 from .errors import ConversionError, FxampError, LossScaleError, OptimizerStateError, TraceError
-from .errors import warn_deprecated as _warn_deprecated
+from .errors import moved_names as _moved_names
 from .info import conversion_info, release_originals
 from .policy import Float8, Policy
 from .reporting import autotune, compare, load_overrides, report, save_overrides
@@ -109,11 +108,4 @@ _MOVED = _types.MappingProxyType({
     "sqnr": "fxamp.reporting.numerics",
 })
 
-
-def __getattr__(name: str):
-    """``fxamp.<a name that left the top level>``: the object, with a DeprecationWarning naming its module."""
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fxamp' has no attribute {name!r}")
-    _warn_deprecated(f"fxamp.{name}", f"write 'from {module} import {name}'")
-    return getattr(_importlib.import_module(module), name)
+__getattr__ = _moved_names("fxamp", _MOVED)

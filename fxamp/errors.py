@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["FxampError", "TraceError", "ConversionError", "LossScaleError", "OptimizerStateError", "DEPRECATED",
-           "warn_deprecated"]
+           "warn_deprecated", "moved_names"]
 
 #: the words of every deprecation fxamp warns of (the test suite turns warnings with them into errors)
 DEPRECATED = "is deprecated and kept for one release"
@@ -18,6 +19,20 @@ def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
     ``stacklevel`` 3 points at the caller of the function that warns (the user's line).
     """
     warnings.warn(f"{old} {DEPRECATED}: {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], Any]:
+    """The ``__getattr__`` (PEP 562) of ``module`` for the names that left it: ``moved`` maps each to the
+    module it lives in now, from which it resolves with a DeprecationWarning saying what to import."""
+
+    def __getattr__(name: str) -> Any:
+        new = moved.get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_deprecated(f"{module}.{name}", f"write 'from {new} import {name}'")  # (stacklevel 3: the user's line)
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__
 
 
 class FxampError(RuntimeError):

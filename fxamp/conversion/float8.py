@@ -7,10 +7,9 @@ rewrite ``rewrite/float8.py``.  Any other name of the old module resolves with a
 naming its module now.
 """
 
-import importlib as _importlib
 import types as _types
 
-from ..errors import warn_deprecated as _warn_deprecated
+from ..errors import moved_names as _moved_names
 from .runtime.float8 import (E4M3, E5M2, EPS, PLAIN, Float8Matmul, amax_to_scale, einsum_plan, float8_addmm,
                              float8_einsum, float8_linear, float8_matmul, float8_mm, sqnr_db, to_float8)
 
@@ -26,11 +25,4 @@ _MOVED = _types.MappingProxyType({
     "rewrite_float8": "fxamp.conversion.rewrite.float8",
 })
 
-
-def __getattr__(name: str):
-    """``fxamp.conversion.float8.<a name that moved to classify/ or rewrite/>``: the object, with a warning."""
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warn_deprecated(f"{__name__}.{name}", f"write 'from {module} import {name}'")
-    return getattr(_importlib.import_module(module), name)
+__getattr__ = _moved_names(__name__, _MOVED)

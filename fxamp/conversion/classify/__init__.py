@@ -10,10 +10,9 @@ This package was the module ``fxamp.conversion.classify``: its names still resol
 with a DeprecationWarning naming their module now.
 """
 
-import importlib as _importlib
 import types as _types
 
-from ...errors import warn_deprecated as _warn_deprecated
+from ...errors import moved_names as _moved_names
 
 #: the old module's names and the module each is imported from now
 _MOVED = _types.MappingProxyType({
@@ -24,11 +23,4 @@ _MOVED = _types.MappingProxyType({
     "NodeOverrides": "fxamp.conversion.options",
 })
 
-
-def __getattr__(name: str):
-    """``fxamp.conversion.classify.<a name of the old module>``: the object, with a DeprecationWarning."""
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warn_deprecated(f"{__name__}.{name}", f"write 'from {module} import {name}'")
-    return getattr(_importlib.import_module(module), name)
+__getattr__ = _moved_names(__name__, _MOVED)
