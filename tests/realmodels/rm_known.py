@@ -11,7 +11,9 @@ Keys: ``(model, check, policy, dtype)``, each a glob (``fnmatch``: ``"*"`` match
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, Iterator, Optional, Tuple
+
+import pytest
 
 Key = Tuple[str, str, str, str]
 
@@ -40,3 +42,22 @@ def known(model: str, check: str, policy: Optional[str], dtype: Optional[str]) -
                 and fnmatch.fnmatchcase(policy or "-", p) and fnmatch.fnmatchcase(dtype or "-", d)):
             return reason
     return None
+
+
+def case_params(entries: Iterable[Any], cases: Callable[[Any], Iterable[Tuple[str, Optional[str], Optional[str]]]],
+                default: Collection[Tuple[Any, ...]], available: Callable[[Any], Optional[str]],
+                ident: Callable[[str, str, Optional[str], Optional[str]], str]) -> Iterator[Any]:
+    """One ``pytest.param(name, check, policy, dtype)`` per case of every entry: ``slow`` unless in ``default`` (CI's
+    subset), skipped where the entry's model is not available, a strict xfail where :func:`known` gives a reason."""
+    for entry in entries:
+        for check, policy, dt in cases(entry):
+            marks = []
+            if (entry.name, check, policy, dt) not in default:
+                marks.append(pytest.mark.slow)
+            why = available(entry)
+            if why:
+                marks.append(pytest.mark.skip(reason=why))
+            reason = known(entry.name, check, policy, dt)
+            if reason:
+                marks.append(pytest.mark.xfail(strict=True, reason=reason))
+            yield pytest.param(entry.name, check, policy, dt, marks=marks, id=ident(entry.name, check, policy, dt))

@@ -13,7 +13,7 @@ import torch
 
 import rm_checks
 import rm_invariants
-from rm_known import known
+from rm_known import case_params
 from rm_models import ENTRIES, REGISTRY, available
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,18 +42,7 @@ DEFAULT = {
 
 
 def _params():
-    for entry in ENTRIES:
-        for check, policy, dt in rm_invariants.cases(entry):
-            marks = []
-            if (entry.name, check, policy, dt) not in DEFAULT:
-                marks.append(pytest.mark.slow)
-            why = available(entry)
-            if why:
-                marks.append(pytest.mark.skip(reason=why))
-            reason = known(entry.name, check, policy, dt)
-            if reason:
-                marks.append(pytest.mark.xfail(strict=True, reason=reason))
-            yield pytest.param(entry.name, check, policy, dt, marks=marks, id=f"{entry.name}-{check}-{policy}")
+    return case_params(ENTRIES, rm_invariants.cases, DEFAULT, available, lambda name, check, policy, dt: f"{name}-{check}-{policy}")
 
 
 @pytest.mark.parametrize("name,check,policy,dtype", list(_params()))

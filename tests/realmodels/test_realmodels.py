@@ -16,7 +16,7 @@ import torch
 
 import rm_checks
 from rm_checks import DTYPES, cases
-from rm_known import known
+from rm_known import case_params
 from rm_models import ENTRIES, REGISTRY, available
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,19 +47,7 @@ DEFAULT = {
 
 
 def _params():
-    for entry in ENTRIES:
-        for check, policy, dt in cases(entry):
-            marks = []
-            if (entry.name, check, policy, dt) not in DEFAULT:
-                marks.append(pytest.mark.slow)
-            why = available(entry)
-            if why:
-                marks.append(pytest.mark.skip(reason=why))
-            reason = known(entry.name, check, policy, dt)
-            if reason:
-                marks.append(pytest.mark.xfail(strict=True, reason=reason))
-            ident = "-".join(x for x in (entry.name, check, policy, dt) if x)
-            yield pytest.param(entry.name, check, policy, dt, marks=marks, id=ident)
+    return case_params(ENTRIES, cases, DEFAULT, available, lambda *parts: "-".join(x for x in parts if x))
 
 
 @pytest.mark.parametrize("name,check,policy,dtype", list(_params()))
