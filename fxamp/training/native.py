@@ -33,7 +33,7 @@ from . import quant
 from .plan import plain
 
 __all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochastic_", "decode", "encode_magnitudes",
-           "encode_codes", "eligible", "hyperparameters", "adam_step"]
+           "encode_codes", "all_finite", "eligible", "hyperparameters", "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
@@ -128,6 +128,10 @@ def build() -> Any:
         fn.argtypes = argtypes
         fn.restype = None
         fns[name] = fn
+    fn = lib.fxamp_all_finite
+    fn.argtypes = [ctypes.c_int64, i64, ptrs, ctypes.c_int, ctypes.c_uint32]
+    fn.restype = ctypes.c_int
+    fns["all_finite"] = fn
     return fns
 
 
@@ -246,6 +250,23 @@ def encode_codes(x: torch.Tensor, offsets: "list[int]", absmax: "list[torch.Tens
                         _array(ctypes.c_int64, block_offsets), x.data_ptr(), blocks.data_ptr(),
                         _array(ctypes.c_size_t, [a.data_ptr() for a in absmax]),
                         _array(ctypes.c_size_t, [c.data_ptr() for c in codes]), int(signed), k, top)
+
+
+#: the exponent bits of each dtype :func:`all_finite` reads (all ones: an infinity or a NaN)
+_EXPONENT = {torch.float32: (32, 0x7F800000), torch.bfloat16: (16, 0x7F80), torch.float16: (16, 0x7C00)}
+
+
+def all_finite(tensors: "list[torch.Tensor]") -> Optional[bool]:
+    """Whether every element of ``tensors`` is finite, read by one kernel call (no op dispatched, no copy, nothing
+    written); None where the kernel cannot read them (no kernel here; a tensor not a plain contiguous CPU one of
+    one float32/bfloat16/float16 dtype)."""
+    fns = kernel()
+    kind = _EXPONENT.get(tensors[0].dtype) if tensors else None
+    if fns is None or kind is None or not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                                              and t.dtype == tensors[0].dtype and t.is_contiguous() for t in tensors):
+        return None
+    return bool(fns["all_finite"](len(tensors), _array(ctypes.c_int64, [t.numel() for t in tensors]),
+                                  _array(ctypes.c_size_t, [t.data_ptr() for t in tensors]), *kind))
 
 
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:

@@ -322,3 +322,36 @@ def test_the_lean_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_
     assert sum(small.values()) <= _bound("AdamW", masters, state, limit, on_cpu=False), small
     assert "aten._local_scalar_dense.default" not in small
     assert all(m.stride() == (0,) for _, m in opt.master_pairs()) if masters != "fp32" else True  # placeholders
+
+
+# -- the check of a segmented step's large gradients (FoundInf.check_) --------------------------------------------
+
+@pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_the_check_of_large_gradients_costs_the_same_at_2_and_8_tensors_and_finds_every_non_finite(dtype):
+    """FoundInf.check_ reads gradients of SUM_NUMEL elements on with one kernel call over all of them (it summed each
+    before: an op per tensor); +inf, -inf or NaN anywhere sets the flag (then the exact kernel runs), finite values
+    (the largest too) do not."""
+    from dispatch_count import DispatchCount
+
+    from fxamp.training.loss_scale import SUM_NUMEL, FoundInf
+
+    def check(tensors):
+        flags = FoundInf(lambda device: torch.ones(()))
+        with DispatchCount() as counted:
+            flags.check_(tensors)
+        return counted, float(flags.found())
+
+    g = torch.Generator().manual_seed(0)
+    counts = []
+    for k in (2, 8):
+        tensors = [torch.randn(SUM_NUMEL + 7 * i, generator=g).to(dtype) for i in range(k)]
+        tensors[-1][5] = torch.finfo(dtype).max
+        counted, found = check(tensors)
+        assert found == 0.0
+        counts.append(counted.by_op)
+        for bad in (float("inf"), -float("inf"), float("nan")):
+            tensors[k // 2][SUM_NUMEL - 1] = bad
+            assert check(tensors)[1] == 1.0, bad
+            tensors[k // 2][SUM_NUMEL - 1] = 0.0
+    assert counts[0] == counts[1], counts
