@@ -282,6 +282,36 @@ def test_8bit_state_costs_at_most_one_op_more_than_float32_state_on_a_cpu(inner,
         assert int8.host_reads <= 2, int8
 
 
+def _params_step(tensors, masters, state, transposed):
+    """A plain AdamW step of ``tensors`` bfloat16 16x16 weights, stored transposed (their float32 masters and
+    gradients too) or row-major."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(16, 16).to(BF16).t() if transposed else torch.randn(16, 16).to(BF16))
+              for _ in range(tensors)]
+    opt = MixedPrecisionOptimizer(INNERS["AdamW"](params), loss_scale="dynamic", masters=masters, state=state)
+    token = torch.zeros((), requires_grad=True)
+
+    def prepare():
+        set_grads(params)
+        opt.scale_loss(token)
+
+    counted = count(lambda: opt.step(), prepare, warmup=3 if masters != "auto" else 6)  # (auto: after calibrating)
+    if transposed:
+        assert all(not m.is_contiguous() for _, m in opt.master_pairs()) if masters == "fp32" else True
+    return counted
+
+
+@pytest.mark.parametrize("masters,state", [("fp32", "int8"), ("fp32", "bf16")])
+def test_masters_stored_transposed_cost_the_same_at_18_and_66_tensors(masters, state, limit):
+    """A float32 master whose layout is not row-major (a transpose, channels_last: its gradient's too) is moved with
+    the others, by value (its values and gradient copied into row-major flat buffers, the values copied back): a
+    few ops more than row-major masters, whatever their number (they were stepped one at a time)."""
+    small, large = (_params_step(n, masters, state, transposed=True) for n in SIZES)
+    assert small.by_op == large.by_op, (small, large)
+    assert small.ops <= _params_step(18, masters, state, transposed=False).ops + 3 <= limit, small
+    assert small.host_reads <= 2, small
+
+
 @pytest.mark.parametrize("masters,state", [("kahan", "fp32"), ("stochastic", "int8")])
 def test_the_segmented_lean_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(masters, state, monkeypatch,
                                                                                       limit):
