@@ -321,26 +321,36 @@ void fxamp_encode_codes(int64_t k, const int64_t *counts, const int64_t *offsets
     }
 }
 
-/* Whether k tensors of float32 (bits 32), or bfloat16 or float16 (bits 16, exponent mask given), hold only finite
-   values (an exponent of all ones is an infinity or a NaN): the overflow check of a step's large gradients
-   (loss_scale.FoundInf.check_), one call over every tensor, reading only */
-int fxamp_all_finite(int64_t k, const int64_t *counts, const uintptr_t *data, int bits, uint32_t mask) {
-    int bad = 0;
-    for (int64_t s = 0; s < k && !bad; s++) {
+/* Whether k tensors of float32 (bits 32), or bfloat16 or float16 (bits 16), hold only finite values: the largest
+   magnitude's bits (sign masked off) below those of an infinity ("inf": the smallest non-finite magnitude; a NaN's
+   are above it): the overflow check of a step's large gradients (loss_scale.FoundInf.check_), one call over every
+   tensor, reading only (a max reduction, which the compiler vectorizes) */
+int fxamp_all_finite(int64_t k, const int64_t *counts, const uintptr_t *data, int bits, uint32_t inf) {
+    for (int64_t s = 0; s < k; s++) {
         const int64_t n = counts[s];
         if (bits == 32) {
             const uint32_t *u = (const uint32_t *)data[s];
+            uint32_t top = 0;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) reduction(|:bad) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#pragma omp parallel for schedule(static) reduction(max:top) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
 #endif
-            for (int64_t i = 0; i < n; i++) bad |= (u[i] & mask) == mask;
+            for (int64_t i = 0; i < n; i++) {
+                const uint32_t v = u[i] & 0x7FFFFFFFu;
+                top = v > top ? v : top;
+            }
+            if (top >= inf) return 0;
         } else {
             const uint16_t *u = (const uint16_t *)data[s];
+            uint16_t top = 0;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static) reduction(|:bad) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#pragma omp parallel for schedule(static) reduction(max:top) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
 #endif
-            for (int64_t i = 0; i < n; i++) bad |= (u[i] & mask) == mask;
+            for (int64_t i = 0; i < n; i++) {
+                const uint16_t v = u[i] & 0x7FFFu;
+                top = v > top ? v : top;
+            }
+            if (top >= inf) return 0;
         }
     }
-    return !bad;
+    return 1;
 }

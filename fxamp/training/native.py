@@ -252,7 +252,7 @@ def encode_codes(x: torch.Tensor, offsets: "list[int]", absmax: "list[torch.Tens
                         _array(ctypes.c_size_t, [c.data_ptr() for c in codes]), int(signed), k, top)
 
 
-#: the exponent bits of each dtype :func:`all_finite` reads (all ones: an infinity or a NaN)
+#: per dtype :func:`all_finite` reads: its bits, and an infinity's (the smallest non-finite magnitude)
 _EXPONENT = {torch.float32: (32, 0x7F800000), torch.bfloat16: (16, 0x7F80), torch.float16: (16, 0x7C00)}
 
 
