@@ -389,7 +389,8 @@ class Workspace:
         """``master``'s own tensor (a float32 master stepped by value binds a flat's view meanwhile), kept from step
         to step while it is the master's (taking it afresh is an op per master)."""
         home = self._homes.get(id(master))
-        if home is None or home.data_ptr() != master.data_ptr() or home.shape != master.shape \
+        if home is None or home.untyped_storage()._cdata != master.untyped_storage()._cdata \
+                or home.storage_offset() != master.storage_offset() or home.shape != master.shape \
                 or home.stride() != master.stride() or home.dtype != master.dtype:
             home = self._homes[id(master)] = master.detach()
         return home

@@ -156,12 +156,13 @@ def fake_cuda(monkeypatch):
     return FakeTensorMode(allow_non_fake_inputs=True), scaler
 
 
-def _accelerator_step(fake_cuda, inner, tensors, numel, **lean):
+def _accelerator_step(fake_cuda, inner, tensors, numel, transposed=False, **lean):
     from fxamp.training.loss_scale import StepResult
 
     mode, scaler = fake_cuda
     with mode:
-        params = [nn.Parameter(torch.randn(numel, device="cuda").to(BF16)) for _ in range(tensors)]
+        params = [nn.Parameter(torch.randn(16, numel // 16, device="cuda").to(BF16).t() if transposed else
+                               torch.randn(numel, device="cuda").to(BF16)) for _ in range(tensors)]
         opt = MixedPrecisionOptimizer(inner(params), loss_scale=scaler, **lean)
     token = torch.zeros((), requires_grad=True)  # (a real CPU loss: the scale's copy on the device is made in step())
 
@@ -385,3 +386,18 @@ def test_the_check_of_large_gradients_costs_the_same_at_2_and_8_tensors_and_find
             assert check(tensors)[1] == 1.0, bad
             tensors[k // 2][SUM_NUMEL - 1] = 0.0
     assert counts[0] == counts[1], counts
+
+
+@ON_FAKE_CUDA
+@pytest.mark.parametrize("state", ["int8", "bf16"])
+def test_transposed_float32_masters_on_the_accelerator_move_with_the_others(state, fake_cuda, limit):
+    """On the accelerator's path too, float32 masters stored transposed are moved by value with the others (three
+    ``_foreach`` copies more than row-major ones, whatever their number), without a host read."""
+    inner = FUSED_INNERS["AdamW"]
+    (small, opt), (large, _) = (_accelerator_step(fake_cuda, inner, n, 256, transposed=True, masters="fp32",
+                                                  state=state) for n in SIZES)
+    row_major, _ = _accelerator_step(fake_cuda, inner, 18, 256, masters="fp32", state=state)
+    assert all(not m.is_contiguous() for _, m in opt.master_pairs())
+    assert small == large, (small, large)
+    assert sum(small.values()) <= sum(row_major.values()) + 3, (small, row_major)
+    assert "aten._local_scalar_dense.default" not in small
