@@ -229,7 +229,8 @@ def decode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
             scales = [states[i].pop(key + ".absmax") for i in coded]
             for i, scale in zip(coded, scales):
                 saved[(id(states[i]), key + ".absmax")] = scale
-            if _by_kernel(moment, codes_in, torch.int8 if signed else torch.uint8, scales):
+            if _by_kernel(moment, codes_in, torch.int8 if signed else torch.uint8, scales,
+                          [flat.numels[i] for i in coded]):
                 tables = quant.code_constants()[0]  # (signed, unsigned)
                 native.decode(codes_in, scales, tables[0 if signed else 1], moment, [flat.offsets[i] for i in coded])
             else:
@@ -270,7 +271,7 @@ def encode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
         else:
             scales = [_reuse(saved, states[i], key + ".absmax", (-(-flat.numels[i] // quant.BLOCK),), torch.float32,
                              views[i].device) for i in idx]
-            if _by_kernel(moment, dest, dtype, scales):
+            if _by_kernel(moment, dest, dtype, scales, [flat.numels[i] for i in idx]):
                 by_kernel.append((moment, idx, dest, scales, signed))
             else:
                 flat.zero_pads(key)  # (a partial last block: its padding must not raise the block's scale)
@@ -287,13 +288,16 @@ def encode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
         _encode_by_kernel(flat, by_kernel)
 
 
-def _by_kernel(moment: torch.Tensor, codes: List[torch.Tensor], dtype: torch.dtype, scales: List[torch.Tensor]) -> bool:
+def _by_kernel(moment: torch.Tensor, codes: List[torch.Tensor], dtype: torch.dtype, scales: List[torch.Tensor],
+               numels: List[int]) -> bool:
     """Whether fxamp's CPU kernel codes ``moment`` (a flat's float32 buffer) to and from ``codes`` of ``dtype`` and
-    their ``scales``, where they are (each a plain contiguous CPU tensor of its master's size: a pointer each)."""
+    their ``scales``, where they are (each a plain contiguous CPU tensor of its master's size, ``numels``: a pointer
+    each)."""
     return (moment.device.type == "cpu" and type(moment) is torch.Tensor and native.kernel() is not None
             and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.is_contiguous()
                     for t in (*codes, *scales))
-            and all(c.dtype == dtype for c in codes) and all(a.dtype == torch.float32 for a in scales))
+            and all(c.dtype == dtype and c.numel() == n for c, n in zip(codes, numels))
+            and all(a.dtype == torch.float32 and a.numel() == -(-n // quant.BLOCK) for a, n in zip(scales, numels)))
 
 
 def _encode_by_kernel(flat: Flat, moments: List[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[torch.Tensor],
