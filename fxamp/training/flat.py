@@ -154,6 +154,7 @@ class Flat:
         self.device = masters[0].device
         self.offsets, self.total = _layout(masters)
         self.buffers: Dict[str, Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+        self.views: Dict[Tuple[str, str], torch.Tensor] = {}  # (role, name) -> a kept view of the whole buffer
         #: the stretches of each master's last block past its elements (zeroed before a quantization)
         self.pads: Optional[List[Tuple[int, int]]] = None  # (offset, length)
 
@@ -181,6 +182,15 @@ class Flat:
             if storage.nbytes() < nbytes:  # (freed after the last step: the views see the new memory)
                 storage.resize_(nbytes)
         return entry
+
+    def kept(self, role: str, dtype: torch.dtype, name: str, make: Any) -> torch.Tensor:
+        """A view of the buffer of ``role`` (with memory), made by ``make`` at the first call and kept (``name``:
+        which view): the whole buffer as blocks, say, without a view op per step."""
+        flat = self.take(role, dtype)[0]
+        view = self.views.get((role, name))
+        if view is None:
+            view = self.views[(role, name)] = make(flat)
+        return view
 
     def free(self) -> None:
         """Take every buffer's memory back (the views stay: they hold none until the next :meth:`take`)."""
@@ -234,12 +244,18 @@ def decode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
                 tables = quant.code_constants()[0]  # (signed, unsigned)
                 native.decode(codes_in, scales, tables[0 if signed else 1], moment, [flat.offsets[i] for i in coded])
             else:
-                codes, code_views = flat.take(key + ".codes", torch.int8 if signed else torch.uint8)
+                dtype = torch.int8 if signed else torch.uint8
+                codes, code_views = flat.take(key + ".codes", dtype)
                 absmax, absmax_views = flat.take(key + ".absmax")
                 # (codes cast to float by a loader that knew nothing of them are integers still: copied exactly)
                 torch._foreach_copy_([code_views[i] for i in coded], codes_in)
                 torch._foreach_copy_([absmax_views[i] for i in coded], scales)
-                quant.dequantize(codes, absmax, signed, out=moment)
+                if flat.total <= quant.chunk_for(flat.device):  # (one slice: the same ops on kept views)
+                    quant.dequantize_blocks(flat.kept(key + ".codes", dtype, "bytes", lambda t: t.view(torch.uint8)),
+                                            signed, moment, flat.kept(key, torch.float32, "blocks", _blocks),
+                                            flat.kept(key + ".absmax", torch.float32, "column", _column))
+                else:
+                    quant.dequantize(codes, absmax, signed, out=moment)
         taken = set(coded)
         rest = [i for i in idx if i not in taken]  # bfloat16 moments (or float32 ones)
         if rest:
@@ -277,7 +293,12 @@ def encode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
                 flat.zero_pads(key)  # (a partial last block: its padding must not raise the block's scale)
                 codes, code_views = flat.take(key + ".codes", dtype)
                 absmax, absmax_views = flat.take(key + ".absmax")
-                quant.quantize(moment, signed, out=codes, absmax_out=absmax)
+                if flat.total <= quant.chunk_for(flat.device):  # (one slice: the same ops on kept views)
+                    quant.quantize_blocks(flat.kept(key, torch.float32, "blocks", _blocks), signed,
+                                          flat.kept(key + ".codes", dtype, "blocks", _blocks), absmax,
+                                          flat.kept(key + ".absmax", torch.float32, "column", _column))
+                else:
+                    quant.quantize(moment, signed, out=codes, absmax_out=absmax)
                 torch._foreach_copy_(dest, [code_views[i] for i in idx])
                 torch._foreach_copy_(scales, [absmax_views[i] for i in idx])
             for i, scale in zip(idx, scales):
@@ -286,6 +307,14 @@ def encode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
             states[i][key] = d
     if by_kernel:
         _encode_by_kernel(flat, by_kernel)
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, quant.BLOCK)
+
+
+def _column(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, 1)
 
 
 def _by_kernel(moment: torch.Tensor, codes: List[torch.Tensor], dtype: torch.dtype, scales: List[torch.Tensor],

@@ -88,14 +88,19 @@ def test_a_flat_codes_every_master_as_its_own_compression_and_decodes_it_back(mo
     assert all(st["exp_avg"] is saved[(id(st), "exp_avg")] for st in states)
 
 
-@pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
-def test_the_kernels_8bit_code_is_the_eager_code_bitwise_at_its_edges():
-    """The CPU kernel's coding (two passes around torch's own log2, the multiply-add fused as torch.add's) against
-    quant.quantize's eager ops, bitwise, where a code could tip: values on the codes' boundaries, magnitudes 30
-    octaves apart in a block, subnormals, zeros and all-zero blocks, negative zeros, a block of one subnormal value,
-    tensors of partial blocks and one of several slices (quant.CHUNK)."""
+@pytest.mark.parametrize("path", ["kernel", "eager, one slice", "eager, slices"])
+def test_a_flats_8bit_code_is_the_eager_code_bitwise_at_its_edges(path, monkeypatch):
+    """A flat's coding, by the CPU kernel (two passes around torch's own log2, the multiply-add fused as torch.add's)
+    or by eager ops (on kept views of the whole flat where it is one slice, else a slice at a time), against
+    quant.quantize's eager ops per tensor, bitwise, where a code could tip: values on the codes' boundaries,
+    magnitudes 30 octaves apart in a block, subnormals, zeros and all-zero blocks, negative zeros, a block of one
+    subnormal value, tensors of partial blocks and one of several slices (quant.CHUNK)."""
+    if path == "kernel" and native.kernel() is None:
+        pytest.skip(f"no CPU kernel here: {native.unavailable_reason()}")
+    if path != "kernel":
+        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
     g = torch.Generator().manual_seed(1)
-    sizes = [300, 256, 1000, 17, 1, 3 * quant.CHUNK // 2 + 5]
+    sizes = [300, 256, 1000, 17, 1] + ([3 * quant.CHUNK // 2 + 5] if path != "eager, one slice" else [])
     states, alone = [], []
     for n in sizes:
         m = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 5, (n,), generator=g).float())
