@@ -154,17 +154,22 @@ class Flat:
         self.device = masters[0].device
         self.offsets, self.total = _layout(masters)
         self.buffers: Dict[str, Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+        self.views: Dict[Tuple[str, str], torch.Tensor] = {}  # (role, name) -> a kept view of the whole buffer
         #: the stretches of each master's last block past its elements (zeroed before a quantization)
         self.pads: Optional[List[Tuple[int, int]]] = None  # (offset, length)
 
-    def take(self, role: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """The buffer of ``role`` with memory, and its views (per master; for ``".absmax"`` one scale per block)."""
+    def take(self, role: str, dtype: torch.dtype = torch.float32, per_block: int = 0
+             ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The buffer of ``role`` with memory, and its views (per master; for ``".absmax"`` one scale per block);
+        ``per_block``: a buffer of that many values per block, without views (its size fixed by the role)."""
         entry = self.buffers.get(role)
-        blocks = role.endswith(".absmax")
-        size = self.total // quant.BLOCK if blocks else self.total
+        scales = role.endswith(".absmax")
+        size = self.total // quant.BLOCK * (per_block or 1) if scales or per_block else self.total
         if entry is None:
             flat = torch.empty(size, dtype=dtype, device=self.device)
-            if blocks:
+            if per_block:
+                views = []
+            elif scales:
                 views = [flat.narrow(0, o // quant.BLOCK, -(-n // quant.BLOCK))
                          for o, n in zip(self.offsets, self.numels)]
             else:
@@ -177,6 +182,15 @@ class Flat:
             if storage.nbytes() < nbytes:  # (freed after the last step: the views see the new memory)
                 storage.resize_(nbytes)
         return entry
+
+    def kept(self, role: str, dtype: torch.dtype, name: str, make: Any) -> torch.Tensor:
+        """A view of the buffer of ``role`` (with memory), made by ``make`` at the first call and kept (``name``:
+        which view): the whole buffer as blocks, say, without a view op per step."""
+        flat = self.take(role, dtype)[0]
+        view = self.views.get((role, name))
+        if view is None:
+            view = self.views[(role, name)] = make(flat)
+        return view
 
     def free(self) -> None:
         """Take every buffer's memory back (the views stay: they hold none until the next :meth:`take`)."""
@@ -210,8 +224,8 @@ class Flat:
 
 def decode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tuple, torch.Tensor]) -> None:
     """Decompress ``states`` (the optimizer's per master of ``flat``, in ``mode``: ``"bf16"`` or ``"int8"``) into
-    ``flat``'s float32 moment buffers, a ``_foreach`` copy and one decoding pass per moment; each state's moments
-    become views of them.  What a state held is put in ``saved`` (``(id(state), key)``), for :func:`encode` to
+    ``flat``'s float32 moment buffers, a ``_foreach`` copy and one decoding pass per moment (on a CPU one kernel call
+    reading each state's own codes: no op dispatched); each state's moments become views of them.  What a state held is put in ``saved`` (``(id(state), key)``), for :func:`encode` to
     write over."""
     for key in quant.SIGNED + quant.UNSIGNED:
         idx = [i for i, st in enumerate(states) if torch.is_tensor(st.get(key))]
@@ -221,15 +235,27 @@ def decode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
         coded = [i for i in idx if key + ".absmax" in states[i]] if mode == "int8" else []
         if coded:
             signed = key in quant.SIGNED
-            codes, code_views = flat.take(key + ".codes", torch.int8 if signed else torch.uint8)
-            absmax, absmax_views = flat.take(key + ".absmax")
-            # (codes cast to float by a loader that knew nothing of them are integers still: copied exactly)
-            torch._foreach_copy_([code_views[i] for i in coded], [states[i][key] for i in coded])
+            codes_in = [states[i][key] for i in coded]
             scales = [states[i].pop(key + ".absmax") for i in coded]
-            torch._foreach_copy_([absmax_views[i] for i in coded], scales)
             for i, scale in zip(coded, scales):
                 saved[(id(states[i]), key + ".absmax")] = scale
-            quant.dequantize(codes, absmax, signed, out=moment)
+            if _by_kernel(moment, codes_in, torch.int8 if signed else torch.uint8, scales,
+                          [flat.numels[i] for i in coded]):
+                tables = quant.code_constants()[0]  # (signed, unsigned)
+                native.decode(codes_in, scales, tables[0 if signed else 1], moment, [flat.offsets[i] for i in coded])
+            else:
+                dtype = torch.int8 if signed else torch.uint8
+                codes, code_views = flat.take(key + ".codes", dtype)
+                absmax, absmax_views = flat.take(key + ".absmax")
+                # (codes cast to float by a loader that knew nothing of them are integers still: copied exactly)
+                torch._foreach_copy_([code_views[i] for i in coded], codes_in)
+                torch._foreach_copy_([absmax_views[i] for i in coded], scales)
+                if flat.total <= quant.chunk_for(flat.device):  # (one slice: the same ops on kept views)
+                    quant.dequantize_blocks(flat.kept(key + ".codes", dtype, "bytes", lambda t: t.view(torch.uint8)),
+                                            signed, moment, flat.kept(key, torch.float32, "blocks", _blocks),
+                                            flat.kept(key + ".absmax", torch.float32, "column", _column))
+                else:
+                    quant.dequantize(codes, absmax, signed, out=moment)
         taken = set(coded)
         rest = [i for i in idx if i not in taken]  # bfloat16 moments (or float32 ones)
         if rest:
@@ -242,7 +268,9 @@ def decode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
 def encode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tuple, torch.Tensor]) -> None:
     """Compress the float32 moments of ``states`` (per master of ``flat``) into ``mode``, in ``flat``'s buffers: one
     quantization pass per moment, a ``_foreach`` copy out; into the tensors :func:`decode` took (``saved``) where
-    they fit, as :func:`fxamp.training.quant.compress` would make them (the same codes and scales)."""
+    they fit, as :func:`fxamp.training.quant.compress` would make them (the same codes and scales).  On a CPU fxamp's
+    kernel reads and writes each state's own codes (no copy), around one ``_foreach_log2_`` for every moment."""
+    by_kernel = []
     for key in quant.SIGNED + quant.UNSIGNED:
         idx = [i for i, st in enumerate(states) if torch.is_tensor(st.get(key)) and st[key].dtype == torch.float32]
         if not idx:
@@ -257,18 +285,67 @@ def encode(flat: Flat, mode: str, states: List[Dict[str, Any]], saved: Dict[tupl
         if mode == "bf16":
             torch._foreach_copy_(dest, [views[i] for i in idx])
         else:
-            flat.zero_pads(key)  # (a partial last block: its padding must not raise the block's scale)
-            codes, code_views = flat.take(key + ".codes", dtype)
-            absmax, absmax_views = flat.take(key + ".absmax")
-            quant.quantize(moment, signed, out=codes, absmax_out=absmax)
-            torch._foreach_copy_(dest, [code_views[i] for i in idx])
-            scales = [_reuse(saved, states[i], key + ".absmax", absmax_views[i].shape, torch.float32,
+            scales = [_reuse(saved, states[i], key + ".absmax", (-(-flat.numels[i] // quant.BLOCK),), torch.float32,
                              views[i].device) for i in idx]
-            torch._foreach_copy_(scales, [absmax_views[i] for i in idx])
+            if _by_kernel(moment, dest, dtype, scales, [flat.numels[i] for i in idx]):
+                by_kernel.append((moment, idx, dest, scales, signed))
+            else:
+                flat.zero_pads(key)  # (a partial last block: its padding must not raise the block's scale)
+                codes, code_views = flat.take(key + ".codes", dtype)
+                absmax, absmax_views = flat.take(key + ".absmax")
+                if flat.total <= quant.chunk_for(flat.device):  # (one slice: the same ops on kept views)
+                    quant.quantize_blocks(flat.kept(key, torch.float32, "blocks", _blocks), signed,
+                                          flat.kept(key + ".codes", dtype, "blocks", _blocks), absmax,
+                                          flat.kept(key + ".absmax", torch.float32, "column", _column))
+                else:
+                    quant.quantize(moment, signed, out=codes, absmax_out=absmax)
+                torch._foreach_copy_(dest, [code_views[i] for i in idx])
+                torch._foreach_copy_(scales, [absmax_views[i] for i in idx])
             for i, scale in zip(idx, scales):
                 states[i][key + ".absmax"] = scale
         for i, d in zip(idx, dest):
             states[i][key] = d
+    if by_kernel:
+        _encode_by_kernel(flat, by_kernel)
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, quant.BLOCK)
+
+
+def _column(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, 1)
+
+
+def _by_kernel(moment: torch.Tensor, codes: List[torch.Tensor], dtype: torch.dtype, scales: List[torch.Tensor],
+               numels: List[int]) -> bool:
+    """Whether fxamp's CPU kernel codes ``moment`` (a flat's float32 buffer) to and from ``codes`` of ``dtype`` and
+    their ``scales``, where they are (each a plain contiguous CPU tensor of its master's size, ``numels``: a pointer
+    each)."""
+    return (moment.device.type == "cpu" and type(moment) is torch.Tensor and native.kernel() is not None
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.is_contiguous()
+                    for t in (*codes, *scales))
+            and all(c.dtype == dtype and c.numel() == n for c, n in zip(codes, numels))
+            and all(a.dtype == torch.float32 and a.numel() == -(-n // quant.BLOCK) for a, n in zip(scales, numels)))
+
+
+def _encode_by_kernel(flat: Flat, moments: List[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[torch.Tensor],
+                                                      bool]]) -> None:
+    """8-bit codes of ``moments`` (per moment: its float32 buffer, the masters coded, their codes and scales) by the
+    CPU kernel's two passes around one ``_foreach_log2_`` (torch's log2: the eager code's bits), the buffers
+    overwritten (the step is done with them)."""
+    nb = flat.total // quant.BLOCK
+    blocks = flat.take(f"log2.blocks.{len(moments)}", per_block=len(moments))[0]
+    plan = []
+    for j, (moment, idx, codes, scales, signed) in enumerate(moments):
+        offsets, block_offsets = [flat.offsets[i] for i in idx], [j * nb + flat.offsets[i] // quant.BLOCK for i in idx]
+        native.encode_magnitudes(moment, offsets, scales, codes, signed, blocks, block_offsets)
+        plan.append((moment, offsets, scales, codes, signed, block_offsets))
+    torch._foreach_log2_([m for m, *_ in moments] + [blocks])
+    k_signed, top_signed, k_unsigned, top_unsigned = quant.code_constants()[1]
+    for moment, offsets, scales, codes, signed, block_offsets in plan:
+        native.encode_codes(moment, offsets, scales, codes, signed, blocks, block_offsets,
+                            *((k_signed, top_signed) if signed else (k_unsigned, top_unsigned)))
 
 
 def _reuse(saved: Dict[tuple, torch.Tensor], state: Dict[str, Any], key: str, shape: torch.Size,

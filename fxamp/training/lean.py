@@ -113,6 +113,8 @@ class Workspace:
         self._used: Dict[int, Flat] = {}  # the flats of the step in progress (freed by leave)
         self._saved: Dict[tuple, torch.Tensor] = {}  # (id(state), key) -> what _decode took from it
         self._holders: Dict[int, torch.Tensor] = {}  # id(master) -> its placeholder between steps
+        self._homes: Dict[int, torch.Tensor] = {}  # id(master) -> its own tensor (a float32 master moved by value)
+        self._grads: Dict[int, torch.Tensor] = {}  # id(master) -> its own gradient, while a row-major copy is bound
         self._open: Optional[tuple] = None  # enter's groups of (master, choice), for leave
         self._multiplier: Optional[tuple] = None  # (a segmented step's 1/scale, its value read on the host)
 
@@ -235,9 +237,12 @@ class Workspace:
     def enter(self, masters: Sequence[torch.Tensor], skip: Sequence[torch.Tensor] = ()) -> None:
         """Before ``optimizer.step()`` on ``masters``: float32 values and state for the lean ones (not ``skip``'s).
 
-        The masters of one device whose gradients are row-major (or absent) are moved together, a ``_foreach``
-        call per role over their :class:`~fxamp.training.flat.Flat` (their values: weight, plus term; each moment
-        decoded in one pass); any other (a gradient of other strides, a tensor subclass) on its own."""
+        The plain masters of one device are moved together, a ``_foreach`` call per role over their
+        :class:`~fxamp.training.flat.Flat` (their values: weight, plus term; each moment decoded in one pass), every
+        one row-major, whatever its strides: a float32 master whose gradient is not row-major (channels_last, a
+        transpose: its own layout) is stepped as a row-major copy of its values, from a row-major copy of its
+        gradient (torch's fused Adam reads value, gradient and moments in memory order), both bound for the step
+        and put back by :meth:`leave`; any other (a tensor subclass, a sparse gradient) on its own."""
         skip_ids = {id(m) for m in skip}
         entries = [(m, c) for m, c in ((m, self.choices.get(id(m))) for m in masters)
                    if c is not None and id(m) not in skip_ids]
@@ -245,30 +250,43 @@ class Workspace:
         rest = []
         for m, c in entries:
             g = m.grad
-            if (isinstance(m, FakeTensor) or plain(m)) and (g is None or (g.layout == torch.strided
-                                                                     and g.is_contiguous())):
+            if (isinstance(m, FakeTensor) or plain(m)) and (g is None or g.layout == torch.strided):
                 groups.setdefault(m.device, []).append((m, c))
             else:
                 rest.append((m, c))
-        self._open = (list(groups.values()), rest)
+        opened = []  # per group: (its masters, those moved by value, how many of these are lean)
         state = self.optimizer.state
         with torch.no_grad():
-            for group in self._open[0]:
+            for group in groups.values():
                 lean = [(m, c) for m, c in group if c.master != "fp32"]
-                if lean:
-                    views = self._flat([m for m, _ in lean]).take("value")[1]
-                    torch._foreach_copy_(views, [self.low_of[id(m)] for m, _ in lean])
+                strided = [(m, c) for m, c in group if c.master == "fp32" and _strided_grad(m)]
+                moved = lean + strided
+                opened.append((group, moved, len(lean)))
+                if moved:
+                    flat = self._flat([m for m, _ in moved])
+                    views = flat.take("value")[1]
+                    if lean:
+                        torch._foreach_copy_(views[:len(lean)], [self.low_of[id(m)] for m, _ in lean])
                     kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
                     if kahan:  # (float32 arithmetic: the term's values are exact in it)
-                        flat = self._flat([m for m, _ in lean])
                         torch._foreach_add_([views[i] for i in kahan],
                                             _widened(flat, [lean[i][1].term for i in kahan], kahan))
-                    for (m, _), v in zip(lean, views):
+                    if strided:
+                        torch._foreach_copy_(views[len(lean):], [self._home(m) for m, _ in strided])
+                    regrad = [i for i, (m, _) in enumerate(moved) if _strided_grad(m)]
+                    if regrad:  # (row-major copies of the gradients, by value; the masters' own bound back by leave)
+                        grads = flat.take("grad")[1]
+                        torch._foreach_copy_([grads[i] for i in regrad], [moved[i][0].grad for i in regrad])
+                        for i in regrad:
+                            self._grads[id(moved[i][0])] = moved[i][0].grad
+                            moved[i][0].grad = grads[i]
+                    for (m, _), v in zip(moved, views):
                         m.data = v
                 for mode in ("bf16", "int8"):
                     coded = [(m, state[m]) for m, c in group if c.state == mode and state.get(m)]
                     if coded:
                         decode(self._flat([m for m, _ in coded]), mode, [st for _, st in coded], self._saved)
+            self._open = (opened, rest)
             for m, c in rest:
                 if c.master != "fp32":
                     m.data = self.value(m, m.grad)
@@ -292,12 +310,11 @@ class Workspace:
         state = self.optimizer.state
         with torch.no_grad():
             if self.calibrating:
-                for m, c in [e for group in groups for e in group] + rest:
+                for m, c in [e for group, *_ in groups for e in group] + rest:
                     self._measure(m, self.low_of[id(m)], c)
-            for group in groups:
-                lean = [(m, c) for m, c in group if c.master != "fp32"]
-                if lean:
-                    self._split(lean)
+            for group, moved, nlean in groups:
+                if moved:
+                    self._split(moved, nlean)
                 for mode in ("bf16", "int8"):
                     coded = [(m, state[m]) for m, c in group if c.state == mode and state.get(m)]
                     if coded:
@@ -334,11 +351,17 @@ class Workspace:
             held = self._holders[id(master)] = placeholder(master)
         return held
 
-    def _split(self, lean: List[Any]) -> None:
-        """Write back the stepped values of ``lean`` (masters and choices, bound to a flat's views): Kahan's terms,
-        the stochastic roundings into the weights (one hash over the buffer); placeholders again."""
-        flat = self._flat([m for m, _ in lean])
+    def _split(self, moved: List[Any], nlean: int) -> None:
+        """Write back the stepped values of ``moved`` (masters and choices, bound to a flat's views; the first
+        ``nlean`` lean, the others float32 masters stepped by value): the float32 masters' values into their own
+        tensors, Kahan's terms, the stochastic roundings into the weights (one hash over the buffer); each master
+        bound back to its own tensor or placeholder, and its own gradient."""
+        flat = self._flat([m for m, _ in moved])
         buffer, views = flat.take("value")
+        lean = moved[:nlean]
+        homes = [self._homes[id(m)] for m, _ in moved[nlean:]]
+        if homes:  # (first: the stochastic rounding below rounds the whole buffer)
+            torch._foreach_copy_(homes, views[nlean:])
         lows = [self.low_of[id(m)] for m, _ in lean]
         kahan = [i for i, (_, c) in enumerate(lean) if c.master == "kahan"]
         if kahan:  # term = value - weight (the weight: the value's round-to-nearest, from the refresh)
@@ -346,7 +369,7 @@ class Workspace:
             torch._foreach_copy_([lean[i][1].term for i in kahan], [views[i] for i in kahan])
         rounded = [i for i, (_, c) in enumerate(lean) if c.master == "stochastic"]
         if rounded:
-            keys = [0] * len(lean)
+            keys = [0] * len(moved)
             for i in rounded:
                 m, c = lean[i]
                 keys[i] = noise_key(self.seed, self.index[id(m)], c.count)
@@ -355,6 +378,22 @@ class Workspace:
             torch._foreach_copy_([lows[i] for i in rounded], [views[i] for i in rounded])
         for m, _ in lean:
             m.data = self._holder(m)
+        for (m, _), home in zip(moved[nlean:], homes):
+            m.data = home
+        for m, _ in moved:
+            grad = self._grads.pop(id(m), None)
+            if grad is not None:
+                m.grad = grad
+
+    def _home(self, master: torch.Tensor) -> torch.Tensor:
+        """``master``'s own tensor (a float32 master stepped by value binds a flat's view meanwhile), kept from step
+        to step while it is the master's (taking it afresh is an op per master)."""
+        home = self._homes.get(id(master))
+        if home is None or home.untyped_storage()._cdata != master.untyped_storage()._cdata \
+                or home.storage_offset() != master.storage_offset() or home.shape != master.shape \
+                or home.stride() != master.stride() or home.dtype != master.dtype:
+            home = self._homes[id(master)] = master.detach()
+        return home
 
     def chunks(self, run: Run, optimizer: Any) -> bool:
         """Whether a segmented step steps ``run`` a slice at a time (:meth:`step_chunked`): one lean master
@@ -466,6 +505,11 @@ class Workspace:
         if choice.master == "kahan":
             return choice.term
         return torch.empty(0, dtype=self.low_of[id(master)].dtype)
+
+
+def _strided_grad(m: torch.Tensor) -> bool:
+    """Whether ``m``'s gradient is there and not row-major (a float32 master's own layout: channels_last, a transpose)."""
+    return m.grad is not None and not m.grad.is_contiguous()
 
 
 def _widened(flat: Flat, tensors: List[torch.Tensor], idx: List[int]) -> List[torch.Tensor]:

@@ -230,3 +230,127 @@ void fxamp_round_stochastic(int64_t nseg, float *x, const int64_t *counts, const
         start += n;
     }
 }
+
+/* The 8-bit state codes of quant.py for a run's masters (flat.py's decode and encode on a CPU), bitwise
+   quant.dequantize and quant.quantize: the same float32 operations on the same values (the code's multiply-add
+   one fused rounding, as torch.add(bias, q, alpha=k) on a CPU), the one transcendental, log2, left to torch
+   between the two encoding passes (torch's log2 is not correctly rounded: only its own gives its bits). Master s
+   has counts[s] elements at offsets[s] of the float32 buffers, its codes and block scales at codes[s] and
+   absmax[s] (its own tensors: no copy in or out); its blocks' log2 at block_offsets[s] of the log2 buffer. */
+
+#define TINY 1.17549435e-38f  /* torch.finfo(float32).tiny: an absmax is raised to it before its log2 */
+#define SMALLEST 1.40129846e-45f  /* 2^-149: a magnitude is raised to it before its log2 */
+
+/* float32 values of the codes: table[code byte] * the block's absmax (quant.dequantize) */
+void fxamp_decode(int64_t k, const int64_t *counts, const int64_t *offsets, const uintptr_t *codes,
+                  const uintptr_t *absmax, const float *table, float *out) {
+    for (int64_t s = 0; s < k; s++) {
+        const int64_t n = counts[s];
+        const uint8_t *c = (const uint8_t *)codes[s];
+        const float *a = (const float *)absmax[s];
+        float *o = out + offsets[s];
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#endif
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) {
+            const int64_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+            const float scale = a[b];
+            for (int64_t j = b * BLOCK; j < end; j++) o[j] = table[c[j]] * scale;
+        }
+    }
+}
+
+/* the first encoding pass, in place: each block's absmax (its largest magnitude; an unsigned state's largest value,
+   as torch.amax: a NaN wins) written to absmax[s], then what torch's log2 takes: the magnitudes raised to 2^-149
+   (over x's values: the decoded moment is not read again) and the absmax raised to the smallest normal (into blocks
+   at block_offsets[s]); a signed state's signs (-1, 0, 1; 0 for a NaN, as torch.sign) into its codes meanwhile */
+void fxamp_encode_magnitudes(int64_t k, const int64_t *counts, const int64_t *offsets, const int64_t *block_offsets,
+                             float *x, const uintptr_t *absmax, const uintptr_t *codes, int is_signed, float *blocks) {
+    for (int64_t s = 0; s < k; s++) {
+        const int64_t n = counts[s];
+        float *xs = x + offsets[s], *bs = blocks + block_offsets[s], *a = (float *)absmax[s];
+        int8_t *signs = (int8_t *)codes[s];
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#endif
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) {
+            const int64_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+            float top = -INFINITY;
+            int nan = 0;
+            for (int64_t j = b * BLOCK; j < end; j++) {
+                const float v = xs[j];
+                const float q = is_signed ? fabsf(v) : v;
+                if (is_signed) signs[j] = (int8_t)(v > 0.0f ? 1 : (v < 0.0f ? -1 : 0));
+                nan |= q != q;
+                top = q > top ? q : top;
+                xs[j] = q < SMALLEST ? SMALLEST : q;  /* (a NaN stays NaN, as clamp_min) */
+            }
+            top = nan ? NAN : top;
+            a[b] = top;
+            bs[b] = top < TINY ? TINY : top;
+        }
+    }
+}
+
+/* the second pass, from torch's log2 of the first's x and blocks: code = round(top + 1/2 + k (log2 |x| - log2
+   absmax)) clamped, as quant._code_ computes it: bias = log2(absmax) * -k + (top + 1/2) (-inf for an all-zero
+   block), then one fused multiply-add; a signed code times the sign the first pass kept (0 for a zero), truncated
+   to an integer */
+void fxamp_encode_codes(int64_t k, const int64_t *counts, const int64_t *offsets, const int64_t *block_offsets,
+                        const float *x, const float *blocks, const uintptr_t *absmax, const uintptr_t *codes,
+                        int is_signed, float kk, float top) {
+    const float neg_k = -kk, half = top + 0.5f, low = is_signed ? 0.0f : 1.0f;
+    for (int64_t s = 0; s < k; s++) {
+        const int64_t n = counts[s];
+        const float *ls = x + offsets[s], *bs = blocks + block_offsets[s], *a = (const float *)absmax[s];
+        int8_t *signed_codes = (int8_t *)codes[s];
+        uint8_t *unsigned_codes = (uint8_t *)codes[s];
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#endif
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) {
+            const int64_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+            const float bias = a[b] == 0.0f ? -INFINITY : bs[b] * neg_k + half;
+            for (int64_t j = b * BLOCK; j < end; j++) {
+                float q = fmaf(ls[j], kk, bias);
+                q = q < low ? low : (q > top ? top : q);
+                if (is_signed) signed_codes[j] = (int8_t)(int32_t)(q * (float)signed_codes[j]);
+                else unsigned_codes[j] = (uint8_t)(int32_t)q;
+            }
+        }
+    }
+}
+
+/* Whether k tensors of float32 (bits 32), or bfloat16 or float16 (bits 16), hold only finite values: the largest
+   magnitude's bits (sign masked off) below those of an infinity ("inf": the smallest non-finite magnitude; a NaN's
+   are above it): the overflow check of a step's large gradients (loss_scale.FoundInf.check_), one call over every
+   tensor, reading only (a max reduction, which the compiler vectorizes) */
+int fxamp_all_finite(int64_t k, const int64_t *counts, const uintptr_t *data, int bits, uint32_t inf) {
+    for (int64_t s = 0; s < k; s++) {
+        const int64_t n = counts[s];
+        if (bits == 32) {
+            const uint32_t *u = (const uint32_t *)data[s];
+            uint32_t top = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) reduction(max:top) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#endif
+            for (int64_t i = 0; i < n; i++) {
+                const uint32_t v = u[i] & 0x7FFFFFFFu;
+                top = v > top ? v : top;
+            }
+            if (top >= inf) return 0;
+        } else {
+            const uint16_t *u = (const uint16_t *)data[s];
+            uint16_t top = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) reduction(max:top) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
+#endif
+            for (int64_t i = 0; i < n; i++) {
+                const uint16_t v = u[i] & 0x7FFFu;
+                top = v > top ? v : top;
+            }
+            if (top >= inf) return 0;
+        }
+    }
+    return 1;
+}

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..dtypes import StrEnum
 from ..errors import LossScaleError, OptimizerStateError
 from .config import LossScaleConfig, LossScaleOption, ScaleKind, compute_dtype, config_for
+from . import native
 from .distributed import all_reduce_overflow, all_reduce_overflow_on_device
 
 __all__ = ["LossScaler", "Stage", "ScalerClient", "scaler_for", "FoundInf", "DeviceFlag", "StepResult", "agree",
@@ -84,16 +85,19 @@ class FoundInf:
     def check_(self, tensors: List[torch.Tensor]) -> None:
         """Note any inf/NaN in dense ``tensors`` (one device and dtype) without dividing them.
 
-        On CPU the sums of the large ones (:data:`SUM_NUMEL`) are read first (an inf or NaN makes a sum
-        inf or NaN, so finite sums mean finite elements); a non-finite sum, which may be an overflow of
-        finite values, sends them to the exact kernel (multiplying by 1) with the small ones.
+        On CPU the large ones (:data:`SUM_NUMEL`) are read first: by fxamp's kernel in one call (no op, whatever
+        their number), else by their sums (an inf or NaN makes a sum inf or NaN); an inf or NaN, or a non-finite
+        sum of finite values, sends them to the exact kernel (multiplying by 1) with the small ones.
         """
         if not tensors:
             return
         device = tensors[0].device
         if device.type == "cpu":  # (on an accelerator a read would wait for the device)
             large = [t for t in tensors if t.numel() >= SUM_NUMEL]
-            if large and bool(torch.isfinite(torch.stack([t.sum() for t in large])).all()):
+            finite = large and native.all_finite(large)
+            if finite is None:
+                finite = bool(torch.isfinite(torch.stack([t.sum() for t in large])).all())
+            if finite:
                 tensors = [t for t in tensors if t.numel() < SUM_NUMEL]
                 if not tensors:
                     return

@@ -4,7 +4,9 @@ with ctypes, and called on tensors' data pointers.
 Why a kernel of our own: a lean master with 8-bit state costs, in eager PyTorch, a dozen passes over each
 element (decode, the update, re-code, stochastic rounding), about 4x pure bfloat16's AdamW step on a CPU;
 ``torch.compile`` of the same function ran slower than eager there (benchmarks/RESULTS.md). One pass in C,
-vectorized by the compiler, is about as fast as the bfloat16 step itself.
+vectorized by the compiler, is about as fast as the bfloat16 step itself. It also codes the 8-bit state of a run's
+float32 masters (:func:`decode`, :func:`encode_magnitudes`, :func:`encode_codes`: bitwise the eager code, with no op
+dispatched but one log2), so such a step's ops stay as few as with float32 state.
 
 Where no C compiler works (or ``FXAMP_NATIVE=0``), :func:`kernel` is None and the eager path steps every
 master, with a note (:func:`unavailable_reason`). The library is cached under ``$FXAMP_CACHE`` (default
@@ -14,6 +16,7 @@ the CPU's feature flags (``-march=native`` code runs only where it was built for
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -30,8 +33,8 @@ import torch
 from . import quant
 from .plan import plain
 
-__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochastic_", "eligible", "hyperparameters",
-           "adam_step"]
+__all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochastic_", "decode", "encode_magnitudes",
+           "encode_codes", "all_finite", "eligible", "hyperparameters", "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
 #: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
@@ -118,6 +121,18 @@ def build() -> Any:
     fn.argtypes = [ctypes.c_int64, p, p, p, p]
     fn.restype = None
     fns["round"] = fn
+    i64, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_size_t)
+    for name, argtypes in (("decode", [ctypes.c_int64, i64, i64, ptrs, ptrs, p, p]),
+                           ("encode_magnitudes", [ctypes.c_int64, i64, i64, i64, p, ptrs, ptrs, ctypes.c_int, p]),
+                           ("encode_codes", [ctypes.c_int64, i64, i64, i64, p, p, ptrs, ptrs, ctypes.c_int, f, f])):
+        fn = getattr(lib, "fxamp_" + name)
+        fn.argtypes = argtypes
+        fn.restype = None
+        fns[name] = fn
+    fn = lib.fxamp_all_finite
+    fn.argtypes = [ctypes.c_int64, i64, ptrs, ctypes.c_int, ctypes.c_uint32]
+    fn.restype = ctypes.c_int
+    fns["all_finite"] = fn
     return fns
 
 
@@ -195,6 +210,66 @@ def round_stochastic_(x: torch.Tensor, segments: "list[tuple[int, int, int]]") -
                             (ctypes.c_int64 * k)(*[s[2] for s in segments]))
     fns["round"](k, x.data_ptr(), counts, keys, firsts)
     return True
+
+
+def _array(kind: Any, values: "list[int]") -> Any:
+    """``values`` as a ctypes array of ``kind`` (c_int64 or c_size_t), filled from an ``array.array`` in one copy (4x
+    faster than the ctypes constructor's per-element conversion at 200 values)."""
+    return (kind * len(values)).from_buffer(array.array("q" if kind is ctypes.c_int64 else "Q", values))
+
+
+def decode(codes: "list[torch.Tensor]", absmax: "list[torch.Tensor]", table: torch.Tensor, out: torch.Tensor,
+           offsets: "list[int]") -> None:
+    """8-bit codes (each master's own int8/uint8 tensor, contiguous) and their block scales into float32 ``out`` (1-D,
+    contiguous) at ``offsets``: ``table[code] * absmax``, bitwise :func:`fxamp.training.quant.dequantize`'s."""
+    fns = kernel()
+    assert fns is not None and table.is_contiguous() and table.dtype == out.dtype == torch.float32
+    fns["decode"](len(codes), _array(ctypes.c_int64, [c.numel() for c in codes]), _array(ctypes.c_int64, offsets),
+                  _array(ctypes.c_size_t, [c.data_ptr() for c in codes]),
+                  _array(ctypes.c_size_t, [a.data_ptr() for a in absmax]), table.data_ptr(), out.data_ptr())
+
+
+def encode_magnitudes(x: torch.Tensor, offsets: "list[int]", absmax: "list[torch.Tensor]", codes: "list[torch.Tensor]",
+                      signed: bool, blocks: torch.Tensor, block_offsets: "list[int]") -> None:
+    """The first pass of coding the float32 values of ``x`` (1-D, contiguous) at ``offsets`` into 8 bits, in place:
+    each block's absmax into ``absmax`` (each master's own float32 tensor; ``codes``: its codes, holding the signs
+    meanwhile), then what torch's ``log2_`` takes before :func:`encode_codes`: the magnitudes over ``x`` and the
+    absmax into ``blocks`` at ``block_offsets``, raised as :func:`fxamp.training.quant.quantize` raises them."""
+    fns = kernel()
+    assert fns is not None and x.dtype == blocks.dtype == torch.float32 and x.is_contiguous() and blocks.is_contiguous()
+    fns["encode_magnitudes"](len(codes), _array(ctypes.c_int64, [c.numel() for c in codes]),
+                             _array(ctypes.c_int64, offsets), _array(ctypes.c_int64, block_offsets), x.data_ptr(),
+                             _array(ctypes.c_size_t, [a.data_ptr() for a in absmax]),
+                             _array(ctypes.c_size_t, [c.data_ptr() for c in codes]), int(signed), blocks.data_ptr())
+
+
+def encode_codes(x: torch.Tensor, offsets: "list[int]", absmax: "list[torch.Tensor]", codes: "list[torch.Tensor]",
+                 signed: bool, blocks: torch.Tensor, block_offsets: "list[int]", k: float, top: float) -> None:
+    """The second pass, from the log2 of :func:`encode_magnitudes`' ``x`` and ``blocks``: each master's codes into
+    ``codes``, bitwise :func:`fxamp.training.quant.quantize`'s (``k``, ``top``: the code's constants)."""
+    fns = kernel()
+    assert fns is not None
+    fns["encode_codes"](len(codes), _array(ctypes.c_int64, [c.numel() for c in codes]), _array(ctypes.c_int64, offsets),
+                        _array(ctypes.c_int64, block_offsets), x.data_ptr(), blocks.data_ptr(),
+                        _array(ctypes.c_size_t, [a.data_ptr() for a in absmax]),
+                        _array(ctypes.c_size_t, [c.data_ptr() for c in codes]), int(signed), k, top)
+
+
+#: per dtype :func:`all_finite` reads: its bits, and an infinity's (the smallest non-finite magnitude)
+_EXPONENT = {torch.float32: (32, 0x7F800000), torch.bfloat16: (16, 0x7F80), torch.float16: (16, 0x7C00)}
+
+
+def all_finite(tensors: "list[torch.Tensor]") -> Optional[bool]:
+    """Whether every element of ``tensors`` is finite, read by one kernel call (no op dispatched, no copy, nothing
+    written); None where the kernel cannot read them (no kernel here; a tensor not a plain contiguous CPU one of
+    one float32/bfloat16/float16 dtype)."""
+    fns = kernel()
+    kind = _EXPONENT.get(tensors[0].dtype) if tensors else None
+    if fns is None or kind is None or not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                                              and t.dtype == tensors[0].dtype and t.is_contiguous() for t in tensors):
+        return None
+    return bool(fns["all_finite"](len(tensors), _array(ctypes.c_int64, [t.numel() for t in tensors]),
+                                  _array(ctypes.c_size_t, [t.data_ptr() for t in tensors]), *kind))
 
 
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:

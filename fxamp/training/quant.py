@@ -28,8 +28,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 __all__ = ["BLOCK", "CHUNK", "ACCELERATOR_CHUNK", "chunk_for", "SIGNED", "UNSIGNED", "STOCK", "compressible",
-           "compress", "decompress", "recompress", "slice_state", "store_slice", "quantize", "dequantize", "code_constants", "state_bytes",
-           "update_error", "same_layout", "conform"]
+           "compress", "decompress", "recompress", "slice_state", "store_slice", "quantize", "dequantize",
+           "quantize_blocks", "dequantize_blocks", "table_on", "code_constants", "state_bytes", "update_error",
+           "same_layout", "conform"]
 
 #: elements per block sharing one float32 absmax (bitsandbytes' and torchao's block size)
 BLOCK = 256
@@ -83,12 +84,8 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
         full = m - m % BLOCK
         b0 = start // BLOCK
         if full:
-            blocks = _part(part, 0, full).view(-1, BLOCK)
-            q = blocks.abs() if signed else blocks  # (an unsigned state is non-negative: its own magnitude)
-            amax = torch.amax(q, dim=1, out=_part(absmax, b0, full // BLOCK)).view(-1, 1)
-            q = _log2_magnitude(q, signed)
-            _code_(q, amax, top, k, blocks, signed)
-            _store(_part(codes_flat, start, full), _integral(q.view(-1), signed))
+            quantize_blocks(_part(part, 0, full).view(-1, BLOCK), signed, _part(codes_flat, start, full).view(-1, BLOCK),
+                            _part(absmax, b0, full // BLOCK))
         if full < m:  # the last, partial block
             tail = part.narrow(0, full, m - full)
             q = tail.abs() if signed else tail
@@ -97,6 +94,19 @@ def quantize(x: torch.Tensor, signed: bool, out: Optional[torch.Tensor] = None,
             _code_(q, amax, top, k, tail, signed)
             _store(codes_flat.narrow(0, start + full, m - full), _integral(q, signed))
     return codes.view(x.shape), absmax
+
+
+def quantize_blocks(blocks: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor,
+                    column: Optional[torch.Tensor] = None) -> None:
+    """Whole blocks (``blocks``: float32, ``(n, BLOCK)``) coded as :func:`quantize` codes them, into ``codes`` (int8 or
+    uint8, the same shape) and ``absmax`` (``(n,)``; ``column``: its ``(n, 1)`` view, where the caller keeps one: a
+    flat's buffers are coded in one set of ops, their shaped views made once)."""
+    top, k = (127, _K_SIGNED) if signed else (255, _K_UNSIGNED)
+    q = blocks.abs() if signed else blocks  # (an unsigned state is non-negative: its own magnitude)
+    torch.amax(q, dim=1, out=absmax)
+    q = _log2_magnitude(q, signed)
+    _code_(q, absmax.view(-1, 1) if column is None else column, top, k, blocks, signed)
+    _store(codes, _integral(q, signed))
 
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -148,8 +158,9 @@ def _store(codes: torch.Tensor, q: torch.Tensor) -> None:
 
 def _integral(q: torch.Tensor, signed: bool) -> torch.Tensor:
     """Codes held as float (``code + fraction``, the sign applied after), ready to copy into int8/uint8, which
-    truncates toward zero: the code; through int16 for uint8 (float -> uint8 is a slow conversion on CPU)."""
-    return q if signed else q.to(torch.int16)
+    truncates toward zero: the code; through int16 for uint8 on a CPU (float -> uint8 is a slow conversion there;
+    elsewhere the copy converts them directly, the same truncation, an op less)."""
+    return q if signed or q.device.type != "cpu" else q.to(torch.int16)
 
 
 def _table(signed: bool, device: torch.device) -> torch.Tensor:
@@ -179,6 +190,21 @@ def _table_on(signed: bool, device: torch.device) -> torch.Tensor:
     return _TABLES[signed].to(device)
 
 
+def table_on(signed: bool, like: torch.Tensor) -> torch.Tensor:
+    """The 256 float32 values of the codes (by the code's byte read as uint8) on ``like``'s device."""
+    if like.device.type == "cpu":
+        return _TABLES[signed]
+    return _TABLES[signed].to(like.device) if isinstance(like, FakeTensor) else _table_on(signed, like.device)
+
+
+def dequantize_blocks(codes: torch.Tensor, signed: bool, out: torch.Tensor, blocks: torch.Tensor,
+                      column: torch.Tensor) -> None:
+    """Whole blocks' codes (``codes``: 1-D, read as uint8) decoded as :func:`dequantize` decodes them into ``out``
+    (float32, 1-D; ``blocks``: its ``(n, BLOCK)`` view), times the blocks' absmax (``column``: ``(n, 1)``)."""
+    torch.index_select(table_on(signed, codes), 0, codes.to(torch.int32), out=out)
+    blocks.mul_(column)
+
+
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Float32 values of :func:`quantize`'s codes (code 0 is zero): a lookup in a 256-entry table, times the
@@ -186,8 +212,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
     flat = codes.reshape(-1).view(torch.uint8)
     n = flat.numel()
     dst = torch.empty(n, dtype=torch.float32, device=codes.device) if out is None else out.view(-1)
-    table = _TABLES[signed] if codes.device.type == "cpu" else \
-        _TABLES[signed].to(codes.device) if isinstance(codes, FakeTensor) else _table_on(signed, codes.device)
+    table = table_on(signed, codes)
     chunk = chunk_for(codes.device)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
