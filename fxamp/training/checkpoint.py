@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from . import quant
 from ..dtypes import LOW
+from ..info import origin_of
 from .ownership import refuse_foreign_model
 
 __all__ = ["FORMAT", "STATE_KEYS", "StateDictError", "save", "load", "save_own", "load_own", "fp32_state_dict"]
@@ -198,7 +199,8 @@ def load_own(opt: Any, state: Mapping[str, Any]) -> None:
 
 
 def fp32_state_dict(opt: Any, model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
-    """``model.state_dict()`` in float32, each low-precision parameter's entry its master's float32 value.
+    """``model.state_dict()`` in float32, each low-precision parameter's entry its master's float32 value (one
+    without a master, frozen or not in the optimizer: its float32 original while alive, else widened).
 
     Matched by name (``named_parameters``), not by the identity of the state_dict's values: a module
     converted in place gives float32 copies there (``fxamp.convert_``'s state_dict hooks)."""
@@ -213,6 +215,9 @@ def fp32_state_dict(opt: Any, model: nn.Module) -> "OrderedDict[str, torch.Tenso
             out[key] = m.detach() if opt._ws is None else opt._ws.value(m)
         elif not isinstance(value, torch.Tensor):
             out[key] = value
+        elif value.dtype in LOW:  # a weight the optimizer does not step (frozen, left out): its float32 original
+            original = origin_of(value)  # while alive and still this weight's rounding, else the weight widened
+            out[key] = value.detach().float() if original is None else original.detach()
         else:
-            out[key] = value.detach().float() if value.dtype in LOW else value.detach()
+            out[key] = value.detach()
     return out

@@ -75,6 +75,10 @@ def check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, type):  # `MixedPrecisionOptimizer(torch.optim.AdamW, ...)`: the class, not one built
         raise TypeError(f"optimizer must be an optimizer instance, not the class {optimizer.__name__}: build it "
                         f"first, e.g. {optimizer.__name__}(model.parameters())")
+    if isinstance(optimizer, torch.optim.LBFGS):  # its step() re-evaluates the loss through a closure, unscaled
+        raise TypeError("torch.optim.LBFGS cannot be wrapped: its step(closure) runs the forward and backward "
+                        "several times, which the wrapper cannot scale or check; step LBFGS on float32 weights "
+                        "(fxamp.convert(model, 'O1') with bfloat16 needs no loss scale), without the wrapper")
     if isinstance(optimizer, torch.optim.Optimizer):
         return refuse_wrapped(optimizer)  # a second wrapper would step the first one's masters, which get no gradient
     missing = [name for name in _OPTIMIZER_ATTRS if not hasattr(optimizer, name)]
@@ -102,6 +106,20 @@ def _kernels_for(optimizer: Any) -> Kernels:
     if why is not None:
         raise ValueError(f"compile_step=True: {why}; pass compile_step=False to step it as it is")
     return Kernels(optimizer)
+
+
+def _refuse_duplicates(groups: List[Dict[str, Any]], held: Iterable[torch.Tensor] = ()) -> None:
+    """Raise unless each low-precision parameter of ``groups`` appears once, and in none of ``held``: each would
+    get its own master (torch only warns of a duplicate in one group, and cannot see one whose first
+    appearance the wrapper already replaced by its master)."""
+    seen = {id(p) for p in held}
+    for i, group in enumerate(groups):
+        for j, p in enumerate(group["params"]):
+            if p.dtype in LOW and id(p) in seen:
+                raise ValueError(f"param_groups[{i}]['params'][{j}] ({p.dtype} {tuple(p.shape)}) is already held by "
+                                 f"the optimizer: pass each parameter once (two float32 masters of one weight "
+                                 f"would each step it)")
+            seen.add(id(p))
 
 
 def _check_model(model: Any, optimizer: Any) -> None:
@@ -209,6 +227,7 @@ class MixedPrecisionOptimizer:
         seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         check_optimizer(optimizer)
+        _refuse_duplicates(optimizer.param_groups)
         config = resolve_lean(masters, state, precision)
         lean.check_params(optimizer, config, model=model)  # (before anything changes)
         if compile_step and config.lean:
@@ -284,6 +303,7 @@ class MixedPrecisionOptimizer:
         """
         self.optimizer.add_param_group(group)
         try:
+            _refuse_duplicates(self.optimizer.param_groups[-1:], self._lows)
             lean.check_params(self.optimizer, self.precision, groups=self.optimizer.param_groups[-1:])
         except (TypeError, ValueError):
             self.optimizer.param_groups.pop()  # nothing changed
