@@ -137,7 +137,16 @@ def load(opt: Any, state: Any) -> None:
         if tuple(saved.shape) != want:
             raise ValueError(f"master {i} ({opt._engine.name(have)}) has shape {tuple(have.shape)}, the "
                              f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
+    opt.scaler.check_state_dict(state["scaler"])  # (loaded last, below: a refusal there would come too late)
     inner = state["optimizer"]
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if isinstance(groups, (list, tuple)) and all(isinstance(g, Mapping) and "params" in g for g in groups):
+        # (torch's own load would refuse it too, but after a lean wrapper's modes were switched above)
+        saved_sizes = [len(g["params"]) for g in groups]
+        sizes = [len(g["params"]) for g in opt.optimizer.param_groups]
+        if saved_sizes != sizes:
+            raise ValueError(f"the checkpoint's optimizer has param groups of {saved_sizes} parameters, this one "
+                             f"{sizes}; build the optimizer with the same param groups, in the same order")
     if state.get("stateful") is not None and isinstance(inner, Mapping) and isinstance(inner.get("state"), Mapping):
         # only the real entries (the others are zeros a load could fill: see save)
         stateful = [int(i) for i in state["stateful"]]

@@ -56,7 +56,7 @@ from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_origin
 from .loss_scale import StepResult, scaler_for
-from .ownership import mark_master, refuse_unheld_model, refuse_wrapped
+from .ownership import mark_master, originals_held, refuse_unheld_model, refuse_wrapped
 from .step import Engine
 
 if TYPE_CHECKING:
@@ -254,6 +254,9 @@ class MixedPrecisionOptimizer:
                               release_grad_buffer=bool(release_grad_buffer))
         for group in optimizer.param_groups:
             self._bind_group(group)
+        #: ``model``'s low-precision weights whose float32 originals ``optimizer`` holds (built before conversion):
+        #: refused at the first step unless they became masters by then (:meth:`adopt_masters`, ``fxamp.initialize``)
+        self._originals = [] if model is None else originals_held(model, optimizer)
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:
@@ -273,6 +276,7 @@ class MixedPrecisionOptimizer:
         mark_master(low, master, self._ws)
         if self._ws is not None:
             self._ws.add(low, master, len(self._masters) - 1, self._names.get(id(low), "a parameter"))
+        self._engine.note(master, low)  # (a weight written after this is followed at the next step)
 
     def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.
@@ -442,7 +446,20 @@ class MixedPrecisionOptimizer:
                 "step(closure) is not supported: the loss must be scaled; run the closure's forward and "
                 "opt.backward(loss) yourself, then call step()"
             )
+        if self._originals:
+            self._refuse_originals()
         return self._engine.step()
+
+    def _refuse_originals(self) -> None:
+        paired = {id(low) for low in self._lows}
+        left = [self._engine.name(low) for low in self._originals if id(low) not in paired]
+        if left:
+            raise OptimizerStateError(
+                f"this {type(self.optimizer).__name__} holds the float32 parameters of the model before conversion "
+                f"(those of {', '.join(left[:3])}{'...' if len(left) > 3 else ''}): its step would train them, "
+                f"not the converted model's {self._originals[0].dtype} weights; build the optimizer on the "
+                f"converted module's parameters, or use fxamp.initialize(model, optimizer), which makes them the masters")
+        self._originals = []
 
     def overflowed_params(self) -> List[str]:
         """Names of the parameters whose gradients were inf/NaN at the latest skipped step ([] after a clean step).
@@ -461,6 +478,7 @@ class MixedPrecisionOptimizer:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
         Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
         checkpoint.load(self, state)
+        self._engine.note_weights()
 
     def __iter__(self) -> Any:  # (torch's get_state_dict(model, opt) tries tuple(opt): say what to use instead)
         raise TypeError("a MixedPrecisionOptimizer is not a torch.optim.Optimizer: torch's get_state_dict/set_state_dict "

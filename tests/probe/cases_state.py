@@ -552,3 +552,87 @@ def torch_get_state_dict_of_the_wrapper():
     get_state_dict(conv, opt)
 
 
+
+
+# -- checkpoints across changed setups ------------------------------------------------------------------------------
+
+
+@cases.add("works")
+def the_checkpoints_learning_rate_wins_as_torchs_does():
+    _, a, oa = build(ADAMW)
+    train(a, oa, batches(1))
+    _, c, oc = build(lambda m: torch.optim.AdamW(m.parameters(), lr=1.0), init=1)
+    oc.load_state_dict(oa.state_dict())
+    assert [g["lr"] for g in oc.param_groups] == [1e-2]
+
+
+def _across_case(name: str, first: Tuple[str, torch.dtype], then: Tuple[str, torch.dtype],
+                 make: Callable[[nn.Module], Any] = ADAMW, make_then: Callable[[nn.Module], Any] = ADAMW) -> None:
+    def case() -> None:
+        # a run resumed under another policy, dtype or param-group layout: the float32 values carried over
+        # (where the masters match), or refused in one line before anything changed
+        a = fxamp.convert(net(0), first[0], dtype=first[1])
+        oa = fxamp.MixedPrecisionOptimizer(make(a), model=a)
+        train(a, oa, batches(2))
+        c = fxamp.convert(net(1), then[0], dtype=then[1])
+        oc = fxamp.MixedPrecisionOptimizer(make_then(c), model=c)
+        c.load_state_dict(a.state_dict())
+        before = (fp32_of(oc), copy.deepcopy(oc.optimizer.state_dict()), oc.current_scale)
+        try:
+            oc.load_state_dict(oa.state_dict())
+        except Exception:  # refused: nothing changed
+            bitwise((fp32_of(oc), oc.optimizer.state_dict(), oc.current_scale), before, "after a refused load")
+            raise
+        bitwise(fp32_of(oc), fp32_of(oa), "the float32 values carried over")
+
+    cases.add("either", name=f"checkpoint_{name}")(case)
+
+
+def _two_groups(m: nn.Module) -> torch.optim.Optimizer:
+    ps = list(m.parameters())
+    return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-2)
+
+
+_across_case("o2_into_o1", ("O2", BF16), ("O1", BF16))
+_across_case("o1_into_o2", ("O1", BF16), ("O2", BF16))
+_across_case("fp16_into_bf16", ("O2", FP16), ("O2", BF16))
+_across_case("one_group_into_two", ("O2", BF16), ("O2", BF16), make_then=_two_groups)
+_across_case("two_groups_into_one", ("O2", BF16), ("O2", BF16), make=_two_groups)
+
+
+@cases.add("works")
+def lean_wrapper_refusing_a_checkpoint_of_other_groups_changes_nothing():
+    _, a, oa = build(ADAMW, masters="kahan", state="int8")
+    train(a, oa, batches(2))
+    _, c, oc = build(_two_groups, masters="stochastic", state="bf16", init=1)
+    train(c, oc, batches(1))
+    before = (fp32_of(oc), [oc.precision_of(m).master for m in oc.master_params() if oc.precision_of(m)])
+    try:
+        oc.load_state_dict(oa.state_dict())
+    except ValueError as e:
+        assert "param groups" in str(e), str(e)
+    else:
+        raise AssertionError("a checkpoint of one param group loaded into two")
+    after = (fp32_of(oc), [oc.precision_of(m).master for m in oc.master_params() if oc.precision_of(m)])
+    bitwise(after, before, "a refused load")
+
+
+@cases.add("works")
+def float32_checkpoint_loaded_into_the_converted_model_then_fine_tuned():
+    # issue 37 probe: a float32 checkpoint loaded into an O2 model (convert or convert_) is kept as its
+    # bfloat16 rounding (documented: docs/conversion.md, "load_state_dict copies into the stored dtypes"), so a
+    # MixedPrecisionOptimizer built afterwards starts its masters from that rounding, not the checkpoint's
+    # float32 values (issue 28's "O2 departure"); load into the float32 model before converting to keep them.
+    # Keeping the loaded float32 values as the weights' originals is a conversion-wing change: not today.
+    # Asserts the current behaviour: masters are the rounding, widened.
+    pretrained = _stack(5)
+    model = fxamp.convert_(_stack(0), "O2")
+    model.load_state_dict(pretrained.state_dict())
+    opt = fxamp.MixedPrecisionOptimizer(ADAMW(model), model=model)
+    got, exact = fp32_of(opt), pretrained.state_dict()
+    low = {n: p for n, p in model.named_parameters()}
+    for k, v in got.items():
+        if k in low and low[k].dtype == BF16:
+            bitwise(v, low[k].detach().float(), f"{k}: the master (the rounding widened, as documented)")
+            assert not torch.equal(v, exact[k]) or torch.equal(exact[k].to(BF16).float(), exact[k]), \
+                f"{k}: the master is the exact float32 value now: update this case (issue 37 probe)"

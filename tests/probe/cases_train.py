@@ -884,3 +884,254 @@ def _lean_layout_case(masters: str, layout: str) -> None:
 for _masters in ("kahan", "stochastic"):
     for _layout in ("channels_last", "transposed"):
         _lean_layout_case(_masters, _layout)
+
+
+# -- what users do to the model and the optimizer between steps ----------------------------------------------------
+
+
+def _late_write_case(name: str, write: Callable[[nn.Module, nn.Module], None], options: Dict[str, Any]) -> None:
+    def case() -> None:
+        # the pretrained weights loaded (or a layer re-initialised) after the optimizer was built, as torch
+        # users do: the next step must start from them, not write the old masters back over them
+        original = mlp()
+        conv = fxamp.convert(original, "O2")
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv, **options)
+        opt.backward(loss_of(conv, *batch()))
+        assert opt.step()
+        opt.zero_grad()
+        other = mlp()
+        masters, lows = fp32_of(opt), {k: v.clone() for k, v in conv.state_dict().items()}
+        write(conv, other)
+        # what the step starts from: each weight written, else (untouched) its master
+        start = {k: v.float().clone() if not torch.equal(v, lows[k]) else masters[k]
+                 for k, v in conv.state_dict().items()}
+        opt.backward(loss_of(conv, *batch()))
+        grads = low_grads(conv)
+        assert opt.step()
+        ref = reference_step(original, start, grads, 1.0, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+        got = fp32_of(opt)
+        for k in ref:  # the weights stepped from what was written (the lean modes to a bfloat16 ulp)
+            ulp = ref[k].abs() * 2.0**-7 + 1e-6
+            assert ((got[k] - ref[k]).abs() <= ulp).all(), f"{k}: the step did not start from the written weights"
+
+    cases.add("works", name=f"weights_written_after_the_wrapper_{name}")(case)
+
+
+def _load(conv: nn.Module, other: nn.Module) -> None:
+    conv.load_state_dict(other.state_dict())
+
+
+def _reinit(conv: nn.Module, other: nn.Module) -> None:
+    with torch.no_grad():
+        nn.init.zeros_(conv.get_submodule("0").weight)
+        conv.get_submodule("3").weight.copy_(other[3].weight)
+
+
+_late_write_case("load_state_dict", _load, {})
+_late_write_case("load_state_dict_kahan", _load, {"masters": "kahan"})
+_late_write_case("load_state_dict_stochastic", _load, {"masters": "stochastic"})
+_late_write_case("nn_init_in_place", _reinit, {})
+
+
+@cases.add("works")
+def weights_written_back_as_they_were_keep_their_masters():
+    # an EMA swap: the user copies other weights in for an evaluation, then the same ones back: the float32
+    # masters must survive (not be replaced by their bfloat16 rounding)
+    conv = fxamp.convert(mlp(), "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv)
+    opt.backward(loss_of(conv, *batch()))
+    assert opt.step()
+    masters = fp32_of(opt)
+    keep = {n: p.detach().clone() for n, p in conv.named_parameters()}
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.zero_()
+        for n, p in conv.named_parameters():
+            p.copy_(keep[n])
+    opt.zero_grad()
+    opt.backward(loss_of(conv, *batch()) * 0)  # a zero gradient: SGD leaves every weight where it is
+    assert opt.step()
+    bitwise(fp32_of(opt), masters, "masters after the weights were written back")
+
+
+@cases.add("refused")
+def optimizer_built_on_the_model_before_conversion():
+    # torch habit: optimizer = AdamW(model.parameters()) first, then the model converted; the optimizer holds
+    # the float32 originals (and the norms, shared under O2), so its steps would train those
+    original = mlp()
+    inner = torch.optim.AdamW(original.parameters(), lr=1e-2)
+    conv = fxamp.convert(original, "O2")
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=conv)
+    opt.backward(loss_of(conv, *batch()))
+    opt.step()
+
+
+@cases.add("works")
+def initialize_adopts_the_optimizer_built_before_conversion():
+    original = mlp()
+    inner = torch.optim.SGD(original.parameters(), lr=0.1)
+    conv, opt = fxamp.initialize(original, inner, "O2")
+    start = fp32_of(opt)
+    opt.backward(loss_of(conv, *batch()))
+    grads = low_grads(conv)
+    assert opt.step()
+    close(fp32_of(opt), reference_step(mlp(), start, grads, 1.0, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)))
+
+
+@cases.add("refused")
+def another_wrappers_own_scaler_as_loss_scale():
+    conv = fxamp.convert(mlp(), "O2", dtype=FP16)
+    mats = [p for p in conv.parameters() if p.dim() == 2]
+    rest = [p for p in conv.parameters() if p.dim() != 2]
+    first = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(mats, lr=0.1), model=conv)
+    fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(rest, lr=1e-3), model=conv, loss_scale=first.scaler)
+
+
+def _two_optimizers_case(dtype: torch.dtype) -> None:
+    def case() -> None:
+        # Muon on the matrices, AdamW on the rest (Muon takes 2-D parameters only), one shared scaler
+        from fxamp.training.loss_scale import LossScaler
+
+        original = mlp()
+        conv = fxamp.convert(original, "O2", dtype=dtype)
+        scaler = LossScaler(fxamp.LossScaleConfig("dynamic" if dtype == FP16 else "none"))
+
+        def muon(m):
+            return torch.optim.Muon([p for p in m.parameters() if p.dim() == 2], lr=0.02)
+
+        def adamw(m):
+            return torch.optim.AdamW([p for p in m.parameters() if p.dim() != 2], lr=1e-2)
+        a = fxamp.MixedPrecisionOptimizer(muon(conv), model=conv, loss_scale=scaler)
+        b = fxamp.MixedPrecisionOptimizer(adamw(conv), model=conv, loss_scale=scaler)
+        start = {**fp32_of(a), **fp32_of(b)}
+        a.backward(loss_of(conv, *batch()))
+        grads, scale = low_grads(conv), scaler.scale
+        assert a.step() and b.step()
+        scaler.update()
+        ref = {}
+        for make in (muon, adamw):
+            stepped = reference_step(original, start, grads, scale, make)
+            held = {n for n, p in zip(original.state_dict(), original.parameters())
+                    if any(p is q for g in make(original).param_groups for q in g["params"])}
+            ref.update({k: v for k, v in stepped.items() if k in held})
+        got = {**fp32_of(a), **fp32_of(b)}
+        close({k: got[k] for k in ref}, ref, rtol=1e-5, atol=1e-6)
+
+    cases.add("works", name=f"muon_and_adamw_sharing_a_scaler_{'fp16' if dtype == FP16 else 'bf16'}")(case)
+
+
+for _dtype in (FP16, BF16):
+    _two_optimizers_case(_dtype)
+
+
+@cases.add("works")
+def adafactor_three_steps_like_torch():
+    one_step(lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), steps=3)
+
+
+@cases.add("works")
+def o3_adamw_masters_for_the_norms_too():
+    opt = one_step(OPTIMIZERS["adamw_fused"], policy="O3", steps=2)
+    assert len(opt.master_pairs()) == 6, f"{len(opt.master_pairs())} masters under O3 (norms stored low too)"
+
+
+@cases.add("works")
+def no_model_given_fp16_scales_dynamically():
+    conv = fxamp.convert(mlp(), "O2", dtype=FP16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1))
+    assert opt.current_scale == 2.0**16
+
+
+@cases.add("works")
+def lr_changed_by_hand_between_steps():
+    one_step(lambda m: _HandLR(torch.optim.SGD(m.parameters(), lr=0.1)), steps=2)
+
+
+class _HandLR:
+    """What ``one_step`` builds for both sides: the optimizer, its lr halved by hand before every step."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self.param_groups, self.state = inner.param_groups, inner.state
+
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["lr"] = g["lr"] / 2
+        return self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)
+
+
+@cases.add("works")
+def model_zero_grad_instead_of_the_wrappers():
+    original = mlp()
+    conv = fxamp.convert(original, "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv)
+    for _ in range(2):
+        conv.zero_grad()
+        start = fp32_of(opt)
+        opt.backward(loss_of(conv, *batch()))
+        grads = low_grads(conv)
+        assert opt.step()
+        close(fp32_of(opt), reference_step(original, start, grads, 1.0,
+                                           lambda m: torch.optim.SGD(m.parameters(), lr=0.1)))
+
+
+@cases.add("works")
+def step_post_hook_runs_once_per_step_and_not_on_a_skip():
+    conv = fxamp.convert(mlp(), "O2", dtype=FP16)
+    inner = torch.optim.SGD(conv.parameters(), lr=0.1)
+    calls = []
+    inner.register_step_post_hook(lambda o, a, k: calls.append(1))
+    opt = fxamp.MixedPrecisionOptimizer(inner, model=conv)
+    opt.backward(loss_of(conv, *batch()))
+    assert opt.step()
+    opt.zero_grad()
+    opt.backward(loss_of(conv, *batch()) * float("inf"))
+    assert opt.step() is False
+    assert calls == [1], f"the post hook ran {len(calls)} times for one step and one skip"
+
+
+@cases.add("works")
+def clip_error_if_nonfinite_raises_then_the_loop_goes_on():
+    # torch's own clip_grad_norm_ raises on a non-finite norm when asked to; after it the user's zero_grad
+    # starts the next iteration cleanly
+    conv = fxamp.convert(mlp(), "O2", dtype=FP16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv)
+    opt.backward(loss_of(conv, *batch()) * float("inf"))
+    try:
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    except RuntimeError as e:
+        assert "non-finite" in str(e), str(e)
+    else:
+        raise AssertionError("error_if_nonfinite=True and an inf norm: nothing raised")
+    opt.zero_grad()
+    opt.backward(loss_of(conv, *batch()))
+    assert opt.step()
+
+
+@cases.add("refused")
+def unscale_twice_in_one_step():
+    conv = fxamp.convert(mlp(), "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv)
+    opt.backward(loss_of(conv, *batch()))
+    opt.unscale_()
+    opt.unscale_()
+
+
+@cases.add("works")
+def clip_twice_in_one_step_clips_once_more():
+    conv = fxamp.convert(mlp(), "O2", dtype=FP16)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv)
+    opt.backward(loss_of(conv, *batch()))
+    first = float(opt.clip_grad_norm_(0.01))
+    second = float(opt.clip_grad_norm_(0.01))
+    assert first > 0.01 and abs(second - 0.01) < 1e-4, f"norms {first}, then {second}: the second sees the clipped"
+    assert opt.step()
