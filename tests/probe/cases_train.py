@@ -1135,3 +1135,131 @@ def clip_twice_in_one_step_clips_once_more():
     second = float(opt.clip_grad_norm_(0.01))
     assert first > 0.01 and abs(second - 0.01) < 1e-4, f"norms {first}, then {second}: the second sees the clipped"
     assert opt.step()
+
+
+# -- odd but legal models and optimizer options ---------------------------------------------------------------------
+
+
+class _Unused(nn.Module):
+    """A layer defined but not called (a head kept for later): its parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.spare = nn.Linear(8, 4)
+        self.empty = nn.Linear(8, 0)  # a zero-size parameter (a config with no extra classes)
+
+    def forward(self, x):
+        return self.a(x) + self.empty(x).sum()
+
+
+class _Temperature(nn.Module):
+    """A learnable scalar (CLIP's logit scale) beside a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.t = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.a(x) * self.t
+
+
+@cases.add("works")
+def unused_and_zero_size_parameters_adamw_weight_decay():
+    one_step(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), model=_Unused(), steps=2)
+
+
+@cases.add("works")
+def a_learnable_scalar_o2():
+    one_step(OPTIMIZERS["adamw_fused"], model=_Temperature(), steps=2)
+
+
+@cases.add("works")
+def a_learnable_scalar_o3():
+    one_step(OPTIMIZERS["adamw_fused"], model=_Temperature(), policy="O3", steps=2)
+
+
+@cases.add("works")
+def adam_with_tensor_lr_and_betas():
+    one_step(lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-2),
+                                        betas=(torch.tensor(0.9), torch.tensor(0.999))), steps=2)
+
+
+@cases.add("works")
+def lr_zero_changes_no_bit():
+    conv = fxamp.convert(mlp(), "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.0, momentum=0.9), model=conv)
+    before, masters = {k: v.clone() for k, v in conv.state_dict().items()}, fp32_of(opt)
+    opt.backward(loss_of(conv, *batch()))
+    assert opt.step()
+    bitwise(dict(conv.state_dict()), before, "weights after an lr=0 step")
+    bitwise(fp32_of(opt), masters, "masters after an lr=0 step")
+
+
+def _torch_says_the_same(make: Callable[[Any], torch.optim.Optimizer]) -> None:
+    from .runner import same_error
+
+    def plain():
+        model = mlp()
+        opt = make(model.parameters())
+        loss_of(model, *batch()).backward()
+        opt.step()
+
+    def wrapped():
+        conv = fxamp.convert(mlp(), "O2")
+        opt = fxamp.MixedPrecisionOptimizer(make(conv.parameters()), model=conv)
+        opt.backward(loss_of(conv, *batch()))
+        opt.step()
+    same_error(plain, wrapped)
+
+
+@cases.add("works")
+def adam_capturable_on_a_cpu_is_torchs_error():
+    _torch_says_the_same(lambda ps: torch.optim.Adam(ps, lr=1e-2, capturable=True))
+
+
+@cases.add("works")
+def sgd_differentiable_outside_no_grad_is_torchs_error():
+    _torch_says_the_same(lambda ps: torch.optim.SGD(ps, lr=1e-2, differentiable=True))
+
+
+@cases.add("works")
+def embedding_bag_mean_o2():
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e = nn.EmbeddingBag(10, 8, mode="mean")
+            self.l = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.l(self.e(x))
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 10, (3, 4))
+    original = Bag()
+    conv = fxamp.convert(original, "O2")
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.Adam(conv.parameters(), lr=1e-2), model=conv)
+    start = fp32_of(opt)
+    opt.backward(conv(x).float().pow(2).mean())
+    grads = low_grads(conv)
+    assert opt.step()
+    close(fp32_of(opt), reference_step(original, start, grads, 1.0, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)))
+
+
+@cases.add("works")
+def timm_style_cnn_sgd_nesterov_weight_decay_fp16():
+    original = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(4, 2))
+    conv = fxamp.convert(original, "O2", dtype=FP16)
+
+    def make(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    opt = fxamp.MixedPrecisionOptimizer(make(conv), model=conv, loss_scale=256)
+    start = fp32_of(opt)
+    opt.backward(conv(torch.randn(2, 3, 6, 6)).float().pow(2).mean())
+    grads, scale = low_grads(conv), opt.current_scale
+    assert opt.step()
+    ref = reference_step(original, start, grads, scale, make)
+    close({k: v for k, v in fp32_of(opt).items() if "running" not in k and "batches" not in k},
+          {k: v for k, v in ref.items() if "running" not in k and "batches" not in k})
