@@ -456,17 +456,20 @@ def _tiny_hf(kind: str):
     return transformers.LlamaForCausalLM, cfg
 
 
-def _hf_case(kind: str) -> None:
+def _hf_case(kind: str, steps: int) -> None:
     def case() -> None:
         cls, cfg = _tiny_hf(kind)
         torch.manual_seed(0)
-        model = fxamp.convert_(cls(cfg), "O2")
+        model = cls(cfg)
+        exact = {k: v.clone() for k, v in model.state_dict().items()}
+        model = fxamp.convert_(model, "O2")
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model)
         ids = torch.randint(0, 64, (2, 6))
-        out = model(input_ids=ids, labels=ids)
-        opt.backward(out.loss)
-        assert opt.step()
-        masters = fp32_of(opt)
+        for _ in range(steps):
+            opt.backward(model(input_ids=ids, labels=ids).loss)
+            assert opt.step()
+        # the masters (after a step) or, before any, the pretrained float32 weights themselves
+        masters = fp32_of(opt) if steps else {k: v for k, v in exact.items() if k in fp32_of(opt)}
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             back = cls.from_pretrained(tmp)
@@ -479,11 +482,12 @@ def _hf_case(kind: str) -> None:
         missing = [k for k in masters if k not in sd and not k.endswith("lm_head.weight")]
         assert not missing, f"save_pretrained lost {missing[:3]}"
 
-    cases.add("works", name=f"hf_{kind}_convert_in_place_save_pretrained_from_pretrained")(case)
+    when = "after_a_step" if steps else "before_any_step"
+    cases.add("works", name=f"hf_{kind}_convert_in_place_save_pretrained_from_pretrained_{when}")(case)
 
 
-_hf_case("gpt2")
-_hf_case("llama")
+_hf_case("gpt2", 1)
+_hf_case("llama", 0)
 
 
 # -- torch.distributed.checkpoint ---------------------------------------------------------------------------------
