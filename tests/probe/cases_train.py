@@ -1261,3 +1261,63 @@ def timm_style_cnn_sgd_nesterov_weight_decay_fp16():
     ref = reference_step(original, start, grads, scale, make)
     close({k: v for k, v in fp32_of(opt).items() if "running" not in k and "batches" not in k},
           {k: v for k, v in ref.items() if "running" not in k and "batches" not in k})
+
+
+# -- a model large enough for the segmented step (16 MiB of float32 masters: docs/training.md, "Memory") -----------
+
+
+def _large() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 2048), nn.LayerNorm(2048), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 4))
+
+
+def _segmented_run(make: Callable[[nn.Module], Any], dtype: torch.dtype, clip: Optional[float], **wrapper: Any):
+    original = _large()
+    conv = fxamp.convert(original, "O2", dtype=dtype)
+    opt = fxamp.MixedPrecisionOptimizer(make(conv), model=conv, **wrapper)
+    ref = copy.deepcopy(original)
+    ref.load_state_dict(opt.fp32_state_dict())
+    ref_opt = make(ref)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(loss_of(conv, *batch(2)))
+        grads, scale = low_grads(conv), opt.current_scale
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].float() / scale
+        if clip is not None:
+            got, want = float(opt.clip_grad_norm_(clip)), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+            assert math.isclose(got, want, rel_tol=1e-5), f"norm {got}, torch's {want}"
+        assert opt.step()
+        ref_opt.step()
+        close(fp32_of(opt), {k: v.detach() for k, v in ref.state_dict().items()}, rtol=1e-4, atol=1e-6)
+    assert opt.plan.runs is not None, "the step was not segmented: the case proves nothing about that path"
+    return conv, opt
+
+
+@cases.add("works")
+def segmented_adamw_param_groups_then_a_late_load():
+    def make(m):
+        return torch.optim.AdamW([{"params": [p for p in m.parameters() if p.dim() == 2], "weight_decay": 0.1},
+                                  {"params": [p for p in m.parameters() if p.dim() != 2], "lr": 1e-2}], lr=1e-3)
+    conv, opt = _segmented_run(make, BF16, None)
+    other = _large()
+    conv.load_state_dict(other.state_dict())
+    loaded = {k: v.clone() for k, v in conv.state_dict().items()}
+    for group in opt.param_groups:  # (Adam's moments would move a weight even on a zero gradient)
+        group["lr"] = 0.0
+    opt.zero_grad()
+    opt.backward(loss_of(conv, *batch(2)))
+    assert opt.step()
+    bitwise(dict(conv.state_dict()), loaded, "the loaded weights after an lr=0 segmented step")
+
+
+@cases.add("works")
+def segmented_sgd_clipped_fp16_then_a_skip():
+    conv, opt = _segmented_run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), FP16, 0.01,
+                               loss_scale=256)
+    opt.zero_grad()
+    before = snapshot(conv, opt)
+    opt.backward(loss_of(conv, *batch(2)))
+    with torch.no_grad():
+        conv.get_submodule("2").weight.grad[3, 3] = float("nan")
+    assert opt.step() is False
+    bitwise(snapshot(conv, opt), before, "after a skipped segmented step")
