@@ -45,8 +45,9 @@ def close(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: str = "m
     assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))}"
     for k in a:
         assert a[k].dtype == b[k].dtype, f"{what}[{k!r}]: dtype {a[k].dtype} against {b[k].dtype}"
-        err = (a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0
-        assert torch.allclose(a[k], b[k], rtol=rtol, atol=atol), f"{what}[{k!r}] differs by {err:.3g}"
+        if not torch.allclose(a[k], b[k], rtol=rtol, atol=atol):
+            err = (a[k].double() - b[k].double()).abs().max().item()
+            raise AssertionError(f"{what}[{k!r}] differs by {err:.3g}")
 
 
 def snapshot(model: nn.Module, opt: fxamp.MixedPrecisionOptimizer) -> Dict[str, Any]:
@@ -136,9 +137,9 @@ OPTIMIZERS: Dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 
 def _optimizer_case(name: str, make: Callable[[nn.Module], torch.optim.Optimizer]) -> None:
     def case() -> None:
-        one_step(make, steps=3)  # three: a second step reads the state the first made
+        one_step(make, steps=2)  # two: the second reads the state the first made
 
-    cases.add("works", name=f"o2_bf16_{name}_three_steps_like_torch")(case)
+    cases.add("works", name=f"o2_bf16_{name}_two_steps_like_torch")(case)
 
 
 for _name, _make in OPTIMIZERS.items():
@@ -1023,8 +1024,8 @@ for _dtype in (FP16, BF16):
 
 
 @cases.add("works")
-def adafactor_three_steps_like_torch():
-    one_step(lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), steps=3)
+def adafactor_two_steps_like_torch():
+    one_step(lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), steps=2)
 
 
 @cases.add("works")
