@@ -256,7 +256,7 @@ class MixedPrecisionOptimizer:
             self._bind_group(group)
         #: ``model``'s low-precision weights whose float32 originals ``optimizer`` holds (built before conversion):
         #: refused at the first step unless they became masters by then (:meth:`adopt_masters`, ``fxamp.initialize``)
-        self._originals = [] if model is None else originals_held(model, optimizer)
+        self._originals = [] if model is None else originals_held(model, optimizer, self._lows)
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.nn as nn
 
+from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import MASTERED, origin_of, remember_master
 
@@ -96,9 +97,12 @@ def refuse_unheld_model(model: nn.Module, optimizer: Any) -> None:
         f"scaling; build the optimizer on model.parameters(), or pass as model= the module whose parameters it holds")
 
 
-def originals_held(model: nn.Module, optimizer: Any) -> List[torch.Tensor]:
-    """The low-precision parameters of ``model`` whose float32 original (``fxamp.info.origin_of``) ``optimizer``
-    holds: it was built on the model before conversion.  Unless they become masters (``adopt_masters``, as
-    ``fxamp.initialize`` does) before the first step, that step trains the originals, not the model."""
+def originals_held(model: nn.Module, optimizer: Any, paired: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """The low-precision parameters of ``model``, but those ``paired`` with a master, whose float32 original
+    (``fxamp.info.origin_of``) ``optimizer`` holds: it was built on the model before conversion.  Unless they become
+    masters (``adopt_masters``, as ``fxamp.initialize`` does) before the first step, that step trains the originals,
+    not the model.  (Usually every low-precision parameter is paired: no weight is read.)"""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [p for p in dict.fromkeys(model.parameters()) if id(origin_of(p)) in held]
+    skip = {id(p) for p in paired}
+    return [p for p in dict.fromkeys(model.parameters()) if p.dtype in LOW and id(p) not in skip
+            and id(origin_of(p)) in held]
