@@ -640,3 +640,32 @@ def float32_checkpoint_loaded_into_the_converted_model_then_fine_tuned():
             bitwise(v, low[k].detach().float(), f"{k}: the master (the rounding widened, as documented)")
             assert not torch.equal(v, exact[k]) or torch.equal(exact[k].to(BF16).float(), exact[k]), \
                 f"{k}: the master is the exact float32 value now: update this case (issue 37 probe)"
+
+
+# -- a rollback in the same objects (a loss spike: back to the last good checkpoint, the same batches again) --------
+
+
+def _rollback_case(name: str, dtype: torch.dtype, optimizer_first: bool, **wrapper: Any) -> None:
+    def case() -> None:
+        data = batches(4)
+        _, a, oa = build(ADAMW, dtype, **wrapper)
+        train(a, oa, data[:2])
+        msd, sd = copy.deepcopy(a.state_dict()), copy.deepcopy(oa.state_dict())
+        train(a, oa, data[2:3])
+        good = (copy.deepcopy(dict(a.state_dict())), fp32_of(oa), oa.current_scale)
+        train(a, oa, data[3:] + data[:1], inject=[1])  # a step, then the spike (an overflow), then the rollback
+        if optimizer_first:
+            oa.load_state_dict(sd)
+            a.load_state_dict(msd)
+        else:
+            a.load_state_dict(msd)
+            oa.load_state_dict(sd)
+        train(a, oa, data[2:3])
+        bitwise((dict(a.state_dict()), fp32_of(oa), oa.current_scale), good, "the step redone after the rollback")
+
+    cases.add("works", name=f"rollback_in_place_{name}")(case)
+
+
+_rollback_case("adamw_fp16", FP16, False)
+_rollback_case("kahan_int8_optimizer_loaded_first", BF16, True, masters="kahan", state="int8")
+_rollback_case("precision_lean", BF16, False, precision="lean")
