@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from . import quant
 from ..dtypes import LOW
+from ..info import origin_of
 from .ownership import refuse_foreign_model
 
 __all__ = ["FORMAT", "STATE_KEYS", "StateDictError", "save", "load", "save_own", "load_own", "fp32_state_dict"]
@@ -136,7 +137,16 @@ def load(opt: Any, state: Any) -> None:
         if tuple(saved.shape) != want:
             raise ValueError(f"master {i} ({opt._engine.name(have)}) has shape {tuple(have.shape)}, the "
                              f"checkpoint's {tuple(saved.shape)}; build the optimizer on the same model")
+    opt.scaler.check_state_dict(state["scaler"])  # (loaded last, below: a refusal there would come too late)
     inner = state["optimizer"]
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if isinstance(groups, (list, tuple)) and all(isinstance(g, Mapping) and "params" in g for g in groups):
+        # (torch's own load would refuse it too, but after a lean wrapper's modes were switched above)
+        saved_sizes = [len(g["params"]) for g in groups]
+        sizes = [len(g["params"]) for g in opt.optimizer.param_groups]
+        if saved_sizes != sizes:
+            raise ValueError(f"the checkpoint's optimizer has param groups of {saved_sizes} parameters, this one "
+                             f"{sizes}; build the optimizer with the same param groups, in the same order")
     if state.get("stateful") is not None and isinstance(inner, Mapping) and isinstance(inner.get("state"), Mapping):
         # only the real entries (the others are zeros a load could fill: see save)
         stateful = [int(i) for i in state["stateful"]]
@@ -198,7 +208,8 @@ def load_own(opt: Any, state: Mapping[str, Any]) -> None:
 
 
 def fp32_state_dict(opt: Any, model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
-    """``model.state_dict()`` in float32, each low-precision parameter's entry its master's float32 value.
+    """``model.state_dict()`` in float32, each low-precision parameter's entry its master's float32 value (one
+    without a master, frozen or not in the optimizer: its float32 original while alive, else widened).
 
     Matched by name (``named_parameters``), not by the identity of the state_dict's values: a module
     converted in place gives float32 copies there (``fxamp.convert_``'s state_dict hooks)."""
@@ -213,6 +224,9 @@ def fp32_state_dict(opt: Any, model: nn.Module) -> "OrderedDict[str, torch.Tenso
             out[key] = m.detach() if opt._ws is None else opt._ws.value(m)
         elif not isinstance(value, torch.Tensor):
             out[key] = value
+        elif value.dtype in LOW:  # a weight the optimizer does not step (frozen, left out): its float32 original
+            original = origin_of(value)  # while alive and still this weight's rounding, else the weight widened
+            out[key] = value.detach().float() if original is None else original.detach()
         else:
-            out[key] = value.detach().float() if value.dtype in LOW else value.detach()
+            out[key] = value.detach()
     return out

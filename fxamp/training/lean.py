@@ -170,6 +170,14 @@ class Workspace:
             full.add_(choice.term)  # (float32 arithmetic: the term's values are exact in it)
         return full
 
+    def follow(self, master: torch.Tensor) -> None:
+        """The user wrote ``master``'s weight since the last step (:meth:`fxamp.training.step.Engine.follow_weights`):
+        its value is now the weight's, so kahan's term restarts at zero where the weight is no longer the
+        rounding of weight + term (a stochastic master is its weight already)."""
+        choice, low = self.choices[id(master)], self.low_of[id(master)]
+        if choice.term is not None and not torch.equal(self.value(master).to(low.dtype), low.detach()):
+            choice.term.zero_()
+
     def lean(self, master: torch.Tensor) -> bool:
         choice = self.choices.get(id(master))
         return choice is not None and choice.master != "fp32"

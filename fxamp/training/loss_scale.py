@@ -352,13 +352,14 @@ class LossScaler:
         scaler.update()        # backs off if either overflowed
     """
 
-    def __init__(self, config: Optional[LossScaleConfig] = None) -> None:
+    def __init__(self, config: Optional[LossScaleConfig] = None, *, owned: bool = False) -> None:
         if config is None:
             config = LossScaleConfig()
         if not isinstance(config, LossScaleConfig):
             raise TypeError(f"config must be a LossScaleConfig, not {type(config).__name__}; "
                             f"e.g. LossScaler(LossScaleConfig('static', 128.0))")
         self.config = config
+        self.owned = bool(owned)  # an optimizer's own (scaler_for), updated by its step(): not to be shared
         self._scale = torch.full((), config.init_scale, dtype=torch.float32)
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._good = 0  # the growth tracker's value, kept on the host (update() reads no tensor to move it)
@@ -610,21 +611,22 @@ class LossScaler:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the config (factors, interval…) stays the one this scaler was built with."""
+        self.check_state_dict(state)
+        self._scale.fill_(state["scale"])
+        self._scale_moved()
+        self._good, self._tolerance = int(state["growth_tracker"]), int(state["tolerance"])
+        self.overflows, self.updates = int(state["overflows"]), int(state["updates"])
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise unless :meth:`load_state_dict` takes ``state`` (a checkpoint's loader asks before changing anything)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"LossScaler.load_state_dict takes the dict LossScaler.state_dict() returned, "
                             f"not {type(state).__name__}")
-        missing = {"kind", "scale", "growth_tracker", "tolerance", "overflows", "updates"} - set(state)
-        if missing:
+        if missing := {"kind", "scale", "growth_tracker", "tolerance", "overflows", "updates"} - set(state):
             raise KeyError(f"loss scaler state_dict lacks {sorted(missing)}; pass what LossScaler.state_dict() returned")
         if state["kind"] != self.kind.value:
             raise ValueError(f"the checkpoint's loss scale is {state['kind']!r} but this scaler's is "
                              f"{self.kind.value!r}; build the scaler with the same kind")
-        self._scale.fill_(state["scale"])
-        self._scale_moved()
-        self._good = int(state["growth_tracker"])
-        self._tolerance = int(state["tolerance"])
-        self.overflows = int(state["overflows"])
-        self.updates = int(state["updates"])
 
     def __repr__(self) -> str:
         return f"LossScaler({self.config}, scale={self._scale_value:g}, overflows={self.overflows})"
@@ -645,5 +647,8 @@ def scaler_for(loss_scale: LossScaleOption, model: Optional[torch.nn.Module] = N
     :func:`~fxamp.training.config.compute_dtype`).
     """
     if isinstance(loss_scale, LossScaler):
+        if loss_scale.owned:
+            raise ValueError("loss_scale= is another MixedPrecisionOptimizer's own scaler (its .scaler), updated by its step(); "
+                             "share a LossScaler() you build as loss_scale= of each, then scaler.update() once after every optimizer's step()")
         return loss_scale, False
-    return LossScaler(config_for(loss_scale, compute_dtype(model, params))), True
+    return LossScaler(config_for(loss_scale, compute_dtype(model, params)), owned=True), True

@@ -56,7 +56,7 @@ from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_origin
 from .loss_scale import StepResult, scaler_for
-from .ownership import mark_master, refuse_unheld_model, refuse_wrapped
+from .ownership import mark_master, originals_held, refuse_unheld_model, refuse_wrapped
 from .step import Engine
 
 if TYPE_CHECKING:
@@ -75,6 +75,10 @@ def check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, type):  # `MixedPrecisionOptimizer(torch.optim.AdamW, ...)`: the class, not one built
         raise TypeError(f"optimizer must be an optimizer instance, not the class {optimizer.__name__}: build it "
                         f"first, e.g. {optimizer.__name__}(model.parameters())")
+    if isinstance(optimizer, torch.optim.LBFGS):  # its step() re-evaluates the loss through a closure, unscaled
+        raise TypeError("torch.optim.LBFGS cannot be wrapped: its step(closure) runs the forward and backward "
+                        "several times, which the wrapper cannot scale or check; step LBFGS on float32 weights "
+                        "(fxamp.convert(model, 'O1') with bfloat16 needs no loss scale), without the wrapper")
     if isinstance(optimizer, torch.optim.Optimizer):
         return refuse_wrapped(optimizer)  # a second wrapper would step the first one's masters, which get no gradient
     missing = [name for name in _OPTIMIZER_ATTRS if not hasattr(optimizer, name)]
@@ -102,6 +106,20 @@ def _kernels_for(optimizer: Any) -> Kernels:
     if why is not None:
         raise ValueError(f"compile_step=True: {why}; pass compile_step=False to step it as it is")
     return Kernels(optimizer)
+
+
+def _refuse_duplicates(groups: List[Dict[str, Any]], held: Iterable[torch.Tensor] = ()) -> None:
+    """Raise unless each low-precision parameter of ``groups`` appears once, and in none of ``held``: each would
+    get its own master (torch only warns of a duplicate in one group, and cannot see one whose first
+    appearance the wrapper already replaced by its master)."""
+    seen = {id(p) for p in held}
+    for i, group in enumerate(groups):
+        for j, p in enumerate(group["params"]):
+            if p.dtype in LOW and id(p) in seen:
+                raise ValueError(f"param_groups[{i}]['params'][{j}] ({p.dtype} {tuple(p.shape)}) is already held by "
+                                 f"the optimizer: pass each parameter once (two float32 masters of one weight "
+                                 f"would each step it)")
+            seen.add(id(p))
 
 
 def _check_model(model: Any, optimizer: Any) -> None:
@@ -209,6 +227,7 @@ class MixedPrecisionOptimizer:
         seed: Union[int, torch.Generator, None] = None,
     ) -> None:
         check_optimizer(optimizer)
+        _refuse_duplicates(optimizer.param_groups)
         config = resolve_lean(masters, state, precision)
         lean.check_params(optimizer, config, model=model)  # (before anything changes)
         if compile_step and config.lean:
@@ -235,6 +254,9 @@ class MixedPrecisionOptimizer:
                               release_grad_buffer=bool(release_grad_buffer))
         for group in optimizer.param_groups:
             self._bind_group(group)
+        #: ``model``'s low-precision weights whose float32 originals ``optimizer`` holds (built before conversion):
+        #: refused at the first step unless they became masters by then (:meth:`adopt_masters`, ``fxamp.initialize``)
+        self._originals = [] if model is None else originals_held(model, optimizer, self._lows)
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:
@@ -254,6 +276,7 @@ class MixedPrecisionOptimizer:
         mark_master(low, master, self._ws)
         if self._ws is not None:
             self._ws.add(low, master, len(self._masters) - 1, self._names.get(id(low), "a parameter"))
+        self._engine.note(master, low)  # (a weight written after this is followed at the next step)
 
     def adopt_masters(self, pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Make float32 parameters already in the optimizer the masters of low-precision ones; return how many.
@@ -284,6 +307,7 @@ class MixedPrecisionOptimizer:
         """
         self.optimizer.add_param_group(group)
         try:
+            _refuse_duplicates(self.optimizer.param_groups[-1:], self._lows)
             lean.check_params(self.optimizer, self.precision, groups=self.optimizer.param_groups[-1:])
         except (TypeError, ValueError):
             self.optimizer.param_groups.pop()  # nothing changed
@@ -422,7 +446,20 @@ class MixedPrecisionOptimizer:
                 "step(closure) is not supported: the loss must be scaled; run the closure's forward and "
                 "opt.backward(loss) yourself, then call step()"
             )
+        if self._originals:
+            self._refuse_originals()
         return self._engine.step()
+
+    def _refuse_originals(self) -> None:
+        paired = {id(low) for low in self._lows}
+        left = [self._engine.name(low) for low in self._originals if id(low) not in paired]
+        if left:
+            raise OptimizerStateError(
+                f"this {type(self.optimizer).__name__} holds the float32 parameters of the model before conversion "
+                f"(those of {', '.join(left[:3])}{'...' if len(left) > 3 else ''}): its step would train them, "
+                f"not the converted model's {self._originals[0].dtype} weights; build the optimizer on the "
+                f"converted module's parameters, or use fxamp.initialize(model, optimizer), which makes them the masters")
+        self._originals = []
 
     def overflowed_params(self) -> List[str]:
         """Names of the parameters whose gradients were inf/NaN at the latest skipped step ([] after a clean step).
@@ -441,6 +478,7 @@ class MixedPrecisionOptimizer:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
         Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
         checkpoint.load(self, state)
+        self._engine.note_weights()
 
     def __iter__(self) -> Any:  # (torch's get_state_dict(model, opt) tries tuple(opt): say what to use instead)
         raise TypeError("a MixedPrecisionOptimizer is not a torch.optim.Optimizer: torch's get_state_dict/set_state_dict "

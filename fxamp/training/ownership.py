@@ -16,15 +16,16 @@ The marks are plain attributes on tensors the wrapper pairs; nothing global is k
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 import torch
 import torch.nn as nn
 
+from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import MASTERED, origin_of, remember_master
 
-__all__ = ["mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model"]
+__all__ = ["mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model", "originals_held"]
 
 #: set on a float32 master by the wrapper that made or adopted it
 _MASTER = "_fxamp_master"
@@ -94,3 +95,14 @@ def refuse_unheld_model(model: nn.Module, optimizer: Any) -> None:
         f"model= is a {type(model).__name__} none of whose {len(params)} parameters this {type(optimizer).__name__} "
         f"holds (it was built on another module's): its weights would get no masters, a float16 model no loss "
         f"scaling; build the optimizer on model.parameters(), or pass as model= the module whose parameters it holds")
+
+
+def originals_held(model: nn.Module, optimizer: Any, paired: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """The low-precision parameters of ``model``, but those ``paired`` with a master, whose float32 original
+    (``fxamp.info.origin_of``) ``optimizer`` holds: it was built on the model before conversion.  Unless they become
+    masters (``adopt_masters``, as ``fxamp.initialize`` does) before the first step, that step trains the originals,
+    not the model.  (Usually every low-precision parameter is paired: no weight is read.)"""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    skip = {id(p) for p in paired}
+    return [p for p in dict.fromkeys(model.parameters()) if p.dtype in LOW and id(p) not in skip
+            and id(origin_of(p)) in held]

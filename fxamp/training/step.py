@@ -187,12 +187,15 @@ class Engine:
         #: the parameters checked at the latest overflow, and which of them held an inf/NaN
         self.overflow: Optional[Tuple[List[torch.Tensor], torch.Tensor]] = None
         self.hooks_warned = False
+        #: id(master) -> its low-precision weight's stamp (version, memory) as the wrapper last left it
+        self.stamps: Dict[int, Tuple[int, int]] = {}
 
     # -- a step, in the order it runs ----------------------------------------------------------------
     def step(self) -> Union[bool, StepResult]:
         """stage -> check -> execute -> record (see the module docstring); True stepped, False skipped, or a
         :class:`StepResult` when the decision stayed on the device."""
         self.settle()
+        self.follow_weights()
         if self.scaler.start_step(self.client) is Stage.SCALED:  # stage (unless unscale_() did)
             plan = self.plan()
             if self.segmentable(plan):
@@ -208,7 +211,48 @@ class Engine:
         else:
             self.execute(self.kept, check)
         blame = self.overflowed if found or check.on_device else tuple
+        self.note_weights()
         return self.record(check, found, blame)
+
+    # -- the weights between steps: the user may write them ---------------------------------------------
+    def pairs(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(master, low-precision weight)`` of every master in ``param_groups``."""
+        low_of = self.low_of_id
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                low = low_of.get(id(p))
+                if low is not None:
+                    yield p, low
+
+    def note(self, master: torch.Tensor, low: torch.Tensor) -> None:
+        """Remember ``low`` as the wrapper leaves it (its version counter and memory: what a write changes)."""
+        self.stamps[id(master)] = (low._version, low.data_ptr())
+
+    def note_weights(self) -> None:
+        """:meth:`note` every master's weight (after a step's refresh, a load, a construction)."""
+        for master, low in self.pairs():
+            self.note(master, low)
+
+    def follow_weights(self) -> None:
+        """Masters follow the low-precision weights the user wrote since :meth:`note_weights` (a checkpoint
+        loaded into the model after the wrapper was built, a re-initialisation, a DDP broadcast): without
+        this the step would round the old master into the weight, undoing the load.  A float32 master takes
+        the new weight widened, a kahan term restarts at zero (:meth:`fxamp.training.lean.Workspace.follow`);
+        only where the weight is no longer the master's rounding (a weight written back as it was keeps its
+        master).  The optimizer state stays, as a torch optimizer's does.  No op runs unless a weight's
+        version counter or memory changed: a Python loop over the masters."""
+        changed = []
+        for master, low in self.pairs():
+            old = self.stamps.get(id(master))
+            if old is not None and old != (low._version, low.data_ptr()):
+                changed.append((master, low))
+        with torch.no_grad():
+            for master, low in changed:
+                if self.ws is not None and self.ws.lean(master):
+                    self.ws.follow(master)
+                elif not torch.equal(master.detach().to(low.dtype), low.detach()):
+                    master.detach().copy_(low.detach())
+                self.note(master, low)
 
     def unscale_(self) -> None:
         """The plain step's stage: every master's float32 gradient in its ``.grad``, unscaled and checked."""
