@@ -60,17 +60,15 @@ class FoundInf:
     __slots__ = ("inv_scale_on", "unit", "flags")
 
     def __init__(self, inv_scale_on: Callable[[torch.device], torch.Tensor], unit: bool = False) -> None:
-        self.inv_scale_on = inv_scale_on
-        self.unit = unit
+        self.inv_scale_on, self.unit = inv_scale_on, unit
         self.flags: Dict[torch.device, torch.Tensor] = {}
 
     def unscale_and_check_(self, tensors: List[torch.Tensor]) -> None:
         """Divide dense ``tensors`` (one device and dtype) by the scale in place, noting any inf/NaN."""
         if not tensors:
             return
-        device = tensors[0].device
-        flag = self.flag_on(device)
         t = tensors[0]
+        device, flag = t.device, self.flag_on(t.device)
         if self.unit and len(tensors) == 1 and t.device.type == "cpu" and t.dtype == torch.float32 \
                 and torch.isfinite(t.sum()):  # (on an accelerator this would wait for the device)
             return  # nothing to divide, nothing non-finite: an inf or NaN makes the sum inf or NaN
@@ -133,9 +131,7 @@ class DeviceFlag:
     __slots__ = ("flag", "_host", "_event", "_value")
 
     def __init__(self, flag: torch.Tensor) -> None:
-        self.flag = flag
-        self._event: Optional[Any] = None
-        self._value: Optional[bool] = None
+        self.flag, self._event, self._value = flag, None, None  # (_event: a CUDA event; _value: the bool, once read)
         if _streams(flag.device):
             self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
             self._host.copy_(flag, non_blocking=True)
