@@ -148,14 +148,23 @@ def _buffer_writes_refused(model: nn.Module) -> Iterator[None]:
     Values are compared, not only version counters: a trace with the call's values (``concrete.py``)
     updates a batch norm's running statistics without bumping them."""
     buffers = [(name, b, b._version, b.detach().clone()) for name, b in model.named_buffers()]
+    # where each buffer is bound: ``self.seen += n`` (a Proxy's result) or ``self.seen = self.seen + 1``
+    # re-binds the attribute, on the user's own modules (the traced root shares their ``_buffers``)
+    bound = [(f"{path}.{name}" if path else name, module, name, b) for path, module in model.named_modules()
+             for name, b in module._buffers.items() if b is not None]
     try:
         yield
     finally:  # (a trace that failed half way may have written some too)
         written = [(name, b, saved) for name, b, version, saved in buffers
                    if b._version != version or not _same_bits(b.detach(), saved)]
+        rebound = [(full, module, name, b) for full, module, name, b in bound if module._buffers.get(name) is not b]
+        for _, module, name, b in rebound:
+            module._buffers[name] = b
+        written += [(full, b, None) for full, _, _, b in rebound if all(full != w[0] for w in written)]
         with torch.no_grad():
             for _, b, saved in written:
-                b.copy_(saved)
+                if saved is not None:
+                    b.copy_(saved)
     if not written:
         return
     names = ", ".join(name for name, _, _ in written)

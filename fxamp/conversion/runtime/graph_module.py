@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import traceback
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch.fx as fx
 
@@ -13,7 +13,7 @@ from ...errors import FxampError
 from ...info import watch_for_masters
 from ..graph import decision_of
 
-__all__ = ["NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted"]
+__all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "ConvertedGraphModule", "as_converted"]
 
 
 _NODE_LINE = re.compile(r"\s*(\w+)\s*=")  # the generated forward assigns each node's value to its name
@@ -36,6 +36,9 @@ class NodeErrors:
             frames = [f for f in traceback.extract_tb(e.__traceback__) if "eval_with_key" in f.filename]
             if not frames or getattr(e, "fxamp_node", None) is not None:
                 raise  # not from this module's generated code, or an inner converted module named its node
+            given = optional_inputs_given_none(gm, args, kwargs)
+            if given:
+                raise FxampError(_none_message(gm, given, e)) from e
             match = _NODE_LINE.match(frames[-1].line or "")
             name = match.group(1) if match else None
             node = next((n for n in gm.graph.nodes if n.name == name), None)
@@ -52,6 +55,34 @@ class NodeErrors:
             if "eval_with_key" in traceback.extract_tb(e.__traceback__)[-1].filename:
                 raise e.with_traceback(None) from None  # raised by the generated line itself: nothing below it
             raise
+
+
+def optional_inputs_given_none(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[str]:
+    """The inputs of ``gm`` whose default is None, which the graph computes with, and which this call leaves None.
+
+    torch.fx traces every argument as a value: ``if labels is not None:`` takes the given branch, so the
+    graph has no path for None (a torch.export capture of a None input uses it nowhere)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if any(str(p.target).startswith("*") for p in placeholders):
+        return []  # *args/**kwargs: positions do not name the inputs
+    given = []
+    for i, p in enumerate(placeholders):
+        if not (p.args and p.args[0] is None and p.users):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(str(p.target))
+        if value is None:
+            given.append(str(p.target))
+    return given
+
+
+def _none_message(gm: fx.GraphModule, names: List[str], e: BaseException) -> str:
+    listed = ", ".join(f"{n}=None" for n in names)
+    first = names[0]
+    said = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return (f"this converted {type(gm).__name__} was captured by torch.fx, which traces every argument as a value "
+            f"(`if {first} is not None:` took the branch where it is given), and this call has {listed}: the graph "
+            f"has no path for None (it failed: {type(e).__name__}: {said}). Pass {first}, or convert with "
+            f"frontend='export' (fxamp then captures each call signature, {first} given or not, at its first call)")
 
 
 def name_failing_nodes(gm: fx.GraphModule) -> None:
