@@ -134,3 +134,11 @@ def test_convert_in_place_keeps_a_blocks_no_grad_region_instead_of_refusing_it()
         assert block.frozen.weight.grad is None and block.frozen.bias.grad is None  # the region's layer stays frozen
         assert block.trained.weight.grad is not None
     torch.testing.assert_close(out, ref(x), rtol=0.05, atol=0.05)
+
+@pytest.mark.parametrize("leaf, said", [("norm", r"\['norm'\]"), (nn.LayerNorm, r"\[LayerNorm\]")])
+def test_leaf_modules_given_one_path_or_class_alone_says_to_write_a_list(leaf, said):
+    # issue 37 probe: leaf_modules="norm" was read letter by letter ("'n' is not a submodule path")
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.raises(TypeError, match=r"leaf_modules takes a list of module classes or paths, not .* alone: "
+                                        r"write leaf_modules=" + said):
+        fxamp.convert(model, "O1", leaf_modules=leaf)

@@ -194,6 +194,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[Tuple[type, ...], Tuple[str, ...]]:
     types, paths = [], []
     names = dict(model.named_modules())
+    if isinstance(leaf_modules, str) or isinstance(leaf_modules, type):  # one path or class, not a list of them
+        raise TypeError(f"leaf_modules takes a list of module classes or paths, not {leaf_modules!r} alone: "
+                        f"write leaf_modules=[{getattr(leaf_modules, '__name__', None) or repr(leaf_modules)}]")
     for leaf in leaf_modules:
         if isinstance(leaf, type) and issubclass(leaf, nn.Module):
             types.append(leaf)
