@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import re
 import traceback
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
 from ...errors import FxampError
 from ...info import watch_for_masters
-from ..graph import decision_of
+from ..graph import MODULE, decision_of
 
-__all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "ConvertedGraphModule", "as_converted"]
+__all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
 
 
 _NODE_LINE = re.compile(r"\s*(\w+)\s*=")  # the generated forward assigns each node's value to its name
@@ -27,6 +27,9 @@ class NodeErrors:
     """
 
     def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        hooked = hooked_inline_module(gm)
+        if hooked is not None:
+            raise FxampError(_hook_message(*hooked))
         try:
             # the class's __call__ resolved at each call (torch.fx's tracer patches nn.Module.__call__)
             return super(type(gm), gm).__call__(*args, **kwargs)
@@ -55,6 +58,45 @@ class NodeErrors:
             if "eval_with_key" in traceback.extract_tb(e.__traceback__)[-1].filename:
                 raise e.with_traceback(None) from None  # raised by the generated line itself: nothing below it
             raise
+
+
+def indexing_message(module: Any, index: Any) -> str:
+    """Why ``amp[0]`` (a converted ``nn.Sequential``'s child, say) is not offered, and what to write instead."""
+    name = type(module.__dict__.get("_fxamp_root", module)).__name__  # a LazyConverted: its original's class
+    return (f"a converted {name} cannot be indexed ([{index!r}]): it runs its children inside its "
+            f"graph, and a child called alone would run unconverted (under O2/O3 on its low-precision weights). "
+            f"Index the original model (O0/O1 share its modules), read a child with amp.get_submodule('0'), or "
+            f"convert the part you want: fxamp.convert(model[:-1], ...)")
+
+
+#: ``gm.__dict__`` key: ((path, module), ...) of the modules torch.fx capture inlined (``graph.MODULE``), found once
+_INLINED = "_fxamp_inlined_modules"
+
+
+def hooked_inline_module(gm: fx.GraphModule) -> Optional[Tuple[str, Any]]:
+    """(path, module) of a module the graph runs inline (its Linear/conv/embedding op on cast weights) that has a
+    hook now: one registered after conversion (capture keeps a module with hooks whole), which would never run."""
+    inlined = gm.__dict__.get(_INLINED)
+    if inlined is None:
+        paths = dict.fromkeys(n.meta[MODULE][0] for n in gm.graph.nodes if MODULE in n.meta)
+        found = []
+        for path in paths:
+            try:
+                found.append((path, gm.get_submodule(path)))
+            except AttributeError:  # a module the tree no longer has: nothing to hook
+                pass
+        inlined = gm.__dict__[_INLINED] = tuple(found)
+    for path, m in inlined:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return path, m
+    return None
+
+
+def _hook_message(path: str, m: Any) -> str:
+    return (f"a hook was registered on {path!r} ({type(m).__name__}) after fxamp.convert, but the converted graph runs "
+            f"its op inline (on cast weights), so the hook would never run: register hooks before converting "
+            f"(fxamp keeps a module that has hooks whole, and its hooks run), or remove it "
+            f"(handle.remove()) to call this module")
 
 
 def optional_inputs_given_none(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[str]:
@@ -108,6 +150,9 @@ class ConvertedGraphModule(fx.GraphModule):
     tensor hooks (the check that warns when no ``MixedPrecisionOptimizer`` keeps masters).  Both are
     set up again on the copy.  (A module captured by torch.export keeps torch's own class.)
     """
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError(indexing_message(self, index))
 
     def __reduce__(self) -> Any:
         rebuild, args = super().__reduce__()
