@@ -324,3 +324,16 @@ def test_torch_export_of_an_unregistered_dataclass_output_is_refused_not_none():
         fxamp.convert(_ReturnsDataclass(), "O1", dtype=BF, frontend="export", example_inputs=(x,))
     out = fxamp.convert(_ReturnsDataclass(), "O1", dtype=BF)(x)  # torch.fx returns it as it is
     assert isinstance(out, _Out) and out.logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_model_converted_under_inference_mode_trains(inplace):
+    # issue 37 probe: O2's bfloat16 copies made under torch.inference_mode were inference tensors, so the first
+    # training step failed ("Inference tensors cannot be saved for backward")
+    model = nn.Sequential(nn.Linear(4, 8), *[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)],
+                          nn.Linear(8, 2))
+    with torch.inference_mode():
+        amp = fxamp.convert_(model, "O2", dtype=BF) if inplace else fxamp.convert(model, "O2", dtype=BF)
+    assert not any(p.is_inference() for p in amp.parameters())
+    amp(torch.randn(3, 4)).float().sum().backward()
+    assert all(p.grad is not None for p in amp.parameters())

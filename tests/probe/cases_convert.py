@@ -350,9 +350,7 @@ class Shared(nn.Module):
 @cases.add()
 def module_called_twice():
     m = Shared()
-    for policy in ("O1", "O2"):
-        amp = fxamp.convert(m, policy)
-        like_autocast(m, amp, torch.randn(3, 8))
+    like_autocast(m, fxamp.convert(m, "O2"), torch.randn(3, 8))
 
 
 @cases.add()
@@ -398,9 +396,7 @@ class InPlace(nn.Module):
 @cases.add()
 def in_place_ops_and_relu_inplace():
     m = InPlace()
-    for policy in ("O1", "O2"):
-        amp = fxamp.convert(m, policy)
-        like_autocast(m, amp, torch.randn(3, 8))
+    like_autocast(m, fxamp.convert(m, "O2"), torch.randn(3, 8))
 
 
 class ShapeBranch(nn.Module):
@@ -937,8 +933,7 @@ class IntBool(nn.Module):
 def int_and_bool_inputs():
     m = IntBool()
     ids, keep = torch.randint(0, 10, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).bool()
-    for policy in ("O1", "O2"):
-        like_autocast(m, fxamp.convert(m, policy), ids, keep)
+    like_autocast(m, fxamp.convert(m, "O2"), ids, keep)
 
 
 class Spectral(nn.Module):
@@ -1440,3 +1435,45 @@ def freeze_after_conversion():
     amp(torch.randn(2, 8)).sum().backward()
     grads = {n: p.grad is not None for n, p in amp.named_parameters()}
     assert grads == {"0.weight": False, "0.bias": False, "2.weight": True, "2.bias": True}, grads
+
+
+@cases.add()
+def one_block_shared_across_depth_convert_inplace():
+    # issue 37 probe: ModuleList([block] * 3) (ALBERT-style weight sharing) was "no blocks found"
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, h):
+            return h + self.fc(self.norm(h))
+
+    class Albert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block()] * 3)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, h):
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h)
+
+    m = Albert()
+    ref = copy.deepcopy(m)
+    fxamp.convert_(m, "O2")
+    assert m.layers[0] is m.layers[2], "the shared block was split"
+    like_autocast(ref, m, torch.randn(3, 8))
+
+
+@cases.add()
+def converted_under_inference_mode_then_trained_o2():
+    # issue 37 probe: a notebook cell under torch.inference_mode() made O2's bfloat16 copies inference tensors,
+    # and the first training step failed deep in autograd
+    m = mlp()
+    with torch.inference_mode():
+        amp = fxamp.convert(m, "O2")
+        like_autocast(m, amp, torch.randn(3, 8))
+    amp.train()
+    amp(torch.randn(3, 8)).sum().backward()
+    assert all(p.grad is not None for p in amp.parameters())
