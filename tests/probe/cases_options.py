@@ -102,6 +102,20 @@ def o3_keep_norms_fp32():
 
 
 @cases.add("refused")
+def keep_norms_fp32_with_an_o3_policy_object():
+    # issue 37 probe: the flag was ignored with a Policy (the norms ran in bfloat16); now refused with the fix
+    fxamp.convert(net(), fxamp.Policy.parse("O3"), keep_norms_fp32=True)
+
+
+@cases.add()
+def policy_object_with_norms_float32():
+    m = net()
+    amp = fxamp.convert(m, fxamp.Policy.parse("O3").replace(norms="float32"))
+    assert dict(amp.named_parameters())["norm.weight"].dtype == F32
+    like_autocast(m, amp, x(), floor_db=20)
+
+
+@cases.add("refused")
 def keep_norms_fp32_with_o1():
     fxamp.convert(net(), "O1", keep_norms_fp32=True)
 

@@ -26,9 +26,9 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
     """``x.to(dtype)`` if ``x`` is a float16/bfloat16/float32 tensor of another dtype, else ``x`` unchanged.
 
     Containers torch passes between modules are cast element by element, keeping their type:
-    lists and tuples (``torch.cat``'s argument, an LSTM's ``(h, c)``), named tuples, plain dicts, dataclasses
-    (a model's output), and a ``PackedSequence``, of which only ``.data`` is cast (its ``batch_sizes`` and indices are
-    integer tensors, and float64 is never cast anyway).
+    lists and tuples (``torch.cat``'s argument, an LSTM's ``(h, c)``), named tuples and ``torch.return_types``,
+    plain dicts, dataclasses (a model's output), and a ``PackedSequence``, of which only ``.data`` is cast (its
+    ``batch_sizes`` and indices are integer tensors, and float64 is never cast anyway).
     """
     if isinstance(x, torch.Tensor):
         if x.dtype != dtype and x.dtype in CASTABLE:
@@ -39,6 +39,8 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
         return kind(cast(v, dtype) for v in x)
     if isinstance(x, tuple) and hasattr(kind, "_fields"):  # a named tuple (PackedSequence too), field by field
         return x._replace(**{f: cast(v, dtype) for f, v in zip(kind._fields, x)})
+    if isinstance(x, tuple) and hasattr(kind, "n_fields"):  # torch.return_types (x.max(dim=1)): a structseq
+        return kind(tuple(cast(v, dtype) for v in x))
     if kind in (dict, OrderedDict):
         return kind((k, cast(v, dtype)) for k, v in x.items())
     if dataclasses.is_dataclass(x) and not isinstance(x, (type, dict)):
