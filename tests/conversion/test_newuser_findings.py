@@ -337,3 +337,46 @@ def test_a_model_converted_under_inference_mode_trains(inplace):
     assert not any(p.is_inference() for p in amp.parameters())
     amp(torch.randn(3, 4)).float().sum().backward()
     assert all(p.grad is not None for p in amp.parameters())
+
+
+class _Aggregate(nn.Module):
+    """A GNN's sum aggregation: messages from a Linear added into a fresh zeros tensor by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, index):
+        return torch.zeros(3, 4).index_add_(0, index, self.fc(x))
+
+
+def test_an_in_place_write_into_a_tensor_made_from_constants_starts_fresh_at_every_call():
+    # issue 37 probe: torch.fx kept torch.zeros(3, 4) as one constant tensor, so each call added into the last
+    # call's sums (and under O1 the bfloat16 messages met the float32 zeros: "self (Float) and source (BFloat16)")
+    model = _Aggregate()
+    x, index = torch.randn(5, 4), torch.tensor([0, 1, 1, 2, 0])
+    for policy in ("O0", "O1"):
+        amp = fxamp.convert(model, policy, dtype=BF)
+        with torch.no_grad():
+            first, second, want = amp(x, index).clone(), amp(x, index), model(x, index)
+        assert torch.equal(first, second) and sqnr(want, second) > 35, policy
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.pair = nn.Linear(4, 4), nn.Bilinear(4, 4, 2)
+
+    def forward(self, x):
+        return self.pair(self.fc(x), x), torch.dot(self.fc(x)[0], x[0])
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+def test_ops_that_take_one_dtype_get_one(policy):
+    # issue 37 probe: nn.Bilinear, dot, tensordot... were "neutral, torch promotes", but they refuse a bfloat16
+    # and a float32 input ("All tensors must have the same dtype"), as CUDA autocast's widest-type list knows
+    model = _Pair()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        got, want = fxamp.convert(model, policy, dtype=BF)(x), model(x)
+    assert got[0].dtype == torch.float32 and sqnr(want[0], got[0]) > 30 and sqnr(want[1], got[1]) > 30

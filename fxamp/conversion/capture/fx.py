@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import TraceError
+from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
 from ..runtime.recompute import island_input, island_on, island_output
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
@@ -96,6 +97,7 @@ class FxFrontEnd:
         _inline_simple_modules(gm)
 
     def finish(self, gm: fx.GraphModule) -> List[str]:
+        _fresh_written_constants(gm)
         return fit_fill_values(gm) + copy_root_hooks(self.model, gm)
 
 
@@ -254,6 +256,33 @@ def _canonicalize_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
         if name is not None and name != node.target:
             node.target = name
     dedupe_get_attrs(gm.graph)
+
+
+def _fresh_written_constants(gm: fx.GraphModule) -> None:
+    """A tensor ``forward`` makes from constants (``torch.zeros(4, 8)``) is run once by torch.fx and kept as an
+    attribute (``_tensor_constant0``); an in-place write into it (``.index_add_(...)``, ``[i] = v``), or into a
+    view of it, would then change that one tensor at every call, where the original starts from a fresh one.
+    Such a constant is cloned at each call before it is used."""
+    graph = gm.graph
+    for node in list(graph.find_nodes(op="get_attr")):
+        if not str(node.target).startswith("_tensor_constant"):
+            continue
+        seen, todo, written = {node}, [node], False
+        while todo and not written:  # the constant and its views: is any of them written in place?
+            for user in todo.pop().users:
+                if is_inplace(user.op, user.target) and user.args and user.args[0] in seen:
+                    written = True
+                    break
+                if user.op in ("call_method", "call_function") and op_key(user.target) in VIEW_OPS \
+                        and user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+        if not written:
+            continue
+        with graph.inserting_after(node):
+            fresh = graph.call_method("clone", (node,))
+        node.replace_all_uses_with(fresh, delete_user_cb=lambda user: user is not fresh)
+    graph.lint()
 
 
 def _has_hooks(m: nn.Module) -> bool:
