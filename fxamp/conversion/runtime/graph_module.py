@@ -69,27 +69,31 @@ def indexing_message(module: Any, index: Any) -> str:
             f"convert the part you want: fxamp.convert(model[:-1], ...)")
 
 
-#: ``gm.__dict__`` key: ((path, module), ...) of the modules torch.fx capture inlined (``graph.MODULE``), found once
+#: ``gm.__dict__`` key: ((path, module), ...) of the modules torch.fx capture inlined (``graph.MODULE``), and
+#: their hook dicts, found once
 _INLINED = "_fxamp_inlined_modules"
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def hooked_inline_module(gm: fx.GraphModule) -> Optional[Tuple[str, Any]]:
     """(path, module) of a module the graph runs inline (its Linear/conv/embedding op on cast weights) that has a
-    hook now: one registered after conversion (capture keeps a module with hooks whole), which would never run."""
-    inlined = gm.__dict__.get(_INLINED)
-    if inlined is None:
+    hook now: one registered after conversion (capture keeps a module with hooks whole), which would never run.
+
+    Runs at every call: one ``any`` over the inlined modules' hook dicts (registering a hook adds to its dict)."""
+    found = gm.__dict__.get(_INLINED)
+    if found is None:
         paths = dict.fromkeys(n.meta[MODULE][0] for n in gm.graph.nodes if MODULE in n.meta)
-        found = []
+        modules = []
         for path in paths:
             try:
-                found.append((path, gm.get_submodule(path)))
+                modules.append((path, gm.get_submodule(path)))
             except AttributeError:  # a module the tree no longer has: nothing to hook
                 pass
-        inlined = gm.__dict__[_INLINED] = tuple(found)
-    for path, m in inlined:
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return path, m
-    return None
+        found = gm.__dict__[_INLINED] = (tuple(modules), tuple(getattr(m, d) for _, m in modules for d in _HOOK_DICTS))
+    modules, dicts = found
+    if not any(dicts):
+        return None
+    return next((path, m) for path, m in modules if any(getattr(m, d) for d in _HOOK_DICTS))
 
 
 def _hook_message(path: str, m: Any) -> str:
