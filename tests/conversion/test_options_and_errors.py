@@ -191,3 +191,13 @@ def test_indexing_a_converted_sequential_says_what_to_write(kwargs):
                                         r"inside its graph.*amp\.get_submodule\('0'\)"):
         amp[-1]
     assert amp.get_submodule("2").weight.dtype == BF
+
+
+def test_a_hook_registered_after_an_export_capture_is_refused():
+    # issue 37 probe: torch.export inlines every module; a hook put on one after conversion never ran
+    model = _Features()
+    x = torch.randn(2, 8)
+    amp = fxamp.convert(model, "O2", dtype=BF, frontend="export", example_inputs=(x,))
+    amp.act.register_forward_hook(lambda *a: None)
+    with pytest.raises(fxamp.FxampError, match=r"a hook was registered on 'act' \(GELU\) after fxamp\.convert"):
+        amp(x)

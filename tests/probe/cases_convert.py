@@ -1361,6 +1361,16 @@ def hook_registered_after_conversion_on_an_inlined_linear():
     amp(torch.randn(2, 8))
 
 
+@cases.add("refused")
+def hook_registered_after_an_export_capture():
+    # issue 37 probe: torch.export inlines every module, so a hook added after conversion never ran; refused now
+    m = Net3()
+    x = torch.randn(2, 8)
+    amp = fxamp.convert(m, "O1", frontend="export", example_inputs=(x,))
+    amp.act.register_forward_hook(lambda mod, i, o: None)
+    amp(x)
+
+
 @cases.add()
 def hook_registered_after_conversion_on_a_called_module_runs():
     m = Net3()

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.fx as fx
 
 from ...errors import FxampError
-from ...info import watch_for_masters
+from ...info import INFO_ATTR, watch_for_masters
 from ..graph import MODULE, decision_of
 
 __all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
@@ -76,30 +76,36 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 
 
 def hooked_inline_module(gm: fx.GraphModule) -> Optional[Tuple[str, Any]]:
-    """(path, module) of a module the graph runs inline (its Linear/conv/embedding op on cast weights) that has a
-    hook now: one registered after conversion (capture keeps a module with hooks whole), which would never run.
+    """(path, module) of a module the graph runs inline that got a hook after capture, which would never run.
 
-    Runs at every call: one ``any`` over the inlined modules' hook dicts (registering a hook adds to its dict)."""
+    torch.fx inlines Linear/conv/embedding calls (``graph.MODULE``) of modules with no hooks; torch.export
+    inlines every module, the hooks it found at capture traced in.  Runs at every call: one sum over those
+    modules' hook dicts (registering a hook adds to its dict), against the count when first checked."""
     found = gm.__dict__.get(_INLINED)
     if found is None:
-        paths = dict.fromkeys(n.meta[MODULE][0] for n in gm.graph.nodes if MODULE in n.meta)
+        paths = list(dict.fromkeys(n.meta[MODULE][0] for n in gm.graph.nodes if MODULE in n.meta))
+        if getattr(getattr(gm, INFO_ATTR, None), "frontend", None) == "export":
+            paths = [p for p, _ in gm.named_modules() if p and not p.split(".")[0].startswith("_fxamp")]
         modules = []
         for path in paths:
             try:
                 modules.append((path, gm.get_submodule(path)))
             except AttributeError:  # a module the tree no longer has: nothing to hook
                 pass
-        found = gm.__dict__[_INLINED] = (tuple(modules), tuple(getattr(m, d) for _, m in modules for d in _HOOK_DICTS))
-    modules, dicts = found
-    if not any(dicts):
+        dicts = tuple(getattr(m, d) for _, m in modules for d in _HOOK_DICTS)
+        counts = tuple(tuple(len(getattr(m, d)) for d in _HOOK_DICTS) for _, m in modules)
+        found = gm.__dict__[_INLINED] = (tuple(modules), dicts, sum(map(len, dicts)), counts)
+    modules, dicts, total, counts = found
+    if sum(map(len, dicts)) <= total:
         return None
-    return next((path, m) for path, m in modules if any(getattr(m, d) for d in _HOOK_DICTS))
+    return next(((path, m) for (path, m), before in zip(modules, counts)
+                 if any(len(getattr(m, d)) > n for d, n in zip(_HOOK_DICTS, before))), None)
 
 
 def _hook_message(path: str, m: Any) -> str:
     return (f"a hook was registered on {path!r} ({type(m).__name__}) after fxamp.convert, but the converted graph runs "
             f"its op inline (on cast weights), so the hook would never run: register hooks before converting "
-            f"(fxamp keeps a module that has hooks whole, and its hooks run), or remove it "
+            f"(torch.fx keeps a module that has hooks whole; torch.export traces them in), or remove it "
             f"(handle.remove()) to call this module")
 
 
@@ -136,6 +142,7 @@ def name_failing_nodes(gm: fx.GraphModule) -> None:
     :class:`ConvertedGraphModule`, pickling)."""
     gm._wrapped_call = NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+    hooked_inline_module(gm)  # counts the hooks there now, the capture's: one registered later is refused
 
 
 def _rearm(gm: fx.GraphModule) -> None:
