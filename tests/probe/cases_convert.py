@@ -691,8 +691,8 @@ def sdpa_float_additive_mask_with_min():
     m = Attn("mask")
     mask = torch.zeros(2, 1, 5, 5)
     mask[1, :, :, 2:] = torch.finfo(torch.float32).min  # what HF builds
-    for policy, dtype in (("O1", BF16), ("O2", FP16)):
-        like_autocast(m, fxamp.convert(m, policy, dtype=dtype), torch.randn(2, 5, 16), mask, dtype=dtype)
+    # float16: the float32 minimum overflows to -inf there (fitted by capture/constants.py)
+    like_autocast(m, fxamp.convert(m, "O2", dtype=FP16), torch.randn(2, 5, 16), mask, dtype=FP16)
 
 
 class MHABlock(nn.Module):
