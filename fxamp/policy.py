@@ -351,5 +351,8 @@ def resolve_policy(
             raise ValueError(
                 f"dtype={dtype} contradicts the policy's compute={dtype_name(policy.compute)}; pass one or the other"
             )
+        if keep_norms_fp32 and policy.norms != torch.float32:  # a Policy states its norms: say so, never ignore it
+            raise ValueError(f"keep_norms_fp32=True with a Policy whose norms={dtype_name(policy.norms)}: a Policy states "
+                             f"its norms itself; pass policy.replace(norms='float32'), or the preset string 'O3'")
         return policy
     return Policy.parse(policy, dtype, keep_norms_fp32=keep_norms_fp32, device_type=device_type)

@@ -163,3 +163,13 @@ def test_the_older_factories_warn_and_name_the_new_one():
     with pytest.warns(DeprecationWarning, match=r"Policy.from_preset\(name, dtype\) is deprecated .*: write "
                                                 r"Policy.parse\(name, dtype\)"):
         assert Policy.from_preset("O2") == Policy.parse("O2", torch.float16)  # its default stays float16
+
+
+def test_keep_norms_fp32_with_a_policy_object_is_never_ignored():
+    # issue 37 probe: convert(model, Policy.parse("O3"), keep_norms_fp32=True) ran the norms in bfloat16, silently
+    o3 = Policy.parse("O3", "bf16")
+    with pytest.raises(ValueError, match=r"keep_norms_fp32=True with a Policy whose norms=bfloat16: .*"
+                                         r"policy\.replace\(norms='float32'\)"):
+        resolve_policy(o3, keep_norms_fp32=True)
+    kept = o3.replace(norms="float32")
+    assert resolve_policy(kept, keep_norms_fp32=True) is kept

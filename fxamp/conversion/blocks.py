@@ -99,10 +99,15 @@ def _repeated(m: nn.Module) -> List[str]:
         layered, single = (lambda child: bool(child._modules) and any(True for _ in child.parameters())), False
     else:
         return []
+    # every entry, the same module repeated included (``nn.ModuleList([block] * 4)``: one block's weights
+    # shared across depth), which children() would list once
+    children = [(name, child) for name, child in m._modules.items() if child is not None]
     counts: Dict[type, int] = {}
-    for child in m.children():
+    for _, child in children:
         counts[type(child)] = counts.get(type(child), 0) + 1
-    return [name for name, child in m.named_children() if (counts[type(child)] > 1 or single) and layered(child)]
+    first = {id(child): name for name, child in reversed(children)}  # a shared module: converted once, as named first
+    return [name for name, child in children
+            if first[id(child)] == name and (counts[type(child)] > 1 or single) and layered(child)]
 
 
 def glue_modules(model: nn.Module, blocks: Sequence[str]) -> List[str]:

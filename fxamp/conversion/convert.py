@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+import functools
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,18 @@ __all__ = ["convert", "convert_", "policy_of", "clear_cast_cache", "ConversionIn
            "DebugOverflow", "Dynamic"]
 
 
+def _outside_inference_mode(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Run a conversion outside ``torch.inference_mode``: the low-precision copies O2/O3 make (and any tensor
+    made at conversion) would otherwise be inference tensors, which a later training step refuses to save
+    for backward ("Inference tensors cannot be saved for backward")."""
+    @functools.wraps(fn)
+    def outside(*args: Any, **kwargs: Any) -> nn.Module:
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+    return outside
+
+
+@_outside_inference_mode
 def convert(
     model: nn.Module,
     policy: Union[str, Policy] = "O1",
@@ -128,6 +141,7 @@ def convert(
     return owned(rewrite_captured(captured, pol, options, notes=chosen))
 
 
+@_outside_inference_mode
 def convert_(
     model: nn.Module,
     policy: Union[str, Policy] = "O1",
@@ -171,6 +185,7 @@ def convert_(
                              recompute_islands=recompute_islands)
     _refuse_other_low_dtype(model, pol)
     return convert_blocks(model, pol, options, blocks, notes=chosen, keep_originals=keep_originals)
+
 
 
 def _resolve(model: nn.Module, policy: Union[str, Policy], dtype: Union[str, torch.dtype, None],

@@ -63,6 +63,7 @@ from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
 from .runtime import refuse_dtype_change
+from .runtime.graph_module import indexing_message
 from .storage import float32_for_capture, predict_storage
 
 __all__ = ["LazyConverted"]
@@ -356,6 +357,9 @@ class LazyConverted(nn.Module):
             if root is not None and (callable(value) or callable(getattr(type(root), name, None))):
                 raise AttributeError(_method_message(type(root), name)) from None
             raise
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError(indexing_message(self, index))
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
         # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and

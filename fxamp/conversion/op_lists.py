@@ -476,14 +476,19 @@ _GROUPS = [
                 "statistics and accumulate in float32, so the input needs no cast (autocast, apex, TF, "
                 "MXNet agree); its parameters and running statistics stay float32 (norms rule)",
              norm=True)),
-    ("mul addcmul addcdiv lerp where maximum minimum fmax fmin atan2 remainder fmod hypot "
-     "dot vdot inner outer ger tensordot cross F.bilinear nn.Bilinear torch.linalg.cross kron cat concat concatenate stack "
-     "hstack vstack dstack index_put index_copy index_add scatter_add scatter_reduce masked_scatter "
+    ("mul addcmul addcdiv where maximum minimum fmax fmin atan2 remainder fmod hypot "
+     "outer ger kron cat concat concatenate stack "
+     "hstack vstack dstack "
      "operator.mul operator.imul operator.itruediv Tensor.__mul__ Tensor.__rmul__ "
-     "Tensor.__imul__ aten.copy diff aten.bilinear aten.linalg_cross",
+     "Tensor.__imul__ aten.copy diff",
      OpEntry(N, "several float inputs: torch's type promotion already computes in the widest input "
                 "dtype, so no cast is needed (apex and MXNet insert widest-type casts by hand; "
                 "torch does it natively)")),
+    ("dot vdot inner tensordot cross torch.linalg.cross F.bilinear nn.Bilinear lerp index_put index_copy "
+     "index_add scatter_add scatter_reduce masked_scatter aten.bilinear aten.linalg_cross",
+     OpEntry(U, "several float inputs that must share one dtype (torch does not promote them: a bfloat16 "
+                "and a float32 input fail), so all are cast to one: float32 (CUDA autocast's widest-type "
+                "list holds dot, tensordot, bilinear, cross, index_put, scatter_add)")),
     ("eq ne lt le gt ge isclose allclose equal isnan isinf isfinite isneginf isposinf signbit logical_and "
      "logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor operator.eq "
      "operator.ne operator.lt operator.le operator.gt operator.ge operator.and_ operator.or_ "

@@ -513,3 +513,41 @@ def test_shard_takes_the_gpt_with_a_mask_buffer(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     sharded = [(a + b) / 2 for a, b in zip(*ranks)]
     assert sharded == pytest.approx(_gpt_losses(), rel=1e-4)
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, h):
+        return h + self.q(self.norm(h))
+
+
+class _SharedDepth(nn.Module):
+    """One block's weights shared across depth (ALBERT, universal transformers): ``ModuleList([block] * 3)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = _SharedBlock()
+        self.layers = nn.ModuleList([block] * 3)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_one_block_repeated_in_a_module_list_is_found_and_converted_once(policy):
+    # issue 37 probe: children() lists a repeated module once, so no block was found ("no nn.ModuleList ...")
+    model = _SharedDepth()
+    ref = copy.deepcopy(model)
+    assert find_blocks(model) == ["layers.0"]
+    fxamp.convert_(model, policy, dtype=torch.bfloat16)
+    assert model.layers[0] is model.layers[1] is model.layers[2]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want, got = ref(x), model(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05, rtol=0.05)

@@ -61,3 +61,29 @@ def test_a_checked_cast_of_an_unknown_value_is_known_only_if_castable():
     assert infer.if_castable(of_input) == torch.bfloat16
     of_known = [n for n in casts if infer(cast_of(n)[0]) == torch.float32]  # the weights: float32, known
     assert of_known and all(infer(n) == cast_of(n)[1] for n in of_known)
+
+
+class _LearnedScale(nn.Module):
+    """CLIP's ``logit_scale.exp() * logits``: a 0-dim float32 tensor times low-precision activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, labels):
+        logits = self.fc(x) * self.logit_scale.exp()
+        return logits, nn.functional.cross_entropy(logits, labels)
+
+
+def test_a_low_tensor_times_a_float32_scalar_tensor_is_not_known_float32():
+    # issue 37 probe: promotion was read as float32, but a 0-dim float32 tensor leaves bfloat16 as it is, so the
+    # output's cast to float32 and the loss's upcast were dropped: a bfloat16 output, a bfloat16 cross entropy
+    model = _LearnedScale()
+    x, y = torch.randn(3, 8), torch.tensor([0, 1, 3])
+    for policy in ("O1", "O2"):
+        logits, loss = fxamp.convert(model, policy, dtype=torch.bfloat16)(x, y)
+        assert logits.dtype == torch.float32 and loss.dtype == torch.float32
+        with torch.no_grad():
+            ref = nn.functional.cross_entropy(logits.detach(), y)  # the loss of these logits, in float32
+        assert abs(float(loss) - float(ref)) < 1e-5

@@ -1,5 +1,6 @@
 """Unusual inputs a new user tried (issue 37, last criterion): each a crash or a poorly said error once."""
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -230,3 +231,152 @@ def test_torch_fx_refuses_a_buffer_counter_naming_its_line(cls):
                                                r".*test_newuser_findings\.py:\d+ .*Capture it with torch\.export"):
         fxamp.convert(model, "O1", dtype=BF, frontend="fx")
     assert model.count.item() == 0  # the trace's write undone
+
+
+class _CountsRows(_Counts):
+    """``self.count += x.shape[0]``: under torch.fx the sum is a Proxy, which ``+=`` binds as the buffer."""
+
+    def forward(self, x):
+        self.count += x.shape[0]
+        return self.fc(x)
+
+
+class _CountsRebound(_Counts):
+    """``self.count = self.count + 1``: no in-place write, a new tensor bound under the buffer's name."""
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("cls", [_CountsRows, _CountsRebound])
+def test_torch_fx_refuses_a_rebound_buffer_and_gives_the_users_back(cls):
+    # issue 37 probe: the refused trace left a torch.fx Proxy (or the trace's tensor) as the user's buffer
+    model = cls()
+    count = model.count
+    with pytest.raises(fxamp.TraceError, match=r"writes the buffer\(s\) count .*Capture it with torch\.export"):
+        fxamp.convert(model, "O1", dtype=BF, frontend="fx")
+    assert model.count is count and model.count.item() == 0
+
+
+@pytest.mark.parametrize("cls", [_CountsRows, _CountsRebound])
+def test_a_rebound_buffer_counts_as_the_originals_does(cls):
+    x = torch.randn(3, 4)
+    model = cls()
+    amp = fxamp.convert(copy.deepcopy(model), "O1", dtype=BF)
+    for _ in range(2):
+        with torch.no_grad():
+            amp(x)
+            model(x)
+    assert amp.count.item() == model.count.item() == (6 if cls is _CountsRows else 2)
+
+
+class _OptionalLabels(nn.Module):
+    """``forward(x, labels=None)`` computing a loss only when labels are given, as Hugging Face heads do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.fc(x)
+        if labels is not None:
+            return logits, nn.functional.cross_entropy(logits, labels)
+        return logits, None
+
+
+def test_a_torch_fx_graph_called_without_an_optional_input_says_why_and_what_to_do():
+    # issue 37 probe: torch.fx traced labels as given, so a call without them failed deep in torch
+    model = _OptionalLabels()
+    amp = fxamp.convert(model, "O1", dtype=BF)
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    assert amp(x, y)[1].dtype == torch.float32
+    with pytest.raises(fxamp.FxampError, match=r"captured by torch\.fx.*`if labels is not None:`.*labels=None.*"
+                                               r"Pass labels, or convert with frontend='export'"):
+        amp(x)
+    lazy = fxamp.convert(model, "O1", dtype=BF, frontend="export")  # what the error offers works
+    assert lazy(x)[1] is None and lazy(x, y)[1].dtype == torch.float32
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _ReturnsDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return _Out(self.fc(x), x)
+
+
+def test_torch_export_of_an_unregistered_dataclass_output_is_refused_not_none():
+    # issue 37 probe: torch.export cannot return the dataclass, and the call returned None in its place
+    refused = r"torch\.export cannot return _Out, a dataclass holding tensors.*torch\.export\.register_dataclass\(_Out\)"
+    x = torch.randn(2, 4)
+    lazy = fxamp.convert(_ReturnsDataclass(), "O1", dtype=BF, frontend="export")
+    with pytest.raises(fxamp.TraceError, match=refused):
+        lazy(x)
+    with pytest.raises(fxamp.TraceError, match=refused):
+        fxamp.convert(_ReturnsDataclass(), "O1", dtype=BF, frontend="export", example_inputs=(x,))
+    out = fxamp.convert(_ReturnsDataclass(), "O1", dtype=BF)(x)  # torch.fx returns it as it is
+    assert isinstance(out, _Out) and out.logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_model_converted_under_inference_mode_trains(inplace):
+    # issue 37 probe: O2's bfloat16 copies made under torch.inference_mode were inference tensors, so the first
+    # training step failed ("Inference tensors cannot be saved for backward")
+    model = nn.Sequential(nn.Linear(4, 8), *[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)],
+                          nn.Linear(8, 2))
+    with torch.inference_mode():
+        amp = fxamp.convert_(model, "O2", dtype=BF) if inplace else fxamp.convert(model, "O2", dtype=BF)
+    assert not any(p.is_inference() for p in amp.parameters())
+    amp(torch.randn(3, 4)).float().sum().backward()
+    assert all(p.grad is not None for p in amp.parameters())
+
+
+class _Aggregate(nn.Module):
+    """A GNN's sum aggregation: messages from a Linear added into a fresh zeros tensor by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, index):
+        return torch.zeros(3, 4).index_add_(0, index, self.fc(x))
+
+
+def test_an_in_place_write_into_a_tensor_made_from_constants_starts_fresh_at_every_call():
+    # issue 37 probe: torch.fx kept torch.zeros(3, 4) as one constant tensor, so each call added into the last
+    # call's sums (and under O1 the bfloat16 messages met the float32 zeros: "self (Float) and source (BFloat16)")
+    model = _Aggregate()
+    x, index = torch.randn(5, 4), torch.tensor([0, 1, 1, 2, 0])
+    for policy in ("O0", "O1"):
+        amp = fxamp.convert(model, policy, dtype=BF)
+        with torch.no_grad():
+            first, second, want = amp(x, index).clone(), amp(x, index), model(x, index)
+        assert torch.equal(first, second) and sqnr(want, second) > 35, policy
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.pair = nn.Linear(4, 4), nn.Bilinear(4, 4, 2)
+
+    def forward(self, x):
+        return self.pair(self.fc(x), x), torch.dot(self.fc(x)[0], x[0])
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+def test_ops_that_take_one_dtype_get_one(policy):
+    # issue 37 probe: nn.Bilinear, dot, tensordot... were "neutral, torch promotes", but they refuse a bfloat16
+    # and a float32 input ("All tensors must have the same dtype"), as CUDA autocast's widest-type list knows
+    model = _Pair()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        got, want = fxamp.convert(model, policy, dtype=BF)(x), model(x)
+    assert got[0].dtype == torch.float32 and sqnr(want[0], got[0]) > 30 and sqnr(want[1], got[1]) > 30

@@ -12,6 +12,8 @@ import torch.nn as nn
 
 import fxamp
 
+BF = torch.bfloat16
+
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
@@ -134,3 +136,68 @@ def test_convert_in_place_keeps_a_blocks_no_grad_region_instead_of_refusing_it()
         assert block.frozen.weight.grad is None and block.frozen.bias.grad is None  # the region's layer stays frozen
         assert block.trained.weight.grad is not None
     torch.testing.assert_close(out, ref(x), rtol=0.05, atol=0.05)
+
+@pytest.mark.parametrize("leaf, said", [("norm", r"\['norm'\]"), (nn.LayerNorm, r"\[LayerNorm\]")])
+def test_leaf_modules_given_one_path_or_class_alone_says_to_write_a_list(leaf, said):
+    # issue 37 probe: leaf_modules="norm" was read letter by letter ("'n' is not a submodule path")
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.raises(TypeError, match=r"leaf_modules takes a list of module classes or paths, not .* alone: "
+                                        r"write leaf_modules=" + said):
+        fxamp.convert(model, "O1", leaf_modules=leaf)
+
+
+class _Features(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("register", ["forward", "forward_pre", "full_backward"])
+def test_a_hook_registered_after_conversion_on_an_inlined_module_is_refused(register):
+    # issue 37 probe: a feature-extraction hook put on amp.fc1 after convert never ran (fc1's F.linear is inline)
+    model = _Features()
+    amp = fxamp.convert(model, "O1", dtype=BF)
+    x = torch.randn(2, 8)
+    handle = getattr(amp.fc1, f"register_{register}_hook")(lambda *a: None)
+    with pytest.raises(fxamp.FxampError, match=r"a hook was registered on 'fc1' \(Linear\) after fxamp\.convert.*"
+                                               r"would never run: register hooks before converting"):
+        amp(x)
+    handle.remove()
+    assert amp(x).shape == (2, 4)
+    seen = []
+    amp.act.register_forward_hook(lambda m, i, o: seen.append(o.shape))  # a module the graph calls: runs
+    amp(x)
+    assert seen == [(2, 16)]
+
+
+def test_a_hook_registered_before_conversion_runs():
+    model = _Features()
+    seen = []
+    model.fc1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    amp = fxamp.convert(model, "O1", dtype=BF)
+    amp(torch.randn(2, 8))
+    assert seen == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"frontend": "export"}])
+def test_indexing_a_converted_sequential_says_what_to_write(kwargs):
+    # issue 37 probe: amp[0] raised Python's "'Sequential' object is not subscriptable" (the class keeps the name)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    amp = fxamp.convert(model, "O2", dtype=BF, **kwargs)
+    with pytest.raises(TypeError, match=r"a converted Sequential cannot be indexed \(\[-1\]\): it runs its children "
+                                        r"inside its graph.*amp\.get_submodule\('0'\)"):
+        amp[-1]
+    assert amp.get_submodule("2").weight.dtype == BF
+
+
+def test_a_hook_registered_after_an_export_capture_is_refused():
+    # issue 37 probe: torch.export inlines every module; a hook put on one after conversion never ran
+    model = _Features()
+    x = torch.randn(2, 8)
+    amp = fxamp.convert(model, "O2", dtype=BF, frontend="export", example_inputs=(x,))
+    amp.act.register_forward_hook(lambda *a: None)
+    with pytest.raises(fxamp.FxampError, match=r"a hook was registered on 'act' \(GELU\) after fxamp\.convert"):
+        amp(x)

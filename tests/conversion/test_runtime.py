@@ -400,3 +400,35 @@ def test_the_weight_cache_sees_a_fused_optimizer_step(how):
         opt.step()
         with torch.no_grad():
             assert torch.equal(amp(x), fxamp.convert(model, "O1", dtype=torch.bfloat16)(x))
+
+
+def test_cast_of_a_return_types_and_a_dataclass_keeps_their_type():
+    # issue 37 probe: x.max(dim=1)'s torch.return_types and a model's own output dataclass came back bfloat16
+    # from a float32-output graph (cast left them as they were)
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Out:
+        logits: torch.Tensor
+        n: int
+
+    low = torch.randn(3, 4).bfloat16()
+    top = cast(low.max(dim=1), torch.float32)
+    assert type(top).__name__ == "max" and top.values.dtype == torch.float32 and top.indices.dtype == torch.int64
+    out = Out(low, 3)
+    got = cast(out, torch.float32)
+    assert type(got) is Out and got.logits.dtype == torch.float32 and got.n == 3 and out.logits.dtype == torch.bfloat16
+    assert cast(Out(low.float(), 3), torch.float32).logits.dtype == torch.float32
+
+
+def test_a_model_returning_max_values_gives_float32():
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(x).max(dim=1)
+
+    out = fxamp.convert(Top(), "O1", dtype=torch.bfloat16)(torch.randn(3, 8))
+    assert out.values.dtype == torch.float32 and out.indices.dtype == torch.int64

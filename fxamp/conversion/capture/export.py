@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import io
@@ -225,6 +226,15 @@ def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspe
         def keep(leaf: Any) -> Any:
             if isinstance(leaf, _RETURNABLE):
                 return leaf
+            if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and any(
+                    isinstance(v, torch.Tensor) for v in pytree.tree_leaves(vars(leaf))):
+                # the model's output itself (logits, loss), not a cache: None in its place would be wrong
+                name = type(leaf).__name__
+                raise TraceError(
+                    f"torch.export cannot return {name}, a dataclass holding tensors that {type(model).__name__}"
+                    f"'s forward returns: register it once before converting, "
+                    f"torch.export.register_dataclass({name}), or return a tuple, a dict or a transformers "
+                    f"ModelOutput", short=f"forward returns the unregistered dataclass {name}")
             dropped.append(type(leaf).__name__)
             return None
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import TraceError
+from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
 from ..runtime.recompute import island_input, island_on, island_output
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
@@ -96,6 +97,7 @@ class FxFrontEnd:
         _inline_simple_modules(gm)
 
     def finish(self, gm: fx.GraphModule) -> List[str]:
+        _fresh_written_constants(gm)
         return fit_fill_values(gm) + copy_root_hooks(self.model, gm)
 
 
@@ -148,14 +150,23 @@ def _buffer_writes_refused(model: nn.Module) -> Iterator[None]:
     Values are compared, not only version counters: a trace with the call's values (``concrete.py``)
     updates a batch norm's running statistics without bumping them."""
     buffers = [(name, b, b._version, b.detach().clone()) for name, b in model.named_buffers()]
+    # where each buffer is bound: ``self.seen += n`` (a Proxy's result) or ``self.seen = self.seen + 1``
+    # re-binds the attribute, on the user's own modules (the traced root shares their ``_buffers``)
+    bound = [(f"{path}.{name}" if path else name, module, name, b) for path, module in model.named_modules()
+             for name, b in module._buffers.items() if b is not None]
     try:
         yield
     finally:  # (a trace that failed half way may have written some too)
         written = [(name, b, saved) for name, b, version, saved in buffers
                    if b._version != version or not _same_bits(b.detach(), saved)]
+        rebound = [(full, module, name, b) for full, module, name, b in bound if module._buffers.get(name) is not b]
+        for _, module, name, b in rebound:
+            module._buffers[name] = b
+        written += [(full, b, None) for full, _, _, b in rebound if all(full != w[0] for w in written)]
         with torch.no_grad():
             for _, b, saved in written:
-                b.copy_(saved)
+                if saved is not None:
+                    b.copy_(saved)
     if not written:
         return
     names = ", ".join(name for name, _, _ in written)
@@ -185,6 +196,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _split_leaves(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Tuple[Tuple[type, ...], Tuple[str, ...]]:
     types, paths = [], []
     names = dict(model.named_modules())
+    if isinstance(leaf_modules, str) or isinstance(leaf_modules, type):  # one path or class, not a list of them
+        raise TypeError(f"leaf_modules takes a list of module classes or paths, not {leaf_modules!r} alone: "
+                        f"write leaf_modules=[{getattr(leaf_modules, '__name__', None) or repr(leaf_modules)}]")
     for leaf in leaf_modules:
         if isinstance(leaf, type) and issubclass(leaf, nn.Module):
             types.append(leaf)
@@ -242,6 +256,33 @@ def _canonicalize_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
         if name is not None and name != node.target:
             node.target = name
     dedupe_get_attrs(gm.graph)
+
+
+def _fresh_written_constants(gm: fx.GraphModule) -> None:
+    """A tensor ``forward`` makes from constants (``torch.zeros(4, 8)``) is run once by torch.fx and kept as an
+    attribute (``_tensor_constant0``); an in-place write into it (``.index_add_(...)``, ``[i] = v``), or into a
+    view of it, would then change that one tensor at every call, where the original starts from a fresh one.
+    Such a constant is cloned at each call before it is used."""
+    graph = gm.graph
+    for node in list(graph.find_nodes(op="get_attr")):
+        if not str(node.target).startswith("_tensor_constant"):
+            continue
+        seen, todo, written = {node}, [node], False
+        while todo and not written:  # the constant and its views: is any of them written in place?
+            for user in todo.pop().users:
+                if is_inplace(user.op, user.target) and user.args and user.args[0] in seen:
+                    written = True
+                    break
+                if user.op in ("call_method", "call_function") and op_key(user.target) in VIEW_OPS \
+                        and user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+        if not written:
+            continue
+        with graph.inserting_after(node):
+            fresh = graph.call_method("clone", (node,))
+        node.replace_all_uses_with(fresh, delete_user_cb=lambda user: user is not fresh)
+    graph.lint()
 
 
 def _has_hooks(m: nn.Module) -> bool:

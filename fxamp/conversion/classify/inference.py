@@ -23,6 +23,9 @@ __all__ = ["DtypeInference"]
 
 _EXPLICIT = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad")
+#: reductions that give a 0-dim tensor when called without a dim (``x.mean()``, ``torch.sum(x)``)
+_FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "norm", "std", "var", "prod",
+                              "nansum", "nanmean", "logsumexp"})
 _SIZE_OPS = frozenset({"Tensor.size", "Tensor.dim", "Tensor.numel", "Tensor.nelement", torch.ops.aten.sym_size,
                        torch.ops.aten.sym_numel})
 
@@ -151,9 +154,35 @@ class DtypeInference:
         for k in floats:
             d = k.dtype if isinstance(k, _IfCastable) else k
             out = d if out is None else torch.promote_types(out, d)
+        if len(set(k.dtype if isinstance(k, _IfCastable) else k for k in floats)) > 1 and any(
+                self._maybe_0dim(n) for n in node.all_input_nodes):
+            # a low-precision tensor times a float32 one is float32, unless the float32 one is 0-dim (a
+            # learned scale, CLIP's logit_scale.exp()): type promotion does not let a 0-dim tensor widen it
+            return None
         if out in CASTABLE and any(isinstance(k, _IfCastable) for k in floats):
             return _IfCastable(out)  # a float64 among the uncertain inputs would make it float64
         return out
+
+    def _maybe_0dim(self, node: fx.Node, depth: int = 0) -> bool:
+        """Whether ``node`` may hold a 0-dim tensor: a 0-dim parameter or buffer, a full reduction
+        (``x.mean()``), ``torch.tensor(2.0)``, or an op on such values alone (a few ops deep: a scale's
+        ``clamp(max=...).exp()``).  Inputs and other values are taken to have dims (torch.fx records no
+        shapes; torch.export's ``val`` says)."""
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.dim() == 0
+        if ATTR in node.meta or node.op == "get_attr":
+            t = fetch_attr(self.gm, node.meta[ATTR] if ATTR in node.meta else node.target)
+            return isinstance(t, torch.Tensor) and t.dim() == 0
+        if node.op not in ("call_function", "call_method"):
+            return False
+        if node.target is torch.tensor or node.target is torch.scalar_tensor:
+            return True
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name in _FULL_REDUCTIONS and len(node.args) == 1 and not set(node.kwargs) & {"dim", "axis"}:
+            return True
+        tensors = node.all_input_nodes
+        return bool(tensors) and depth < 8 and all(self._maybe_0dim(n, depth + 1) for n in tensors)
 
     def _computed(self, node: fx.Node, decision: Decision, floats: list) -> Any:
         """The result of a node whose float inputs were cast to ``decision.compute``."""

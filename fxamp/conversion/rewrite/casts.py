@@ -344,12 +344,17 @@ def _write_back(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, casts: "_Cas
     """Run an in-place op in ``dtype`` and write the result back: ``y.exp_()`` ->
     ``exp_ = y.to(float32).exp();  copy_ = y.copy_(exp_)`` (uses of the node read ``copy_``, i.e. ``y``).
 
-    Nothing changes when ``y`` already is in ``dtype`` (or is not a tensor fxamp casts).
+    When ``y`` already is in ``dtype`` it runs in place as written, its other float inputs cast to ``dtype``
+    (``out.index_add_(0, idx, src)`` takes no ``src`` of another dtype); nothing changes when ``y`` is not a
+    tensor fxamp casts.
     """
     into = node.args[0]
     known = casts.dtypes(into)
-    if known is NOT_FLOAT or known == dtype or (known is not None and known not in CASTABLE) \
-            or casts.dtypes.if_castable(into) == dtype:
+    if known is NOT_FLOAT or (known is not None and known not in CASTABLE):
+        return
+    if known == dtype or casts.dtypes.if_castable(into) == dtype:
+        node.args = (into, *fx.node.map_arg(node.args[1:], lambda n: casts.to(n, dtype, node)))
+        node.kwargs = fx.node.map_arg(node.kwargs, lambda n: casts.to(n, dtype, node))
         return
     plain = out_of_place(node.op, node.target)
     with graph.inserting_before(node):

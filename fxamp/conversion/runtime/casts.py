@@ -7,6 +7,8 @@ tensor it may cast, so conversion works without example inputs.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
@@ -24,9 +26,9 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
     """``x.to(dtype)`` if ``x`` is a float16/bfloat16/float32 tensor of another dtype, else ``x`` unchanged.
 
     Containers torch passes between modules are cast element by element, keeping their type:
-    lists and tuples (``torch.cat``'s argument, an LSTM's ``(h, c)``), named tuples, plain dicts,
-    and a ``PackedSequence``, of which only ``.data`` is cast (its ``batch_sizes`` and indices are
-    integer tensors, and float64 is never cast anyway).
+    lists and tuples (``torch.cat``'s argument, an LSTM's ``(h, c)``), named tuples and ``torch.return_types``,
+    plain dicts, dataclasses (a model's output), and a ``PackedSequence``, of which only ``.data`` is cast (its
+    ``batch_sizes`` and indices are integer tensors, and float64 is never cast anyway).
     """
     if isinstance(x, torch.Tensor):
         if x.dtype != dtype and x.dtype in CASTABLE:
@@ -37,8 +39,20 @@ def cast(x: Any, dtype: torch.dtype) -> Any:
         return kind(cast(v, dtype) for v in x)
     if isinstance(x, tuple) and hasattr(kind, "_fields"):  # a named tuple (PackedSequence too), field by field
         return x._replace(**{f: cast(v, dtype) for f, v in zip(kind._fields, x)})
+    if isinstance(x, tuple) and hasattr(kind, "n_fields"):  # torch.return_types (x.max(dim=1)): a structseq
+        return kind(tuple(cast(v, dtype) for v in x))
     if kind in (dict, OrderedDict):
         return kind((k, cast(v, dtype)) for k, v in x.items())
+    if dataclasses.is_dataclass(x) and not isinstance(x, (type, dict)):
+        # a model's own output dataclass (logits, loss), field by field; a copy, as for the containers above
+        # (without running __init__/__post_init__ again); a dict (transformers' ModelOutput) is a pytree
+        changed = {f.name: cast(getattr(x, f.name), dtype) for f in dataclasses.fields(x) if hasattr(x, f.name)}
+        if all(v is getattr(x, k) for k, v in changed.items()):
+            return x
+        out = copy.copy(x)
+        for k, v in changed.items():
+            object.__setattr__(out, k, v)  # (a frozen dataclass too)
+        return out
     return x
 
 

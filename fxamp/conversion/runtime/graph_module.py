@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import re
 import traceback
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.fx as fx
 
 from ...errors import FxampError
-from ...info import watch_for_masters
-from ..graph import decision_of
+from ...info import INFO_ATTR, watch_for_masters
+from ..graph import MODULE, decision_of
 
-__all__ = ["NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted"]
+__all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
 
 
 _NODE_LINE = re.compile(r"\s*(\w+)\s*=")  # the generated forward assigns each node's value to its name
@@ -27,6 +27,9 @@ class NodeErrors:
     """
 
     def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        hooked = hooked_inline_module(gm)
+        if hooked is not None:
+            raise FxampError(_hook_message(*hooked))
         try:
             # the class's __call__ resolved at each call (torch.fx's tracer patches nn.Module.__call__)
             return super(type(gm), gm).__call__(*args, **kwargs)
@@ -36,6 +39,9 @@ class NodeErrors:
             frames = [f for f in traceback.extract_tb(e.__traceback__) if "eval_with_key" in f.filename]
             if not frames or getattr(e, "fxamp_node", None) is not None:
                 raise  # not from this module's generated code, or an inner converted module named its node
+            given = optional_inputs_given_none(gm, args, kwargs)
+            if given:
+                raise FxampError(_none_message(gm, given, e)) from e
             match = _NODE_LINE.match(frames[-1].line or "")
             name = match.group(1) if match else None
             node = next((n for n in gm.graph.nodes if n.name == name), None)
@@ -54,11 +60,89 @@ class NodeErrors:
             raise
 
 
+def indexing_message(module: Any, index: Any) -> str:
+    """Why ``amp[0]`` (a converted ``nn.Sequential``'s child, say) is not offered, and what to write instead."""
+    name = type(module.__dict__.get("_fxamp_root", module)).__name__  # a LazyConverted: its original's class
+    return (f"a converted {name} cannot be indexed ([{index!r}]): it runs its children inside its "
+            f"graph, and a child called alone would run unconverted (under O2/O3 on its low-precision weights). "
+            f"Index the original model (O0/O1 share its modules), read a child with amp.get_submodule('0'), or "
+            f"convert the part you want: fxamp.convert(model[:-1], ...)")
+
+
+#: ``gm.__dict__`` key: ((path, module), ...) of the modules torch.fx capture inlined (``graph.MODULE``), and
+#: their hook dicts, found once
+_INLINED = "_fxamp_inlined_modules"
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hooked_inline_module(gm: fx.GraphModule) -> Optional[Tuple[str, Any]]:
+    """(path, module) of a module the graph runs inline that got a hook after capture, which would never run.
+
+    torch.fx inlines Linear/conv/embedding calls (``graph.MODULE``) of modules with no hooks; torch.export
+    inlines every module, the hooks it found at capture traced in.  Runs at every call: one sum over those
+    modules' hook dicts (registering a hook adds to its dict), against the count when first checked."""
+    found = gm.__dict__.get(_INLINED)
+    if found is None:
+        paths = list(dict.fromkeys(n.meta[MODULE][0] for n in gm.graph.nodes if MODULE in n.meta))
+        if getattr(getattr(gm, INFO_ATTR, None), "frontend", None) == "export":
+            paths = [p for p, _ in gm.named_modules() if p and not p.split(".")[0].startswith("_fxamp")]
+        modules = []
+        for path in paths:
+            try:
+                modules.append((path, gm.get_submodule(path)))
+            except AttributeError:  # a module the tree no longer has: nothing to hook
+                pass
+        dicts = tuple(getattr(m, d) for _, m in modules for d in _HOOK_DICTS)
+        counts = tuple(tuple(len(getattr(m, d)) for d in _HOOK_DICTS) for _, m in modules)
+        found = gm.__dict__[_INLINED] = (tuple(modules), dicts, sum(map(len, dicts)), counts)
+    modules, dicts, total, counts = found
+    if sum(map(len, dicts)) <= total:
+        return None
+    return next(((path, m) for (path, m), before in zip(modules, counts)
+                 if any(len(getattr(m, d)) > n for d, n in zip(_HOOK_DICTS, before))), None)
+
+
+def _hook_message(path: str, m: Any) -> str:
+    return (f"a hook was registered on {path!r} ({type(m).__name__}) after fxamp.convert, but the converted graph runs "
+            f"its op inline (on cast weights), so the hook would never run: register hooks before converting "
+            f"(torch.fx keeps a module that has hooks whole; torch.export traces them in), or remove it "
+            f"(handle.remove()) to call this module")
+
+
+def optional_inputs_given_none(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[str]:
+    """The inputs of ``gm`` whose default is None, which the graph computes with, and which this call leaves None.
+
+    torch.fx traces every argument as a value: ``if labels is not None:`` takes the given branch, so the
+    graph has no path for None (a torch.export capture of a None input uses it nowhere)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if any(str(p.target).startswith("*") for p in placeholders):
+        return []  # *args/**kwargs: positions do not name the inputs
+    given = []
+    for i, p in enumerate(placeholders):
+        if not (p.args and p.args[0] is None and p.users):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(str(p.target))
+        if value is None:
+            given.append(str(p.target))
+    return given
+
+
+def _none_message(gm: fx.GraphModule, names: List[str], e: BaseException) -> str:
+    listed = ", ".join(f"{n}=None" for n in names)
+    first = names[0]
+    said = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return (f"this converted {type(gm).__name__} was captured by torch.fx, which traces every argument as a value "
+            f"(`if {first} is not None:` took the branch where it is given), and this call has {listed}: the graph "
+            f"has no path for None (it failed: {type(e).__name__}: {said}). Pass {first}, or convert with "
+            f"frontend='export' (fxamp then captures each call signature, {first} given or not, at its first call)")
+
+
 def name_failing_nodes(gm: fx.GraphModule) -> None:
     """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy (and, for a
     :class:`ConvertedGraphModule`, pickling)."""
     gm._wrapped_call = NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+    hooked_inline_module(gm)  # counts the hooks there now, the capture's: one registered later is refused
 
 
 def _rearm(gm: fx.GraphModule) -> None:
@@ -77,6 +161,9 @@ class ConvertedGraphModule(fx.GraphModule):
     tensor hooks (the check that warns when no ``MixedPrecisionOptimizer`` keeps masters).  Both are
     set up again on the copy.  (A module captured by torch.export keeps torch's own class.)
     """
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError(indexing_message(self, index))
 
     def __reduce__(self) -> Any:
         rebuild, args = super().__reduce__()
