@@ -30,7 +30,8 @@ the children of this module (the original's children, under the same names, so `
 keys are the original's); the graphs are not children.
 
 A captured graph that depends on the training mode (the two modes capture different graphs) is
-cached for that mode only; ``train()``/``eval()`` then capture again at the next call.
+cached for that mode only; ``train()``/``eval()`` then capture again at the next call.  ``convert`` makes
+one from example inputs when the modes differ; given ``dynamic_shapes=``, every capture uses them.
 
 ``convert`` also returns one for a model torch.fx traces whose two modes capture different graphs
 (timm's ``drop_path(x, p, self.training)``): made with ``frontend="fx"``, it holds the graph
@@ -128,7 +129,8 @@ class LazyConverted(nn.Module):
 
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
                  owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None,
-                 notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = ()):
+                 notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = (),
+                 dynamic_shapes: Any = None):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -149,6 +151,8 @@ class LazyConverted(nn.Module):
         d["_fxamp_options"] = options
         d["_fxamp_frontend"] = frontend  # "fx": a graph per mode for any call (leaf_modules: torch.fx's)
         d["_fxamp_leaf_modules"] = tuple(leaf_modules)
+        # convert(dynamic_shapes=...) whose modes captured different graphs: every capture uses them, as the first did
+        d["_fxamp_dynamic_shapes"] = dynamic_shapes
         d["_fxamp_fx_error"] = _detached(fx_error)
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         # signature -> static_sizes(args, kwargs) of its latest capture: the sizes of the dims it kept static
@@ -263,7 +267,10 @@ class LazyConverted(nn.Module):
         """The cache key of a call: its signature, and the sizes of the dims its capture kept static."""
         if self._frontend == "fx":
             return _ANY_CALL
-        key = _signature(args, kwargs)
+        # dynamic_shapes given: their ranges decide which sizes a capture takes (torch's check and fxamp's, which
+        # refuses 0/1 where a range starts at 2, and the call then captures again), not a 0/1 in the key: a
+        # capture from a size-1 call under a dim asked dynamic from 1 fails ("specialized it to be a constant")
+        key = _signature(args, kwargs, zero_one=self.__dict__.get("_fxamp_dynamic_shapes") is None)
         # setdefault: a module pickled before this table existed has none
         static_sizes = self.__dict__.setdefault("_fxamp_static", {}).get(key)
         return key if static_sizes is None else (key, static_sizes(args, kwargs))
@@ -273,7 +280,8 @@ class LazyConverted(nn.Module):
         and return the call's key with their sizes: another size of one of them captures again."""
         static_sizes = gm.meta.get(STATIC_SIZES)
         if static_sizes is not None and static_sizes(args, kwargs):
-            self.__dict__.setdefault("_fxamp_static", {})[_signature(args, kwargs)] = static_sizes
+            zero_one = self.__dict__.get("_fxamp_dynamic_shapes") is None
+            self.__dict__.setdefault("_fxamp_static", {})[_signature(args, kwargs, zero_one)] = static_sizes
         return self._key(args, kwargs)
 
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
@@ -285,6 +293,7 @@ class LazyConverted(nn.Module):
             else:
                 captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                    dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
+                                   dynamic_shapes=self.__dict__.get("_fxamp_dynamic_shapes"),
                                    graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         learned = self._learn_static(captured.graph_module, args, kwargs)
@@ -456,25 +465,27 @@ def _detached(e: Optional[TraceError]) -> Optional[TraceError]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _leaf_key(leaf: Any) -> Any:
+def _leaf_key(leaf: Any, zero_one: bool = True) -> Any:
     if isinstance(leaf, torch.Tensor):
         # export specialises sizes 0 and 1: a call with such a size gets its own capture
-        return ("tensor", leaf.dtype, leaf.device.type, tuple(min(int(s), 2) for s in leaf.shape))
+        return ("tensor", leaf.dtype, leaf.device.type, tuple(min(int(s), 2 if zero_one else 0) for s in leaf.shape))
     if isinstance(leaf, (int, float, bool, str, type(None), torch.dtype, torch.device)):
         return (type(leaf).__name__, leaf)
     return (type(leaf).__name__, repr(leaf))
 
 
-def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """What decides the graph: the argument structure, tensor dtypes, ranks, 0/1 sizes, other values."""
+def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any], zero_one: bool = True) -> Any:
+    """What decides the graph: the argument structure, tensor dtypes, ranks, 0/1 sizes (unless ``zero_one`` is
+    False: every size alike), other values."""
     Tensor = torch.Tensor
+    top = 2 if zero_one else 0
     if all(type(a) is Tensor for a in args) and all(type(v) is Tensor for v in kwargs.values()):
         # the common call, plain tensors only: no pytree (this runs at every call)
         return (len(args), tuple(sorted(kwargs)),
-                tuple((t.dtype, t.device.type, tuple(s if s < 2 else 2 for s in t.shape))
+                tuple((t.dtype, t.device.type, tuple(s if s < top else top for s in t.shape))
                       for t in (*args, *(kwargs[k] for k in sorted(kwargs)))))
     leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
-    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves))
+    return (str(spec), tuple(_leaf_key(leaf, zero_one) for leaf in leaves))
 
 
 def _static(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Dict[int, int]]:
