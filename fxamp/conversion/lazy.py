@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 
 from .capture import Captured, LeafSpec, capture
 from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
-from ..info import ConversionInfo, watch_for_masters
+from ..info import ConversionInfo, hold_origins, origins_for_copy, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
@@ -391,6 +391,9 @@ class LazyConverted(nn.Module):
         state["_fxamp_static"] = {}
         state["_fxamp_last"] = None
         state["_fxamp_notes"] = list(self._fxamp_notes)
+        # O2/O3: the float32 values of the low-precision parameters (originals, or masters' values now), which an
+        # optimizer built on the copy takes as its masters (fxamp.info.origins_for_copy)
+        state["_fxamp_origins"] = origins_for_copy(self.parameters())
         return state
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -398,7 +401,10 @@ class LazyConverted(nn.Module):
         return (_new_lazy, (), self.__getstate__())
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        origins = state.pop("_fxamp_origins", ())
         super().__setstate__(state)
+        hold_origins(origins)
         root = self.__dict__["_fxamp_root"]
         self.__class__ = _with_signature(root)
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):

@@ -3,6 +3,7 @@ and pickling, and the call that names the node an error came from."""
 
 from __future__ import annotations
 
+import copy
 import re
 import traceback
 from typing import Any, Dict, Tuple
@@ -10,7 +11,7 @@ from typing import Any, Dict, Tuple
 import torch.fx as fx
 
 from ...errors import FxampError
-from ...info import watch_for_masters
+from ...info import hold_origins, origins_for_copy, watch_for_masters
 from ..graph import decision_of
 
 __all__ = ["NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted"]
@@ -75,33 +76,44 @@ class ConvertedGraphModule(fx.GraphModule):
     ``GraphModule`` rebuilds a plain ``GraphModule`` from its generated code when unpickled (the
     node-naming call, a class attribute there, is lost) and neither deepcopy nor pickling copies
     tensor hooks (the check that warns when no ``MixedPrecisionOptimizer`` keeps masters).  Both are
-    set up again on the copy.  (A module captured by torch.export keeps torch's own class.)
+    set up again on the copy.  Under O2/O3 a copy also takes its low-precision parameters' float32 values
+    along (the originals, or the masters' values at the time of the copy, a Kahan pair's included:
+    ``fxamp.info.origins_for_copy``), which a ``MixedPrecisionOptimizer`` built on the copy takes as its
+    masters, as it does on the module itself.  (A module captured by torch.export keeps torch's own class.)
     """
 
     def __reduce__(self) -> Any:
         rebuild, args = super().__reduce__()
-        return (_unpickle_converted, (rebuild, args))
+        return (_unpickle_converted, (rebuild, args, origins_for_copy(self.parameters())))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertedGraphModule":
+        pairs = origins_for_copy(self.parameters())
         copied = super().__deepcopy__(memo)
+        hold_origins(copy.deepcopy(pairs, memo))  # (the parameters are in memo: the pairs name the copy's)
         _rearm(copied)
         return copied
 
 
 def as_converted(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` as a :class:`ConvertedGraphModule` (same attributes, same graph), if it is a plain
-    ``GraphModule``; a subclass (torch.export's) is returned as it is."""
-    if isinstance(gm, ConvertedGraphModule) or type(gm).__mro__[1] is not fx.GraphModule:
+    """``gm`` as a :class:`ConvertedGraphModule` (same attributes, same graph).  torch.export's module (a
+    subclass of ``GraphModule`` with its input checks) becomes one of a class that is both, so that its deep
+    copies keep what conversion set up too (it does not pickle, as torch's own does not)."""
+    if isinstance(gm, ConvertedGraphModule):
         return gm
-    converted = ConvertedGraphModule.__new__(ConvertedGraphModule)
+    # the class GraphModule.__new__ made this instance's own class from (GraphModuleImpl) is the one to extend
+    base = type(gm).__mro__[1]
+    cls = ConvertedGraphModule if base is fx.GraphModule else type(
+        base.__name__, (ConvertedGraphModule, base), {"__module__": __name__, "__doc__": ConvertedGraphModule.__doc__})
+    converted = cls.__new__(cls)
     vars(converted).update(vars(gm))
     converted.graph = gm.graph  # the graph's owner, and the generated forward on the new class
     type(converted).__name__ = type(gm).__name__
     return converted
 
 
-def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...]) -> ConvertedGraphModule:
+def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...], origins: Tuple[Any, ...] = ()) -> ConvertedGraphModule:
     plain = rebuild(*args)
     converted = as_converted(plain)
+    hold_origins(origins)  # (one pickle: its low tensors are the unpickled module's parameters)
     _rearm(converted)
     return converted
