@@ -39,7 +39,9 @@ In place: ``prepare(model, args, "O2", dtype="bf16", in_place=True)`` converts w
 ``convert_`` already converted is taken as it is) and returns ``model`` itself, with the same optimizers and loss
 hook; the Trainer's own loss keeps its ``num_items_in_batch``.  Without ``prepare``, a ``MixedPrecisionOptimizer``
 built by hand never sees the Trainer's ``loss.backward()``: its ``step()`` refuses, naming ``prepare`` (with no
-scheduler, the Trainer's own refuses it first: torch's "is not an Optimizer").  A
+scheduler, the Trainer's own refuses it first: torch's "is not an Optimizer").  The optimizer ``prepare`` returns
+(:class:`TrainerOptimizer`) is a ``torch.optim.Optimizer`` too: ``optimizers=(opt, None)`` lets the Trainer build
+its own schedule on it.  A
 ``PreTrainedModel`` converted in place saves with its own ``save_pretrained`` (and so ``Trainer.save_model``): the
 float32 weights (the masters once trained), and float32 in ``config.json``, where transformers would write the
 dtype of the model's first parameter (bfloat16 under O2): under O2/O3 the model's class becomes a subclass of the
@@ -79,12 +81,17 @@ from . import resolve_dtype
 __all__ = ["prepare", "TrainerOptimizer", "save_pretrained"]
 
 
-class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
+class TrainerOptimizer(fxamp.MixedPrecisionOptimizer, torch.optim.Optimizer):
     """A ``MixedPrecisionOptimizer`` whose ``step()`` can clip the float32 masters' gradients first.
 
     For loops that call ``loss.backward()`` and ``optimizer.step()`` themselves (``transformers.Trainer``):
     ``max_grad_norm`` clips after unscaling, which the loop's own clipping of the model's
     float16 gradients cannot do.
+
+    It is also a ``torch.optim.Optimizer`` (``MixedPrecisionOptimizer``'s methods first; torch's ``__init__`` is
+    not run), so that ``Trainer(optimizers=(opt, None))`` can build its own schedule on it: torch's schedulers
+    refuse anything else ("is not an Optimizer"), and they set the learning rates of ``param_groups``, which are
+    the inner optimizer's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: Optional[float] = None,
@@ -100,6 +107,12 @@ class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
         Kept as a tensor until read: reading a GPU tensor waits for the device, which step() must not.
         """
         return None if self._last_norm is None else float(self._last_norm)
+
+    # torch.optim.Optimizer's pickling keeps only its own three fields: keep the wrapper's whole state
+    __getstate__ = object.__getstate__
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def step(self, closure: None = None) -> Any:
         if self.max_grad_norm and self.stage == "scaled":  # (segmented on a large model: no fp32 gradient buffer)
