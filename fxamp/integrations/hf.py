@@ -21,7 +21,8 @@ How the Trainer's loop meets fxamp's, without patching either:
   through ``opt.scale_loss(loss)``, so gradients arrive scaled (float16) and the optimizer knows
   a backward happened.
 * step: ``optimizer.step()`` unscales, checks for inf/NaN, steps the float32 masters or skips,
-  and updates the scale; ``model.zero_grad()`` clears the model's gradients.
+  and updates the scale; ``model.zero_grad()`` clears the model's gradients.  A skipped step holds the
+  Trainer's schedule back (``TrainerOptimizer.step_was_skipped``, which accelerate reads).
 * clipping: the Trainer clips ``model.parameters()``' gradients.  With bfloat16 (scale 1) these
   are the true gradients, so ``args.max_grad_norm`` works as usual.  With float16 they hold
   ``loss * scale`` gradients: ``prepare`` refuses ``args.max_grad_norm > 0`` and takes
@@ -51,8 +52,6 @@ same name whose ``save_pretrained`` corrects it (``fxamp.conversion.blocks.conve
 Limits:
 
 * leave ``args.bf16``/``args.fp16`` False: they turn on autocast, which fxamp replaces;
-* a skipped float16 step still advances the learning-rate schedule (accelerate holds it back
-  only for optimizers it wraps itself);
 * the Trainer logs ``grad_norm`` of the model's gradients: ``loss * scale`` ones in float16
   (``optimizer.last_grad_norm`` is the masters' true norm when ``prepare`` clips);
 * Hugging Face models defeat torch.fx: without ``example_batch=`` the model is a
@@ -91,14 +90,21 @@ class TrainerOptimizer(fxamp.MixedPrecisionOptimizer, torch.optim.Optimizer):
     It is also a ``torch.optim.Optimizer`` (``MixedPrecisionOptimizer``'s methods first; torch's ``__init__`` is
     not run), so that ``Trainer(optimizers=(opt, None))`` can build its own schedule on it: torch's schedulers
     refuse anything else ("is not an Optimizer"), and they set the learning rates of ``param_groups``, which are
-    the inner optimizer's.
+    the inner optimizer's.  accelerate would then wrap it in its ``AcceleratedOptimizer`` (``trainer.optimizer``
+    and the callbacks' ``optimizer`` would no longer be this object, and its state would be saved and loaded
+    once at ``prepare``); it carries accelerate's mark of an optimizer already prepared, so accelerate hands it
+    back as it is, as it does a ``MixedPrecisionOptimizer``, which is no ``torch.optim.Optimizer``.
     """
+
+    #: accelerate's ``Accelerator.prepare_optimizer`` returns an optimizer with this mark as it is (see above)
+    _is_accelerate_prepared = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: Optional[float] = None,
                  **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
         self.max_grad_norm = max_grad_norm
         self._last_norm: Optional[torch.Tensor] = None
+        self._skipped = False
 
     @property
     def last_grad_norm(self) -> Optional[float]:
@@ -114,10 +120,18 @@ class TrainerOptimizer(fxamp.MixedPrecisionOptimizer, torch.optim.Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped (an inf/NaN gradient, decided on the host): what accelerate asks
+        the optimizers it holds (``Accelerator.optimizer_step_was_skipped``), so the Trainer's schedule then waits."""
+        return self._skipped
+
     def step(self, closure: None = None) -> Any:
         if self.max_grad_norm and self.stage == "scaled":  # (segmented on a large model: no fp32 gradient buffer)
             self._last_norm = self.clip_grad_norm_(self.max_grad_norm)
-        return super().step(closure)
+        result = super().step(closure)
+        self._skipped = result is False  # (a device-decided step's StepResult: not known here, not skipped)
+        return result
 
 
 class _GradThroughScaled(torch.autograd.Function):
