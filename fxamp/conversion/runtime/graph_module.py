@@ -79,7 +79,8 @@ class ConvertedGraphModule(fx.GraphModule):
     set up again on the copy.  Under O2/O3 a copy also takes its low-precision parameters' float32 values
     along (the originals, or the masters' values at the time of the copy, a Kahan pair's included:
     ``fxamp.info.origins_for_copy``), which a ``MixedPrecisionOptimizer`` built on the copy takes as its
-    masters, as it does on the module itself.  (A module captured by torch.export keeps torch's own class.)
+    masters, as it does on the module itself.  (A module captured by torch.export gets a class that is both
+    this and torch's own: :func:`as_converted`.)
     """
 
     def __reduce__(self) -> Any:
