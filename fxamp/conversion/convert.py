@@ -14,7 +14,7 @@ from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .blocks import convert_blocks
-from .lazy import LazyConverted
+from .lazy import LazyConverted, with_range_fallback
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic, ModuleOverrides, NodeOverrides
 from .pipeline import rewrite_captured
@@ -127,7 +127,12 @@ def convert(
         amp.adopt_capture(captured, () if fx_graphs else tuple(example_inputs or ()),
                           {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
-    return owned(rewrite_captured(captured, pol, options, notes=chosen))
+    gm = owned(rewrite_captured(captured, pol, options, notes=chosen))
+    if captured.frontend == "export" and dynamic_shapes is None:
+        # torch.export's capture holds for a range of sizes (from 2, where Dim.AUTO starts): a call outside it
+        # (the last batch of 1) captures again, as a lazy module does, on the same tensors
+        gm = with_range_fallback(gm, source, pol, options, owns_model=changes_storage)
+    return gm
 
 
 def convert_(

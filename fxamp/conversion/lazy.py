@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import inspect
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -55,18 +56,18 @@ import torch.utils._pytree as pytree
 
 from .capture import Captured, LeafSpec, capture
 from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
-from ..info import ConversionInfo, hold_origins, origins_for_copy, watch_for_masters
+from ..info import INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
-from .graph import rebind
+from .graph import rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
-from .runtime import refuse_dtype_change
+from .runtime import NodeErrors, refuse_dtype_change
 from .storage import float32_for_capture, predict_storage
 
-__all__ = ["LazyConverted"]
+__all__ = ["LazyConverted", "RangeFallback", "range_fallback", "with_range_fallback"]
 
 logger = logging.getLogger("fxamp")
 
@@ -130,7 +131,7 @@ class LazyConverted(nn.Module):
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
                  owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None,
                  notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = (),
-                 dynamic_shapes: Any = None):
+                 dynamic_shapes: Any = None, tensors: Optional[Dict[str, torch.Tensor]] = None):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -139,8 +140,13 @@ class LazyConverted(nn.Module):
                 root.__dict__[table] = copy.copy(model.__dict__[table])
         else:
             root = model
-        storage = predict_storage(root, policy) if policy.enabled else {}
-        watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
+        if tensors is not None:  # a converted module's tensors, by name (RangeFallback): shared as they are stored
+            storage = {name: tensors[name].dtype for name, _, _, t in tensor_slots(root)
+                       if name in tensors and t.dtype == torch.float32 and tensors[name].dtype != torch.float32}
+            replace_tensors(root, lambda name, _t: tensors.get(name))
+        else:
+            storage = predict_storage(root, policy) if policy.enabled else {}
+            watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
         d = self.__dict__
         # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -235,9 +241,7 @@ class LazyConverted(nn.Module):
             try:
                 return self._run(key, args, kwargs)
             except RuntimeError as exc:  # an input check, a pre-hook: nothing of forward ran
-                # fxamp's range check (capture/shapes.py), or torch.export's own for what it does not
-                # cover (dims related to others), recognised by torch's words
-                if not (isinstance(exc, OutsideCapturedRange) or str(exc).startswith("Expected input at ")):
+                if not _outside_range(exc):
                     raise
             variant += 1
 
@@ -414,6 +418,71 @@ class LazyConverted(nn.Module):
     def extra_repr(self) -> str:
         return (f"policy={self._fxamp_policy}, captures at the first call "
                 f"({len(self._fxamp_cache)} of at most {self.max_signatures} signatures cached)")
+
+
+def _outside_range(exc: BaseException) -> bool:
+    """A call a capture's input checks refused for its sizes (nothing of forward ran): fxamp's range check
+    (capture/shapes.py), or torch.export's own for what it does not cover (dims related to others), recognised by
+    torch's words."""
+    text = str(exc)
+    return isinstance(exc, OutsideCapturedRange) or (text.startswith("Expected input at ") and
+                                                     ".shape[" in text.split(" to be ")[0])  # (not a constant's value)
+
+
+class RangeFallback(NodeErrors):
+    """How a module ``convert`` captured with torch.export from example inputs is called (its ``_wrapped_call``):
+    as any converted ``GraphModule`` (:class:`~fxamp.conversion.runtime.NodeErrors`), but a call outside the
+    range the capture holds for (a batch of 1 where the example's was 8: torch.export assumed sizes 0 and 1
+    away) runs ``module``, a :class:`LazyConverted` made on the same parameters and buffers, which captures a
+    graph for that call's range (and keeps it: sizes 0, 1 and each other range once).  Ordinary calls pay only
+    the input checks the module had; the exception is the signal.  Copies and pickles take ``module`` along."""
+
+    def __init__(self, module: LazyConverted):
+        self.module = module
+
+    def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(gm, *args, **kwargs)
+        except RuntimeError as exc:
+            if not _outside_range(exc):
+                raise
+            why = str(exc).split(". What to do")[0].split("\n")[0]
+        lazy = self.module
+        lazy.training = gm.training  # (its own flag: the shared modules' are set by the graphs' mode flags)
+        before = lazy._fxamp_captures
+        out = lazy(*args, **kwargs)
+        if lazy._fxamp_captures != before:  # one note per graph captured, not per call
+            entry = lazy._fxamp_last
+            note = (f"captured a second graph with torch.export, for {entry.description}, sharing this module's "
+                    f"parameters: the call was outside the range the example inputs' capture holds for ({why}); "
+                    f"calls in that range run it from now on")
+            info = conversion_info(gm)
+            if info is not None:
+                info = dataclasses.replace(info, notes=(*info.notes, note))
+                gm.__dict__[INFO_ATTR] = info
+                gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
+            logger.info("fxamp: %s", note)
+        return out
+
+
+def with_range_fallback(gm: fx.GraphModule, source: nn.Module, policy: Policy, options: ConvertOptions, *,
+                        owns_model: bool) -> fx.GraphModule:
+    """Give ``gm`` (captured with torch.export from example inputs, no ``dynamic_shapes=``) a
+    :class:`RangeFallback` over ``source``, the module it was captured from, re-bound to ``gm``'s tensors."""
+    tensors = dict(gm.named_parameters(remove_duplicate=False))
+    tensors.update(gm.named_buffers(remove_duplicate=False))
+    lazy = LazyConverted(source, policy, options, owns_model=owns_model, tensors=tensors,
+                         lead_note="captures a call outside the range of the module converted from example inputs")
+    gm._wrapped_call = RangeFallback(lazy)
+    gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+    return gm
+
+
+def range_fallback(gm: nn.Module) -> Optional[LazyConverted]:
+    """The :class:`LazyConverted` that captures the calls of ``gm`` (a module ``convert`` captured with
+    torch.export from example inputs) outside its captured range, on ``gm``'s parameters; None if it has none."""
+    call = gm.__dict__.get("_wrapped_call")
+    return call.module if isinstance(call, RangeFallback) else None
 
 
 def _method_message(cls: type, name: str) -> str:

@@ -16,8 +16,10 @@ capturing module catches that error and captures again for the call's range.
 Sizes 0 and 1 are outside every such range: ``Dim.AUTO`` starts a dynamic dim at 2, and the capture
 decides ``x.shape[0] == 1`` (or a squeeze, a broadcast) as for a size of at least 2 without recording a
 guard, so torch's own check lets a size-1 call run the other branch's graph.  :func:`check_range`
-refuses it too: a lazily capturing module keys its calls on 0/1 sizes and captures for them anyway; a
-module converted from example inputs says to convert from examples of that size, or lazily.
+refuses it too, and the refusal is the signal: a lazily capturing module keys its calls on 0/1 sizes and
+captures for them anyway; a module ``convert`` captured from example inputs catches it and captures a
+graph for that call's range on the same parameters (``lazy.RangeFallback``).  Only where the user gave
+``dynamic_shapes=`` does the call fail, naming them.
 """
 
 from __future__ import annotations
@@ -224,6 +226,12 @@ def check_range(name: str, value: Any, ranges: Dict[int, Range], dynamic: Any) -
         if dim >= value.dim():
             continue
         got = int(value.shape[dim])
+        if low == 2 and got < 2 and dynamic == "given":
+            raise OutsideCapturedRange(
+                f"input {name!r} has size {got} in dim {dim}, but your dynamic_shapes= declared that dim for sizes "
+                f">= 2 (torch.export assumes sizes 0 and 1 away there), so this graph may compute something else for "
+                f"size {got}. What to do: call with sizes of at least 2 in dim {dim}, or convert without "
+                f"dynamic_shapes= (that module captures a graph again for a call outside its range)")
         if low == 2 and got < 2:
             raise OutsideCapturedRange(
                 f"input {name!r} has size {got} in dim {dim}, but torch.export captured that dim for sizes >= 2 "

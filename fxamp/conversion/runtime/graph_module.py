@@ -57,8 +57,9 @@ class NodeErrors:
 
 def name_failing_nodes(gm: fx.GraphModule) -> None:
     """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy (and, for a
-    :class:`ConvertedGraphModule`, pickling)."""
-    gm._wrapped_call = NodeErrors()
+    :class:`ConvertedGraphModule`, pickling).  A copy keeps the call it had (a subclass: ``lazy.RangeFallback``)."""
+    call = gm.__dict__.get("_wrapped_call")
+    gm._wrapped_call = call if isinstance(call, NodeErrors) else NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
 
 
@@ -67,6 +68,10 @@ def _rearm(gm: fx.GraphModule) -> None:
     (tensor hooks are not copied with the tensors; see :func:`fxamp.info.watch_for_masters`)."""
     name_failing_nodes(gm)
     watch_for_masters(gm.parameters())
+
+
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_hooks_always_called")
 
 
 class ConvertedGraphModule(fx.GraphModule):
@@ -90,6 +95,15 @@ class ConvertedGraphModule(fx.GraphModule):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertedGraphModule":
         pairs = origins_for_copy(self.parameters())
         copied = super().__deepcopy__(memo)
+        # GraphModule's deepcopy keeps its state_dict hooks only: a torch.export module's input checks (torch's,
+        # and fxamp's that binds inputs by name and refuses sizes outside the captured range) are forward
+        # pre-hooks, and a copy without them would run any size silently on the graph of another
+        for attr in _FORWARD_HOOKS:
+            if self.__dict__.get(attr):
+                copied.__dict__[attr] = copy.deepcopy(self.__dict__[attr], memo)
+        for attr in ("range_constraints", "validate_inputs"):  # what torch's input check reads (shared: read-only)
+            if attr in self.__dict__:
+                copied.__dict__[attr] = self.__dict__[attr]
         hold_origins(copy.deepcopy(pairs, memo))  # (the parameters are in memo: the pairs name the copy's)
         _rearm(copied)
         return copied
