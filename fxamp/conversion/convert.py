@@ -15,7 +15,7 @@ from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .blocks import convert_blocks
-from .lazy import LazyConverted
+from .lazy import LazyConverted, with_range_fallback
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic, ModuleOverrides, NodeOverrides
 from .pipeline import rewrite_captured
@@ -95,8 +95,8 @@ def convert(
     at once, in their storage dtypes, so an optimizer can be built before the first call.  A
     ``LazyConverted`` also when the training and eval captures differ (stochastic depth), with either
     front end: it holds the graph captured now for the current mode and captures the other mode at its
-    first call in that mode (torch.fx: with no inputs; torch.export: from that call's), so
-    ``train()``/``eval()`` switch the whole computation.
+    first call in that mode (torch.fx: with no inputs; torch.export: from that call's, with the
+    ``dynamic_shapes`` given, if any), so ``train()``/``eval()`` switch the whole computation.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.
@@ -122,23 +122,30 @@ def convert(
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, dynamic=options.dynamic, dynamic_shapes=dynamic_shapes,
-                           graph_per_mode=dynamic_shapes is None)
+                           graph_per_mode=True)
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
         return owned(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen))
-    if captured.only_mode is not None and dynamic_shapes is None:
+    if captured.only_mode is not None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
-        # would be wrong in the other mode, so hold a graph per mode, as the lazy path does
+        # would be wrong in the other mode, so hold a graph per mode, as the lazy path does (its captures
+        # with the dynamic_shapes given, if any)
         fx_graphs = captured.frontend == "fx"  # (a torch.fx graph takes any call: no example inputs kept)
         lead = (_PER_MODE_NOTE_FX if fx_graphs else _PER_MODE_NOTE).format(
             mode="training" if captured.only_mode else "eval")
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
-                            lead_note=lead, notes=chosen, frontend=captured.frontend, leaf_modules=leaf_modules)
+                            lead_note=lead, notes=chosen, frontend=captured.frontend, leaf_modules=leaf_modules,
+                            dynamic_shapes=None if fx_graphs else dynamic_shapes)
         amp.adopt_capture(captured, () if fx_graphs else tuple(example_inputs or ()),
                           {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
-    return owned(rewrite_captured(captured, pol, options, notes=chosen))
+    gm = owned(rewrite_captured(captured, pol, options, notes=chosen))
+    if captured.frontend == "export" and dynamic_shapes is None:
+        # torch.export's capture holds for a range of sizes (from 2, where Dim.AUTO starts): a call outside it
+        # (the last batch of 1) captures again, as a lazy module does, on the same tensors
+        gm = with_range_fallback(gm, source, pol, options, owns_model=changes_storage)
+    return gm
 
 
 @_outside_inference_mode

@@ -4,7 +4,8 @@ A :class:`Family` captures its class's forward at the first call per call signat
 with ``self`` = the called instance::
 
     Family.run(block, args, kwargs)
-      ├─ key: the call's structure (which arguments are None, constants' values, tensors' dtypes)
+      ├─ key: the call's structure (which arguments are None, constants' values, tensors' dtypes); for a
+      │  signature torch.export captured, each tensor's range class too (per dim: size 0, 1 or >= 2)
       ├─ graphs[key] hit → the graph's code, run with ``self`` = this block (guards pick among variants)
       └─ miss → capture the class's own forward: torch.fx; else torch.fx with the call's values
          (``capture/concrete.py``); else torch.export when no argument is an opaque object
@@ -12,6 +13,13 @@ with ``self`` = the called instance::
 
 A graph reads the block's tensors through ``self``, never through the capture's copy, so the graph of one
 instance runs any instance of its family.
+
+A torch.export graph holds for a range of sizes only: ``Dim.AUTO`` starts a dynamic dim at 2 and records a
+branch on ``x.size(0) == 1`` as for a larger size, with no guard; a branch on ``x.size(0) > 2`` narrows the
+range.  Its code runs here without torch's input checks, so a signature export captured keys its graphs by
+range class (size 0, 1 or >= 2 per dim: a new class captures again, a new size within one does not), and
+each export graph checks the narrower ranges it holds for as an early guard (outside: the next variant, or a
+capture for that range).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from .calls import bound_root, describe_call, flatten_call, leaf_names, rebuild_
 from .capture import capture, capture_with_values
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from .capture.modes import MODE_FLAG, ModeFlag
-from .capture.shapes import STATIC_SIZES
+from .capture.shapes import STATIC_SIZES, dim_ranges, input_name
 from ..dtypes import LOW
 from ..errors import FxampError, TraceError
 from .graph import INPUT_DTYPE, fetch_attr, node_arg, replace_node_arg
@@ -79,6 +87,7 @@ class Family:
         self.graphs: Dict[Any, List["_Graph"]] = {}
         self.static: Dict[Any, Callable[..., Any]] = {}  # signature -> the sizes of the dims export kept static
         self.per_instance = False  # an export capture read a lifted attribute: graphs keyed by their values too
+        self.ranged: set = set()  # signatures torch.export captured: their keys hold the call's range class
         self.captures = 0
         self.capture_seconds = 0.0
         self.as_written: Dict[Any, "_AsWritten"] = {}  # signature -> a call no front end could capture
@@ -90,6 +99,7 @@ class Family:
         state["graphs"] = {}  # a copy captures again: the graphs hold the original instances' modules
         state["static"] = {}
         state["per_instance"] = False
+        state["ranged"] = set()
         state["captures"] = 0
         state["as_written"] = {}
         state["capture_seconds"] = 0.0
@@ -109,6 +119,8 @@ class Family:
         base, leaves, tree = flatten_call(args, kwargs)
         static = self.static.get(base)  # an export capture kept some dims static: their sizes are part of the key
         key = base if static is None else (base, tuple(static(tuple(leaves), {})))
+        if base in self.ranged:  # (a few integer compares, for signatures export captured only)
+            key = (key, _range_class(leaves))
         mode = block.training
         graphs = self.graphs
         keys = [(key, None), (key, mode)]
@@ -196,10 +208,14 @@ class Family:
             static = captured.graph_module.meta.get(STATIC_SIZES)
             if base not in self.static and static is not None and static(tuple(leaves), {}):
                 self.static[base] = static
-                key = (base, tuple(static(tuple(leaves), {})))
+            known = self.static.get(base)  # the key as run() makes it for this call from now on
+            key = base if known is None else (base, tuple(known(tuple(leaves), {})))
+            self.ranged.add(base)
+            key = (key, _range_class(leaves))
             if values is not None:
                 key = (key, values)
         placeholders = list(captured.graph_module.graph.find_nodes(op="placeholder"))
+        ranges = _leaf_ranges(captured.graph_module, placeholders) if captured.frontend == "export" else ()
         for node, leaf in zip(placeholders, leaves):  # the key holds each tensor's dtype: the graph may know it
             if isinstance(leaf, torch.Tensor):
                 node.meta[INPUT_DTYPE] = leaf.dtype
@@ -209,7 +225,7 @@ class Family:
                               notes=[f"{what}, shared by {len(self.paths)} instance(s), captured with "
                                      f"{captured.frontend} for a call with {described}"])
         constants = _lift_constants(gm, block)
-        graph = _Graph(gm, _forward_of(gm), described, captured.frontend, lifted, constants)
+        graph = _Graph(gm, _forward_of(gm), described, captured.frontend, lifted, constants, ranges)
         self.graphs.setdefault((key, captured.only_mode), []).insert(0, graph)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
@@ -225,6 +241,28 @@ class Family:
                                dynamic=self.options.dynamic, fx_error=fx_error, graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         return captured
+
+
+def _range_class(leaves: List[Any]) -> Tuple[Any, ...]:
+    """Per tensor leaf, its sizes with every size from 2 up as 2: torch.export specialises sizes 0 and 1."""
+    return tuple(tuple(s if s < 2 else 2 for s in leaf.shape) if isinstance(leaf, torch.Tensor) else None
+                 for leaf in leaves)
+
+
+def _leaf_ranges(gm: fx.GraphModule, placeholders: List[fx.Node]) -> Tuple[Tuple[int, int, Any, Any], ...]:
+    """``(leaf index, dim, low, high)`` for each dim an export capture holds in a range narrower than its range
+    class: a size it kept static (``(i, dim, n, n)``: a capture for size 2 of a branch on ``x.size(0) > 2``),
+    or a range a branch narrowed (a lower bound of 2 is the class's own)."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    out = [(i, dim, int(size), int(size)) for i, node in enumerate(placeholders)
+           if isinstance(node.meta.get("val"), torch.Tensor)
+           for dim, size in enumerate(node.meta["val"].shape) if is_concrete_int(size) and int(size) >= 2]
+    index = {input_name(node): i for i, node in enumerate(placeholders)}
+    out.extend((index[name], dim, low if low is not None and low > 2 else None, high)
+               for name, dims in dim_ranges(gm).items() if name in index
+               for dim, (low, high) in dims.items() if (low is not None and low > 2) or high is not None)
+    return tuple(out)
 
 
 def _stored_low(root: nn.Module) -> frozenset:
@@ -331,18 +369,23 @@ class _Graph:
     """One capture of a family: the converted graph module (for the report) and its forward code."""
 
     def __init__(self, gm: fx.GraphModule, fn: Callable[..., Any], description: str, frontend: str,
-                 lifted: bool, constants: Tuple[Any, ...] = ()):
+                 lifted: bool, constants: Tuple[Any, ...] = (), ranges: Tuple[Tuple[int, int, Any, Any], ...] = ()):
         self.lifted = lifted  # its forward takes the lifted attributes' values after the call's leaves
         self.constants = constants  # ... and then these (_lift_constants)
         self.gm = gm
         self.fn = fn
         self.description = description
         self.frontend = frontend
+        self.ranges = ranges  # (leaf index, dim, low, high): the sizes an export capture holds for (_leaf_ranges)
         # a guard after a side effect (capture/concrete.py): a failing call must be undone before another try
         self.late = any(n.target is guard and n.args[2] is False for n in gm.graph.find_nodes(op="call_function",
                                                                                              target=guard))
 
     def call(self, block: nn.Module, leaves: List[Any]) -> Any:
+        for i, dim, low, high in self.ranges:  # an early guard: outside, the next variant or a new capture
+            size = leaves[i].shape[dim]
+            if (low is not None and size < low) or (high is not None and size > high):
+                raise GuardFailed
         if self.lifted:
             return self.fn(block, *leaves, *block.__dict__[LIFTED], *self.constants)
         return self.fn(block, *leaves, *self.constants)

@@ -30,7 +30,8 @@ the children of this module (the original's children, under the same names, so `
 keys are the original's); the graphs are not children.
 
 A captured graph that depends on the training mode (the two modes capture different graphs) is
-cached for that mode only; ``train()``/``eval()`` then capture again at the next call.
+cached for that mode only; ``train()``/``eval()`` then capture again at the next call.  ``convert`` makes
+one from example inputs when the modes differ; given ``dynamic_shapes=``, every capture uses them.
 
 ``convert`` also returns one for a model torch.fx traces whose two modes capture different graphs
 (timm's ``drop_path(x, p, self.training)``): made with ``frontend="fx"``, it holds the graph
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import inspect
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -54,19 +56,19 @@ import torch.utils._pytree as pytree
 
 from .capture import Captured, LeafSpec, capture
 from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
-from ..info import ConversionInfo, watch_for_masters
+from ..info import INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
-from .graph import rebind
+from .graph import rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
-from .runtime import refuse_dtype_change
+from .runtime import NodeErrors, refuse_dtype_change
 from .runtime.graph_module import indexing_message
 from .storage import float32_for_capture, predict_storage
 
-__all__ = ["LazyConverted"]
+__all__ = ["LazyConverted", "RangeFallback", "range_fallback", "with_range_fallback"]
 
 logger = logging.getLogger("fxamp")
 
@@ -129,7 +131,8 @@ class LazyConverted(nn.Module):
 
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
                  owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None,
-                 notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = ()):
+                 notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = (),
+                 dynamic_shapes: Any = None, tensors: Optional[Dict[str, torch.Tensor]] = None):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -138,8 +141,13 @@ class LazyConverted(nn.Module):
                 root.__dict__[table] = copy.copy(model.__dict__[table])
         else:
             root = model
-        storage = predict_storage(root, policy) if policy.enabled else {}
-        watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
+        if tensors is not None:  # a converted module's tensors, by name (RangeFallback): shared as they are stored
+            storage = {name: tensors[name].dtype for name, _, _, t in tensor_slots(root)
+                       if name in tensors and t.dtype == torch.float32 and tensors[name].dtype != torch.float32}
+            replace_tensors(root, lambda name, _t: tensors.get(name))
+        else:
+            storage = predict_storage(root, policy) if policy.enabled else {}
+            watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
         d = self.__dict__
         # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -150,6 +158,8 @@ class LazyConverted(nn.Module):
         d["_fxamp_options"] = options
         d["_fxamp_frontend"] = frontend  # "fx": a graph per mode for any call (leaf_modules: torch.fx's)
         d["_fxamp_leaf_modules"] = tuple(leaf_modules)
+        # convert(dynamic_shapes=...) whose modes captured different graphs: every capture uses them, as the first did
+        d["_fxamp_dynamic_shapes"] = dynamic_shapes
         d["_fxamp_fx_error"] = _detached(fx_error)
         d["_fxamp_cache"] = collections.OrderedDict()  # signature -> _Entry, least recently used first
         # signature -> static_sizes(args, kwargs) of its latest capture: the sizes of the dims it kept static
@@ -232,9 +242,7 @@ class LazyConverted(nn.Module):
             try:
                 return self._run(key, args, kwargs)
             except RuntimeError as exc:  # an input check, a pre-hook: nothing of forward ran
-                # fxamp's range check (capture/shapes.py), or torch.export's own for what it does not
-                # cover (dims related to others), recognised by torch's words
-                if not (isinstance(exc, OutsideCapturedRange) or str(exc).startswith("Expected input at ")):
+                if not _outside_range(exc):
                     raise
             variant += 1
 
@@ -264,7 +272,10 @@ class LazyConverted(nn.Module):
         """The cache key of a call: its signature, and the sizes of the dims its capture kept static."""
         if self._frontend == "fx":
             return _ANY_CALL
-        key = _signature(args, kwargs)
+        # dynamic_shapes given: their ranges decide which sizes a capture takes (torch's check and fxamp's, which
+        # refuses 0/1 where a range starts at 2, and the call then captures again), not a 0/1 in the key: a
+        # capture from a size-1 call under a dim asked dynamic from 1 fails ("specialized it to be a constant")
+        key = _signature(args, kwargs, zero_one=self.__dict__.get("_fxamp_dynamic_shapes") is None)
         # setdefault: a module pickled before this table existed has none
         static_sizes = self.__dict__.setdefault("_fxamp_static", {}).get(key)
         return key if static_sizes is None else (key, static_sizes(args, kwargs))
@@ -274,7 +285,8 @@ class LazyConverted(nn.Module):
         and return the call's key with their sizes: another size of one of them captures again."""
         static_sizes = gm.meta.get(STATIC_SIZES)
         if static_sizes is not None and static_sizes(args, kwargs):
-            self.__dict__.setdefault("_fxamp_static", {})[_signature(args, kwargs)] = static_sizes
+            zero_one = self.__dict__.get("_fxamp_dynamic_shapes") is None
+            self.__dict__.setdefault("_fxamp_static", {})[_signature(args, kwargs, zero_one)] = static_sizes
         return self._key(args, kwargs)
 
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
@@ -286,6 +298,7 @@ class LazyConverted(nn.Module):
             else:
                 captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                    dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
+                                   dynamic_shapes=self.__dict__.get("_fxamp_dynamic_shapes"),
                                    graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         learned = self._learn_static(captured.graph_module, args, kwargs)
@@ -386,6 +399,9 @@ class LazyConverted(nn.Module):
         state["_fxamp_static"] = {}
         state["_fxamp_last"] = None
         state["_fxamp_notes"] = list(self._fxamp_notes)
+        # O2/O3: the float32 values of the low-precision parameters (originals, or masters' values now), which an
+        # optimizer built on the copy takes as its masters (fxamp.info.origins_for_copy)
+        state["_fxamp_origins"] = origins_for_copy(self.parameters())
         return state
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -393,7 +409,10 @@ class LazyConverted(nn.Module):
         return (_new_lazy, (), self.__getstate__())
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        origins = state.pop("_fxamp_origins", ())
         super().__setstate__(state)
+        hold_origins(origins)
         root = self.__dict__["_fxamp_root"]
         self.__class__ = _with_signature(root)
         for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
@@ -403,6 +422,71 @@ class LazyConverted(nn.Module):
     def extra_repr(self) -> str:
         return (f"policy={self._fxamp_policy}, captures at the first call "
                 f"({len(self._fxamp_cache)} of at most {self.max_signatures} signatures cached)")
+
+
+def _outside_range(exc: BaseException) -> bool:
+    """A call a capture's input checks refused for its sizes (nothing of forward ran): fxamp's range check
+    (capture/shapes.py), or torch.export's own for what it does not cover (dims related to others), recognised by
+    torch's words."""
+    text = str(exc)
+    return isinstance(exc, OutsideCapturedRange) or (text.startswith("Expected input at ") and
+                                                     ".shape[" in text.split(" to be ")[0])  # (not a constant's value)
+
+
+class RangeFallback(NodeErrors):
+    """How a module ``convert`` captured with torch.export from example inputs is called (its ``_wrapped_call``):
+    as any converted ``GraphModule`` (:class:`~fxamp.conversion.runtime.NodeErrors`), but a call outside the
+    range the capture holds for (a batch of 1 where the example's was 8: torch.export assumed sizes 0 and 1
+    away) runs ``module``, a :class:`LazyConverted` made on the same parameters and buffers, which captures a
+    graph for that call's range (and keeps it: sizes 0, 1 and each other range once).  Ordinary calls pay only
+    the input checks the module had; the exception is the signal.  Copies and pickles take ``module`` along."""
+
+    def __init__(self, module: LazyConverted):
+        self.module = module
+
+    def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(gm, *args, **kwargs)
+        except RuntimeError as exc:
+            if not _outside_range(exc):
+                raise
+            why = str(exc).split(". What to do")[0].split("\n")[0]
+        lazy = self.module
+        lazy.training = gm.training  # (its own flag: the shared modules' are set by the graphs' mode flags)
+        before = lazy._fxamp_captures
+        out = lazy(*args, **kwargs)
+        if lazy._fxamp_captures != before:  # one note per graph captured, not per call
+            entry = lazy._fxamp_last
+            note = (f"captured a second graph with torch.export, for {entry.description}, sharing this module's "
+                    f"parameters: the call was outside the range the example inputs' capture holds for ({why}); "
+                    f"calls in that range run it from now on")
+            info = conversion_info(gm)
+            if info is not None:
+                info = dataclasses.replace(info, notes=(*info.notes, note))
+                gm.__dict__[INFO_ATTR] = info
+                gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
+            logger.info("fxamp: %s", note)
+        return out
+
+
+def with_range_fallback(gm: fx.GraphModule, source: nn.Module, policy: Policy, options: ConvertOptions, *,
+                        owns_model: bool) -> fx.GraphModule:
+    """Give ``gm`` (captured with torch.export from example inputs, no ``dynamic_shapes=``) a
+    :class:`RangeFallback` over ``source``, the module it was captured from, re-bound to ``gm``'s tensors."""
+    tensors = dict(gm.named_parameters(remove_duplicate=False))
+    tensors.update(gm.named_buffers(remove_duplicate=False))
+    lazy = LazyConverted(source, policy, options, owns_model=owns_model, tensors=tensors,
+                         lead_note="captures a call outside the range of the module converted from example inputs")
+    gm._wrapped_call = RangeFallback(lazy)
+    gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
+    return gm
+
+
+def range_fallback(gm: nn.Module) -> Optional[LazyConverted]:
+    """The :class:`LazyConverted` that captures the calls of ``gm`` (a module ``convert`` captured with
+    torch.export from example inputs) outside its captured range, on ``gm``'s parameters; None if it has none."""
+    call = gm.__dict__.get("_wrapped_call")
+    return call.module if isinstance(call, RangeFallback) else None
 
 
 def _method_message(cls: type, name: str) -> str:
@@ -460,25 +544,27 @@ def _detached(e: Optional[TraceError]) -> Optional[TraceError]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _leaf_key(leaf: Any) -> Any:
+def _leaf_key(leaf: Any, zero_one: bool = True) -> Any:
     if isinstance(leaf, torch.Tensor):
         # export specialises sizes 0 and 1: a call with such a size gets its own capture
-        return ("tensor", leaf.dtype, leaf.device.type, tuple(min(int(s), 2) for s in leaf.shape))
+        return ("tensor", leaf.dtype, leaf.device.type, tuple(min(int(s), 2 if zero_one else 0) for s in leaf.shape))
     if isinstance(leaf, (int, float, bool, str, type(None), torch.dtype, torch.device)):
         return (type(leaf).__name__, leaf)
     return (type(leaf).__name__, repr(leaf))
 
 
-def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """What decides the graph: the argument structure, tensor dtypes, ranks, 0/1 sizes, other values."""
+def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any], zero_one: bool = True) -> Any:
+    """What decides the graph: the argument structure, tensor dtypes, ranks, 0/1 sizes (unless ``zero_one`` is
+    False: every size alike), other values."""
     Tensor = torch.Tensor
+    top = 2 if zero_one else 0
     if all(type(a) is Tensor for a in args) and all(type(v) is Tensor for v in kwargs.values()):
         # the common call, plain tensors only: no pytree (this runs at every call)
         return (len(args), tuple(sorted(kwargs)),
-                tuple((t.dtype, t.device.type, tuple(s if s < 2 else 2 for s in t.shape))
+                tuple((t.dtype, t.device.type, tuple(s if s < top else top for s in t.shape))
                       for t in (*args, *(kwargs[k] for k in sorted(kwargs)))))
     leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
-    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves))
+    return (str(spec), tuple(_leaf_key(leaf, zero_one) for leaf in leaves))
 
 
 def _static(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Dict[int, int]]:

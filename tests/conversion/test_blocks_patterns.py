@@ -245,6 +245,81 @@ def test_a_no_grad_region_in_a_block_is_one_graph_every_instance_runs():
     assert family.captures == 1 and not family.as_written
 
 
+class SizeOneBlock(nn.Module):
+    """Branches on a size that can be 1; its no_grad region makes torch.fx (and torch.fx with the call's values)
+    refuse it, so torch.export captures it, assuming sizes 0 and 1 away (no guard records the branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gate = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate(x))
+        h = self.fc(x) * g
+        return h * 100.0 if x.size(0) == 1 else h
+
+
+def _autocast_close(got, want):
+    torch.testing.assert_close(got.float(), want.float(), atol=0.02 * max([1.0, *want.abs().flatten().tolist()]),
+                               rtol=0.02)
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_block_torch_export_captured_runs_the_branch_of_size_one_and_zero(policy):
+    """Issue 37: the family ran its export graph's code for a batch of 1 with no input check: the other branch,
+    silently (10^4 off through two blocks).  A call outside the family's captured range now captures again."""
+    torch.manual_seed(0)
+    ref = Stack(SizeOneBlock(), SizeOneBlock())
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, policy, dtype=torch.bfloat16)
+    family = family_of(model.blocks[0])
+    with torch.no_grad():
+        for n in (3, 1, 0, 4, 1):
+            x = torch.randn(n, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = ref(x)  # the original's branch for this size, at autocast's precision
+            got = model(x)
+            _autocast_close(got, want)
+            if n == 1:
+                assert got.abs().max() > 100  # the size-1 branch, twice (x10^4)
+    graphs = [g for variants in family.graphs.values() for g in variants]
+    assert len(graphs) == 3 and {g.frontend for g in graphs} == {"export"}  # sizes >= 2, 1 and 0
+    assert family.captures == 3
+
+
+def test_a_block_torch_export_captured_captures_once_for_sizes_three_five_seven():
+    torch.manual_seed(0)
+    model = Stack(SizeOneBlock(), SizeOneBlock())
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n in (3, 5, 7):
+            model(torch.randn(n, 4))
+    assert family_of(model.blocks[0]).captures == 1
+
+
+class NarrowBranch(SizeOneBlock):
+    def forward(self, x):
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate(x))
+        h = self.fc(x) * g
+        return h * 100.0 if x.size(0) > 2 else h  # export holds its capture for sizes > 2 (or <= 2) only
+
+
+def test_a_block_captured_for_a_narrower_range_captures_again_outside_it():
+    torch.manual_seed(0)
+    ref = Stack(NarrowBranch())
+    model = copy.deepcopy(ref)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n in (4, 2, 6, 2):
+            x = torch.randn(n, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = ref(x)
+            _autocast_close(model(x), want)
+    assert family_of(model.blocks[0]).captures == 2  # sizes > 2, then 2 (a variant of the same range class)
+
+
 # -- item 11: blocks in an nn.Sequential ---------------------------------------------------------------------
 
 class Residual(nn.Module):

@@ -129,6 +129,25 @@ def test_labels_give_a_float32_loss_close_to_float32s():
         amp(y)
 
 
+def test_a_last_batch_of_one_trains_a_gpt2_converted_from_a_batch_of_eight():
+    """Issue 37: the epoch's last partial batch (1) was refused, then a second graph is captured for it."""
+    torch.manual_seed(0)
+    model, _ = gpt2()
+    x = ids(8, 8)
+    amp = fxamp.convert(model, "O2", dtype=torch.bfloat16, example_inputs=(x,), example_kwargs={"labels": x})
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-3), model=amp)
+    for batch in (ids(8, 8), ids(1, 8)):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(batch, labels=batch).loss  # (the float32 original, not trained: before the step)
+        loss = amp(batch, labels=batch).loss
+        assert abs(loss.item() - want.item()) / want.item() < 0.01
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+        model.load_state_dict(opt.fp32_state_dict(amp))  # the original follows the masters
+    assert sum("captured a second graph" in n for n in fxamp.conversion_info(amp).notes) == 1
+
+
 
 
 def test_llama_without_attention_dropout_is_captured_once():

@@ -400,3 +400,38 @@ def test_convert_inplace_blocks_with_drop_path_hold_a_graph_per_mode_without_a_w
             assert not _dropped_rows(model[0](x), x).any() and torch.equal(model(x), model(x))
     assert not [w for w in caught if "different graphs" in str(w.message)]  # "the graph follows training mode"
     assert str(fxamp.report(model)).count("fx graph for a call") == 2  # a graph per mode, each by torch.fx
+
+
+def test_export_with_dynamic_shapes_holds_a_graph_per_mode_captured_with_those_shapes(recwarn):
+    """Issue 37: ``convert(..., dynamic_shapes=...)`` kept the training graph for both modes, with a warning:
+    eval ran stochastic depth.  Now the eval graph is captured at its first call, with the same shapes."""
+    import fxamp
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    model = DropPathNet()
+    amp = fxamp.convert(copy.deepcopy(model), "O1", dtype=torch.bfloat16, frontend="export",
+                        example_inputs=(torch.randn(4, 8),), dynamic_shapes={"x": {0: Dim("batch", min=1, max=512)}})
+    assert isinstance(amp, fxamp.conversion.lazy.LazyConverted)
+    assert not [w for w in recwarn if "different graphs" in str(w.message)]
+    x = torch.randn(256, 8)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        out = amp(x)  # training: the graph captured from the example inputs
+        torch.manual_seed(7)
+        ref = model(x)
+        drops = _dropped_rows(out, x)
+        assert 0.3 < drops.float().mean() < 0.7 and torch.equal(drops, _dropped_rows(ref, x))
+        assert fxamp.reporting.numerics.sqnr(ref[~drops], out[~drops]) > 25
+        model.eval()
+        amp.eval()
+        for n in (256, 1):  # (a batch of 1: in dynamic_shapes' range, which the eval capture keeps too)
+            x = torch.randn(n, 8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                auto = model(x).float()
+            want = model(x)
+            got = amp(x)
+            assert not _dropped_rows(got, x).any()  # eval: the block runs whole
+            assert (got - want).abs().max() <= 2 * (auto - want).abs().max() + 1e-6
+    assert len(amp.graph_modules()) == 2
+    assert all(str(gm.range_constraints).endswith("VR[1, 512]}") for gm in amp.graph_modules())

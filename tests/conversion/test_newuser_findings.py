@@ -92,13 +92,34 @@ class _ShapeBranch(nn.Module):
         return self.a(x) if x.shape[0] > 2 else self.b(x)
 
 
-def test_export_batch_range_guard_says_what_to_do():
-    amp = fxamp.convert(_ShapeBranch(), "O1", dtype=BF, example_inputs=(torch.randn(4, 4),), frontend="export")
+def _second_graph_note(amp):
+    (note,) = [n for n in fxamp.conversion_info(amp).notes if n.startswith("captured a second graph")]
+    return note
+
+
+def test_export_batch_range_guard_captures_the_other_side_of_the_branch():
+    """Issue 37: a call outside the range was refused; it now captures a second graph for its side."""
+    torch.manual_seed(0)
+    model = _ShapeBranch()
+    amp = fxamp.convert(model, "O1", dtype=BF, example_inputs=(torch.randn(4, 4),), frontend="export")
+    with torch.no_grad():
+        for n in (2, 3, 2):
+            x = torch.randn(n, 4)
+            assert sqnr(model(x), amp(x)) > 25  # self.b at 2, self.a at 3
+    assert re.search(r"input 'x' has size 2 in dim 0, but this capture holds only for sizes >= 3 there: .*a Python "
+                     r"branch on `x\.shape\[0\]`", _second_graph_note(amp))
+
+
+def test_export_batch_range_guard_under_the_users_dynamic_shapes_says_what_to_do():
+    from torch.export import Dim
+
+    amp = fxamp.convert(_ShapeBranch(), "O1", dtype=BF, example_inputs=(torch.randn(4, 4),), frontend="export",
+                        dynamic_shapes={"x": {0: Dim.AUTO}})
     with pytest.raises(RuntimeError, match=r"input 'x' has size 2 in dim 0, but this capture holds only for sizes "
                                            r">= 3 there: .*a Python branch on `x\.shape\[0\]`.*"
-                                           r"frontend='export' and no example inputs"):
+                                           r"or widen that dim's range in dynamic_shapes="):
         amp(torch.randn(2, 4))
-    with torch.no_grad():  # inside the range it runs; 0 and 1 pass a range that starts at 2 only
+    with torch.no_grad():  # inside the range it runs
         assert amp(torch.randn(3, 4)).shape == (3, 4)
 
 
@@ -115,15 +136,15 @@ class _LengthBranch(nn.Module):
 
 
 def test_export_range_guard_on_a_keyword_input_names_it_and_its_dim():
+    torch.manual_seed(0)
     model = _LengthBranch()
     amp = fxamp.convert(model, "O1", dtype=BF, example_inputs=(torch.randn(4, 4),),
                         example_kwargs={"y": torch.randn(4, 3, 4)}, frontend="export")
-    with pytest.raises(RuntimeError, match=r"input 'y' has size 7 in dim 1, but this capture holds only for sizes "
-                                           r"<= 5 there: .*frontend='export' and no example inputs"):
-        amp(torch.randn(4, 4), y=torch.randn(4, 7, 4))
-    x, y = torch.randn(2, 4), torch.randn(2, 5, 4)
     with torch.no_grad():
-        assert sqnr(model(x, y=y), amp(x, y=y)) > 25
+        for n in (7, 5):
+            x, y = torch.randn(2, 4), torch.randn(2, n, 4)
+            assert sqnr(model(x, y=y), amp(x, y=y)) > 25
+    assert "input 'y' has size 7 in dim 1, but this capture holds only for sizes 2 to 5 there" in _second_graph_note(amp)
 
 
 def test_lazy_module_captures_again_for_a_keyword_input_outside_the_range():

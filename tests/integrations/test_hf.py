@@ -151,6 +151,7 @@ def test_fp16_loss_scaling_clipping_and_skip(tmp_path):
     opt = t.optimizer
     assert opt.skipped_steps == skipped1 and t.model.get_parameter("transformer.wte.weight").dtype == torch.float16
     assert opt.last_grad_norm is not None and math.isfinite(opt.last_grad_norm)  # clipped the float32 masters
+    assert t.lr_scheduler.last_epoch == 12 - opt.skipped_steps  # a skipped step holds the schedule back
     assert math.isfinite(t.evaluate()["eval_loss"])
 
 

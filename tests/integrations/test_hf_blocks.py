@@ -223,13 +223,15 @@ def without_dropout(model):
     return model.train()
 
 
-@pytest.mark.parametrize("name,converted_first", [("gpt2", False), ("llama", True)])
+@pytest.mark.parametrize("name,converted_first,trainer_schedule", [("gpt2", False, False), ("llama", True, False),
+                                                                   ("gpt2", False, True)])
 def test_trainer_trains_a_model_converted_in_place_as_a_plain_loop_and_saves_the_masters(name, converted_first,
-                                                                                          tmp_path):
+                                                                                          trainer_schedule, tmp_path):
     """Issue 37: ``hf.prepare(..., in_place=True)`` (or a model ``fxamp.convert_`` already converted) gives the same
     model object, still a ``PreTrainedModel``, and the optimizers; ``Trainer.train()`` then gives bit for bit the
     losses and masters of a plain loop with the same optimizer (``opt.backward``) on the same batches, and
-    ``Trainer.save_model`` the masters, float32 in config.json."""
+    ``Trainer.save_model`` the masters, float32 in config.json.  ``optimizers=(opt, None)``: the Trainer builds
+    its own schedule on the wrapper (torch refused it: "TrainerOptimizer is not an Optimizer"), the same one."""
     from fxamp.integrations import hf
 
     args = trainer_args(tmp_path / "run")
@@ -241,9 +243,11 @@ def test_trainer_trains_a_model_converted_in_place_as_a_plain_loop_and_saves_the
         prepared, (opt, sched) = hf.prepare(model, args, "O2", dtype="bf16", in_place=True)
     assert prepared is model and isinstance(model, transformers.PreTrainedModel) and model.dtype == BF16
     calls, recording = record_calls(model)
-    trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, sched), train_dataset=Rows())
+    trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, None if trainer_schedule else sched),
+                                   train_dataset=Rows())
     trainer.train()
     recording.remove()
+    assert (trainer.lr_scheduler is not sched) == trainer_schedule
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == len(calls) == 3 and all(math.isfinite(x) for x in losses)
     assert opt.skipped_steps == 0

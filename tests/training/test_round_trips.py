@@ -152,3 +152,38 @@ def test_whole_model_o2_round_trip_into_the_unconverted_model():
     amp2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     assert_bitwise(opt2.fp32_state_dict(), opt.fp32_state_dict())
+
+
+def _deepcopy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _torch_save(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+
+
+FRONTENDS = {"fx": {}, "lazy": {"frontend": "export"}, "export": {"frontend": "export", "example_inputs": (IDS,)}}
+
+
+@pytest.mark.parametrize("frontend, copy_of", [("fx", _deepcopy), ("fx", _torch_save), ("lazy", _deepcopy),
+                                               ("lazy", _torch_save), ("export", _deepcopy)])  # (export: no pickle)
+def test_whole_model_o2_copy_after_kahan_training_gives_a_fresh_optimizer_the_trained_float32_values(frontend, copy_of):
+    """Issue 37: a copy of a ``convert``ed O2 model trained with ``masters="kahan"``, given to a new optimizer with
+    float32 masters, started from its bfloat16 weights widened; now from the Kahan pairs' values, bit for bit."""
+    amp = fxamp.convert(make(), "O2", dtype=BF16, **FRONTENDS[frontend])
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp, masters="kahan")
+    train(amp, opt, steps=2)
+    exact = {k: v.clone() for k, v in opt.fp32_state_dict().items()}
+    low = {n for n, p in amp.named_parameters() if p.dtype == BF16}
+    assert "layers.0.fc.weight" in low
+    assert not torch.equal(exact["layers.0.fc.weight"], amp.layers[0].fc.weight.float())  # the term counts
+    copied = copy_of(amp)
+    assert amp.state_dict()["head.weight"].dtype == BF16 == copied.state_dict()["head.weight"].dtype  # as stored
+    fresh = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(copied.parameters(), lr=1e-2), model=copied)
+    assert_bitwise(fresh.fp32_state_dict(), exact)
+    train(amp, opt, steps=1)  # the original trains on: the copy's masters were taken when it was copied
+    assert_bitwise(fresh.fp32_state_dict(), exact)

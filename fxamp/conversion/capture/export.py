@@ -82,7 +82,7 @@ from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 from .regions import region_notes
-from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, shape_note
+from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
 
 __all__ = ["ExportFrontEnd"]
@@ -486,8 +486,8 @@ def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Sig
     static = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and node.name in signature.parameters:
-            static[node.name] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
+        if isinstance(val, torch.Tensor) and input_name(node) in signature.parameters:
+            static[input_name(node)] = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)
     ranges = {name: dims for name, dims in dim_ranges(gm).items() if name in signature.parameters}
     hook = _BindInputs(signature, positional, tuple(kwargs), constants, static, dynamic, fixed, ranges)
     gm.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

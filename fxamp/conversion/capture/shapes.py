@@ -12,6 +12,14 @@ or a slice of a fixed-size table narrows ``range_constraints``.  :func:`dim_rang
 after the capture and :func:`check_range` refuses a size outside them in fxamp's words
 (:class:`OutsideCapturedRange`), before torch.export's own input check would in its words; a lazily
 capturing module catches that error and captures again for the call's range.
+
+Sizes 0 and 1 are outside every such range: ``Dim.AUTO`` starts a dynamic dim at 2, and the capture
+decides ``x.shape[0] == 1`` (or a squeeze, a broadcast) as for a size of at least 2 without recording a
+guard, so torch's own check lets a size-1 call run the other branch's graph.  :func:`check_range`
+refuses it too, and the refusal is the signal: a lazily capturing module keys its calls on 0/1 sizes and
+captures for them anyway; a module ``convert`` captured from example inputs catches it and captures a
+graph for that call's range on the same parameters (``lazy.RangeFallback``).  Only where the user gave
+``dynamic_shapes=`` does the call fail, naming them.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from ...errors import FxampError
 from ..options import Dynamic
 
 __all__ = ["STATIC_SIZES", "OutsideCapturedRange", "Range", "asked_dims", "check_range", "dim_ranges", "dynamic_shapes",
-           "fixed_dims", "shape_note", "usual_dims"]
+           "fixed_dims", "input_name", "shape_note", "usual_dims"]
 
 #: ``gm.meta`` key of a captured graph module's ``static_sizes(args, kwargs)``: the sizes a call
 #: gives the dims the capture kept static (set by the export front end's input binding)
@@ -43,6 +51,12 @@ class OutsideCapturedRange(FxampError):
     Raised by the converted module's input binding, a forward pre-hook: nothing of forward ran, so a
     lazily capturing module can capture again for the call's size.
     """
+
+
+def input_name(node: fx.Node) -> str:
+    """The forward parameter a placeholder stands for: its target (torch.fx renames a node that would shadow a
+    builtin: ``nn.Sequential``'s ``input`` is the node ``input_1``)."""
+    return node.target if isinstance(node.target, str) else node.name
 
 
 def usual_dims(t: torch.Tensor) -> range:
@@ -85,16 +99,17 @@ def fixed_dims(gm: fx.GraphModule, asked: Dict[str, Tuple[int, ...]]) -> Dict[st
     fixed: Dict[str, Dict[int, str]] = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        if node.name not in asked or not isinstance(val, torch.Tensor):
+        name = input_name(node)
+        if name not in asked or not isinstance(val, torch.Tensor):
             continue
-        for dim in asked[node.name]:
+        for dim in asked[name]:
             if dim < val.dim() and is_concrete_int(val.shape[dim]):
                 size = int(val.shape[dim])
                 why = (f"the example has size {size} there, and torch.export specialises sizes 0 and 1: "
                        f"capture with a size of at least 2" if size < 2 else
                        f"its code depends on the size being {size}: a Python loop or range over it, a view "
                        f"or reshape to a constant size, or a layer of that width")
-                fixed.setdefault(node.name, {})[dim] = why
+                fixed.setdefault(name, {})[dim] = why
     return fixed
 
 
@@ -142,7 +157,7 @@ def shape_note(gm: fx.GraphModule, dynamic: Union[Dynamic, str],
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             dims = ", ".join(str(d) if is_concrete_int(d) else "*" for d in val.shape)
-            parts.append(f"{node.name} ({dims})")
+            parts.append(f"{input_name(node)} ({dims})")
     if not parts:
         return "no tensor inputs"
     how = {Dynamic.BATCH: "dynamic batch and sequence dims (dynamic='batch': dim 0, and dim 1 of token/mask, "
@@ -171,10 +186,11 @@ def dim_ranges(gm: fx.GraphModule) -> Dict[str, Dict[int, Range]]:
     """Input name -> {dim: (low, high)} for each dynamic dim of a top-level input whose capture holds only in
     a range narrower than any size: export's ``range_constraints`` on a dim that is one plain symbol.
 
-    A lower bound of 2 or less is no bound: ``Dim.AUTO`` starts every range at 2 (sizes 0 and 1 are
-    specialised) and torch's own check lets 0 and 1 through such a range too.  Dims related to others
-    (``2 * s0``), or a layout this does not recognise, give no entry: torch.export's input check, which
-    stays on the module, still refuses them, in its own words.
+    A lower bound of 2 is a bound (every ``Dim.AUTO`` dim has it): the capture assumed sizes 0 and 1 away,
+    though torch's own check lets them through (see the module docstring).  A lower bound of 0 or 1 (a
+    ``dynamic_shapes=`` range torch kept) is none.  Dims related to others (``2 * s0``), or a layout this
+    does not recognise, give no entry: torch.export's input check, which stays on the module, still
+    refuses them, in its own words.
     """
     constraints = getattr(gm, "range_constraints", None)
     if not isinstance(constraints, dict) or not constraints:
@@ -190,9 +206,9 @@ def dim_ranges(gm: fx.GraphModule) -> Dict[str, Dict[int, Range]]:
             if bounds is None:
                 continue
             low, high = _as_int(getattr(bounds, "lower", None)), _as_int(getattr(bounds, "upper", None))
-            low = low if low is not None and low > 2 else None
+            low = low if low is not None and low >= 2 else None
             if low is not None or high is not None:
-                ranges.setdefault(node.name, {})[dim] = (low, high)
+                ranges.setdefault(input_name(node), {})[dim] = (low, high)
     return ranges
 
 
@@ -210,6 +226,20 @@ def check_range(name: str, value: Any, ranges: Dict[int, Range], dynamic: Any) -
         if dim >= value.dim():
             continue
         got = int(value.shape[dim])
+        if low == 2 and got < 2 and dynamic == "given":
+            raise OutsideCapturedRange(
+                f"input {name!r} has size {got} in dim {dim}, but your dynamic_shapes= declared that dim for sizes "
+                f">= 2 (torch.export assumes sizes 0 and 1 away there), so this graph may compute something else for "
+                f"size {got}. What to do: call with sizes of at least 2 in dim {dim}, or convert without "
+                f"dynamic_shapes= (that module captures a graph again for a call outside its range)")
+        if low == 2 and got < 2:
+            raise OutsideCapturedRange(
+                f"input {name!r} has size {got} in dim {dim}, but torch.export captured that dim for sizes >= 2 "
+                f"only (it assumes sizes 0 and 1 away: code such as `if {name}.shape[{dim}] == 1`, a squeeze or a "
+                f"broadcast of that dim was recorded as for a larger size), so this graph may compute something "
+                f"else for size {got}. What to do: convert with example inputs of size {got} in dim {dim} (a module "
+                f"for that size), or with frontend='export' and no example inputs (that module captures again for "
+                f"sizes 0 and 1)")
         if (low is not None and got < low) or (high is not None and got > high):
             given = (" or widen that dim's range in dynamic_shapes=" if dynamic == "given" else "")
             raise OutsideCapturedRange(

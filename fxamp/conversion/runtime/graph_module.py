@@ -3,6 +3,7 @@ and pickling, and the call that names the node an error came from."""
 
 from __future__ import annotations
 
+import copy
 import re
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
@@ -10,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.fx as fx
 
 from ...errors import FxampError
-from ...info import INFO_ATTR, watch_for_masters
+from ...info import INFO_ATTR, hold_origins, origins_for_copy, watch_for_masters
 from ..graph import MODULE, decision_of
 
 __all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
@@ -139,8 +140,9 @@ def _none_message(gm: fx.GraphModule, names: List[str], e: BaseException) -> str
 
 def name_failing_nodes(gm: fx.GraphModule) -> None:
     """Make ``gm``'s run-time errors name their node (:class:`NodeErrors`), through deepcopy (and, for a
-    :class:`ConvertedGraphModule`, pickling)."""
-    gm._wrapped_call = NodeErrors()
+    :class:`ConvertedGraphModule`, pickling).  A copy keeps the call it had (a subclass: ``lazy.RangeFallback``)."""
+    call = gm.__dict__.get("_wrapped_call")
+    gm._wrapped_call = call if isinstance(call, NodeErrors) else NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
     hooked_inline_module(gm)  # counts the hooks there now, the capture's: one registered later is refused
 
@@ -152,6 +154,10 @@ def _rearm(gm: fx.GraphModule) -> None:
     watch_for_masters(gm.parameters())
 
 
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_hooks_always_called")
+
+
 class ConvertedGraphModule(fx.GraphModule):
     """The class of a converted module captured by torch.fx: a ``GraphModule`` whose copies keep what
     conversion set up on it.
@@ -159,7 +165,11 @@ class ConvertedGraphModule(fx.GraphModule):
     ``GraphModule`` rebuilds a plain ``GraphModule`` from its generated code when unpickled (the
     node-naming call, a class attribute there, is lost) and neither deepcopy nor pickling copies
     tensor hooks (the check that warns when no ``MixedPrecisionOptimizer`` keeps masters).  Both are
-    set up again on the copy.  (A module captured by torch.export keeps torch's own class.)
+    set up again on the copy.  Under O2/O3 a copy also takes its low-precision parameters' float32 values
+    along (the originals, or the masters' values at the time of the copy, a Kahan pair's included:
+    ``fxamp.info.origins_for_copy``), which a ``MixedPrecisionOptimizer`` built on the copy takes as its
+    masters, as it does on the module itself.  (A module captured by torch.export gets a class that is both
+    this and torch's own: :func:`as_converted`.)
     """
 
     def __getitem__(self, index: Any) -> Any:
@@ -167,28 +177,45 @@ class ConvertedGraphModule(fx.GraphModule):
 
     def __reduce__(self) -> Any:
         rebuild, args = super().__reduce__()
-        return (_unpickle_converted, (rebuild, args))
+        return (_unpickle_converted, (rebuild, args, origins_for_copy(self.parameters())))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertedGraphModule":
+        pairs = origins_for_copy(self.parameters())
         copied = super().__deepcopy__(memo)
+        # GraphModule's deepcopy keeps its state_dict hooks only: a torch.export module's input checks (torch's,
+        # and fxamp's that binds inputs by name and refuses sizes outside the captured range) are forward
+        # pre-hooks, and a copy without them would run any size silently on the graph of another
+        for attr in _FORWARD_HOOKS:
+            if self.__dict__.get(attr):
+                copied.__dict__[attr] = copy.deepcopy(self.__dict__[attr], memo)
+        for attr in ("range_constraints", "validate_inputs"):  # what torch's input check reads (shared: read-only)
+            if attr in self.__dict__:
+                copied.__dict__[attr] = self.__dict__[attr]
+        hold_origins(copy.deepcopy(pairs, memo))  # (the parameters are in memo: the pairs name the copy's)
         _rearm(copied)
         return copied
 
 
 def as_converted(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` as a :class:`ConvertedGraphModule` (same attributes, same graph), if it is a plain
-    ``GraphModule``; a subclass (torch.export's) is returned as it is."""
-    if isinstance(gm, ConvertedGraphModule) or type(gm).__mro__[1] is not fx.GraphModule:
+    """``gm`` as a :class:`ConvertedGraphModule` (same attributes, same graph).  torch.export's module (a
+    subclass of ``GraphModule`` with its input checks) becomes one of a class that is both, so that its deep
+    copies keep what conversion set up too (it does not pickle, as torch's own does not)."""
+    if isinstance(gm, ConvertedGraphModule):
         return gm
-    converted = ConvertedGraphModule.__new__(ConvertedGraphModule)
+    # the class GraphModule.__new__ made this instance's own class from (GraphModuleImpl) is the one to extend
+    base = type(gm).__mro__[1]
+    cls = ConvertedGraphModule if base is fx.GraphModule else type(
+        base.__name__, (ConvertedGraphModule, base), {"__module__": __name__, "__doc__": ConvertedGraphModule.__doc__})
+    converted = cls.__new__(cls)
     vars(converted).update(vars(gm))
     converted.graph = gm.graph  # the graph's owner, and the generated forward on the new class
     type(converted).__name__ = type(gm).__name__
     return converted
 
 
-def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...]) -> ConvertedGraphModule:
+def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...], origins: Tuple[Any, ...] = ()) -> ConvertedGraphModule:
     plain = rebuild(*args)
     converted = as_converted(plain)
+    hold_origins(origins)  # (one pickle: its low tensors are the unpickled module's parameters)
     _rearm(converted)
     return converted
