@@ -512,7 +512,7 @@ def test_the_report_says_which_islands_run_their_backward_in_row_chunks():
     h, labels = head_data(None, b=4, s=64, vocab=512)
     rep = fxamp.report(model, "O1", example_inputs=(h, labels), dtype=BF16)
     assert "recomputed, keeps bfloat16 for backward, 262kB less, backward in row chunks" in rep.to_table()
-    assert "its backward runs in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
+    assert "its forward and backward run in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
     header, *lines = rep.to_csv().splitlines()
     assert header.endswith("recompute_chunked") and any(line.endswith(",1") for line in lines)
     smooth = fxamp.report(Head(vocab=512, label_smoothing=0.1), "O1", example_inputs=(h, labels), dtype=BF16)
@@ -578,3 +578,73 @@ def test_a_softmax_over_dim_0_is_recomputed_whole(monkeypatch, spy_chunks, dim):
         runs.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert spy_chunks == ([] if dim == 0 else [dim == 1])
+
+
+# ---- row-chunked forward: the loss's upcast deferred to its chunks -------------------------------------------
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_the_chunked_forward_holds_no_float32_tensor_of_the_logits_size(monkeypatch, shift):
+    """Forward of the loss island: the float32 upcast and log-probabilities (8 bytes a logit, what made the step's
+    peak at GPT-2 small's 8 x 1024 tokens) exist one chunk at a time; recompute off, both whole."""
+    from fxamp.conversion.runtime import recompute
+
+    torch.manual_seed(0)
+    vocab = 512
+    model = Head(d=16, vocab=vocab, shift_logits=shift)
+    h, labels = head_data(None, b=4, s=64, vocab=vocab)
+    full32 = 4 * 64 * vocab * 4
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", full32 // 16)
+    on = fxamp.convert(model, "O1", dtype=BF16)
+    assert next(n.meta[DECISION].recompute for n in on.graph.nodes if n.name == "cross_entropy").forward_chunked
+    assert any(n.target is recompute.island_loss for n in on.graph.nodes)
+    peak, largest = allocations(lambda: on(h, labels))
+    off_peak, off_largest = allocations(lambda: fxamp.convert(model, "O1", dtype=BF16, recompute_islands=False)(h, labels))
+    assert largest < full32 and off_largest >= full32
+    # the bf16 logits (shifted: and their bf16 slice), a few chunks; off: the logits, their upcast, log-probabilities
+    assert peak <= (2 if shift else 1) * full32 // 2 + 6 * full32 // 16 and off_peak >= 2 * full32
+
+
+@pytest.mark.parametrize("ignore_index,ignored", [(-100, "some"), (0, "some"), (-100, "all"), (7, "none")])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_chunked_forward_is_bitwise_the_whole_loss(monkeypatch, ignore_index, ignored, reduction):
+    """The chunks' loss is the whole cross-entropy's bit for bit: its mean and sum are reduced by nll_loss itself,
+    whatever ignore_index is (0 too: the reduction's column then is 1), all rows ignored (NaN) or none."""
+    from fxamp.conversion.runtime import recompute
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 64)
+
+        def forward(self, h, labels):
+            return F.cross_entropy(self.fc(h).float().view(-1, 64), labels.view(-1), ignore_index=ignore_index,
+                                   reduction=reduction)
+
+    torch.manual_seed(0)
+    model = Loss()
+    h, labels = head_data(None)
+    labels = labels.clamp(min=1)
+    if ignored == "some":
+        labels[0, :3] = ignore_index
+        labels[1, 2] = 0 if ignore_index != 0 else 5
+    elif ignored == "all":
+        labels.fill_(ignore_index)
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 64 * 5)  # 21 rows, chunks of 5
+    on = fxamp.convert(model, "O1", dtype=BF16)
+    assert any(n.target is recompute.island_loss for n in on.graph.nodes)
+    weights = torch.rand(21)
+    ref = head_grads(fxamp.convert(model, "O1", dtype=BF16, recompute_islands=False), h, labels, weights)
+    got = head_grads(on, h, labels, weights)
+    if ignored == "all" and reduction == "mean":
+        assert got[0].isnan() and ref[0].isnan()
+        got, ref = (got[0].nan_to_num(), got[1]), (ref[0].nan_to_num(), ref[1])
+    assert same(got, ref)
+
+
+def test_an_island_returning_its_upcast_runs_its_forward_whole(data):
+    """The issue's GPT returns the float32 logits too: they exist whole anyway, so only the backward is chunked."""
+    torch.manual_seed(0)
+    on = fxamp.convert(LM(), "O1", dtype=BF16)
+    choice = next(n.meta[DECISION].recompute for n in on.graph.nodes if n.name == "cross_entropy")
+    assert choice.chosen and choice.chunked and not choice.forward_chunked
+    assert "its backward runs in chunks of rows" in choice.reason

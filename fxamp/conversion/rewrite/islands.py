@@ -41,7 +41,8 @@ from ..classify.inference import DtypeInference
 from ..op_lists import Category, Source
 from ..options import NO_RECOMPUTE, ConvertOptions, DebugOverflow
 from ..passes import Pass, Stage
-from ..runtime.recompute import CHUNK_BYTES, Ref, RowPlan, island_input, island_on, island_output, resolve, row_plan
+from ..runtime.recompute import (CHUNK_BYTES, Ref, RowPlan, deferred_upcast, island_input, island_loss, island_on,
+                                 island_output, island_upcast, resolve, row_plan)
 from ..runtime import cast, cast_dense
 
 __all__ = ["recompute_islands", "MAX_OPS", "MIN_NUMEL", "ISLANDS"]
@@ -95,9 +96,9 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
             if DECISION in m.meta:
                 m.meta[DECISION] = dataclasses.replace(m.meta[DECISION], recompute=choice)
         islands.append((members, entries, choice))
-    chosen = [(m, e) for m, e, c in islands if c.chosen]
-    for members, entries in chosen:  # all found first: a rewrite changes the graph the search reads
-        _rewrite(graph, members, entries)
+    chosen = [(m, e, c) for m, e, c in islands if c.chosen]
+    for members, entries, choice in chosen:  # all found first: a rewrite changes the graph the search reads
+        _rewrite(graph, members, entries, choice.forward_chunked)
     if not chosen:
         return []
     saved = sorted({dtype_name(c.saved) for _, _, c in islands if c.chosen and c.saved is not None})
@@ -264,9 +265,10 @@ def _choose(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], sta
         return IslandChoice(chosen=False, reason=why, source=source, **what)
     ops = ", ".join(dict.fromkeys(_name(m) for m in saving))
     by = f" ({forced[2]}, override)" if forced is not None else ""
-    how = (f"; its backward runs in chunks of rows of ~{CHUNK_BYTES >> 20} MiB of float32" if chunked else
-           f"; its backward recomputes it whole ({plan})")
-    return IslandChoice(chosen=True, saved=low, source=source, chunked=chunked, **what,
+    forward = chunked and isinstance(deferred_upcast(program, len(externals)), tuple)
+    how = (f"; its {'forward and ' if forward else ''}backward run{'' if forward else 's'} in chunks of rows of "
+           f"~{CHUNK_BYTES >> 20} MiB of float32" if chunked else f"; its backward recomputes it whole ({plan})")
+    return IslandChoice(chosen=True, saved=low, source=source, chunked=chunked, forward_chunked=forward, **what,
                         reason=f"recomputed in backward from its {dtype_name(low)} input{by}, which backward "
                                f"keeps instead of the float32 tensors {ops} would save{how}")
 
@@ -306,8 +308,9 @@ def _program(graph: fx.Graph, members: List[fx.Node]) -> Tuple[Tuple[Any, ...], 
     return (steps, tuple(index[o] for o in outputs)), members, externals
 
 
-def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) -> None:
-    """Route one island through ``island_on`` / ``island_input`` / ``island_output`` (the module docstring)."""
+def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], forward_chunked: bool) -> None:
+    """Route one island through ``island_on`` / ``island_input`` / ``island_output`` (the module docstring); with
+    ``forward_chunked``, its upcast and loss through ``island_upcast`` / ``island_loss`` too."""
     program, members, externals = _program(graph, members)
     order = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(members)
@@ -333,6 +336,12 @@ def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) ->
         for x in m.all_input_nodes:
             if x in detached:
                 m.replace_input_with(x, detached[x])
+    if forward_chunked:  # (the program, read above, keeps the ops as written: backward runs those)
+        casts, at = deferred_upcast(program, len(externals))
+        for up in (members[i - len(externals)] for i in casts):
+            up.op, up.target, up.args, up.kwargs = "call_function", island_upcast, (up.args[0], on, CAST in up.meta), {}
+        loss = members[at - len(externals)]
+        loss.target, loss.args = island_loss, (on, _target_name(loss), *loss.args)
     with graph.inserting_after(last):
         exit_node = graph.call_function(island_output, (on, program, tuple(externals), tuple(outputs)))
     after = exit_node
