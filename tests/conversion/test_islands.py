@@ -511,7 +511,7 @@ def test_the_report_says_which_islands_run_their_backward_in_row_chunks():
     model = Head(vocab=512)
     h, labels = head_data(None, b=4, s=64, vocab=512)
     rep = fxamp.report(model, "O1", example_inputs=(h, labels), dtype=BF16)
-    assert "recomputed, keeps bfloat16 for backward, 262kB less, backward in row chunks" in rep.to_table()
+    assert "recomputed, keeps bfloat16 for backward, 262kB less, forward and backward in row\n    chunks" in rep.to_table()
     assert "its forward and backward run in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
     header, *lines = rep.to_csv().splitlines()
     assert header.endswith("recompute_chunked") and any(line.endswith(",1") for line in lines)
@@ -648,3 +648,21 @@ def test_an_island_returning_its_upcast_runs_its_forward_whole(data):
     choice = next(n.meta[DECISION].recompute for n in on.graph.nodes if n.name == "cross_entropy")
     assert choice.chosen and choice.chunked and not choice.forward_chunked
     assert "its backward runs in chunks of rows" in choice.reason
+
+
+def test_whole_forward_keeps_one_islands_forward_as_written(monkeypatch):
+    """The override value "whole_forward": the island is still recomputed (backward in chunks), its forward whole."""
+    from fxamp.conversion.runtime import recompute
+
+    torch.manual_seed(0)
+    model = Head(vocab=512)
+    h, labels = head_data(None, b=4, s=64, vocab=512)
+    amp = fxamp.convert(model, "O1", dtype=BF16, node_overrides={"cross_entropy": "whole_forward"})
+    choice = next(n.meta[DECISION].recompute for n in amp.graph.nodes if n.name == "cross_entropy")
+    assert choice.chosen and choice.chunked and not choice.forward_chunked
+    assert "its forward whole: whole_forward for node 'cross_entropy', override" in choice.reason
+    assert not any(n.target in (recompute.island_loss, recompute.island_upcast) for n in amp.graph.nodes)
+    assert allocations(lambda: amp(h, labels))[1] >= 4 * 64 * 512 * 4  # the float32 logits, whole
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 512 * 7)
+    chunked = fxamp.convert(model, "O1", dtype=BF16)
+    assert same(head_grads(amp, h, labels), head_grads(chunked, h, labels))

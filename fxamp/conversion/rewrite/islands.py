@@ -22,6 +22,12 @@ op of a checkpointed block (checkpoint recomputes those already), its upcast rea
 (another reader would keep the float32 copy anyway), and where the capture knows the shape (torch.export)
 at least :data:`MIN_NUMEL` elements; ``node_overrides``/``module_overrides`` values ``"recompute"`` and
 ``"no_recompute"`` decide one island; ``convert(recompute_islands=False)`` turns the pass off.
+
+A loss island (an upcast, views of it, one cross-entropy: ``runtime.recompute.deferred_upcast``) runs its
+forward in row chunks too: its casts to float32 become ``island_upcast`` (the low-precision value itself
+while the island recomputes) and its loss ``island_loss`` (each chunk cast up; the same loss bit for bit),
+so forward never holds the float32 logits and log-probabilities (8 bytes a logit, the step's peak at GPT-2
+small's 8 x 1024 tokens).  The override value ``"whole_forward"`` keeps one island's forward as written.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ..capture.regions import CHECKPOINT
 from ..graph import CAST, DECISION, IslandChoice, module_path_of, region_in_order
 from ..classify.inference import DtypeInference
 from ..op_lists import Category, Source
-from ..options import NO_RECOMPUTE, ConvertOptions, DebugOverflow
+from ..options import NO_RECOMPUTE, WHOLE_FORWARD, ConvertOptions, DebugOverflow
 from ..passes import Pass, Stage
 from ..runtime.recompute import (CHUNK_BYTES, Ref, RowPlan, deferred_upcast, island_input, island_loss, island_on,
                                  island_output, island_upcast, resolve, row_plan)
@@ -245,6 +251,9 @@ def _choose(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], sta
     if forced is not None and forced[0] == NO_RECOMPUTE:
         return IslandChoice(chosen=False, reason=f"no_recompute for {forced[2]} (override)", source=forced[1], **what)
     source = Source.DEFAULT if forced is None else forced[1]
+    whole_forward = None
+    if forced is not None and forced[0] == WHOLE_FORWARD:  # (the rule decides the recompute itself)
+        whole_forward, forced = forced[2], None
     inside = set(members)
     why = None
     saving = [m for m in members if _name(m) not in _FREE]
@@ -265,9 +274,11 @@ def _choose(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], sta
         return IslandChoice(chosen=False, reason=why, source=source, **what)
     ops = ", ".join(dict.fromkeys(_name(m) for m in saving))
     by = f" ({forced[2]}, override)" if forced is not None else ""
-    forward = chunked and isinstance(deferred_upcast(program, len(externals)), tuple)
+    forward = chunked and whole_forward is None and isinstance(deferred_upcast(program, len(externals)), tuple)
     how = (f"; its {'forward and ' if forward else ''}backward run{'' if forward else 's'} in chunks of rows of "
            f"~{CHUNK_BYTES >> 20} MiB of float32" if chunked else f"; its backward recomputes it whole ({plan})")
+    if whole_forward is not None:
+        how += f" (its forward whole: whole_forward for {whole_forward}, override)"
     return IslandChoice(chosen=True, saved=low, source=source, chunked=chunked, forward_chunked=forward, **what,
                         reason=f"recomputed in backward from its {dtype_name(low)} input{by}, which backward "
                                f"keeps instead of the float32 tensors {ops} would save{how}")

@@ -30,6 +30,12 @@ gradient written into one gradient of the input's (low) dtype, so backward holds
 its low-precision gradient and one chunk's float32 temporaries.  A mean's backward divides by the
 whole batch's count (``total_weight``: targets not ``ignore_index``), as the kernel does, so each
 chunk runs the sum and receives ``grad / total_weight``: the same gradients bit for bit.
+
+**Row chunks in forward.** A loss island's forward (an upcast, views, a cross-entropy: :func:`deferred_upcast`)
+would hold the float32 upcast and log-probabilities of the whole input for a moment, the step's peak at a large
+vocabulary.  Its upcasts become :func:`island_upcast` (the low-precision value itself while the island
+recomputes) and its loss :func:`island_loss` (each chunk cast up, its rows' negative log-likelihoods taken,
+then reduced by ``nll_loss`` itself in the whole call's order): the same loss bit for bit.
 """
 
 from __future__ import annotations
