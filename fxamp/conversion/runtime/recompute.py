@@ -522,11 +522,15 @@ def island_loss(on: bool, name: str, *args: Any, **kwargs: Any) -> Any:
     for a form it does not chunk (class weights, label smoothing, not 2-D), the whole loss on the input cast up.
     """
     fn = resolve(name)
-    norm = _loss_arguments(fn, args, kwargs)
-    x = None if norm is None else next(iter(norm.values()))
-    if not (on and isinstance(x, torch.Tensor) and x.dtype in LOW):
-        return fn(*args, **kwargs)
+    norm = _loss_arguments(fn, args, kwargs) if on else None
+    if norm is None:  # (recompute off: the input arrives in float32, as written; row_plan read the signature)
+        up = [a.to(torch.float32) if k == 0 and isinstance(a, torch.Tensor) and a.dtype in LOW else a
+              for k, a in enumerate(args)]
+        return fn(*up, **kwargs)
     values = list(norm.values())
+    x = values[0]
+    if not (isinstance(x, torch.Tensor) and x.dtype in LOW):
+        return fn(*values)
     target = values[1]
     reduction = _REDUCTIONS.get(norm.get("reduction"))
     if (x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0 or not isinstance(target, torch.Tensor)
