@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     for r in a.regimes.split(","):
         try:
             rows.append(measure(r.strip(), base, x, y, classes, a.steps))
+            got = rows[-1]  # (printed as it comes: a full-size run takes an hour on a shared CPU)
+            print(f"# {got['regime']}: peak {got['peak_mib']:.0f} MiB, {got['bytes_per_param']:.2f} B/param, "
+                  f"CPU {got['cpu_ms']:.0f} ms", flush=True)
         except ImportError as e:  # optimi / torchao not installed
             print(f"# {r.strip()}: skipped ({e})")
     auto = next((r for r in rows if r["regime"] == "autocast"), None)
