@@ -4,8 +4,9 @@
 
 A GPT-2-small-width decoder (d768, 12 heads, :class:`benchmarks.models.DecoderLM`, GPT-2's std-0.02
 initialisation) trained with AdamW (lr 6e-4, the first steps on one random batch) in:
-fp32, ``torch.autocast`` (bf16), pure bf16 (``model.to(bf16)``), fxamp O2 with float32 masters and
-state, and O2 with lean masters/state (kahan + bf16 state, stochastic + int8 state, auto + auto).
+fp32, ``torch.autocast`` (bf16), pure bf16 (``model.to(bf16)``; ``bf16 auto+auto``: with fxamp's lean auto
+state, the no-cast limit of ``O2 auto+auto``), fxamp O2 with float32 masters and state, and O2 with lean
+masters/state (kahan + bf16 state, stochastic + int8 state, auto + auto).
 
 * ``B/param``: bytes of every live CPU tensor right after ``step()`` (weights, gradients still bound,
   masters or terms, optimizer state), less what existed before the model, per parameter: the issue's
@@ -25,7 +26,7 @@ log-softmax is a float32 island that keeps the bfloat16 logits for backward (iss
 Full size (GPT-2 small at 8 x 1024 tokens; a long run on a CPU)::
 
     python -m benchmarks.memory --loss-inside --layers 12 --vocab 50304 --seq 1024 --batch 8 --steps 2 \
-        --regimes "fp32,autocast,bf16,O2,O2 no-recompute,O2 auto+auto,O2 auto+auto no-recompute"
+        --regimes "autocast,bf16,bf16 auto+auto,O2,O2 no-recompute,O2 auto+auto,O2 auto+auto no-recompute"
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from benchmarks.models import DecoderLM, ResNet50
 from benchmarks.real import cpu_flags, live_storage_bytes, step_peak_bytes
 
 REGIMES = ["fp32", "autocast", "bf16", "O2", "O2 kahan+bf16", "O2 stochastic+int8", "O2 auto+auto",
-           "bf16 optimi-kahan", "bf16 torchao-8bit", "O2 no-recompute", "O2 auto+auto no-recompute"]
+           "bf16 optimi-kahan", "bf16 torchao-8bit", "bf16 auto+auto", "O2 no-recompute", "O2 auto+auto no-recompute"]
 #: a regime's name ends with this: fxamp converts with recompute_islands=False
 NO_RECOMPUTE = " no-recompute"
 #: pure bfloat16 models stepped by other libraries' lean optimizers (rows skipped where they do not import)
@@ -79,6 +80,16 @@ def build(regime: str, base: nn.Module, x: torch.Tensor, y: torch.Tensor, vocab:
 
     xb = x.to(torch.bfloat16) if x.is_floating_point() else x  # (pure bf16 takes bf16 images)
 
+    if regime == "bf16 auto+auto":  # pure bf16 with O2 auto+auto's lean state: the no-cast limit of that regime
+        m = copy.deepcopy(base).to(torch.bfloat16)
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(m.parameters(), lr=6e-4), model=m, seed=0,
+                                            precision=fxamp.LeanConfig("auto", "auto", calibration_steps=2))
+
+        def lean_step():
+            opt.backward(loss_of(m, xb))
+            opt.step()
+
+        return lean_step, opt.zero_grad, opt
     if regime in ("fp32", "autocast", "bf16") or regime in _OTHERS:
         m = copy.deepcopy(base)
         if regime != "fp32" and regime != "autocast":
@@ -209,6 +220,9 @@ def main(argv=None) -> int:
     for r in a.regimes.split(","):
         try:
             rows.append(measure(r.strip(), base, x, y, classes, a.steps))
+            got = rows[-1]  # (printed as it comes: a full-size run takes an hour on a shared CPU)
+            print(f"# {got['regime']}: peak {got['peak_mib']:.0f} MiB, {got['bytes_per_param']:.2f} B/param, "
+                  f"CPU {got['cpu_ms']:.0f} ms", flush=True)
         except ImportError as e:  # optimi / torchao not installed
             print(f"# {r.strip()}: skipped ({e})")
     auto = next((r for r in rows if r["regime"] == "autocast"), None)

@@ -73,6 +73,8 @@ class IslandChoice:
     source:  :class:`~fxamp.conversion.op_lists.Source`: DEFAULT (the rule), or a node/module override.
     chunked: its backward runs in chunks of rows (``conversion.runtime.recompute.row_plan``), holding one chunk's
              float32 tensors at a time; False: it recomputes the island whole.
+    forward_chunked: its forward runs in chunks of rows too (a loss over an upcast and its views:
+             ``conversion.runtime.recompute.deferred_upcast``), holding no float32 tensor of the input's size.
     """
 
     island: str
@@ -82,6 +84,7 @@ class IslandChoice:
     entries: Tuple[str, ...] = ()
     source: Source = Source.DEFAULT
     chunked: bool = False
+    forward_chunked: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..errors import warn_deprecated
 from .op_lists import DEFAULT_OP_LISTS, Category, OpEntry, OpKey, OpLists, op_key
 
 __all__ = ["ConvertOptions", "DebugOverflow", "Dynamic", "ModuleOverrides", "NodeOverrides", "parse_option",
-           "RECOMPUTE", "NO_RECOMPUTE"]
+           "RECOMPUTE", "NO_RECOMPUTE", "WHOLE_FORWARD"]
 
 #: module path -> category: every op under the module (``{"encoder.layers.3": "unsafe"}``)
 ModuleOverrides = Mapping[str, Union[str, Category, OpEntry]]
@@ -32,6 +32,8 @@ NodeOverrides = Mapping[str, Union[str, Category, OpEntry]]
 #: override values (``node_overrides``/``module_overrides``) that decide a float32 island (``conversion.rewrite.islands``)
 RECOMPUTE = "recompute"  # recompute the island this node belongs to whatever the rule says (where it can)
 NO_RECOMPUTE = "no_recompute"  # keep this node's island as it runs without recomputation
+WHOLE_FORWARD = "whole_forward"  # the rule decides the recompute; a loss's forward then runs whole, not in row chunks
+_ISLAND_VALUES = (RECOMPUTE, NO_RECOMPUTE, WHOLE_FORWARD)
 
 
 class DebugOverflow(StrEnum):
@@ -170,15 +172,15 @@ class ConvertOptions:
         module_overrides = _frozen_mapping(self.module_overrides, "module_overrides")
         node_overrides = _frozen_mapping(self.node_overrides, "node_overrides")
         islands = tuple((kind, key, value) for kind, given in (("module", module_overrides), ("node", node_overrides))
-                        for key, value in (given or {}).items() if value in (RECOMPUTE, NO_RECOMPUTE))
+                        for key, value in (given or {}).items() if value in _ISLAND_VALUES)
         islands = self.island_overrides + islands
         forced = next((key for _, key, value in islands if value == RECOMPUTE), None)
         if forced is not None and not self.recompute_islands:
             raise ValueError(f"overrides: {forced!r} asks for {RECOMPUTE!r}, but recompute_islands=False turns "
                              f"recomputation off; drop one of the two")
         if islands:
-            module_overrides = {k: v for k, v in (module_overrides or {}).items() if v not in (RECOMPUTE, NO_RECOMPUTE)}
-            node_overrides = {k: v for k, v in (node_overrides or {}).items() if v not in (RECOMPUTE, NO_RECOMPUTE)}
+            module_overrides = {k: v for k, v in (module_overrides or {}).items() if v not in _ISLAND_VALUES}
+            node_overrides = {k: v for k, v in (node_overrides or {}).items() if v not in _ISLAND_VALUES}
         object.__setattr__(self, "module_overrides", module_overrides or None)
         object.__setattr__(self, "node_overrides", node_overrides or None)
         object.__setattr__(self, "island_overrides", islands)

@@ -163,7 +163,8 @@ def _recompute_cell(choice: Any, view: DtypeView, first: bool) -> RecomputeCell:
             per = 4 - torch.empty((), dtype=choice.saved).element_size()
             saved = sum(per * int(torch.Size(s).numel()) for s in shapes)
     return RecomputeCell(choice.island, choice.chosen, choice.reason, choice.source.value,
-                         None if choice.saved is None else dtype_name(choice.saved), saved, first, choice.chunked)
+                         None if choice.saved is None else dtype_name(choice.saved), saved, first, choice.chunked,
+                         choice.forward_chunked)
 
 
 def policy_label(pol: Policy) -> str:

@@ -262,7 +262,8 @@ def island_lines(rep: Any) -> List[str]:
         nodes = rows[0].node + ("" if len(rows) == 1 else f" to {rows[-1].node} ({len(rows)} ops)")
         what = (f"recomputed, keeps {c.saved_dtype} for backward" + ("" if c.bytes_saved is None else
                                                                      f", {_bytes(c.bytes_saved)} less")
-                + (", backward in row chunks" if c.chunked else ", backward whole") if c.chosen else
+                + (", forward and backward in row chunks" if c.forward_chunked else
+                   ", backward in row chunks" if c.chunked else ", backward whole") if c.chosen else
                 f"not recomputed: {c.reason}")
         lines += textwrap.wrap(f"{nodes}: {what}", TABLE_WIDTH - 2, initial_indent="  ", subsequent_indent="    ",
                                break_long_words=False)

@@ -138,6 +138,7 @@ class RecomputeCell:
     bytes_saved: float32 bytes of the upcast values less the kept ones, from the shapes a run observed; else None.
     first:       the island's first row in the table (where the table prints the cell).
     chunked:     its backward runs in chunks of rows (one chunk's float32 tensors at a time), else whole.
+    forward_chunked: its forward too (a loss's upcast deferred to the chunks), else whole.
     """
 
     island: str
@@ -148,6 +149,7 @@ class RecomputeCell:
     bytes_saved: Optional[int] = None
     first: bool = True
     chunked: bool = False
+    forward_chunked: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -511,8 +511,8 @@ def test_the_report_says_which_islands_run_their_backward_in_row_chunks():
     model = Head(vocab=512)
     h, labels = head_data(None, b=4, s=64, vocab=512)
     rep = fxamp.report(model, "O1", example_inputs=(h, labels), dtype=BF16)
-    assert "recomputed, keeps bfloat16 for backward, 262kB less, backward in row chunks" in rep.to_table()
-    assert "its backward runs in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
+    assert "recomputed, keeps bfloat16 for backward, 262kB less, forward and backward in row\n    chunks" in rep.to_table()
+    assert "its forward and backward run in chunks of rows of ~4 MiB of float32" in rep.to_table(wide=True)
     header, *lines = rep.to_csv().splitlines()
     assert header.endswith("recompute_chunked") and any(line.endswith(",1") for line in lines)
     smooth = fxamp.report(Head(vocab=512, label_smoothing=0.1), "O1", example_inputs=(h, labels), dtype=BF16)
@@ -578,3 +578,4 @@ def test_a_softmax_over_dim_0_is_recomputed_whole(monkeypatch, spy_chunks, dim):
         runs.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert spy_chunks == ([] if dim == 0 else [dim == 1])
+

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ...dtypes import CASTABLE, NOT_FLOAT
 from ..graph import ATTR, CAST, INPUT_DTYPE, Decision, fetch_attr
-from ..runtime.recompute import island_input
+from ..runtime.recompute import island_input, island_loss, island_upcast
 from ..op_lists import KEEP_DTYPE_OPS, NON_FLOAT_OPS, Category, SINGLE_TENSOR_OPS, SPLIT_OPS, op_key
 
 __all__ = ["DtypeInference"]
@@ -99,6 +99,11 @@ class DtypeInference:
             return _IfCastable(dtype) if known is None else known  # NOT_FLOAT or float64: left as it is
         if node.op == "call_function" and node.target is island_input:  # a recomputed island's input, detached
             return self._get(node.args[0])
+        # an island whose forward runs in row chunks: the values as written (float32; the chunks compute the same)
+        if node.op == "call_function" and node.target is island_upcast:
+            return torch.float32 if self(node.args[0]) in CASTABLE else None
+        if node.op == "call_function" and node.target is island_loss:  # a cross-entropy: its input's dtype
+            return self._get(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], fx.Node) else None
         if node.op == "call_method" and node.target in _EXPLICIT:
             return _EXPLICIT[node.target]
         if node.op == "call_method" and node.target == "to":

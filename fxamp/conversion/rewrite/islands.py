@@ -22,6 +22,12 @@ op of a checkpointed block (checkpoint recomputes those already), its upcast rea
 (another reader would keep the float32 copy anyway), and where the capture knows the shape (torch.export)
 at least :data:`MIN_NUMEL` elements; ``node_overrides``/``module_overrides`` values ``"recompute"`` and
 ``"no_recompute"`` decide one island; ``convert(recompute_islands=False)`` turns the pass off.
+
+A loss island (an upcast, views of it, one cross-entropy: ``runtime.recompute.deferred_upcast``) runs its
+forward in row chunks too: its casts to float32 become ``island_upcast`` (the low-precision value itself
+while the island recomputes) and its loss ``island_loss`` (each chunk cast up; the same loss bit for bit),
+so forward never holds the float32 logits and log-probabilities (8 bytes a logit, the step's peak at GPT-2
+small's 8 x 1024 tokens).  The override value ``"whole_forward"`` keeps one island's forward as written.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ from ..capture.regions import CHECKPOINT
 from ..graph import CAST, DECISION, IslandChoice, module_path_of, region_in_order
 from ..classify.inference import DtypeInference
 from ..op_lists import Category, Source
-from ..options import NO_RECOMPUTE, ConvertOptions, DebugOverflow
+from ..options import NO_RECOMPUTE, WHOLE_FORWARD, ConvertOptions, DebugOverflow
 from ..passes import Pass, Stage
-from ..runtime.recompute import CHUNK_BYTES, Ref, RowPlan, island_input, island_on, island_output, resolve, row_plan
+from ..runtime.recompute import (CHUNK_BYTES, Ref, RowPlan, deferred_upcast, island_input, island_loss, island_on,
+                                 island_output, island_upcast, resolve, row_plan)
 from ..runtime import cast, cast_dense
 
 __all__ = ["recompute_islands", "MAX_OPS", "MIN_NUMEL", "ISLANDS"]
@@ -95,9 +102,9 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
             if DECISION in m.meta:
                 m.meta[DECISION] = dataclasses.replace(m.meta[DECISION], recompute=choice)
         islands.append((members, entries, choice))
-    chosen = [(m, e) for m, e, c in islands if c.chosen]
-    for members, entries in chosen:  # all found first: a rewrite changes the graph the search reads
-        _rewrite(graph, members, entries)
+    chosen = [(m, e, c) for m, e, c in islands if c.chosen]
+    for members, entries, choice in chosen:  # all found first: a rewrite changes the graph the search reads
+        _rewrite(graph, members, entries, choice.forward_chunked)
     if not chosen:
         return []
     saved = sorted({dtype_name(c.saved) for _, _, c in islands if c.chosen and c.saved is not None})
@@ -244,6 +251,9 @@ def _choose(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], sta
     if forced is not None and forced[0] == NO_RECOMPUTE:
         return IslandChoice(chosen=False, reason=f"no_recompute for {forced[2]} (override)", source=forced[1], **what)
     source = Source.DEFAULT if forced is None else forced[1]
+    whole_forward = None
+    if forced is not None and forced[0] == WHOLE_FORWARD:  # (the rule decides the recompute itself)
+        whole_forward, forced = forced[2], None
     inside = set(members)
     why = None
     saving = [m for m in members if _name(m) not in _FREE]
@@ -264,9 +274,12 @@ def _choose(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], sta
         return IslandChoice(chosen=False, reason=why, source=source, **what)
     ops = ", ".join(dict.fromkeys(_name(m) for m in saving))
     by = f" ({forced[2]}, override)" if forced is not None else ""
-    how = (f"; its backward runs in chunks of rows of ~{CHUNK_BYTES >> 20} MiB of float32" if chunked else
-           f"; its backward recomputes it whole ({plan})")
-    return IslandChoice(chosen=True, saved=low, source=source, chunked=chunked, **what,
+    forward = chunked and whole_forward is None and isinstance(deferred_upcast(program, len(externals)), tuple)
+    how = (f"; its {'forward and ' if forward else ''}backward run{'' if forward else 's'} in chunks of rows of "
+           f"~{CHUNK_BYTES >> 20} MiB of float32" if chunked else f"; its backward recomputes it whole ({plan})")
+    if whole_forward is not None:
+        how += f" (its forward whole: whole_forward for {whole_forward}, override)"
+    return IslandChoice(chosen=True, saved=low, source=source, chunked=chunked, forward_chunked=forward, **what,
                         reason=f"recomputed in backward from its {dtype_name(low)} input{by}, which backward "
                                f"keeps instead of the float32 tensors {ops} would save{how}")
 
@@ -306,8 +319,9 @@ def _program(graph: fx.Graph, members: List[fx.Node]) -> Tuple[Tuple[Any, ...], 
     return (steps, tuple(index[o] for o in outputs)), members, externals
 
 
-def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) -> None:
-    """Route one island through ``island_on`` / ``island_input`` / ``island_output`` (the module docstring)."""
+def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node], forward_chunked: bool) -> None:
+    """Route one island through ``island_on`` / ``island_input`` / ``island_output`` (the module docstring); with
+    ``forward_chunked``, its upcast and loss through ``island_upcast`` / ``island_loss`` too."""
     program, members, externals = _program(graph, members)
     order = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(members)
@@ -333,6 +347,12 @@ def _rewrite(graph: fx.Graph, members: List[fx.Node], entries: List[fx.Node]) ->
         for x in m.all_input_nodes:
             if x in detached:
                 m.replace_input_with(x, detached[x])
+    if forward_chunked:  # (the program, read above, keeps the ops as written: backward runs those)
+        casts, at = deferred_upcast(program, len(externals))
+        for up in (members[i - len(externals)] for i in casts):
+            up.op, up.target, up.args, up.kwargs = "call_function", island_upcast, (up.args[0], on, CAST in up.meta), {}
+        loss = members[at - len(externals)]
+        loss.target, loss.args = island_loss, (on, _target_name(loss), *loss.args)
     with graph.inserting_after(last):
         exit_node = graph.call_function(island_output, (on, program, tuple(externals), tuple(outputs)))
     after = exit_node

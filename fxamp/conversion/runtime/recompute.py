@@ -30,6 +30,12 @@ gradient written into one gradient of the input's (low) dtype, so backward holds
 its low-precision gradient and one chunk's float32 temporaries.  A mean's backward divides by the
 whole batch's count (``total_weight``: targets not ``ignore_index``), as the kernel does, so each
 chunk runs the sum and receives ``grad / total_weight``: the same gradients bit for bit.
+
+**Row chunks in forward.** A loss island's forward (an upcast, views, a cross-entropy: :func:`deferred_upcast`)
+would hold the float32 upcast and log-probabilities of the whole input for a moment, the step's peak at a large
+vocabulary.  Its upcasts become :func:`island_upcast` (the low-precision value itself while the island
+recomputes) and its loss :func:`island_loss` (each chunk cast up, its rows' negative log-likelihoods taken,
+then reduced by ``nll_loss`` itself in the whole call's order): the same loss bit for bit.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ import torch
 from torch.fx.operator_schemas import normalize_function
 
 from ...dtypes import LOW
+from .casts import cast
 
 __all__ = ["Ref", "island_on", "island_input", "island_output", "run_program", "resolve", "RowPlan", "row_plan",
-           "CHUNK_BYTES", "ACCELERATOR_CHUNK_BYTES", "chunked_grads"]
+           "CHUNK_BYTES", "ACCELERATOR_CHUNK_BYTES", "chunked_grads", "deferred_upcast", "island_upcast", "island_loss"]
 
 #: float32 bytes of one chunk of rows in a row-chunked backward.  Small, so that a chunk's temporaries stay
 #: in cache and the allocator reuses their blocks: a backward over whole float32 logits spends much of its
@@ -397,8 +404,7 @@ def chunked_grads(program: Tuple[Any, ...], plan: RowPlan, values: List[Any], ne
     gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None
     bufs = {r: torch.empty_like(values[r], memory_format=torch.contiguous_format) for r in wrt}
     used = dict.fromkeys([plan.x, *wrt], False)
-    row_numel = max(1, x[0].numel())
-    step_rows = max(1, (CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_CHUNK_BYTES) // (4 * row_numel))
+    step_rows = _rows_per_chunk(x)
     calls = {}  # each loss's function and arguments, its chunks running the sum
     for idx, reduction in plan.losses:
         norm = _loss_arguments(resolve(steps[idx - n][1]), steps[idx - n][2], steps[idx - n][3])
@@ -446,3 +452,105 @@ def _run_step(step: Tuple[Any, ...], env: List[Any]) -> Any:
     kind, target, args, kwargs = step
     args, kw = _load(args, env), {k: _load(v, env) for k, v in kwargs}
     return resolve(target)(*args, **kw) if kind == "f" else getattr(args[0], target)(*args[1:], **kw)
+
+
+def _rows_per_chunk(x: torch.Tensor) -> int:
+    """Rows of ``x`` (dim 0) in one chunk of about :data:`CHUNK_BYTES` of float32."""
+    row_numel = max(1, x[0].numel())
+    return max(1, (CHUNK_BYTES if x.device.type == "cpu" else ACCELERATOR_CHUNK_BYTES) // (4 * row_numel))
+
+
+# ---- row chunks in forward: a loss island's upcast deferred to its chunks ------------------------------------
+
+#: the losses whose forward runs in row chunks (log-softmax then the negative log-likelihood; see island_loss)
+_CHUNKED_FORWARD = frozenset({"cross_entropy", "cross_entropy_loss"})
+
+
+def deferred_upcast(program: Tuple[Any, ...], n_inputs: int) -> Union[Tuple[Tuple[int, ...], int], str]:
+    """``(upcasts, loss)``: the indices (in the program's values, its inputs first) of the casts to float32 and of
+    the loss of an island whose forward can run in row chunks too, or why not (a sentence).
+
+    It must be: an upcast, views and slices of it (and casts to float32, which do nothing there), one
+    cross-entropy over them, and only values of the loss after it; the island returns the loss alone (never
+    the upcast or a view of it).  The casts then return their low-precision input while the island recomputes
+    (:func:`island_upcast`), the views run on that, and :func:`island_loss` casts up one chunk of rows at a
+    time: forward never holds the float32 upcast or log-probabilities of the whole input (8 bytes per logit).
+    """
+    plan = row_plan(program, n_inputs)
+    if not isinstance(plan, RowPlan):
+        return plan
+    steps, outputs, n = program[0], program[1], n_inputs
+    if len(plan.losses) != 1 or op_name(steps[plan.losses[0][0] - n][1]) not in _CHUNKED_FORWARD:
+        return "not one cross_entropy"
+    loss = plan.losses[0][0]
+    scalars = {i for i, _ in plan.scalar_of}
+    casts = tuple(sorted(i for i in plan.prefix if _cast_dtype(steps[i - n]) is not None))
+    if any(i not in plan.prefix and i != loss and i not in scalars for i in range(n, n + len(steps))):
+        return "it computes more than the loss on its rows"
+    rows = plan.prefix - {i for i in plan.prefix if op_name(steps[i - n][1]) in _QUERY}
+    if any(o in rows for o in outputs):
+        return "it returns its float32 rows"
+    _, _, args, kwargs = steps[loss - n]
+    read = _refs((args, kwargs))
+    if any(r in rows and r != plan.x for r in read) or Ref(plan.x) not in (*args[:1], *(v for k, v in kwargs)):
+        return "its loss reads other rows than the last view"
+    for j in range(len(steps)):  # a row value read by anything but the next view, a shape query or the loss
+        if n + j in rows or n + j == loss:
+            continue
+        if any(r in rows for r in _refs((steps[j][2], steps[j][3]))) and n + j not in plan.prefix:
+            return "its rows are read elsewhere"
+    return casts, loss
+
+
+def island_upcast(x: Any, on: bool, dense: bool) -> Any:
+    """An island's upcast whose forward :func:`island_loss` runs in row chunks: ``x`` itself (low precision) while
+    the island recomputes (the views after it run on that), else ``x`` cast to float32 as written (``dense``:
+    fxamp's :func:`~fxamp.conversion.runtime.casts.cast`, else ``x.to(float32)``)."""
+    if on:
+        return x
+    return cast(x, torch.float32) if dense else x.to(torch.float32)
+
+
+def island_loss(on: bool, name: str, *args: Any, **kwargs: Any) -> Any:
+    """The loss ``name`` (a cross-entropy) of an island whose upcast :func:`island_upcast` deferred.
+
+    While the island recomputes, its input arrives in low precision and the loss runs in chunks of rows of about
+    :data:`CHUNK_BYTES` of float32: each chunk cast up, its log-softmax and each row's negative log-likelihood
+    taken (``reduction="none"``: one value a row, the same bits as the whole call's), then the rows' values
+    reduced by ``nll_loss`` itself over a two-column tensor holding them (its sum runs over the rows in the
+    same order whatever the number of classes), so mean and sum are the whole call's bit for bit.  Else, or
+    for a form it does not chunk (class weights, label smoothing, not 2-D), the whole loss on the input cast up.
+    """
+    fn = resolve(name)
+    norm = _loss_arguments(fn, args, kwargs) if on else None
+    if norm is None:  # (recompute off: the input arrives in float32, as written; row_plan read the signature)
+        up = [a.to(torch.float32) if k == 0 and isinstance(a, torch.Tensor) and a.dtype in LOW else a
+              for k, a in enumerate(args)]
+        return fn(*up, **kwargs)
+    values = list(norm.values())
+    x = values[0]
+    if not (isinstance(x, torch.Tensor) and x.dtype in LOW):
+        return fn(*values)
+    target = values[1]
+    reduction = _REDUCTIONS.get(norm.get("reduction"))
+    if (x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0 or not isinstance(target, torch.Tensor)
+            or target.dim() != 1 or target.shape[0] != x.shape[0] or target.is_floating_point()
+            or norm.get("weight") is not None or norm.get("label_smoothing", 0.0) != 0.0 or reduction is None
+            or norm.get("size_average") is not None or norm.get("reduce") is not None):
+        return fn(x.to(torch.float32), *values[1:])
+    ignore = norm.get("ignore_index", -100)
+    rows = x.shape[0]
+    picked = torch.empty(rows, dtype=torch.float32, device=x.device)
+    step = _rows_per_chunk(x)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        logp = torch.log_softmax(x[r0:r1].to(torch.float32), 1)
+        picked[r0:r1] = torch.nn.functional.nll_loss(logp, target[r0:r1], reduction="none", ignore_index=ignore)
+        del logp
+    if reduction == "none":
+        return picked
+    column = 1 if ignore == 0 else 0
+    kept = torch.zeros(rows, 2, dtype=torch.float32, device=x.device)
+    kept[:, column] = picked.neg_()  # the log-probability of each row's target (exactly: a negation)
+    classes = torch.where(target == ignore, target, torch.full_like(target, column))
+    return torch.nn.functional.nll_loss(kept, classes, reduction=reduction, ignore_index=ignore)
