@@ -59,7 +59,8 @@ def has_own_hooks(m: nn.Module) -> bool:
 
 def submodule_hooks(model: nn.Module) -> List[Tuple[str, List[str]]]:
     """(path, kinds) of each submodule of ``model`` (not the root) with hooks of its own."""
-    return [(path, kinds) for path, m in model.named_modules() if path for kinds in [_kinds(m)] if kinds]
+    found = ((path, _kinds(m)) for path, m in model.named_modules() if path)
+    return [(path, kinds) for path, kinds in found if kinds]
 
 
 def global_hooks() -> List[str]:
@@ -70,7 +71,7 @@ def global_hooks() -> List[str]:
 
 def traced_hooks_error(model: nn.Module, frontend: str, why: Optional[str] = None) -> Optional[TraceError]:
     """The refusal of a capture by ``frontend`` that would trace hooks in (run them once), or None."""
-    found: List[Any] = global_hooks()
+    found = global_hooks()
     if found:
         return TraceError(
             f"{', '.join(found)} registered a global module hook: {frontend} traces through modules, so it would "
@@ -89,6 +90,6 @@ def traced_hooks_error(model: nn.Module, frontend: str, why: Optional[str] = Non
         f"{lead}torch.export would trace the hooks on {listed}{more} into the graph: their tensor math would stay, "
         f"their Python side effects (a list appended to, a count, a log, a gradient record) would run once, at "
         f"capture, never at a call. Remove them before converting and register them on the converted model's "
-        f"root, or convert with frontend='fx' (it keeps a hooked module as a call), or with fxamp.convert_ "
-        f"(a block it cannot capture otherwise runs as written)",
+        f"root, or convert with frontend='fx' (it keeps a hooked module as a call), or convert in place "
+        f"with fxamp.convert_ (a block only torch.export could capture runs as written, its hooks included)",
         short=f"hooks on {hooked[0][0]!r}", module_path=hooked[0][0])
