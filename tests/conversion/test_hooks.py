@@ -158,3 +158,16 @@ def test_convert_in_place_runs_a_block_with_hooked_modules_as_written():
     model(x)
     model(x)
     assert seen == [1, 1]
+
+
+def test_a_transformers_model_called_with_output_hidden_states_still_converts():
+    # transformers may install output-recording hooks on its layers at such a call: they act within the model's
+    # own call (its forward returns what they record), so they are not a reason to refuse a torch.export capture
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 50, (1, 6))
+    model(ids, output_hidden_states=True)
+    amp = fxamp.convert(model, "O0", frontend="export", example_inputs=(ids,))
+    torch.testing.assert_close(amp(ids).logits, model(ids).logits)
