@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 import torch.nn as nn
 
-from .capture import LeafSpec, capture
+from .capture import LeafSpec, capture, traced_hooks_error
 from .graph import replace_tensors, tensor_slots
 from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
@@ -118,6 +118,7 @@ def convert(
         return _own_storage(module, model) if changes_storage else module
 
     if frontend == "export" and not has_inputs:
+        _refuse_traced_hooks(model)
         return owned(LazyConverted(source, pol, options, owns_model=changes_storage, notes=chosen))
     try:
         captured = capture(source, frontend=frontend, leaf_modules=leaf_modules, example_inputs=example_inputs,
@@ -126,6 +127,7 @@ def convert(
     except TraceError as e:
         if frontend != "auto" or has_inputs or leaf_modules:
             raise  # export was tried already, or cannot help (leaf_modules)
+        _refuse_traced_hooks(model, f"torch.fx could not trace the model ({e.short})")
         return owned(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen))
     if captured.only_mode is not None:
         # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
@@ -242,6 +244,13 @@ _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp hol
 _PER_MODE_NOTE_FX = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
                      "fxamp.conversion.lazy.LazyConverted): torch.fx captured the {mode} mode graph now, and captures "
                      "the other mode's at its first call; both share one set of parameters")
+
+
+def _refuse_traced_hooks(model: nn.Module, why: Optional[str] = None) -> None:
+    """Refuse now, not at the first call, a model whose hooks the lazy torch.export capture would trace in."""
+    refused = traced_hooks_error(model, "torch.export", why)
+    if refused is not None:
+        raise refused
 
 
 def _refuse_other_low_dtype(model: nn.Module, policy: Policy) -> None:

@@ -555,6 +555,74 @@ def full_backward_hook_sees_gradients():
     assert grads and grads[0] is not None and grads[0].shape == (3, 4), "the backward hook did not run"
 
 
+class Encoder(nn.Module):
+    """A module of the user's own (torch.fx traces through these), the kind a feature-extraction hook goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.gelu(self.lin(x)) + x
+
+
+class WithEncoder(nn.Module):
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.enc, self.head, self.frozen = Encoder(), nn.Linear(8, 4), frozen
+
+    def forward(self, x):
+        if self.frozen:
+            with torch.no_grad():  # torch.fx refuses the region: only torch.export captures this model
+                x = x * 2
+        return self.head(self.enc(x))
+
+
+@cases.add()
+def forward_hook_on_a_users_submodule_runs_at_each_call():
+    # issue 37: torch.fx traced through the hooked Encoder, so the hook ran once, at capture; now called whole
+    m, seen = WithEncoder(), []
+    m.enc.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    amp = fxamp.convert(m, "O1")
+    like_autocast(m, amp, torch.randn(3, 8))
+    seen.clear()
+    amp(torch.randn(3, 8))
+    assert len(seen) == 1, f"the hook ran {len(seen)} time(s) for one call"
+
+
+@cases.add("refused")
+def forward_hook_on_a_submodule_under_torch_export():
+    # issue 37: torch.export traced the hook in (its append ran once, at capture); refused, naming 'enc'
+    m = WithEncoder()
+    m.enc.register_forward_hook(lambda mod, i, o: None)
+    fxamp.convert(m, "O1", frontend="export", example_inputs=(torch.randn(2, 8),))
+
+
+@cases.add("refused")
+def backward_hook_on_a_submodule_when_only_export_captures():
+    # issue 37: torch.fx fails (no_grad region), so auto fell back to torch.export; refused at convert now
+    m = WithEncoder(frozen=True)
+    m.enc.register_full_backward_hook(lambda mod, gi, go: None)
+    fxamp.convert(m, "O1")
+
+
+@cases.add("refused")
+def hook_added_before_the_first_call_of_a_lazy_module():
+    m = WithEncoder()
+    amp = fxamp.convert(m, "O1", frontend="export")
+    m.enc.register_forward_pre_hook(lambda mod, a: None)
+    amp(torch.randn(2, 8))
+
+
+@cases.add("refused")
+def global_module_forward_hook():
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, i, o: None)
+    try:
+        fxamp.convert(WithEncoder(), "O1")
+    finally:
+        handle.remove()
+
+
 # -- regions: checkpoint, no_grad, autocast off, custom Function -----------------------------------------------
 
 

@@ -30,10 +30,11 @@ from .common import Captured, FrontEnd, LeafSpec
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
+from .hooks import traced_hooks_error
 from .modes import capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes
 
-__all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode"]
+__all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error"]
 
 FRONTENDS = ("auto", "fx", "export")
 

@@ -81,6 +81,7 @@ from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module
 from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
+from .hooks import traced_hooks_error
 from .regions import region_notes
 from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
@@ -115,6 +116,9 @@ class ExportFrontEnd:
         self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
         if leaf_modules:
             raise _leaf_modules_error(leaf_modules, self._why())
+        refused = traced_hooks_error(model, "torch.export", self._why())
+        if refused is not None:
+            raise refused
         dynamic = parse_option(Dynamic, dynamic, what="dynamic")
         self.dynamic = "given" if dynamic_shapes is not None else dynamic
         self.signature = _signature(model)

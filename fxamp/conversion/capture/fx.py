@@ -31,6 +31,7 @@ from ..runtime.recompute import island_input, island_on, island_output
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar
+from .hooks import has_own_hooks, traced_hooks_error
 from .regions import (confirmed, copy_root_hooks, fx_region_error, region_note, region_state, scan,
                       traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
@@ -46,9 +47,12 @@ class FxFrontEnd:
 
     def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
         self.model = model
+        refused = traced_hooks_error(model, "torch.fx")
+        if refused is not None:
+            raise refused
         self.leaf_types, self.leaf_paths = _split_leaves(model, leaf_modules)
         self.opaque = tuple(p for p, m in model.named_modules()
-                            if p and (p in self.leaf_paths or isinstance(m, self.leaf_types)))
+                            if p and (p in self.leaf_paths or isinstance(m, self.leaf_types) or has_own_hooks(m)))
 
     def lead_notes(self) -> List[str]:
         return []
@@ -129,6 +133,8 @@ class FxTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
+            return True
+        if has_own_hooks(m):  # traced through, its hooks would run once, at capture: called, they run each time
             return True
         if type(m) in FORWARDS:  # torch.nn's transformers: traced into (capture/transformer.py)
             return False

@@ -351,12 +351,18 @@ def float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision]) ->
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             continue
         share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
+        hooked = any(getattr(m, a) for a in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                                             "_backward_hooks"))  # torch.fx calls it so that its hooks run
+        trace = ("let torch.fx trace into it (it has hooks, which then would run once, at capture: remove them "
+                 "before converting, or register them on the converted root)" if hooked else
+                 "let torch.fx trace into it (drop it from leaf_modules)")
+        export = "" if hooked else ", or use frontend='export'"  # (which refuses hooks on submodules)
         if share > FLOAT32_LEAF_SHARE:
             notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
                          f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
-                         f"let torch.fx trace into it (drop it from leaf_modules), override its category "
-                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision), "
-                         f"or use frontend='export'")
+                         f"{trace}, override its category "
+                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision)"
+                         f"{export}")
     return notes
 
 

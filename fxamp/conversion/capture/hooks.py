@@ -1,0 +1,95 @@
+"""Module hooks a capture would drop, and the refusal that names them.
+
+A hook is Python around a module's call: its tensor math can be traced, its side effects (appending an
+activation to a list, counting calls, logging, a backward hook's gradient record) cannot.  What each
+front end does with a hook registered before the capture:
+
+- the root's hooks: torch.fx registers them on the converted module (``regions.copy_root_hooks``);
+- a submodule's hooks: torch.fx keeps the module as a call (:func:`has_own_hooks`, its tracer's leaf
+  rule), so they run at every call; torch.export would trace them in, their side effects run once, at
+  capture: :func:`traced_hooks_error` refuses the capture instead;
+- global hooks (``torch.nn.modules.module.register_module_forward_hook`` ...): both front ends trace
+  through modules, which would run them once: refused too.
+
+Hooks torch installs that are pure tensor math on the module's own tensors (``torch.nn.utils.weight_norm``/
+``spectral_norm``'s pre-hooks) trace in faithfully, and transformers' output-capturing hooks act within the
+model's own call: neither is counted.  (``torch.nn.utils.parametrize`` and accelerate's ``_hf_hook`` register no
+module hook; fxamp's ``_BindInputs`` is on a converted module, which is never captured again.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch.nn as nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+
+from ...errors import TraceError
+
+__all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error"]
+
+#: (attribute of an nn.Module holding the hooks, what the error calls them)
+_KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+#: the same hooks registered for every module (torch.nn.modules.module's globals)
+_GLOBAL = (("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+           ("_global_forward_hooks", "register_module_forward_hook"),
+           ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+           ("_global_backward_hooks", "register_module_full_backward_hook"))
+_PURE = (WeightNorm, SpectralNorm)  # recompute the weight from its parts: tensor math only
+#: libraries whose hooks belong to the model's own forward: transformers' output-capturing hooks (installed at a
+#: call with output_attentions/output_hidden_states) record into a collector that call's forward returns, and
+#: do nothing outside one; a capture of the model keeps what they record as outputs
+_LIBRARIES = ("transformers.",)
+
+
+def _expected(hook: Any) -> bool:
+    return isinstance(hook, _PURE) or str(getattr(hook, "__module__", None) or "").startswith(_LIBRARIES)
+
+
+def _kinds(m: nn.Module) -> List[str]:
+    return [kind for attr, kind in _KINDS if any(not _expected(h) for h in getattr(m, attr, {}).values())]
+
+
+def has_own_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has a hook of its own (not a pure one) that tracing through it would run only once."""
+    return bool(_kinds(m))
+
+
+def submodule_hooks(model: nn.Module) -> List[Tuple[str, List[str]]]:
+    """(path, kinds) of each submodule of ``model`` (not the root) with hooks of its own."""
+    found = ((path, _kinds(m)) for path, m in model.named_modules() if path)
+    return [(path, kinds) for path, kinds in found if kinds]
+
+
+def global_hooks() -> List[str]:
+    """The registration functions of the global module hooks registered now."""
+    g = nn.modules.module
+    return [f"torch.nn.modules.module.{name}" for attr, name in _GLOBAL if getattr(g, attr)]
+
+
+def traced_hooks_error(model: nn.Module, frontend: str, why: Optional[str] = None) -> Optional[TraceError]:
+    """The refusal of a capture by ``frontend`` that would trace hooks in (run them once), or None."""
+    found = global_hooks()
+    if found:
+        return TraceError(
+            f"{', '.join(found)} registered a global module hook: {frontend} traces through modules, so it would "
+            f"run once, at capture, never at a call of the converted module. Remove it (handle.remove()) while "
+            f"converting: registered again after, it runs around the converted module and the modules it calls",
+            short="a global module hook is registered")
+    if frontend != "torch.export":
+        return None
+    hooked = submodule_hooks(model)
+    if not hooked:
+        return None
+    listed = ", ".join(f"{path!r} ({', '.join(kinds)})" for path, kinds in hooked[:4])
+    more = f" and {len(hooked) - 4} more" if len(hooked) > 4 else ""
+    lead = f"{why}; " if why else ""
+    return TraceError(
+        f"{lead}torch.export would trace the hooks on {listed}{more} into the graph: their tensor math would stay, "
+        f"their Python side effects (a list appended to, a count, a log, a gradient record) would run once, at "
+        f"capture, never at a call. Remove them before converting and register them on the converted model's "
+        f"root, or convert with frontend='fx' (it keeps a hooked module as a call), or convert in place "
+        f"with fxamp.convert_ (a block only torch.export could capture runs as written, its hooks included)",
+        short=f"hooks on {hooked[0][0]!r}", module_path=hooked[0][0])
