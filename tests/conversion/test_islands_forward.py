@@ -97,3 +97,32 @@ def test_whole_forward_keeps_one_islands_forward_as_written(monkeypatch):
     monkeypatch.setattr(recompute, "CHUNK_BYTES", 4 * 512 * 7)
     chunked = fxamp.convert(model, "O1", dtype=BF16)
     assert same(head_grads(amp, h, labels), head_grads(chunked, h, labels))
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_chunked_loss_island_survives_pickle_and_deepcopy_bitwise(policy):
+    """torch.fx re-traces a GraphModule's code when it unpickles it: the island's deferred upcast and chunked loss
+    stay calls (fxamp's tracer autowraps them), and the copy's loss and gradients are the original's bit for bit."""
+    import copy
+    import io
+
+    from fxamp.conversion.runtime import recompute
+
+    torch.manual_seed(0)
+    model = Head(d=16, vocab=128)
+    h, labels = head_data(None, b=3, s=16, vocab=128)
+    amp = fxamp.convert(model, policy, dtype=BF16)
+    assert any(n.target is recompute.island_upcast for n in amp.graph.nodes)
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(amp), torch.load(buf, weights_only=False)):
+        assert any(n.target is recompute.island_loss for n in other.graph.nodes)
+        for m in (amp, other):
+            m.zero_grad(set_to_none=True)
+        a, b = amp(h, labels), other(h, labels)
+        a.backward()
+        b.backward()
+        assert torch.equal(a, b)
+        for (name, p), q in zip(amp.named_parameters(), other.parameters()):
+            assert torch.equal(p.grad, q.grad), name

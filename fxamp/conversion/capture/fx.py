@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ...errors import TraceError
 from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
-from ..runtime.recompute import island_input, island_on, island_output
+from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar
@@ -111,6 +111,7 @@ class FxTracer(fx.Tracer):
     def __init__(self, leaf_types: Tuple[type, ...] = (), leaf_paths: Tuple[str, ...] = ()):
         super().__init__(autowrap_functions=(cast, cast_weights, call_module_cast, checkpointed, attention,
                                              multi_head_attention, island_on, island_input, island_output,
+                                             island_upcast, island_loss,
                                              fit_scalar, canonical_masks, causal_hint, fast_path_padding))
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
