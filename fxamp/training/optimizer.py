@@ -54,7 +54,7 @@ from . import plan as planning
 from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from ..info import take_origin
+from ..info import take_loaded, take_origin
 from .loss_scale import StepResult, scaler_for
 from .ownership import mark_master, originals_held, refuse_unheld_model, refuse_wrapped
 from .step import Engine
@@ -478,6 +478,8 @@ class MixedPrecisionOptimizer:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
         Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
         checkpoint.load(self, state)
+        for _, low in self._engine.pairs():  # the loaded masters win over a float32 model checkpoint loaded before
+            take_loaded(low)
         self._engine.note_weights()
 
     def __iter__(self) -> Any:  # (torch's get_state_dict(model, opt) tries tuple(opt): say what to use instead)

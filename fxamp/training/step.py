@@ -57,6 +57,7 @@ from . import plan as planning
 from .distributed import max_abs, reduces_on_device
 from .executors import Compiled, Executor, Lean, Plain, Segmented, refresh, step_runs
 from ..errors import OptimizerStateError
+from ..info import take_loaded
 from .loss_scale import DeviceFlag, FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree
 from .plan import Bucket, Plan, Run, Segments, cut_runs, flat_grads, grad_strides
 
@@ -237,7 +238,8 @@ class Engine:
         """Masters follow the low-precision weights the user wrote since :meth:`note_weights` (a checkpoint
         loaded into the model after the wrapper was built, a re-initialisation, a DDP broadcast): without
         this the step would round the old master into the weight, undoing the load.  A float32 master takes
-        the new weight widened, a kahan term restarts at zero (:meth:`fxamp.training.lean.Workspace.follow`);
+        the float32 value loaded (a float32 checkpoint: ``fxamp.info.take_loaded``), else the new weight widened;
+        a kahan term restarts at zero (:meth:`fxamp.training.lean.Workspace.follow`);
         only where the weight is no longer the master's rounding (a weight written back as it was keeps its
         master).  The optimizer state stays, as a torch optimizer's does.  No op runs unless a weight's
         version counter or memory changed: a Python loop over the masters."""
@@ -248,8 +250,11 @@ class Engine:
                 changed.append((master, low))
         with torch.no_grad():
             for master, low in changed:
+                loaded = take_loaded(low)  # a float32 checkpoint loaded into the model: its exact values win
                 if self.ws is not None and self.ws.lean(master):
                     self.ws.follow(master)
+                elif loaded is not None:
+                    master.detach().copy_(loaded)
                 elif not torch.equal(master.detach().to(low.dtype), low.detach()):
                     master.detach().copy_(low.detach())
                 self.note(master, low)
