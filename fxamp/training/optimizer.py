@@ -394,17 +394,26 @@ class MixedPrecisionOptimizer:
         inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
+        self._engine.watch.forget()
         self._engine.zero_grad(set_to_none, self._lows)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * current_scale``, for a backward you run yourself (``opt.scale_loss(loss).backward()``)."""
         _check_loss(loss)
         self._engine.settle()
+        self._engine.watch.forget()  # (a backward run by the caller changes the gradients: no check this step)
         return self.scaler.scale_loss(loss, self._engine.client)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale).backward(**kwargs)``; call several times to accumulate gradients."""
-        self.scale_loss(loss).backward(**kwargs)
+        scaled = self.scale_loss(loss)
+        scaled.backward(**kwargs)
+        # the gradients' versions now, to tell torch's clip of them before step() (training/grad_watch.py): not at a
+        # scale of 1 (true gradients), nor with a shared scaler (another wrapper's backward may add to them)
+        if scaled is not loss and self._engine.owns_scaler and self.scaler.scale != 1.0:
+            low_of = self._low_of
+            self._engine.watch.record(self._lows + [p for g in self.optimizer.param_groups for p in g["params"]
+                                             if id(p) not in low_of])
 
     def unscale_(self) -> None:
         """Put true float32 gradients in the masters (and float32 parameters); decide whether this step overflowed.

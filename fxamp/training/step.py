@@ -56,6 +56,7 @@ import torch.optim.optimizer as _torch_optimizer
 from . import plan as planning
 from .distributed import max_abs, reduces_on_device
 from .executors import Compiled, Executor, Lean, Plain, Segmented, refresh, step_runs
+from .grad_watch import ScaledGradWatch
 from ..errors import OptimizerStateError
 from ..info import take_loaded
 from .loss_scale import DeviceFlag, FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree
@@ -190,11 +191,14 @@ class Engine:
         self.hooks_warned = False
         #: id(master) -> its low-precision weight's stamp (version, memory) as the wrapper last left it
         self.stamps: Dict[int, Tuple[int, int]] = {}
+        #: the gradients' versions after a scaled backward(): warns of torch's clip on them (grad_watch.py)
+        self.watch = ScaledGradWatch()
 
     # -- a step, in the order it runs ----------------------------------------------------------------
     def step(self) -> Union[bool, StepResult]:
         """stage -> check -> execute -> record (see the module docstring); True stepped, False skipped, or a
         :class:`StepResult` when the decision stayed on the device."""
+        self.check_grads()
         self.settle()
         self.follow_weights()
         if self.scaler.start_step(self.client) is Stage.SCALED:  # stage (unless unscale_() did)
@@ -224,6 +228,11 @@ class Engine:
                 low = low_of.get(id(p))
                 if low is not None:
                     yield p, low
+
+    def check_grads(self) -> None:
+        """Before the gradients are unscaled: warn once if they were written while scaled (torch's clip on them)."""
+        if self.watch.pending:  # (after a scaled backward() only: a step at a scale of 1 runs no code of the watch)
+            self.watch.check(self.name, lambda: self.scaler.scale, stacklevel=4)  # (facade verb, then the user)
 
     def note(self, master: torch.Tensor, low: torch.Tensor) -> None:
         """Remember ``low`` as the wrapper leaves it (its version counter and memory: what a write changes)."""
@@ -261,6 +270,7 @@ class Engine:
 
     def unscale_(self) -> None:
         """The plain step's stage: every master's float32 gradient in its ``.grad``, unscaled and checked."""
+        self.check_grads()
         self.settle()
         flags = self.scaler.start_unscale(self.client)
         plan = self.plan()
@@ -406,6 +416,7 @@ class Engine:
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """:meth:`fxamp.MixedPrecisionOptimizer.clip_grad_norm_`: without leaving a segmented step, the norms
         from the low-precision gradients and the clip factor joined to the unscaling inside ``step()``."""
+        self.check_grads()
         self.settle()
         if self.check is not None and self.check.coef is not None:  # the masters have no gradients to clip again
             raise OptimizerStateError(
