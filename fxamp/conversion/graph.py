@@ -28,11 +28,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .op_lists import Category, Source
-from ..dtypes import LOW
 from ..info import remember_loaded, remember_origin
 
 __all__ = [
-    "KeepLoadedFloat32",
+    "keep_loaded_float32",
     "INPUT_DTYPE",
     "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice", "IslandChoice",
     "region_in_order", "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
@@ -333,22 +332,16 @@ def rebind(module: nn.Module, dtypes: Mapping[str, torch.dtype], *, values: bool
             return new
         return t.detach().to(dtype)
 
-    changed = replace_tensors(module, new_for)
-    low = values and any(isinstance(new, nn.Parameter) and new.dtype in LOW for _, new in changed.values())
-    hooks = module._load_state_dict_pre_hooks.values()
-    if low and not any(isinstance(getattr(h, "hook", None), KeepLoadedFloat32) for h in hooks):
-        module.register_load_state_dict_pre_hook(KeepLoadedFloat32())  # (on the root: convert_ replaces children)
-    return changed
+    return replace_tensors(module, new_for)
 
 
-class KeepLoadedFloat32:
-    """A ``load_state_dict`` pre-hook of a converted root (``rebind``'s module): a float32 value loaded into
-    a low-precision parameter below it (a float32 checkpoint) is copied into its stored dtype, as torch does,
-    and kept as its float32 original (``fxamp.info.remember_loaded``), so a master built later, or one that follows the load,
-    starts from the loaded values, not their rounding.  Stateless: pickles and copies with its module."""
-
-    def __call__(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *rest: Any) -> None:
-        for name, p in module.named_parameters(remove_duplicate=False):
-            value = state_dict.get(prefix + name)
-            if p is not None and isinstance(value, torch.Tensor):
-                remember_loaded(p, value)
+def keep_loaded_float32(module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:
+    """Before ``load_state_dict`` copies into a converted module (its ``_load_from_state_dict``): a float32 value
+    loaded into a low-precision parameter below it (a float32 checkpoint) is copied into the stored dtype, as torch
+    does, and kept as its float32 original (``fxamp.info.remember_loaded``), so a master built later, or one that
+    follows the load, starts from the loaded values, not their rounding.  (A method, not a load hook: a hook holds
+    its module, which a pickled converted root or block, rebuilt from its ``__dict__``, cannot hold.)"""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor):
+            remember_loaded(p, value)
