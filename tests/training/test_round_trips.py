@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import pickle
 
 import pytest
 import torch
@@ -127,8 +128,8 @@ def test_in_place_o2_state_dict_gives_the_originals_then_the_masters():
     assert torch.equal(model.state_dict()["layers.0.fc.weight"], original["layers.0.fc.weight"].to(BF16).float())
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["convert", "convert_"])
-def test_o2_float32_checkpoint_loaded_into_the_converted_model_is_kept_for_the_masters(in_place):
+@pytest.mark.parametrize("how", ["convert", "convert lazy", "convert_"])
+def test_o2_float32_checkpoint_loaded_into_the_converted_model_is_kept_for_the_masters(how):
     """issue 37: ``amp.load_state_dict(float32 checkpoint)`` kept only the bfloat16 rounding, so masters built
     afterwards started from it.  The loaded float32 values are kept as the weights' originals: the masters (an
     optimizer built after the load, or one built before, at its next step), ``fp32_state_dict``, the in-place
@@ -136,12 +137,15 @@ def test_o2_float32_checkpoint_loaded_into_the_converted_model_is_kept_for_the_m
     torch.manual_seed(5)
     checkpoint = {k: v.clone() for k, v in Net().state_dict().items()}
     kept = {k: v.clone() for k, v in checkpoint.items()}
-    amp = fxamp.convert_(make(), "O2", dtype=BF16) if in_place else fxamp.convert(make(), "O2", dtype=BF16)
+    in_place = how == "convert_"
+    amp = fxamp.convert_(make(), "O2", dtype=BF16) if in_place else fxamp.convert(
+        make(), "O2", dtype=BF16, **({"frontend": "export"} if how == "convert lazy" else {}))
     amp.load_state_dict(checkpoint)
     assert amp.get_submodule("layers.0.fc").weight.dtype == BF16
     if in_place:
         assert_bitwise(amp.state_dict(), kept)
         assert_bitwise(copy.deepcopy(amp).state_dict(), kept)
+        assert_bitwise(pickle.loads(pickle.dumps(amp)).state_dict(), kept)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp)
     assert_bitwise(opt.fp32_state_dict(), kept)
     train(amp, opt, steps=1)
