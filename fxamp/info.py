@@ -21,7 +21,7 @@ from .policy import Policy
 
 __all__ = ["ConversionInfo", "INFO_ATTR", "MASTERED", "ORIGIN", "conversion_info", "policy_of", "remember_origin",
            "remember_master", "origin_of", "take_origin", "held_origins", "release_origins", "release_originals",
-           "watch_for_masters", "origins_for_copy", "hold_origins"]
+           "watch_for_masters", "origins_for_copy", "hold_origins", "remember_loaded", "take_loaded"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,28 @@ def remember_origin(low: torch.Tensor, original: torch.Tensor, *, hold: bool = F
         setattr(low, ORIGIN, _Origin(original, strong=hold, stamp=stamp))
 
 
+def remember_loaded(low: torch.Tensor, value: torch.Tensor) -> None:
+    """Keep a copy of the float32 ``value`` being loaded into ``low`` (``load_state_dict`` of a float32 checkpoint into
+    a converted module) as its float32 original, held: a master built later takes it, and one already built
+    takes it at its next step (:func:`take_loaded`); valid while ``low`` holds its rounding.  A copy: the user's
+    checkpoint tensor must not become a master stepped in place."""
+    if low.dtype in LOW and value.dtype == torch.float32 and value.shape == low.shape:
+        old = getattr(low, ORIGIN, None)
+        kept = value.detach().to(device=low.device, copy=True)
+        setattr(low, ORIGIN, _Origin(kept, strong=True, read=old.read if isinstance(old, _Origin) else None))
+
+
+def take_loaded(low: torch.Tensor) -> Optional[torch.Tensor]:
+    """The float32 value loaded into ``low`` since an optimizer made its master (:func:`remember_loaded`), if ``low``
+    still holds its rounding, else None; ``low`` reads its master again from now on."""
+    origin = getattr(low, ORIGIN, None)
+    if not isinstance(origin, _Origin) or origin.held is None or origin.read is None:
+        return None
+    value = origin_of(low)
+    setattr(low, ORIGIN, _Origin(None, read=origin.read))
+    return value
+
+
 def _stamp(low: torch.Tensor) -> Tuple[int, int]:
     """What changes when ``low``'s values may have: its version counter (in-place writes: a step, a load) and its
     memory (``.data =``, which keeps the counter)."""
@@ -210,14 +232,17 @@ def release_origins(params: Iterable[torch.Tensor]) -> int:
     for p in params:
         origin = getattr(p, ORIGIN, None)
         if isinstance(origin, _Origin) and origin.held is not None:
-            delattr(p, ORIGIN)
+            if origin.read is not None:  # (a value loaded over a master's weight: the master is read again)
+                setattr(p, ORIGIN, _Origin(None, read=origin.read))
+            else:
+                delattr(p, ORIGIN)
             count += 1
     return count
 
 
 def release_originals(model: nn.Module) -> int:
-    """Free the float32 originals an in-place converted model (``fxamp.convert_``, O2/O3) holds for the
-    masters of an optimizer not built yet: inference needs none.  Returns how many were let go."""
+    """Free the float32 originals an in-place converted model (``fxamp.convert_``, O2/O3), or a converted model a
+    float32 checkpoint was loaded into (:func:`remember_loaded`), holds for masters: inference needs none.  Returns how many were let go."""
     return release_origins(model.parameters())
 
 
@@ -240,7 +265,11 @@ def origin_of(low: torch.Tensor) -> Optional[torch.Tensor]:
     original = origin() if isinstance(origin, _Origin) else None
     if original is None or original.shape != low.shape or original.dtype != torch.float32:
         return None
-    if origin.read is not None:  # a master: its reader checked (remember_master)
+    if origin.read is not None and origin.held is not None:  # a float32 value loaded over a master's weight:
+        with torch.no_grad():  # it while the weight is its rounding, else (stepped since) the master
+            same = torch.equal(original.detach().to(device=low.device, dtype=low.dtype), low.detach())
+        return original if same else origin.read()
+    if origin.read is not None and origin.held is None:  # a master: its reader checked (remember_master)
         return original
     if origin.stamp is not None and origin.stamp == _stamp(low):  # a copied value, low unchanged since
         return original

@@ -40,6 +40,7 @@ STAGES: Dict[str, int] = {
     # the training wing
     "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
     "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
+    "training.grad_watch": 3,  # tells an in-place write (torch's clip) to gradients still scaled
     "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, runs, the plan)
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
     "training.flat": 3,  # the lean step's flat buffers of a run's masters, and the stochastic rounding's hash
@@ -376,7 +377,7 @@ def test_the_front_door_is_small_and_every_name_resolves():
 #: codes (``native`` too where fxamp's CPU kernel steps a master), ``torch.distributed`` ``distributed`` and
 #: ``compile_step`` ``kernels``
 STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.py", "training/plan.py",
-              "training/loss_scale.py"}
+              "training/loss_scale.py", "training/grad_watch.py"}  # (grad_watch: after a scaled backward only)
 LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py", "training/flat.py"}
 
 

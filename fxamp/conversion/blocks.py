@@ -43,7 +43,7 @@ from .calls import SIMPLE
 from .capture.modes import MODE_FLAG
 from ..errors import FxampError
 from .families import FAMILY, LIFTED, Family, OriginalDtypes
-from .graph import rebind
+from .graph import keep_loaded_float32, rebind
 from ..info import (INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, remember_origin,
                     watch_for_masters)
 from .storage import is_norm, predict_storage
@@ -238,6 +238,12 @@ def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
     return _rebuild_block, (self.__dict__[FAMILY].cls, self.__dict__, origins_for_copy(self.parameters()))
 
 
+def _converted_load(self: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """``load_state_dict``: a float32 value loaded into a low-precision weight is kept for its master."""
+    keep_loaded_float32(self, state_dict, prefix)
+    super(type(self), self)._load_from_state_dict(state_dict, prefix, *args)
+
+
 #: each original class's converted subclass, made once: every instance (and every copy or unpickled one)
 #: of a class gets the same subclass, so ``type(a) is type(b)`` holds between converted blocks
 _CLASSES: Dict[type, type] = {}
@@ -249,7 +255,7 @@ def converted_class(cls: type) -> type:
     made = _CLASSES.get(cls)
     if made is None:
         made = type(cls.__name__, (cls,), {"forward": _converted_forward, "__reduce_ex__": _reduce_ex,
-                                           "_apply": _converted_apply,
+                                           "_apply": _converted_apply, "_load_from_state_dict": _converted_load,
                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                            "_fxamp_converted": True,
                                            MODE_FLAG: property(_self, doc="the root's train/eval flag in a graph")})

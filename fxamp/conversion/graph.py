@@ -28,9 +28,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .op_lists import Category, Source
-from ..info import remember_origin
+from ..info import remember_loaded, remember_origin
 
 __all__ = [
+    "keep_loaded_float32",
     "INPUT_DTYPE",
     "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice", "IslandChoice",
     "region_in_order", "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
@@ -335,3 +336,15 @@ def rebind(module: nn.Module, dtypes: Mapping[str, torch.dtype], *, values: bool
         return t.detach().to(dtype)
 
     return replace_tensors(module, new_for)
+
+
+def keep_loaded_float32(module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:
+    """Before ``load_state_dict`` copies into a converted module (its ``_load_from_state_dict``): a float32 value
+    loaded into a low-precision parameter below it (a float32 checkpoint) is copied into the stored dtype, as torch
+    does, and kept as its float32 original (``fxamp.info.remember_loaded``), so a master built later, or one that
+    follows the load, starts from the loaded values, not their rounding.  (A method, not a load hook: a hook holds
+    its module, which a pickled converted root or block, rebuilt from its ``__dict__``, cannot hold.)"""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor):
+            remember_loaded(p, value)

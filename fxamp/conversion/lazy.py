@@ -60,7 +60,7 @@ from ..info import INFO_ATTR, ConversionInfo, conversion_info, hold_origins, ori
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
 from ..errors import TraceError
-from .graph import rebind, replace_tensors, tensor_slots
+from .graph import keep_loaded_float32, rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
@@ -373,6 +373,10 @@ class LazyConverted(nn.Module):
 
     def __getitem__(self, index: Any) -> Any:
         raise TypeError(indexing_message(self, index))
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        keep_loaded_float32(self, state_dict, prefix)  # a float32 value loaded is kept for the master
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LazyConverted":
         # nn.Module._apply is the one hook behind .to()/.float()/.cuda(); the graphs' own constants and

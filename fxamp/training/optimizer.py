@@ -54,7 +54,7 @@ from . import plan as planning
 from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from ..info import take_origin
+from ..info import take_loaded, take_origin
 from .loss_scale import StepResult, scaler_for
 from .ownership import mark_master, originals_held, refuse_unheld_model, refuse_wrapped
 from .step import Engine
@@ -394,17 +394,26 @@ class MixedPrecisionOptimizer:
         inner optimizer's own ``zero_grad`` runs when ``set_to_none=False``, or when it is not
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
+        self._engine.watch.forget()
         self._engine.zero_grad(set_to_none, self._lows)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * current_scale``, for a backward you run yourself (``opt.scale_loss(loss).backward()``)."""
         _check_loss(loss)
         self._engine.settle()
+        self._engine.watch.forget()  # (a backward run by the caller changes the gradients: no check this step)
         return self.scaler.scale_loss(loss, self._engine.client)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale).backward(**kwargs)``; call several times to accumulate gradients."""
-        self.scale_loss(loss).backward(**kwargs)
+        scaled = self.scale_loss(loss)
+        scaled.backward(**kwargs)
+        # the gradients' versions now, to tell torch's clip of them before step() (training/grad_watch.py): not at a
+        # scale of 1 (true gradients), nor with a shared scaler (another wrapper's backward may add to them)
+        if scaled is not loss and self._engine.owns_scaler and self.scaler.scale != 1.0:
+            low_of = self._low_of
+            self._engine.watch.record(self._lows + [p for g in self.optimizer.param_groups for p in g["params"]
+                                             if id(p) not in low_of])
 
     def unscale_(self) -> None:
         """Put true float32 gradients in the masters (and float32 parameters); decide whether this step overflowed.
@@ -478,6 +487,8 @@ class MixedPrecisionOptimizer:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
         Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
         checkpoint.load(self, state)
+        for _, low in self._engine.pairs():  # the loaded masters win over a float32 model checkpoint loaded before
+            take_loaded(low)
         self._engine.note_weights()
 
     def __iter__(self) -> Any:  # (torch's get_state_dict(model, opt) tries tuple(opt): say what to use instead)

@@ -56,7 +56,9 @@ import torch.optim.optimizer as _torch_optimizer
 from . import plan as planning
 from .distributed import max_abs, reduces_on_device
 from .executors import Compiled, Executor, Lean, Plain, Segmented, refresh, step_runs
+from .grad_watch import ScaledGradWatch
 from ..errors import OptimizerStateError
+from ..info import take_loaded
 from .loss_scale import DeviceFlag, FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree
 from .plan import Bucket, Plan, Run, Segments, cut_runs, flat_grads, grad_strides
 
@@ -189,11 +191,14 @@ class Engine:
         self.hooks_warned = False
         #: id(master) -> its low-precision weight's stamp (version, memory) as the wrapper last left it
         self.stamps: Dict[int, Tuple[int, int]] = {}
+        #: the gradients' versions after a scaled backward(): warns of torch's clip on them (grad_watch.py)
+        self.watch = ScaledGradWatch()
 
     # -- a step, in the order it runs ----------------------------------------------------------------
     def step(self) -> Union[bool, StepResult]:
         """stage -> check -> execute -> record (see the module docstring); True stepped, False skipped, or a
         :class:`StepResult` when the decision stayed on the device."""
+        self.check_grads()
         self.settle()
         self.follow_weights()
         if self.scaler.start_step(self.client) is Stage.SCALED:  # stage (unless unscale_() did)
@@ -224,6 +229,11 @@ class Engine:
                 if low is not None:
                     yield p, low
 
+    def check_grads(self) -> None:
+        """Before the gradients are unscaled: warn once if they were written while scaled (torch's clip on them)."""
+        if self.watch.pending:  # (after a scaled backward() only: a step at a scale of 1 runs no code of the watch)
+            self.watch.check(self.name, lambda: self.scaler.scale, stacklevel=4)  # (facade verb, then the user)
+
     def note(self, master: torch.Tensor, low: torch.Tensor) -> None:
         """Remember ``low`` as the wrapper leaves it (its version counter and memory: what a write changes)."""
         self.stamps[id(master)] = (low._version, low.data_ptr())
@@ -237,7 +247,8 @@ class Engine:
         """Masters follow the low-precision weights the user wrote since :meth:`note_weights` (a checkpoint
         loaded into the model after the wrapper was built, a re-initialisation, a DDP broadcast): without
         this the step would round the old master into the weight, undoing the load.  A float32 master takes
-        the new weight widened, a kahan term restarts at zero (:meth:`fxamp.training.lean.Workspace.follow`);
+        the float32 value loaded (a float32 checkpoint: ``fxamp.info.take_loaded``), else the new weight widened;
+        a kahan term restarts at zero (:meth:`fxamp.training.lean.Workspace.follow`);
         only where the weight is no longer the master's rounding (a weight written back as it was keeps its
         master).  The optimizer state stays, as a torch optimizer's does.  No op runs unless a weight's
         version counter or memory changed: a Python loop over the masters."""
@@ -248,14 +259,18 @@ class Engine:
                 changed.append((master, low))
         with torch.no_grad():
             for master, low in changed:
+                loaded = take_loaded(low)  # a float32 checkpoint loaded into the model: its exact values win
                 if self.ws is not None and self.ws.lean(master):
                     self.ws.follow(master)
+                elif loaded is not None:
+                    master.detach().copy_(loaded)
                 elif not torch.equal(master.detach().to(low.dtype), low.detach()):
                     master.detach().copy_(low.detach())
                 self.note(master, low)
 
     def unscale_(self) -> None:
         """The plain step's stage: every master's float32 gradient in its ``.grad``, unscaled and checked."""
+        self.check_grads()
         self.settle()
         flags = self.scaler.start_unscale(self.client)
         plan = self.plan()
@@ -401,6 +416,7 @@ class Engine:
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """:meth:`fxamp.MixedPrecisionOptimizer.clip_grad_norm_`: without leaving a segmented step, the norms
         from the low-precision gradients and the clip factor joined to the unscaling inside ``step()``."""
+        self.check_grads()
         self.settle()
         if self.check is not None and self.check.coef is not None:  # the masters have no gradients to clip again
             raise OptimizerStateError(

@@ -623,23 +623,20 @@ def lean_wrapper_refusing_a_checkpoint_of_other_groups_changes_nothing():
 
 @cases.add("works")
 def float32_checkpoint_loaded_into_the_converted_model_then_fine_tuned():
-    # issue 37 probe: a float32 checkpoint loaded into an O2 model (convert or convert_) is kept as its
-    # bfloat16 rounding (documented: docs/conversion.md, "load_state_dict copies into the stored dtypes"), so a
-    # MixedPrecisionOptimizer built afterwards starts its masters from that rounding, not the checkpoint's
-    # float32 values (issue 28's "O2 departure"); load into the float32 model before converting to keep them.
-    # Keeping the loaded float32 values as the weights' originals is a conversion-wing change: not today.
-    # Asserts the current behaviour: masters are the rounding, widened.
-    pretrained = _stack(5)
-    model = fxamp.convert_(_stack(0), "O2")
-    model.load_state_dict(pretrained.state_dict())
-    opt = fxamp.MixedPrecisionOptimizer(ADAMW(model), model=model)
-    got, exact = fp32_of(opt), pretrained.state_dict()
-    low = {n: p for n, p in model.named_parameters()}
-    for k, v in got.items():
-        if k in low and low[k].dtype == BF16:
-            bitwise(v, low[k].detach().float(), f"{k}: the master (the rounding widened, as documented)")
-            assert not torch.equal(v, exact[k]) or torch.equal(exact[k].to(BF16).float(), exact[k]), \
-                f"{k}: the master is the exact float32 value now: update this case (issue 37 probe)"
+    # issue 37: a float32 checkpoint loaded into an O2 model (convert or convert_) is kept as the weights' float32
+    # originals, so a MixedPrecisionOptimizer built afterwards starts its masters from the checkpoint's exact values,
+    # not their bfloat16 rounding (it did before: issue 28's "O2 departure"); fine-tuning then moves them
+    for make in (lambda m: fxamp.convert(m, "O2"), lambda m: fxamp.convert_(m, "O2")):
+        pretrained = _stack(5)
+        exact = {k: v.clone() for k, v in pretrained.state_dict().items()}
+        model = make(_stack(0))
+        model.load_state_dict(pretrained.state_dict())
+        opt = fxamp.MixedPrecisionOptimizer(ADAMW(model), model=model)
+        got = fp32_of(opt)
+        bitwise({k: got[k] for k in exact}, exact, "the masters (the checkpoint's float32 values)")
+        train(model, opt, batches(2))
+        low_match_masters(model, opt)
+        bitwise(pretrained.state_dict(), exact, "the user's checkpoint (never stepped)")
 
 
 # -- a rollback in the same objects (a loss spike: back to the last good checkpoint, the same batches again) --------

@@ -8,8 +8,10 @@ the unconverted model; Hugging Face ``save_pretrained`` is tested in ``tests/int
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
+import pickle
 
 import pytest
 import torch
@@ -111,15 +113,52 @@ def test_in_place_o2_state_dict_gives_the_originals_then_the_masters():
     assert not torch.equal(masters["layers.0.fc.weight"], original["layers.0.fc.weight"])
     assert_bitwise(model.state_dict(), masters)
     assert_bitwise(reload_into_unconverted(model.state_dict()), masters)
-    # a float32 checkpoint loaded into the model since: the loaded weights are the truth now, not the stale masters
+    # a float32 checkpoint loaded into the model since: the loaded float32 values are the truth now, not the stale
+    # masters nor the loaded values' rounding
     other = {k: v + 1 for k, v in original.items()}
     model.load_state_dict(other)
-    assert torch.equal(model.state_dict()["layers.0.fc.weight"], other["layers.0.fc.weight"].to(BF16).float())
-    # the optimizer gone: its masters are freed, and the weights come back widened
+    assert_bitwise(model.state_dict(), other)
+    # the optimizer gone: its masters are freed; a float32 checkpoint loaded is still given as loaded ...
     model.load_state_dict(original)
     del opt, masters
     gc.collect()
+    assert_bitwise(model.state_dict(), original)
+    # ... until released (inference needs no float32 copy): then the weights come back widened
+    assert fxamp.release_originals(model) == len(list(model.parameters())) - 4  # (the LayerNorms stay float32)
     assert torch.equal(model.state_dict()["layers.0.fc.weight"], original["layers.0.fc.weight"].to(BF16).float())
+
+
+@pytest.mark.parametrize("how", ["convert", "convert lazy", "convert_"])
+def test_o2_float32_checkpoint_loaded_into_the_converted_model_is_kept_for_the_masters(how):
+    """issue 37: ``amp.load_state_dict(float32 checkpoint)`` kept only the bfloat16 rounding, so masters built
+    afterwards started from it.  The loaded float32 values are kept as the weights' originals: the masters (an
+    optimizer built after the load, or one built before, at its next step), ``fp32_state_dict``, the in-place
+    model's ``state_dict`` and its copies give them bitwise; the user's checkpoint tensors are never stepped."""
+    torch.manual_seed(5)
+    checkpoint = {k: v.clone() for k, v in Net().state_dict().items()}
+    kept = {k: v.clone() for k, v in checkpoint.items()}
+    in_place = how == "convert_"
+    amp = fxamp.convert_(make(), "O2", dtype=BF16) if in_place else fxamp.convert(
+        make(), "O2", dtype=BF16, **({"frontend": "export"} if how == "convert lazy" else {}))
+    amp.load_state_dict(checkpoint)
+    assert amp.get_submodule("layers.0.fc").weight.dtype == BF16
+    if in_place:
+        assert_bitwise(amp.state_dict(), kept)
+        assert_bitwise(copy.deepcopy(amp).state_dict(), kept)
+        assert_bitwise(pickle.loads(pickle.dumps(amp)).state_dict(), kept)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp)
+    assert_bitwise(opt.fp32_state_dict(), kept)
+    train(amp, opt, steps=1)
+    assert_bitwise(checkpoint, kept)  # the user's tensors did not become masters
+    # a wrapper already built: a float32 checkpoint loaded now wins over the weights' rounding at the next step
+    torch.manual_seed(7)
+    later = Net().state_dict()
+    amp.load_state_dict(later)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    train(amp, opt, steps=1)
+    assert_bitwise(opt.fp32_state_dict(), later)
+    assert not torch.equal(later["layers.0.fc.weight"].to(BF16).float(), later["layers.0.fc.weight"])
 
 
 def test_in_place_o2_state_dict_with_lean_masters_gives_their_float32_value():

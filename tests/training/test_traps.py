@@ -189,3 +189,48 @@ def test_a_model_whose_parameters_the_optimizer_does_not_hold_is_refused():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     amp, opt = fxamp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", dtype="fp16")
     assert all(p.dtype == torch.float16 for p in amp.parameters()) and len(opt.master_pairs()) == 4
+
+
+SCALED_CLIP = (r"the gradients of fc\.weight \(and maybe others\) changed between backward\(\) and step\(\) while "
+               r"multiplied by the loss scale \(1024\); torch's clip_grad_norm_ on the model clips scaled gradients.*"
+               r"use opt\.clip_grad_norm_\(max_norm\), or call opt\.unscale_\(\) first")
+
+
+def _fp16_iteration(clip, *, dtype=torch.float16, loss_scale=1024.0, backwards=1):
+    """One iteration of a float16 O2 model: ``backwards`` backward() calls, ``clip(model, opt)``, step(); twice."""
+    amp = fxamp.convert(net(), "O2", dtype=dtype)
+    scale = {} if loss_scale is None else {"loss_scale": loss_scale}
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(amp.parameters(), lr=0.1), model=amp, **scale)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        opt.zero_grad()
+        for _ in range(backwards):
+            opt.backward(amp(x).float().pow(2).mean())
+        clip(amp, opt)
+        opt.step()
+
+
+def test_torch_clip_on_the_models_scaled_gradients_warns_once_at_the_users_step():
+    """issue 37: torch's clip_grad_norm_(model.parameters()) between backward() and step() under a loss scale clips
+    the scaled gradients (the step ~scale times too small), silently; fxamp says so once, at the user's line."""
+    with pytest.warns(RuntimeWarning, match=SCALED_CLIP) as caught:
+        _fp16_iteration(lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    ours = [w for w in caught if "changed between backward() and step()" in str(w.message)]
+    assert len(ours) == 1  # once per optimizer, not at every step
+    assert ours[0].filename == __file__ and linecache.getline(__file__, ours[0].lineno).strip() == "opt.step()"
+
+
+@pytest.mark.parametrize("how", ["opt.clip_grad_norm_", "unscale_ then clip the masters", "accumulation",
+                                 "bfloat16's default scale of 1"])
+def test_no_scaled_clip_warning_where_the_gradients_are_handled_right(how):
+    run = {
+        "opt.clip_grad_norm_": lambda: _fp16_iteration(lambda m, o: o.clip_grad_norm_(1.0)),
+        "unscale_ then clip the masters": lambda: _fp16_iteration(
+            lambda m, o: (o.unscale_(), torch.nn.utils.clip_grad_norm_(o.master_params(), 1.0))),
+        "accumulation": lambda: _fp16_iteration(lambda m, o: None, backwards=3),
+        "bfloat16's default scale of 1": lambda: _fp16_iteration(
+            lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0), dtype=torch.bfloat16, loss_scale=None),
+    }[how]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        run()

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from ...errors import FxampError
 from ...info import INFO_ATTR, hold_origins, origins_for_copy, watch_for_masters
-from ..graph import MODULE, decision_of
+from ..graph import MODULE, decision_of, keep_loaded_float32
 
 __all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
 
@@ -178,6 +178,10 @@ class ConvertedGraphModule(fx.GraphModule):
     def __reduce__(self) -> Any:
         rebuild, args = super().__reduce__()
         return (_unpickle_converted, (rebuild, args, origins_for_copy(self.parameters())))
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        keep_loaded_float32(self, state_dict, prefix)  # a float32 value loaded is kept for the master
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvertedGraphModule":
         pairs = origins_for_copy(self.parameters())
