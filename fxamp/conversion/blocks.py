@@ -241,7 +241,8 @@ def _reduce_ex(self: nn.Module, protocol: Any) -> Any:
 def _converted_load(self: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     """``load_state_dict``: a float32 value loaded into a low-precision weight is kept for its master."""
     keep_loaded_float32(self, state_dict, prefix)
-    super(type(self), self)._load_from_state_dict(state_dict, prefix, *args)
+    # (the converted class by name, not type(self): FSDP2's fully_shard subclasses it again)
+    super(converted_class(self.__dict__[FAMILY].cls), self)._load_from_state_dict(state_dict, prefix, *args)
 
 
 #: each original class's converted subclass, made once: every instance (and every copy or unpickled one)
