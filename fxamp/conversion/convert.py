@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 import torch.nn as nn
 
-from .capture import LeafSpec, capture, traced_hooks_error
+from .capture import LeafSpec, capture, copy_root_hooks, root_hooks_note, traced_hooks_error, user_hooks
 from .graph import replace_tensors, tensor_slots
 from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
@@ -129,20 +129,24 @@ def convert(
             raise  # export was tried already, or cannot help (leaf_modules)
         _refuse_traced_hooks(model, f"torch.fx could not trace the model ({e.short})")
         return owned(LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=e, notes=chosen))
-    if captured.only_mode is not None:
-        # the modes capture different graphs (stochastic depth, a branch on self.training): one graph
-        # would be wrong in the other mode, so hold a graph per mode, as the lazy path does (its captures
-        # with the dynamic_shapes given, if any)
+    hook_note = root_hooks_note(source)  # (no capture ran the root's hooks: the module returned holds them)
+    # The modes capture different graphs (stochastic depth, a branch on self.training): one graph would be wrong
+    # in the other mode, so hold a graph per mode, as the lazy path does (its captures with the dynamic_shapes
+    # given, if any).  Or the root has hooks and torch.export captured: they must run once per call, around
+    # every input check, but the graph module retries a call outside its range on another capture
+    # (RangeFallback) after its pre-hooks ran; a LazyConverted runs them around its own retries.
+    if captured.only_mode is not None or (hook_note and captured.frontend == "export"):
         fx_graphs = captured.frontend == "fx"  # (a torch.fx graph takes any call: no example inputs kept)
         lead = (_PER_MODE_NOTE_FX if fx_graphs else _PER_MODE_NOTE).format(
-            mode="training" if captured.only_mode else "eval")
+            mode="training" if captured.only_mode else "eval") if captured.only_mode is not None else _HOOKED_NOTE
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
                             lead_note=lead, notes=chosen, frontend=captured.frontend, leaf_modules=leaf_modules,
                             dynamic_shapes=None if fx_graphs else dynamic_shapes)
         amp.adopt_capture(captured, () if fx_graphs else tuple(example_inputs or ()),
                           {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
-    gm = owned(rewrite_captured(captured, pol, options, notes=chosen))
+    gm = owned(rewrite_captured(captured, pol, options, notes=(*chosen, *hook_note)))
+    copy_root_hooks(source, gm)
     if captured.frontend == "export" and dynamic_shapes is None:
         # torch.export's capture holds for a range of sizes (from 2, where Dim.AUTO starts): a call outside it
         # (the last batch of 1) captures again, as a lazy module does, on the same tensors
@@ -222,9 +226,11 @@ def _copy_tree(model: nn.Module) -> nn.Module:
 
     O2/O3 re-bind most of them to low-precision copies made from the original directly; a full deep
     copy first would hold a second float32 model while those are made (peak 2.5x the model instead of
-    1.5x for bfloat16).  :func:`_own_storage` copies whatever is still shared once the storage is chosen.
+    1.5x for bfloat16).  The user's hooks stay the user's objects (``capture.user_hooks``).  :func:`_own_storage` copies whatever is still shared once the storage is chosen.
     """
-    return copy.deepcopy(model, memo={id(t): t for _, _, _, t in tensor_slots(model)})
+    memo: Dict[int, Any] = {id(t): t for _, _, _, t in tensor_slots(model)}
+    memo.update((id(hook), hook) for hook in user_hooks(model))  # a counter's hook counts for the user, not a copy
+    return copy.deepcopy(model, memo=memo)
 
 
 def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
@@ -241,6 +247,9 @@ def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
 _PER_MODE_NOTE = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
                   "fxamp.conversion.lazy.LazyConverted): the {mode} mode graph was captured from the example inputs; the other "
                   "mode's is captured with torch.export at its first call, as is each new call signature")
+_HOOKED_NOTE = ("the root's hooks run around each call of the converted module, so fxamp holds the graph torch.export "
+                "captured from the example inputs in a fxamp.conversion.lazy.LazyConverted: a call outside the range "
+                "that capture holds for, or with a new call signature, is captured at that call, the hooks run once")
 _PER_MODE_NOTE_FX = ("training and eval mode capture different graphs, so fxamp holds a graph per mode (a "
                      "fxamp.conversion.lazy.LazyConverted): torch.fx captured the {mode} mode graph now, and captures "
                      "the other mode's at its first call; both share one set of parameters")

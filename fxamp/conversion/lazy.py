@@ -54,7 +54,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .capture import Captured, LeafSpec, capture
+from .capture import Captured, LeafSpec, capture, copy_root_hooks, root_hooks_note, without_hooks
 from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, watch_for_masters
 from .pipeline import rewrite_captured
@@ -141,6 +141,11 @@ class LazyConverted(nn.Module):
                 root.__dict__[table] = copy.copy(model.__dict__[table])
         else:
             root = model
+        # the root's hooks run around this module's call, once, outside the retries over captures (a call outside
+        # one capture's range tries the next): registered here, none left on the root a capture reads
+        copy_root_hooks(model, self)
+        notes = [*notes, *root_hooks_note(model)]
+        without_hooks(root)
         if tensors is not None:  # a converted module's tensors, by name (RangeFallback): shared as they are stored
             storage = {name: tensors[name].dtype for name, _, _, t in tensor_slots(root)
                        if name in tensors and t.dtype == torch.float32 and tensors[name].dtype != torch.float32}

@@ -14,7 +14,8 @@ tree and names, and makes the mode flags the capture baked in switchable again::
       └─ front.finish(gm)                                    # front-end fix-ups, notes
 
 Both front ends return a graph whose module tree, parameters and buffers are the original
-model's, under the same names, so ``state_dict`` keys never change.
+model's, under the same names, so ``state_dict`` keys never change.  Neither captures the root's own
+hooks (``hooks.py``): ``convert`` registers them on the module it returns.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from .common import Captured, FrontEnd, LeafSpec
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd
-from .hooks import traced_hooks_error
+from .hooks import copy_root_hooks, root_hooks_note, traced_hooks_error, user_hooks, without_hooks
 from .modes import capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes
 
-__all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error"]
+__all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error",
+           "copy_root_hooks", "root_hooks_note", "user_hooks", "without_hooks"]
 
 FRONTENDS = ("auto", "fx", "export")
 

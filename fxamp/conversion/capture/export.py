@@ -81,7 +81,7 @@ from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module
 from ..options import Dynamic, parse_option
 from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
-from .hooks import traced_hooks_error
+from .hooks import traced_hooks_error, without_hooks
 from .regions import region_notes
 from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
@@ -217,12 +217,14 @@ def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspe
 
     torch.export can only return pytrees of tensors and scalars; a value of another type (a cache
     object) is replaced by None, its type name recorded in ``dropped``.  The user's model is not
-    touched: the copy has its own ``__dict__``.  Keyword inputs that reach ``forward``'s ``**kwargs``
+    touched: the copy has its own ``__dict__``, without the root's hooks (export would trace them in, their side
+    effects run once; ``convert`` registers them on the converted module).  Keyword inputs that reach ``forward``'s ``**kwargs``
     become keyword-only parameters of the copy's signature, which torch.export reads: its dynamic
     shapes then name them, as for any other argument.
     """
     root = copy.copy(model)
     root.__dict__ = dict(model.__dict__)
+    without_hooks(root)
     forward = model.forward
 
     @functools.wraps(forward)

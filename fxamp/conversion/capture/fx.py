@@ -32,7 +32,7 @@ from ..runtime import attention, call_module_cast, cast, cast_weights, checkpoin
 from .common import LeafSpec, UnsoundCapture, user_frame
 from .constants import fit_fill_values, fit_scalar
 from .hooks import has_own_hooks, traced_hooks_error
-from .regions import (confirmed, copy_root_hooks, fx_region_error, region_note, region_state, scan,
+from .regions import (confirmed, fx_region_error, region_note, region_state, scan,
                       traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
@@ -102,7 +102,7 @@ class FxFrontEnd:
 
     def finish(self, gm: fx.GraphModule) -> List[str]:
         _fresh_written_constants(gm)
-        return fit_fill_values(gm) + copy_root_hooks(self.model, gm)
+        return fit_fill_values(gm)  # (the root's hooks: convert registers them on what it returns)
 
 
 class FxTracer(fx.Tracer):

@@ -4,7 +4,9 @@ A hook is Python around a module's call: its tensor math can be traced, its side
 activation to a list, counting calls, logging, a backward hook's gradient record) cannot.  What each
 front end does with a hook registered before the capture:
 
-- the root's hooks: torch.fx registers them on the converted module (``regions.copy_root_hooks``);
+- the root's hooks: neither front end captures them (torch.fx traces ``forward``, not the call; torch.export
+  runs a copy of the root without them, :func:`without_hooks`); ``convert`` registers them on the module it
+  returns (:func:`copy_root_hooks`), outside any capture or input check, so they run once per call;
 - a submodule's hooks: torch.fx keeps the module as a call (:func:`has_own_hooks`, its tracer's leaf
   rule), so they run at every call; torch.export would trace them in, their side effects run once, at
   capture: :func:`traced_hooks_error` refuses the capture instead;
@@ -19,6 +21,8 @@ module hook; fxamp's ``_BindInputs`` is on a converted module, which is never ca
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from typing import Any, List, Optional, Tuple
 
 import torch.nn as nn
@@ -27,7 +31,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ...errors import TraceError
 
-__all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error"]
+__all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error", "without_hooks",
+           "copy_root_hooks", "root_hooks_note", "user_hooks", "HOOK_TABLES"]
 
 #: (attribute of an nn.Module holding the hooks, what the error calls them)
 _KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
@@ -37,6 +42,9 @@ _GLOBAL = (("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
            ("_global_forward_hooks", "register_module_forward_hook"),
            ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
            ("_global_backward_hooks", "register_module_full_backward_hook"))
+#: a module's tables of forward / backward hooks and their flags (what :func:`without_hooks` empties)
+HOOK_TABLES = tuple(attr for attr, _ in _KINDS) + ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                                                    "_forward_hooks_always_called")
 _PURE = (WeightNorm, SpectralNorm)  # recompute the weight from its parts: tensor math only
 #: libraries whose hooks belong to the model's own forward: transformers' output-capturing hooks (installed at a
 #: call with output_attentions/output_hidden_states) record into a collector that call's forward returns, and
@@ -93,3 +101,56 @@ def traced_hooks_error(model: nn.Module, frontend: str, why: Optional[str] = Non
         f"root, or convert with frontend='fx' (it keeps a hooked module as a call), or convert in place "
         f"with fxamp.convert_ (a block only torch.export could capture runs as written, its hooks included)",
         short=f"hooks on {hooked[0][0]!r}", module_path=hooked[0][0])
+
+
+def without_hooks(root: nn.Module) -> nn.Module:
+    """Give ``root`` (a copy whose ``__dict__`` is its own, never the user's module) empty hook tables: what
+    captures it runs no hook of the original's, and a hook registered on or removed from the original later
+    does not reach it.  Returns ``root``."""
+    for table in HOOK_TABLES:
+        if table in root.__dict__:
+            root.__dict__[table] = OrderedDict()
+    return root
+
+
+def copy_root_hooks(model: nn.Module, module: nn.Module) -> None:
+    """Register ``model``'s forward / backward hooks on ``module``, the converted module: no capture ran them
+    (see the module docstring).  Pre-hooks go ahead of ``module``'s own (torch.export's input binding and
+    checks), in their order, so they see and rewrite the call's arguments as on the original; forward hooks
+    after its own.  They are the user's callables; they now receive ``module``."""
+    for hook_id, hook in reversed(list(model._forward_pre_hooks.items())):  # each prepended: the first ends up first
+        module.register_forward_pre_hook(hook, prepend=True,
+                                         with_kwargs=hook_id in model._forward_pre_hooks_with_kwargs)
+    for hook_id, hook in model._forward_hooks.items():
+        module.register_forward_hook(hook, with_kwargs=hook_id in model._forward_hooks_with_kwargs,
+                                     always_call=hook_id in model._forward_hooks_always_called)
+    for hook in model._backward_pre_hooks.values():
+        module.register_full_backward_pre_hook(hook)
+    for hook in model._backward_hooks.values():
+        module.register_full_backward_hook(hook)
+
+
+def root_hooks_note(model: nn.Module) -> List[str]:
+    """The note of :func:`copy_root_hooks`: how many, how they run, and what the user's handles still do."""
+    count = sum(len(getattr(model, attr)) for attr, _ in _KINDS)
+    if not count:
+        return []
+    return [f"{count} hook(s) registered on the root {type(model).__name__} are registered on the converted "
+            f"module too: they run around the converted forward, once per call, and receive the converted module. "
+            f"A handle from the original's register_*_hook removes the hook from the original only: the converted "
+            f"module keeps calling it (remove it before converting, or register it on the converted module)"]
+
+
+def user_hooks(model: nn.Module) -> List[Any]:
+    """The forward / backward hooks of ``model``'s modules that are the user's objects, not the model's: a copy
+    of the model must call these very objects (a counter's method, a recorder), not copies whose side effects
+    nobody sees.  A module, a module's method, or a ``functools.partial`` over either or with a module among
+    its arguments belongs to the model: a copy calls its own copy of it."""
+    def owned_by_model(hook: Any) -> bool:
+        if isinstance(hook, functools.partial):
+            return owned_by_model(hook.func) or any(isinstance(a, nn.Module)
+                                                    for a in (*hook.args, *hook.keywords.values()))
+        return isinstance(hook, nn.Module) or isinstance(getattr(hook, "__self__", None), nn.Module)
+
+    return [hook for m in model.modules() for attr, _ in _KINDS for hook in getattr(m, attr).values()
+            if not owned_by_model(hook)]

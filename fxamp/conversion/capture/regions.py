@@ -13,8 +13,8 @@ What is not a tensor op is not recorded by itself:
   :func:`mark_checkpoints`), and after the rewrite ``conversion/checkpointing.py`` runs each
   region as a checkpointed call of the rewritten block; a call whose block cannot be told apart
   (or ``checkpoint_sequential``) is noted and warned with its line as traced through;
-- forward hooks on the root: export traces them into the graph; the fx front end registers them
-  on the converted module (:func:`copy_root_hooks`);
+- hooks on the root: no capture runs them; ``convert`` registers them on the converted module
+  (``hooks.copy_root_hooks``);
 - Python state changed in ``forward`` (``self.calls += 1``, a cache on ``self``) and ``print``:
   they run once, at capture; each is noted with its line (:func:`python_state_notes`).
 
@@ -47,7 +47,7 @@ from .common import warn
 
 __all__ = ["Finding", "CallInfo", "scan", "confirmed", "frames_of", "fx_region_error", "region_note",
            "region_state", "unreadable_region", "traced_region_error",
-           "python_state_notes", "copy_root_hooks", "region_notes", "capture_notes", "mark_checkpoints",
+           "python_state_notes", "region_notes", "capture_notes", "mark_checkpoints",
            "traced_through_note", "CheckpointMark", "CHECKPOINT", "CHECKPOINT_CALLS"]
 
 _GRAD = {"no_grad", "enable_grad", "set_grad_enabled", "inference_mode"}
@@ -403,30 +403,6 @@ def python_state_notes(found: Iterable[Tuple[str, nn.Module, Finding]], frontend
     for note in notes:
         warn(note)
     return notes
-
-
-def copy_root_hooks(model: nn.Module, gm: nn.Module) -> List[str]:
-    """Register the root's forward / backward hooks on the converted module (torch.fx does not trace them:
-    it calls ``forward``, not the module).  They are the user's callables; they now receive the
-    converted module."""
-    count = 0
-    for hook_id, hook in model._forward_pre_hooks.items():
-        gm.register_forward_pre_hook(hook, with_kwargs=hook_id in model._forward_pre_hooks_with_kwargs)
-        count += 1
-    for hook_id, hook in model._forward_hooks.items():
-        gm.register_forward_hook(hook, with_kwargs=hook_id in model._forward_hooks_with_kwargs,
-                                 always_call=hook_id in model._forward_hooks_always_called)
-        count += 1
-    for hook in model._backward_pre_hooks.values():
-        gm.register_full_backward_pre_hook(hook)
-        count += 1
-    for hook in model._backward_hooks.values():
-        gm.register_full_backward_hook(hook)
-        count += 1
-    if not count:
-        return []
-    return [f"{count} hook(s) registered on the root {type(model).__name__} are registered on the converted "
-            f"module too: they run around the converted forward and receive the converted module"]
 
 
 def region_notes(model: nn.Module, gm: fx.GraphModule, subgraphs: Sequence[nn.Module]) -> List[str]:
