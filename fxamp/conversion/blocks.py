@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from .calls import SIMPLE
+from .capture.hooks import submodule_hooks
 from .capture.modes import MODE_FLAG
 from ..errors import FxampError
 from .families import FAMILY, LIFTED, Family, OriginalDtypes
@@ -341,9 +342,12 @@ def _saves_pretrained(model: nn.Module) -> bool:
 # -- the entry point -------------------------------------------------------------------------------
 
 def _structure(m: nn.Module) -> Any:
+    # which submodules have hooks of their own too: a capture keeps a hooked module as a call and may inline an
+    # unhooked Linear, so an instance whose module has a hook cannot run a graph captured from one whose has none
     return (type(m), tuple((p, type(s)) for p, s in m.named_modules()),
             tuple((n, tuple(t.shape), t.dtype, isinstance(t, nn.Parameter))
-                  for n, t in itertools.chain(m.named_parameters(), m.named_buffers())))
+                  for n, t in itertools.chain(m.named_parameters(), m.named_buffers())),
+            tuple(path for path, _ in submodule_hooks(m)))
 
 
 def _attrs(m: nn.Module) -> Dict[Tuple[str, str], Any]:

@@ -171,3 +171,67 @@ def test_a_transformers_model_called_with_output_hidden_states_still_converts():
     model(ids, output_hidden_states=True)
     amp = fxamp.convert(model, "O0", frontend="export", example_inputs=(ids,))
     torch.testing.assert_close(amp(ids).logits, model(ids).logits)
+
+
+class Branchy(nn.Module):
+    """Plain torch.fx cannot branch on a shape: convert_ captures it with torch.fx on the call's values (concrete.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        if x.shape[1] > 1:
+            h = h * 2
+        return self.out(h) + x
+
+
+class Plain(Branchy):
+    def forward(self, x):
+        return self.out(torch.relu(self.lin(x))) * 2 + x
+
+
+class Blocks(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.layers = nn.ModuleList([block(), block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("hooked", [0, 1])
+@pytest.mark.parametrize("block", [Branchy, Plain])
+def test_convert_in_place_runs_a_hooked_module_in_a_block_once_per_call(block, hooked):
+    # was: Branchy: the capture on the call's values called layers.0.lin to get its value, so its hook ran once
+    # more, at capture; Plain (torch.fx) with the hook on layers.1.lin: layers.1 ran the graph captured from
+    # layers.0, whose unhooked Linear was inlined, and its hook never ran
+    torch.manual_seed(0)
+    model, counts = Blocks(block), []
+    model.layers[hooked].lin.register_forward_pre_hook(lambda m, args: counts.append("pre"))
+    model.layers[hooked].lin.register_forward_hook(lambda m, args, out: counts.append("post"))
+    x = torch.randn(2, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x).float()
+    counts.clear()
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = model(x.clone().requires_grad_())
+            out.float().sum().backward()
+            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(model(x).float(), ref, atol=3e-2, rtol=3e-2)
+    assert counts == ["pre", "post"] * 6
+    written = [str(w.message) for w in caught if "as written" in str(w.message)]
+    if block is Branchy:  # no front end may call the hooked module at capture: that block runs as written, named
+        assert len(written) == 1 and f"block 'layers.{hooked}' (Branchy) run(s) as written" in written[0]
+        assert "hooks on 'lin' (forward pre-hook, forward hook)" in written[0]
+    else:  # torch.fx keeps it a call: both blocks converted, each family with its own graph
+        assert written == []

@@ -33,6 +33,7 @@ import torch.nn as nn
 from ...errors import FxampError, TraceError
 from ..op_lists import is_inplace
 from .fx import FxFrontEnd, FxTracer
+from .hooks import hooks_run_by_values_error
 
 __all__ = ["ConcreteFxFrontEnd", "GuardFailed", "LATE_BRANCH", "LateGuardFailed", "guard"]
 
@@ -377,6 +378,9 @@ class ConcreteFxFrontEnd(FxFrontEnd):
 
     def __init__(self, model: nn.Module, values: Sequence[Any], leaf_modules=()):
         super().__init__(model, leaf_modules)
+        refused = hooks_run_by_values_error(model)  # (the trace would call a hooked module to get its value)
+        if refused is not None:
+            raise refused
         self.values = list(values)
         self._tracers: List[_ConcreteTracer] = []
 

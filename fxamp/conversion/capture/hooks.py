@@ -9,7 +9,8 @@ front end does with a hook registered before the capture:
   returns (:func:`copy_root_hooks`), outside any capture or input check, so they run once per call;
 - a submodule's hooks: torch.fx keeps the module as a call (:func:`has_own_hooks`, its tracer's leaf
   rule), so they run at every call; torch.export would trace them in, their side effects run once, at
-  capture: :func:`traced_hooks_error` refuses the capture instead;
+  capture: :func:`traced_hooks_error` refuses the capture instead; torch.fx with a call's values (``concrete.py``)
+  computes each call's value by making it, which runs the hooks: :func:`hooks_run_by_values_error` refuses too;
 - global hooks (``torch.nn.modules.module.register_module_forward_hook`` ...): both front ends trace
   through modules, which would run them once: refused too.
 
@@ -31,7 +32,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ...errors import TraceError
 
-__all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error", "without_hooks",
+__all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error", "hooks_run_by_values_error",
+           "without_hooks",
            "copy_root_hooks", "root_hooks_note", "user_hooks", "HOOK_TABLES"]
 
 #: (attribute of an nn.Module holding the hooks, what the error calls them)
@@ -100,7 +102,21 @@ def traced_hooks_error(model: nn.Module, frontend: str, why: Optional[str] = Non
         f"capture, never at a call. Remove them before converting and register them on the converted model's "
         f"root, or convert with frontend='fx' (it keeps a hooked module as a call), or convert in place "
         f"with fxamp.convert_ (a block only torch.export could capture runs as written, its hooks included)",
-        short=f"hooks on {hooked[0][0]!r}", module_path=hooked[0][0])
+        short=f"hooks on {hooked[0][0]!r} ({', '.join(hooked[0][1])})", module_path=hooked[0][0])
+
+
+def hooks_run_by_values_error(model: nn.Module) -> Optional[TraceError]:
+    """The refusal of a trace that runs ``model`` on a call's values (``concrete.py``) while a submodule has hooks of
+    its own, or None.  The trace keeps the module as a call, but computes its value by calling it: its hooks would
+    run once more, at capture, a side effect the user's code never made.  (The block then runs as written.)"""
+    hooked = submodule_hooks(model)
+    if not hooked:
+        return None
+    path, kinds = hooked[0]
+    return TraceError(
+        f"torch.fx with the call's values would run the hooks on {path!r} ({', '.join(kinds)}) once more, at "
+        f"capture, to compute the values the trace branches on", short=f"hooks on {path!r} ({', '.join(kinds)})",
+        module_path=path)
 
 
 def without_hooks(root: nn.Module) -> nn.Module:
