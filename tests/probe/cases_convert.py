@@ -555,6 +555,52 @@ def full_backward_hook_sees_gradients():
     assert grads and grads[0] is not None and grads[0].shape == (3, 4), "the backward hook did not run"
 
 
+@cases.add()
+def root_hooks_under_export_run_once_per_call():
+    for example in (True, False):  # from example inputs, and captured lazily at the first call
+        m, calls = mlp(), []
+        m.register_forward_pre_hook(lambda mod, args: calls.append("pre") or (args[0] * 2,))
+        m.register_forward_hook(lambda mod, args, out: calls.append("post") or out + 100.0)
+        x = torch.randn(3, 8)
+        amp = fxamp.convert(m, "O1", frontend="export", **({"example_inputs": (x,)} if example else {}))
+        assert calls == [], f"the root's hooks ran at conversion: {calls}"
+        like_autocast(m, amp, x)
+        calls.clear()
+        for batch in (3, 3, 1):  # a batch of 1 is outside the example's range: captured again, hooks once
+            amp(torch.randn(batch, 8))
+        assert calls == ["pre", "post"] * 3, f"3 calls ran the root's hooks {calls}"
+
+
+class Branching(nn.Module):
+    """A block plain torch.fx cannot trace (a branch on a shape): convert_ captures it on the call's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = F.gelu(self.lin(x))
+        if x.shape[1] > 1:
+            h = h * 0.5
+        return self.out(h) + x
+
+
+@cases.add()
+def convert_inplace_hooked_module_inside_a_block():
+    for cls in (Branching, Encoder):
+        m = nn.Sequential(cls(), cls(), nn.Linear(8, 2))
+        seen = []
+        m[1].lin.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+        ref = copy.deepcopy(m)
+        fxamp.convert_(m, "O1")
+        x = torch.randn(2, 3, 8)
+        like_autocast(ref, m, x)
+        seen.clear()
+        for _ in range(3):
+            m(x)
+        assert len(seen) == 3, f"{cls.__name__}: 3 calls ran the hook on 1.lin {len(seen)} time(s)"
+
+
 class Encoder(nn.Module):
     """A module of the user's own (torch.fx traces through these), the kind a feature-extraction hook goes on."""
 
