@@ -96,7 +96,10 @@ def convert(
     ``LazyConverted`` also when the training and eval captures differ (stochastic depth), with either
     front end: it holds the graph captured now for the current mode and captures the other mode at its
     first call in that mode (torch.fx: with no inputs; torch.export: from that call's, with the
-    ``dynamic_shapes`` given, if any), so ``train()``/``eval()`` switch the whole computation.
+    ``dynamic_shapes`` given, if any), so ``train()``/``eval()`` switch the whole computation.  A
+    ``LazyConverted`` also for a torch.export capture of a model with hooks on its root: they run around
+    its call, once, whichever capture the call runs.  The root's hooks (captured by no front end) are
+    registered on the module returned.
 
     The model passed in is never changed.  O0/O1 modules share its parameters (they stay float32);
     O2/O3 modules own low-precision copies, under the same ``state_dict`` keys.

@@ -124,6 +124,10 @@ def report(
         source = copy.deepcopy(model) if (inputs is not None or example_kwargs) else model
         gm = convert(source, "O1" if policy is None else policy, dtype=dtype, example_inputs=inputs,
                      example_kwargs=example_kwargs, **convert_options)
+        if isinstance(gm, LazyConverted) and (inputs is not None or example_kwargs):
+            # a graph per mode, or a torch.export capture of a root with hooks: the graph captured from the example
+            # inputs is the one reported (the root's hooks, held by the LazyConverted, are no op of it)
+            gm = gm.graph_module
     if checkpoint_calls(gm):  # every op in one table: the blocks run inline in the report's own copy
         gm = copy.deepcopy(gm) if gm is model else gm
         inline_checkpoints_(gm)

@@ -169,3 +169,13 @@ def test_o2_calls_the_users_hook_objects_not_copies(frontend):
     for _ in range(3):
         amp(x, shift=x)
     assert (by_call.calls, by_method.calls, inner.calls) == (3, 3, 3 if frontend == "fx" else 0)
+
+
+def test_report_of_a_model_with_root_hooks_under_torch_export_reports_the_graph_without_running_them():
+    # was (after the root's hooks moved to a LazyConverted): report ran the LazyConverted as a graph module and failed
+    model, calls = Shifted(), []
+    model.register_forward_hook(lambda m, args, out: calls.append(1))
+    x = torch.randn(4, 8)
+    rep = fxamp.report(model, "O1", example_inputs=(x,), frontend="export")
+    assert [(r.op, r.compute) for r in rep.rows if "linear" in r.op] == [("aten.linear", "bfloat16")] * 2
+    assert calls == []
