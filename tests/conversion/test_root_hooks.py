@@ -179,3 +179,25 @@ def test_report_of_a_model_with_root_hooks_under_torch_export_reports_the_graph_
     rep = fxamp.report(model, "O1", example_inputs=(x,), frontend="export")
     assert [(r.op, r.compute) for r in rep.rows if "linear" in r.op] == [("aten.linear", "bfloat16")] * 2
     assert calls == []
+
+
+class ModeBranch(Shifted):
+    """Its modes capture different graphs: ``convert`` holds a graph per mode in a LazyConverted, with either front end."""
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        return y * 2 if self.training else y
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_root_hooks_of_a_model_with_a_graph_per_mode_run_once_per_call(frontend):
+    # the graph captured at convert is adopted by the LazyConverted, which holds the hooks: not registered twice
+    model, calls = ModeBranch(), []
+    model.register_forward_pre_hook(lambda m, args: calls.append("pre") or (args[0] * 2,))
+    x = torch.randn(4, 8)
+    amp = fxamp.convert(model, "O0", frontend=frontend, **({"example_inputs": (x,)} if frontend == "export" else {}))
+    assert isinstance(amp, LazyConverted)
+    for mode in (True, False):  # each mode's first call captures its graph
+        amp.train(mode), model.train(mode)
+        assert torch.equal(amp(x), model(x)) and torch.equal(amp(x[:1]), model(x[:1]))
+    assert calls == ["pre"] * 8  # 4 calls of each
