@@ -140,8 +140,11 @@ def convert(
     # (RangeFallback) after its pre-hooks ran; a LazyConverted runs them around its own retries.
     if captured.only_mode is not None or (hook_note and captured.frontend == "export"):
         fx_graphs = captured.frontend == "fx"  # (a torch.fx graph takes any call: no example inputs kept)
-        lead = (_PER_MODE_NOTE_FX if fx_graphs else _PER_MODE_NOTE).format(
-            mode="training" if captured.only_mode else "eval") if captured.only_mode is not None else _HOOKED_NOTE
+        if captured.only_mode is None:
+            lead = _HOOKED_NOTE
+        else:
+            lead = (_PER_MODE_NOTE_FX if fx_graphs else _PER_MODE_NOTE).format(
+                mode="training" if captured.only_mode else "eval")
         amp = LazyConverted(source, pol, options, owns_model=changes_storage, fx_error=captured.fx_error,
                             lead_note=lead, notes=chosen, frontend=captured.frontend, leaf_modules=leaf_modules,
                             dynamic_shapes=None if fx_graphs else dynamic_shapes)
@@ -229,7 +232,8 @@ def _copy_tree(model: nn.Module) -> nn.Module:
 
     O2/O3 re-bind most of them to low-precision copies made from the original directly; a full deep
     copy first would hold a second float32 model while those are made (peak 2.5x the model instead of
-    1.5x for bfloat16).  The user's hooks stay the user's objects (``capture.user_hooks``).  :func:`_own_storage` copies whatever is still shared once the storage is chosen.
+    1.5x for bfloat16).  :func:`_own_storage` copies whatever is still shared once the storage is chosen.
+    The hooks that are the user's objects (``capture.user_hooks``) are not copied either.
     """
     memo: Dict[int, Any] = {id(t): t for _, _, _, t in tensor_slots(model)}
     memo.update((id(hook), hook) for hook in user_hooks(model))  # a counter's hook counts for the user, not a copy

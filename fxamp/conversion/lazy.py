@@ -29,6 +29,9 @@ buffers outside those layers float32.  Every capture reads the same parameter an
 the children of this module (the original's children, under the same names, so ``state_dict``
 keys are the original's); the graphs are not children.
 
+The root's hooks are this module's (registered at ``__init__``, none left on the root the captures read): they
+run once around each call, whichever capture it runs or captures, and receive this module.
+
 A captured graph that depends on the training mode (the two modes capture different graphs) is
 cached for that mode only; ``train()``/``eval()`` then capture again at the next call.  ``convert`` makes
 one from example inputs when the modes differ; given ``dynamic_shapes=``, every capture uses them.

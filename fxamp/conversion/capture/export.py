@@ -217,10 +217,10 @@ def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspe
 
     torch.export can only return pytrees of tensors and scalars; a value of another type (a cache
     object) is replaced by None, its type name recorded in ``dropped``.  The user's model is not
-    touched: the copy has its own ``__dict__``, without the root's hooks (export would trace them in, their side
-    effects run once; ``convert`` registers them on the converted module).  Keyword inputs that reach ``forward``'s ``**kwargs``
-    become keyword-only parameters of the copy's signature, which torch.export reads: its dynamic
-    shapes then name them, as for any other argument.
+    touched: the copy has its own ``__dict__``, without the root's hooks (export would trace them in, their
+    side effects run once; ``convert`` registers them on the converted module).  Keyword inputs that reach
+    ``forward``'s ``**kwargs`` become keyword-only parameters of the copy's signature, which torch.export
+    reads: its dynamic shapes then name them, as for any other argument.
     """
     root = copy.copy(model)
     root.__dict__ = dict(model.__dict__)

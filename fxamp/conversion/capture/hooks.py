@@ -33,8 +33,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ...errors import TraceError
 
 __all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error", "hooks_run_by_values_error",
-           "without_hooks",
-           "copy_root_hooks", "root_hooks_note", "user_hooks", "HOOK_TABLES"]
+           "without_hooks", "copy_root_hooks", "root_hooks_note", "user_hooks", "HOOK_TABLES"]
 
 #: (attribute of an nn.Module holding the hooks, what the error calls them)
 _KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
