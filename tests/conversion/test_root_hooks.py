@@ -201,3 +201,19 @@ def test_root_hooks_of_a_model_with_a_graph_per_mode_run_once_per_call(frontend)
         amp.train(mode), model.train(mode)
         assert torch.equal(amp(x), model(x)) and torch.equal(amp(x[:1]), model(x[:1]))
     assert calls == ["pre"] * 8  # 4 calls of each
+
+
+def test_copied_pre_hooks_run_first_in_their_order_ahead_of_the_modules_own():
+    """``copy_root_hooks`` on a module with pre-hooks of its own (torch.export's input binding and checks): the
+    user's see and rewrite the call's arguments first, in the order registered; forward hooks come after its own."""
+    from fxamp.conversion.capture import copy_root_hooks
+
+    original, target, order = Shifted(), Shifted(), []
+    target.register_forward_pre_hook(lambda m, args: order.append(("own", float(args[0][0, 0]))))
+    target.register_forward_hook(lambda m, args, out: order.append(("own post", None)))
+    original.register_forward_pre_hook(lambda m, args: order.append(("a", None)) or (args[0] + 1,))
+    original.register_forward_pre_hook(lambda m, args: order.append(("b", None)) or (args[0] * 10,))
+    original.register_forward_hook(lambda m, args, out: order.append(("post", None)))
+    copy_root_hooks(original, target)
+    target(torch.zeros(1, 8))
+    assert order == [("a", None), ("b", None), ("own", 10.0), ("own post", None), ("post", None)]
