@@ -122,7 +122,7 @@ def _zero_state(n):
             torch.zeros(-(-n // 256)))
 
 
-@pytest.mark.parametrize("base", [0, 1000])
+@pytest.mark.parametrize("base", [0, 1000, 2 ** 32 - 1000])
 def test_the_kernel_and_the_eager_path_round_with_the_same_noise(base):
     """With beta1 = beta2 = 0 and no eps, Adam's step from gradient 1 moves every weight by lr exactly: 1 - 2^-9,
     halfway between two bfloat16 values; the kernel's stochastic rounding of it is lean.stochastic_round's, bit for
