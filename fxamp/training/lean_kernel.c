@@ -207,11 +207,15 @@ static inline __attribute__((always_inline)) void lean_block(
                 /* (a magnitude under 2^-126 counts as 2^-126: the same code as eager's unless the block's absmax is
                    under ~2^-100, a block of zeros in effect) */
                 float q = bias_m + k_signed * log2_pos(a > 1.17549435e-38f ? a : 1.17549435e-38f);
-                q = q < 0.0f ? 0.0f : (q > top_signed ? top_signed : q);
+                /* each clamp a statement of its own: the compiler makes each one max or min instruction (the
+                   nested form took compares and blends); the same values, a NaN kept as in the nested form */
+                q = q < 0.0f ? 0.0f : q;
+                q = q > top_signed ? top_signed : q;
                 int32_t c = (int32_t)q;
                 m_codes[j] = (int8_t)(m[i] < 0.0f ? -c : c);
                 float r = bias_v + k_unsigned * log2_pos(v[i] > 1.17549435e-38f ? v[i] : 1.17549435e-38f);
-                r = r < 1.0f ? 1.0f : (r > top_unsigned ? top_unsigned : r);
+                r = r < 1.0f ? 1.0f : r;
+                r = r > top_unsigned ? top_unsigned : r;
                 v_codes[j] = (uint8_t)(int32_t)r;
             }
         }
