@@ -301,11 +301,25 @@ void fxamp_round_stochastic(int64_t nseg, float *x, const int64_t *counts, const
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (n >= 2 * BLOCK * MIN_BLOCKS_PER_THREAD)
 #endif
-        for (int64_t i = 0; i < n; i++) {
-            const uint64_t at = (uint64_t)(base + i);
-            const uint32_t noise = mix32(mix32((uint32_t)at ^ k0) ^ k1 ^ (uint32_t)(at >> 32)) >> 16;
-            const uint32_t v = u[i];
-            u[i] = (v & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (v + noise) & 0xFFFF0000u;
+        for (int64_t b = 0; b < (n + BLOCK - 1) / BLOCK; b++) {
+            const int64_t first = b * BLOCK, end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+            const uint64_t at0 = (uint64_t)(base + first);
+            if ((at0 >> 32) == ((at0 + (uint64_t)(end - first) - 1) >> 32)) {
+                /* the block's places share their high 32 bits: the hash in 32-bit lanes, as in lean_block */
+                const uint32_t lo = (uint32_t)at0, hi = k1 ^ (uint32_t)(at0 >> 32);
+                for (int64_t i = first; i < end; i++) {
+                    const uint32_t noise = mix32(mix32((lo + (uint32_t)(i - first)) ^ k0) ^ hi) >> 16;
+                    const uint32_t v = u[i];
+                    u[i] = (v & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (v + noise) & 0xFFFF0000u;
+                }
+            } else {
+                for (int64_t i = first; i < end; i++) {
+                    const uint64_t at = (uint64_t)(base + i);
+                    const uint32_t noise = mix32(mix32((uint32_t)at ^ k0) ^ k1 ^ (uint32_t)(at >> 32)) >> 16;
+                    const uint32_t v = u[i];
+                    u[i] = (v & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (v + noise) & 0xFFFF0000u;
+                }
+            }
         }
         start += n;
     }

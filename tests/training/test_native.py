@@ -411,3 +411,20 @@ def test_the_bits_do_not_depend_on_the_instruction_set(monkeypatch):
     ours = _fixed_steps()
     monkeypatch.setattr(native, "kernel", lambda: baseline)
     assert _fixed_steps() == ours
+
+
+def test_the_kernels_rounding_pass_is_the_eager_arithmetics_up_to_2_to_the_32(monkeypatch):
+    """:func:`fxamp.training.flat.round_stochastic_` by the kernel (a block's places in 32-bit lanes where they share
+    their high bits) and by torch's int32 arithmetic: the same bits, up to the eager path's last place, 2^32 - 1
+    (places across 2^32: the kernel's step against its rounding pass, above)."""
+    n = 3000
+    x = torch.linspace(-2.0, 2.0, n) + 1e-3
+    x[5], x[6] = float("nan"), float("inf")
+    segments = [(1000, flat.key(1, 2, 3), 2 ** 32 - 1000), (n - 1000, flat.key(4, 5, 6), 17)]
+    by_kernel = x.clone()
+    flat.round_stochastic_(by_kernel, segments)
+    monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+    eager = x.clone()
+    flat.round_stochastic_(eager, segments)
+    assert torch.equal(by_kernel.view(torch.int32), eager.view(torch.int32))
+    assert not torch.equal(by_kernel, x)  # (rounded: the low 16 bits dropped)
