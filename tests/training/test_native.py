@@ -393,7 +393,8 @@ def _fixed_steps(n=5 * 256 + 83):
 #: :func:`_fixed_steps` as the kernel computed it before its decode was done in registers (issue 39): any change of
 #: the kernel's bits shows here
 FIXED_STEPS = {"int8 stochastic": "2bbd3280a83d4549", "int8 stochastic bf16 grad": "f66979d0b246613e",
-               "int8 kahan": "06b36aba3a425f37", "bf16 stochastic": "f009537ed3d7e7c1", "bf16 kahan": "a0269074e311db53"}
+               "int8 kahan": "06b36aba3a425f37", "bf16 stochastic": "f009537ed3d7e7c1",
+               "bf16 kahan": "a0269074e311db53"}
 
 
 def test_the_kernels_bits_are_pinned():
