@@ -37,9 +37,11 @@ __all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochast
            "encode_codes", "all_finite", "eligible", "hyperparameters", "adam_step"]
 
 _SOURCE = Path(__file__).with_name("lean_kernel.c")
-#: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math): the same bits
-#: on every x86 CPU, whatever vector width the compiler uses
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+#: every operation one IEEE float32 operation (no fused multiply-add contraction, no fast-math; the libm calls,
+#: sqrtf and fmaf, correctly rounded) and a table lookup reads the same entry however it is done: the same bits on every
+#: x86 CPU, whatever vector width and instructions ``-march`` lets the compiler use (tests/training/test_native.py
+#: compares a baseline x86-64 build with this CPU's)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 #: OpenMP, where torch's CPU build uses it: the kernel's blocks then run on torch's own OpenMP threads (the
 #: libgomp torch loaded: the same soname); without it (another parallel backend, or a compiler without
 #: OpenMP) the kernel runs on one thread
@@ -66,17 +68,20 @@ def _cache_dirs() -> "list[Path]":
     return [first, Path(tempfile.gettempdir()) / f"fxamp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
 
 
-def build() -> Any:
+def build(arch: str = "native") -> Any:
     """Build (or find in the cache) and load the kernel now, as the environment says (``CC``, ``FXAMP_CACHE``,
     ``FXAMP_NATIVE``), without the once-per-process memo of :func:`kernel`: its ctypes functions by state mode,
-    or a string saying why there are none. An image can call it ahead, to fill the cache."""
+    or a string saying why there are none. An image can call it ahead, to fill the cache. ``arch``: the
+    compiler's ``-march`` (:func:`kernel` builds for this CPU, ``"native"``; ``"x86-64"`` runs on any x86-64 CPU,
+    with the same bits, slower)."""
     if os.environ.get("FXAMP_NATIVE", "1") == "0":
         return "FXAMP_NATIVE=0"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         return "no C compiler (cc, gcc or clang) on PATH"
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, *_OPENMP, str(_torch_uses_openmp())]).encode()
+    flags = [*_FLAGS, f"-march={arch}"]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, *_OPENMP, str(_torch_uses_openmp())]).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     target, error = None, ""
     for folder in _cache_dirs():
@@ -90,7 +95,7 @@ def build() -> Any:
             os.close(fd)
             run = None
             for extra in ([_OPENMP, []] if _torch_uses_openmp() else [[]]):
-                run = subprocess.run([compiler, *_FLAGS, *extra, str(_SOURCE), "-o", tmp, "-lm"],
+                run = subprocess.run([compiler, *flags, *extra, str(_SOURCE), "-o", tmp, "-lm"],
                                      capture_output=True, text=True, timeout=120)
                 if run.returncode == 0:
                     break

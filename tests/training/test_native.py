@@ -2,7 +2,9 @@
 element for a bfloat16 lean master (stochastic or kahan) with 8-bit Adam state, against the eager path it
 replaces (dequantize, torch's fused AdamW, quantize, stochastic rounding or the Kahan split)."""
 
+import hashlib
 import math
+import platform
 
 import pytest
 import torch
@@ -120,7 +122,7 @@ def _zero_state(n):
             torch.zeros(-(-n // 256)))
 
 
-@pytest.mark.parametrize("base", [0, 1000])
+@pytest.mark.parametrize("base", [0, 1000, 2 ** 32 - 1000])
 def test_the_kernel_and_the_eager_path_round_with_the_same_noise(base):
     """With beta1 = beta2 = 0 and no eps, Adam's step from gradient 1 moves every weight by lr exactly: 1 - 2^-9,
     halfway between two bfloat16 values; the kernel's stochastic rounding of it is lean.stochastic_round's, bit for
@@ -339,3 +341,91 @@ def test_a_segmented_step_feeds_the_kernel_the_bfloat16_gradients_bitwise_the_pl
         out.append([p.detach().clone() for p in amp.parameters()] + state_tensors)
     assert dtypes[True] and set(dtypes[True]) == {torch.bfloat16} and set(dtypes[False]) == {torch.float32}
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def _fixed(n):
+    """A step's inputs from integer arithmetic alone (no random stream or transcendental a torch release may
+    change): weights, a float32 gradient, 8-bit codes and their block scales, bfloat16 moments."""
+    i = torch.arange(n, dtype=torch.int64)
+
+    def u(a, b):  # in [-0.5, 0.5), float64: its products below round once into float32
+        return ((i * a + b) % 2 ** 32).double() / 2 ** 32 - 0.5
+
+    blocks = -(-n // 256)
+    j = torch.arange(blocks, dtype=torch.int64)
+    w = (u(2654435761, 1) * 0.04).bfloat16()
+    grad = (u(2246822519, 2) * 2e-3).float()
+    cm = ((i * 40503 + 3) % 256).to(torch.uint8).view(torch.int8)
+    cv = ((i * 69069 + 5) % 256).to(torch.uint8)
+    am = (((j * 7 + 1) % 13 + 1).double() * 1e-4).float()
+    av = (((j * 5 + 2) % 11 + 1).double() * 1e-8).float()
+    m16, v16 = (u(3266489917, 4) * 2e-4).bfloat16(), (u(668265263, 5).abs() * 1e-8).bfloat16()
+    term = (u(374761393, 6) * 1e-5).bfloat16()
+    grad[:300], cm[:300], cv[:300], am[:1] = 0, 0, 0, 0.0  # an all-zero block, and a partial one
+    return w, grad, (cm, am, cv, av), (m16, v16), term
+
+
+def _digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(bytes(t.contiguous().view(torch.uint8).tolist()))
+    return h.hexdigest()[:16]
+
+
+def _fixed_steps(n=5 * 256 + 83):
+    """Digests of the kernel's step of :func:`_fixed`'s inputs: 8-bit or bfloat16 state, stochastic or kahan,
+    AdamW; and the 8-bit stochastic step from the bfloat16 gradient times a multiplier, as Adam with L2 decay."""
+    out = {}
+    for state in ("int8", "bf16"):
+        for kahan in (False, True):
+            for g16 in ((False, True) if state == "int8" and not kahan else (False,)):
+                w, grad, (cm, am, cv, av), (m16, v16), term = _fixed(n)
+                moments = (cm, am, cv, av) if state == "int8" else (m16, None, v16, None)
+                g, mul = ((grad * 3e4).bfloat16(), 1 / 3e4) if g16 else (grad, 1.0)
+                native.lean_adam(w, term if kahan else None, g, *moments, None if kahan else 0x9E3779B97F4A7C15,
+                                 TABLES, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                 decoupled=not g16, step=3, codes=CODES, base=1000, grad_mul=mul)
+                kept = [w, *(t for t in moments if t is not None)] + ([term] if kahan else [])
+                out[f"{state} {'kahan' if kahan else 'stochastic'}{' bf16 grad' if g16 else ''}"] = _digest(kept)
+    return out
+
+
+#: :func:`_fixed_steps` as the kernel computed it before its decode was done in registers (issue 39): any change of
+#: the kernel's bits shows here
+FIXED_STEPS = {"int8 stochastic": "2bbd3280a83d4549", "int8 stochastic bf16 grad": "f66979d0b246613e",
+               "int8 kahan": "06b36aba3a425f37", "bf16 stochastic": "f009537ed3d7e7c1",
+               "bf16 kahan": "a0269074e311db53"}
+
+
+def test_the_kernels_bits_are_pinned():
+    """The lean tests compare the kernel with the eager path up to float32 rounding; this pins its own bits: a
+    faster kernel must step a fixed input to the same weights, terms, codes and scales."""
+    assert _fixed_steps() == FIXED_STEPS
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86-64 CPU's baseline build")
+def test_the_bits_do_not_depend_on_the_instruction_set(monkeypatch):
+    """``-march=native`` lets the compiler choose the vector width and, with AVX-512 VBMI, the decode's lookup in
+    registers; a baseline x86-64 build (SSE2, scalar lookups) steps to the same bits."""
+    baseline = native.build(arch="x86-64")
+    assert not isinstance(baseline, str), baseline
+    ours = _fixed_steps()
+    monkeypatch.setattr(native, "kernel", lambda: baseline)
+    assert _fixed_steps() == ours
+
+
+def test_the_kernels_rounding_pass_is_the_eager_arithmetics_up_to_2_to_the_32(monkeypatch):
+    """:func:`fxamp.training.flat.round_stochastic_` by the kernel (a block's places in 32-bit lanes where they share
+    their high bits) and by torch's int32 arithmetic: the same bits, up to the eager path's last place, 2^32 - 1
+    (places across 2^32: the kernel's step against its rounding pass, above)."""
+    n = 3000
+    x = torch.linspace(-2.0, 2.0, n) + 1e-3
+    x[5], x[6] = float("nan"), float("inf")
+    segments = [(1000, flat.key(1, 2, 3), 2 ** 32 - 1000), (n - 1000, flat.key(4, 5, 6), 17)]
+    by_kernel = x.clone()
+    flat.round_stochastic_(by_kernel, segments)
+    monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+    eager = x.clone()
+    flat.round_stochastic_(eager, segments)
+    assert torch.equal(by_kernel.view(torch.int32), eager.view(torch.int32))
+    assert not torch.equal(by_kernel, x)  # (rounded: the low 16 bits dropped)
