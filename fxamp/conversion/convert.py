@@ -16,6 +16,7 @@ from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .blocks import convert_blocks
 from .lazy import LazyConverted, with_range_fallback
+from .none_patterns import with_none_patterns
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic, ModuleOverrides, NodeOverrides
 from .pipeline import rewrite_captured
@@ -143,6 +144,10 @@ def convert(
                           {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
     gm = owned(rewrite_captured(captured, pol, options, notes=chosen))
+    if captured.frontend == "fx":
+        # torch.fx traced each input that defaults to None as given (`if labels is not None:` took that branch):
+        # a call that leaves one None captures its own graph, once, on the same tensors
+        gm = with_none_patterns(gm, source, pol, options, owns_model=changes_storage, leaf_modules=leaf_modules)
     if captured.frontend == "export" and dynamic_shapes is None:
         # torch.export's capture holds for a range of sizes (from 2, where Dim.AUTO starts): a call outside it
         # (the last batch of 1) captures again, as a lazy module does, on the same tensors

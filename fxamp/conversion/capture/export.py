@@ -83,7 +83,7 @@ from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 from .hooks import traced_hooks_error
 from .regions import region_notes
-from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
+from .shapes import STATIC_SIZES, OtherInputSet, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
 
 __all__ = ["ExportFrontEnd"]
@@ -400,7 +400,7 @@ class _BindInputs:
                 problem.append(f"got {', '.join(extra)}, which the capture did not see")
             if missing:
                 problem.append(f"{', '.join(missing)} missing")
-            raise TypeError(
+            raise OtherInputSet(
                 f"this module was captured by torch.export for the inputs ({', '.join(captured)}): "
                 f"{'; '.join(problem)}. A graph from torch.export has a fixed set of inputs: convert "
                 f"with example_inputs/example_kwargs that include exactly the inputs you will pass "

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ...errors import TraceError
 from ..op_lists import VIEW_OPS, is_inplace, op_key
-from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
+from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, rename_node
 from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
@@ -45,8 +45,11 @@ class FxFrontEnd:
     name = "fx"
     trace_with_grad = True  # see trace()
 
-    def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
+    def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = (), none_inputs: Sequence[str] = ()):
         self.model = model
+        # forward's inputs traced as None (``labels=None``): torch.fx traces every other input as a value, so
+        # ``if labels is not None:`` takes the branch where it is given (a graph per None pattern: lazy.py)
+        self.none_inputs = tuple(none_inputs)
         refused = traced_hooks_error(model, "torch.fx")
         if refused is not None:
             raise refused
@@ -72,9 +75,10 @@ class FxFrontEnd:
         grad = torch.enable_grad() if self.trace_with_grad else contextlib.nullcontext()
         with _buffer_writes_refused(model), grad:
             try:
-                graph = tracer.trace(root)
+                graph = tracer.trace(root, {name: None for name in self.none_inputs} or None)
             except Exception as e:  # anything torch.fx raises while running forward on proxies
                 raise _trace_error(model, tracer, e) from e
+        _named_as_forward(graph, self.none_inputs)
         for node in graph.nodes:
             if isinstance(node.type, str):
                 # a postponed annotation (``from __future__ import annotations``, or fxamp's own
@@ -146,6 +150,17 @@ class FxTracer(fx.Tracer):
         if body is not None:  # their reference path, without the checks that choose the inference fast path
             forward = functools.partial(body, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+def _named_as_forward(graph: fx.Graph, none_inputs: Sequence[str]) -> None:
+    """Give the inputs traced as None their own names back: torch.fx names such a placeholder ``labels_1``
+    (a call by keyword, ``labels=None``, would not bind).  Its check stays (``_assert_is_none``): this
+    graph refuses a value where it traced None."""
+    for node in graph.find_nodes(op="placeholder"):
+        name = str(node.target)
+        if name.endswith("_1") and name[:-2] in none_inputs:
+            node.target = name[:-2]
+            rename_node(graph, node, name[:-2])  # (as the report and node_overrides name it)
 
 
 @contextlib.contextmanager
