@@ -352,3 +352,20 @@ def test_hugging_face_gpt2_converted_with_labels_then_called_without(policy, dty
     lazy = range_fallback(amp) if example else amp
     assert lazy._fxamp_captures == (1 if example else 2)  # each signature once
     assert list(amp.state_dict()) == list(model.state_dict())
+
+
+def test_a_flag_left_at_its_default_is_not_the_example_inputs_value():
+    # the example gave return_dict=False: a call that leaves it out means forward's True (a dict), as the original;
+    # it was filled in with the example's False (a tuple) before.  Another value captures once more
+    model = Flagged().eval()
+    x, y, _ = _data()
+    amp = fxamp.convert(copy.deepcopy(model), "O1", dtype=BF, example_inputs=(x,), example_kwargs={"return_dict": False},
+                        frontend="export")
+    for kwargs in [{"return_dict": False}, {}, {"return_dict": True}, {"labels": y, "return_dict": False}, {}]:
+        with torch.no_grad():
+            out, ref = amp(x, **kwargs), model(x, **kwargs)
+        assert type(out) is type(ref), kwargs
+        out, ref = (out["logits"], out["loss"]) if isinstance(out, dict) else out, \
+            (ref["logits"], ref["loss"]) if isinstance(ref, dict) else ref
+        assert _sqnr(ref[0], out[0]) > 25 and (out[1] is None) == (ref[1] is None)
+    assert range_fallback(amp)._fxamp_captures == 3  # (x), (x, return_dict=True), (x, labels, return_dict=False)
