@@ -369,3 +369,31 @@ def test_a_flag_left_at_its_default_is_not_the_example_inputs_value():
             (ref["logits"], ref["loss"]) if isinstance(ref, dict) else ref
         assert _sqnr(ref[0], out[0]) > 25 and (out[1] is None) == (ref[1] is None)
     assert range_fallback(amp)._fxamp_captures == 3  # (x), (x, return_dict=True), (x, labels, return_dict=False)
+
+
+class IdentityFlag(nn.Module):
+    """``if double is True:``: torch.fx would test its proxy (never True) and keep one branch for every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x, double=False):
+        y = self.fc(x)
+        if double is True:
+            y = y * 2
+        return y
+
+
+def test_an_identity_test_on_a_flag_is_refused_by_torch_fx_and_captured_per_value_by_torch_export():
+    model = IdentityFlag().eval()
+    with pytest.raises(fxamp.TraceError, match=r"tests the input 'double' by identity \(`if double is True:`, line \d+\)"
+                                               r".*Capture it with torch.export"):
+        fxamp.convert(model, "O1", dtype=BF, frontend="fx")
+    amp = fxamp.convert(copy.deepcopy(model), "O1", dtype=BF)  # auto: captured with torch.export at each value
+    x = _data()[0]
+    with torch.no_grad():
+        for kwargs in [{}, {"double": True}, {"double": False}]:
+            ref, out = model(x, **kwargs), amp(x, **kwargs)
+            assert _sqnr(ref, out) > 25, kwargs
+    assert fxamp.conversion_info(amp).frontend == "export"

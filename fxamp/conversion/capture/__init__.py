@@ -29,7 +29,7 @@ from ..options import Dynamic
 from .common import Captured, FrontEnd, LeafSpec
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
-from .fx import FxFrontEnd
+from .fx import FxFrontEnd, identity_test_error
 from .hooks import traced_hooks_error
 from .modes import capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes
@@ -86,6 +86,9 @@ def capture(
     if frontend == "export":
         return export(fx_error)
     try:
+        refused = identity_test_error(model)
+        if refused is not None:
+            raise refused
         return _run(model, FxFrontEnd(model, leaf_modules, none_inputs), graph_per_mode=graph_per_mode)
     except TraceError as e:
         if frontend == "auto" and has_inputs:

@@ -14,9 +14,12 @@ torch.nn's transformers are not leaves: they are traced through their reference 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import functools
+import inspect
+import textwrap
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,7 +39,7 @@ from .regions import (confirmed, copy_root_hooks, fx_region_error, region_note, 
                       traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
-__all__ = ["FxFrontEnd", "FxTracer"]
+__all__ = ["FxFrontEnd", "FxTracer", "identity_test_error"]
 
 
 class FxFrontEnd:
@@ -150,6 +153,37 @@ class FxTracer(fx.Tracer):
         if body is not None:  # their reference path, without the checks that choose the inference fast path
             forward = functools.partial(body, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+def identity_test_error(model: nn.Module) -> Optional[TraceError]:
+    """Refuse a forward that tests one of its inputs with a non-None default by identity (``if flag is True:``,
+    ``if mode is DEFAULT:``): torch.fx evaluates the test once, on the input's proxy (never the value), and the
+    graph would hold that branch for every call, silently.  ``is None`` tests of inputs that default to None
+    are the None patterns' (lazy.py); a branch on a flag's truth torch.fx refuses itself."""
+    if FORWARDS.get(type(model)) is not None:  # torch.nn's transformers: traced through their reference path
+        return None
+    forward = type(model).forward
+    try:
+        params = inspect.signature(forward).parameters
+        lines, start = inspect.getsourcelines(forward)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, ValueError, SyntaxError):  # no source to read: nothing to tell
+        return None
+    flags = {n for n, p in params.items() if p.default is not inspect.Parameter.empty and p.default is not None}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)):
+            continue
+        name = next((e.id for e in (node.left, *node.comparators) if isinstance(e, ast.Name) and e.id in flags), None)
+        if name is not None:
+            line = lines[node.lineno - 1].strip()
+            return TraceError(
+                f"torch.fx cannot capture {type(model).__name__}: its forward tests the input {name!r} by identity "
+                f"(`{line}`, line {start + node.lineno - 1}), which torch.fx evaluates once, on a placeholder, not "
+                f"on the value a call passes: the graph would take one branch for every value. Capture it with "
+                f"torch.export, which takes each value as given (a graph per value): pass example_inputs=(...), or "
+                f"leave frontend='auto' (fxamp then captures it at its first call).",
+                short=f"forward tests input {name} by identity")
+    return None
 
 
 def _named_as_forward(graph: fx.Graph, none_inputs: Sequence[str]) -> None:
