@@ -20,6 +20,7 @@ from .none_patterns import with_none_patterns
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic, ModuleOverrides, NodeOverrides
 from .pipeline import rewrite_captured
+from .runtime.graph_module import optional_inputs
 from ..policy import Policy, default_dtype, device_type_of, resolve_policy
 from .rewrite.casts import CACHE_NAME
 
@@ -144,10 +145,11 @@ def convert(
                           {} if fx_graphs else dict(example_kwargs or {}))
         return owned(amp)
     gm = owned(rewrite_captured(captured, pol, options, notes=chosen))
-    if captured.frontend == "fx":
+    if captured.frontend == "fx" and optional_inputs(gm):
         # torch.fx traced each input that defaults to None as given (`if labels is not None:` took that branch):
-        # a call that leaves one None captures its own graph, once, on the same tensors
-        gm = with_none_patterns(gm, source, pol, options, owns_model=changes_storage, leaf_modules=leaf_modules)
+        # a call that leaves one None captures its own graph, once, on the same tensors (owned: a tensor only
+        # that graph reads is a copy too, never the original's)
+        gm = with_none_patterns(gm, owned(source), pol, options, owns_model=changes_storage, leaf_modules=leaf_modules)
     if captured.frontend == "export" and dynamic_shapes is None:
         # torch.export's capture holds for a range of sizes (from 2, where Dim.AUTO starts): a call outside it
         # (the last batch of 1) captures again, as a lazy module does, on the same tensors

@@ -397,3 +397,34 @@ def test_an_identity_test_on_a_flag_is_refused_by_torch_fx_and_captured_per_valu
             ref, out = model(x, **kwargs), amp(x, **kwargs)
             assert _sqnr(ref, out) > 25, kwargs
     assert fxamp.conversion_info(amp).frontend == "export"
+
+
+class SeparateHeads(nn.Module):
+    """A head only the call without labels reads: torch.fx's first graph has none of its parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.train_head, self.infer_head = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x, labels=None):
+        h = F.relu(self.body(x))
+        if labels is None:
+            return self.infer_head(h), None
+        logits = self.train_head(h)
+        return logits, F.cross_entropy(logits, labels)
+
+
+def test_o2_a_parameter_only_the_none_graph_reads_is_the_converted_modules_never_the_originals():
+    model = SeparateHeads().eval()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    amp = fxamp.convert(model, "O2", dtype=BF)
+    x, y, _ = _data()
+    _like_autocast(model, amp, BF, x, y)
+    _like_autocast(model, amp, BF, x)
+    lazy = none_patterns(amp)
+    head = lazy.get_submodule("infer_head").weight
+    assert head is amp.get_submodule("infer_head").weight and head is not model.infer_head.weight
+    # (float32: O2 stores low what convert's graph reads; the None graph casts this one where it computes)
+    with torch.no_grad():
+        head.mul_(0)  # training the converted module changes the original model nowhere
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
