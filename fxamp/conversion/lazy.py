@@ -41,7 +41,8 @@ read).  A torch.fx graph takes any call, but for the inputs whose default is Non
 as a value, so ``if labels is not None:`` takes the branch where it is given.  The cache key is the mode and
 which of those inputs (the ones the graph computes with) the call leaves None: a call without ``labels``
 captures once more, tracing ``labels`` as None (``runtime.graph_module.none_pattern``).  Other Python values
-(a ``return_dict=False`` flag) need no key: torch.fx traces them as values too, and refuses a branch on one.
+(a ``return_dict=False`` flag) need no key: torch.fx traces them as values too, and refuses a branch on one
+(and fxamp an identity test, ``flag is True``: ``capture/fx.py``'s ``identity_test_error``).
 """
 
 from __future__ import annotations
@@ -462,8 +463,9 @@ class RangeFallback(NodeErrors):
     range the capture holds for (a batch of 1 where the example's was 8: torch.export assumed sizes 0 and 1
     away), or with other inputs (``labels`` left out where the example gave them, or the reverse), runs
     ``module``, a :class:`LazyConverted` made on the same parameters and buffers, which captures a graph for that
-    call's range or signature (and keeps it: sizes 0, 1 and each other range once, each signature once).  Ordinary calls pay only
-    the input checks the module had; the exception is the signal.  Copies and pickles take ``module`` along."""
+    call's range or signature (and keeps it: sizes 0, 1 and each other range once, each signature once).
+    Ordinary calls pay only the input checks the module had; the exception is the signal.  Copies and pickles
+    take ``module`` along."""
 
     def __init__(self, module: LazyConverted):
         self.module = module
@@ -471,7 +473,7 @@ class RangeFallback(NodeErrors):
     def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(gm, *args, **kwargs)
-        except (RuntimeError, OtherInputSet) as exc:  # other inputs: labels left out, or given where the example had none
+        except (RuntimeError, OtherInputSet) as exc:  # OtherInputSet: labels left out, or given where the example had none
             if not (_outside_range(exc) or isinstance(exc, OtherInputSet)):
                 raise
             why = str(exc).split(". What to do")[0].split(". A graph from")[0].split("\n")[0]

@@ -428,3 +428,12 @@ def test_o2_a_parameter_only_the_none_graph_reads_is_the_converted_modules_never
     with torch.no_grad():
         head.mul_(0)  # training the converted module changes the original model nowhere
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_export_from_example_inputs_takes_an_explicit_none_as_the_input_left_out():
+    # labels=None where the example gave a tensor was torch's "Expected input at *args[1] to be a tensor"
+    model = Head().eval()
+    x, y, _ = _data()
+    amp = fxamp.convert(copy.deepcopy(model), "O1", dtype=BF, example_inputs=(x, y), frontend="export")
+    for args, kwargs in [((x, None), {}), ((x,), {"labels": None}), ((x, y, None), {}), ((x, y), {"mask": None})]:
+        _like_autocast(model, amp, BF, *args, **kwargs)

@@ -387,7 +387,8 @@ class _BindInputs:
         except TypeError as e:
             raise TypeError(f"{e} (the converted module takes the original forward's arguments: "
                             f"{self.signature})") from None
-        given = self._by_name(bound.arguments)
+        # None where the capture had a tensor (labels=None): the input left out, as forward reads it
+        given = {n: v for n, v in self._by_name(bound.arguments).items() if v is not None or n in self.constants}
         captured = self.positional + self.keywords
         extra = [n for n in given if n not in captured and not self._is_default(n, given[n])]
         # a value export took as a constant (return_dict=False) holds for that value only: another one, or
