@@ -34,6 +34,7 @@ STAGES: Dict[str, int] = {
     "conversion.classify": 7,
     "conversion.rewrite": 8,
     "conversion.pipeline": 9, "conversion.lazy": 9, "conversion.blocks": 9, "conversion.families": 9,
+    "conversion.none_patterns": 9,
     "conversion.convert": 10,
     # old paths a saved model may name, kept for one release: at the top, and nothing imports them
     "conversion.recompute": 10, "conversion.float8": 10, "conversion.debug": 10,

@@ -16,9 +16,11 @@ from ..errors import TraceError
 from ..info import ConversionInfo, conversion_info, policy_of
 from .blocks import convert_blocks
 from .lazy import LazyConverted, with_range_fallback
+from .none_patterns import with_none_patterns
 from .op_lists import Category, OpEntry, OpKey, OpLists
 from .options import ConvertOptions, DebugOverflow, Dynamic, ModuleOverrides, NodeOverrides
 from .pipeline import rewrite_captured
+from .runtime.graph_module import optional_inputs
 from ..policy import Policy, default_dtype, device_type_of, resolve_policy
 from .rewrite.casts import CACHE_NAME
 
@@ -153,6 +155,11 @@ def convert(
         return owned(amp)
     gm = owned(rewrite_captured(captured, pol, options, notes=(*chosen, *hook_note)))
     copy_root_hooks(source, gm)
+    if captured.frontend == "fx" and optional_inputs(gm):
+        # torch.fx traced each input that defaults to None as given (`if labels is not None:` took that branch):
+        # a call that leaves one None captures its own graph, once, on the same tensors (owned: a tensor only
+        # that graph reads is a copy too, never the original's)
+        gm = with_none_patterns(gm, owned(source), pol, options, owns_model=changes_storage, leaf_modules=leaf_modules)
     if captured.frontend == "export" and dynamic_shapes is None:
         # torch.export's capture holds for a range of sizes (from 2, where Dim.AUTO starts): a call outside it
         # (the last batch of 1) captures again, as a lazy module does, on the same tensors

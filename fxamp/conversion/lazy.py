@@ -40,7 +40,12 @@ one from example inputs when the modes differ; given ``dynamic_shapes=``, every 
 (timm's ``drop_path(x, p, self.training)``): made with ``frontend="fx"``, it holds the graph
 ``convert`` captured for the current mode and captures the other mode with torch.fx at its first
 call in that mode (a copy or a loaded module: each mode at its first call, or when its graph is
-read).  A torch.fx graph takes any call, so the cache key is the mode alone.
+read).  A torch.fx graph takes any call, but for the inputs whose default is None: torch.fx traces an input
+as a value, so ``if labels is not None:`` takes the branch where it is given.  The cache key is the mode and
+which of those inputs (the ones the graph computes with) the call leaves None: a call without ``labels``
+captures once more, tracing ``labels`` as None (``runtime.graph_module.none_pattern``).  Other Python values
+(a ``return_dict=False`` flag) need no key: torch.fx traces them as values too, and refuses a branch on one
+(and fxamp an identity test, ``flag is True``: ``capture/fx.py``'s ``identity_test_error``).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import Captured, LeafSpec, capture, copy_root_hooks, root_hooks_note, without_hooks
-from .capture.shapes import STATIC_SIZES, OutsideCapturedRange
+from .capture.shapes import STATIC_SIZES, OtherInputSet, OutsideCapturedRange
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, watch_for_masters
 from .pipeline import rewrite_captured
 from ..dtypes import short_name
@@ -68,7 +73,7 @@ from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
 from .runtime import NodeErrors, refuse_dtype_change
-from .runtime.graph_module import indexing_message
+from .runtime.graph_module import indexing_message, none_pattern, optional_inputs
 from .storage import float32_for_capture, predict_storage
 
 __all__ = ["LazyConverted", "RangeFallback", "range_fallback", "with_range_fallback"]
@@ -76,7 +81,8 @@ __all__ = ["LazyConverted", "RangeFallback", "range_fallback", "with_range_fallb
 logger = logging.getLogger("fxamp")
 
 _MISSING = object()
-#: the cache key of every call of a torch.fx capture (its graph takes any inputs): only the mode differs
+#: the cache key of every call of a torch.fx capture that gives every optional input (its graph takes any
+#: values): only the mode differs; (_ANY_CALL, names) for a call that leaves those optional inputs None
 _ANY_CALL = "any call"
 
 
@@ -135,7 +141,8 @@ class LazyConverted(nn.Module):
     def __init__(self, model: nn.Module, policy: Policy, options: ConvertOptions = ConvertOptions(), *,
                  owns_model: bool, fx_error: Optional[TraceError] = None, lead_note: Optional[str] = None,
                  notes: Sequence[str] = (), frontend: str = "export", leaf_modules: Sequence[LeafSpec] = (),
-                 dynamic_shapes: Any = None, tensors: Optional[Dict[str, torch.Tensor]] = None):
+                 dynamic_shapes: Any = None, tensors: Optional[Dict[str, torch.Tensor]] = None,
+                 optional: Sequence[Tuple[int, str]] = ()):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
             root = copy.copy(model)
@@ -166,6 +173,7 @@ class LazyConverted(nn.Module):
         d["_fxamp_options"] = options
         d["_fxamp_frontend"] = frontend  # "fx": a graph per mode for any call (leaf_modules: torch.fx's)
         d["_fxamp_leaf_modules"] = tuple(leaf_modules)
+        d["_fxamp_optional"] = tuple(optional)  # "fx": (position, name) of the inputs whose None is another graph
         # convert(dynamic_shapes=...) whose modes captured different graphs: every capture uses them, as the first did
         d["_fxamp_dynamic_shapes"] = dynamic_shapes
         d["_fxamp_fx_error"] = _detached(fx_error)
@@ -238,8 +246,8 @@ class LazyConverted(nn.Module):
         return self._fxamp_forward(*args, **kwargs)
 
     def _fxamp_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._frontend == "fx":  # one graph per mode takes every call, as the user wrote it
-            return self._run(_ANY_CALL, args, kwargs)
+        if self._frontend == "fx":  # a graph per mode and None pattern takes every call, as the user wrote it
+            return self._run(self._key(args, kwargs), args, kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         base = self._key(args, kwargs)
         variant = 0
@@ -279,7 +287,8 @@ class LazyConverted(nn.Module):
     def _key(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The cache key of a call: its signature, and the sizes of the dims its capture kept static."""
         if self._frontend == "fx":
-            return _ANY_CALL
+            pattern = none_pattern(self.__dict__.get("_fxamp_optional", ()), args, kwargs)
+            return (_ANY_CALL, pattern) if pattern else _ANY_CALL
         # dynamic_shapes given: their ranges decide which sizes a capture takes (torch's check and fxamp's, which
         # refuses 0/1 where a range starts at 2, and the call then captures again), not a 0/1 in the key: a
         # capture from a size-1 call under a dim asked dynamic from 1 fails ("specialized it to be a constant")
@@ -300,29 +309,36 @@ class LazyConverted(nn.Module):
     def _capture(self, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
         root = self._fxamp_root
         root.training = self.training
+        fx_graph = self._frontend == "fx"
+        none = key[1] if fx_graph and isinstance(key, tuple) else ()  # the inputs this graph traces as None
         with float32_for_capture(root, self._fxamp_stored_low) as restore, torch.enable_grad():
-            if self._frontend == "fx":  # this mode's graph: torch.fx needs no inputs
-                captured = capture(root, frontend="fx", leaf_modules=self._fxamp_leaf_modules, graph_per_mode=True)
+            if fx_graph:  # this mode's (and None pattern's) graph: torch.fx needs no inputs
+                captured = capture(root, frontend="fx", leaf_modules=self._fxamp_leaf_modules, graph_per_mode=True,
+                                   none_inputs=none)
             else:
                 captured = capture(root, frontend="export", example_inputs=args, example_kwargs=kwargs,
                                    dynamic=self._fxamp_options.dynamic, fx_error=self._fxamp_fx_error,
                                    dynamic_shapes=self.__dict__.get("_fxamp_dynamic_shapes"),
                                    graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
-        learned = self._learn_static(captured.graph_module, args, kwargs)
+        if fx_graph and not none:  # (another mode's graph may compute with another optional input)
+            self.__dict__["_fxamp_optional"] = tuple(dict.fromkeys(
+                (*self.__dict__.get("_fxamp_optional", ()), *optional_inputs(captured.graph_module))))
+        learned = key if fx_graph else self._learn_static(captured.graph_module, args, kwargs)
         key = learned if not (isinstance(key, tuple) and len(key) == 3 and key[1] == "range") else (
             learned, "range", key[2])  # another range of one signature: kept beside the first capture
-        description = self._describe(args, kwargs, captured.graph_module)
-        where = "with torch.fx at this mode's first use" if self._frontend == "fx" else \
+        description = self._describe(args, kwargs, captured.graph_module, none)
+        where = f"with torch.fx at this mode's first use {description}" if fx_graph else \
             f"at a call with {description}"
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured {where}; parameter storage "
                                      f"predicted from the module tree (fxamp.conversion.lazy.LazyConverted)"])
         return self._store(key, description, captured.only_mode, gm)
 
-    def _describe(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], gm: fx.GraphModule) -> str:
-        if self._frontend == "fx":
-            return "(any arguments)"  # a torch.fx graph's inputs are forward's parameters
+    def _describe(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], gm: fx.GraphModule,
+                  none: Tuple[str, ...] = ()) -> str:
+        if self._frontend == "fx":  # a torch.fx graph's inputs are forward's parameters
+            return "(any arguments)" if not none else f"(any arguments, {', '.join(none)} None)"
         return _describe(self._fxamp_root, args, kwargs, _static(gm, args, kwargs))
 
     def adopt_capture(self, captured: Captured, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -336,7 +352,11 @@ class LazyConverted(nn.Module):
         gm._parameters.update(self._parameters)  # root-level tensors: the ones in their storage dtypes
         gm._buffers.update(self._buffers)
         description = self._describe(args, kwargs, gm)
-        key = self._learn_static(gm, args, kwargs)
+        if self._frontend == "fx":  # torch.fx's graph, every optional input given
+            self.__dict__["_fxamp_optional"] = optional_inputs(gm)
+            key = _ANY_CALL
+        else:
+            key = self._learn_static(gm, args, kwargs)
         where = "with torch.fx" if self._frontend == "fx" else f"from the example inputs {description}"
         gm = rewrite_captured(captured, self._fxamp_policy, self._fxamp_options, storage="keep",
                               notes=[f"captured at convert time {where}; parameter "
@@ -449,9 +469,11 @@ class RangeFallback(NodeErrors):
     """How a module ``convert`` captured with torch.export from example inputs is called (its ``_wrapped_call``):
     as any converted ``GraphModule`` (:class:`~fxamp.conversion.runtime.NodeErrors`), but a call outside the
     range the capture holds for (a batch of 1 where the example's was 8: torch.export assumed sizes 0 and 1
-    away) runs ``module``, a :class:`LazyConverted` made on the same parameters and buffers, which captures a
-    graph for that call's range (and keeps it: sizes 0, 1 and each other range once).  Ordinary calls pay only
-    the input checks the module had; the exception is the signal.  Copies and pickles take ``module`` along."""
+    away), or with other inputs (``labels`` left out where the example gave them, or the reverse), runs
+    ``module``, a :class:`LazyConverted` made on the same parameters and buffers, which captures a graph for that
+    call's range or signature (and keeps it: sizes 0, 1 and each other range once, each signature once).
+    Ordinary calls pay only the input checks the module had; the exception is the signal.  Copies and pickles
+    take ``module`` along."""
 
     def __init__(self, module: LazyConverted):
         self.module = module
@@ -459,10 +481,12 @@ class RangeFallback(NodeErrors):
     def __call__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(gm, *args, **kwargs)
-        except RuntimeError as exc:
-            if not _outside_range(exc):
+        except (RuntimeError, OtherInputSet) as exc:  # OtherInputSet: labels left out, or given where the example had none
+            if not (_outside_range(exc) or isinstance(exc, OtherInputSet)):
                 raise
-            why = str(exc).split(". What to do")[0].split("\n")[0]
+            why = str(exc).split(". What to do")[0].split(". A graph from")[0].split("\n")[0]
+            why = (f"the call was outside the range the example inputs' capture holds for ({why})"
+                   if _outside_range(exc) else f"the call's inputs are not the example inputs' ({why})")
         lazy = self.module
         lazy.training = gm.training  # (its own flag: the shared modules' are set by the graphs' mode flags)
         before = lazy._fxamp_captures
@@ -470,8 +494,7 @@ class RangeFallback(NodeErrors):
         if lazy._fxamp_captures != before:  # one note per graph captured, not per call
             entry = lazy._fxamp_last
             note = (f"captured a second graph with torch.export, for {entry.description}, sharing this module's "
-                    f"parameters: the call was outside the range the example inputs' capture holds for ({why}); "
-                    f"calls in that range run it from now on")
+                    f"parameters: {why}; calls like it run it from now on")
             info = conversion_info(gm)
             if info is not None:
                 info = dataclasses.replace(info, notes=(*info.notes, note))

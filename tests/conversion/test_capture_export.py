@@ -429,16 +429,28 @@ def test_calling_convention_follows_the_original_signature():
                         frontend="export")
     y, mask = torch.randn(3, 4), torch.rand(3, 4)
     want = model(y, mask, 2.0)["out"]
-    for got in (amp(y, mask=mask, scale=2.0), amp(y, mask), amp(x=y, mask=mask), amp(y, mask, 2.0, None)):
-        torch.testing.assert_close(got["out"], want, atol=1e-2, rtol=1e-2)  # scale=2.0 filled in when omitted
-    with pytest.raises(TypeError, match=r"captured by torch.export for the inputs \(x, mask, scale\): got extra"):
-        amp(y, mask=mask, extra=y)
-    with pytest.raises(TypeError, match="mask missing"):
-        amp(y)
-    with pytest.raises(RuntimeError, match="to be equal to 2.0"):
-        amp(y, mask, scale=3.0)
+    for got in (amp(y, mask=mask, scale=2.0), amp(x=y, mask=mask, scale=2.0), amp(y, mask, 2.0, None)):
+        torch.testing.assert_close(got["out"], want, atol=1e-2, rtol=1e-2)
+    # other inputs than the example's: each captured once more on the same parameters (lazy.RangeFallback), and
+    # computed as the original does (scale left out is forward's 1.0, not the example's 2.0; issue 37)
+    calls = [lambda m: m(y, mask), lambda m: m(y, mask=mask, scale=2.0, extra=y), lambda m: m(y),
+             lambda m: m(y, mask, scale=3.0)]
+    for call in calls + calls:
+        torch.testing.assert_close(call(amp)["out"], call(model)["out"], atol=1e-2, rtol=1e-2)
+    assert fxamp.conversion.lazy.range_fallback(amp)._fxamp_captures == 4
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         amp(y, mask, bogus=1)
+    # with dynamic_shapes= (no second capture), each is refused in one line naming the inputs
+    auto = torch.export.Dim.AUTO
+    amp = fxamp.convert(model, "O1", example_inputs=(x,), example_kwargs={"mask": m, "scale": 2.0},
+                        frontend="export", dynamic_shapes={"x": {0: auto}, "mask": {0: auto}, "scale": None})
+    torch.testing.assert_close(amp(y, mask, 2.0)["out"], want, atol=1e-2, rtol=1e-2)
+    with pytest.raises(TypeError, match=r"captured by torch.export for the inputs \(x, mask, scale\): got extra"):
+        amp(y, mask=mask, scale=2.0, extra=y)
+    with pytest.raises(TypeError, match="scale=1.0 where the capture had 2.0; mask missing"):
+        amp(y)
+    with pytest.raises(TypeError, match="scale=3.0 where the capture had 2.0. A graph from torch.export"):
+        amp(y, mask, scale=3.0)
     # captured from keywords only: positional calls work too
     amp = fxamp.convert(model, "O1", example_kwargs={"x": x}, frontend="export")
     torch.testing.assert_close(amp(y)["out"], model(y)["out"], atol=1e-2, rtol=1e-2)

@@ -125,8 +125,12 @@ def test_labels_give_a_float32_loss_close_to_float32s():
     assert abs(out.item() - ref.item()) / ref.item() < 0.01
     losses = [d for n in amp.graph.nodes if (d := n.meta.get("fxamp")) is not None and "cross_entropy" in d.op]
     assert losses and all(d.compute == torch.float32 for d in losses)
-    with pytest.raises(TypeError, match="labels missing"):
-        amp(y)
+    # without labels (issue 37: it was refused, "labels missing"): a second graph, once, on the same parameters
+    with torch.no_grad():
+        out = amp(y)
+        assert out.loss is None and out.logits.dtype == torch.float32
+        assert torch.nn.functional.cosine_similarity(out.logits.flatten(), model(y).logits.flatten(), dim=0) > 0.999
+    assert fxamp.conversion.lazy.range_fallback(amp)._fxamp_captures == 1
 
 
 def test_a_last_batch_of_one_trains_a_gpt2_converted_from_a_batch_of_eight():

@@ -113,13 +113,18 @@ def dataclass_output_with_loss():
     like_autocast(m, lambda *a: amp(*a, y), x)
 
 
-@cases.add("refused")
+@cases.add()
 def dataclass_output_optional_labels_omitted_after_fx():
-    # issue 37 probe: torch.fx traces labels=None as given, so its graph has no path without labels; the call
-    # is refused in fxamp's words (it was a TypeError from cross_entropy), naming frontend='export' (next case)
+    # issue 37 probe: torch.fx traces labels=None as given, so its graph had no path without labels (a TypeError
+    # from cross_entropy, then a refusal); the call now captures once more, labels traced as None
     m = DataclassOut()
     amp = fxamp.convert(m, "O1")
-    amp(torch.randn(4, 8))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 4, 2])
+    assert amp(x, y).loss.dtype == F32
+    out = amp(x)
+    assert isinstance(out, Output) and out.loss is None and out.logits.dtype == F32, type(out).__name__
+    like_autocast(m, amp, x)
+    assert amp(x, y).loss.dtype == F32  # the graph convert captured, still
 
 
 @dataclasses.dataclass

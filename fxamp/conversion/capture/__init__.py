@@ -30,7 +30,7 @@ from ..options import Dynamic
 from .common import Captured, FrontEnd, LeafSpec
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
-from .fx import FxFrontEnd
+from .fx import FxFrontEnd, identity_test_error
 from .hooks import copy_root_hooks, root_hooks_note, traced_hooks_error, user_hooks, without_hooks
 from .modes import capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes
@@ -53,6 +53,7 @@ def capture(
     fx_error: Optional[TraceError] = None,
     graph_per_mode: bool = False,
     at_call: bool = False,
+    none_inputs: Sequence[str] = (),
 ) -> Captured:
     """Capture ``model`` as a graph.
 
@@ -64,6 +65,8 @@ def capture(
     (``Captured.only_mode``): no warning then, and the note says so.
     at_call: the example inputs are a call's (fxamp's lazily capturing module): errors name the call's
     arguments, not ``example_kwargs``.
+    none_inputs: torch.fx only: forward's inputs to trace as None (``labels=None``), every other one as a
+    value (``if labels is not None:`` then takes the branch where labels are not given).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxamp converts nn.Module instances, not {type(model).__name__}")
@@ -85,7 +88,10 @@ def capture(
     if frontend == "export":
         return export(fx_error)
     try:
-        return _run(model, FxFrontEnd(model, leaf_modules), graph_per_mode=graph_per_mode)
+        refused = identity_test_error(model)
+        if refused is not None:
+            raise refused
+        return _run(model, FxFrontEnd(model, leaf_modules, none_inputs), graph_per_mode=graph_per_mode)
     except TraceError as e:
         if frontend == "auto" and has_inputs:
             return export(e)

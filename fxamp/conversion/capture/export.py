@@ -83,7 +83,7 @@ from .common import LeafSpec, user_frame
 from .constants import fit_fill_values
 from .hooks import traced_hooks_error, without_hooks
 from .regions import region_notes
-from .shapes import STATIC_SIZES, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
+from .shapes import STATIC_SIZES, OtherInputSet, Range, asked_dims, check_range, dim_ranges, fixed_dims, input_name, shape_note
 from .shapes import dynamic_shapes as usual_dynamic_shapes
 
 __all__ = ["ExportFrontEnd"]
@@ -389,20 +389,26 @@ class _BindInputs:
         except TypeError as e:
             raise TypeError(f"{e} (the converted module takes the original forward's arguments: "
                             f"{self.signature})") from None
-        given = self._by_name(bound.arguments)
+        # None where the capture had a tensor (labels=None): the input left out, as forward reads it
+        given = {n: v for n, v in self._by_name(bound.arguments).items() if v is not None or n in self.constants}
         captured = self.positional + self.keywords
         extra = [n for n in given if n not in captured and not self._is_default(n, given[n])]
+        # a value export took as a constant (return_dict=False) holds for that value only: another one, or
+        # forward's default where it differs, is another input set (torch's own check would name neither)
+        other = [f"{n}={v!r} where the capture had {self.constants[n]!r}" for n, v in
+                 ((n, given.get(n, self._default(n, self.constants[n]))) for n in captured if n in self.constants)
+                 if not _same_value(v, self.constants[n])]
         for name in captured:
             if name not in given and name in self.constants:
                 given[name] = self.constants[name]
         missing = [n for n in captured if n not in given]
-        if extra or missing:
-            problem = []
+        if extra or missing or other:
+            problem = other
             if extra:
                 problem.append(f"got {', '.join(extra)}, which the capture did not see")
             if missing:
                 problem.append(f"{', '.join(missing)} missing")
-            raise TypeError(
+            raise OtherInputSet(
                 f"this module was captured by torch.export for the inputs ({', '.join(captured)}): "
                 f"{'; '.join(problem)}. A graph from torch.export has a fixed set of inputs: convert "
                 f"with example_inputs/example_kwargs that include exactly the inputs you will pass "
@@ -459,6 +465,10 @@ class _BindInputs:
                         f"to be equal to {want} ({how}). What to do: convert with dynamic='all' (every dim "
                         f"dynamic) or pass dynamic_shapes= for this input, or call with size {want}")
 
+    def _default(self, name: str, otherwise: Any) -> Any:
+        param = self.signature.parameters.get(name)
+        return otherwise if param is None or param.default is inspect.Parameter.empty else param.default
+
     def _is_default(self, name: str, value: Any) -> bool:
         if value is None:
             return True
@@ -469,6 +479,14 @@ class _BindInputs:
             return bool(value == param.default)
         except Exception:  # pragma: no cover - exotic __eq__
             return False
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """The same Python constant (``True`` is not ``1``)."""
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # pragma: no cover - exotic __eq__
+        return False
 
 
 def _bind_inputs_as_original(gm: fx.GraphModule, signature: Optional[inspect.Signature],

@@ -14,9 +14,12 @@ torch.nn's transformers are not leaves: they are traced through their reference 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import functools
+import inspect
+import textwrap
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from ...errors import TraceError
 from ..op_lists import VIEW_OPS, is_inplace, op_key
-from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree
+from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, rename_node
 from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
 from .common import LeafSpec, UnsoundCapture, user_frame
@@ -36,7 +39,7 @@ from .regions import (confirmed, fx_region_error, region_note, region_state, sca
                       traced_region_error, unreadable_region)
 from .transformer import FORWARDS, canonical_masks, causal_hint, fast_path_padding, traced_class
 
-__all__ = ["FxFrontEnd", "FxTracer"]
+__all__ = ["FxFrontEnd", "FxTracer", "identity_test_error"]
 
 
 class FxFrontEnd:
@@ -45,8 +48,11 @@ class FxFrontEnd:
     name = "fx"
     trace_with_grad = True  # see trace()
 
-    def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = ()):
+    def __init__(self, model: nn.Module, leaf_modules: Sequence[LeafSpec] = (), none_inputs: Sequence[str] = ()):
         self.model = model
+        # forward's inputs traced as None (``labels=None``): torch.fx traces every other input as a value, so
+        # ``if labels is not None:`` takes the branch where it is given (a graph per None pattern: lazy.py)
+        self.none_inputs = tuple(none_inputs)
         refused = traced_hooks_error(model, "torch.fx")
         if refused is not None:
             raise refused
@@ -72,9 +78,10 @@ class FxFrontEnd:
         grad = torch.enable_grad() if self.trace_with_grad else contextlib.nullcontext()
         with _buffer_writes_refused(model), grad:
             try:
-                graph = tracer.trace(root)
+                graph = tracer.trace(root, {name: None for name in self.none_inputs} or None)
             except Exception as e:  # anything torch.fx raises while running forward on proxies
                 raise _trace_error(model, tracer, e) from e
+        _named_as_forward(graph, self.none_inputs)
         for node in graph.nodes:
             if isinstance(node.type, str):
                 # a postponed annotation (``from __future__ import annotations``, or fxamp's own
@@ -146,6 +153,48 @@ class FxTracer(fx.Tracer):
         if body is not None:  # their reference path, without the checks that choose the inference fast path
             forward = functools.partial(body, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+def identity_test_error(model: nn.Module) -> Optional[TraceError]:
+    """Refuse a forward that tests one of its inputs with a non-None default by identity (``if flag is True:``,
+    ``if mode is DEFAULT:``): torch.fx evaluates the test once, on the input's proxy (never the value), and the
+    graph would hold that branch for every call, silently.  ``is None`` tests of inputs that default to None
+    are the None patterns' (lazy.py); a branch on a flag's truth torch.fx refuses itself."""
+    if FORWARDS.get(type(model)) is not None:  # torch.nn's transformers: traced through their reference path
+        return None
+    forward = type(model).forward
+    try:
+        params = inspect.signature(forward).parameters
+        lines, start = inspect.getsourcelines(forward)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, ValueError, SyntaxError):  # no source to read: nothing to tell
+        return None
+    flags = {n for n, p in params.items() if p.default is not inspect.Parameter.empty and p.default is not None}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)):
+            continue
+        name = next((e.id for e in (node.left, *node.comparators) if isinstance(e, ast.Name) and e.id in flags), None)
+        if name is not None:
+            line = lines[node.lineno - 1].strip()
+            return TraceError(
+                f"torch.fx cannot capture {type(model).__name__}: its forward tests the input {name!r} by identity "
+                f"(`{line}`, line {start + node.lineno - 1}), which torch.fx evaluates once, on a placeholder, not "
+                f"on the value a call passes: the graph would take one branch for every value. Capture it with "
+                f"torch.export, which takes each value as given (a graph per value): pass example_inputs=(...), or "
+                f"leave frontend='auto' (fxamp then captures it at its first call).",
+                short=f"forward tests input {name} by identity")
+    return None
+
+
+def _named_as_forward(graph: fx.Graph, none_inputs: Sequence[str]) -> None:
+    """Give the inputs traced as None their own names back: torch.fx names such a placeholder ``labels_1``
+    (a call by keyword, ``labels=None``, would not bind).  Its check stays (``_assert_is_none``): this
+    graph refuses a value where it traced None."""
+    for node in graph.find_nodes(op="placeholder"):
+        name = str(node.target)
+        if name.endswith("_1") and name[:-2] in none_inputs:
+            node.target = name[:-2]
+            rename_node(graph, node, name[:-2])  # (as the report and node_overrides name it)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from ...errors import FxampError
 from ..options import Dynamic
 
-__all__ = ["STATIC_SIZES", "OutsideCapturedRange", "Range", "asked_dims", "check_range", "dim_ranges", "dynamic_shapes",
+__all__ = ["STATIC_SIZES", "OutsideCapturedRange", "OtherInputSet", "Range", "asked_dims", "check_range", "dim_ranges", "dynamic_shapes",
            "fixed_dims", "input_name", "shape_note", "usual_dims"]
 
 #: ``gm.meta`` key of a captured graph module's ``static_sizes(args, kwargs)``: the sizes a call
@@ -51,6 +51,12 @@ class OutsideCapturedRange(FxampError):
     Raised by the converted module's input binding, a forward pre-hook: nothing of forward ran, so a
     lazily capturing module can capture again for the call's size.
     """
+
+
+class OtherInputSet(TypeError):
+    """A call gives inputs other than the ones its torch.export capture took (``labels`` left out, or given where
+    the capture had none).  Raised by the converted module's input binding, before anything of forward ran:
+    a module ``convert`` captured from example inputs captures the call again (``lazy.RangeFallback``)."""
 
 
 def input_name(node: fx.Node) -> str:

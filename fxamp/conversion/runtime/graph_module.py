@@ -14,7 +14,7 @@ from ...errors import FxampError
 from ...info import INFO_ATTR, hold_origins, origins_for_copy, watch_for_masters
 from ..graph import MODULE, decision_of, keep_loaded_float32
 
-__all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
+__all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "optional_inputs", "none_pattern", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
 
 
 _NODE_LINE = re.compile(r"\s*(\w+)\s*=")  # the generated forward assigns each node's value to its name
@@ -115,17 +115,26 @@ def optional_inputs_given_none(gm: fx.GraphModule, args: Tuple[Any, ...], kwargs
 
     torch.fx traces every argument as a value: ``if labels is not None:`` takes the given branch, so the
     graph has no path for None (a torch.export capture of a None input uses it nowhere)."""
+    return list(none_pattern(optional_inputs(gm), args, kwargs))
+
+
+def optional_inputs(gm: fx.GraphModule) -> Tuple[Tuple[int, str], ...]:
+    """(position, name) of each input of ``gm`` (a torch.fx capture) whose default is None and which the graph
+    computes with: the inputs whose None takes another path through forward (``labels=None``).  None
+    if forward takes ``*args`` (positions do not name the inputs).  An input a graph traced as None is read
+    only by its check (torch.fx's ``_assert_is_none``): None takes no other path there."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if any(str(p.target).startswith("*") for p in placeholders):
-        return []  # *args/**kwargs: positions do not name the inputs
-    given = []
-    for i, p in enumerate(placeholders):
-        if not (p.args and p.args[0] is None and p.users):
-            continue
-        value = args[i] if i < len(args) else kwargs.get(str(p.target))
-        if value is None:
-            given.append(str(p.target))
-    return given
+        return ()
+    return tuple((i, str(p.target)) for i, p in enumerate(placeholders) if p.args and p.args[0] is None and
+                 any(getattr(u.target, "__name__", None) != "_assert_is_none" for u in p.users))
+
+
+def none_pattern(optional: Tuple[Tuple[int, str], ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[str, ...]:
+    """The names among ``optional`` (:func:`optional_inputs`) that this call leaves None, given as None or not
+    given: the key of the torch.fx graph that takes the call (runs at every call: no signature binding)."""
+    n = len(args)
+    return tuple(name for i, name in optional if (args[i] if i < n else kwargs.get(name)) is None)
 
 
 def _none_message(gm: fx.GraphModule, names: List[str], e: BaseException) -> str:
@@ -220,6 +229,9 @@ def as_converted(gm: fx.GraphModule) -> fx.GraphModule:
 def _unpickle_converted(rebuild: Any, args: Tuple[Any, ...], origins: Tuple[Any, ...] = ()) -> ConvertedGraphModule:
     plain = rebuild(*args)
     converted = as_converted(plain)
+    call = args[0].get("_wrapped_call") if args and isinstance(args[0], dict) else None
+    if isinstance(call, NodeErrors):  # torch.fx's rebuild keeps its class's call: a subclass's (none_patterns.py) is ours
+        converted.__dict__["_wrapped_call"] = call
     hold_origins(origins)  # (one pickle: its low tensors are the unpickled module's parameters)
     _rearm(converted)
     return converted
