@@ -567,6 +567,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # pickling and deepcopy keep the wrapper's whole state (torch.optim.Optimizer's would keep only its three fields),
     # but not the hooks nor what an LR scheduler set on it (a bound wrapper of step): torch's drops those too
     def __getstate__(self) -> Dict[str, Any]:
+        if self._ws is not None:  # (its flat buffers are freed between steps, its state keyed by the masters' ids)
+            raise TypeError(f"a MixedPrecisionOptimizer with lean precision ({self.precision}) cannot be copied or "
+                            f"pickled: save opt.state_dict() with the model's and load both into a new wrapper")
         return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k not in _SCHEDULER_ATTRS}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -574,6 +577,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for name in _HOOKS:
             setattr(self, name, OrderedDict())
         self.__dict__.setdefault("_skipped", False)  # (pickled before step_was_skipped moved here)
+        # a copy's tensors are new objects: what is kept by id() is keyed again (the engine's maps are these same
+        # dicts), the pairs marked again (a parameter's copy drops its attributes: the model's first-gradient check
+        # would warn, and the copied master's mark refuses a second wrapper), the weights noted as they are
+        self._low_of.clear()
+        self._low_of.update((id(master), low) for low, master in zip(self._lows, self._masters))
+        if self.model is not None:
+            self._names.clear()
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                self._names.setdefault(id(p), name)
+        self._engine.stamps.clear()
+        self._engine.watch.forget()
+        for low, master in zip(self._lows, self._masters):
+            mark_master(low, master)
+            self._engine.note(master, low)
 
     def precision_table(self) -> str:
         """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""
