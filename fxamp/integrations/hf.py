@@ -217,7 +217,8 @@ def prepare(
     example_batch:  a collated batch (``input_ids``, ``labels``...) to capture with ``torch.export``
                     now; without it a model torch.fx cannot trace captures at its first call.
     optimizer:      ``param_groups -> torch optimizer``; default AdamW from ``args``.
-    scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
+    scheduler:      ``optimizer -> LR scheduler``, given the wrapper (a ``torch.optim.Optimizer``); default
+                    ``transformers.get_scheduler`` from ``args``, on the wrapper too.
     loss_scale:     as :class:`fxamp.MixedPrecisionOptimizer`'s (``"auto"``, ``"dynamic"``, ``"none"``,
                     ``"static:<scale>"`` or a number, a ``LossScaleConfig`` or a shared ``LossScaler``).
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
@@ -273,7 +274,7 @@ def prepare(
     opt = TrainerOptimizer(inner, max_grad_norm=max_grad_norm, loss_scale=loss_scale, model=amp,
                            compile_step=compile_step, precision=lean)
     if scheduler is not None:
-        sched = scheduler(inner)
+        sched = scheduler(opt)
     else:
         from transformers import get_scheduler
 
@@ -281,7 +282,7 @@ def prepare(
         if steps is None or steps <= 0:
             raise ValueError("prepare() builds the learning-rate schedule before the Trainer knows the number of steps: "
                              "set TrainingArguments(max_steps=...) or pass num_training_steps= (or scheduler=)")
-        sched = get_scheduler(args.lr_scheduler_type, inner, num_warmup_steps=args.get_warmup_steps(steps),
+        sched = get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.get_warmup_steps(steps),
                               num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
     amp.register_forward_hook(_LossHook(opt, max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))))
     tied = [] if in_place else _tied_aliases(amp)  # (in place: save_pretrained handles tied weights itself)
