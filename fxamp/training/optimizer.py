@@ -551,18 +551,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             state = state if changed is None else changed
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
         Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
         for hook in tuple(self._optimizer_load_state_dict_pre_hooks.values()):
-            changed = hook(self, state)
-            state = state if changed is None else changed
-        checkpoint.load(self, state)
-        for hook in tuple(self._optimizer_load_state_dict_post_hooks.values()):
-            hook(self)
+            changed = hook(self, state_dict)
+            state_dict = state_dict if changed is None else changed
+        checkpoint.load(self, state_dict)
         for _, low in self._engine.pairs():  # the loaded masters win over a float32 model checkpoint loaded before
             take_loaded(low)
         self._engine.note_weights()
+        for hook in tuple(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
     # pickling and deepcopy keep the wrapper's whole state (torch.optim.Optimizer's would keep only its three fields),
     # but not the hooks nor what an LR scheduler set on it (a bound wrapper of step): torch's drops those too

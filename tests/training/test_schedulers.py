@@ -207,5 +207,5 @@ def test_torchs_optimizer_hooks_run_around_the_wrappers_step_and_state_dict():
     assert calls == [("pre", "scaled"), ("post", "ready")] * 2
     state = opt.state_dict()
     assert state["mine"] == 1 and calls[-1] == "save"
-    opt.load_state_dict(state)
+    opt.load_state_dict(state_dict=state)  # (torch's keyword)
     assert calls[-1] == "loaded"
