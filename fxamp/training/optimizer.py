@@ -586,6 +586,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._names.clear()
             for name, p in self.model.named_parameters(remove_duplicate=False):
                 self._names.setdefault(id(p), name)
+        self._engine.kept = None  # (planned again; a wrapper pickled before the engine left its plan out kept it)
         self._engine.stamps.clear()
         self._engine.watch.forget()
         for low, master in zip(self._lows, self._masters):
