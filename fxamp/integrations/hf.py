@@ -39,10 +39,9 @@ How the Trainer's loop meets fxamp's, without patching either:
 In place: ``prepare(model, args, "O2", dtype="bf16", in_place=True)`` converts with ``fxamp.convert_`` (a model
 ``convert_`` already converted is taken as it is) and returns ``model`` itself, with the same optimizers and loss
 hook; the Trainer's own loss keeps its ``num_items_in_batch``.  Without ``prepare``, a ``MixedPrecisionOptimizer``
-built by hand never sees the Trainer's ``loss.backward()``: its ``step()`` refuses, naming ``prepare`` (with no
-scheduler, the Trainer's own refuses it first: torch's "is not an Optimizer").  The optimizer ``prepare`` returns
-(:class:`TrainerOptimizer`) is a ``torch.optim.Optimizer`` too: ``optimizers=(opt, None)`` lets the Trainer build
-its own schedule on it.  A
+built by hand never sees the Trainer's ``loss.backward()``: its ``step()`` refuses, naming ``prepare``.  The
+optimizer ``prepare`` returns (:class:`TrainerOptimizer`), like every ``MixedPrecisionOptimizer``, is a
+``torch.optim.Optimizer``: ``optimizers=(opt, None)`` lets the Trainer build its own schedule on it.  A
 ``PreTrainedModel`` converted in place saves with its own ``save_pretrained`` (and so ``Trainer.save_model``): the
 float32 weights (the masters once trained), and float32 in ``config.json``, where transformers would write the
 dtype of the model's first parameter (bfloat16 under O2): under O2/O3 the model's class becomes a subclass of the
@@ -80,31 +79,24 @@ from . import resolve_dtype
 __all__ = ["prepare", "TrainerOptimizer", "save_pretrained"]
 
 
-class TrainerOptimizer(fxamp.MixedPrecisionOptimizer, torch.optim.Optimizer):
+class TrainerOptimizer(fxamp.MixedPrecisionOptimizer):
     """A ``MixedPrecisionOptimizer`` whose ``step()`` can clip the float32 masters' gradients first.
 
     For loops that call ``loss.backward()`` and ``optimizer.step()`` themselves (``transformers.Trainer``):
     ``max_grad_norm`` clips after unscaling, which the loop's own clipping of the model's
     float16 gradients cannot do.
 
-    It is also a ``torch.optim.Optimizer`` (``MixedPrecisionOptimizer``'s methods first; torch's ``__init__`` is
-    not run), so that ``Trainer(optimizers=(opt, None))`` can build its own schedule on it: torch's schedulers
-    refuse anything else ("is not an Optimizer"), and they set the learning rates of ``param_groups``, which are
-    the inner optimizer's.  accelerate would then wrap it in its ``AcceleratedOptimizer`` (``trainer.optimizer``
-    and the callbacks' ``optimizer`` would no longer be this object, and its state would be saved and loaded
-    once at ``prepare``); it carries accelerate's mark of an optimizer already prepared, so accelerate hands it
-    back as it is, as it does a ``MixedPrecisionOptimizer``, which is no ``torch.optim.Optimizer``.
+    Like every ``MixedPrecisionOptimizer`` it is a ``torch.optim.Optimizer`` whose ``param_groups`` are the inner
+    optimizer's, so ``Trainer(optimizers=(opt, None))`` builds its own schedule on it, and it carries
+    accelerate's mark of an optimizer already prepared, so accelerate hands it back as it is (``trainer.optimizer``
+    and the callbacks' ``optimizer`` are this object) and reads its ``step_was_skipped``.
     """
-
-    #: accelerate's ``Accelerator.prepare_optimizer`` returns an optimizer with this mark as it is (see above)
-    _is_accelerate_prepared = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: Optional[float] = None,
                  **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
         self.max_grad_norm = max_grad_norm
         self._last_norm: Optional[torch.Tensor] = None
-        self._skipped = False
 
     @property
     def last_grad_norm(self) -> Optional[float]:
@@ -114,24 +106,10 @@ class TrainerOptimizer(fxamp.MixedPrecisionOptimizer, torch.optim.Optimizer):
         """
         return None if self._last_norm is None else float(self._last_norm)
 
-    # torch.optim.Optimizer's pickling keeps only its own three fields: keep the wrapper's whole state
-    __getstate__ = object.__getstate__
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the latest ``step()`` was skipped (an inf/NaN gradient, decided on the host): what accelerate asks
-        the optimizers it holds (``Accelerator.optimizer_step_was_skipped``), so the Trainer's schedule then waits."""
-        return self._skipped
-
     def step(self, closure: None = None) -> Any:
         if self.max_grad_norm and self.stage == "scaled":  # (segmented on a large model: no fp32 gradient buffer)
             self._last_norm = self.clip_grad_norm_(self.max_grad_norm)
-        result = super().step(closure)
-        self._skipped = result is False  # (a device-decided step's StepResult: not known here, not skipped)
-        return result
+        return super().step(closure)
 
 
 class _GradThroughScaled(torch.autograd.Function):
@@ -239,7 +217,8 @@ def prepare(
     example_batch:  a collated batch (``input_ids``, ``labels``...) to capture with ``torch.export``
                     now; without it a model torch.fx cannot trace captures at its first call.
     optimizer:      ``param_groups -> torch optimizer``; default AdamW from ``args``.
-    scheduler:      ``torch optimizer -> LR scheduler``; default ``transformers.get_scheduler`` from ``args``.
+    scheduler:      ``optimizer -> LR scheduler``, given the wrapper (a ``torch.optim.Optimizer``); default
+                    ``transformers.get_scheduler`` from ``args``, on the wrapper too.
     loss_scale:     as :class:`fxamp.MixedPrecisionOptimizer`'s (``"auto"``, ``"dynamic"``, ``"none"``,
                     ``"static:<scale>"`` or a number, a ``LossScaleConfig`` or a shared ``LossScaler``).
     max_grad_norm:  clip the float32 masters inside ``step()``; required instead of
@@ -295,7 +274,7 @@ def prepare(
     opt = TrainerOptimizer(inner, max_grad_norm=max_grad_norm, loss_scale=loss_scale, model=amp,
                            compile_step=compile_step, precision=lean)
     if scheduler is not None:
-        sched = scheduler(inner)
+        sched = scheduler(opt)
     else:
         from transformers import get_scheduler
 
@@ -303,7 +282,7 @@ def prepare(
         if steps is None or steps <= 0:
             raise ValueError("prepare() builds the learning-rate schedule before the Trainer knows the number of steps: "
                              "set TrainingArguments(max_steps=...) or pass num_training_steps= (or scheduler=)")
-        sched = get_scheduler(args.lr_scheduler_type, inner, num_warmup_steps=args.get_warmup_steps(steps),
+        sched = get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.get_warmup_steps(steps),
                               num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
     amp.register_forward_hook(_LossHook(opt, max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))))
     tied = [] if in_place else _tied_aliases(amp)  # (in place: save_pretrained handles tied weights itself)

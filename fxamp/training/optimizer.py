@@ -38,11 +38,15 @@ optimizer state and the low-precision weight in one pass.
 
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
+The wrapper is a ``torch.optim.Optimizer`` itself, without a second copy of the groups: its ``param_groups``,
+``state`` and ``defaults`` are the inner optimizer's own objects, so ``StepLR(opt)`` (any torch LR scheduler)
+writes its learning rates where the inner optimizer reads them.
 ``fxamp.initialize`` (in :mod:`fxamp.api`) builds this wrapper for a model it converts.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -172,7 +176,21 @@ def _on_engine(name: str) -> property:
     return property(lambda self: getattr(self._engine, name), lambda self, value: setattr(self._engine, name, value))
 
 
-class MixedPrecisionOptimizer:
+#: the module of torch's ``get_state_dict``/``set_state_dict`` (``torch.distributed.checkpoint.state_dict``), whose
+#: first read of an optimizer is ``optim.state`` (then it may step it to make state, and reads torch's layout)
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+#: torch.optim.Optimizer's per-instance hook tables (``register_step_pre_hook``...), which the wrapper runs itself
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
+
+#: what torch's LR schedulers set on the optimizer they take (``LRScheduler.__init__``: ``step``, a bound wrapper
+#: that counts calls, and the flag it sets); not pickled, as torch's ``Optimizer.__getstate__`` drops them too
+_SCHEDULER_ATTRS = ("step", "_opt_called")
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` (any ``torch.optim.Optimizer``, or an object like one) with float32 masters and loss scaling.
 
     loss_scale:    a :data:`~fxamp.training.config.LossScaleOption` (:func:`~fxamp.training.loss_scale.scaler_for`):
@@ -207,9 +225,17 @@ class MixedPrecisionOptimizer:
                    the same on every rank, so DDP replicas round alike).
 
     The wrapper does not patch ``optimizer``: it replaces float16/bfloat16 parameters in its
-    ``param_groups`` by float32 masters (moving any existing state), so LR schedulers built on
-    ``optimizer`` (``opt.optimizer``) keep working.
+    ``param_groups`` by float32 masters (moving any existing state).  It is a ``torch.optim.Optimizer``
+    whose ``param_groups``, ``state`` and ``defaults`` are ``optimizer``'s own (``Optimizer.__init__`` is not
+    run: no second copy of the groups), so a torch LR scheduler takes either, ``StepLR(opt)`` or
+    ``StepLR(opt.optimizer)``, with the same numbers.  Its step hooks (``register_step_pre_hook``...) run
+    around the wrapper's ``step()``, its state_dict hooks around its ``state_dict()``/``load_state_dict()``.
     """
+
+    #: accelerate (``transformers.Trainer``) hands an optimizer with this mark back as it is, rather than wrapping it
+    #: in its ``AcceleratedOptimizer``, which would round-trip the state through ``load_state_dict`` at ``prepare`` and
+    #: hide this object from the Trainer's callbacks; accelerate then asks it ``step_was_skipped`` (below)
+    _is_accelerate_prepared = True
 
     def __init__(
         self,
@@ -235,6 +261,9 @@ class MixedPrecisionOptimizer:
         kernels = _kernels_for(optimizer) if compile_step else None
         if model is not None:
             _check_model(model, optimizer)
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
+        self._skipped = False
         self.optimizer = optimizer
         self.model = model
         self.compile_step = bool(compile_step)
@@ -349,11 +378,33 @@ class MixedPrecisionOptimizer:
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
+        """The inner optimizer's own list: a learning rate set here (an LR scheduler) is the one it steps with."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:
+        """The inner optimizer's state (the masters'); refused to torch's ``get_state_dict``/``set_state_dict``."""
+        frame = inspect.currentframe()
+        caller = None if frame is None or frame.f_back is None else frame.f_back.f_globals.get("__name__")
+        if caller == _DCP_STATE_DICT:
+            # they read this first, then may step the optimizer at learning rate 0 to make state and expect torch's
+            # state_dict layout keyed by the model's parameters, which the masters are not: refuse before anything
+            raise TypeError("torch's get_state_dict/set_state_dict cannot take a MixedPrecisionOptimizer (the masters "
+                            "are not the model's parameters, and the loss scale would be lost); use "
+                            "fxamp.sharded_state_dict(model, opt), or give DCP the optimizer itself: "
+                            "dcp.save({'optim': opt})")
         return self.optimizer.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        """The inner optimizer's ``defaults`` (OneCycleLR reads them), or {} for one without."""
+        return getattr(self.optimizer, "defaults", {})
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped (an inf/NaN gradient, decided on the host): what accelerate asks
+        the optimizers it holds (``Accelerator.optimizer_step_was_skipped``), so the Trainer's schedule then waits."""
+        return self._skipped
 
     @property
     def skipped_steps(self) -> int:
@@ -457,7 +508,18 @@ class MixedPrecisionOptimizer:
             )
         if self._originals:
             self._refuse_originals()
-        return self._engine.step()
+        # torch.optim.Optimizer's step hooks, as its own step runs them (args: the optimizer, then step's own)
+        args: Tuple[Any, ...] = (self,)
+        kwargs: Dict[str, Any] = {}
+        for hook in tuple(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        result = self._engine.step()
+        self._skipped = result is False  # (a device-decided step's StepResult: not known here, not skipped)
+        for hook in tuple(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+        return result
 
     def _refuse_originals(self) -> None:
         paired = {id(low) for low in self._lows}
@@ -481,20 +543,55 @@ class MixedPrecisionOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to resume, with the model's own ``state_dict`` (layout: :mod:`fxamp.training.checkpoint`)."""
         self._engine.settle()
-        return checkpoint.save(self)
+        for hook in tuple(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
+        state = checkpoint.save(self)
+        for hook in tuple(self._optimizer_state_dict_post_hooks.values()):
+            changed = hook(self, state)
+            state = state if changed is None else changed
+        return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` and refresh the low-precision parameters from the loaded masters.
         Also what ``torch.distributed.checkpoint`` calls: ``dcp.load({"optim": opt}, ...)`` resumes bitwise."""
-        checkpoint.load(self, state)
+        for hook in tuple(self._optimizer_load_state_dict_pre_hooks.values()):
+            changed = hook(self, state_dict)
+            state_dict = state_dict if changed is None else changed
+        checkpoint.load(self, state_dict)
         for _, low in self._engine.pairs():  # the loaded masters win over a float32 model checkpoint loaded before
             take_loaded(low)
         self._engine.note_weights()
+        for hook in tuple(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
-    def __iter__(self) -> Any:  # (torch's get_state_dict(model, opt) tries tuple(opt): say what to use instead)
-        raise TypeError("a MixedPrecisionOptimizer is not a torch.optim.Optimizer: torch's get_state_dict/set_state_dict "
-                        "cannot take it (nor its .optimizer: the loss scale would be lost); use "
-                        "fxamp.sharded_state_dict(model, opt), or give DCP the optimizer itself: dcp.save({'optim': opt})")
+    # pickling and deepcopy keep the wrapper's whole state (torch.optim.Optimizer's would keep only its three fields),
+    # but not the hooks nor what an LR scheduler set on it (a bound wrapper of step): torch's drops those too
+    def __getstate__(self) -> Dict[str, Any]:
+        if self._ws is not None:  # (its flat buffers are freed between steps, its state keyed by the masters' ids)
+            raise TypeError(f"a MixedPrecisionOptimizer with lean precision ({self.precision}) cannot be copied or "
+                            f"pickled: save opt.state_dict() with the model's and load both into a new wrapper")
+        return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k not in _SCHEDULER_ATTRS}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
+        self.__dict__.setdefault("_skipped", False)  # (pickled before step_was_skipped moved here)
+        # a copy's tensors are new objects: what is kept by id() is keyed again (the engine's maps are these same
+        # dicts), the pairs marked again (a parameter's copy drops its attributes: the model's first-gradient check
+        # would warn, and the copied master's mark refuses a second wrapper), the weights noted as they are
+        self._low_of.clear()
+        self._low_of.update((id(master), low) for low, master in zip(self._lows, self._masters))
+        if self.model is not None:
+            self._names.clear()
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                self._names.setdefault(id(p), name)
+        self._engine.kept = None  # (planned again; a wrapper pickled before the engine left its plan out kept it)
+        self._engine.stamps.clear()
+        self._engine.watch.forget()
+        for low, master in zip(self._lows, self._masters):
+            mark_master(low, master)
+            self._engine.note(master, low)
 
     def precision_table(self) -> str:
         """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""

@@ -234,6 +234,9 @@ class Engine:
         if self.watch.pending:  # (after a scaled backward() only: a step at a scale of 1 runs no code of the watch)
             self.watch.check(self.name, lambda: self.scaler.scale, stacklevel=4)  # (facade verb, then the user)
 
+    def __getstate__(self) -> Dict[str, Any]:  # a copy plans again: a pickle would bring the plan's views back as
+        return {**self.__dict__, "kept": None}  # separate tensors (the facade re-keys the ids: its __setstate__)
+
     def note(self, master: torch.Tensor, low: torch.Tensor) -> None:
         """Remember ``low`` as the wrapper leaves it (its version counter and memory: what a write changes)."""
         self.stamps[id(master)] = (low._version, low.data_ptr())

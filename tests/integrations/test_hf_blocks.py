@@ -231,7 +231,7 @@ def test_trainer_trains_a_model_converted_in_place_as_a_plain_loop_and_saves_the
     model object, still a ``PreTrainedModel``, and the optimizers; ``Trainer.train()`` then gives bit for bit the
     losses and masters of a plain loop with the same optimizer (``opt.backward``) on the same batches, and
     ``Trainer.save_model`` the masters, float32 in config.json.  ``optimizers=(opt, None)``: the Trainer builds
-    its own schedule on the wrapper (torch refused it: "TrainerOptimizer is not an Optimizer"), the same one."""
+    its own schedule on the wrapper (a ``torch.optim.Optimizer`` over the inner one's groups), the same one."""
     from fxamp.integrations import hf
 
     args = trainer_args(tmp_path / "run")
@@ -293,6 +293,7 @@ def test_trainer_with_an_optimizer_built_by_hand_names_prepare(tmp_path):
                                                         r"fxamp\.integrations\.hf\.prepare\(model, args, \.\.\., "
                                                         r"in_place=True"):
         trainer.train()
+    assert trainer.optimizer is opt  # a MixedPrecisionOptimizer carries accelerate's mark: it is not wrapped again
 
 
 def test_prepare_in_place_refuses_what_it_cannot_honour(tmp_path):

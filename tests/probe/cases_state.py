@@ -364,6 +364,31 @@ def torch_save_whole_converted_model_and_optimizer_together():
 
 
 @cases.add("works")
+def pickle_whole_converted_model_and_optimizer_together():
+    # a plain pickle (multiprocessing, a copy by hand) wrote the step plan's gradient views as separate tensors:
+    # the copy stepped stale gradients, silently; it plans its step again now
+    import pickle
+
+    data = batches(3)
+    _, a, oa = build(ADAMW, FP16)
+    train(a, oa, data)
+    _, b, ob = build(ADAMW, FP16)
+    train(b, ob, data[:2])
+    c, oc = pickle.loads(pickle.dumps((b, ob)))
+    train(c, oc, data[2:])
+    same_run((a, oa), (c, oc))
+
+
+@cases.add("refused")
+def deepcopy_of_a_lean_optimizer():
+    # its workspace frees its buffers between steps and keys its state by the masters' ids: a KeyError, a storage
+    # error or a corrupted heap before; refused in one line, saying to save its state_dict
+    _, b, ob = build(ADAMW, masters="kahan", state="int8")
+    train(b, ob, batches(1))
+    copy.deepcopy((b, ob))
+
+
+@cases.add("works")
 def torch_save_whole_converted_model_default_weights_only():
     # torch.load's weights_only=True default refuses any pickled module, the user's float32 one as well
     from .runner import same_error

@@ -558,11 +558,12 @@ def _lrs(opt: fxamp.MixedPrecisionOptimizer):
     return [g["lr"] for g in opt.param_groups]
 
 
-def _sched_case(name: str, build: Callable[[torch.optim.Optimizer], Any], lrs_after: Callable[[], list]) -> None:
+def _sched_case(name: str, build: Callable[[torch.optim.Optimizer], Any], lrs_after: Callable[[], list],
+                on_wrapper: bool = False) -> None:
     def case() -> None:
         conv = fxamp.convert(mlp(), "O2")
         opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9), model=conv)
-        sched = build(opt.optimizer)
+        sched = build(opt if on_wrapper else opt.optimizer)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for i in range(3):
@@ -576,14 +577,16 @@ def _sched_case(name: str, build: Callable[[torch.optim.Optimizer], Any], lrs_af
         got, want = _lrs(opt), lrs_after()
         assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(got, want)), f"lr {got}, expected {want}"
 
-    cases.add("works", name=f"scheduler_{name}_on_opt_optimizer")(case)
+    cases.add("works", name=f"scheduler_{name}_on_{'the_wrapper' if on_wrapper else 'opt_optimizer'}")(case)
 
 
-_sched_case("steplr", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5), lambda: [0.05])
-_sched_case("lambdalr", lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)), lambda: [0.025])
-_sched_case("onecycle", lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10),
-            lambda: [_onecycle_lr_after(3)])
-_sched_case("plateau", lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=100), lambda: [0.1])
+for _on in (False, True):
+    _sched_case("steplr", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5), lambda: [0.05], _on)
+    _sched_case("lambdalr", lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)), lambda: [0.025],
+                _on)
+    _sched_case("onecycle", lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10),
+                lambda: [_onecycle_lr_after(3)], _on)
+    _sched_case("plateau", lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=100), lambda: [0.1], _on)
 
 
 def _onecycle_lr_after(n: int) -> float:
@@ -611,19 +614,34 @@ def scheduler_stepped_before_the_optimizer_warns_as_torch_does():
 
 @cases.add("works")
 def scheduler_built_on_the_wrapper_itself():
-    # what a user coming from plain torch writes: StepLR(opt), opt the wrapper.
-    # issue 37 probe: torch's schedulers take only a torch.optim.Optimizer instance (isinstance), which the
-    # wrapper is not; the answer is torch's TypeError "MixedPrecisionOptimizer is not an Optimizer", with no
-    # word of opt.optimizer (docs/training.md says to build schedulers on it). Making the wrapper an Optimizer
-    # subclass changes what Lightning and DCP see: not today. Asserts the current refusal.
-    conv = fxamp.convert(mlp(), "O2")
-    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(conv.parameters(), lr=0.1), model=conv)
-    try:
-        torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    except TypeError as e:
-        assert "MixedPrecisionOptimizer is not an Optimizer" in str(e), str(e)
-    else:
-        raise AssertionError("StepLR(wrapper) now works: make this case check its numbers (issue 37 probe)")
+    # what a user coming from plain torch writes: StepLR(opt), opt the wrapper (issue 37). The wrapper is a
+    # torch.optim.Optimizer over the inner optimizer's own param_groups: the same numbers, bit for bit, as the
+    # scheduler built on opt.optimizer, a float16 step skipped for an overflow included, with no order warning
+    def run(on_wrapper: bool):
+        torch.manual_seed(0)
+        conv = fxamp.convert(mlp(), "O2", dtype=torch.float16)
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(conv.parameters(), lr=0.1), model=conv)
+        sched = torch.optim.lr_scheduler.StepLR(opt if on_wrapper else opt.optimizer, step_size=1, gamma=0.5)
+        lrs, stepped = [], []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(4):
+                opt.zero_grad()
+                loss = loss_of(conv, *batch())
+                opt.backward(loss * float("inf") if i == 2 else loss)
+                stepped.append(bool(opt.step()))
+                sched.step()
+                lrs.append(opt.param_groups[0]["lr"])
+        told = [str(w.message) for w in seen if "lr_scheduler.step()" in str(w.message)]
+        assert not told, f"torch warned about the order of a correct loop: {told[0][:120]}"
+        return lrs, stepped, fp32_of(opt), opt.current_scale
+
+    lrs, stepped, masters, scale = run(True)
+    assert lrs == [0.05, 0.025, 0.0125, 0.00625], f"lr {lrs}"
+    assert stepped == [True, True, False, True], f"steps taken {stepped}"
+    lrs_inner, _, masters_inner, scale_inner = run(False)
+    assert lrs == lrs_inner and scale == scale_inner
+    bitwise(masters, masters_inner, "masters, scheduler on the wrapper vs on opt.optimizer")
 
 
 # -- loss_scale= in every spelling, under float16 and bfloat16 ----------------------------------------------------

@@ -118,9 +118,35 @@ def test_what_dcp_cannot_fill_is_refused(tmp_path):
     assert not opt2.optimizer.state  # nothing changed
 
 
-def test_get_state_dict_of_the_wrapper_says_what_to_use():
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+@pytest.mark.parametrize("trained", [False, True])
+def test_get_state_dict_of_the_wrapper_says_what_to_use(policy, trained):
+    """The wrapper is a ``torch.optim.Optimizer`` (for LR schedulers), which sends torch's get_state_dict and
+    set_state_dict down their optimizer path: they would step a fresh optimizer at learning rate 0 to make state and
+    read torch's layout keyed by the model's parameters (the masters are not).  Refused in one line before they
+    touch anything: the groups' learning rates, the gradients, the state and the scale are as they were."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
 
-    model, opt = fresh()
-    with pytest.raises(TypeError, match=r"not a torch.optim.Optimizer.*fxamp.sharded_state_dict\(model, opt\)"):
+    model, opt = fresh(policy)
+    if trained:
+        train(model, opt, range(2))
+    before = (fxamp_state(opt), [g["lr"] for g in opt.param_groups], [p.grad for p in opt.master_params()])
+    refusal = r"^torch's get_state_dict/set_state_dict cannot take a MixedPrecisionOptimizer .*fxamp.sharded_state_dict\(model, opt\)[^\n]*$"
+    with pytest.raises(TypeError, match=refusal):
         get_state_dict(model, opt)
+    with pytest.raises(TypeError, match=refusal):
+        get_optimizer_state_dict(model, [opt])
+    with pytest.raises(TypeError, match=refusal):
+        set_state_dict(model, opt, model_state_dict={}, optim_state_dict={"state": {}, "param_groups": []})
+    after = (fxamp_state(opt), [g["lr"] for g in opt.param_groups], [p.grad for p in opt.master_params()])
+    assert before[1:] == after[1:] and str(before[0]) == str(after[0])
+    assert all(torch.equal(a, b) for a, b in zip(tensors(before[0]), tensors(after[0])))
+
+
+def fxamp_state(opt):
+    return {"scale": opt.current_scale, "skipped": opt.skipped_steps, "stage": opt.stage,
+            "state": {i: dict(s) for i, s in enumerate(opt.optimizer.state.values())}}
+
+
+def tensors(state):
+    return [v for s in state["state"].values() for v in s.values() if torch.is_tensor(v)]

@@ -226,3 +226,50 @@ def test_whole_model_o2_copy_after_kahan_training_gives_a_fresh_optimizer_the_tr
     assert_bitwise(fresh.fp32_state_dict(), exact)
     train(amp, opt, steps=1)  # the original trains on: the copy's masters were taken when it was copied
     assert_bitwise(fresh.fp32_state_dict(), exact)
+
+
+COPIES = [("fx", _deepcopy), ("fx", _torch_save), ("lazy", _deepcopy), ("lazy", _torch_save), ("export", _deepcopy),
+          ("convert_", _deepcopy), ("convert_", _torch_save)]  # (an export-captured module does not pickle: torch's hooks)
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["load-then-copy", "wrapper-load-copy"])
+@pytest.mark.parametrize("frontend, copy_of", COPIES)
+def test_o2_copy_after_a_float32_checkpoint_load_carries_the_loaded_values(frontend, copy_of, optimizer_first):
+    """Issue 37: ``amp = convert(model, "O2")``, ``amp.load_state_dict(float32 checkpoint)``, then a copy of the whole
+    module (deepcopy, ``torch.save``/``torch.load``) carried the user's original float32 values (``model`` still alive)
+    or their rounding, not the loaded ones.  The copy now takes the loaded values along: a wrapper built on it starts
+    its masters from them, and the in-place model's ``state_dict`` gives them, bit for bit; so does the original,
+    also when its wrapper was built before the load (the load wins over its masters until the next step)."""
+    torch.manual_seed(5)
+    checkpoint = {k: v.clone() for k, v in Net().state_dict().items()}
+    kept = {k: v.clone() for k, v in checkpoint.items()}
+    model = make()  # the user's original, alive: its float32 values are not the checkpoint's
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if frontend == "convert_":
+        amp = fxamp.convert_(model, "O2", dtype=BF16)
+    else:
+        amp = fxamp.convert(model, "O2", dtype=BF16, **FRONTENDS[frontend])
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp) \
+        if optimizer_first else None
+    amp.load_state_dict(checkpoint)
+    assert not torch.equal(kept["layers.0.fc.weight"], before["layers.0.fc.weight"])
+    assert not torch.equal(kept["layers.0.fc.weight"].to(BF16).float(), kept["layers.0.fc.weight"])  # not its rounding
+    copied = copy_of(amp)
+    if frontend == "convert_":
+        assert_bitwise(copied.state_dict(), kept)
+        assert_bitwise(amp.state_dict(), kept)
+    else:  # a whole-model module's state_dict holds the stored dtypes (docs/conversion.md)
+        assert copied.state_dict()["layers.0.fc.weight"].dtype == BF16
+        assert torch.equal(copied.state_dict()["layers.0.fc.weight"], kept["layers.0.fc.weight"].to(BF16))
+    fresh = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(copied.parameters(), lr=1e-2), model=copied)
+    assert_bitwise(fresh.fp32_state_dict(), kept)
+    assert_bitwise(copy_of(copied).state_dict() if frontend == "convert_" else kept, kept)
+    train(copied, fresh, steps=1)  # the copy trains from the checkpoint; the original keeps the loaded values
+    if opt is None:
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp)
+        assert_bitwise(opt.fp32_state_dict(), kept)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    train(amp, opt, steps=1)  # (a wrapper built before the load takes the loaded values at its step)
+    assert_bitwise(opt.fp32_state_dict(), kept)
+    assert_bitwise(checkpoint, kept)  # the user's checkpoint tensors were never stepped
