@@ -46,7 +46,7 @@ from torch.fx.graph import _PyTreeCodeGen
 
 from .calls import bound_root, describe_call, flatten_call, leaf_names, rebuild_call, undo_point
 from .capture import capture, capture_with_values
-from .capture.hooks import HOOK_DICTS, submodule_hooks
+from .capture.hooks import HOOK_DICTS, global_hooks, submodule_hooks
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from .capture.modes import MODE_FLAG, ModeFlag
 from .capture.shapes import STATIC_SIZES, dim_ranges, input_name
@@ -77,10 +77,11 @@ def hook_watch(block: nn.Module, path: str) -> Tuple[Tuple[Any, ...], Tuple[Any,
     """``(empty, held, counts, path)``: the hook tables of ``block``'s submodules (``HOOK_DICTS``, where
     ``register_*_hook`` adds), those empty now and those holding hooks with their sizes, and the block's path.
 
-    :meth:`Family.run` checks them at every call: ``any(empty)`` and the sizes of ``held`` (a few entries at
-    most: submodules hooked before conversion, torch's weight_norm): about a microsecond per block call (timeit,
-    a GPT-2 block's 48 empty tables, one thread, AMD EPYC: 1.1 us).  (A hook removed and another added to the same table between
-    two calls leaves its size: only a table that held one before, whose module is then kept as a call.)"""
+    :meth:`Family.run` checks them at every call: ``any(empty)`` and the sizes of ``held`` (a few at most:
+    submodules hooked at conversion, torch's weight_norm): about a microsecond per block call (timeit, a GPT-2
+    block's 48 empty tables, one thread, AMD EPYC: 1.1 us).  What it cannot see: a hook removed and another added
+    to one table between two calls (its size stays), only in a table that held hooks at the last look: a module
+    kept as a call then, unless those were torch's pure hooks (weight_norm) and the one added is the user's."""
     tables = [getattr(m, t) for p, m in block.named_modules() if p for t in HOOK_DICTS]
     held = tuple(t for t in tables if t)
     return tuple(t for t in tables if not t), held, tuple(map(len, held)), path
@@ -210,7 +211,9 @@ class Family:
                 return out
         written = self.as_written.get(base)
         if written is not None:
-            return written.call(block, leaves)
+            if not written.global_hooks or global_hooks():
+                return written.call(block, leaves)
+            del self.as_written[base]  # the global module hook that refused the capture is gone: capture now
         with self._lock:
             try:
                 graph = self._capture(block, base, key, tree, leaves)
@@ -382,6 +385,7 @@ class _AsWritten:
         self.cls = family.cls
         self.tree = tree
         self.description = describe_call(tree, leaves)
+        self.global_hooks = bool(global_hooks())  # (while one is registered, no front end captures)
         what = f"{'glue module' if family.glue else 'block'} {family.paths[0]!r} ({family.cls.__name__})"
         shared = f" and the {len(family.paths) - 1} other(s) of its family" if len(family.paths) > 1 else ""
         self.note = (f"fxamp.convert_: {what}{shared} run(s) as written (unconverted, float32) for calls with "

@@ -205,6 +205,33 @@ def test_a_global_module_hook_after_the_first_call_runs_around_each_block_as_aro
     assert seen == ["Plain", "Plain", "Blocks"] * 2 and _captures(model) == captures
 
 
+def test_a_global_module_hook_before_the_first_call_runs_everywhere_then_the_blocks_capture_once_removed():
+    # no front end captures while a global hook is registered (it would run once, at capture): the blocks run as
+    # written, the hook around every module; was: they ran as written for good, float32, after handle.remove()
+    torch.manual_seed(0)
+    model = Blocks(Plain)
+    x = torch.randn(2, 3, 8)
+    ref, fp32 = _autocast(model, x), model(x)
+    fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        with pytest.warns(RuntimeWarning, match=r"block 'layers\.0' \(Plain\) and the 1 other\(s\) of its family "
+                                                r"run\(s\) as written .*a global module hook is registered"):
+            out = model(x)
+        model(x)
+    finally:
+        handle.remove()
+    assert seen == (["Linear", "Linear", "Plain"] * 2 + ["Blocks"]) * 2
+    torch.testing.assert_close(out, fp32)  # (as written: float32)
+    family = family_of(model.layers[0])
+    assert family.captures == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(model(x).float(), ref, atol=3e-2, rtol=3e-2)
+    assert family.captures == 1 and not family.as_written
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_of_a_model_whose_block_moved_keeps_its_own_families(how):
     model, counts = Blocks(Plain), []
