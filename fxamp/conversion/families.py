@@ -93,6 +93,8 @@ class Family:
     lifted:  ``(submodule path, attribute)`` of plain attributes whose values differ between the
              instances; a capture reads them as graph inputs, so every instance runs its own values.
     glue:    module-level: the policy's outputs, and the report marks its rows.
+    hooked:  the submodules with hooks of their own in each instance (a capture keeps them as calls);
+    kin:     the families by hooked submodules that instances of this one move between (:meth:`rehome`).
     """
 
     def __init__(self, cls: type, paths: List[str], policy: Policy, options: ConvertOptions,
