@@ -19,7 +19,8 @@ the same children, parameters, buffers, attributes and hooks::
 
     block(*args, **kwargs)      (the converted block's forward; hooks, checkpointing wrappers run as before)
       └─ its Family's run (``families.py``): a graph per call signature, captured at the first call,
-         or the class's own forward where no front end can capture the call
+         or the class's own forward where no front end can capture the call; a block whose submodules
+         got or lost a hook since conversion first moves to the family of its hooked submodules
 
 A block's graph reads its tensors through ``self`` (``self.mlp._modules['fc']._parameters['weight']``),
 never through the capture's copy, so the graph of one instance runs any instance of its family.
@@ -43,7 +44,7 @@ from .calls import SIMPLE
 from .capture.hooks import submodule_hooks
 from .capture.modes import MODE_FLAG
 from ..errors import FxampError
-from .families import FAMILY, LIFTED, Family, OriginalDtypes
+from .families import FAMILY, HOOKS, LIFTED, Family, OriginalDtypes, hook_watch
 from .graph import keep_loaded_float32, rebind
 from ..info import (INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, remember_origin,
                     watch_for_masters)
@@ -387,7 +388,8 @@ def _families(model: nn.Module, paths: List[str], policy: Policy, options: Conve
         for p, a in zip(members, attrs):
             subgroups.setdefault(tuple(id(a.get(k)) for k in split), []).append(p)
         for sub in subgroups.values():
-            out.append((Family(type(modules[sub[0]]), sub, policy, own, tuple(lifted), glue), sub))
+            hooked = tuple(path for path, _ in submodule_hooks(modules[sub[0]]))  # (the same in each: _structure)
+            out.append((Family(type(modules[sub[0]]), sub, policy, own, tuple(lifted), glue, hooked), sub))
     return out
 
 
@@ -472,6 +474,7 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
             new.__dict__[FAMILY] = family
             new.__dict__[LIFTED] = tuple(getattr(old.get_submodule(p) if p else old, a) for p, a in family.lifted)
             new.__dict__["_fxamp_weight_cache"] = WeightCastCache()
+            new.__dict__[HOOKS] = hook_watch(new, path)  # a hook its submodules get from now on: Family.run sees it
             own = {n[len(path) + 1:]: d for n, d in saved.items() if n.startswith(path + ".")}
             if own:  # state_dict (save_pretrained, torch.save of it) gives the original dtypes back
                 new._register_state_dict_hook(OriginalDtypes(own))

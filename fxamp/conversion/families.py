@@ -14,6 +14,11 @@ with ``self`` = the called instance::
 A graph reads the block's tensors through ``self``, never through the capture's copy, so the graph of one
 instance runs any instance of its family.
 
+A graph runs inline the submodules its capture traced through, where a hook never runs: the family's
+instances have hooks on the same submodules (kept as calls, or the block runs as written), and each call
+first checks that no hook came or went since (:func:`hook_watch`); one that did moves the block to the family
+of its new hooked submodules (:meth:`Family.rehome`), which captures with them kept as calls.
+
 A torch.export graph holds for a range of sizes only: ``Dim.AUTO`` starts a dynamic dim at 2 and records a
 branch on ``x.size(0) == 1`` as for a larger size, with no guard; a branch on ``x.size(0) > 2`` narrows the
 range.  Its code runs here without torch's input checks, so a signature export captured keys its graphs by
@@ -24,6 +29,7 @@ capture for that range).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import operator
@@ -40,6 +46,7 @@ from torch.fx.graph import _PyTreeCodeGen
 
 from .calls import bound_root, describe_call, flatten_call, leaf_names, rebuild_call, undo_point
 from .capture import capture, capture_with_values
+from .capture.hooks import HOOK_DICTS, global_hooks, submodule_hooks
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from .capture.modes import MODE_FLAG, ModeFlag
 from .capture.shapes import STATIC_SIZES, dim_ranges, input_name
@@ -52,7 +59,7 @@ from .options import ConvertOptions
 from .pipeline import rewrite_captured
 from ..policy import Policy
 
-__all__ = ["Family", "FAMILY", "LIFTED", "PRIVATE", "OriginalDtypes", "follow_the_mode"]
+__all__ = ["Family", "FAMILY", "LIFTED", "HOOKS", "PRIVATE", "OriginalDtypes", "follow_the_mode", "hook_watch"]
 
 logger = logging.getLogger("fxamp")
 
@@ -60,8 +67,24 @@ logger = logging.getLogger("fxamp")
 FAMILY = "_fxamp_family"
 #: a converted block's attribute holding the values of its family's lifted attributes
 LIFTED = "_fxamp_lifted"
+#: a converted block's attribute holding what each call checks for hooks on its submodules (:func:`hook_watch`)
+HOOKS = "_fxamp_hooks"
 #: a converted block's own attributes, which the module torch.fx traces must not have
-PRIVATE = (FAMILY, LIFTED, INFO_ATTR)
+PRIVATE = (FAMILY, LIFTED, HOOKS, INFO_ATTR)
+
+
+def hook_watch(block: nn.Module, path: str) -> Tuple[Tuple[Any, ...], Tuple[Any, ...], Tuple[int, ...], str]:
+    """``(empty, held, counts, path)``: the hook tables of ``block``'s submodules (``HOOK_DICTS``, where
+    ``register_*_hook`` adds), those empty now and those holding hooks with their sizes, and the block's path.
+
+    :meth:`Family.run` checks them at every call: ``any(empty)`` and the sizes of ``held`` (a few at most:
+    submodules hooked at conversion, torch's weight_norm): about a microsecond per block call (timeit, a GPT-2
+    block's 48 empty tables, one thread, AMD EPYC: 1.1 us).  What it cannot see: a hook removed and another added
+    to one table between two calls (its size stays), only in a table that held hooks at the last look: a module
+    kept as a call then, unless those were torch's pure hooks (weight_norm) and the one added is the user's."""
+    tables = [getattr(m, t) for p, m in block.named_modules() if p for t in HOOK_DICTS]
+    held = tuple(t for t in tables if t)
+    return tuple(t for t in tables if not t), held, tuple(map(len, held)), path
 
 
 class Family:
@@ -70,10 +93,13 @@ class Family:
     lifted:  ``(submodule path, attribute)`` of plain attributes whose values differ between the
              instances; a capture reads them as graph inputs, so every instance runs its own values.
     glue:    module-level: the policy's outputs, and the report marks its rows.
+    hooked:  the submodules with hooks of their own in each instance (a capture keeps them as calls);
+    kin:     the families by hooked submodules that instances of this one move between (:meth:`rehome`).
     """
 
     def __init__(self, cls: type, paths: List[str], policy: Policy, options: ConvertOptions,
-                 lifted: Tuple[Tuple[str, str], ...], glue: bool):
+                 lifted: Tuple[Tuple[str, str], ...], glue: bool, hooked: Tuple[str, ...] = (),
+                 kin: Optional[Dict[Tuple[str, ...], "Family"]] = None):
         self.cls = cls
         self.paths = paths
         # a block's outputs come back in policy.output, as a whole model's do: the ops that read them next
@@ -83,6 +109,10 @@ class Family:
         self.options = options
         self.lifted = lifted
         self.glue = glue
+        # the submodules (paths below a block) with hooks of their own in every instance, which a capture keeps
+        # as calls; kin: the families of this one's instances by their hooked submodules (rehome)
+        self.hooked = hooked
+        self.kin = {hooked: self} if kin is None else kin
         # (signature, None | the training mode it is right in) -> its variants (guards pick), latest first
         self.graphs: Dict[Any, List["_Graph"]] = {}
         self.static: Dict[Any, Callable[..., Any]] = {}  # signature -> the sizes of the dims export kept static
@@ -107,15 +137,54 @@ class Family:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("hooked", ())
+        self.__dict__.setdefault("kin", {self.hooked: self})
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Family":
         new = Family.__new__(Family)
         memo[id(self)] = new
         new.__setstate__(self.__getstate__())  # (shares the class, policy and options: none changes)
+        new.paths = list(self.paths)  # (rehome moves paths between a copy's families)
+        new.kin = copy.deepcopy(self.kin, memo)
         return new
 
+    def rehome(self, block: nn.Module) -> "Family":
+        """The family ``block`` runs in, a hook on one of its submodules having been added or removed (or its
+        watch missing: a model pickled before there was one): this one while its hooked submodules are this
+        family's, else the kin family for those, made at the first such block (warned, naming the modules and
+        hook kinds added: its graphs capture again, which keeps them as calls).  A hook removed again takes the
+        block back to the family it left, whose graphs it runs again."""
+        path = block.__dict__.get(HOOKS, ((), (), (), ""))[3]
+        found = submodule_hooks(block)
+        hooked = tuple(p for p, _ in found)
+        block.__dict__[HOOKS] = hook_watch(block, path)
+        if hooked == self.hooked:
+            return self
+        family = self.kin.get(hooked)
+        if family is None:
+            family = self.kin.setdefault(hooked, Family(self.cls, [], self.policy, self.options, self.lifted,
+                                                        self.glue, hooked, self.kin))
+            added = [f"{'.'.join(filter(None, (path, p)))!r} ({', '.join(kinds)})" for p, kinds in found
+                     if p not in self.hooked]
+            if added:
+                where = f"block {path!r} ({self.cls.__name__})" if path else f"a {self.cls.__name__} block"
+                warnings.warn(
+                    f"fxamp.convert_: hooks on {', '.join(added)} were registered after conversion, and {where} "
+                    f"runs a graph of its family that traced through those modules, where a hook never runs: the "
+                    f"block captures its own graphs now, keeping them as calls (or runs as written where no front "
+                    f"end can). Register hooks before fxamp.convert_ to skip the capture; handle.remove() takes "
+                    f"the block back to its family's graphs", RuntimeWarning, stacklevel=6)  # (the block's caller)
+        if path in self.paths:
+            self.paths.remove(path)
+        family.paths.append(path)
+        block.__dict__[FAMILY] = family
+        return family
+
     def run(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        watch = block.__dict__.get(HOOKS)  # a hook added to or removed from a submodule since the last call?
+        if watch is None or any(watch[0]) or tuple(map(len, watch[1])) != watch[2]:
+            self = self.rehome(block)  # (not a call of its run: warnings name the block's caller)
         base, leaves, tree = flatten_call(args, kwargs)
         static = self.static.get(base)  # an export capture kept some dims static: their sizes are part of the key
         key = base if static is None else (base, tuple(static(tuple(leaves), {})))
@@ -144,7 +213,9 @@ class Family:
                 return out
         written = self.as_written.get(base)
         if written is not None:
-            return written.call(block, leaves)
+            if not written.global_hooks or global_hooks():
+                return written.call(block, leaves)
+            del self.as_written[base]  # the global module hook that refused the capture is gone: capture now
         with self._lock:
             try:
                 graph = self._capture(block, base, key, tree, leaves)
@@ -316,6 +387,7 @@ class _AsWritten:
         self.cls = family.cls
         self.tree = tree
         self.description = describe_call(tree, leaves)
+        self.global_hooks = bool(global_hooks())  # (while one is registered, no front end captures)
         what = f"{'glue module' if family.glue else 'block'} {family.paths[0]!r} ({family.cls.__name__})"
         shared = f" and the {len(family.paths) - 1} other(s) of its family" if len(family.paths) > 1 else ""
         self.note = (f"fxamp.convert_: {what}{shared} run(s) as written (unconverted, float32) for calls with "

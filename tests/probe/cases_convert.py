@@ -606,6 +606,30 @@ def convert_inplace_hooked_module_inside_a_block():
         assert len(seen) == 3, f"{cls.__name__}: 3 calls ran the hook on 1.lin {len(seen)} time(s)"
 
 
+@cases.add()
+def convert_inplace_hook_registered_after_the_first_call():
+    # issue 37: the block ran its family's graph, captured with that Linear inlined: the hook never ran (a hook that
+    # changes the output changed nothing); now the block captures again keeping it a call, and handle.remove() stops it
+    for cls in (Branching, Encoder):
+        torch.manual_seed(0)
+        m = nn.Sequential(cls(), cls(), nn.Linear(8, 2))
+        ref = copy.deepcopy(m)
+        fxamp.convert_(m, "O1")
+        x = torch.randn(2, 3, 8)
+        m(x)  # the family captures, its Linear inlined
+        seen = []
+        handle = m[1].lin.register_forward_hook(lambda mod, args, out: seen.append(out.dtype) or out * 0.5)
+        ref[1].lin.register_forward_hook(lambda mod, args, out: out * 0.5)
+        like_autocast(ref, m, x)
+        seen.clear()
+        for _ in range(3):
+            m(x)
+        assert len(seen) == 3, f"{cls.__name__}: 3 calls ran the hook on 1.lin {len(seen)} time(s)"
+        handle.remove()
+        m(x)
+        assert len(seen) == 3, f"{cls.__name__}: the hook ran after handle.remove()"
+
+
 class Encoder(nn.Module):
     """A module of the user's own (torch.fx traces through these), the kind a feature-extraction hook goes on."""
 

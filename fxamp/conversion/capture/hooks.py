@@ -33,7 +33,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ...errors import TraceError
 
 __all__ = ["has_own_hooks", "submodule_hooks", "global_hooks", "traced_hooks_error", "hooks_run_by_values_error",
-           "without_hooks", "copy_root_hooks", "root_hooks_note", "user_hooks", "HOOK_TABLES"]
+           "without_hooks", "copy_root_hooks", "root_hooks_note", "user_hooks", "HOOK_TABLES", "HOOK_DICTS"]
 
 #: (attribute of an nn.Module holding the hooks, what the error calls them)
 _KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
@@ -43,9 +43,11 @@ _GLOBAL = (("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
            ("_global_forward_hooks", "register_module_forward_hook"),
            ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
            ("_global_backward_hooks", "register_module_full_backward_hook"))
-#: a module's tables of forward / backward hooks and their flags (what :func:`without_hooks` empties)
-HOOK_TABLES = tuple(attr for attr, _ in _KINDS) + ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                                                    "_forward_hooks_always_called")
+#: a module's four tables of forward / backward hooks: registering any module hook adds to one of them
+HOOK_DICTS = tuple(attr for attr, _ in _KINDS)
+#: those tables and their flags (what :func:`without_hooks` empties)
+HOOK_TABLES = HOOK_DICTS + ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                            "_forward_hooks_always_called")
 _PURE = (WeightNorm, SpectralNorm)  # recompute the weight from its parts: tensor math only
 #: libraries whose hooks belong to the model's own forward: transformers' output-capturing hooks (installed at a
 #: call with output_attentions/output_hidden_states) record into a collector that call's forward returns, and
