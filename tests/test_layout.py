@@ -383,7 +383,7 @@ STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.p
 LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py", "training/flat.py"}
 
 
-def _traced_step(inner, segmented=False, dtype="bfloat16", **options):
+def _traced_step(inner, segmented=False, dtype="bfloat16", clip=False, **options):
     """The (caller, callee) fxamp files of every call ``opt.step()`` makes, at a model's third step."""
     import sys
 
@@ -410,6 +410,8 @@ def _traced_step(inner, segmented=False, dtype="bfloat16", **options):
     for i in range(3):
         opt.zero_grad()
         opt.backward(model(x).float().sum())
+        if clip:
+            opt.clip_grad_norm_(1e-3)  # (a segmented step's clip factor joins its unscaling: the multiplier)
         if i == 2:
             sys.settrace(tracer)
             try:
@@ -432,6 +434,10 @@ STEPS = {
     "O2 float16 AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True,
                                    {"dtype": "float16", "loss_scale": "static:128"},
                                    STEP_FILES | {"training/grad_watch.py"}),
+    # clipped: the executors multiply by 1/scale times the clip factor, a function made below the engine
+    "O2 float16 AdamW segmented, clipped": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True,
+                                            {"dtype": "float16", "loss_scale": "static:128", "clip": True},
+                                            STEP_FILES | {"training/grad_watch.py"}),
     "kahan AdamW": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), False, {"masters": "kahan"},
                     LEAN_STEP_FILES),
     "kahan AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True, {"masters": "kahan"},

@@ -35,6 +35,7 @@ from .distributed import max_abs
 from .plan import Bucket, Plan, Run, Strides
 
 __all__ = ["Multiplier", "SUM_NUMEL", "FoundInf", "fused_kernel_takes", "note_non_finite_", "has_streams", "OnDevices",
+           "multiplier_of",
            "unscale", "check_in_place", "unscale_masters", "unscale_pairs", "unscale_own", "allocate", "copy_in",
            "which_overflowed",
            "Executor", "Lean", "Plain", "Segmented", "step_runs", "part_of", "flat_grads", "Segments", "plain",
@@ -196,6 +197,16 @@ class OnDevices:
                 t = self.value.to(device)
             self.copies[device] = t
         return t
+
+
+def multiplier_of(flags: FoundInf, coef: Optional[torch.Tensor]) -> Multiplier:
+    """What a segmented step multiplies the copied gradients by: ``1/scale`` (``flags``') times the clip factor
+    ``coef`` (None: no clip), or None for 1.  Made here, so an executor calling it calls nothing above it."""
+    if coef is None:
+        return None if flags.unit else flags.inv_scale_on
+    if flags.unit:
+        return lambda device: coef.to(device)
+    return lambda device: flags.inv_scale_on(device) * coef.to(device)
 
 
 # -- the stage: the gradients where the executor reads them, checked ------------------------------------

@@ -32,7 +32,7 @@ from . import plan as planning
 from .config import TINY, AnyOf, LossScaleConfig, ScaleKind, ScalerClient, Stage
 from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, reduces_on_device
 from .executors import (Executor, FoundInf, Lean, OnDevices, Plain, Segmented, Segments, check_in_place, has_streams,
-                        unscale, which_overflowed)
+                        multiplier_of, unscale, which_overflowed)
 from .grad_watch import ScaledGradWatch
 from ..errors import LossScaleError, OptimizerStateError, moved_names as _moved_names
 from ..info import take_loaded
@@ -331,13 +331,8 @@ class Check:
         return isinstance(self.verdict, DeviceFlag)
 
     def multiplier(self) -> Optional[Callable[[torch.device], torch.Tensor]]:
-        """What a segmented step multiplies the copied gradients by: ``1/scale`` times the clip factor, or None for 1."""
-        flags, coef = self.flags, self.coef
-        if coef is None:
-            return None if flags.unit else flags.inv_scale_on
-        if flags.unit:
-            return lambda device: coef.to(device)
-        return lambda device: flags.inv_scale_on(device) * coef.to(device)
+        """What a segmented step multiplies the copied gradients by (:func:`fxamp.training.executors.multiplier_of`)."""
+        return multiplier_of(self.flags, self.coef)
 
 
 class Engine:
