@@ -39,17 +39,19 @@ STAGES: Dict[str, int] = {
     # old paths a saved model may name, kept for one release: at the top, and nothing imports them
     "conversion.recompute": 10, "conversion.float8": 10, "conversion.debug": 10,
     # the training wing
-    "training": 3, "training.distributed": 3, "training.config": 3, "training.loss_scale": 3,
+    "training": 3, "training.distributed": 3, "training.config": 3,
     "training.ownership": 3, "training.quant": 3, "training.calibrate": 3, "training.checkpoint": 3, "training.sharded_checkpoint": 3,
     "training.grad_watch": 3,  # tells an in-place write (torch's clip) to gradients still scaled
     "training.plan": 3,  # the step's tensor lists (buckets, gradient segments, runs, the plan)
     "training.native": 3,  # the lean step's CPU kernel (built with the C compiler, called through ctypes)
     "training.flat": 3,  # the lean step's flat buffers of a run's masters, and the stochastic rounding's hash
-    "training.executors": 4,  # how a checked step's masters are stepped (plain, segmented, lean, compiled)
-    "training.kernels": 5,  # compile_step's kernels, called by the compiled executor
-    "training.lean": 5,  # per-tensor masters and state, the workspace the executors enter and leave
-    "training.step": 6,  # the step engine: stage -> check -> execute -> record
-    "training.optimizer": 7,  # the facade: masters, state_dict, the public verbs
+    "training.executors": 4,  # what the engine calls: the stage and its check, the executors, the inner step
+    "training.kernels": 5,  # compile_step's kernels and their executor (Compiled)
+    "training.lean": 5,  # per-tensor masters and state, the workspace the executors enter and leave, its executors
+    "training.step": 6,  # the step engine: stage -> check -> execute -> record, and the scaler's state machine
+    "training.loss_scale": 7,  # LossScaler: the machine's configuration, scale_loss, state_dict (a step runs none)
+    "training.iteration": 7,  # the verbs outside the step: zero_grad, clip_grad_norm_
+    "training.optimizer": 8,  # the facade: masters, state_dict, the public verbs
 }
 WINGS = ("conversion", "training")
 #: the conversion's stage folders, in the order a conversion runs through them (runtime/ first: what every
@@ -374,15 +376,15 @@ def test_the_front_door_is_small_and_every_name_resolves():
 # -- the step's files: traced ----------------------------------------------------------------------------------
 
 #: the fxamp files one step runs code in (docs/DESIGN.md, "Training: one step engine"): the facade hands the step
-#: to the engine, which calls the scaler, the plan and one executor; a lean step adds the workspace and its state
-#: codes (``native`` too where fxamp's CPU kernel steps a master), ``torch.distributed`` ``distributed`` and
-#: ``compile_step`` ``kernels``
-STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.py", "training/plan.py",
-              "training/loss_scale.py", "training/grad_watch.py"}  # (grad_watch: after a scaled backward only)
+#: to the engine (the scaler's state machine is its module's), which stages, checks and executes through the
+#: executors' module, and nothing else: three files (after a scaled backward, grad_watch's one check too); a lean
+#: step adds the workspace and its state codes (``native`` too where fxamp's CPU kernel steps a master),
+#: ``torch.distributed`` ``distributed`` and ``compile_step`` ``kernels``
+STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.py"}
 LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py", "training/flat.py"}
 
 
-def _traced_step(inner, segmented=False, **options):
+def _traced_step(inner, segmented=False, dtype="bfloat16", clip=False, **options):
     """The (caller, callee) fxamp files of every call ``opt.step()`` makes, at a model's third step."""
     import sys
 
@@ -394,10 +396,10 @@ def _traced_step(inner, segmented=False, **options):
 
     torch.manual_seed(0)
     model = fxamp.convert(nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 4)),
-                          "O2", dtype=torch.bfloat16)
+                          "O2", dtype=getattr(torch, dtype))
     opt = fxamp.MixedPrecisionOptimizer(inner(model.parameters()), model=model, release_grad_buffer=segmented,
                                         **options)
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    x = torch.randn(4, 16, dtype=getattr(torch, dtype))
     calls = []
 
     def tracer(frame, event, arg):
@@ -409,6 +411,8 @@ def _traced_step(inner, segmented=False, **options):
     for i in range(3):
         opt.zero_grad()
         opt.backward(model(x).float().sum())
+        if clip:
+            opt.clip_grad_norm_(1e-3)  # (a segmented step's clip factor joins its unscaling: the multiplier)
         if i == 2:
             sys.settrace(tracer)
             try:
@@ -425,6 +429,16 @@ STEPS = {
     "O2 AdamW": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), False, {}, STEP_FILES),
     "O2 SGD momentum": (lambda ps: __import__("torch").optim.SGD(ps, lr=1e-3, momentum=0.9), False, {}, STEP_FILES),
     "O2 AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True, {}, STEP_FILES),
+    # float16 under a scale other than 1 (static: this model's loss overflows a dynamic scale's 65536), so a scaled
+    # backward, whose gradients grad_watch checks (a look at their versions) before they are unscaled: the one file
+    # a plain step adds, only then (its check is ~10 lines; the engine's module is at the 650-line cap)
+    "O2 float16 AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True,
+                                   {"dtype": "float16", "loss_scale": "static:128"},
+                                   STEP_FILES | {"training/grad_watch.py"}),
+    # clipped: the executors multiply by 1/scale times the clip factor, a function made below the engine
+    "O2 float16 AdamW segmented, clipped": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True,
+                                            {"dtype": "float16", "loss_scale": "static:128", "clip": True},
+                                            STEP_FILES | {"training/grad_watch.py"}),
     "kahan AdamW": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), False, {"masters": "kahan"},
                     LEAN_STEP_FILES),
     "kahan AdamW segmented": (lambda ps: __import__("torch").optim.AdamW(ps, lr=1e-3), True, {"masters": "kahan"},

@@ -1,5 +1,6 @@
 """What the optimizer wrapper reads at construction: how to scale the loss (:class:`ScaleKind`, the frozen
-:class:`LossScaleConfig`, the parsing of ``loss_scale=``: :data:`LossScaleOption`, :func:`config_for`), and
+:class:`LossScaleConfig`, the parsing of ``loss_scale=``: :data:`LossScaleOption`, :func:`config_for`; the words of
+the scaler's iteration, :class:`Stage` and :class:`ScalerClient`, compared and moved by the step), and
 the precision of masters and state per tensor (:class:`MasterPrecision`, :class:`StatePrecision`, the
 frozen :class:`LeanConfig`, :func:`resolve` of ``masters=``/``state=``/``precision=``; what they mean in a
 step: :mod:`fxamp.training.lean`).
@@ -31,7 +32,8 @@ from ..dtypes import DtypeEnum, StrEnum, spellings
 from ..errors import warn_deprecated
 from ..info import policy_of
 
-__all__ = ["ScaleKind", "LossScaleConfig", "LossScaleOption", "OPTIONS", "config_for", "compute_dtype",
+__all__ = ["ScaleKind", "Stage", "ScalerClient", "AnyOf", "TINY", "LossScaleConfig", "LossScaleOption", "OPTIONS",
+           "config_for", "compute_dtype",
            "MasterPrecision", "StatePrecision", "LeanConfig", "PRESETS", "resolve"]
 
 
@@ -41,6 +43,41 @@ class ScaleKind(StrEnum):
     DYNAMIC = "dynamic"
     STATIC = "static"
     NONE = "none"
+
+
+class Stage(StrEnum):
+    """Where one optimizer stands in the current iteration of its scaler (the machine:
+    :class:`fxamp.training.step.StageMachine`)."""
+
+    READY = "ready"  # no scaled gradients since the last update (or zero_grad)
+    SCALED = "scaled"  # a scaled backward ran: gradients hold loss * scale
+    UNSCALED = "unscaled"  # unscaled and checked: the overflow decision is made
+    STEPPED = "stepped"  # stepped (or skipped); a shared scaler waits for update()
+
+
+class ScalerClient:
+    """One optimizer's place in its scaler's iteration; made by ``LossScaler.attach``, moved only by the scaler."""
+
+    __slots__ = ("unscaled_gen", "stepped_gen", "found")
+
+    def __init__(self) -> None:
+        self.unscaled_gen = -1  # generation of the last unscale, of the last step
+        self.stepped_gen = -1
+        self.found = False  # the overflow decision of the last unscale
+
+
+class AnyOf(tuple):
+    """What ``update()`` returns while some flags are on a device: ``bool()`` whether any of them (bools and
+    ``step.DeviceFlag``) is set, waiting only when asked."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return any(bool(f) for f in self)
+
+
+#: the smallest positive normal float32: with min_scale=0 the scale stops here, 1/scale is finite
+TINY = float(torch.finfo(torch.float32).tiny)
 
 
 _KINDS = ", ".join(repr(k.value) for k in ScaleKind)

@@ -13,7 +13,7 @@ process: FSDP2").
 
 A step visits this module (a file beyond those the engine names, :mod:`fxamp.training.step`) only when
 ``torch.distributed`` is initialized and ``sync_overflow`` is on
-(:func:`fxamp.training.loss_scale.ranks_to_agree`).
+(:func:`fxamp.training.step.ranks_to_agree`).
 """
 
 from __future__ import annotations

@@ -27,22 +27,23 @@ device, a fused inner optimizer: see its ``step``), the Adam kernel takes the fl
 the bias corrections are computed on the device from the step counts: the host never waits.
 SGD's decision is read on the host.
 
-A step's extra file with ``compile_step``: the engine's compiled executor
-(:class:`fxamp.training.executors.Compiled`) calls :meth:`Kernels.step` for the runs.  Imported by the wrapper only when
+A step's extra file with ``compile_step``: the compiled executor (:class:`Compiled`, what the engine gets from
+:meth:`Kernels.executor`) calls :meth:`Kernels.step` for the runs.  Imported by the wrapper only when
 ``compile_step=True`` is asked for: it brings ``torch._dynamo``, which ``import fxamp`` does not.
 """
 
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .executors import fusable as fusable_master
+from .executors import Multiplier, fusable as fusable_master, step_runs
 from .plan import Run, cut_runs
 
-__all__ = ["fusable", "worth_fusing", "skips_on_device", "Kernels", "step_fused", "adam_rows", "KERNELS",
+__all__ = ["fusable", "worth_fusing", "skips_on_device", "Kernels", "Compiled", "step_fused", "adam_rows", "KERNELS",
            "DistinctLengths", "CHUNK", "FUSED_MIN_NUMEL", "FUSED_MIN_TOTAL"]
 
 
@@ -272,9 +273,13 @@ class Kernels:
     def step(self, runs: Sequence[Run], scale_on: Optional[Callable[[torch.device], torch.Tensor]],
              fallback: Callable[[Sequence[Run]], None], *, segment_numel: int,
              found: Optional[torch.Tensor] = None) -> None:
-        """:func:`step_fused` of the optimizer with these kernels: what the engine's compiled executor
-        (:class:`fxamp.training.executors.Compiled`) calls."""
+        """:func:`step_fused` of the optimizer with these kernels: what the compiled executor (:class:`Compiled`)
+        calls."""
         step_fused(self.optimizer, self, runs, scale_on, fallback, segment_numel=segment_numel, found=found)
+
+    def executor(self, segment_numel: int, found: Optional[torch.Tensor] = None) -> Compiled:
+        """The step's executor with these kernels (:class:`Compiled`)."""
+        return Compiled(self, segment_numel, found)
 
     def scratch(self) -> List[torch.Tensor]:
         """The scratch tensors that pad calls (:meth:`pad`): never a master, nothing reads what they hold."""
@@ -335,6 +340,23 @@ class Kernels:
             pads = self._pads[key] = [tuple(torch.zeros(2, dtype=t.dtype, device=t.device).view(-1)
                                             for t in like) for _ in range(CHUNK - 1)]
         return pads[:count]
+
+
+class Compiled:
+    """``compile_step=True``'s executor (:class:`fxamp.training.executors.Executor`): the runs' masters stepped by
+    :meth:`Kernels.step`, one pass from the low-precision gradient to the low weight; what its kernels do not take
+    through :func:`~fxamp.training.executors.step_runs`.  ``found``: the overflow flag of a step decided on the
+    device (the kernels skip there)."""
+
+    __slots__ = ("kernels", "segment_numel", "found")
+
+    def __init__(self, kernels: "Kernels", segment_numel: int, found: Optional[torch.Tensor] = None) -> None:
+        self.kernels, self.segment_numel, self.found = kernels, segment_numel, found
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        self.kernels.step(runs, multiplier, partial(step_runs, optimizer, inv_scale_on=multiplier),
+                          segment_numel=self.segment_numel, found=self.found)
+        return []
 
 
 class DistinctLengths:
@@ -505,7 +527,7 @@ def _step_sgd(optimizer: Any, group: Dict[str, Any], pairs: Sequence[Tuple[torch
 def step_fused(optimizer: Any, kernels: Kernels, runs: Sequence[Run],
                scale_on: Optional[Callable[[torch.device], torch.Tensor]], fallback: Callable[[Sequence[Run]], None], min_numel: Optional[int] = None,
                *, segment_numel: int, found: Optional[torch.Tensor] = None) -> None:
-    """Step ``runs`` (:func:`~fxamp.training.step.plan_runs`): the masters of each run with the compiled
+    """Step ``runs`` (:func:`~fxamp.training.plan.plan_runs`): the masters of each run with the compiled
     kernel of ``optimizer``'s kind, from their low-precision gradients times ``scale_on(device)``
     (None: 1); the float32 parameters, masters of fewer than ``min_numel`` elements (default
     :data:`FUSED_MIN_NUMEL`) and pairs the kernel cannot step (a sparse or complex gradient) through

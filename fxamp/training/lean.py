@@ -41,10 +41,10 @@ from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itsel
 from . import native, quant
 from .flat import Flat, decode, encode, key as noise_key, round_stochastic_
 from .config import LeanConfig
-from .executors import FUSED, FusedFor as _FusedFor, Multiplier, fusable, run_step, step_inner
-from .plan import Run, plain
+from .executors import FUSED, FusedFor as _FusedFor, Lean, Multiplier, fusable, part_of, plain, run_step, step_inner
+from .plan import Run
 
-__all__ = ["Choice", "Workspace", "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable",
+__all__ = ["Choice", "Workspace", "LeanKernel", "LeanChunked", "stochastic_round", "placeholder", "run_step", "step_inner", "FUSED", "fusable",
            "check_params", "seed_from", "state_keys", "PIECE", "ACCELERATOR_PIECE", "piece_for"]
 
 
@@ -233,7 +233,7 @@ class Workspace:
                    state: Dict[str, Any]) -> bool:
         """Whether fxamp's CPU kernel steps this lean master (a lean master with lean state it can take)."""
         return choice.master != "fp32" and choice.state != "fp32" and \
-            native.eligible(optimizer, group, low, state, choice.state)
+            native.eligible(optimizer, group, low, state, choice.state) and plain(low)  # (plain last: t.data, a detach)
 
     def _key_for(self, m: torch.Tensor, choice: Choice) -> Optional[int]:
         """The stochastic rounding's key for this step of ``m`` (None for kahan); its count advanced."""
@@ -472,6 +472,10 @@ class Workspace:
         if copied:
             low.detach().copy_(flat.view(low.shape))
 
+    def executors(self) -> tuple:
+        """The executors a segmented step offers each run to first (:class:`LeanKernel`, :class:`LeanChunked`)."""
+        return LeanKernel(self), LeanChunked(self)
+
     # -- auto ----------------------------------------------------------------------------------
     @property
     def calibrating(self) -> bool:
@@ -513,6 +517,53 @@ class Workspace:
         if choice.master == "kahan":
             return choice.term
         return torch.empty(0, dtype=self.low_of[id(master)].dtype)
+
+
+# -- the lean executors (:class:`fxamp.training.executors.Executor`): what a segmented step offers a run to first
+
+class LeanKernel:
+    """Lean masters the CPU kernel takes (:meth:`Workspace.step_native`), stepped from their
+    low-precision gradients where they are, times the multiplier: no float32 gradient.  The rest are left."""
+
+    __slots__ = ("ws",)
+
+    def __init__(self, ws: Lean) -> None:
+        self.ws = ws
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        left = []
+        for run in runs:
+            masters = [m for _, m in run.pairs]
+            device = masters[0].device
+            done = {id(m) for m in self.ws.step_native(optimizer, masters, grads=[low.grad for low, _ in run.pairs],
+                                                       multiplier=None if multiplier is None else multiplier(device),
+                                                       group=optimizer.param_groups[run.group])}
+            if not done:
+                left.append(run)
+            elif len(done) < len(masters):
+                left.append(part_of(run, [i for i, m in enumerate(masters) if id(m) not in done]))
+        return left
+
+
+class LeanChunked:
+    """A run of one large lean master (:meth:`Workspace.chunks`) stepped a slice at a time
+    (:meth:`Workspace.step_chunked`); other runs are left.  Every group but the run's holds no
+    parameter during the call (:class:`~fxamp.training.executors.Segmented` empties them)."""
+
+    __slots__ = ("ws",)
+
+    def __init__(self, ws: Lean) -> None:
+        self.ws = ws
+
+    def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
+        left = []
+        for run in runs:
+            if self.ws.chunks(run, optimizer):
+                self.ws.step_chunked(optimizer, run, multiplier)
+            else:
+                left.append(run)
+        return left
+
 
 
 def _strided_grad(m: torch.Tensor) -> bool:

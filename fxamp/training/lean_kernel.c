@@ -417,7 +417,7 @@ void fxamp_encode_codes(int64_t k, const int64_t *counts, const int64_t *offsets
 
 /* Whether k tensors of float32 (bits 32), or bfloat16 or float16 (bits 16), hold only finite values: the largest
    magnitude's bits (sign masked off) below those of an infinity ("inf": the smallest non-finite magnitude; a NaN's
-   are above it): the overflow check of a step's large gradients (loss_scale.FoundInf.check_), one call over every
+   are above it): the overflow check of a step's large gradients (executors.FoundInf.check_), one call over every
    tensor, reading only (a max reduction, which the compiler vectorizes) */
 int fxamp_all_finite(int64_t k, const int64_t *counts, const uintptr_t *data, int bits, uint32_t inf) {
     for (int64_t s = 0; s < k; s++) {

@@ -31,7 +31,6 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import quant
-from .plan import plain
 
 __all__ = ["build", "kernel", "unavailable_reason", "lean_adam", "round_stochastic_", "decode", "encode_magnitudes",
            "encode_codes", "all_finite", "eligible", "hyperparameters", "adam_step"]
@@ -280,12 +279,13 @@ def all_finite(tensors: "list[torch.Tensor]") -> Optional[bool]:
 def eligible(optimizer: Any, group: Dict[str, Any], low: torch.Tensor, state: Dict[str, Any], mode: str) -> bool:
     """Whether the kernel can step ``low``'s lean master under ``group``, its state in ``mode`` (``"int8"`` or
     ``"bf16"``): a stock Adam/AdamW without amsgrad, maximize, differentiable or capturable; a bfloat16 CPU
-    weight (of any strides: :func:`adam_step`); its state already made (the first step, which makes it, is the
+    weight (of any strides: :func:`adam_step`; a plain tensor, not a subclass: the caller's check,
+    ``executors.plain``); its state already made (the first step, which makes it, is the
     eager path's); the kernel built here."""
     made = (all(k in state for k in ("exp_avg.absmax", "exp_avg_sq.absmax")) if mode == "int8" else
             mode == "bf16" and not any(k.endswith(".absmax") for k in state))
     return (made and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and low.dtype == torch.bfloat16
-            and low.device.type == "cpu" and plain(low)
+            and low.device.type == "cpu"
             and all(torch.is_tensor(state.get(k)) for k in ("step", "exp_avg", "exp_avg_sq"))
             and not any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable"))
             and getattr(optimizer, "found_inf", None) is None and kernel() is not None)

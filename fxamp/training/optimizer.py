@@ -13,7 +13,7 @@
 For every float16/bfloat16 parameter the inner optimizer steps a float32 master instead; after a
 step the low-precision parameters are refreshed from the masters (``torch._foreach_copy_``).
 Float32 parameters (O1, or norms under O2) are stepped directly.  The step's stages are the
-scaler's (``loss_scale.Stage``, kept by its ``LossScaler`` for each optimizer attached to it)::
+scaler's (``config.Stage``, kept by its ``LossScaler`` for each optimizer attached to it)::
 
     READY --backward()--> SCALED --unscale_()--> UNSCALED --step()--> READY
                             \\________________step()________________/
@@ -53,15 +53,15 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import torch
 import torch.nn as nn
 
-from . import checkpoint, lean
+from . import checkpoint, iteration, lean
 from . import plan as planning
 from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_loaded, take_origin
-from .loss_scale import StepResult, scaler_for
+from .loss_scale import scaler_for
 from .ownership import mark_master, originals_held, refuse_unheld_model, refuse_wrapped
-from .step import Engine
+from .step import Engine, StepResult
 
 if TYPE_CHECKING:
     from .kernels import Kernels  # (imported by __init__ with compile_step=True only: it brings torch.compile's)
@@ -446,7 +446,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ``torch.optim.Optimizer.zero_grad`` (a subclass or another kind of optimizer).
         """
         self._engine.watch.forget()
-        self._engine.zero_grad(set_to_none, self._lows)
+        iteration.zero_grad(self._engine, set_to_none, self._lows)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * current_scale``, for a backward you run yourself (``opt.scale_loss(loss).backward()``)."""
@@ -486,7 +486,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         ``step()``, so clipping allocates no float32 gradient for every master.  A non-finite norm
         means an overflow: it is returned as is, nothing is clipped, and ``step()`` skips.
         """
-        return self._engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return iteration.clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite)
 
     def step(self, closure: None = None) -> Union[bool, StepResult]:
         """Step the inner optimizer unless a gradient is inf/NaN; refresh the low-precision weights; update the scale.

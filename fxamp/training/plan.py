@@ -1,10 +1,12 @@
-"""The step's tensor lists: per (device, dtype) a :class:`Bucket` of low-precision parameters, their float32
-masters and the masters' gradient segments; the :class:`Plan` of a step (what it touches, as lists ready
-for foreach calls, built once per layout of ``param_groups``); and where its overflow decision stays.
+"""The step's tensor lists, built once per layout of ``param_groups``: per (device, dtype) a :class:`Bucket` of
+low-precision parameters, their float32 masters and the layout of the masters' gradient segments; the
+:class:`Plan` of a step (what it touches, as lists ready for foreach calls); a segmented step's runs
+(:class:`Run`, :func:`plan_runs`, :func:`cut_runs`) and their segment size (:func:`segment_numel_for`).
 
-A segmented step's runs (:class:`Run`, :func:`cut_runs`) are the plan's too.  The step engine
-(:mod:`fxamp.training.step`) builds the plan, keeps it and runs a step over it; the executors
-(:mod:`fxamp.training.executors`) step its runs.
+Planning only: a step (its third, say) runs no code here.  The step engine (:mod:`fxamp.training.step`) builds
+the plan at the first step of a layout, keeps it and runs each step over it; what a step does with a bucket
+(``allocate``, ``copy_in``) and with a run (``Segments``) is :mod:`fxamp.training.executors`'.  The constants
+are read where they are (tests patch them here).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
-__all__ = ["CAT_NUMEL", "GRAD_SEGMENT_NUMEL", "RELEASE_MIN_BYTES", "DECIDE_ON", "Strides", "grad_strides",
-           "flat_grads", "Run", "cut_runs", "Bucket", "Segments", "Plan", "decides_on", "plain"]
+__all__ = ["CAT_NUMEL", "GRAD_SEGMENT_NUMEL", "RELEASE_MIN_BYTES", "DECIDE_ON", "UNDECIDED", "Strides", "grad_strides",
+           "Run", "cut_runs", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "segment_numel_for", "plan_runs", "Bucket",
+           "Plan"]
 
 Strides = Optional[Tuple[Tuple[int, ...], ...]]
 
@@ -27,23 +29,6 @@ def grad_strides(masters: Sequence[torch.Tensor]) -> Strides:
     if all(s == torch.empty(m.shape, device="meta").stride() for s, m in zip(strides, masters)):
         return None
     return strides
-
-
-def flat_grads(masters: Sequence[torch.Tensor], strides: Strides, flat: Optional[torch.Tensor] = None
-               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """A float32 segment for ``masters``' gradients (``flat``'s first elements, or a new one), and a
-    view of it per master laid out with ``strides`` (:func:`grad_strides`: None for row-major)."""
-    numel = sum(m.numel() for m in masters)
-    if flat is None:
-        flat = torch.empty(numel, dtype=masters[0].dtype, device=masters[0].device)
-    if strides is None:
-        return flat, list(_unflatten_dense_tensors(flat.narrow(0, 0, numel), list(masters)))  # one C++ call
-    views, offset = [], 0
-    for m, stride in zip(masters, strides):
-        views.append(flat.as_strided(m.shape, stride, flat.storage_offset() + offset))
-        offset += m.numel()
-    return flat, views
-
 
 
 @dataclass(frozen=True)
@@ -82,6 +67,47 @@ def cut_runs(group: int, pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], seg
     return runs
 
 
+#: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
+#: every run, so this is all the step adds to the memory of the low-precision gradients; a few
+#: dozen inner steps for a 25 M-parameter model (each costs ~0.1 ms of Python)
+SEGMENT_NUMEL = 1024 * 1024
+
+
+#: float32 elements per segment on an accelerator (128 MiB): there the caching allocator recycles any
+#: size and each run costs kernel launches and Python (~0.3 ms), not cache misses; a GPT-2 small
+#: (124 M parameters) is stepped in 5 runs, and a 7 B model's step still adds 128 MiB, not 28 GiB
+ACCELERATOR_SEGMENT_NUMEL = 32 * 1024 * 1024
+
+
+def segment_numel_for(devices) -> int:
+    """The segment size for masters on ``devices``: :data:`SEGMENT_NUMEL` if any is the CPU, else
+    :data:`ACCELERATOR_SEGMENT_NUMEL`."""
+    return SEGMENT_NUMEL if any(torch.device(d).type == "cpu" for d in devices) else ACCELERATOR_SEGMENT_NUMEL
+
+
+def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+              segment_numel: Optional[int] = None) -> List[Run]:
+    """The runs of a step, in the order of ``param_groups``: per group, its float32 parameters, then
+    its paired masters cut into runs of one device and at most ``segment_numel`` elements (a larger
+    master is a run of its own); ``segment_numel`` defaults to :data:`SEGMENT_NUMEL`."""
+    segment_numel = SEGMENT_NUMEL if segment_numel is None else segment_numel
+    runs: List[Run] = []
+    for gi, group in enumerate(groups):
+        own: List[torch.Tensor] = []
+        by_device: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        for master in group["params"]:
+            low = low_of(master)
+            if low is None:
+                own.append(master)
+            else:
+                by_device.setdefault(master.device, []).append((low, master))
+        if own:
+            runs.append(Run(gi, own=tuple(own)))
+        for pairs in by_device.values():
+            runs.extend(cut_runs(gi, pairs, segment_numel))
+    return runs
+
+
 # -- the plan: buckets of (low, master) pairs and their gradient segments ---------------------
 
 #: On CPU, gradients of at most this many elements are gathered by ``torch.cat`` (one kernel per
@@ -108,7 +134,8 @@ RELEASE_MIN_BYTES = 16 * 1024 * 1024
 DECIDE_ON = ("cuda",)
 
 _Pair = Tuple[torch.Tensor, torch.Tensor]
-_UNKNOWN = object()
+#: :attr:`Plan.decide_on` until the engine decided it (``step.Engine.decides_on``)
+UNDECIDED = object()
 
 
 class Bucket:
@@ -116,7 +143,7 @@ class Bucket:
 
     The masters' gradients are views into a few flat segments (``GRAD_SEGMENT_NUMEL``), laid out
     with the strides ``empty_like(master)`` gives, as a fresh gradient would have: allocated at
-    ``unscale_()`` (:meth:`allocate`), bound as the masters' ``.grad`` and overwritten from the
+    ``unscale_()`` (``executors.allocate``), bound as the masters' ``.grad`` and overwritten from the
     low-precision gradients, checked for inf/NaN in one kernel over the segments, and dropped by
     ``zero_grad()`` (:meth:`release`), so they take no memory during the forward and backward.
 
@@ -136,7 +163,7 @@ class Bucket:
         self.ncat = sum(len(group) for group in groups)
         self.segments = _segments(self.masters, self.ncat)
         self.nbytes = sum(m.numel() * m.element_size() for m in self.masters)
-        self.flats: Optional[List[torch.Tensor]] = None  # allocated by allocate(), dropped by release()
+        self.flats: Optional[List[torch.Tensor]] = None  # allocated by executors.allocate(), dropped by release()
         self.grads: Optional[List[torch.Tensor]] = None  # the masters' gradients: views of ``flats``
         nstaged = sum(m.numel() for m in self.masters[:self.ncat])
         self.staging = torch.empty(nstaged, dtype=self.lows[0].dtype, device=self.device)
@@ -149,36 +176,11 @@ class Bucket:
             self.cats.append((slice(start, start + len(group)), out))
             start, offset = start + len(group), offset + n
 
-    def allocate(self) -> None:
-        """Allocate the masters' gradient segments and their views, unless they are still allocated."""
-        if self.grads is None:
-            self.flats, self.grads = [], []
-            for first, end, strides in self.segments:
-                flat, views = flat_grads(self.masters[first:end], strides)
-                self.flats.append(flat)
-                self.grads.extend(views)
-
     def release(self) -> None:
         """Drop the segments if they are large (``RELEASE_MIN_BYTES``); the caller unbinds the
         masters' ``.grad`` first, or the segments stay alive through them."""
         if self.nbytes >= RELEASE_MIN_BYTES:
             self.flats = self.grads = None
-
-    def copy_in(self, grads: List[torch.Tensor], check: Callable[[List[torch.Tensor]], None]) -> None:
-        """Copy dense low-precision gradients, in the order of ``lows``, into the masters' ``grads``.
-
-        Segment by segment, each passed to ``check`` right after it is written, while it is still
-        in cache (a 16 MiB segment; checking all of an 82 MB buffer afterwards reads it from memory).
-        """
-        for k, (first, end, _) in enumerate(self.segments):
-            if k == 0 and self.cats:
-                for run, out in self.cats:
-                    torch.cat(grads[run], out=out)
-                self.flats[0][:self.staging.numel()].copy_(self.staging)
-                first = self.ncat
-            if first < end:  # one call for the segment's list, not one per tensor
-                torch._foreach_copy_(self.grads[first:end], grads[first:end])
-            check([self.flats[k]])
 
 
 def _cat_groups(lows: List[torch.Tensor], masters: List[torch.Tensor]) -> Tuple[List[List[_Pair]], List[_Pair]]:
@@ -217,52 +219,15 @@ def _segments(masters: List[torch.Tensor], ncat: int) -> List[Tuple[int, int, St
     return [(first, end, grad_strides(masters[first:end])) for first, end in zip(bounds, bounds[1:])]
 
 
-class Segments:
-    """A segmented step's float32 gradient segment per device, and each run's views into it (``views``).
-
-    Kept from one step to the next (with the plan), so a step creates no view per tensor: the ops of its
-    runs grow with the elements they step, not with the number of tensors.  A segment holds at most
-    ``limit`` elements (the step's segment size): a larger master, a run of its own, gets a gradient of
-    its own each step (one allocation and one view per such run), which is not kept.
-    """
-
-    __slots__ = ("limit", "flats", "views")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.flats: Dict[torch.device, torch.Tensor] = {}
-        self.views: Dict[int, List[torch.Tensor]] = {}  # a run's place in the plan's runs -> its views
-
-    def views_for(self, key: Optional[int], masters: Sequence[torch.Tensor], strides: Strides, numel: int
-                  ) -> List[torch.Tensor]:
-        """Views of a segment for ``masters``' gradients laid out with ``strides``; ``key``: the run's place,
-        to keep them (None: a run stepped in part, whose views are made afresh); ``numel``: the segment's size
-        on that device (the largest run there within ``limit``)."""
-        views = self.views.get(key) if key is not None else None
-        if views is not None:
-            return views
-        device, total = masters[0].device, sum(m.numel() for m in masters)
-        if total > self.limit:  # one large master: not kept
-            return flat_grads(masters, strides)[1]
-        flat = self.flats.get(device)
-        if flat is None or flat.numel() < total:  # (a run "auto" calibrated out of a lean chunked step: larger)
-            flat = self.flats[device] = torch.empty(max(numel, total), dtype=masters[0].dtype, device=device)
-            self.views = {k: v for k, v in self.views.items() if v[0].device != device}  # views of the old one
-        views = flat_grads(masters, strides, flat)[1]
-        if key is not None:
-            self.views[key] = views
-        return views
-
-
 class Plan:
     """What a step touches, as lists ready for foreach calls; valid while ``param_groups`` keep their layout.
 
     buckets:   low-precision parameters and their masters, per (device, dtype) of the former
     own:       the float32 (or float64) parameters the inner optimizer steps directly, per (device, dtype)
-    layout:    each group's ``params`` list and its length when the plan was built (see ``matches``)
+    layout:    each group's ``params`` list and its length when the plan was built (the engine's ``Engine.plan`` compares)
     runs:      a segmented step's runs, planned at the first one
-    segments:  their gradient segments (:class:`Segments`), kept from step to step
-    decide_on: the device the overflow decision stays on, or None (see :func:`decides_on`)
+    segments:  their gradient segments (``executors.Segments``), kept from step to step
+    decide_on: the device the overflow decision stays on, or None (``step.Engine.decides_on``; :data:`UNDECIDED` until then)
     fuse:      whether the step uses ``compile_step``'s kernels (decided once, by the optimizer)
 
     A group added to the inner optimizer, or a ``params`` list replaced or resized, is noticed at
@@ -288,51 +253,13 @@ class Plan:
         self.buckets = [Bucket(*lists) for lists in pairs.values()]
         self.own = list(own.values())
         self.layout = [(g["params"], len(g["params"])) for g in groups]
-        self.runs: Optional[List[Run]] = None  # (planned by fxamp.training.step.plan_runs)
-        self.segments: Optional[Segments] = None
-        self.decide_on: Any = _UNKNOWN
+        self.runs: Optional[List[Run]] = None  # (planned by plan_runs at the first segmented step)
+        self.segments: Any = None  # (executors.Segments)
+        self.decide_on: Any = UNDECIDED
         self.fuse: Optional[bool] = None
 
     def devices(self) -> set:
+        """The devices of the masters and parameters (read when the step decides where it decides, once)."""
         return {b.device for b in self.buckets} | {p.device for params in self.own for p in params}
 
-    def matches(self, groups: List[Dict[str, Any]]) -> bool:
-        """Same groups holding the same lists of the same lengths (the lists are held, so ids are not reused)."""
-        if len(groups) != len(self.layout):
-            return False
-        return all(group["params"] is params and len(params) == n for group, (params, n) in zip(groups, self.layout))
 
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
-    def has_sparse_grad(self) -> bool:
-        return any(p.grad is not None and p.grad.is_sparse for b in self.buckets for p in b.lows)
-
-
-def decides_on(plan: Plan, optimizer: Any, host_only: bool, reduces_on_device: Callable[[torch.device], bool]
-               ) -> Optional[torch.device]:
-    """The device on which this step's overflow decision stays (the host does not wait for it), or None;
-    decided once per plan.
-
-    When the inner optimizer's step can skip on the device (torch's fused Adam, AdamW, SGD:
-    ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
-    one device of a type in :data:`DECIDE_ON` and the flag can be agreed on there
-    (``reduces_on_device``), unless the step's executor reads the decision on the host
-    (``host_only``: ``compile_step``'s SGD kernels).  Elsewhere the decision is read on the host."""
-    if plan.decide_on is _UNKNOWN:
-        plan.decide_on = None
-        devices = plan.devices()
-        if host_only:
-            return None
-        if (getattr(optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1
-                and next(iter(devices)).type in DECIDE_ON):
-            device = next(iter(devices))
-            if reduces_on_device(device):
-                plan.decide_on = device
-    return plan.decide_on
-
-
-def plain(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a plain tensor or parameter, not a subclass such as DTensor (asked without ``t.data``,
-    which is a detach: one dispatched op per master and step)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t.data) is torch.Tensor

@@ -1,88 +1,52 @@
 """The step engine: one optimizer's step, top to bottom: stage -> check -> execute (and refresh) -> record.
 
-``MixedPrecisionOptimizer`` (:mod:`fxamp.training.optimizer`, the facade: masters, ``state_dict``, the public
-verbs) hands every verb of a step to its :class:`Engine`; the scaler (:mod:`fxamp.training.loss_scale`) keeps
-the scale, the stages and the overflow decision; the engine hands the checked step to one executor
-(:mod:`fxamp.training.executors`, the :class:`~fxamp.training.executors.Executor` protocol).  One step::
+The facade (:mod:`fxamp.training.optimizer`) hands a step to its :class:`Engine`, which calls down into
+:mod:`fxamp.training.executors` (nothing there calls back): a step runs code in these three files
+(``tests/test_layout.py`` traces it); lean masters add their workspace (``lean``, ``flat``, ``quant``, ``native``),
+``torch.distributed`` :mod:`~fxamp.training.distributed`, ``compile_step`` :mod:`~fxamp.training.kernels`::
 
-    stage    the gradients where the executor reads them: the plain step puts every master's float32
-             gradient in its ``.grad`` (:func:`unscale`: copied from the low-precision one into the plan's
-             segments, divided by the scale, checked on the way); a segmented one checks the low-precision
-             gradients where they are (:func:`check_in_place`).  The plan (:mod:`fxamp.training.plan`: per
-             (device, dtype) a Bucket of low-precision parameters and their masters, the float32 parameters
-             stepped directly, a segmented step's runs) is built once per layout of ``param_groups``
-    check    the verdict: the flags of every device agreed across ranks, read on the host or left on the
-             device (:func:`fxamp.training.loss_scale.agree`: the one place that decides); a skip changes
-             no weight, master or optimizer state
-    execute  the executor steps the masters and rounds them into the low weights (the refresh: inside the
-             executor, since a lean master's workspace is left after its rounding): :class:`Plain`, or a
-             run at a time (:class:`Segmented`, which offers each run to :class:`LeanKernel` and
-             :class:`LeanChunked` first), or ``compile_step``'s :class:`Compiled`
-    record   the outcome told to the scaler, which moves the scale (or, decided on the device, when the
-             next iteration starts: :meth:`Engine.settle`)
+    stage    the gradients where the executor reads them, checked on the way (``executors.FoundInf``): every
+             master's float32 gradient in its ``.grad`` (``executors.unscale``: the plain step), or the
+             low-precision ones checked where they are (``executors.check_in_place``: a segmented step); over
+             the plan (:mod:`fxamp.training.plan`), built once per layout of ``param_groups``
+    check    the verdict (:func:`agree`, the one place that decides), agreed across ranks, read on the host
+             or left on the device (:class:`DeviceFlag`); a skip changes no weight, master or state
+    execute  one executor steps the masters and rounds them into the low weights: ``Plain``, or a run at a
+             time (``Segmented``: one reused float32 segment; bitwise the plain step), or ``Compiled``
+    record   the outcome told to the scaler's state machine (:class:`StageMachine`, the per-step half of
+             ``loss_scale.LossScaler``), which moves the scale (decided on the device: at :meth:`Engine.settle`)
 
-A step runs code in the facade, this module, ``executors``, ``plan`` and ``loss_scale``; with lean masters
-also ``lean`` (the workspace) and ``quant`` (its state codes), ``native`` for the CPU kernel; a further one
-only under an initialized ``torch.distributed`` (:mod:`fxamp.training.distributed`: the flag's all-reduce)
-or with ``compile_step`` (:mod:`fxamp.training.kernels`).  ``tests/test_layout.py`` traces a step to hold it there.
-
-The runs take one of two shapes:
-
-* **one run for every master** (the plain step): ``unscale_()`` gives every master its float32
-  gradient at once, as views into a few flat segments of the Bucket (``GRAD_SEGMENT_NUMEL``;
-  on CPU the small ones gathered by ``torch.cat`` first); the inner optimizer steps once, and
-  each bucket's low weights are refreshed.  Any optimizer, hooks and all.
-* **segmented** (:class:`~fxamp.training.executors.Segmented`): on a large model (``RELEASE_MIN_BYTES`` of
-  float32 gradients) with a stock per-parameter torch optimizer (:func:`steps_per_parameter`) and no
-  ``unscale_()`` before ``step()``, the low-precision gradients are checked where they are, then each run
-  (one param group, one device, at most ``SEGMENT_NUMEL`` elements: :func:`plan_runs`) is unscaled into one
-  reused segment (kept by the plan with each run's views: :class:`~fxamp.training.plan.Segments`, so a
-  step's ops grow with its runs, not its tensors), stepped (every group's "params" list but the run's
-  emptied for the call) and refreshed.  The step's peak holds one segment (4 MiB, or the largest master's
-  gradient) instead of a float32 gradient for every master.  A lean master that fxamp's CPU kernel steps
-  takes no segment: the kernel reads its low-precision gradient where it is, times 1/scale.  Bitwise the
-  plain step: each parameter is updated from its own gradient and state with its group's hyperparameters
-  (tests/training/test_optimizer.py).  After it the masters hold no ``.grad``.
+docs/DESIGN.md ("Training: one step engine") has the detail.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.optim.optimizer as _torch_optimizer
+import warnings
 
 from . import plan as planning
-from .distributed import max_abs, reduces_on_device
-from .executors import Compiled, Executor, Lean, Plain, Segmented, refresh, step_runs
+from .config import TINY, AnyOf, LossScaleConfig, ScaleKind, ScalerClient, Stage
+from .distributed import all_reduce_overflow, all_reduce_overflow_on_device, reduces_on_device
+from .executors import (Executor, FoundInf, Lean, OnDevices, Plain, Segmented, Segments, check_in_place, has_streams,
+                        multiplier_of, unscale, which_overflowed)
 from .grad_watch import ScaledGradWatch
-from ..errors import OptimizerStateError
+from ..errors import LossScaleError, OptimizerStateError, moved_names as _moved_names
 from ..info import take_loaded
-from .loss_scale import DeviceFlag, FoundInf, LossScaler, Stage, StepResult, agree, ranks_to_agree
-from .plan import Bucket, Plan, Run, Segments, cut_runs, flat_grads, grad_strides
+from .plan import Plan
 
-__all__ = ["PER_PARAMETER", "SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "segment_numel_for", "Run", "Check",
-           "Engine", "steps_per_parameter", "plan_runs", "cut_runs", "step_runs", "unscale", "check_in_place",
-           "clip_in_place", "clip_factor", "refresh", "which_overflowed", "flat_grads", "grad_strides"]
+__all__ = ["PER_PARAMETER", "steps_per_parameter", "ranks_to_agree", "agree", "DeviceFlag", "StepResult", "StageMachine",
+           "Check", "Engine"]
 
-#: float32 elements per segment (4 MiB): one segment per device is allocated per step and reused by
-#: every run, so this is all the step adds to the memory of the low-precision gradients; a few
-#: dozen inner steps for a 25 M-parameter model (each costs ~0.1 ms of Python)
-SEGMENT_NUMEL = 1024 * 1024
-
-
-#: float32 elements per segment on an accelerator (128 MiB): there the caching allocator recycles any
-#: size and each run costs kernel launches and Python (~0.3 ms), not cache misses; a GPT-2 small
-#: (124 M parameters) is stepped in 5 runs, and a 7 B model's step still adds 128 MiB, not 28 GiB
-ACCELERATOR_SEGMENT_NUMEL = 32 * 1024 * 1024
-
-
-def segment_numel_for(devices) -> int:
-    """The segment size for masters on ``devices``: :data:`SEGMENT_NUMEL` if any is the CPU, else
-    :data:`ACCELERATOR_SEGMENT_NUMEL`."""
-    return SEGMENT_NUMEL if any(torch.device(d).type == "cpu" for d in devices) else ACCELERATOR_SEGMENT_NUMEL
-
+#: what left this module (docs/DESIGN.md: a step runs code in three files); the old names resolve with a warning
+__getattr__ = _moved_names(__name__, {
+    **dict.fromkeys(("SEGMENT_NUMEL", "ACCELERATOR_SEGMENT_NUMEL", "segment_numel_for", "plan_runs", "Run", "cut_runs",
+                     "grad_strides"), "fxamp.training.plan"),
+    **dict.fromkeys(("refresh", "step_runs", "flat_grads"), "fxamp.training.executors"),  # (unscale...: imported here)
+    **dict.fromkeys(("clip_in_place", "clip_factor"), "fxamp.training.iteration")})
 
 #: torch.optim classes whose step updates each parameter from its own gradient and state alone
 #: (LBFGS needs a closure and all parameters; SparseAdam sparse gradients, which take the other path)
@@ -92,11 +56,8 @@ PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
 
 
 def steps_per_parameter(optimizer: Any) -> bool:
-    """Whether stepping ``optimizer`` on some parameters at a time is the same as one step on all.
-
-    Only the exact classes of :data:`PER_PARAMETER` (a subclass may override ``step``), and only
-    without step hooks, which would run once per run instead of once per step.
-    """
+    """Whether stepping ``optimizer`` on some parameters at a time is the same as one step on all: only the exact
+    classes of :data:`PER_PARAMETER` (a subclass may override ``step``), without step hooks (once per run, not step)."""
     if type(optimizer) not in PER_PARAMETER:
         return False
     # torch keeps step hooks in these dicts (per instance, and global); it has no public query
@@ -107,28 +68,246 @@ def steps_per_parameter(optimizer: Any) -> bool:
     return not any(hooks)
 
 
-def plan_runs(groups: Sequence[Dict[str, Any]], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-              segment_numel: Optional[int] = None) -> List[Run]:
-    """The runs of a step, in the order of ``param_groups``: per group, its float32 parameters, then
-    its paired masters cut into runs of one device and at most ``segment_numel`` elements (a larger
-    master is a run of its own); ``segment_numel`` defaults to :data:`SEGMENT_NUMEL`."""
-    segment_numel = SEGMENT_NUMEL if segment_numel is None else segment_numel
-    runs: List[Run] = []
-    for gi, group in enumerate(groups):
-        own: List[torch.Tensor] = []
-        by_device: Dict[torch.device, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-        for master in group["params"]:
-            low = low_of(master)
-            if low is None:
-                own.append(master)
-            else:
-                by_device.setdefault(master.device, []).append((low, master))
-        if own:
-            runs.append(Run(gi, own=tuple(own)))
-        for pairs in by_device.values():
-            runs.extend(cut_runs(gi, pairs, segment_numel))
-    return runs
+# -- check: the one decision, and its outcome ------------------------------------------------------
 
+def ranks_to_agree(sync: bool) -> bool:
+    """Whether a step with ``sync_overflow=sync`` agrees with other ranks: ``sync`` and an initialized
+    ``torch.distributed`` (else :mod:`fxamp.training.distributed` has nothing to do: a step does not visit it)."""
+    return sync and dist.is_available() and dist.is_initialized()
+
+
+def agree(flags: FoundInf, device: Optional[torch.device], sync: bool, group: Optional[Any] = None
+          ) -> Tuple[Union[bool, DeviceFlag], bool]:
+    """The one place a step's overflow is decided: ``(verdict, local)``.
+
+    ``device`` None: decided on the host, ``verdict`` a bool (the flags of every device read, and
+    with ``sync`` the maximum over ``group``'s ranks), ``local`` whether this rank overflowed.
+    Otherwise the flag stays on ``device`` (agreed there with ``sync``; :func:`reduces_on_device`
+    must hold): ``verdict`` is a :class:`DeviceFlag` the host reads only when asked, ``local`` False.
+    """
+    sync = ranks_to_agree(sync)
+    if device is not None:
+        flag = flags.flag_on(device)
+        return DeviceFlag(all_reduce_overflow_on_device(flag, group) if sync else flag), False
+    local = flags.found()
+    if not sync:
+        found = bool(local.item())  # the step's one read of the check
+        return found, found
+    return bool(all_reduce_overflow(local, group).item()), bool(local.item())
+
+
+class DeviceFlag:
+    """An overflow decision left on a CUDA device: a float32 0-dim ``flag`` (1.0: an inf/NaN was found), copied to
+    pinned host memory without waiting; ``bool()`` (True: overflowed) waits for that copy alone, not for work
+    queued after it.  The inner optimizer skips on the device (its fused kernel reads ``flag``); the host learns
+    the outcome when it needs it."""
+
+    __slots__ = ("flag", "_host", "_event", "_value")
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.flag, self._event, self._value = flag, None, None  # (_event: a CUDA event; _value: the bool, once read)
+        if has_streams(flag.device):
+            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(flag.device))
+        else:  # (a CPU flag: known at once; the tests run the deferred step this way)
+            self._host = flag
+
+    def ready(self) -> bool:
+        """Whether the outcome is known without waiting."""
+        return self._value is not None or self._event is None or self._event.query()
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = bool(self._host.item() != 0)
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"DeviceFlag({bool(self) if self.ready() else 'pending'})"
+
+
+class StepResult:
+    """What ``step()`` returns when the overflow decision stayed on the GPU: truthy if it stepped; ``bool()`` waits
+    for the check (not for the step): ignore it, and the host never waits."""
+
+    __slots__ = ("_verdict",)
+
+    def __init__(self, verdict: DeviceFlag) -> None:
+        self._verdict = verdict
+
+    def __bool__(self) -> bool:
+        return not bool(self._verdict)
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, bool) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepResult(stepped={bool(self)})" if self._verdict.ready() else "StepResult(pending)"
+
+
+# -- record: the scaler's state machine ---------------------------------------------------------------
+
+
+class StageMachine:
+    """The per-step half of :class:`fxamp.training.loss_scale.LossScaler` (its base): the scale, its update rule
+    (LossScaler's docstring) and where each attached optimizer stands, moved by the engine in a step's order:
+    ``start_step`` (SCALED: unscale first, or UNSCALED), ``start_unscale`` (a FoundInf), ``finish_unscale`` (->
+    UNSCALED), ``found_inf``, ``record`` (-> STEPPED), ``update`` (the scale moved; every client READY).  What a
+    step does not run (the config's checks, ``scale_loss``, ``state_dict``, reading) is LossScaler's, and so are
+    the words of a call out of order (:attr:`MISUSE`)."""
+
+    #: (verb, stage) -> why that call is refused there and what to call instead (LossScaler's)
+    MISUSE: Mapping[Tuple[str, Stage], str] = {}
+
+    def __init__(self, config: LossScaleConfig) -> None:
+        self.config = config
+        self._scale = torch.full((), config.init_scale, dtype=torch.float32)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32)
+        self._good = 0  # the growth tracker's value, kept on the host (update() reads no tensor to move it)
+        self._tolerance = config.hysteresis
+        self._scale_moved()  # (_scale_value; _inv, _on: 1/scale and the scale per device, until the scale moves)
+        self._overflows = 0  # overflowed updates so far (iterations whose steps were skipped) ...
+        self._unresolved: List[List[Any]] = []  # ... and those whose flags are still on a device
+        #: update() calls so far (one per training iteration)
+        self.updates = 0
+        # per iteration: bumped by update(); scale_loss() calls since; the steps' records
+        self._generation = 0
+        self._scaled = 0
+        self._records: List[Tuple[bool, Callable[[], Sequence[str]]]] = []
+        #: catch-ups of optimizers that left a device-decided step's update for later (see defer())
+        self._behind: List[Callable[[], None]] = []
+
+    def _scale_moved(self) -> None:
+        self._scale_value = float(self._scale)
+        self._inv = OnDevices(self._scale.double().reciprocal().float())  # computed in float64, as GradScaler does
+        self._on = OnDevices(self._scale)
+
+    def defer(self, catch_up: Callable[[], None]) -> None:
+        """An optimizer decided a step on the device and will record its outcome (and update this scale) when its
+        next iteration starts; ``catch_up()`` does that now, before the scaler answers what that update changes
+        (``overflows``, ``scale``, ``state_dict``).  One entry per optimizer (a later call is then a no-op)."""
+        if catch_up not in self._behind:
+            self._behind.append(catch_up)
+
+    def _fold(self, wait: bool) -> None:
+        """Count the iterations whose device flags are known (all of them with ``wait``)."""
+        keep = []
+        for flags in self._unresolved:
+            if wait or all(f.ready() for f in flags if isinstance(f, DeviceFlag)):
+                self._overflows += any(bool(f) for f in flags)
+            else:
+                keep.append(flags)
+        self._unresolved = keep
+
+    def stage(self, client: ScalerClient) -> Stage:
+        """Where ``client`` stands: STEPPED or UNSCALED this generation, else SCALED if a scaled backward ran."""
+        if client.stepped_gen == self._generation:
+            return Stage.STEPPED
+        if client.unscaled_gen == self._generation:
+            return Stage.UNSCALED
+        return Stage.SCALED if self._scaled else Stage.READY
+
+    def _require(self, client: ScalerClient, action: str) -> Stage:
+        stage = self.stage(client)
+        message = self.MISUSE.get((action, stage))
+        if message is not None:
+            raise OptimizerStateError(message)
+        return stage
+
+    def start_unscale(self, client: ScalerClient) -> FoundInf:
+        """Check that ``client`` may unscale now (SCALED), and return the accumulator to unscale with."""
+        self._require(client, "unscale")
+        return FoundInf(self._inv, unit=self._scale_value == 1.0)
+
+    def finish_unscale(self, client: ScalerClient, found_inf: bool) -> None:
+        """``client`` unscaled; ``found_inf`` (agreed across ranks) decides its step.  -> UNSCALED."""
+        client.found = bool(found_inf)
+        client.unscaled_gen = self._generation
+
+    def start_step(self, client: ScalerClient) -> Stage:
+        """Check that ``client`` may step: returns SCALED (unscale first) or UNSCALED."""
+        return self._require(client, "step")
+
+    def found_inf(self, client: ScalerClient) -> bool:
+        """The overflow decision of ``client``'s unscale this iteration."""
+        if self.stage(client) is not Stage.UNSCALED:
+            raise OptimizerStateError(f"found_inf() in stage {self.stage(client)}; unscale first (start_unscale)")
+        return client.found
+
+    def record(self, found_inf: Union[bool, DeviceFlag], blame: Callable[[], Sequence[str]] = tuple,
+               client: Optional[ScalerClient] = None) -> None:
+        """Report one optimizer's overflow decision for this iteration; ``blame()`` names the culprits.  A
+        :class:`DeviceFlag` is counted when known (a dynamic scale waits in :meth:`update`).  ``client``: STEPPED."""
+        self._records.append((found_inf if isinstance(found_inf, DeviceFlag) else bool(found_inf), blame))
+        if client is not None:
+            client.stepped_gen = self._generation
+
+    def update(self) -> bool:
+        """Move the scale by this iteration's records; True on overflow.  LossScaleError below ``min_scale``."""
+        if not self._records:
+            raise OptimizerStateError(
+                "LossScaler.update() called but no optimizer stepped since the last update(); "
+                "call opt.step() on every optimizer that shares this scaler first"
+            )
+        cfg = self.config
+        records, self._records = self._records, []
+        self._scaled = 0
+        self._generation += 1
+        self.updates += 1
+        if cfg.kind is not ScaleKind.DYNAMIC and any(isinstance(f, DeviceFlag) for f, _ in records):
+            flags = [f for f, _ in records]  # nothing moves on them: counted when known, not waited for
+            self._unresolved.append(flags)
+            self._fold(wait=False)
+            return AnyOf(flags)
+        found = any(bool(f) for f, _ in records)
+        blames = [b for f, b in records if f]
+        if found:
+            self._overflows += 1
+        if cfg.kind is not ScaleKind.DYNAMIC:
+            return found
+        backoff = 1.0
+        if found:
+            self._tolerance = max(self._tolerance - 1, 0)
+            if self._tolerance == 0:
+                if cfg.min_scale > 0 and self._scale_value <= cfg.min_scale:
+                    names = [n for b in blames for n in b()]
+                    raise LossScaleError(
+                        f"dynamic loss scaling gave up: an overflow at scale {self._scale_value:g}, which is "
+                        f"already min_scale={cfg.min_scale:g}, after {self.overflows} overflowed step(s) in "
+                        f"{self.updates}: the model is diverging (or its loss is not finite). Non-finite "
+                        f"gradients in: {_list_names(names)}. Lower the learning rate, check the data and "
+                        f"the loss for inf/NaN, keep the offending layers in float32 (fxamp.convert(..., "
+                        f"overrides=...)), or use bfloat16; min_scale=0 never gives up."
+                    )
+                backoff = cfg.backoff_factor
+        # the growth tracker kept on the host by _amp_update_scale_'s rule (reset by an overflow or a growth, else one
+        # more): the scale's tensors are touched, and the scale read, only when it may move
+        was_growing = self._good + 1 == cfg.growth_interval and not found
+        if found or was_growing:
+            self._growth_tracker.fill_(self._good)
+            torch._amp_update_scale_(self._scale, self._growth_tracker, torch.full((), float(found)),
+                                     cfg.growth_factor, backoff, cfg.growth_interval)
+            self._scale.clamp_(min=cfg.min_scale or TINY, max=cfg.max_scale)  # 0 never: 1/scale must stay finite
+            self._scale_moved()
+        self._good = 0 if found or was_growing else self._good + 1
+        if was_growing:
+            self._tolerance = cfg.hysteresis
+        return found
+
+
+def _list_names(names: Sequence[str], limit: int = 20) -> str:
+    if not names:
+        return "(none on this rank: another rank overflowed)"
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# -- the engine -------------------------------------------------------------------------------------------
 
 class Check:
     """One step's check, from ``unscale_()`` (or the check of a segmented step) to ``step()``.
@@ -152,20 +331,15 @@ class Check:
         return isinstance(self.verdict, DeviceFlag)
 
     def multiplier(self) -> Optional[Callable[[torch.device], torch.Tensor]]:
-        """What a segmented step multiplies the copied gradients by: ``1/scale`` times the clip factor, or None for 1."""
-        flags, coef = self.flags, self.coef
-        if coef is None:
-            return None if flags.unit else flags.inv_scale_on
-        if flags.unit:
-            return lambda device: coef.to(device)
-        return lambda device: flags.inv_scale_on(device) * coef.to(device)
+        """What a segmented step multiplies the copied gradients by (:func:`fxamp.training.executors.multiplier_of`)."""
+        return multiplier_of(self.flags, self.coef)
 
 
 class Engine:
     """The steps of one :class:`~fxamp.MixedPrecisionOptimizer`: its verbs' work and the state between them.
 
     optimizer:   the inner optimizer, stepping float32 masters and parameters
-    scaler:      the :class:`LossScaler` (``owns_scaler``: not shared, so the engine updates it each step)
+    scaler:      the ``LossScaler`` (``owns_scaler``: not shared, so the engine updates it each step)
     low_of:      id(master) -> its low-precision parameter (the facade's pairs, shared)
     ws:          the lean workspace, or None; ``kernels``: ``compile_step``'s (:class:`fxamp.training.kernels.Kernels`,
                  imported only then), or None
@@ -173,7 +347,7 @@ class Engine:
     sync_overflow, process_group, release_grad_buffer: the facade's options (it sets them here)
     """
 
-    def __init__(self, optimizer: Any, scaler: LossScaler, owns_scaler: bool, low_of: Dict[int, torch.Tensor],
+    def __init__(self, optimizer: Any, scaler: StageMachine, owns_scaler: bool, low_of: Dict[int, torch.Tensor],
                  names: Dict[int, str], ws: Optional[Lean], kernels: Optional[Any], *, sync_overflow: bool,
                  process_group: Optional[Any], release_grad_buffer: bool) -> None:
         self.optimizer, self.scaler, self.owns_scaler = optimizer, scaler, owns_scaler
@@ -247,14 +421,11 @@ class Engine:
             self.note(master, low)
 
     def follow_weights(self) -> None:
-        """Masters follow the low-precision weights the user wrote since :meth:`note_weights` (a checkpoint
-        loaded into the model after the wrapper was built, a re-initialisation, a DDP broadcast): without
-        this the step would round the old master into the weight, undoing the load.  A float32 master takes
-        the float32 value loaded (a float32 checkpoint: ``fxamp.info.take_loaded``), else the new weight widened;
-        a kahan term restarts at zero (:meth:`fxamp.training.lean.Workspace.follow`);
-        only where the weight is no longer the master's rounding (a weight written back as it was keeps its
-        master).  The optimizer state stays, as a torch optimizer's does.  No op runs unless a weight's
-        version counter or memory changed: a Python loop over the masters."""
+        """Masters follow the low-precision weights the user wrote since :meth:`note_weights` (a checkpoint loaded into
+        the model, a re-initialisation, a DDP broadcast), or the step would round the old master into the weight: a
+        float32 master takes the float32 value loaded (``fxamp.info.take_loaded``), else the weight widened, where
+        the weight is no longer its rounding; a kahan term restarts at zero (``Workspace.follow``).  The optimizer
+        state stays.  No op runs unless a weight's version counter or memory changed."""
         changed = []
         for master, low in self.pairs():
             old = self.stamps.get(id(master))
@@ -290,17 +461,16 @@ class Engine:
                 f"param group was added to it directly; use opt.add_param_group(...) on the wrapper so "
                 f"float16/bfloat16 parameters get float32 masters"
             )
-        plan = self.kept
-        if plan is None or not plan.matches(groups):
+        plan = self.kept  # the same groups holding the same lists of the same lengths (the lists are held: no id reused)
+        if plan is None or len(groups) != len(plan.layout) or not all(
+                g["params"] is params and len(params) == n for g, (params, n) in zip(groups, plan.layout)):
             plan = self.kept = Plan(groups, self.low_of)
         return plan
 
     def decide(self, flags: FoundInf, checked: int, plan: Plan, in_place: bool) -> Check:
-        """Whether this step overflowed (:func:`~fxamp.training.loss_scale.agree`); tell the scaler, keep the
-        step's :class:`Check` for ``step()``.  Where the decision stays on the device
-        (:func:`fxamp.training.plan.decides_on`) the host does not wait: the scaler is told "no overflow"
-        for now, the inner optimizer gets the flag and skips on the device, and the outcome is counted
-        when the next iteration starts (:meth:`settle`).  Elsewhere the flag is read here."""
+        """Whether this step overflowed (:func:`agree`); tell the scaler, keep the step's :class:`Check` for ``step()``.
+        Decided on the device (:meth:`decides_on`): the scaler is told "no overflow" for now, the inner optimizer
+        skips on the device, the outcome is counted when the next iteration starts (:meth:`settle`)."""
         if not checked:
             raise OptimizerStateError(
                 "no parameter of this optimizer has a gradient: the loss does not depend on them, "
@@ -340,16 +510,17 @@ class Engine:
             self.ws.stepped()
 
     def executor(self, plan: Plan, check: Check, found: Optional[torch.Tensor]) -> Executor:
-        """The plain step's :class:`Plain`; a segmented one's (runs planned at its first step: :func:`plan_runs`)
-        :class:`Segmented`, or with ``compile_step``'s kernels :class:`Compiled`."""
+        """The plain step's :class:`~fxamp.training.executors.Plain`; a segmented one's (runs planned at its first
+        step: :func:`fxamp.training.plan.plan_runs`) :class:`~fxamp.training.executors.Segmented`, or with
+        ``compile_step``'s kernels their ``Compiled`` (:meth:`fxamp.training.kernels.Kernels.executor`)."""
         if not check.in_place:
             return Plain(plan, self.ws, steps_per_parameter(self.optimizer))
         if plan.runs is None:
-            segment_numel = segment_numel_for(plan.devices())
-            plan.runs = plan_runs(self.optimizer.param_groups, self.low_of, segment_numel)
+            segment_numel = planning.segment_numel_for(plan.devices())
+            plan.runs = planning.plan_runs(self.optimizer.param_groups, self.low_of, segment_numel)
             plan.segments = Segments(segment_numel)
         if self.fuses(plan):
-            return Compiled(self.kernels, plan.segments.limit, found)
+            return self.kernels.executor(plan.segments.limit, found)
         return Segmented(self.ws, plan.segments)
 
     def record(self, check: Check, found: bool, blame: Callable[[], Sequence[str]]) -> Union[bool, StepResult]:
@@ -368,12 +539,9 @@ class Engine:
         return not found
 
     def settle(self) -> None:
-        """Learn the outcome of the last step if it was decided on the device: count a skip, find the
-        culprits (their gradients are still there: called before zero_grad drops them), update the scale.
-
-        Called by everything that reads the outcome or starts the next iteration, so the host waits
-        for the check at most once per step, and only once the step's kernels are queued behind it.
-        """
+        """Learn the outcome of a device-decided last step: count a skip, find the culprits (before zero_grad drops
+        their gradients), update the scale.  Called by everything that reads the outcome or starts the next
+        iteration: the host waits for the check at most once per step, once the step's kernels are queued."""
         due = self.due
         if due is None:
             return
@@ -385,59 +553,6 @@ class Engine:
             self.overflow = None
         if due.update:
             self.scaler.update()
-
-    def zero_grad(self, set_to_none: bool, lows: Sequence[torch.Tensor]) -> None:
-        """:meth:`fxamp.MixedPrecisionOptimizer.zero_grad`: the iteration starts over (``lows``: the low-precision
-        parameters whose gradients are cleared too)."""
-        self.settle()
-        self.check = None
-        optimizer = self.optimizer
-        if set_to_none:
-            if not _stock_zero_grad(optimizer):
-                optimizer.zero_grad()  # (its default: a duck-typed one may take no set_to_none)
-            for p in [*self.params(), *lows]:  # what Optimizer.zero_grad does, whatever the inner one did
-                p.grad = None
-            if self.release_grad_buffer and self.kept is not None:
-                for bucket in self.kept.buckets:
-                    bucket.release()
-        else:
-            optimizer.zero_grad(set_to_none=False)
-            grads = []
-            for p in lows:
-                if p.grad is not None:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    grads.append(p.grad)
-            if grads:
-                torch._foreach_zero_(grads)
-        self.scaler.restart(self.client, drop_scaled=self.owns_scaler)
-
-    # -- clipping: a stage of its own between backward() and step() ------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """:meth:`fxamp.MixedPrecisionOptimizer.clip_grad_norm_`: without leaving a segmented step, the norms
-        from the low-precision gradients and the clip factor joined to the unscaling inside ``step()``."""
-        self.check_grads()
-        self.settle()
-        if self.check is not None and self.check.coef is not None:  # the masters have no gradients to clip again
-            raise OptimizerStateError(
-                "clip_grad_norm_() already ran since the last backward(): call it once, between the last "
-                "backward() and step()")
-        plan = self.plan()
-        stage = self.scaler.stage(self.client)
-        if not (stage is Stage.SCALED and self.segmentable(plan)):
-            if stage is not Stage.UNSCALED:
-                self.unscale_()  # (says what is wrong when there was no backward)
-            return torch.nn.utils.clip_grad_norm_(list(self.params()), max_norm, norm_type, error_if_nonfinite)
-        flags = self.scaler.start_unscale(self.client)
-        exact = self.decides_on(plan) is not None  # (exact, and the host does not wait)
-        with torch.no_grad():
-            checked, norms, own = clip_in_place(plan, flags, norm_type, exact)
-            check = self.decide(flags, checked, plan, in_place=True)
-            total, check.coef = clip_factor(norms, own, max_norm, norm_type, error_if_nonfinite)
-        return total
 
     # -- what the stages ask ----------------------------------------------------------------------------
     def segmentable(self, plan: Plan) -> bool:
@@ -452,14 +567,14 @@ class Engine:
                 warnings.warn("compile_step=True: the optimizer has step hooks, which must see one "
                               "step of every parameter, so it is stepped as it is (not fused)",
                               RuntimeWarning, stacklevel=4)
-        elif not (self.release_grad_buffer and plan.buckets and plan.nbytes() >= planning.RELEASE_MIN_BYTES):
+        elif not (self.release_grad_buffer and plan.buckets
+                  and sum(b.nbytes for b in plan.buckets) >= planning.RELEASE_MIN_BYTES):
             return False
-        return per_parameter and not plan.has_sparse_grad()
+        return per_parameter and not any(p.grad is not None and p.grad.is_sparse for b in plan.buckets for p in b.lows)
 
     def fuses(self, plan: Plan) -> bool:
-        """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters
-        for them to be faster than the plain step (:meth:`fxamp.training.kernels.Kernels.worth`; decided once
-        a plan).  Otherwise the step is the one without ``compile_step``, and nothing is compiled."""
+        """Whether steps use ``compile_step``'s kernels: asked for, and enough elements in the masters for them to
+        be faster (:meth:`fxamp.training.kernels.Kernels.worth`; once a plan); else nothing is compiled."""
         if self.kernels is None or not plan.buckets:
             return False
         if plan.fuse is None:
@@ -467,10 +582,22 @@ class Engine:
         return plan.fuse
 
     def decides_on(self, plan: Plan) -> Optional[torch.device]:
-        """The device the overflow decision stays on, or None (:func:`fxamp.training.plan.decides_on`)."""
-        host_only = self.fuses(plan) and not self.kernels.skips_on_device
-        return planning.decides_on(plan, self.optimizer, host_only, lambda d: not ranks_to_agree(self.sync_overflow)
-                                   or reduces_on_device(d, self.process_group))
+        """The device on which this step's overflow decision stays (the host does not wait for it), or None;
+        decided once per plan.  When the inner optimizer's step can skip on the device (torch's fused Adam,
+        AdamW, SGD: ``_step_supports_amp_scaling``, the flag GradScaler passes them), all its parameters are on
+        one device of a type in :data:`fxamp.training.plan.DECIDE_ON` and the flag can be agreed on there,
+        unless ``compile_step``'s kernels read the decision on the host (their SGD).  Elsewhere: the host."""
+        if plan.decide_on is planning.UNDECIDED:
+            plan.decide_on = None
+            devices = plan.devices()
+            if self.fuses(plan) and not self.kernels.skips_on_device:
+                return None
+            device = next(iter(devices)) if len(devices) == 1 else None
+            if (getattr(self.optimizer, "_step_supports_amp_scaling", False) and device is not None
+                    and device.type in planning.DECIDE_ON and (not ranks_to_agree(self.sync_overflow)
+                                                               or reduces_on_device(device, self.process_group))):
+                plan.decide_on = device
+        return plan.decide_on
 
     def low_of(self, master: torch.Tensor) -> Optional[torch.Tensor]:
         """The low-precision parameter of ``master``, or None for a parameter stepped directly."""
@@ -509,141 +636,3 @@ class Engine:
         self.skipped = int(skipped)
         self.scaler.forget(self.client)
         self.overflow = None
-
-
-def _stock_zero_grad(optimizer: torch.optim.Optimizer) -> bool:
-    """True when ``optimizer.zero_grad`` is ``Optimizer.zero_grad`` (no subclass or instance override)."""
-    return type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad and "zero_grad" not in vars(optimizer)
-
-
-# -- stage: the gradients where the executor reads them, checked -------------------------------------
-
-def unscale(plan: Plan, flags: FoundInf) -> int:
-    """Put the unscaled gradients of every master in its ``.grad`` (the plain step) and unscale the
-    float32 parameters' in place, checking each for inf/NaN; return how many gradients were checked."""
-    return sum(_unscale_masters(b, flags) for b in plan.buckets) + sum(_unscale_own(ps, flags) for ps in plan.own)
-
-
-def check_in_place(plan: Plan, flags: FoundInf) -> int:
-    """The check of a segmented step: the low-precision gradients where they are (the float32
-    parameters' unscaled in place as usual); the masters get no gradient here."""
-    checked = 0
-    for bucket in plan.buckets:
-        grads = [p.grad for p in bucket.lows if p.grad is not None]
-        flags.check_(grads)
-        checked += len(grads)
-    return checked + sum(_unscale_own(ps, flags) for ps in plan.own)
-
-
-def clip_in_place(plan: Plan, flags: FoundInf, norm_type: float, exact: bool
-                  ) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
-    """:func:`check_in_place` that also takes the norms of the true gradients (the low-precision
-    ones in float32, divided by the scale); return how many were checked, the norms, and the float32
-    parameters' gradients (to clip with :func:`clip_factor` once the check is decided).  ``exact``:
-    check every low-precision gradient (the host does not read the norms), not only when a norm
-    is non-finite."""
-    norms: List[torch.Tensor] = []
-    own: List[torch.Tensor] = []
-    checked = 0
-    for bucket in plan.buckets:
-        grads = [p.grad for p in bucket.lows if p.grad is not None]
-        if not grads:
-            continue
-        n = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
-        n = n * flags.inv_scale_on(n.device)  # a norm scales with its tensor (the scale: a power of 2)
-        if exact or not bool(torch.isfinite(n).all()):  # an inf/NaN, or finite values whose norm overflowed
-            flags.check_(grads)
-        norms.append(n)
-        checked += len(grads)
-    for params in plan.own:
-        checked += _unscale_own(params, flags)  # unscaled in place, as unscale_() does
-        grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
-        if grads:
-            norms.append(torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)))
-            own.extend(grads)
-    return checked, norms, own
-
-
-def clip_factor(norms: List[torch.Tensor], own: List[torch.Tensor], max_norm: float, norm_type: float,
-                error_if_nonfinite: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The total norm of :func:`clip_in_place`'s ``norms`` and torch's clip factor, which clips ``own``
-    here (the masters' gradients are clipped by :func:`step`)."""
-    total = torch.linalg.vector_norm(torch.cat([n.to(norms[0].device) for n in norms]), norm_type)
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
-            "clipped (with loss scaling an overflow is expected now and then: pass "
-            "error_if_nonfinite=False and let step() skip)")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grad_norm_ formula
-    if own:
-        torch._foreach_mul_(own, coef.to(own[0].device))
-    return total, coef
-
-
-def _unscale_masters(bucket: Bucket, flags: FoundInf) -> int:
-    """Put the unscaled low-precision gradients of ``bucket`` in its masters' ``.grad``; return how many.
-
-    The masters' gradient tensors are overwritten, not accumulated into: the low-precision ones
-    already hold the sum over every backward since zero_grad().  The check reads the float32
-    copies before unscaling them (GradScaler's order), so it sees exactly the low-precision values.
-    """
-    grads = [p.grad for p in bucket.lows]
-    bucket.allocate()
-    for m, g in zip(bucket.masters, bucket.grads):
-        if m.grad is not g:
-            m.grad = g
-    try:  # the usual case, every gradient dense: a few kernels, no per-parameter work
-        bucket.copy_in(grads, flags.unscale_and_check_)
-    except (TypeError, RuntimeError):  # a None gradient (TypeError) or a sparse one: pair by pair
-        # (the segments checked so far are copied and checked again: the same values, the same verdict)
-        return _unscale_pairs(bucket, grads, flags)
-    return len(grads)
-
-
-def _unscale_pairs(bucket: Bucket, grads: List[Optional[torch.Tensor]], flags: FoundInf) -> int:
-    """:func:`_unscale_masters` when some parameter got no gradient (its master gets none) or a sparse one."""
-    dst, src, values = [], [], []
-    for master, buf, g in zip(bucket.masters, bucket.grads, grads):
-        if g is None:
-            master.grad = None  # not stepped, as the plain optimizer would not step it
-        elif g.is_sparse:
-            master.grad = g.coalesce().float()
-            values.append(master.grad._values())  # the values of a sparse tensor: a view, unscaled in place
-        else:  # bound to ``buf`` already
-            dst.append(buf)
-            src.append(g)
-    if dst:
-        torch._foreach_copy_(dst, src)  # raises what copy_in() ran into, if that was something else
-    if dst or values:
-        flags.unscale_and_check_(dst + values)
-    return len(dst) + len(values)
-
-
-def _unscale_own(params: List[torch.Tensor], flags: FoundInf) -> int:
-    """Unscale, in place, the gradients of float32 parameters stepped directly (one device and dtype).
-
-    Sparse and missing gradients are looked for first, not caught as in _unscale_masters: the
-    kernel unscales in place, so failing part way would leave some gradients unscaled.
-    """
-    grads = [p.grad for p in params]
-    if not all(g is not None and not g.is_sparse for g in grads):  # (values of sparse gradients: views)
-        grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
-    if grads:
-        flags.unscale_and_check_(grads)
-    return len(grads)
-
-
-def which_overflowed(params: Iterator[torch.Tensor], low_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-                     in_place: bool) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """The parameters whose gradients were checked, and which of them hold an inf/NaN: the masters'
-    gradients, or with ``in_place`` (a segmented step) their low-precision parameters'."""
-    checked, grads = [], []
-    for p in params:
-        low = low_of(p)
-        g = low.grad if in_place and low is not None else p.grad
-        if g is not None:
-            checked.append(p)
-            grads.append(g)
-    maxabs = max_abs([g._values() if g.is_sparse else g for g in grads])  # (uncoalesced values too)
-    return checked, ~torch.isfinite(maxabs)
-

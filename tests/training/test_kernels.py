@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import fxamp
 from fxamp import MixedPrecisionOptimizer
 from fxamp.training import kernels as fused_step
-from fxamp.training.step import cut_runs
+from fxamp.training.plan import cut_runs
 
 BF16, F16 = torch.bfloat16, torch.float16
 
@@ -407,7 +407,7 @@ def test_small_masters_are_gathered_into_few_inner_steps(monkeypatch):
     real_step = torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (calls.append(1), real_step(self, *a, **k))[1])
     monkeypatch.setattr(fused_step, "FUSED_MIN_NUMEL", 4096)
-    monkeypatch.setattr(fxamp.training.step, "segment_numel_for", lambda devices: 4096)
+    monkeypatch.setattr(fxamp.training.plan, "segment_numel_for", lambda devices: 4096)
     ref, fused = pair(OPTIMIZERS["adamw"])
     for m, o in (ref, fused):
         backward(m, o, 0)
@@ -436,7 +436,7 @@ def test_the_scalars_are_computed_once_per_group_and_device(monkeypatch):
         return lambda *args: (kernels.extend(masters_of(self, args)), kernel(*args))[1]
 
     monkeypatch.setattr(fused_step.Kernels, "__call__", counting)
-    monkeypatch.setattr(fxamp.training.step, "segment_numel_for", lambda devices: 1)  # a run per master
+    monkeypatch.setattr(fxamp.training.plan, "segment_numel_for", lambda devices: 1)  # a run per master
 
     def two_groups(params):
         params = list(params)

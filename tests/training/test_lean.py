@@ -436,10 +436,9 @@ def test_modes_the_parameters_or_the_optimizer_cannot_take_are_refused_before_bi
 def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatch):
     """A large model's step runs a segment at a time, each run through its own workspace; the stochastic
     stream depends on (seed, tensor, count), not on the order: the same weights as one step over all."""
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 700)
     monkeypatch.setattr(quant, "CHUNK", 256)  # (the stochastic stream is drawn a CHUNK at a time in both)
     monkeypatch.setattr(lean_module, "PIECE", 1024)  # fc1's weight (4096) is stepped a slice at a time
     chunked = []
@@ -544,11 +543,10 @@ def test_lean_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel(segmented
     """Lean masters of a for-loop AdamW are stepped with ``fused=True`` (one pass per element, not eight) on the
     plain and the segmented (sliced) path alike; float32 parameters as the user built the optimizer; the
     groups' flags come back."""
-    from fxamp.training import step as S
 
     if segmented:
         monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-        monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+        monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 700)
         monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time
     torch.manual_seed(0)
     amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
@@ -597,7 +595,6 @@ def test_step_hooks_of_a_lean_optimizer_run_once_per_step():
 def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options(make, monkeypatch):
     """amsgrad's third (compressed) moment, Adam's coupled weight decay, a tensor lr, foreach and maximize:
     the fused kernel steps the slices of a segmented step and the whole masters of a plain one alike."""
-    from fxamp.training import step as S
 
     monkeypatch.setattr(quant, "CHUNK", 256)
     monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time when segmented
@@ -682,14 +679,13 @@ def test_every_mode_steps_channels_last_and_transposed_weights_by_their_values(m
     fused Adam reads value, gradient and moments in memory order: they must share one; the stochastic stream and
     the 8-bit blocks run in row-major order)."""
     from fxamp.training import native
-    from fxamp.training import step as S
 
     if state == "fp32" and not kernel:
         pytest.skip("float32 state: the kernel takes none")
     if not kernel:
         monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 300)
     monkeypatch.setattr(quant, "CHUNK", 256)
     monkeypatch.setattr(lean_module, "PIECE", 512)  # c2's weight a slice at a time when segmented
     reference = _layout_run(masters, state, "row-major", segmented=False)

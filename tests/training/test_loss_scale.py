@@ -8,7 +8,8 @@ import torch
 import fxamp
 from fxamp import LossScaleConfig, LossScaleError, OptimizerStateError
 from fxamp.training.config import ScaleKind
-from fxamp.training.loss_scale import FoundInf, LossScaler, Stage, note_non_finite_
+from fxamp.training.executors import FoundInf, note_non_finite_
+from fxamp.training.loss_scale import LossScaler, Stage
 
 
 def run(scaler, flags, blame=("w",)):
@@ -261,7 +262,7 @@ def test_note_non_finite_is_exact(dtype):
 
 def test_found_inf_without_the_fused_kernel(monkeypatch):
     """FoundInf's two entry points take the fallback for bfloat16 off CPU; forced here: same results."""
-    import fxamp.training.loss_scale as ls
+    import fxamp.training.executors as ls
 
     monkeypatch.setattr(ls, "fused_kernel_takes", lambda t: False)
     inv = torch.tensor(0.25)

@@ -447,7 +447,6 @@ def test_sparse_gradients(loss_scale):
 
 def test_small_gradients_gathered_by_cat_match_direct_copies(monkeypatch):
     """Small gradients are gathered with torch.cat (by trailing shape), large and 0-dim ones copied one by one."""
-    from fxamp.training import step as S
 
     class Mixed(nn.Module):
         def __init__(self):
@@ -865,7 +864,6 @@ def test_load_state_dict_says_what_it_expected(o2):
 
 def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
     """The masters' gradients live from unscale_() to zero_grad(): views of one segment here, allocated once a step."""
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)  # this model's gradients are small: kept by default
     model = fxamp.convert(net(), "O2")
@@ -891,7 +889,6 @@ def test_zero_grad_clears_the_masters_and_frees_their_buffer(monkeypatch):
 @pytest.mark.parametrize("how", ["release_grad_buffer=False", "small"])
 def test_small_or_kept_master_gradient_buffers_stay(how, monkeypatch):
     """release_grad_buffer=False, or gradients under RELEASE_MIN_BYTES: one buffer bound again each step."""
-    from fxamp.training import step as S
 
     if how != "small":
         monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
@@ -1076,10 +1073,9 @@ class _Wide(nn.Module):
 
 def _segmented_pair(monkeypatch, make_inner, dtype, segment=700):
     """(segmented, plain) wrappers on identical O2 models; the segmented one cut into runs of <= segment."""
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", segment)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", segment)
     out = []
     for release in (True, False):  # release_grad_buffer=False: the plain step, every master's gradient at once
         torch.manual_seed(0)
@@ -1106,13 +1102,13 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
     elements): the same weights, masters and optimizer state as one step over all of them, with two
     groups of different hyperparameters, float32 norm parameters stepped directly, a layer with no
     gradient, float16's loss scale, and a skipped step."""
+    from fxamp.training import executors as E
     from fxamp.training import plan as P
-    from fxamp.training import step as S
 
     (seg_model, seg), (ref_model, ref) = _segmented_pair(monkeypatch, INNERS[inner], dtype)
     sizes = []
-    real_flat = P.flat_grads
-    monkeypatch.setattr(P, "flat_grads",  # (the segment's views are made once, kept by the plan)
+    real_flat = E.flat_grads
+    monkeypatch.setattr(E, "flat_grads",  # (the segment's views are made once, kept by the plan)
                         lambda masters, strides, flat=None: (flat is None or sizes.append(flat.numel()),  # (a run's reused segment)
                                                                  real_flat(masters, strides, flat))[1])
     for step in range(4):
@@ -1131,7 +1127,7 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
         assert all(m.grad is not None for m, low in (pair[::-1] for pair in ref.master_pairs()) if low.grad is not None)
     runs = seg.plan.runs
     assert len(runs) >= 4 and {r.group for r in runs} == {0, 1} and any(r.own for r in runs)
-    assert sizes and max(sizes) <= max(S.SEGMENT_NUMEL, max(m.numel() for m in masters(seg)))
+    assert sizes and max(sizes) <= max(P.SEGMENT_NUMEL, max(m.numel() for m in masters(seg)))
     assert all(m.grad is None for m in seg_model.unused.parameters())  # no gradient: never stepped
     assert torch.equal(seg_model.unused.weight, ref_model.unused.weight)
 
@@ -1139,7 +1135,6 @@ def test_segmented_step_is_bitwise_the_plain_step(inner, dtype, monkeypatch):
 def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
     """The plain step (every master's gradient at once) after unscale_() (to clip), with a step hook,
     an optimizer subclass or release_grad_buffer=False."""
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
 
@@ -1173,7 +1168,6 @@ def test_segmented_step_only_where_it_is_the_same_step(monkeypatch):
 
 
 def test_segmented_step_keeps_lr_schedulers_working(monkeypatch):
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     torch.manual_seed(0)
@@ -1246,14 +1240,13 @@ def test_clip_grad_norm_without_segments_is_torch_clip(monkeypatch):
 def test_segmented_step_with_channels_last_masters_is_the_plain_step(monkeypatch):
     """A segmented run lays its masters' gradients out as empty_like(master) (channels_last here),
     in the reused segment, and steps as the plain step does, bitwise."""
-    from fxamp.training import plan as P
-    from fxamp.training import step as S
+    from fxamp.training import executors as E
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 300)
     strides = []
-    real_flat = P.flat_grads  # (the segment's views: made by the plan's Segments)
-    monkeypatch.setattr(P, "flat_grads", lambda masters, st, flat=None: (flat is None or strides.append(st), real_flat(masters, st, flat))[1])
+    real_flat = E.flat_grads  # (the segment's views: made by the plan's Segments)
+    monkeypatch.setattr(E, "flat_grads", lambda masters, st, flat=None: (flat is None or strides.append(st), real_flat(masters, st, flat))[1])
     x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
     out = []
     for release in (True, False):

@@ -1,4 +1,5 @@
-"""fxamp.training.step on its own: planning the runs, the gradient segments, and the per-run step."""
+"""The segmented step's parts on their own: planning the runs (fxamp.training.plan), the gradient segments and
+the per-run step (fxamp.training.executors)."""
 
 
 import pytest
@@ -8,10 +9,10 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp import MixedPrecisionOptimizer
-from fxamp.training import step as S
 from fxamp.training.lean import step_inner
-from fxamp.training.step import (ACCELERATOR_SEGMENT_NUMEL, SEGMENT_NUMEL, Run, cut_runs, flat_grads, grad_strides,
-                                 plan_runs, segment_numel_for, step_runs)
+from fxamp.training.executors import flat_grads, step_runs
+from fxamp.training.plan import (ACCELERATOR_SEGMENT_NUMEL, SEGMENT_NUMEL, Run, cut_runs, grad_strides, plan_runs,
+                                 segment_numel_for)
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -46,8 +47,8 @@ def test_segment_numel_for_cpu_and_accelerators():
 
 
 def test_segment_numel_for_reads_the_constants_at_call_time(monkeypatch):
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 7)
-    monkeypatch.setattr(S, "ACCELERATOR_SEGMENT_NUMEL", 11)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 7)
+    monkeypatch.setattr("fxamp.training.plan.ACCELERATOR_SEGMENT_NUMEL", 11)
     assert segment_numel_for(["cpu"]) == 7 and segment_numel_for(["cuda"]) == 11
 
 
@@ -101,7 +102,7 @@ def test_plan_runs_defaults_to_segment_numel(monkeypatch):
     pairs = pairs_of([6, 6, 6])
     groups = [{"params": [m for _, m in pairs]}]
     assert len(plan_runs(groups, low_of_pairs(pairs))) == 1  # 18 elements: far under SEGMENT_NUMEL
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 12)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 12)
     assert [r.numel for r in plan_runs(groups, low_of_pairs(pairs))] == [12, 6]
     assert plan_runs([{"params": []}], low_of_pairs(pairs)) == []
 
@@ -281,7 +282,7 @@ def test_the_optimizers_segmented_step_follows_plan_runs(monkeypatch):
     """MixedPrecisionOptimizer.step() on a segmentable step plans its runs with plan_runs at
     segment_numel_for's size (the public constant, patched small) and steps as the plain step does."""
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)  # segment this tiny model
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 300)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 300)
     (seg_model, seg), (ref_model, ref) = _wrapped(INNERS["AdamW"]), _wrapped(INNERS["AdamW"])
     ref.release_grad_buffer = False  # the plain step: a float32 gradient for every master
     for i in range(2):
@@ -305,7 +306,7 @@ def test_float32_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel_on_a_c
     built; ``fused=False`` keeps the for-loop everywhere. The update is the for-loop's up to float32 rounding."""
     if segmented:
         monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-        monkeypatch.setattr(S, "SEGMENT_NUMEL", 700)
+        monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 700)
     out = {}
     for fused in (None, False):
         torch.manual_seed(0)
@@ -332,3 +333,18 @@ def test_float32_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel_on_a_c
         out[fused] = [m.detach().clone() for _, m in opt.master_pairs()]
     for a, b in zip(out[None], out[False]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_names_that_left_the_scaler_and_the_engine_resolve_at_their_old_paths_with_a_warning():
+    """A step runs code in three files (tests/test_layout.py): the check and the staging moved to the executors, the
+    decision to the engine, the planning to plan, clipping to iteration; their old names still resolve, warning."""
+    from fxamp.training import executors, iteration, loss_scale, plan, step
+
+    for module, name, home in ((loss_scale, "FoundInf", executors), (loss_scale, "note_non_finite_", executors),
+                               (loss_scale, "DeviceFlag", step), (loss_scale, "agree", step),
+                               (loss_scale, "StepResult", step), (step, "SEGMENT_NUMEL", plan),
+                               (step, "plan_runs", plan), (step, "step_runs", executors), (step, "flat_grads", executors),
+                               (step, "clip_factor", iteration)):
+        with pytest.warns(DeprecationWarning, match=f"{module.__name__}.{name} is deprecated and kept for one release: "
+                                                    f"write 'from {home.__name__} import {name}'"):
+            assert getattr(module, name) is getattr(home, name)

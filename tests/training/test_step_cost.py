@@ -112,10 +112,9 @@ def test_an_overflowing_step_costs_the_same_at_18_and_66_tensors_and_changes_not
 
 def _segmented_step(tensors, inner, monkeypatch, total=2 ** 14, segment=2 ** 12):
     """bfloat16 parameters of ``total`` elements in ``tensors`` tensors, stepped in runs of ``segment`` elements."""
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", segment)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", segment)
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(total // tensors).to(BF16)) for _ in range(tensors)]
     opt = MixedPrecisionOptimizer(INNERS[inner](params), loss_scale="dynamic")
@@ -149,15 +148,15 @@ def fake_cuda(monkeypatch):
     scale never moves; the check's verdict, which a fake tensor cannot give, reads as no overflow."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxamp.training import loss_scale as L
+    from fxamp.training.step import DeviceFlag
 
-    monkeypatch.setattr(L.DeviceFlag, "__bool__", lambda self: False)
+    monkeypatch.setattr(DeviceFlag, "__bool__", lambda self: False)
     scaler = LossScaler(fxamp.LossScaleConfig("dynamic", growth_interval=10 ** 6))
     return FakeTensorMode(allow_non_fake_inputs=True), scaler
 
 
 def _accelerator_step(fake_cuda, inner, tensors, numel, transposed=False, **lean):
-    from fxamp.training.loss_scale import StepResult
+    from fxamp.training.step import StepResult
 
     mode, scaler = fake_cuda
     with mode:
@@ -204,10 +203,9 @@ def test_the_accelerator_step_reads_nothing_on_the_host_and_costs_the_same_at_18
 @ON_FAKE_CUDA
 def test_the_segmented_accelerator_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(fake_cuda,
                                                                                              monkeypatch):
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "ACCELERATOR_SEGMENT_NUMEL", 2 ** 12)
+    monkeypatch.setattr("fxamp.training.plan.ACCELERATOR_SEGMENT_NUMEL", 2 ** 12)
     (small, opt), (large, _) = (_accelerator_step(fake_cuda, FUSED_INNERS["AdamW"], n, 2 ** 14 // n) for n in (16, 64))
     assert len(opt.plan.runs) == 4  # segmented: 4 runs
     assert small == large, (small, large)
@@ -324,10 +322,9 @@ def test_masters_stored_transposed_cost_the_same_at_18_and_66_tensors(masters, s
 @pytest.mark.parametrize("masters,state", [("kahan", "fp32"), ("stochastic", "int8")])
 def test_the_segmented_lean_step_costs_the_same_at_16_and_64_tensors_of_the_same_size(masters, state, monkeypatch,
                                                                                       limit):
-    from fxamp.training import step as S
 
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
-    monkeypatch.setattr(S, "SEGMENT_NUMEL", 2 ** 12)
+    monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 2 ** 12)
     counts = []
     for tensors in (16, 64):
         torch.manual_seed(0)
@@ -373,7 +370,7 @@ def test_the_check_of_large_gradients_costs_the_same_at_2_and_8_tensors_and_find
     (the largest too) do not."""
     from dispatch_count import DispatchCount
 
-    from fxamp.training.loss_scale import SUM_NUMEL, FoundInf
+    from fxamp.training.executors import SUM_NUMEL, FoundInf
 
     def check(tensors):
         flags = FoundInf(lambda device: torch.ones(()))
