@@ -6,8 +6,8 @@
    ResNet-50 (``--model resnet``), AdamW: forward+backward and ``step()`` timed apart for pure bf16, O2, and
    the lean modes, the regimes interleaved step by step (a loaded CPU's drift hits every regime alike);
    medians of ``--rounds`` steps, wall-clock and this thread's CPU time.
-2. The parts of a lean step per million elements, on one slice (:data:`fxamp.training.lean.PIECE`, 1 MiB of float32)
-   at a time, the minimum of 25 runs: AdamW (bfloat16 as pure bf16 steps it; float32 as O2 does; fused,
+2. The parts of a lean step per million elements, on one slice (:data:`fxamp.training.lean_step.PIECE`, 1 MiB of
+   float32) at a time, the minimum of 25 runs: AdamW (bfloat16 as pure bf16 steps it; float32 as O2 does; fused,
    as a lean master is stepped), 8-bit codes in and out, bf16 state in and out, stochastic rounding, the
    weight and gradient widened.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import fxamp
 from benchmarks.models import DecoderLM, ResNet50
 from benchmarks.real import cpu_flags
-from fxamp.training import lean, native, quant
+from fxamp.training import lean, lean_step, native, quant
 
 LEAN = {"O2": ("fp32", "fp32"), "O2 kahan+bf16": ("kahan", "bf16"), "O2 stochastic+int8": ("stochastic", "int8"),
         "O2 auto+auto": ("auto", "auto")}
@@ -96,7 +96,7 @@ def step_table(layers: int, vocab: int, rounds: int, seq: int = 64, batch: int =
 
 
 def parts_table() -> str:
-    n = lean.PIECE
+    n = lean_step.PIECE
 
     def per_million(f, runs=25):
         f()

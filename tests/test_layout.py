@@ -47,7 +47,8 @@ STAGES: Dict[str, int] = {
     "training.flat": 3,  # the lean step's flat buffers of a run's masters, and the stochastic rounding's hash
     "training.executors": 4,  # what the engine calls: the stage and its check, the executors, the inner step
     "training.kernels": 5,  # compile_step's kernels and their executor (Compiled)
-    "training.lean": 5,  # per-tensor masters and state, the workspace the executors enter and leave, its executors
+    "training.lean": 5,  # per-tensor masters and state: modes, terms, counts, calibration, checkpoint (between steps)
+    "training.lean_step": 5,  # the lean step over it: what the engine's executors enter and leave, its executors
     "training.step": 6,  # the step engine: stage -> check -> execute -> record, and the scaler's state machine
     "training.loss_scale": 7,  # LossScaler: the machine's configuration, scale_loss, state_dict (a step runs none)
     "training.iteration": 7,  # the verbs outside the step: zero_grad, clip_grad_norm_
@@ -378,10 +379,11 @@ def test_the_front_door_is_small_and_every_name_resolves():
 #: the fxamp files one step runs code in (docs/DESIGN.md, "Training: one step engine"): the facade hands the step
 #: to the engine (the scaler's state machine is its module's), which stages, checks and executes through the
 #: executors' module, and nothing else: three files (after a scaled backward, grad_watch's one check too); a lean
-#: step adds the workspace and its state codes (``native`` too where fxamp's CPU kernel steps a master),
+#: step adds the lean step and its state codes (``native`` too where fxamp's CPU kernel steps a master; not the
+#: workspace's per-tensor state, ``lean.py``, past calibration),
 #: ``torch.distributed`` ``distributed`` and ``compile_step`` ``kernels``
 STEP_FILES = {"training/optimizer.py", "training/step.py", "training/executors.py"}
-LEAN_STEP_FILES = STEP_FILES | {"training/lean.py", "training/quant.py", "training/flat.py"}
+LEAN_STEP_FILES = STEP_FILES | {"training/lean_step.py", "training/quant.py", "training/flat.py"}
 
 
 def _traced_step(inner, segmented=False, dtype="bfloat16", clip=False, **options):

@@ -175,7 +175,7 @@ def load(opt: Any, state: Any) -> None:
             elif choice.master == "kahan":
                 choice.term.copy_(saved.to(choice.term.device))
     if ws is not None and precision is not None:
-        ws.seed, ws.steps = int(precision["seed"]), int(precision["steps"])
+        ws.restore(precision["seed"], precision["steps"])
         for m, entry in zip(opt._masters, precision["modes"]):
             c = ws.choices[id(m)]
             c.reason, c.lost, c.state_error, c.count = entry[2], entry[3], entry[4], int(entry[5])

@@ -13,14 +13,14 @@ left to the next executor::
     Segmented    a run at a time (:func:`step_runs`): each run's low gradients copied into one reused float32
                  segment (:class:`Segments`) times the multiplier, the inner step on the run alone, its low
                  weights refreshed; each run offered first to the lean workspace's executors
-                 (:meth:`Lean.executors`: ``lean.LeanKernel``, ``lean.LeanChunked``)
+                 (:meth:`Lean.executors`: ``lean_step.LeanKernel``, ``lean_step.LeanChunked``)
     Compiled     ``compile_step=True``'s (:class:`fxamp.training.kernels.Compiled`)
 
 The inner optimizer itself is called in one place, :func:`step_inner`: on a CPU the masters of a stock
 Adam/AdamW/SGD are stepped by torch's fused kernel (:data:`FUSED`, :func:`fusable`), a stock SGD's other
 tensors by its foreach path (:class:`ForeachSGD`), so every path gives a master the same bits and a step's ops
-do not grow with its tensors.  The lean workspace is called through :class:`Lean`: this module sits below
-``lean``, which uses its :class:`FusedFor` and re-exports :func:`step_inner`.
+do not grow with its tensors.  The lean step is called through :class:`Lean`: this module sits below
+``lean_step``, which uses its :class:`FusedFor` (and ``lean``, which re-exports :func:`step_inner`).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Executor(Protocol):
 
 
 class Lean(Protocol):
-    """What an executor calls of the lean workspace (:class:`fxamp.training.lean.Workspace`)."""
+    """What the engine and its executors call of the lean step (:class:`fxamp.training.lean_step.LeanStep`)."""
 
     def step_native(self, optimizer: Any, masters: Sequence[torch.Tensor], split: bool = True,
                     grads: Optional[Sequence[torch.Tensor]] = None, multiplier: Optional[torch.Tensor] = None,
@@ -67,11 +67,12 @@ class Lean(Protocol):
 
     def chunks(self, run: Run, optimizer: Any) -> bool: ...
 
-    def step_chunked(self, optimizer: Any, run: Run, inv_scale_on: Multiplier) -> None: ...
-
     def executors(self) -> Sequence[Executor]:
-        """What a segmented step offers each run to first: :class:`fxamp.training.lean.LeanKernel`, then
-        :class:`~fxamp.training.lean.LeanChunked`."""
+        """What a segmented step offers each run to first: :class:`fxamp.training.lean_step.LeanKernel`, then
+        :class:`~fxamp.training.lean_step.LeanChunked`."""
+
+    def stepped(self) -> None:
+        """The engine's, after a step taken (not skipped)."""
 
 # -- the check: one flag per device, read once --------------------------------------------------------
 
@@ -396,7 +397,7 @@ class Segmented:
         return []
 
     def _offer(self, optimizer: Any, run: Run, multiplier: Multiplier) -> Optional[Run]:
-        """What the lean executors leave of ``run`` (None: they took it all).  What ``lean.LeanKernel`` left of
+        """What the lean executors leave of ``run`` (None: they took it all).  What ``lean_step.LeanKernel`` left of
         a run it took part of goes to the segment: a run of several masters is never chunked."""
         for executor in self.lean:
             left = executor.step(optimizer, [run], multiplier)
@@ -578,7 +579,7 @@ def step_inner(optimizer: Any, masters: Sequence[torch.Tensor], split: bool = Tr
     with only them in the groups and ``fused=True`` (the groups' lists and flags restored after, even on error);
     the user's own parameters as the optimizer was built.  Not unless ``split`` (the engine's
     :func:`~fxamp.training.step.steps_per_parameter`: step hooks must run once per step, and such an optimizer is
-    never segmented either).  ``skip``: stepped already (:meth:`fxamp.training.lean.Workspace.step_native`)."""
+    never segmented either).  ``skip``: stepped already (:meth:`fxamp.training.lean_step.LeanStep.step_native`)."""
     groups = optimizer.param_groups
     skip_ids = {id(m) for m in skip}
     ids = {id(m) for m in masters} - skip_ids

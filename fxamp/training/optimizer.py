@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import torch
 import torch.nn as nn
 
-from . import checkpoint, iteration, lean
+from . import checkpoint, iteration, lean, lean_step
 from . import plan as planning
 from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
 from ..dtypes import LOW
@@ -278,7 +278,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._ws = lean.Workspace(optimizer, config, lean.seed_from(seed)) if config.lean else None
         self.scaler, owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
         #: the step engine (:class:`fxamp.training.step.Engine`): every verb of a step is its
-        self._engine = Engine(optimizer, self.scaler, owns_scaler, self._low_of, self._names, self._ws, kernels,
+        self._engine = Engine(optimizer, self.scaler, owns_scaler, self._low_of, self._names, self._ws,
+                              None if self._ws is None else lean_step.LeanStep(self._ws), kernels,
                               sync_overflow=bool(sync_overflow), process_group=process_group,
                               release_grad_buffer=bool(release_grad_buffer))
         for group in optimizer.param_groups:

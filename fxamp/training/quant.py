@@ -52,7 +52,7 @@ def compressible(optimizer: Any) -> bool:
 
 #: elements per slice of the (de)quantization (and of the stochastic rounding): the temporaries of a large
 #: tensor are this size, not the tensor's, and a slice is large enough that the passes, not their dispatch,
-#: take the time; one slice per slice of the chunked step (:data:`fxamp.training.lean.PIECE`: 1 MiB of float32;
+#: take the time; one slice per slice of the chunked step (:data:`fxamp.training.lean_step.PIECE`: 1 MiB of float32;
 #: measured a few % faster than 256 KiB slices, which were 10% faster than 128 KiB); a multiple of :data:`BLOCK`
 CHUNK = 1024 * BLOCK
 #: the slice on an accelerator (64 MiB of float32): there each slice costs a few dozen kernel launches whatever its

@@ -2,7 +2,7 @@
 
 The facade (:mod:`fxamp.training.optimizer`) hands a step to its :class:`Engine`, which calls down into
 :mod:`fxamp.training.executors` (nothing there calls back): a step runs code in these three files
-(``tests/test_layout.py`` traces it); lean masters add their workspace (``lean``, ``flat``, ``quant``, ``native``),
+(``tests/test_layout.py`` traces it); lean masters add their step (``lean_step``, ``flat``, ``quant``, ``native``),
 ``torch.distributed`` :mod:`~fxamp.training.distributed`, ``compile_step`` :mod:`~fxamp.training.kernels`::
 
     stage    the gradients where the executor reads them, checked on the way (``executors.FoundInf``): every
@@ -341,17 +341,19 @@ class Engine:
     optimizer:   the inner optimizer, stepping float32 masters and parameters
     scaler:      the ``LossScaler`` (``owns_scaler``: not shared, so the engine updates it each step)
     low_of:      id(master) -> its low-precision parameter (the facade's pairs, shared)
-    ws:          the lean workspace, or None; ``kernels``: ``compile_step``'s (:class:`fxamp.training.kernels.Kernels`,
-                 imported only then), or None
+    ws:          the lean workspace (:class:`fxamp.training.lean.Workspace`: a written weight followed), or None;
+                 ``lean``: its step (:class:`fxamp.training.lean_step.LeanStep`: what the executors enter and leave);
+                 ``kernels``: ``compile_step``'s (:class:`fxamp.training.kernels.Kernels`, imported only then), or None
     names:       id(parameter) -> its name in the model (for errors and :meth:`overflowed`)
     sync_overflow, process_group, release_grad_buffer: the facade's options (it sets them here)
     """
 
     def __init__(self, optimizer: Any, scaler: StageMachine, owns_scaler: bool, low_of: Dict[int, torch.Tensor],
-                 names: Dict[int, str], ws: Optional[Lean], kernels: Optional[Any], *, sync_overflow: bool,
+                 names: Dict[int, str], ws: Optional[Any], lean: Optional[Lean], kernels: Optional[Any], *,
+                 sync_overflow: bool,
                  process_group: Optional[Any], release_grad_buffer: bool) -> None:
         self.optimizer, self.scaler, self.owns_scaler = optimizer, scaler, owns_scaler
-        self.low_of_id, self.names, self.ws, self.kernels = low_of, names, ws, kernels
+        self.low_of_id, self.names, self.ws, self.lean, self.kernels = low_of, names, ws, lean, kernels
         self.sync_overflow, self.process_group = sync_overflow, process_group
         self.release_grad_buffer = release_grad_buffer
         self.client = scaler.attach()  # this optimizer's stage, kept by the scaler
@@ -506,22 +508,22 @@ class Engine:
         # a fused inner step writes without bumping version counters: a converted module's weight cache
         # (fxamp.conversion.runtime.WeightCastCache) must see the float32 weights it stepped change
         torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
-        if self.ws is not None:
-            self.ws.stepped()
+        if self.lean is not None:
+            self.lean.stepped()
 
     def executor(self, plan: Plan, check: Check, found: Optional[torch.Tensor]) -> Executor:
         """The plain step's :class:`~fxamp.training.executors.Plain`; a segmented one's (runs planned at its first
         step: :func:`fxamp.training.plan.plan_runs`) :class:`~fxamp.training.executors.Segmented`, or with
         ``compile_step``'s kernels their ``Compiled`` (:meth:`fxamp.training.kernels.Kernels.executor`)."""
         if not check.in_place:
-            return Plain(plan, self.ws, steps_per_parameter(self.optimizer))
+            return Plain(plan, self.lean, steps_per_parameter(self.optimizer))
         if plan.runs is None:
             segment_numel = planning.segment_numel_for(plan.devices())
             plan.runs = planning.plan_runs(self.optimizer.param_groups, self.low_of, segment_numel)
             plan.segments = Segments(segment_numel)
         if self.fuses(plan):
             return self.kernels.executor(plan.segments.limit, found)
-        return Segmented(self.ws, plan.segments)
+        return Segmented(self.lean, plan.segments)
 
     def record(self, check: Check, found: bool, blame: Callable[[], Sequence[str]]) -> Union[bool, StepResult]:
         """Tell the scaler the outcome; update the scale when this optimizer owns it.  A device-decided step

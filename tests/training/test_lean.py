@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fxamp
 from fxamp.info import ORIGIN
 from fxamp.training import flat, native, quant
-from fxamp.training import lean as lean_module
+from fxamp.training import lean_step
 from fxamp.training.config import LeanConfig, MasterPrecision, StatePrecision
 from fxamp.training.lean import stochastic_round
 
@@ -232,6 +232,60 @@ def test_a_checkpoint_taken_mid_run_resumes_bitwise(masters, state, dtype):
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_taken_while_calibrating_calibrates_on_in_a_wrapper_that_had_decided():
+    """The step count and the calibration are the checkpoint's: a wrapper that had decided its "auto" modes, loaded
+    with a checkpoint of step 1 of 2, calibrates again (float32 modes, measured) and decides as the run it resumes."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+
+    def build():
+        torch.manual_seed(1)
+        model = nn.Linear(32, 32, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            model.weight.mul_(0.01)  # (updates survive rounding: stochastic and int8 once decided)
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, seed=5,
+                                            precision=LeanConfig("auto", "auto", calibration_steps=2, small=100))
+        return model, opt
+
+    def train(model, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            opt.backward(model(x).float().pow(2).mean())
+            opt.step()
+
+    def modes(opt):
+        (_, master), = opt.master_pairs()
+        return opt.precision_of(master).master, opt.precision_of(master).state
+
+    model, opt = build()
+    train(model, opt, 1)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    train(model, opt, 3)
+    straight = model.weight.detach().clone()
+    assert modes(opt) == ("stochastic", "int8")
+    model, opt = build()
+    train(model, opt, 3)  # decided
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    assert modes(opt) == ("fp32", "fp32")  # calibrating again, as at step 1
+    train(model, opt, 1)
+    assert modes(opt) == ("stochastic", "int8")  # decided at step 2, as the straight run
+    train(model, opt, 2)
+    assert torch.equal(model.weight, straight)
+
+
+def test_the_step_names_that_left_lean_resolve_there_with_a_warning():
+    """``PIECE``, ``piece_for`` and the lean executors moved to ``lean_step`` (the step's module); old paths work."""
+    from fxamp.training import lean
+
+    for name in ("LeanKernel", "LeanChunked", "PIECE", "ACCELERATOR_PIECE", "piece_for"):
+        with pytest.warns(DeprecationWarning, match=rf"fxamp\.training\.lean\.{name} is deprecated and kept for one "
+                                                    rf"release: write 'from fxamp\.training\.lean_step import {name}'"):
+            assert getattr(lean, name) is getattr(lean_step, name)
+    with pytest.raises(AttributeError, match="module 'fxamp.training.lean' has no attribute 'LeanStepper'"):
+        lean.LeanStepper
+
+
 def test_lean_masters_hold_no_float32_copy_and_state_is_compressed():
     model = nn.Linear(512, 512, bias=False).to(torch.bfloat16)
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()), masters="stochastic", state="int8")
@@ -319,10 +373,10 @@ def test_accelerator_slices_are_whole_blocks_and_chunks():
     """A chunked step is bitwise the whole one only if its slices are whole 8-bit blocks and whole slices of the
     codec and the rounding stream; on an accelerator both are larger (launch-bound there), on a CPU the same."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert lean_module.piece_for(cpu) == lean_module.PIECE and quant.chunk_for(cpu) == quant.CHUNK
-    assert lean_module.piece_for(cuda) > lean_module.PIECE and quant.chunk_for(cuda) > quant.CHUNK
-    for piece, chunk in ((lean_module.piece_for(cpu), quant.chunk_for(cpu)),
-                         (lean_module.piece_for(cuda), quant.chunk_for(cuda))):
+    assert lean_step.piece_for(cpu) == lean_step.PIECE and quant.chunk_for(cpu) == quant.CHUNK
+    assert lean_step.piece_for(cuda) > lean_step.PIECE and quant.chunk_for(cuda) > quant.CHUNK
+    for piece, chunk in ((lean_step.piece_for(cpu), quant.chunk_for(cpu)),
+                         (lean_step.piece_for(cuda), quant.chunk_for(cuda))):
         assert piece % chunk == 0 and chunk % quant.BLOCK == 0 and chunk % 4 == 0  # (4 draws of 16 bits a word)
 
 
@@ -440,10 +494,10 @@ def test_segmented_lean_step_is_bitwise_the_plain_one(masters, state, monkeypatc
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 700)
     monkeypatch.setattr(quant, "CHUNK", 256)  # (the stochastic stream is drawn a CHUNK at a time in both)
-    monkeypatch.setattr(lean_module, "PIECE", 1024)  # fc1's weight (4096) is stepped a slice at a time
+    monkeypatch.setattr(lean_step, "PIECE", 1024)  # fc1's weight (4096) is stepped a slice at a time
     chunked = []
-    real = lean_module.Workspace.step_chunked
-    monkeypatch.setattr(lean_module.Workspace, "step_chunked",
+    real = lean_step.LeanChunked.step_chunked
+    monkeypatch.setattr(lean_step.LeanChunked, "step_chunked",
                         lambda self, opt, run, inv: (chunked.append(run), real(self, opt, run, inv)))
     runs = []
     for release in (True, False):  # False: the plain step, every master at once
@@ -547,7 +601,7 @@ def test_lean_masters_of_a_stock_adamw_are_stepped_by_its_fused_kernel(segmented
     if segmented:
         monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
         monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 700)
-        monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time
+        monkeypatch.setattr(lean_step, "PIECE", 1024)  # the 64x64 weight a slice at a time
     torch.manual_seed(0)
     amp = fxamp.convert(nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 64)), "O2",
                         dtype=torch.bfloat16)
@@ -597,7 +651,7 @@ def test_fused_lean_step_is_bitwise_the_same_sliced_or_plain_across_adam_options
     the fused kernel steps the slices of a segmented step and the whole masters of a plain one alike."""
 
     monkeypatch.setattr(quant, "CHUNK", 256)
-    monkeypatch.setattr(lean_module, "PIECE", 1024)  # the 64x64 weight a slice at a time when segmented
+    monkeypatch.setattr(lean_step, "PIECE", 1024)  # the 64x64 weight a slice at a time when segmented
     out = []
     for release in (True, False):
         monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0 if release else 1 << 40)
@@ -687,7 +741,7 @@ def test_every_mode_steps_channels_last_and_transposed_weights_by_their_values(m
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 300)
     monkeypatch.setattr(quant, "CHUNK", 256)
-    monkeypatch.setattr(lean_module, "PIECE", 512)  # c2's weight a slice at a time when segmented
+    monkeypatch.setattr(lean_step, "PIECE", 512)  # c2's weight a slice at a time when segmented
     reference = _layout_run(masters, state, "row-major", segmented=False)
     opt = reference[3]
     if masters != "fp32":

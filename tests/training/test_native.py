@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.training import flat, lean, native, quant
+from fxamp.training import flat, lean, lean_step, native, quant
 from fxamp.training.config import LeanConfig
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason=f"no CPU kernel here: {native.unavailable_reason()}")
@@ -319,7 +319,7 @@ def test_a_segmented_step_feeds_the_kernel_the_bfloat16_gradients_bitwise_the_pl
                                                                                           monkeypatch):
     """Segmented (a large model), the kernel's masters get no float32 gradient: it reads the bfloat16 ones, times
     1/scale; the weights and state are those of the plain step, which unscales into float32."""
-    monkeypatch.setattr(lean, "PIECE", 1024)  # (the 64x64 weight would be sliced on the eager path)
+    monkeypatch.setattr(lean_step, "PIECE", 1024)  # (the 64x64 weight would be sliced on the eager path)
     dtypes = {True: [], False: []}
     real = native.lean_adam
     out = []
