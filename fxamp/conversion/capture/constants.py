@@ -92,5 +92,5 @@ def fit_fill_values(gm: fx.GraphModule) -> List[str]:
             node.args, node.kwargs = tuple(args), kwargs
     if not fitted:
         return []
-    return [f"fill value(s) beyond float16's range clamp at run time to the range of the dtype the op runs in: "
+    return ["fill value(s) beyond float16's range clamp at run time to the range of the dtype the op runs in: "
             + ", ".join(fitted)]
