@@ -232,3 +232,17 @@ def test_opt_state_of_a_model_parameter_after_load_state_dict_and_a_pickle():
     amp3, opt3 = pickle.loads(pickle.dumps((amp, opt)))
     got, masters = _state_of(opt3, amp3, "0.bias")
     assert got is masters and "exp_avg_sq" in got
+
+
+def test_reading_opt_state_of_a_model_parameter_leaves_a_lean_checkpoint_whole():
+    # the empty entry opt.state[p] inserted, keyed by a tensor no group holds, made state_dict() a KeyError
+    amp, opt = _stepped_adamw()
+    lean_amp = fxamp.convert(_mlp(), "O2", dtype=torch.bfloat16)
+    lean = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(lean_amp.parameters(), lr=1e-2), model=lean_amp,
+                                         masters="stochastic", state="int8")
+    lean.backward(lean_amp(torch.randn(3, 4)).float().square().mean())
+    assert lean.step()
+    got = lean.state[lean_amp.get_parameter("0.weight")]
+    assert got["exp_avg"].dtype == torch.int8 and got["exp_avg"].shape == (8, 4)
+    saved = lean.state_dict()
+    assert len(saved["optimizer"]["state"]) == len(lean.optimizer.state) == 6  # (4 masters, 2 float32 norms)
