@@ -232,3 +232,37 @@ def _hf_case(kind: str) -> None:
 
 for _kind in ("bert", "gpt2", "t5"):
     _hf_case(_kind)
+
+
+@cases.add("works")
+def torch_save_load_after_two_patterns_then_inference_mode():
+    import io
+
+    amp = fxamp.convert(TwoOptional(), "O2")
+    x, mask, y = _inputs()
+    amp(x, mask, y)
+    amp(x)
+    buf = io.BytesIO()
+    torch.save(amp, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    calls = [((x,), {}), ((x, mask), {}), ((x,), {"labels": y}), ((x, mask, y), {})]
+    with torch.no_grad():
+        for args, kw in calls:
+            bitwise(loaded(*args, **kw), amp(*args, **kw), "the loaded model against the saved one")
+    with torch.inference_mode():
+        for args, kw in calls:
+            bitwise(loaded(*args, **kw), amp(*args, **kw), "under inference_mode")
+
+
+@cases.add("works")
+def state_dict_after_patterns_into_a_fresh_conversion():
+    amp = fxamp.convert(TwoOptional(), "O2")
+    x, mask, y = _inputs()
+    amp(x, mask, y)
+    amp(x, labels=y)
+    fresh = fxamp.convert(TwoOptional(), "O2")
+    fresh.load_state_dict(amp.state_dict())
+    with torch.no_grad():
+        bitwise(fresh(x), amp(x), "no mask, no labels")
+        bitwise(fresh(x, labels=y), amp(x, labels=y), "labels only")

@@ -446,3 +446,31 @@ def add_param_group_after_steps_under_lean_masters():
         want = b.float() * (1 - 0.05 * 0.01) - 0.05 * torch.sign(g)
         ulp = want.abs().clamp_min(1e-3) * 2.0 ** -7
         assert ((p.float() - want).abs() <= ulp + 1e-3).all(), "the added group's first step is not AdamW's"
+
+
+def _bn_model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+
+
+def _update_bn_case(policy: str, frontend: str) -> None:
+    def case() -> None:
+        # swa_utils.update_bn sets each BatchNorm's momentum to None for a cumulative mean over the loader: the
+        # converted graph must read it (a baked 0.1 would give an exponential average, silently)
+        torch.manual_seed(0)
+        model = _bn_model()
+        data = [torch.randn(4, 3, 8, 8) + i for i in range(3)]
+        kw = {"frontend": "export", "example_inputs": (data[0],)} if frontend == "export" else {}
+        ref, swa = (torch.optim.swa_utils.AveragedModel(m) for m in (copy.deepcopy(model),
+                                                                     fxamp.convert(model, policy, **kw)))
+        torch.optim.swa_utils.update_bn(data, ref)
+        torch.optim.swa_utils.update_bn(data, swa)
+        want, got = dict(ref.module.named_buffers()), dict(swa.module.named_buffers())
+        for k in ("1.running_mean", "1.running_var"):
+            err = (got[k].float() - want[k]).abs().max().item()
+            assert err <= 0.02 * want[k].abs().max().item(), f"{k}: {err:.3g} from the cumulative mean"
+
+    cases.add("works", name=f"swa_update_bn_{policy}_{frontend}")(case)
+
+
+_update_bn_case("O2", "fx")
+_update_bn_case("O1", "export")
