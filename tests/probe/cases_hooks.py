@@ -231,3 +231,24 @@ def fx_root_forward_hook_added_and_removed_between_calls():
         bitwise(amp(x), before - 1.0, "the hooked call")
         handle.remove()
         bitwise(amp(x), before, "after handle.remove()")
+
+
+@cases.add("works")
+def global_module_hook_after_the_first_call_runs_around_each_block_as_documented():
+    # docs/conversion.md: a global module hook registered after conversion runs around the modules called (each
+    # convert_ block, the glue, the root), never inside a graph (a block's Linear is inlined there); the numbers
+    # are the converted model's own, bit for bit
+    m = _blocks()
+    fxamp.convert_(m, "O1")
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        before = m(x)
+        seen = []
+        handle = nn.modules.module.register_module_forward_hook(lambda mod, a, out: seen.append(type(mod).__name__))
+        try:
+            out = m(x)
+        finally:
+            handle.remove()
+        bitwise(out, before, "a call with a global hook")
+        bitwise(m(x), before, "after handle.remove()")
+    assert seen.count("Block") == 3 and seen[-2:] == ["Linear", "Stack"], seen

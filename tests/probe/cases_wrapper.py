@@ -474,3 +474,10 @@ def _update_bn_case(policy: str, frontend: str) -> None:
 
 _update_bn_case("O2", "fx")
 _update_bn_case("O1", "export")
+
+
+@cases.add("works")
+def cycliclr_cycling_adams_beta1():
+    # CyclicLR on an optimizer with betas cycles beta1 (torch reads the wrapper's defaults to tell)
+    _with_scheduler(ADAM, lambda o: S.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=2, cycle_momentum=True,
+                                               base_momentum=0.8, max_momentum=0.9))
