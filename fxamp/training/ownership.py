@@ -136,8 +136,9 @@ class MasterState(defaultdict):
 
 
 def master_state(optimizer: Any, lows: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
-    """Make ``optimizer.state`` a :class:`MasterState` over the same entries, where it is torch's defaultdict (a
-    duck-typed optimizer's own mapping is left as it is); again after its ``load_state_dict`` replaced it."""
-    state = getattr(optimizer, "state", None)
+    """Make ``optimizer.state`` a :class:`MasterState` over the same entries, where it is torch's defaultdict held
+    as an attribute (a duck-typed optimizer's own mapping, or a property such as a Lookahead's reading its inner
+    optimizer's, is left as it is); again after its ``load_state_dict`` replaced it."""
+    state = getattr(optimizer, "__dict__", {}).get("state")
     if type(state) is defaultdict and state.default_factory is dict:
         optimizer.state = MasterState(state, lows, masters)
