@@ -60,7 +60,7 @@ from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_loaded, take_origin
 from .loss_scale import scaler_for
-from .ownership import mark_master, originals_held, refuse_unheld_model, refuse_wrapped
+from .ownership import mark_master, master_state, originals_held, refuse_unheld_model, refuse_wrapped
 from .step import Engine, StepResult
 
 if TYPE_CHECKING:
@@ -274,6 +274,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._lows: List[torch.Tensor] = []  # low-precision model parameters ...
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, stepped by the optimizer
         self._low_of: Dict[int, torch.Tensor] = {}  # id(master) -> low-precision parameter
+        master_state(optimizer, self._lows, self._masters)  # (opt.state[p] of a model's parameter: its master's)
         self.precision = config
         self._ws = lean.Workspace(optimizer, config, lean.seed_from(seed)) if config.lean else None
         self.scaler, owns_scaler = scaler_for(loss_scale, model, list(self.master_params()))  # before binding: a bad loss_scale changes nothing
@@ -559,6 +560,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             changed = hook(self, state_dict)
             state_dict = state_dict if changed is None else changed
         checkpoint.load(self, state_dict)
+        master_state(self.optimizer, self._lows, self._masters)  # (torch's load_state_dict made a new defaultdict)
         for _, low in self._engine.pairs():  # the loaded masters win over a float32 model checkpoint loaded before
             take_loaded(low)
         self._engine.note_weights()

@@ -7,6 +7,8 @@
 * a master is marked too, so a second wrapper around the same torch optimizer (whose
   ``param_groups`` now hold the first wrapper's masters) is refused: it would step masters that
   never get gradients and report success;
+* the inner torch optimizer's ``state`` becomes a :class:`MasterState`: the same dict, keyed by the masters, where
+  a model's low-precision parameter reads its master's entry (``opt.state[p]["exp_avg"]``), not a new empty one;
 * ``fp32_state_dict(model)`` refuses a model none of whose parameters the optimizer steps, and so does
   ``MixedPrecisionOptimizer(optimizer, model=model)`` (:func:`refuse_unheld_model`).
 
@@ -16,7 +18,8 @@ The marks are plain attributes on tensors the wrapper pairs; nothing global is k
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, List, Optional
+from collections import defaultdict
+from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -25,7 +28,7 @@ from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import MASTERED, origin_of, remember_master
 
-__all__ = ["mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model", "originals_held"]
+__all__ = ["MasterState", "master_state", "mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model", "originals_held"]
 
 #: set on a float32 master by the wrapper that made or adopted it
 _MASTER = "_fxamp_master"
@@ -106,3 +109,36 @@ def originals_held(model: nn.Module, optimizer: Any, paired: Iterable[torch.Tens
     skip = {id(p) for p in paired}
     return [p for p in dict.fromkeys(model.parameters()) if p.dtype in LOW and id(p) not in skip
             and id(origin_of(p)) in held]
+
+
+class MasterState(defaultdict):
+    """A torch optimizer's ``state`` (a ``defaultdict(dict)`` keyed by the tensors it steps) under a wrapper: a
+    missing low-precision parameter with a master reads the master's entry.  A user writes ``opt.state[p]`` for
+    a parameter ``p`` of their model, as with any torch optimizer; a plain defaultdict would insert an empty
+    entry for ``p`` (which the optimizer never steps) and answer ``{}``.
+
+    ``lows``/``masters``: the wrapper's own lists of pairs (the same objects: pairs added later are seen, and a
+    copy or pickle of the wrapper and its optimizer shares them); searched only for a low-precision key."""
+
+    def __init__(self, state: Any, lows: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+        super().__init__(dict, state)
+        self.lows, self.masters = lows, masters
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, torch.Tensor) and key.dtype in LOW:
+            for low, master in zip(self.lows, self.masters):
+                if low is key:
+                    return self[master]
+        return super().__missing__(key)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (dict(self), self.lows, self.masters))
+
+
+def master_state(optimizer: Any, lows: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+    """Make ``optimizer.state`` a :class:`MasterState` over the same entries, where it is torch's defaultdict held
+    as an attribute (a duck-typed optimizer's own mapping, or a property such as a Lookahead's reading its inner
+    optimizer's, is left as it is); again after its ``load_state_dict`` replaced it."""
+    state = getattr(optimizer, "__dict__", {}).get("state")
+    if type(state) is defaultdict and state.default_factory is dict:
+        optimizer.state = MasterState(state, lows, masters)

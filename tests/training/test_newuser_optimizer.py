@@ -192,3 +192,57 @@ def test_a_checkpoint_of_other_param_groups_is_refused_in_fxamps_words_before_a_
                                          r"one \[2, 4\]; build the optimizer with the same param groups"):
         b.load_state_dict(a.state_dict())
     _same(_everything(b), before)  # (before: torch's "different number of parameter groups", modes switched)
+
+
+def _stepped_adamw(dtype=torch.bfloat16):
+    amp = fxamp.convert(_mlp(), "O2", dtype=dtype)
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(amp.parameters(), lr=1e-2), model=amp)
+    opt.backward(amp(torch.randn(3, 4)).float().square().mean())
+    assert opt.step()
+    return amp, opt
+
+
+def _state_of(opt, amp, name):
+    """What a user writes for any torch optimizer: ``opt.state[p]`` for their model's parameter ``p``."""
+    p = amp.get_parameter(name)
+    master = {id(low): m for low, m in opt.master_pairs()}[id(p)]
+    return opt.state[p], opt.optimizer.state[master]
+
+
+def test_opt_state_of_a_model_parameter_is_its_masters_and_adds_no_entry():
+    # the inner optimizer's state is keyed by the float32 masters: opt.state[p] inserted an empty dict for the
+    # low-precision p (a defaultdict) and answered {}; it reads the master's entry now, the same object
+    amp, opt = _stepped_adamw()
+    n = len(opt.optimizer.state)
+    got, masters = _state_of(opt, amp, "0.weight")
+    assert got is masters and got["exp_avg"].dtype == torch.float32 and got["exp_avg"].shape == (8, 4)
+    assert len(opt.optimizer.state) == n and opt.state is opt.optimizer.state
+    ln = amp.get_parameter("1.weight")  # a float32 norm weight under O2: its own entry, as torch's
+    assert ln.dtype == torch.float32 and opt.state[ln] is opt.optimizer.state[ln]
+
+
+def test_opt_state_of_a_model_parameter_after_load_state_dict_and_a_pickle():
+    import pickle
+
+    amp, opt = _stepped_adamw()
+    amp2, opt2 = _stepped_adamw()
+    opt2.load_state_dict(opt.state_dict())  # (torch's load_state_dict builds a new state dict)
+    got, masters = _state_of(opt2, amp2, "2.weight")
+    assert got is masters and torch.equal(got["exp_avg"], _state_of(opt, amp, "2.weight")[1]["exp_avg"])
+    amp3, opt3 = pickle.loads(pickle.dumps((amp, opt)))
+    got, masters = _state_of(opt3, amp3, "0.bias")
+    assert got is masters and "exp_avg_sq" in got
+
+
+def test_reading_opt_state_of_a_model_parameter_leaves_a_lean_checkpoint_whole():
+    # the empty entry opt.state[p] inserted, keyed by a tensor no group holds, made state_dict() a KeyError
+    amp, opt = _stepped_adamw()
+    lean_amp = fxamp.convert(_mlp(), "O2", dtype=torch.bfloat16)
+    lean = fxamp.MixedPrecisionOptimizer(torch.optim.AdamW(lean_amp.parameters(), lr=1e-2), model=lean_amp,
+                                         masters="stochastic", state="int8")
+    lean.backward(lean_amp(torch.randn(3, 4)).float().square().mean())
+    assert lean.step()
+    got = lean.state[lean_amp.get_parameter("0.weight")]
+    assert got["exp_avg"].dtype == torch.int8 and got["exp_avg"].shape == (8, 4)
+    saved = lean.state_dict()
+    assert len(saved["optimizer"]["state"]) == len(lean.optimizer.state) == 6  # (4 masters, 2 float32 norms)
