@@ -38,28 +38,28 @@ optimizer state and the low-precision weight in one pass.
 
 The wrapped optimizer may be any object that behaves like one (``param_groups``, ``state``,
 ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``), e.g. a Lookahead or LARC wrapper.
-The wrapper is a ``torch.optim.Optimizer`` itself, without a second copy of the groups: its ``param_groups``,
-``state`` and ``defaults`` are the inner optimizer's own objects, so ``StepLR(opt)`` (any torch LR scheduler)
-writes its learning rates where the inner optimizer reads them.
+The wrapper is a ``torch.optim.Optimizer`` itself, without a second copy of the groups: its base,
+:class:`~fxamp.training.optimizer_view.OptimizerView`, shows the inner optimizer's own ``param_groups``, ``state``
+and ``defaults``, so ``StepLR(opt)`` (any torch LR scheduler) writes its learning rates where the inner optimizer
+reads them.
 ``fxamp.initialize`` (in :mod:`fxamp.api`) builds this wrapper for a model it converts.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from . import checkpoint, iteration, lean, lean_step
-from . import plan as planning
 from .config import LeanConfig, LossScaleOption, resolve as resolve_lean
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
 from ..info import take_loaded, take_origin
 from .loss_scale import scaler_for
+from .optimizer_view import OptimizerView
 from .ownership import mark_master, master_state, originals_held, refuse_unheld_model, refuse_wrapped
 from .step import Engine, StepResult
 
@@ -171,26 +171,7 @@ def _check_loss(loss: Any) -> None:
         )
 
 
-def _on_engine(name: str) -> property:
-    """A constructor option the facade keeps on its engine, which reads it at every step (settable, as before)."""
-    return property(lambda self: getattr(self._engine, name), lambda self, value: setattr(self._engine, name, value))
-
-
-#: the module of torch's ``get_state_dict``/``set_state_dict`` (``torch.distributed.checkpoint.state_dict``), whose
-#: first read of an optimizer is ``optim.state`` (then it may step it to make state, and reads torch's layout)
-_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-
-#: torch.optim.Optimizer's per-instance hook tables (``register_step_pre_hook``...), which the wrapper runs itself
-_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-          "_optimizer_load_state_dict_post_hooks")
-
-#: what torch's LR schedulers set on the optimizer they take (``LRScheduler.__init__``: ``step``, a bound wrapper
-#: that counts calls, and the flag it sets); not pickled, as torch's ``Optimizer.__getstate__`` drops them too
-_SCHEDULER_ATTRS = ("step", "_opt_called")
-
-
-class MixedPrecisionOptimizer(torch.optim.Optimizer):
+class MixedPrecisionOptimizer(OptimizerView):
     """Wrap ``optimizer`` (any ``torch.optim.Optimizer``, or an object like one) with float32 masters and loss scaling.
 
     loss_scale:    a :data:`~fxamp.training.config.LossScaleOption` (:func:`~fxamp.training.loss_scale.scaler_for`):
@@ -225,17 +206,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                    the same on every rank, so DDP replicas round alike).
 
     The wrapper does not patch ``optimizer``: it replaces float16/bfloat16 parameters in its
-    ``param_groups`` by float32 masters (moving any existing state).  It is a ``torch.optim.Optimizer``
-    whose ``param_groups``, ``state`` and ``defaults`` are ``optimizer``'s own (``Optimizer.__init__`` is not
-    run: no second copy of the groups), so a torch LR scheduler takes either, ``StepLR(opt)`` or
+    ``param_groups`` by float32 masters (moving any existing state).  What torch expects of an optimizer
+    (``param_groups``, ``state`` and ``defaults``, ``optimizer``'s own; the read-outs; pickling) is its base's,
+    :class:`~fxamp.training.optimizer_view.OptimizerView`: a torch LR scheduler takes either, ``StepLR(opt)`` or
     ``StepLR(opt.optimizer)``, with the same numbers.  Its step hooks (``register_step_pre_hook``...) run
     around the wrapper's ``step()``, its state_dict hooks around its ``state_dict()``/``load_state_dict()``.
     """
-
-    #: accelerate (``transformers.Trainer``) hands an optimizer with this mark back as it is, rather than wrapping it
-    #: in its ``AcceleratedOptimizer``, which would round-trip the state through ``load_state_dict`` at ``prepare`` and
-    #: hide this object from the Trainer's callbacks; accelerate then asks it ``step_was_skipped`` (below)
-    _is_accelerate_prepared = True
 
     def __init__(
         self,
@@ -261,10 +237,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         kernels = _kernels_for(optimizer) if compile_step else None
         if model is not None:
             _check_model(model, optimizer)
-        for name in _HOOKS:
-            setattr(self, name, OrderedDict())
-        self._skipped = False
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.model = model
         self.compile_step = bool(compile_step)
         self._names: Dict[int, str] = {}
@@ -347,96 +320,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._bind_group(self.optimizer.param_groups[-1])
         assert self._engine.nparams == before + len(self.optimizer.param_groups[-1]["params"])
 
-    def master_params(self) -> Iterator[torch.Tensor]:
-        """The tensors the inner optimizer steps: float32 masters and float32 parameters (clip these)."""
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
-
     def master_pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``(low-precision parameter, its float32 master)`` for every master, in the order they were
         paired (the order of :meth:`state_dict`'s ``masters``).  A lean master (``masters="kahan"`` or
         ``"stochastic"``) is a placeholder between steps: its value is :meth:`fp32_state_dict`'s."""
         return list(zip(self._lows, self._masters))
-
-    def precision_of(self, master: torch.Tensor) -> Optional[lean.Choice]:
-        """A master's per-tensor precision (``masters=``, ``state=``; what ``"auto"`` measured and chose, why, and
-        its Kahan term): a row of :meth:`precision_table`. None for a float32 parameter or when every master is."""
-        return None if self._ws is None else self._ws.choices.get(id(master))
-
-    @property
-    def plan(self) -> planning.Plan:
-        """What the next step touches (:class:`fxamp.training.plan.Plan`: its buckets of masters and
-        their float32 gradient segments, its runs once a step was segmented); read it, do not change it."""
-        return self._engine.plan()
-
-    @property
-    def kernels(self) -> Optional[Kernels]:
-        """``compile_step``'s :class:`~fxamp.training.kernels.Kernels` (what it compiled and keeps); None without it."""
-        return self._engine.kernels
-
-    sync_overflow = _on_engine("sync_overflow")
-    process_group = _on_engine("process_group")
-    release_grad_buffer = _on_engine("release_grad_buffer")
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        """The inner optimizer's own list: a learning rate set here (an LR scheduler) is the one it steps with."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The inner optimizer's state (the masters'); refused to torch's ``get_state_dict``/``set_state_dict``."""
-        frame = inspect.currentframe()
-        caller = None if frame is None or frame.f_back is None else frame.f_back.f_globals.get("__name__")
-        if caller == _DCP_STATE_DICT:
-            # they read this first, then may step the optimizer at learning rate 0 to make state and expect torch's
-            # state_dict layout keyed by the model's parameters, which the masters are not: refuse before anything
-            raise TypeError("torch's get_state_dict/set_state_dict cannot take a MixedPrecisionOptimizer (the masters "
-                            "are not the model's parameters, and the loss scale would be lost); use "
-                            "fxamp.sharded_state_dict(model, opt), or give DCP the optimizer itself: "
-                            "dcp.save({'optim': opt})")
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> Dict[str, Any]:
-        """The inner optimizer's ``defaults`` (OneCycleLR reads them), or {} for one without."""
-        return getattr(self.optimizer, "defaults", {})
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the latest ``step()`` was skipped (an inf/NaN gradient, decided on the host): what accelerate asks
-        the optimizers it holds (``Accelerator.optimizer_step_was_skipped``), so the Trainer's schedule then waits."""
-        return self._skipped
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped by this optimizer because a gradient was inf/NaN."""
-        self._engine.settle()
-        return self._engine.skipped
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._engine.settle()
-        self._engine.skipped = int(value)
-
-    @property
-    def compiled_step_active(self) -> bool:
-        """Whether ``step()`` steps the masters with ``compile_step``'s compiled kernels: asked for, and
-        the masters hold enough elements for them to pay (``fxamp.training.kernels.FUSED_MIN_TOTAL``)."""
-        return self._engine.fuses(self._engine.plan())
-
-    @property
-    def current_scale(self) -> float:
-        """The loss scale the next backward() multiplies by."""
-        self._engine.settle()
-        return self.scaler.scale
-
-    # -- state machine ---------------------------------------------------------------------
-    @property
-    def stage(self) -> str:
-        """``"ready"``, ``"scaled"`` (after backward), ``"unscaled"`` or ``"stepped"`` (shared scaler, before update)."""
-        self._engine.settle()
-        return self.scaler.stage(self._engine.client).value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model's parameters and of the masters; starts the iteration over.
@@ -567,47 +455,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for hook in tuple(self._optimizer_load_state_dict_post_hooks.values()):
             hook(self)
 
-    # pickling and deepcopy keep the wrapper's whole state (torch.optim.Optimizer's would keep only its three fields),
-    # but not the hooks nor what an LR scheduler set on it (a bound wrapper of step): torch's drops those too
-    def __getstate__(self) -> Dict[str, Any]:
-        if self._ws is not None:  # (its flat buffers are freed between steps, its state keyed by the masters' ids)
-            raise TypeError(f"a MixedPrecisionOptimizer with lean precision ({self.precision}) cannot be copied or "
-                            f"pickled: save opt.state_dict() with the model's and load both into a new wrapper")
-        return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k not in _SCHEDULER_ATTRS}
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        for name in _HOOKS:
-            setattr(self, name, OrderedDict())
-        self.__dict__.setdefault("_skipped", False)  # (pickled before step_was_skipped moved here)
-        # a copy's tensors are new objects: what is kept by id() is keyed again (the engine's maps are these same
-        # dicts), the pairs marked again (a parameter's copy drops its attributes: the model's first-gradient check
-        # would warn, and the copied master's mark refuses a second wrapper), the weights noted as they are
-        self._low_of.clear()
-        self._low_of.update((id(master), low) for low, master in zip(self._lows, self._masters))
-        if self.model is not None:
-            self._names.clear()
-            for name, p in self.model.named_parameters(remove_duplicate=False):
-                self._names.setdefault(id(p), name)
-        self._engine.kept = None  # (planned again; a wrapper pickled before the engine left its plan out kept it)
-        self._engine.stamps.clear()
-        self._engine.watch.forget()
-        for low, master in zip(self._lows, self._masters):
-            mark_master(low, master)
-            self._engine.note(master, low)
-
-    def precision_table(self) -> str:
-        """Per tensor: its master and state precision, bytes per parameter and why (measured under ``"auto"``)."""
-        from .calibrate import table
-
-        ws, names = self._ws, self._engine.name
-        rows = [(names(m), self._low_of.get(id(m), m), None if ws is None or id(m) not in ws.choices
-                 else ws.choices[id(m)], lean.state_keys(self.optimizer)) for m in self.master_params()]
-        if ws is None:  # every master float32, as configured
-            rows = [(n, p, lean.Choice() if id(p) != id(m) else None, k)
-                    for (n, p, _, k), m in zip(rows, self.master_params())]
-        return table(rows)
-
     def fp32_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
         """``model.state_dict()`` in float32, low-precision parameters taken from the masters: loads into the
         original, unconverted model.  ``model`` defaults to the one given at construction; one it does not step is refused."""
@@ -615,8 +462,3 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if model is None:
             raise ValueError("fp32_state_dict() needs the model: pass it here or as MixedPrecisionOptimizer(..., model=model)")
         return checkpoint.fp32_state_dict(self, model)
-
-    def __repr__(self) -> str:
-        return (f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, {len(self._masters)} float32 masters, "
-                f"{self._engine.nparams - len(self._masters)} float32 params, {self.scaler}"
-                + ("" if self._ws is None else f", {self.precision}") + ")")

@@ -1017,13 +1017,15 @@ def test_min_scale_zero_keeps_skipping_without_giving_up():
     assert train_step(model, opt, 6) and refreshed(opt)
 
 
-def test_optim_leans_on_public_methods_only():
-    """optim does not import convert, and reads no other object's underscore attributes (torch's aside)."""
+@pytest.mark.parametrize("module", ["optimizer", "optimizer_view"])
+def test_optim_leans_on_public_methods_only(module):
+    """The facade and its base do not import convert, and read no other object's underscore attributes (torch's
+    aside)."""
     import ast
+    import importlib
     import inspect
 
-    from fxamp.training import optimizer as optim_module
-
+    optim_module = importlib.import_module(f"fxamp.training.{module}")
     tree = ast.parse(inspect.getsource(optim_module))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "convert" not in imported and "api" not in imported
