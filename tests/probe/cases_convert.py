@@ -1444,7 +1444,7 @@ def torch_compile_eager_backend():
     like_autocast(m, compiled, torch.randn(3, 8))
 
 
-@cases.add(slow=True)
+@cases.add()
 def torch_compile_inductor_o2():
     m = mlp()
     amp = fxamp.convert(m, "O2")
