@@ -55,7 +55,7 @@ import copy
 import dataclasses
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -487,21 +487,26 @@ class RangeFallback(NodeErrors):
             why = str(exc).split(". What to do")[0].split(". A graph from")[0].split("\n")[0]
             why = (f"the call was outside the range the example inputs' capture holds for ({why})"
                    if _outside_range(exc) else f"the call's inputs are not the example inputs' ({why})")
-        lazy = self.module
-        lazy.training = gm.training  # (its own flag: the shared modules' are set by the graphs' mode flags)
-        before = lazy._fxamp_captures
-        out = lazy(*args, **kwargs)
-        if lazy._fxamp_captures != before:  # one note per graph captured, not per call
-            entry = lazy._fxamp_last
-            note = (f"captured a second graph with torch.export, for {entry.description}, sharing this module's "
-                    f"parameters: {why}; calls like it run it from now on")
-            info = conversion_info(gm)
-            if info is not None:
-                info = dataclasses.replace(info, notes=(*info.notes, note))
-                gm.__dict__[INFO_ATTR] = info
-                gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
-            logger.info("fxamp: %s", note)
-        return out
+        return call_fallback(gm, self.module, args, kwargs, lambda entry: (
+            f"captured a second graph with torch.export, for {entry.description}, sharing this module's "
+            f"parameters: {why}; calls like it run it from now on"))
+
+
+def call_fallback(gm: fx.GraphModule, lazy: "LazyConverted", args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                  note_for: Callable[[Any], str]) -> Any:
+    """Run on ``lazy`` (on ``gm``'s tensors) a call ``gm`` cannot take; note each graph it captures on ``gm``."""
+    lazy.training = gm.training  # (its own flag: the shared modules' are set by the graphs' mode flags)
+    before = lazy._fxamp_captures
+    out = lazy(*args, **kwargs)
+    if lazy._fxamp_captures != before:  # one note per graph captured, not per call
+        note = note_for(lazy._fxamp_last)
+        info = conversion_info(gm)
+        if info is not None:
+            info = dataclasses.replace(info, notes=(*info.notes, note))
+            gm.__dict__[INFO_ATTR] = info
+            gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
+        logger.info("fxamp: %s", note)
+    return out
 
 
 def with_range_fallback(gm: fx.GraphModule, source: nn.Module, policy: Policy, options: ConvertOptions, *,

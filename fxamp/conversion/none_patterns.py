@@ -24,9 +24,7 @@ in a function) leaves it out: the loaded module refuses a call that leaves those
 from __future__ import annotations
 
 import copy
-import dataclasses
 import io
-import logging
 import pickle
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -34,17 +32,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..info import INFO_ATTR, conversion_info
 from .capture import LeafSpec
-from .lazy import LazyConverted
+from .lazy import LazyConverted, call_fallback
 from .options import ConvertOptions
 from ..policy import Policy
 from .runtime import NodeErrors
 from .runtime.graph_module import none_pattern, optional_inputs
 
 __all__ = ["NonePatterns", "with_none_patterns", "none_patterns"]
-
-logger = logging.getLogger("fxamp")
 
 
 class NonePatterns(NodeErrors):
@@ -60,21 +55,11 @@ class NonePatterns(NodeErrors):
         pattern = none_pattern(self.optional, args, kwargs)
         if not pattern:
             return super().__call__(gm, *args, **kwargs)
-        lazy = self.module
-        lazy.training = gm.training  # (its own flag: the shared modules' are set by the graphs' mode flags)
-        before = lazy._fxamp_captures
-        out = lazy(*args, **kwargs)
-        if lazy._fxamp_captures != before:  # one note per graph captured, not per call
-            note = (f"captured a graph with torch.fx for {', '.join(pattern)} None, sharing this module's "
-                    f"parameters: the graph convert captured traced {', '.join(pattern)} as given "
-                    f"(`if {pattern[0]} is not None:` took that branch); calls leaving them None run it from now on")
-            info = conversion_info(gm)
-            if info is not None:
-                info = dataclasses.replace(info, notes=(*info.notes, note))
-                gm.__dict__[INFO_ATTR] = info
-                gm.meta.setdefault("_user_preserved_attributes", {})[INFO_ATTR] = info
-            logger.info("fxamp: %s", note)
-        return out
+        names = ", ".join(pattern)
+        return call_fallback(gm, self.module, args, kwargs, lambda _entry: (
+            f"captured a graph with torch.fx for {names} None, sharing this module's parameters: the graph convert "
+            f"captured traced {names} as given (`if {pattern[0]} is not None:` took that branch); calls leaving "
+            f"them None run it from now on"))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "NonePatterns":
         return NonePatterns(copy.deepcopy(self.module, memo), self.optional)
