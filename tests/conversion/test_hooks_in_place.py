@@ -21,41 +21,10 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.conversion.blocks import family_of
+from tests.conversion.test_hooks import Blocks, Branchy, Plain  # (Branchy: captured on the call's values; Plain: by torch.fx)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-
-class Branchy(nn.Module):
-    """Plain torch.fx cannot branch on a shape: convert_ captures it with torch.fx on the call's values, which
-    refuses a block with hooked submodules (it would call them at capture): that block runs as written."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = torch.relu(self.lin(x))
-        if x.shape[1] > 1:
-            h = h * 2
-        return self.out(h) + x
-
-
-class Plain(Branchy):
-    """torch.fx captures it, inlining an unhooked Linear and keeping a hooked one as a call."""
-
-    def forward(self, x):
-        return self.out(torch.relu(self.lin(x))) * 2 + x
-
-
-class Blocks(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.layers = nn.ModuleList([block(), block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 AFTER = "were registered after conversion"
 
