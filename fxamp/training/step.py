@@ -406,9 +406,14 @@ class Engine:
                     yield p, low
 
     def check_grads(self) -> None:
-        """Before the gradients are unscaled: warn once if they were written while scaled (torch's clip on them)."""
-        if self.watch.pending:  # (after a scaled backward() only: a step at a scale of 1 runs no code of the watch)
-            self.watch.check(self.name, lambda: self.scaler.scale, stacklevel=4)  # (facade verb, then the user)
+        """Before the gradients are unscaled: warn once if one was written while scaled (torch's clip on them): its
+        version counter moved since the watch recorded it.  Compared here, so a step runs no code of the watch."""
+        watch = self.watch
+        if watch.pending:  # (after a scaled backward() only)
+            seen, watch.seen, watch.pending = watch.seen, None, False
+            changed = next((p for p, grad, version in seen or () if p.grad is grad and grad._version != version), None)
+            if changed is not None and not watch.warned:
+                watch.warn(self.name(changed), self.scaler.scale, stacklevel=4)  # (facade verb, then the user)
 
     def __getstate__(self) -> Dict[str, Any]:  # a copy plans again: a pickle would bring the plan's views back as
         return {**self.__dict__, "kept": None}  # separate tensors (the facade re-keys the ids: its __setstate__)
