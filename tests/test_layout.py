@@ -329,12 +329,14 @@ def _private_reads(path: pathlib.Path, fxamp_private: Set[str]) -> List[str]:
     fxamp owns it (``planted._linear``, ``torch._dynamo``, a test's own cache class); ``from fxamp... import _name``."""
     tree = ast.parse(path.read_text(), str(path))
     foreign: Set[str] = set()  # names bound to modules and objects imported from outside fxamp
+    ours: Set[str] = set()  # and from fxamp
     found = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 source = (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
                 if source == "fxamp" or source.startswith("fxamp."):
+                    ours.add((alias.asname or alias.name).split(".")[0])
                     if _private(alias.name):
                         found.append(f"{path.name}:{node.lineno} imports {alias.name}")
                 else:
@@ -347,6 +349,17 @@ def _private_reads(path: pathlib.Path, fxamp_private: Set[str]) -> List[str]:
                 base = base.func if isinstance(base, ast.Call) else base.value
             if not (isinstance(base, ast.Name) and base.id in foreign):
                 found.append(f"{path.name}:{node.lineno} reads .{node.attr}")
+        # a write is a read's twin: ``native._loaded = ...`` on a module imported from fxamp, or a patch by name
+        # (``monkeypatch.setattr(native, "_loaded", ...)``, ``setattr("fxamp.training.native._loaded", ...)``)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr)
+              and isinstance(node.value, ast.Name) and node.value.id in ours):
+            found.append(f"{path.name}:{node.lineno} writes .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+              and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("setattr", "delattr")):
+            strings = [a.value for a in node.args[:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            patched = [w for text in strings for w in text.split(".") if w in fxamp_private]
+            if patched:
+                found.append(f"{path.name}:{node.lineno} patches .{patched[-1]}")
     return found
 
 
@@ -365,6 +378,10 @@ def test_no_test_reads_a_private_attribute_of_fxamp(tmp_path):
     planted.write_text(f"import fxamp, torch\nfrom fxamp.training import {name}\nopt = fxamp.f()\n"
                        f"opt.a().{name}\ntorch.{name}\n")
     assert [r.split(" ", 1)[1] for r in _private_reads(planted, fxamp_private)] == [f"imports {name}", f"reads .{name}"]
+    planted.write_text(f"from fxamp.training import native\nnative.{name} = 1\nmonkeypatch.setattr(native, '{name}', 1)\n"
+                       f"monkeypatch.setattr('fxamp.training.native.{name}', 1)\n")  # ... and a write, two patches
+    assert [r.split(" ", 1)[1] for r in _private_reads(planted, fxamp_private)] == [f"writes .{name}"] + [
+        f"patches .{name}"] * 2
     tests = PACKAGE.parent / "tests"
     found = [r for p in sorted(tests.rglob("*.py")) for r in _private_reads(p, fxamp_private)]
     assert not found, "tests read private attributes of fxamp:\n" + "\n".join(found)

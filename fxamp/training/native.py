@@ -145,16 +145,22 @@ def _loaded() -> Any:
     return build()
 
 
+def _state() -> Any:
+    # FXAMP_NATIVE=0 is read at each call, the build once per process: a run (a reference run of the eager path, a
+    # test) switches the kernel off and on again without a new process; an optimizer built meanwhile steps eagerly
+    return "FXAMP_NATIVE=0" if os.environ.get("FXAMP_NATIVE", "1") == "0" else _loaded()
+
+
 def kernel() -> Optional[Dict[str, Any]]:
     """The kernel's ctypes functions by state mode (``"int8"``, ``"bf16"``), or None where it cannot be built
-    here (:func:`unavailable_reason`)."""
-    fn = _loaded()
+    here or ``FXAMP_NATIVE=0`` (:func:`unavailable_reason`)."""
+    fn = _state()
     return None if isinstance(fn, str) else fn
 
 
 def unavailable_reason() -> Optional[str]:
     """Why :func:`kernel` is None (None when it is there)."""
-    fn = _loaded()
+    fn = _state()
     return fn if isinstance(fn, str) else None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -27,13 +28,16 @@ BF16 = torch.bfloat16
 
 @contextlib.contextmanager
 def _eager_path() -> Iterator[None]:
-    """The kernel off, for the reference run (as tests/training/test_native.py's monkeypatch does)."""
-    loaded = native._loaded
-    native._loaded = lambda: "off for the reference"
+    """The kernel off, for the reference run (``FXAMP_NATIVE=0``, as tests/training/test_native.py sets it)."""
+    was = os.environ.get("FXAMP_NATIVE")
+    os.environ["FXAMP_NATIVE"] = "0"
     try:
         yield
     finally:
-        native._loaded = loaded
+        if was is None:
+            del os.environ["FXAMP_NATIVE"]
+        else:
+            os.environ["FXAMP_NATIVE"] = was
 
 
 @contextlib.contextmanager

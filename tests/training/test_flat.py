@@ -24,7 +24,7 @@ def test_kahan_through_foreach_calls_is_the_per_tensor_math_bitwise(inner, monke
     """Kahan's value (weight + term, in float32), the inner step, the weight's round-to-nearest and the new term
     (value - weight), written per tensor with plain torch: the flat path's weights and terms, bit for bit (the
     ``_foreach`` ops are elementwise the per-tensor ops)."""
-    monkeypatch.setattr(native, "_loaded", lambda: "off for this test")  # (the eager path for Adam too)
+    monkeypatch.setenv("FXAMP_NATIVE", "0")  # (the eager path for Adam too)
     make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
             "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, fused=True)}[inner]
     model, ref = _model(), _model()
@@ -63,7 +63,7 @@ def test_a_flat_codes_every_master_as_its_own_compression_and_decodes_it_back(mo
     if kernel and native.kernel() is None:
         pytest.skip(f"no CPU kernel here: {native.unavailable_reason()}")
     if not kernel:
-        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+        monkeypatch.setenv("FXAMP_NATIVE", "0")
     g = torch.Generator().manual_seed(0)
     masters = [torch.zeros(n) for n in SIZES]
     states, alone = [], []
@@ -98,7 +98,7 @@ def test_a_flats_8bit_code_is_the_eager_code_bitwise_at_its_edges(path, monkeypa
     if path == "kernel" and native.kernel() is None:
         pytest.skip(f"no CPU kernel here: {native.unavailable_reason()}")
     if path != "kernel":
-        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+        monkeypatch.setenv("FXAMP_NATIVE", "0")
     g = torch.Generator().manual_seed(1)
     sizes = [300, 256, 1000, 17, 1] + ([3 * quant.CHUNK // 2 + 5] if path != "eager, one slice" else [])
     states, alone = [], []
@@ -135,7 +135,7 @@ def test_a_flats_8bit_code_is_the_eager_code_bitwise_at_its_edges(path, monkeypa
 def test_the_flat_buffers_hold_no_memory_between_steps(masters, state, monkeypatch):
     """The flats' views are kept from step to step; their storage is given back after each (a lean master keeps
     no float32 copy between steps, nor its state a float32 form)."""
-    monkeypatch.setattr(native, "_loaded", lambda: "off for this test")  # (the kernel would take them all)
+    monkeypatch.setenv("FXAMP_NATIVE", "0")  # (the kernel would take them all)
     seen = []
     real = flat.Flat.take
 

@@ -343,7 +343,7 @@ def test_stochastic_rounding_is_a_hash_of_key_and_place_slice_by_slice_and_keeps
     (no host read decides a path: the accelerator's step and the CPU's are one)."""
     monkeypatch.setattr(quant, "CHUNK", chunk)  # four slices of the rounding, or one
     if not kernel:  # (on a CPU the kernel rounds; the torch ops are the accelerator's path)
-        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+        monkeypatch.setenv("FXAMP_NATIVE", "0")
     elif native.kernel() is None:
         pytest.skip(f"no CPU kernel here: {native.unavailable_reason()}")
     x = torch.randn(1000) * 100
@@ -737,7 +737,7 @@ def test_every_mode_steps_channels_last_and_transposed_weights_by_their_values(m
     if state == "fp32" and not kernel:
         pytest.skip("float32 state: the kernel takes none")
     if not kernel:
-        monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+        monkeypatch.setenv("FXAMP_NATIVE", "0")
     monkeypatch.setattr("fxamp.training.plan.RELEASE_MIN_BYTES", 0)
     monkeypatch.setattr("fxamp.training.plan.SEGMENT_NUMEL", 300)
     monkeypatch.setattr(quant, "CHUNK", 256)

@@ -203,8 +203,7 @@ def test_without_a_compiler_the_eager_path_steps_and_the_table_says_why(monkeypa
     monkeypatch.setenv("CC", "/bin/false")
     assert native.build().startswith("/bin/false failed")
     monkeypatch.setenv("FXAMP_NATIVE", "0")
-    assert native.build() == "FXAMP_NATIVE=0"
-    monkeypatch.setattr(native, "_loaded", lambda: "FXAMP_NATIVE=0")
+    assert native.build() == "FXAMP_NATIVE=0" == native.unavailable_reason() and native.kernel() is None
     calls = []
     monkeypatch.setattr(native, "lean_adam", lambda *a, **k: calls.append(1))
     amp, opt = _trained("stochastic", steps=3)
@@ -239,7 +238,7 @@ def test_training_with_the_kernel_tracks_the_eager_path(masters, state, monkeypa
     _, fast = _trained(masters, state=state)
     assert calls  # (the first step makes the lean state eagerly; the kernel steps the rest)
     assert "stepped by fxamp's CPU kernel" in fast.precision_table()
-    monkeypatch.setattr(native, "_loaded", lambda: "off for the reference")
+    monkeypatch.setenv("FXAMP_NATIVE", "0")
     _, eager = _trained(masters, state=state)
     assert eager.losses[-1] < 0.6 * eager.losses[0]
     assert abs(fast.losses[-1] - eager.losses[-1]) < 0.02 * eager.losses[-1]
@@ -424,7 +423,7 @@ def test_the_kernels_rounding_pass_is_the_eager_arithmetics_up_to_2_to_the_32(mo
     segments = [(1000, flat.key(1, 2, 3), 2 ** 32 - 1000), (n - 1000, flat.key(4, 5, 6), 17)]
     by_kernel = x.clone()
     flat.round_stochastic_(by_kernel, segments)
-    monkeypatch.setattr(native, "_loaded", lambda: "off for this test")
+    monkeypatch.setenv("FXAMP_NATIVE", "0")
     eager = x.clone()
     flat.round_stochastic_(eager, segments)
     assert torch.equal(by_kernel.view(torch.int32), eager.view(torch.int32))
