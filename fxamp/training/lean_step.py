@@ -307,14 +307,20 @@ class LeanStep:
 
 # -- the lean executors (:class:`fxamp.training.executors.Executor`): what a segmented step offers a run to first
 
-class LeanKernel:
-    """Lean masters the CPU kernel takes (:meth:`LeanStep.step_native`), stepped from their
-    low-precision gradients where they are, times the multiplier: no float32 gradient.  The rest are left."""
+class _LeanExecutor:
+    """An executor over one :class:`LeanStep`."""
 
     __slots__ = ("lean",)
 
     def __init__(self, lean: LeanStep) -> None:
         self.lean = lean
+
+
+class LeanKernel(_LeanExecutor):
+    """Lean masters the CPU kernel takes (:meth:`LeanStep.step_native`), stepped from their
+    low-precision gradients where they are, times the multiplier: no float32 gradient.  The rest are left."""
+
+    __slots__ = ()
 
     def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
         left = []
@@ -331,15 +337,12 @@ class LeanKernel:
         return left
 
 
-class LeanChunked:
+class LeanChunked(_LeanExecutor):
     """A run of one large lean master (:meth:`LeanStep.chunks`) stepped a slice at a time (:meth:`step_chunked`);
     other runs are left.  Every group but the run's holds no parameter during the call
     (:class:`~fxamp.training.executors.Segmented` empties them)."""
 
-    __slots__ = ("lean",)
-
-    def __init__(self, lean: LeanStep) -> None:
-        self.lean = lean
+    __slots__ = ()
 
     def step(self, optimizer: Any, runs: Sequence[Run], multiplier: Multiplier) -> List[Run]:
         left = []
