@@ -8,6 +8,7 @@ both modes on the instance, at the source level (``ast``); a read whose source c
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 import types
@@ -80,12 +81,20 @@ def _value_pairs(cls: type) -> _Reads:
 
 
 def _checks_in(func: Any) -> Optional[List[Tuple[Any, ...]]]:
+    found = _checks_of(func.__code__)  # (a wrapper's own, not __wrapped__'s)
+    return None if found is None else list(found)
+
+
+@functools.lru_cache(maxsize=512)
+def _checks_of(code: types.CodeType) -> Optional[Tuple[Tuple[Any, ...], ...]]:
+    # memoized by the code object (immutable; a redefined method has a new one): a class is read once, not at
+    # every capture
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func.__code__)))  # (a wrapper's own, not __wrapped__'s)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (TypeError, OSError, SyntaxError, IndentationError):
         return None
     fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if fn is None or not fn.args.args or "training" in func.__code__.co_consts:  # getattr(m, "training")
+    if fn is None or not fn.args.args or "training" in code.co_consts:  # getattr(m, "training")
         return None
     self_name = fn.args.args[0].arg
     parent = {id(child): node for node in ast.walk(fn) for child in ast.iter_child_nodes(node)}
@@ -108,7 +117,7 @@ def _checks_in(func: Any) -> Optional[List[Tuple[Any, ...]]]:
             checks.append(("off", others))
         else:
             return None
-    return checks or None  # (the bytecode reads it, the source shows no read: do not guess)
+    return tuple(checks) or None  # (the bytecode reads it, the source shows no read: do not guess)
 
 
 def _plain(expr: ast.expr, self_name: str) -> bool:

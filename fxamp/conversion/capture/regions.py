@@ -120,15 +120,25 @@ def _self_attr(target: ast.AST, self_name: str) -> Optional[str]:
 def _scan_class(cls: type) -> List[Finding]:
     fwd = getattr(cls, "forward", None)
     try:
+        return list(_scan_forward(fwd, cls.__name__))
+    except TypeError:  # (a forward that cannot be a key: not memoized)
+        return list(_scan_forward.__wrapped__(fwd, cls.__name__))
+
+
+@functools.lru_cache(maxsize=512)
+def _scan_forward(fwd: object, owner: str) -> Tuple[Finding, ...]:
+    # memoized by the function (a forward redefined, in a notebook cell say, is a new one): a model's classes are
+    # scanned once, not at every capture; the findings are frozen
+    try:
         file = inspect.getsourcefile(fwd)
         lines, start = inspect.getsourcelines(fwd)
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (TypeError, OSError, SyntaxError, IndentationError):
-        return []  # no source (a builtin, a REPL class): nothing to scan
+        return ()  # no source (a builtin, a REPL class): nothing to scan
     func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     if func is None:
-        return []
-    return _scan_function(func, os.path.abspath(file or ""), lines, start - 1, cls.__name__, state=True)
+        return ()
+    return tuple(_scan_function(func, os.path.abspath(file or ""), lines, start - 1, owner, state=True))
 
 
 def _scan_function(func: ast.AST, file: str, lines: Sequence[str], off: int, owner: str, *,
@@ -182,14 +192,20 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
-def _functions_in(file: str) -> List[ast.AST]:
+def _functions_in(file: str) -> Tuple[ast.AST, ...]:
     """Every function defined in ``file`` (its source from ``linecache``: files, and notebook cells)."""
-    lines = linecache.getlines(file)
+    return _functions_of("".join(linecache.getlines(file)))
+
+
+@functools.lru_cache(maxsize=64)
+def _functions_of(source: str) -> Tuple[ast.AST, ...]:
+    # memoized by the text: a model's file (a Hugging Face modeling file: thousands of lines) is parsed once, not at
+    # every capture; the trees are only read
     try:
-        tree = ast.parse("".join(lines))
+        tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return []
-    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        return ()
+    return tuple(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
 
 def _called_functions(graphs: Sequence[fx.Graph], known: Iterable[Finding]) -> List[Finding]:
@@ -201,7 +217,7 @@ def _called_functions(graphs: Sequence[fx.Graph], known: Iterable[Finding]) -> L
     places = {(file, line) for g in graphs for n in g.nodes for file, line in frames_of(n, live)
               if not file.startswith(_LIBRARY_DIRS) and not file.startswith(_OWN_DIR)}
     functions: Dict[Tuple[str, int], ast.AST] = {}
-    parsed: Dict[str, List[ast.AST]] = {}
+    parsed: Dict[str, Tuple[ast.AST, ...]] = {}
     for file, line in places:
         if file not in parsed:
             parsed[file] = _functions_in(file)
