@@ -203,6 +203,22 @@ class Blocks(nn.Module):
         return x
 
 
+def calls(model, x, ref):
+    """3 training calls with backward, 3 eval calls under no_grad, each against ``ref``; the warnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.train()
+        for _ in range(3):
+            out = model(x.clone().requires_grad_())
+            out.float().sum().backward()
+            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(model(x).float(), ref, atol=3e-2, rtol=3e-2)
+    return [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("hooked", [0, 1])
 @pytest.mark.parametrize("block", [Branchy, Plain])
 def test_convert_in_place_runs_a_hooked_module_in_a_block_once_per_call(block, hooked):
@@ -218,18 +234,9 @@ def test_convert_in_place_runs_a_hooked_module_in_a_block_once_per_call(block, h
         ref = model(x).float()
     counts.clear()
     fxamp.convert_(model, "O1", dtype=torch.bfloat16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            out = model(x.clone().requires_grad_())
-            out.float().sum().backward()
-            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-        model.eval()
-        with torch.no_grad():
-            for _ in range(3):
-                torch.testing.assert_close(model(x).float(), ref, atol=3e-2, rtol=3e-2)
+    said = calls(model, x, ref)
     assert counts == ["pre", "post"] * 6
-    written = [str(w.message) for w in caught if "as written" in str(w.message)]
+    written = [s for s in said if "as written" in s]
     if block is Branchy:  # no front end may call the hooked module at capture: that block runs as written, named
         assert len(written) == 1 and f"block 'layers.{hooked}' (Branchy) run(s) as written" in written[0]
         assert "hooks on 'lin' (forward pre-hook, forward hook)" in written[0]

@@ -21,7 +21,8 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.conversion.blocks import family_of
-from tests.conversion.test_hooks import Blocks, Branchy, Plain  # (Branchy: captured on the call's values; Plain: by torch.fx)
+from tests.conversion.test_hooks import Blocks, Branchy, Plain, calls  # (Branchy: captured on the call's values;
+#   Plain: by torch.fx)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,22 +41,6 @@ def _register(module, counts, label=""):
 def _autocast(model, x):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return model(x).float()
-
-
-def _calls(model, x, ref):
-    """3 training calls with backward, 3 eval calls under no_grad, each against ``ref``; the warnings raised."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.train()
-        for _ in range(3):
-            out = model(x.clone().requires_grad_())
-            out.float().sum().backward()
-            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
-        model.eval()
-        with torch.no_grad():
-            for _ in range(3):
-                torch.testing.assert_close(model(x).float(), ref, atol=3e-2, rtol=3e-2)
-    return [str(w.message) for w in caught]
 
 
 def _captures(model):
@@ -84,7 +69,7 @@ def test_a_hook_registered_after_convert_in_place_runs_at_every_call(block, hook
             torch.testing.assert_close(model(x).float(), plain_ref, atol=3e-2, rtol=3e-2)
     handles = _register(model.layers[hooked].lin, counts)
     counts.clear()
-    said = _calls(model, x, hooked_ref)
+    said = calls(model, x, hooked_ref)
     assert counts == ["pre", "post", "bwd"] * 3 + ["pre", "post"] * 3
     moved = [s for s in said if AFTER in s]
     assert len(moved) == 1, said
@@ -96,7 +81,7 @@ def test_a_hook_registered_after_convert_in_place_runs_at_every_call(block, hook
         h.remove()
     captures = _captures(model)
     counts.clear()
-    assert not [s for s in _calls(model, x, plain_ref) if AFTER in s]
+    assert not [s for s in calls(model, x, plain_ref) if AFTER in s]
     assert counts == []
     assert family_of(model.layers[0]) is family_of(model.layers[1])
     assert sorted(family_of(model.layers[0]).paths) == ["layers.0", "layers.1"]
@@ -150,7 +135,7 @@ def test_hooks_on_the_block_itself_run_around_its_graph_with_no_new_capture():
     captures = _captures(model)
     _register(model.layers[1], counts)
     counts.clear()
-    assert _calls(model, x, ref) == []  # no warning: nn.Module calls the block's own hooks around its forward
+    assert calls(model, x, ref) == []  # no warning: nn.Module calls the block's own hooks around its forward
     assert counts == ["pre", "post", "bwd"] * 3 + ["pre", "post"] * 3
     assert _captures(model) == captures and family_of(model.layers[0]) is family_of(model.layers[1])
 

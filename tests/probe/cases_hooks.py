@@ -60,6 +60,18 @@ def export_root_pre_hook_changing_the_input_registered_after_conversion():
     like_autocast(m, amp, x)
 
 
+def _train_removing_the_hook(opt, model, x, handle, seen):
+    """4 training steps, the hook removed before the third: it ran at the first two calls only."""
+    for i in range(4):
+        if i == 2:
+            handle.remove()
+        opt.zero_grad()
+        out = model(x)
+        assert len(seen) == min(i + 1, 2), f"call {i}: the hook ran {len(seen)} times"
+        opt.backward(out.float().square().mean())
+        assert opt.step()
+
+
 @cases.add("works")
 def export_root_forward_hook_removed_mid_training():
     m, x = mlp(), torch.randn(3, 8)
@@ -67,14 +79,7 @@ def export_root_forward_hook_removed_mid_training():
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(amp.parameters(), lr=0.1), model=amp)
     seen = []
     handle = amp.register_forward_hook(lambda mod, args, out: seen.append(1) or out * 0.5)
-    for i in range(4):
-        if i == 2:
-            handle.remove()
-        opt.zero_grad()
-        out = amp(x)
-        assert len(seen) == min(i + 1, 2), f"call {i}: the hook ran {len(seen)} times"
-        opt.backward(out.float().square().mean())
-        assert opt.step()
+    _train_removing_the_hook(opt, amp, x, handle, seen)
     ref = copy.deepcopy(m)
     ref.load_state_dict(opt.fp32_state_dict())
     like_autocast(ref, amp, x)
@@ -156,14 +161,7 @@ def convert_inplace_hook_removed_mid_training():
     m(x)
     seen = []
     handle = m.blocks[0].lin.register_forward_hook(lambda mod, args, out: seen.append(1) or out * 2.0)
-    for i in range(4):
-        if i == 2:
-            handle.remove()
-        opt.zero_grad()
-        out = m(x)
-        assert len(seen) == min(i + 1, 2), f"call {i}: the hook ran {len(seen)} times"
-        opt.backward(out.float().square().mean())
-        assert opt.step()
+    _train_removing_the_hook(opt, m, x, handle, seen)
     ref = _blocks()
     ref.load_state_dict(opt.fp32_state_dict())
     like_autocast(ref, m, x)
