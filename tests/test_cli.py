@@ -73,14 +73,13 @@ def workdir(tmp_path_factory):
 # name: (arguments, exit code, pattern the one-line error (or stdout, when 0) must match)
 SUBPROCESS_CASES = {
     "help": (["--help"], 0, r"usage: fxamp .*report"),
-    "report_help": (["report", "--help"], 0, r"--input SHAPE\[:DTYPE\].*--policy.*--format \{table,json,csv\}"),
     "table": (["report", "clipkg.models:build", "--input", "2,4", "--dtype", "float16"], 0, r"fxamp report: Good"),
-    "missing_module": (["report", "no_such_pkg.models:Net"], 1, r"no module named 'no_such_pkg'"),
     "untraceable": (["report", "bad.py:Untraceable"], 1,
                     r"torch.fx could not trace Untraceable .*control flow.*--leaf-module PATH"),
     "unknown_policy": (["report", "bad.py:Good", "--policy", "O7"], 2, r"unknown policy 'O7'; use one of O0, O1"),
 }
-# (each process pays ~2.5 s of CPU for importing torch: the other errors are checked in process, below)
+# (each process pays ~2.5 s of CPU for importing torch: one of each exit code, and the help; the other errors,
+# and report's own help, are checked in process, below)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +147,7 @@ def _run(capsys, *argv):
 
 @pytest.mark.parametrize("argv, code, pattern", [
     (["report", "nowhere/model.py:Net"], 1, r"no such file: 'nowhere/model.py'"),
+    (["report", "no_such_pkg.models:Net"], 1, r"no module named 'no_such_pkg'"),
     (["report", "bad.py:NUMBER"], 1, r"'NUMBER' in bad.py is an object of type int, not an nn.Module subclass"),
     (["report", "bad.py:Good", "--input", "2,x"], 2, r"--input '2,x': a shape is comma-separated positive sizes"),
     (["report", "bad.py:Good", "--dtype", "float8"], 2, r"dtype='float8' is not a dtype"),
@@ -185,6 +185,12 @@ def test_errors_in_process(in_workdir, capsys, argv, code, pattern):
 def test_no_command_prints_help(capsys):
     rc, out, err = _run(capsys)
     assert rc == 2 and "usage: fxamp" in err
+
+
+def test_report_help_names_the_options(capsys):
+    rc, out, err = _run(capsys, "report", "--help")
+    assert rc == 0 and err == ""
+    assert re.search(r"--input SHAPE\[:DTYPE\].*--policy.*--format \{table,json,csv\}", out, re.S), out
 
 
 def test_formats_and_output_file(in_workdir, capsys):
