@@ -628,7 +628,7 @@ SPLIT_OPS = _keys("chunk split tensor_split unbind aten.split aten.split_with_si
 #: ``store_params`` looks through them to decide its storage dtype
 VIEW_OPS = _keys(
     "t transpose permute view view_as reshape reshape_as expand expand_as contiguous unsqueeze squeeze "
-    "flatten unflatten narrow select movedim moveaxis swapaxes swapdims detach clone chunk split tensor_split "
+    "flatten unflatten narrow select movedim moveaxis swapaxes swapdims detach detach_ clone chunk split tensor_split "
     "unbind aten.alias aten.slice aten._unsafe_view aten.split_with_sizes aten.lift_fresh_copy aten.numpy_T "
     "aten.mT aten.mH aten.adjoint aten.matrix_H operator.getitem"
 )

@@ -183,6 +183,19 @@ class LiteralAttn(nn.Module):
         return s.masked_fill(~mask, -1e9).clamp(min=-1e9).softmax(-1)
 
 
+class TensorFillAttn(nn.Module):
+    """The mask value as a tensor made in forward (GPT-Neo's, ImageGPT's): torch.export lifts it into a float32
+    constant, which the bfloat16 or float16 ``where`` would turn into -inf (a fully masked row: NaN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        s = self.q(x) @ x.transpose(-1, -2)
+        return torch.where(mask, s, torch.tensor(torch.finfo(s.dtype).min)).softmax(-1)
+
+
 def _mask_inputs():
     torch.manual_seed(0)
     x, mask = torch.randn(2, 4, 8), torch.rand(2, 4, 4) > 0.5
@@ -191,8 +204,8 @@ def _mask_inputs():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("policy", ["O1", "O2"])
-@pytest.mark.parametrize("model_cls", [FinfoAttn, LiteralAttn])
+@pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("model_cls", [FinfoAttn, LiteralAttn, TensorFillAttn])
 def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     x, mask = _mask_inputs()
     model = model_cls()
@@ -201,10 +214,33 @@ def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     got = amp(x, mask)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
     assert any("fill value(s) beyond float16's range" in n for n in fxamp.conversion_info(amp).notes)
-    expected_frontend = "export" if model_cls is FinfoAttn else "fx"  # fx cannot call finfo on a proxy dtype
+    expected_frontend = "fx" if model_cls is LiteralAttn else "export"  # fx cannot call finfo on a proxy dtype
     assert fxamp.conversion_info(amp).frontend == expected_frontend
     o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
     assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged
+
+
+def test_o2_keeps_a_constant_float32_that_only_float32_ops_read():
+    """A tensor made in forward (``torch.tensor(0.1234567)``) reaches its float32 consumer through export's
+    ``lift_fresh_copy`` and ``detach_``: O2 stores it as that consumer needs (float32), as autocast computes it."""
+
+    class Stat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x).float().pow(2).mean() * torch.tensor(0.1234567)
+
+    torch.manual_seed(0)
+    model, x = Stat(), torch.randn(4, 8)
+    amp = fxamp.convert(model, "O2", dtype=torch.bfloat16, example_inputs=(x,), frontend="export")
+    (name, constant), = [(n, b) for n, b in amp.named_buffers() if n.startswith("_fxamp_constant")]
+    assert constant.dtype == torch.float32 and constant.item() == torch.tensor(0.1234567).item(), name
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = model(x)
+    with torch.no_grad():
+        assert torch.equal(amp(x), want)
 
 
 # ---------------------------------------------------------------------------------------------
