@@ -23,11 +23,50 @@ _ROWS_SOFTMAX = ("in place, the attention softmax of a block whose mask is a lif
                  "whole-model graph keeps it bfloat16 between the two low-precision matmuls")
 _SHARD_MHA = ("fxamp.shard predicts a bfloat16 all-gather for out_proj.weight, which nn.MultiheadAttention reads "
               "directly as float32 in place; it refuses in one line (gather_float32=[...] or a call before shard)")
+_INPLACE_TABLE = ("convert_ and the lazy path store a glue embedding table low by its class (storage.predict_storage), "
+                  "where whole-model convert keeps it float32 because only a norm uses the lookup (float32_users): "
+                  "ModernBERT in place 55.0 dB vs autocast 65.8 dB")
+_MARIAN_POSITIONS = ("O2 stores Marian's frozen sinusoidal position tables bfloat16 and adds tok + pos in bfloat16 (post-LN: "
+                     "no norm widens the lookup or the sum): 47.4 dB vs autocast 50.9 dB")
+_FLOAT64_MODEL = ("the float64 original is not a float64 computation: Bloom's gives NaN at padded positions, GPT-Neo's "
+                  "attention casts to float32 (fxamp equals autocast bitwise), Mamba returns logits .float()")
+_SHARD_READ = ("fxamp.shard predicts a bfloat16 all-gather for a weight the block's code reads directly as float32 "
+               "(FalconLinear's weight.T, Mamba's dt_proj.bias.float(), MobileBERT's torch.cat of head weights); it refuses "
+               "in one line (gather_float32=[...] or a call before shard)")
 KNOWN: Dict[Key, str] = {
     ("bn-act", "in-place-rows", "*", "*"): _ROWS_BN,
     ("resnet-seq*", "in-place-rows", "*", "*"): _ROWS_BN,
     ("gpt-mask-buffer", "in-place-rows", "*", "*"): _ROWS_SOFTMAX,
     ("vit-seq-pool", "eval-*/shard", "*", "*"): _SHARD_MHA,
+    # the architecture scan's entries
+    ("modernbert", "in-place-numerics", "O2", "*"): _INPLACE_TABLE,
+    ("modernbert", "eval-after-step/in-place", "*", "*"): _INPLACE_TABLE,
+    ("modernbert", "eval-after-step/lazy", "*", "*"): _INPLACE_TABLE,
+    ("modernbert", "in-place-rows", "*", "*"): _INPLACE_TABLE,
+    ("bloom", "in-place-rows", "*", "*"): _INPLACE_TABLE,
+    ("marian", "numerics", "O2", "bfloat16"): _MARIAN_POSITIONS,
+    ("marian", "eval-after-step/export", "*", "*"): _MARIAN_POSITIONS,
+    ("marian", "eval-after-step/lazy", "*", "*"): _MARIAN_POSITIONS,
+    ("resnet", "in-place-rows", "*", "*"): _ROWS_BN,
+    ("regnet", "in-place-rows", "*", "*"): _ROWS_BN,
+    ("mobilevit", "in-place-rows", "*", "*"): _ROWS_BN,
+    ("segformer", "in-place-rows", "*", "*"): _ROWS_BN + "; and a Linear on a transposed input is mm + add in place, addmm whole",
+    ("deberta_v2", "in-place-rows", "*", "*"): ("whole-model O2 stores DeBERTa's torch.tensor(head size) constant bfloat16 (only "
+                                                 "neutral ops read it) and runs its sqrt low; in place constants are float32 "
+                                                 "graph inputs (same values: the model casts the scale to bfloat16)"),
+    ("mobilebert", "in-place-rows", "*", "*"): ("blocks.read_around matches cls.predictions' `self.dense.weight` to "
+                                                 "cls.predictions.transform.dense too (by the last name): its storage stays "
+                                                 "float32, the check leaves it out, and its bfloat16 addmm counts as outside"),
+    ("mamba", "in-place-rows", "*", "*"): ("convert_ cannot capture MambaBlock (ACT2FN[...] makes a module at call time: torch.fx "
+                                           "NameError; torch.export cannot take the DynamicCache): it runs float32, warned"),
+    ("bloom", "float64", "*", "*"): _FLOAT64_MODEL,
+    ("gpt_neo", "float64", "*", "*"): _FLOAT64_MODEL,
+    ("mamba", "float64", "*", "*"): _FLOAT64_MODEL,
+    ("falcon", "eval-*/shard", "*", "*"): _SHARD_READ,
+    ("mamba", "eval-*/shard", "*", "*"): _SHARD_READ,
+    ("mobilebert", "eval-*/shard", "*", "*"): _SHARD_READ,
+    ("mobilevit", "layout/fp32", "*", "*"): ("train-mode BatchNorm over 4 images amplifies a channels_last bfloat16 conv's "
+                                             "summation order: 0.011-0.019 of the loss, autocast 0.0097 (eager float32 7e-6)"),
 }
 
 # CLIPModel bfloat16 was listed (4 dB below autocast) until the numerics check pooled its SQNR over enough

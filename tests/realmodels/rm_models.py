@@ -137,6 +137,93 @@ def olmoe() -> nn.Module:
     return transformers.OlmoeForCausalLM(c)
 
 
+@hf
+def gemma2() -> nn.Module:
+    # logit soft-capping (final and attention), (1 + w) RMSNorm, sliding-window layers alternating with global
+    c = transformers.Gemma2Config(**LLAMA_LIKE, head_dim=8, sliding_window=4, final_logit_softcapping=30.0,
+                                  attn_logit_softcapping=50.0)
+    return transformers.Gemma2ForCausalLM(c)
+
+
+@hf
+def gemma3() -> nn.Module:
+    # (1 + w) RMSNorm, q/k norms, scaled embeddings, local/global rotary bases
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**LLAMA_LIKE, head_dim=8, sliding_window=4))
+
+
+@hf
+def phi3() -> nn.Module:
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(**LLAMA_LIKE, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                pad_token_id=0))
+
+
+@hf
+def gpt_neox() -> nn.Module:
+    c = transformers.GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, max_position_embeddings=32, rotary_pct=0.5,
+                                   hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.GPTNeoXForCausalLM(c)
+
+
+@hf
+def falcon() -> nn.Module:
+    c = transformers.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=32)
+    return transformers.FalconForCausalLM(c)
+
+
+@hf
+def bloom() -> nn.Module:
+    # ALiBi position biases, an embedding LayerNorm
+    c = transformers.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                 attention_dropout=0.0)
+    return transformers.BloomForCausalLM(c)
+
+
+@hf
+def opt() -> nn.Module:
+    c = transformers.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                               max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
+                               attention_dropout=0.0, layerdrop=0.0, pad_token_id=1)
+    return transformers.OPTForCausalLM(c)
+
+
+@hf
+def gptj() -> nn.Module:
+    c = transformers.GPTJConfig(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPTJForCausalLM(c)
+
+
+@hf
+def stablelm() -> nn.Module:
+    c = transformers.StableLmConfig(**LLAMA_LIKE, partial_rotary_factor=0.25, hidden_dropout=0.0)
+    return transformers.StableLmForCausalLM(c)
+
+
+@hf
+def starcoder2() -> nn.Module:
+    c = transformers.Starcoder2Config(**LLAMA_LIKE, residual_dropout=0.0, embedding_dropout=0.0, sliding_window=4)
+    return transformers.Starcoder2ForCausalLM(c)
+
+
+@hf
+def gpt_neo() -> nn.Module:
+    # local (windowed) attention layers; a tensor constant fill value (torch.tensor(finfo.min)) in torch.where
+    c = transformers.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                                  max_position_embeddings=32, attention_types=[[["global", "local"], 1]],
+                                  window_size=4, embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0)
+    return transformers.GPTNeoForCausalLM(c)
+
+
+@hf
+def mamba() -> nn.Module:
+    # the selective scan's slow path (torch ops only, no custom kernels)
+    c = transformers.MambaConfig(vocab_size=V, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                                 conv_kernel=4, use_mambapy=False)
+    return transformers.MambaForCausalLM(c)
+
+
 # --------------------------------------------------------------------------- Hugging Face: encoders
 
 def masked_inputs(seed: int, lo: int = 0) -> Inputs:
@@ -168,6 +255,50 @@ def distilbert() -> nn.Module:
     return transformers.DistilBertForMaskedLM(c)
 
 
+@hf
+def deberta_v2() -> nn.Module:
+    c = transformers.DebertaV2Config(**BERT_LIKE, relative_attention=True, position_buckets=8,
+                                     pos_att_type=["p2c", "c2p"], max_relative_positions=16)
+    return transformers.DebertaV2ForMaskedLM(c)
+
+
+@hf
+def electra() -> nn.Module:
+    return transformers.ElectraForPreTraining(transformers.ElectraConfig(**BERT_LIKE, embedding_size=16))
+
+
+@hf
+def xlm_roberta() -> nn.Module:
+    return transformers.XLMRobertaForMaskedLM(transformers.XLMRobertaConfig(**BERT_LIKE, pad_token_id=1))
+
+
+@hf
+def mpnet() -> nn.Module:
+    return transformers.MPNetForMaskedLM(transformers.MPNetConfig(**BERT_LIKE, pad_token_id=1))
+
+
+@hf
+def modernbert() -> nn.Module:
+    # the token embedding normalised straight away (no sum with positions); initializer_range 0.1 as in
+    # tests/conversion/test_numerics_regressions.py, so the embedding norm's share of the output shows a low table
+    c = transformers.ModernBertConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, local_attention=8,
+                                      attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                      initializer_range=0.1)
+    return transformers.ModernBertModel(c)  # last_hidden_state: an MLM head (tied to the table) hides the loss
+
+
+@hf
+def mobilebert() -> nn.Module:
+    # NoNorm (an elementwise affine in place of LayerNorm), bottlenecks, stacked feed-forwards
+    c = transformers.MobileBertConfig(vocab_size=V, hidden_size=32, embedding_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=32, intra_bottleneck_size=16,
+                                      true_hidden_size=16, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, num_feedforward_networks=2)
+    return transformers.MobileBertForMaskedLM(c)
+
+
 # --------------------------------------------------------------------------- Hugging Face: encoder-decoders
 
 def seq2seq_inputs(seed: int) -> Inputs:
@@ -188,6 +319,24 @@ def bart() -> nn.Module:
                                 decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
                                 activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
     return transformers.BartForConditionalGeneration(c)
+
+
+SEQ2SEQ_LIKE = dict(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+                    decoder_layerdrop=0.0, pad_token_id=0, decoder_start_token_id=0)
+
+
+@hf
+def pegasus() -> nn.Module:
+    # sinusoidal positions, scaled embeddings, pre-norm with final LayerNorms
+    return transformers.PegasusForConditionalGeneration(transformers.PegasusConfig(**SEQ2SEQ_LIKE))
+
+
+@hf
+def marian() -> nn.Module:
+    # sinusoidal positions, scaled embeddings, a final_logits_bias buffer
+    return transformers.MarianMTModel(transformers.MarianConfig(**SEQ2SEQ_LIKE))
 
 
 # --------------------------------------------------------------------------- Hugging Face: speech
@@ -252,6 +401,62 @@ def convnext() -> nn.Module:
     c = transformers.ConvNextConfig(num_channels=3, num_stages=2, patch_size=2, hidden_sizes=[16, 32], depths=[1, 1],
                                     drop_path_rate=0.0, num_labels=10, image_size=16)
     return transformers.ConvNextForImageClassification(c)
+
+
+def with_statistics(model: nn.Module) -> nn.Module:
+    """Convolutions He-initialised and BatchNorm scales near 1 (HF's small normal inits make a deep conv net's
+    activations vanish); BatchNorms given running statistics of their own (not the fresh 0/1)."""
+    g = gen(123)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.copy_(0.5 + 1.5 * torch.rand(m.running_var.shape, generator=g))
+            if m.affine:  # (some HF inits leave the scale at initializer_range)
+                m.weight.data.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
+                m.bias.data.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+@hf
+def resnet() -> nn.Module:
+    c = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                  layer_type="basic", num_labels=10)
+    return with_statistics(transformers.ResNetForImageClassification(c))
+
+
+@hf
+def regnet() -> nn.Module:
+    c = transformers.RegNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                  groups_width=8, num_labels=10)
+    return with_statistics(transformers.RegNetForImageClassification(c))
+
+
+def mobilevit_inputs(seed: int) -> Inputs:
+    return (torch.randn(4, 3, 64, 64, generator=gen(seed)),), {}
+
+
+@hf
+def mobilevit() -> nn.Module:
+    # 64 px and a batch of 4 (mobilevit_inputs): at 32 px the last stage is 1x1, and train-mode BatchNorm over 2
+    # values per channel turns any rounding into another output (autocast's train-mode loss 54% off float32's there);
+    # at 64 px, batch 2, autocast's 4 training steps still drift 0.089 of the largest loss from float32's
+    c = transformers.MobileViTConfig(num_channels=3, image_size=64, patch_size=2, hidden_sizes=[16, 24, 32],
+                                     neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 48], num_attention_heads=2,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     classifier_dropout_prob=0.0, num_labels=10)
+    return with_statistics(transformers.MobileViTForImageClassification(c))
+
+
+@hf
+def segformer() -> nn.Module:
+    c = transformers.SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                     hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                                     num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     classifier_dropout_prob=0.0, drop_path_rate=0.0, num_labels=5)
+    return with_statistics(transformers.SegformerForSemanticSegmentation(c))
 
 
 # --------------------------------------------------------------------------- Hugging Face: dual encoder
@@ -424,6 +629,31 @@ ENTRIES = [
           sequential_blocks=True),
     Entry("vit-seq-pool", "pattern", SeqViT, image_inputs(16), frontend="auto", sequential_blocks=True),
     Entry("gpt-mask-buffer", "pattern", MaskGPT, lm_inputs, frontend="auto"),
+    # added by the architecture scan
+    Entry("gemma2", "decoder", gemma2, lm_inputs, needs="transformers", fp16=True),
+    Entry("gemma3", "decoder", gemma3, padded_lm_inputs, needs="transformers"),
+    Entry("phi3", "decoder", phi3, lm_inputs, needs="transformers"),
+    Entry("gpt_neox", "decoder", gpt_neox, lm_inputs, needs="transformers"),
+    Entry("falcon", "decoder", falcon, lm_inputs, needs="transformers"),
+    Entry("bloom", "decoder", bloom, padded_lm_inputs, needs="transformers", fp16=True),
+    Entry("opt", "decoder", opt, lm_inputs, needs="transformers"),
+    Entry("gptj", "decoder", gptj, lm_inputs, needs="transformers"),
+    Entry("stablelm", "decoder", stablelm, lm_inputs, needs="transformers"),
+    Entry("starcoder2", "decoder", starcoder2, lm_inputs, needs="transformers"),
+    Entry("gpt_neo", "decoder", gpt_neo, padded_lm_inputs, needs="transformers"),
+    Entry("mamba", "decoder-ssm", mamba, lm_inputs, needs="transformers"),
+    Entry("deberta_v2", "encoder", deberta_v2, masked_inputs, needs="transformers"),
+    Entry("electra", "encoder", electra, masked_inputs, needs="transformers"),
+    Entry("xlm_roberta", "encoder", xlm_roberta, lambda s: masked_inputs(s, lo=2), needs="transformers"),
+    Entry("mpnet", "encoder", mpnet, lambda s: masked_inputs(s, lo=2), needs="transformers"),
+    Entry("modernbert", "encoder", modernbert, lambda s: masked_inputs(s, lo=3), needs="transformers"),
+    Entry("mobilebert", "encoder", mobilebert, masked_inputs, needs="transformers", fp16=True),
+    Entry("pegasus", "enc-dec", pegasus, seq2seq_inputs, needs="transformers"),
+    Entry("marian", "enc-dec", marian, seq2seq_inputs, needs="transformers"),
+    Entry("resnet", "vision", resnet, image_inputs(32), needs="transformers", fp16=True),
+    Entry("regnet", "vision", regnet, image_inputs(32), needs="transformers"),
+    Entry("mobilevit", "vision", mobilevit, mobilevit_inputs, needs="transformers"),
+    Entry("segformer", "vision", segformer, image_inputs(32), needs="transformers"),
 ]
 
 REGISTRY: Dict[str, Entry] = {e.name: e for e in ENTRIES}
