@@ -196,6 +196,18 @@ class TensorFillAttn(nn.Module):
         return torch.where(mask, s, torch.tensor(torch.finfo(s.dtype).min)).softmax(-1)
 
 
+class TensorLiteralAttn(nn.Module):
+    """``torch.tensor(-1e9)`` written literally: torch.fx makes it a constant (float16 would round it to -inf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        s = self.q(x) @ x.transpose(-1, -2)
+        return torch.where(mask, s, torch.tensor(-1e9)).softmax(-1)
+
+
 def _mask_inputs():
     torch.manual_seed(0)
     x, mask = torch.randn(2, 4, 8), torch.rand(2, 4, 4) > 0.5
@@ -205,7 +217,7 @@ def _mask_inputs():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("policy", ["O1", "O2", "O3"])
-@pytest.mark.parametrize("model_cls", [FinfoAttn, LiteralAttn, TensorFillAttn])
+@pytest.mark.parametrize("model_cls", [FinfoAttn, LiteralAttn, TensorFillAttn, TensorLiteralAttn])
 def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     x, mask = _mask_inputs()
     model = model_cls()
@@ -214,7 +226,7 @@ def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     got = amp(x, mask)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
     assert any("fill value(s) beyond float16's range" in n for n in fxamp.conversion_info(amp).notes)
-    expected_frontend = "fx" if model_cls is LiteralAttn else "export"  # fx cannot call finfo on a proxy dtype
+    expected_frontend = "fx" if "Literal" in model_cls.__name__ else "export"  # fx cannot call finfo on a proxy dtype
     assert fxamp.conversion_info(amp).frontend == expected_frontend
     o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
     assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged
