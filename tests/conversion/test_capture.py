@@ -4,6 +4,7 @@ and a quiet stderr when export fails."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 
@@ -230,6 +231,35 @@ def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     assert fxamp.conversion_info(amp).frontend == expected_frontend
     o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
     assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged
+
+
+@pytest.mark.parametrize("path", ["in place, per block", "lazy"])
+def test_a_tensor_fill_value_fits_in_blocks_and_lazily(path):
+    """The block and lazy paths capture the same way (a block's constants then become its graph's inputs): a
+    fully masked row stays finite, as in float32 (it was NaN: -inf in every row of the second block)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([TensorFillAttn(), TensorFillAttn()])
+
+        def forward(self, x, mask):
+            for block in self.blocks:
+                x = x + block(x, mask) @ x
+            return x
+
+    x, mask = _mask_inputs()
+    model = Net()
+    want = model(x, mask)
+    for policy in ("O1", "O2", "O3"):
+        for dtype in (torch.bfloat16, torch.float16):
+            if path == "lazy":
+                amp = fxamp.convert(copy.deepcopy(model), policy, dtype=dtype)
+            else:
+                amp = fxamp.convert_(copy.deepcopy(model), policy, dtype=dtype, blocks=["blocks.*"])
+            got = amp(x, mask)
+            assert torch.isfinite(got).all(), (policy, dtype)
+            torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
 
 
 def test_o2_keeps_a_constant_float32_that_only_float32_ops_read():
