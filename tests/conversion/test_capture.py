@@ -231,6 +231,9 @@ def test_fill_values_fit_the_low_precision_dtype(model_cls, policy, dtype):
     assert fxamp.conversion_info(amp).frontend == expected_frontend
     o0 = fxamp.convert(model, "O0", example_inputs=(x, mask))
     assert torch.equal(o0(x, mask), want)  # float32: the value is unchanged
+    rows = [r for r in fxamp.report(model, policy, example_inputs=(x, mask), dtype=dtype).rows
+            if r.op.endswith("fit_scalar")]
+    assert rows and all(r.category == "neutral" and r.reason.startswith("fill value fitted by fxamp") for r in rows)
 
 
 @pytest.mark.parametrize("path", ["in place, per block", "lazy"])

@@ -19,6 +19,7 @@ from ...dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
 from ...errors import ConversionError
 from ...policy import Policy
 from ..graph import ATTR, Decision, module_path_of
+from ..capture.constants import fit_scalar
 from ..op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
                         out_of_place)
 from ..options import ConvertOptions, ModuleOverrides, NodeOverrides
@@ -257,6 +258,10 @@ def _decide(
         return Decision.of("get_attr", Category.NEUTRAL,
                         "parameter, buffer or constant: cast at each use as that use needs", None,
                         source=Source.GRAPH, module=path)
+    if node.op == "call_function" and node.target is fit_scalar:
+        return Decision.of(op_name(fit_scalar), Category.NEUTRAL,
+                           "fill value fitted by fxamp: clamped at run time into the range of the dtype its op's "
+                           "tensor has then (-3.4e38 does not fit float16)", None, source=Source.GRAPH, module=path)
     if node.op == "output":
         if policy.output is None:
             return Decision.of("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
