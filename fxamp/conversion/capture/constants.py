@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..op_lists import VIEW_OPS, op_key
+
 __all__ = ["fit_scalar", "fit_fill_values"]
 
 #: ops that convert a scalar argument to their tensor's dtype, raising when it does not fit
@@ -75,9 +77,7 @@ def _like(node: fx.Node, name: str, value: Any = None) -> Optional[fx.Node]:
 def _too_wide_constant(gm: fx.GraphModule, node: Any) -> bool:
     """``node`` reads a float tensor constant (through views and copies: export's ``lift_fresh_copy``) with a
     finite value beyond float16's range."""
-    from ..op_lists import VIEW_OPS, op_key
-
-    while isinstance(node, fx.Node) and node.op == "call_function" and op_key(node.target) in VIEW_OPS:
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and op_key(node.target) in VIEW_OPS:
         node = node.args[0] if node.args else None
     if not (isinstance(node, fx.Node) and node.op == "get_attr"):
         return False
@@ -121,7 +121,7 @@ def fit_fill_values(gm: fx.GraphModule) -> List[str]:
                         bounds = [graph.call_function(fit_scalar, (b, like)) for b in (-_FLOAT32_MAX, _FLOAT32_MAX)]
                         fit = graph.call_function(torch.clamp, (value, *bounds))
                 fit.meta.update({"val": value} if scalar else value.meta)
-                fitted.append(f"{node.name} ({value:g})" if scalar else f"{node.name} ({value.name})")
+                fitted.append(f"{node.name} ({value:g})" if scalar else f"{node.name} (a tensor constant)")
                 table[k] = fit
                 changed = True
         if changed:
