@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..graph import fetch_attr
 from ..op_lists import VIEW_OPS, op_key
 
 __all__ = ["fit_scalar", "fit_fill_values"]
@@ -81,9 +82,7 @@ def _too_wide_constant(gm: fx.GraphModule, node: Any) -> bool:
         node = node.args[0] if node.args else None
     if not (isinstance(node, fx.Node) and node.op == "get_attr"):
         return False
-    value = gm
-    for part in str(node.target).split("."):
-        value = getattr(value, part, None)
+    value = fetch_attr(gm, str(node.target))
     if not (isinstance(value, torch.Tensor) and value.is_floating_point()) or isinstance(value, nn.Parameter):
         return False
     with torch.no_grad():
