@@ -29,6 +29,7 @@ STAGES: Dict[str, int] = {
     "conversion": 3, "conversion.op_lists": 3,
     "conversion.graph": 4, "conversion.options": 4, "conversion.passes": 4, "conversion.calls": 4,
     "conversion.storage": 4,  # the storage predicted before any graph (lazy and in-place conversion share it)
+    "conversion.bytecode": 4,  # what a parent module's code does with its children, read before any graph
     "conversion.runtime": 5,  # what generated code calls
     "conversion.capture": 6,
     "conversion.classify": 7,

@@ -29,7 +29,6 @@ never through the capture's copy, so the graph of one instance runs any instance
 from __future__ import annotations
 
 import dataclasses
-import dis
 import fnmatch
 import inspect
 import itertools
@@ -40,6 +39,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.parametrize import ParametrizationList
 
+from .bytecode import codes_of, reads_values
 from .calls import SIMPLE
 from .capture.hooks import submodule_hooks
 from .capture.modes import MODE_FLAG
@@ -134,44 +134,11 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
         for i in range(len(parts)):
             around = type(modules[".".join(parts[:i])])
             if around not in codes:
-                codes[around] = _codes(around)
-            if any(_reads(code, parts[-1], n) for code in codes[around] for n in names):  # (self.pool.out_proj.weight)
+                codes[around] = codes_of(around)
+            if any(reads_values(code, parts[-1], n) for code in codes[around] for n in names):  # (self.pool.out_proj.weight)
                 out += [f"{path}.{n}" for n in names]
                 break
     return out
-
-
-def _codes(cls: type) -> List[types.CodeType]:
-    """The code ``cls``'s forward may run: ``forward``, the methods of ``cls`` it names (and those they name),
-    and the functions nested in them; nn.Module's and torch.nn containers' own methods left out."""
-    methods = {k: v.__code__ for c in reversed(cls.__mro__) if c not in (nn.Module, object)
-               and c.__module__ != nn.Sequential.__module__
-               for k, v in vars(c).items() if isinstance(getattr(v, "__code__", None), types.CodeType)}
-    found = [methods["forward"]] if "forward" in methods else []
-    out: List[types.CodeType] = []
-    while found:
-        code = found.pop()
-        if code in out:
-            continue
-        out.append(code)
-        found += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        found += [methods[n] for n in code.co_names if n in methods]
-    return out
-
-
-#: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
-_METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
-
-
-def _reads(code: types.CodeType, attr: str, name: str) -> bool:
-    """Whether ``code`` reads the values of ``<something>.<attr>.<name>`` (not only its shape or dtype)."""
-    if attr not in code.co_names or name not in code.co_names:  # (most code: no disassembly needed)
-        return False
-    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG", "PRECALL")]
-    loads = ("LOAD_ATTR", "LOAD_METHOD")
-    return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in loads and b.argval == name
-               and not (c.opname in loads and c.argval in _METADATA)
-               for a, b, c in zip(ins, ins[1:], ins[2:] + [ins[-1]]))
 
 
 def _inside(path: str, block: str) -> bool:

@@ -10,15 +10,17 @@ the module tree.  Every capture then runs the forward as written, for float32 te
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import torch
 import torch.nn as nn
 
+from ..dtypes import LOW
 from ..policy import Policy
+from .bytecode import codes_of, feeds_only
 from .graph import rebind, replace_tensors, tensor_slots
 
-__all__ = ["predict_storage", "is_norm", "float32_for_capture"]
+__all__ = ["predict_storage", "is_norm", "lookups_into_norms", "float32_for_capture"]
 
 #: layers whose tensors feed low-precision ops (matmuls, convolutions, lookups)
 _LOW_LAYERS: Tuple[type, ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag,
@@ -33,13 +35,39 @@ def is_norm(m: nn.Module) -> bool:
     return isinstance(m, _NORMS) or "norm" in type(m).__name__.lower()
 
 
+def lookups_into_norms(model: nn.Module) -> Set[int]:
+    """``id`` of each embedding layer whose every lookup its parent hands straight to a torch norm layer beside it,
+    and to nothing else: ``self.norm(self.tok_embeddings(ids))`` (ModernBERT), or through a local that is
+    otherwise only tested against None or asked for its shape (BLOOM's ``word_embeddings_layernorm``).
+
+    Whole-model conversion computes such a lookup in float32 (only float32 ops use it: classify's
+    ``float32_users``) and so keeps its table float32 under O2; this predicts the same from the parent's
+    bytecode (:func:`~fxamp.conversion.bytecode.feeds_only`), where no module above the parent names it
+    and the layer runs torch's own forward (a subclass that scales its lookup is traced through).
+    """
+    lookups: Dict[int, List[bool]] = collections.defaultdict(list)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for path, m in modules.items():
+        if not path or type(m).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
+            continue
+        parent, _, name = path.rpartition(".")
+        norms = [n for n, c in modules[parent]._modules.items() if isinstance(c, _NORMS)]
+        verdicts = [feeds_only(code, name, norms) for code in codes_of(type(modules[parent]))] if norms else []
+        above = [".".join(parent.split(".")[:i]) for i in range(parent.count(".") + 1)] if parent else []
+        named_above = any(name in code.co_names for p in above for code in codes_of(type(modules[p])))
+        lookups[id(m)].append(True in verdicts and False not in verdicts and not named_above)
+    return {key for key, ok in lookups.items() if all(ok)}
+
+
 def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     """The dtype each float32 parameter and buffer of ``model`` will be stored in, by name, without a graph.
 
     Layers of :data:`_LOW_LAYERS` (and ``Conv1D``): ``policy.params``; normalisation layers (a norm
     class, or ``Norm`` in the class name): ``policy.norms``; other modules' parameters float32, or
-    ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  A tensor tied
-    across modules follows the most specific owner: a norm, else a layer (BERT's decoder bias).
+    ``policy.params`` when unsafe ops run low too (O3); their buffers float32.  An embedding table
+    only a norm reads (:func:`lookups_into_norms`) stays float32 where mixed precision keeps float32
+    ops (O2), as whole-model conversion keeps it.  A tensor tied across modules follows the most
+    specific owner: such a table, else a norm, else a layer (BERT's decoder bias).
 
     Why this is not :func:`~fxamp.conversion.rewrite.casts.store_params`, and what reconciles the two.
     ``store_params`` decides from a graph: a tensor is stored low only when every consumer in it
@@ -59,10 +87,13 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     claims: Dict[int, Tuple[int, torch.dtype]] = {}
     names: Dict[int, List[str]] = collections.defaultdict(list)
     others = policy.params if policy.unsafe != torch.float32 else torch.float32
+    widened = lookups_into_norms(model) if policy.compute in LOW and policy.unsafe == torch.float32 else set()
     for name, m, attr, t in tensor_slots(model):
         if t.dtype != torch.float32:
             continue
-        if is_norm(m):
+        if id(m) in widened:
+            strength, dtype = 3, torch.float32
+        elif is_norm(m):
             strength, dtype = 2, policy.norms
         elif isinstance(m, _LOW_LAYERS) or type(m).__name__ in _LOW_LAYER_NAMES:
             strength, dtype = 1, policy.params

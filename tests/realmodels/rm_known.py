@@ -23,9 +23,9 @@ _ROWS_SOFTMAX = ("in place, the attention softmax of a block whose mask is a lif
                  "whole-model graph keeps it bfloat16 between the two low-precision matmuls")
 _SHARD_MHA = ("fxamp.shard predicts a bfloat16 all-gather for out_proj.weight, which nn.MultiheadAttention reads "
               "directly as float32 in place; it refuses in one line (gather_float32=[...] or a call before shard)")
-_INPLACE_TABLE = ("convert_ and the lazy path store a glue embedding table low by its class (storage.predict_storage), "
-                  "where whole-model convert keeps it float32 because only a norm uses the lookup (float32_users): "
-                  "ModernBERT in place 55.0 dB vs autocast 65.8 dB")
+_BLOOM_TABLE = ("convert_ stores BLOOM's glue embedding table low where whole-model convert keeps it float32 (only its "
+                "layer norm computes with the lookup): BloomModel.forward also passes the lookup to create_causal_mask "
+                "by keyword, which the bytecode rule (storage.lookups_into_norms) cannot follow, so it keeps the default")
 _MARIAN_POSITIONS = ("O2 stores Marian's frozen sinusoidal position tables bfloat16 and adds tok + pos in bfloat16 (post-LN: "
                      "no norm widens the lookup or the sum): 47.4 dB vs autocast 50.9 dB")
 _FLOAT64_MODEL = ("the float64 original is not a float64 computation: Bloom's gives NaN at padded positions, GPT-Neo's "
@@ -39,11 +39,7 @@ KNOWN: Dict[Key, str] = {
     ("gpt-mask-buffer", "in-place-rows", "*", "*"): _ROWS_SOFTMAX,
     ("vit-seq-pool", "eval-*/shard", "*", "*"): _SHARD_MHA,
     # the architecture scan's entries
-    ("modernbert", "in-place-numerics", "O2", "*"): _INPLACE_TABLE,
-    ("modernbert", "eval-after-step/in-place", "*", "*"): _INPLACE_TABLE,
-    ("modernbert", "eval-after-step/lazy", "*", "*"): _INPLACE_TABLE,
-    ("modernbert", "in-place-rows", "*", "*"): _INPLACE_TABLE,
-    ("bloom", "in-place-rows", "*", "*"): _INPLACE_TABLE,
+    ("bloom", "in-place-rows", "*", "*"): _BLOOM_TABLE,
     ("marian", "numerics", "O2", "bfloat16"): _MARIAN_POSITIONS,
     ("marian", "eval-after-step/export", "*", "*"): _MARIAN_POSITIONS,
     ("marian", "eval-after-step/lazy", "*", "*"): _MARIAN_POSITIONS,

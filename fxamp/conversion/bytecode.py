@@ -1,0 +1,145 @@
+"""What a module's own code does with its children's tensors and calls, read from its bytecode.
+
+The in-place and lazy paths decide where each tensor is stored before any graph exists (an optimizer is
+built on the parameters first), so two questions about the code around a leaf module are answered from
+the bytecode of the methods its parent's ``forward`` may run (:func:`codes_of`):
+
+- :func:`reads_values`: does the code read ``<child>.<tensor>`` itself (``x @ self.wte.weight.T``,
+  ``nn.MultiheadAttention`` passing ``self.out_proj.weight`` to its kernel)?  Such a tensor runs as written.
+- :func:`feeds_only`: does every call of ``self.<child>(...)`` hand its result straight to a call of one
+  of some sibling modules, and to nothing else (``self.norm(self.tok_embeddings(ids))``;
+  ``e = self.word_embeddings(ids)``, then only ``e.shape`` and ``self.word_embeddings_layernorm(e)``)?
+
+Both answer "no" to anything they cannot follow (a jump inside a call's arguments, a closure, a call with
+other arguments): the caller then keeps its default.
+"""
+
+from __future__ import annotations
+
+import dis
+import types
+from typing import Collection, List, Optional
+
+import torch.nn as nn
+
+__all__ = ["codes_of", "reads_values", "feeds_only", "METADATA"]
+
+#: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
+METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
+
+_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+#: a test of a local against None (``if inputs_embeds is None:``): no use of its values
+_NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
+               "POP_JUMP_BACKWARD_IF_NOT_NONE", "POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE")
+
+
+def codes_of(cls: type) -> List[types.CodeType]:
+    """The code ``cls``'s forward may run: ``forward``, the methods of ``cls`` it names (and those they name),
+    and the functions nested in them; nn.Module's and torch.nn containers' own methods left out."""
+    methods = {k: v.__code__ for c in reversed(cls.__mro__) if c not in (nn.Module, object)
+               and c.__module__ != nn.Sequential.__module__
+               for k, v in vars(c).items() if isinstance(getattr(v, "__code__", None), types.CodeType)}
+    found = [methods["forward"]] if "forward" in methods else []
+    out: List[types.CodeType] = []
+    while found:
+        code = found.pop()
+        if code in out:
+            continue
+        out.append(code)
+        found += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        found += [methods[n] for n in code.co_names if n in methods]
+    return out
+
+
+def _instructions(code: types.CodeType) -> List[dis.Instruction]:
+    return [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
+
+
+def reads_values(code: types.CodeType, attr: str, name: str) -> bool:
+    """Whether ``code`` reads the values of ``<something>.<attr>.<name>`` (not only its shape or dtype)."""
+    if attr not in code.co_names or name not in code.co_names:  # (most code: no disassembly needed)
+        return False
+    ins = [i for i in _instructions(code) if i.opname != "PRECALL"]
+    return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in _LOADS and b.argval == name
+               and not (c.opname in _LOADS and c.argval in METADATA)
+               for a, b, c in zip(ins, ins[1:], ins[2:] + [ins[-1]]))
+
+
+def feeds_only(code: types.CodeType, child: str, into: Collection[str]) -> Optional[bool]:
+    """Whether every use of ``self.<child>`` in ``code`` is a call whose result only ever becomes the one argument
+    of a call ``self.<n>(...)``, ``n`` in ``into`` (directly, or through a local that is otherwise only tested
+    against None or asked for its metadata); None when ``code`` does not name ``child``."""
+    if child not in code.co_names:
+        return None
+    if code.co_argcount == 0:
+        return False
+    me = code.co_varnames[0]
+    ins = _instructions(code)
+    sites = [k for k, i in enumerate(ins) if i.opname in _LOADS and i.argval == child]
+    return all(_self_load(ins, k, me, (child,)) and _result_feeds(ins, k, me, into) for k in sites)
+
+
+def _self_load(ins: List[dis.Instruction], k: int, me: str, names: Collection[str]) -> bool:
+    """``ins[k]`` loads ``<me>.<one of names>`` straight from the local ``me``."""
+    return (k >= 1 and ins[k].opname in _LOADS and ins[k].argval in names
+            and ins[k - 1].opname == "LOAD_FAST" and ins[k - 1].argval == me)
+
+
+def _result_feeds(ins: List[dis.Instruction], k: int, me: str, into: Collection[str]) -> bool:
+    end = _call_end(ins, k)
+    if end is None:
+        return False
+    if _sole_argument(ins, k - 1, end, me, into):
+        return True
+    after = _next(ins, end)
+    if after is None or ins[after].opname != "STORE_FAST":
+        return False
+    local = ins[after].argval
+    loads = [j for j, i in enumerate(ins) if i.opname.startswith("LOAD_FAST") and i.argval == local]
+    if any(i.argval == local for i in ins if i.opname in ("LOAD_CLOSURE", "LOAD_DEREF", "STORE_DEREF")):
+        return False
+    return all(_harmless(ins, j, me, into) for j in loads)
+
+
+def _harmless(ins: List[dis.Instruction], j: int, me: str, into: Collection[str]) -> bool:
+    """The local loaded at ``ins[j]`` is tested against None, asked for its metadata, or handed to ``into``."""
+    if ins[j].opname != "LOAD_FAST":  # (a superinstruction loading two locals: not followed)
+        return False
+    n = _next(ins, j)
+    if n is not None and (ins[n].opname in _NONE_TESTS or (ins[n].opname in _LOADS and ins[n].argval in METADATA)):
+        return True
+    if n is not None and n + 1 < len(ins) and ins[n].opname == "LOAD_CONST" and ins[n].argval is None \
+            and ins[n + 1].opname == "IS_OP":  # (``(input_ids is None) ^ (inputs_embeds is not None)``)
+        return True
+    return _sole_argument(ins, j, j, me, into)
+
+
+def _sole_argument(ins: List[dis.Instruction], first: int, last: int, me: str, into: Collection[str]) -> bool:
+    """The value ``ins[first..last]`` pushes is the one positional argument of a call of ``<me>.<n>``."""
+    n = _next(ins, last)
+    return _self_load(ins, first - 1, me, into) and n is not None and ins[n].opname == "CALL" and ins[n].arg == 1
+
+
+def _next(ins: List[dis.Instruction], k: int) -> Optional[int]:
+    """The index of the instruction after ``ins[k]``, past a PRECALL (3.11's half of a call)."""
+    for j in range(k + 1, len(ins)):
+        if ins[j].opname != "PRECALL":
+            return j
+    return None
+
+
+def _call_end(ins: List[dis.Instruction], k: int) -> Optional[int]:
+    """The index of the call that consumes the callable ``ins[k - 1: k + 1]`` loads; None where the arguments
+    jump (a conditional expression), return, or the call is not a plain CALL."""
+    depth = 0
+    for j in range(k - 1, len(ins)):
+        i = ins[j]
+        if j > k and ("JUMP" in i.opname or i.opname.startswith(("RETURN", "RAISE", "YIELD"))):
+            return None
+        try:
+            depth += dis.stack_effect(i.opcode, i.arg if i.opcode >= dis.HAVE_ARGUMENT else None, jump=False)
+        except ValueError:
+            return None
+        if j > k and depth == 1:
+            return j if i.opname == "CALL" else None
+    return None
