@@ -33,6 +33,7 @@ import copy
 import itertools
 import logging
 import operator
+import os
 import threading
 import time
 import warnings
@@ -47,6 +48,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from .calls import bound_root, describe_call, flatten_call, leaf_names, rebuild_call, undo_point
 from .capture import capture, capture_with_values
 from .capture.hooks import HOOK_DICTS, global_hooks, submodule_hooks
+from .capture.common import user_frame
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from .capture.modes import MODE_FLAG, ModeFlag
 from .capture.shapes import STATIC_SIZES, dim_ranges, input_name
@@ -376,6 +378,15 @@ class _Unread:
 _UNREAD = _Unread()
 
 
+def _where(error: TraceError) -> str:
+    """``, at <file>:<line>: `<code>`)``: the line of the model's code the front end failed at, if known."""
+    frame = user_frame(error.original, skip_torch_fx_only=True) if error.original is not None else None
+    if frame is None:
+        return ""
+    code = f": `{frame.line.strip()}`" if frame.line else ""
+    return f", at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
+
+
 class _AsWritten:
     """A call signature of a family that no front end could capture: the block's class's own forward runs,
     unconverted, in float32.  Tensors conversion stored low (O2/O3) are read as float32 values cast from
@@ -391,8 +402,8 @@ class _AsWritten:
         what = f"{'glue module' if family.glue else 'block'} {family.paths[0]!r} ({family.cls.__name__})"
         shared = f" and the {len(family.paths) - 1} other(s) of its family" if len(family.paths) > 1 else ""
         self.note = (f"fxamp.convert_: {what}{shared} run(s) as written (unconverted, float32) for calls with "
-                     f"{self.description}: it could not be captured ({error.short}); to convert it, make its "
-                     f"forward traceable there, or convert the model whole with fxamp.convert")
+                     f"{self.description}: it could not be captured ({error.short}{_where(error)}); to convert it, "
+                     f"make its forward traceable there, or convert the model whole with fxamp.convert")
         warnings.warn(self.note, RuntimeWarning, stacklevel=6)  # (the line that called the block)
         logger.info("%s", error)
 

@@ -491,8 +491,11 @@ def test_a_block_no_front_end_can_capture_runs_as_written_and_is_named_once():
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     x = torch.randn(4, D)
     with pytest.warns(RuntimeWarning, match=r"block 'blocks.0' \(Branchy\) and the 1 other\(s\) of its family "
-                                            r"run\(s\) as written \(unconverted, float32\)"):
+                                            r"run\(s\) as written \(unconverted, float32\)") as caught:
         out = model(x, Tape())
+    # the line no front end could take, named in the model's code
+    assert "at test_blocks_patterns.py:" in str(caught[0].message) and "`if bool((h.abs() > 1e4).any()):" in \
+        str(caught[0].message), caught[0].message
     assert rel(out, ref(x, Tape())) < 0.02
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # named once

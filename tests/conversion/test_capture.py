@@ -532,3 +532,50 @@ def test_transformer_encoder_padding_survives_pickling():
         out = again(x, src_key_padding_mask=mask)
         assert torch.equal(out, amp(x, src_key_padding_mask=mask))
     assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+
+
+# -- modules a forward makes as it runs -------------------------------------------------------------------------
+
+#: like transformers' ACT2FN: each lookup makes a new module (Mamba's ``ACT2FN[activation](out)``)
+_ACTIVATIONS = {"silu": nn.SiLU, "gelu": nn.GELU}
+
+
+class MadeAtCallTime(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = nn.Sequential(self.fc1, _ACTIVATIONS["silu"]())(x)  # a container of its own layers, made here
+        return x + self.fc2(h) + _ACTIVATIONS["gelu"]()(x)
+
+
+class MadeWithWeights(nn.Module):
+    def forward(self, x):
+        return nn.Linear(16, 4)(x)  # new weights at every call
+
+
+def test_a_module_made_as_forward_runs_is_traced_through_by_torch_fx_and_in_place():
+    """torch.fx names every module called by its place under the root; one made at call time has none
+    (``NameError: module is not installed as a submodule``): holding no tensor of its own, it is its ops."""
+    torch.manual_seed(0)
+    model = MadeAtCallTime()
+    x = torch.randn(4, 16)
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="fx")
+    ops = {str(n.target) for n in amp.graph.nodes if n.op == "call_function"}
+    assert any("silu" in op for op in ops) and any("gelu" in op for op in ops), ops
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = model(x)
+    assert torch.equal(amp(x), auto.float())  # the same ops in the same dtypes as autocast's
+    stack = nn.Sequential(MadeAtCallTime(), MadeAtCallTime())
+    ref = copy.deepcopy(stack)
+    fxamp.convert_(stack, "O1", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # captured: no block runs as written
+        out = stack(x)
+    assert (out - ref(x)).norm() / ref(x).norm() < 0.02
+
+
+def test_a_module_with_weights_made_as_forward_runs_is_refused_in_one_line():
+    with pytest.raises(fxamp.TraceError, match=r"makes a Linear as it runs, with tensors of its own \(weight, bias\)"):
+        fxamp.convert(MadeWithWeights(), "O1", dtype=torch.bfloat16, frontend="fx")

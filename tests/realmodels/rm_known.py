@@ -53,8 +53,9 @@ KNOWN: Dict[Key, str] = {
     ("mobilebert", "in-place-rows", "*", "*"): ("blocks.read_around matches cls.predictions' `self.dense.weight` to "
                                                  "cls.predictions.transform.dense too (by the last name): its storage stays "
                                                  "float32, the check leaves it out, and its bfloat16 addmm counts as outside"),
-    ("mamba", "in-place-rows", "*", "*"): ("convert_ cannot capture MambaBlock (ACT2FN[...] makes a module at call time: torch.fx "
-                                           "NameError; torch.export cannot take the DynamicCache): it runs float32, warned"),
+    ("mamba", "in-place-rows", "*", "*"): ("convert_ cannot capture MambaBlock (its scan calls torch.zeros with traced sizes, which "
+                                           "torch.fx cannot record; torch.export cannot take the DynamicCache): it runs "
+                                           "float32, warned with the line"),
     ("bloom", "float64", "*", "*"): _FLOAT64_MODEL,
     ("gpt_neo", "float64", "*", "*"): _FLOAT64_MODEL,
     ("mamba", "float64", "*", "*"): _FLOAT64_MODEL,

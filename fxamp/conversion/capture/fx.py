@@ -19,6 +19,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import textwrap
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -152,7 +153,30 @@ class FxTracer(fx.Tracer):
         body = FORWARDS.get(type(m))
         if body is not None:  # their reference path, without the checks that choose the inference fast path
             forward = functools.partial(body, m)
+        if not self._installed(m):
+            return self._made_at_call_time(m, forward, args, kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _installed(self, m: nn.Module) -> bool:
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
+
+    def _made_at_call_time(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
+                           kwargs: Dict[str, Any]) -> Any:
+        """A module the forward makes as it runs (Mamba's ``ACT2FN[activation](out)``, ``nn.SiLU()(x)``,
+        ``nn.Sequential(self.a, self.b)(x)``): torch.fx names every module it calls by its place under the root,
+        and this one has none.  Holding no tensor of its own, it is its ops (and its children's calls): traced
+        through, as it runs.  A parameter or buffer made with it would be new at every call: refused."""
+        held = {id(t) for t in itertools.chain(self.root.parameters(), self.root.buffers())}
+        own = [n for n, t in itertools.chain(m.named_parameters(), m.named_buffers()) if id(t) not in held]
+        if own:  # (the trace's error names the user's line)
+            raise NameError(f"the forward makes a {type(m).__name__} as it runs, with tensors of its own "
+                            f"({', '.join(own[:3])}): they would be new at every call, and torch.fx records only "
+                            f"modules set as attributes; make it once in __init__")
+        return forward(*args, **kwargs)
 
 
 def identity_test_error(model: nn.Module) -> Optional[TraceError]:
