@@ -135,7 +135,9 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
             around = type(modules[".".join(parts[:i])])
             if around not in codes:
                 codes[around] = codes_of(around)
-            if any(reads_values(code, parts[-1], n) for code in codes[around] for n in names):  # (self.pool.out_proj.weight)
+            # (self.pool.out_proj.weight; ``self.dense.weight`` further up is that module's own ``dense``)
+            owner = i == len(parts) - 1
+            if any(reads_values(code, parts[-1], n, owner) for code in codes[around] for n in names):
                 out += [f"{path}.{n}" for n in names]
                 break
     return out

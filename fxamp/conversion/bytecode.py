@@ -55,14 +55,20 @@ def _instructions(code: types.CodeType) -> List[dis.Instruction]:
     return [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
 
 
-def reads_values(code: types.CodeType, attr: str, name: str) -> bool:
-    """Whether ``code`` reads the values of ``<something>.<attr>.<name>`` (not only its shape or dtype)."""
+def reads_values(code: types.CodeType, attr: str, name: str, owner: bool = True) -> bool:
+    """Whether ``code`` reads the values of ``<something>.<attr>.<name>`` (not only its shape or dtype).
+
+    owner: whether the module whose method ``code`` is holds the child ``attr``; where it does not (a module
+    further up), ``self.<attr>.<name>`` is another module's tensor (its own child of that name) and does not count.
+    """
     if attr not in code.co_names or name not in code.co_names:  # (most code: no disassembly needed)
         return False
     ins = [i for i in _instructions(code) if i.opname != "PRECALL"]
+    me = code.co_varnames[0] if code.co_argcount else None
     return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in _LOADS and b.argval == name
                and not (c.opname in _LOADS and c.argval in METADATA)
-               for a, b, c in zip(ins, ins[1:], ins[2:] + [ins[-1]]))
+               and (owner or not (k >= 1 and ins[k - 1].opname == "LOAD_FAST" and ins[k - 1].argval == me))
+               for k, (a, b, c) in enumerate(zip(ins, ins[1:], ins[2:] + [ins[-1]])))
 
 
 def feeds_only(code: types.CodeType, child: str, into: Collection[str]) -> Optional[bool]:

@@ -4,6 +4,7 @@ stays float32 under O2 on every path, as whole-model conversion keeps it."""
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import pytest
@@ -141,7 +142,6 @@ def _ids(seed: int = 0) -> torch.Tensor:
 def _table_dtypes(model: nn.Module, policy: str, dtype: torch.dtype) -> dict:
     """The table's storage dtype on each path: whole-model convert (torch.fx), the lazy path (torch.export at
     the first call) and convert_ (in place), each from a fresh copy of ``model``."""
-    import copy
     whole = fxamp.convert(copy.deepcopy(model), policy, dtype=dtype)
     lazy = fxamp.convert(copy.deepcopy(model), policy, dtype=dtype, frontend="export")
     lazy(_ids())
@@ -175,7 +175,6 @@ def test_in_place_output_is_as_close_to_float32_as_whole_model_conversion():
         nn.init.normal_(model.embeddings.tok.weight, std=0.02)  # small values: the norm amplifies their rounding
         ref = model(_ids())
         whole = fxamp.convert(model, "O2", dtype=torch.bfloat16).eval()(_ids())
-        import copy
         in_place = fxamp.convert_(copy.deepcopy(model), "O2", dtype=torch.bfloat16).eval()(_ids())
     err = lambda out: (out.float() - ref).norm() / ref.norm()  # noqa: E731
     assert err(in_place) <= err(whole) * 1.01, (err(in_place), err(whole))
@@ -194,3 +193,53 @@ def test_a_parent_above_that_names_the_table_keeps_the_default():
     assert lookups_into_norms(model) == set()
     assert predict_storage(model, Policy.parse("O2", torch.bfloat16))["encoder.embeddings.tok.weight"] \
         == torch.bfloat16
+
+
+class Transform(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, h):
+        return self.norm(self.dense(h))
+
+
+class Head(nn.Module):
+    """MobileBERT's prediction head: its own ``dense.weight`` read directly, beside a ``transform.dense``."""
+
+    def __init__(self):
+        super().__init__()
+        self.transform = Transform()
+        self.dense = nn.Linear(16, 16)
+
+    def forward(self, h):
+        return self.transform(h) @ torch.cat([self.dense.weight, self.dense.weight], dim=0).T
+
+
+def test_a_weight_read_through_self_is_the_readers_own_child_not_a_deeper_namesake():
+    assert any(reads_values(c, "dense", "weight") for c in codes_of(Head))
+    assert not any(reads_values(c, "dense", "weight", owner=False) for c in codes_of(Head))
+
+    class Aliased(nn.Module):  # through another object: whose it is cannot be told, so it counts
+        def forward(self, h):
+            t = self.transform
+            return h @ t.dense.weight
+
+    assert any(reads_values(c, "dense", "weight", owner=False) for c in codes_of(Aliased))
+
+
+def test_in_place_keeps_float32_only_the_weight_code_reads_directly():
+    class WithHead(Encoder):
+        def __init__(self):
+            super().__init__()
+            self.head = Head()
+
+    torch.manual_seed(0)
+    model = WithHead()
+    ref = copy.deepcopy(model)
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    assert model.head.dense.weight.dtype == torch.float32  # read by the head's own code: as written
+    assert model.head.transform.dense.weight.dtype == torch.bfloat16  # only called: a glue layer like any other
+    x = _ids()
+    assert (model(x).float() - ref(x)).norm() / ref(x).norm() < 0.02
