@@ -28,6 +28,8 @@ __all__ = ["codes_of", "reads_values", "feeds_only", "METADATA"]
 METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
 
 _LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+#: a local's plain load (3.12 adds the checked form, 3.14 the borrowed one)
+_LOCAL_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")
 #: a test of a local against None (``if inputs_embeds is None:``): no use of its values
 _NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
                "POP_JUMP_BACKWARD_IF_NOT_NONE", "POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE")
@@ -67,7 +69,7 @@ def reads_values(code: types.CodeType, attr: str, name: str, owner: bool = True)
     me = code.co_varnames[0] if code.co_argcount else None
     return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in _LOADS and b.argval == name
                and not (c.opname in _LOADS and c.argval in METADATA)
-               and (owner or not (k >= 1 and ins[k - 1].opname == "LOAD_FAST" and ins[k - 1].argval == me))
+               and (owner or not (k >= 1 and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me))
                for k, (a, b, c) in enumerate(zip(ins, ins[1:], ins[2:] + [ins[-1]])))
 
 
@@ -88,7 +90,7 @@ def feeds_only(code: types.CodeType, child: str, into: Collection[str]) -> Optio
 def _self_load(ins: List[dis.Instruction], k: int, me: str, names: Collection[str]) -> bool:
     """``ins[k]`` loads ``<me>.<one of names>`` straight from the local ``me``."""
     return (k >= 1 and ins[k].opname in _LOADS and ins[k].argval in names
-            and ins[k - 1].opname == "LOAD_FAST" and ins[k - 1].argval == me)
+            and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me)
 
 
 def _result_feeds(ins: List[dis.Instruction], k: int, me: str, into: Collection[str]) -> bool:
@@ -101,15 +103,18 @@ def _result_feeds(ins: List[dis.Instruction], k: int, me: str, into: Collection[
     if after is None or ins[after].opname != "STORE_FAST":
         return False
     local = ins[after].argval
-    loads = [j for j, i in enumerate(ins) if i.opname.startswith("LOAD_FAST") and i.argval == local]
-    if any(i.argval == local for i in ins if i.opname in ("LOAD_CLOSURE", "LOAD_DEREF", "STORE_DEREF")):
-        return False
-    return all(_harmless(ins, j, me, into) for j in loads)
+    uses = [j for j, i in enumerate(ins) if j != after and ("FAST" in i.opname or "DEREF" in i.opname
+                                                            or "CLOSURE" in i.opname)
+            and (i.argval == local or (isinstance(i.argval, tuple) and local in i.argval))]
+    return all(_harmless(ins, j, me, into) for j in uses)
 
 
 def _harmless(ins: List[dis.Instruction], j: int, me: str, into: Collection[str]) -> bool:
-    """The local loaded at ``ins[j]`` is tested against None, asked for its metadata, or handed to ``into``."""
-    if ins[j].opname != "LOAD_FAST":  # (a superinstruction loading two locals: not followed)
+    """``ins[j]`` stores or deletes the local, or loads it to test it against None, ask for its metadata, or
+    hand it to ``into``; anything else (a closure's cell, a superinstruction of two locals) is not followed."""
+    if ins[j].opname in ("STORE_FAST", "DELETE_FAST"):
+        return True
+    if ins[j].opname not in _LOCAL_LOADS:
         return False
     n = _next(ins, j)
     if n is not None and (ins[n].opname in _NONE_TESTS or (ins[n].opname in _LOADS and ins[n].argval in METADATA)):
