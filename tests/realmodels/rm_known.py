@@ -50,9 +50,6 @@ KNOWN: Dict[Key, str] = {
     ("deberta_v2", "in-place-rows", "*", "*"): ("whole-model O2 stores DeBERTa's torch.tensor(head size) constant bfloat16 (only "
                                                  "neutral ops read it) and runs its sqrt low; in place constants are float32 "
                                                  "graph inputs (same values: the model casts the scale to bfloat16)"),
-    ("mobilebert", "in-place-rows", "*", "*"): ("blocks.read_around matches cls.predictions' `self.dense.weight` to "
-                                                 "cls.predictions.transform.dense too (by the last name): its storage stays "
-                                                 "float32, the check leaves it out, and its bfloat16 addmm counts as outside"),
     ("mamba", "in-place-rows", "*", "*"): ("convert_ cannot capture MambaBlock (its scan calls torch.zeros with traced sizes, which "
                                            "torch.fx cannot record; torch.export cannot take the DynamicCache): it runs "
                                            "float32, warned with the line"),
