@@ -37,6 +37,7 @@ KNOWN: Dict[Key, str] = {
     ("bn-act", "in-place-rows", "*", "*"): _ROWS_BN,
     ("resnet-seq*", "in-place-rows", "*", "*"): _ROWS_BN,
     ("gpt-mask-buffer", "in-place-rows", "*", "*"): _ROWS_SOFTMAX,
+    ("unet-ddpm", "in-place-rows", "*", "*"): ("in place, a block's SiLU of the timestep embedding runs float32 on the glue time MLP's float32 output; the whole-model graph runs it on that Linear's bfloat16 output (a neutral op follows its input either way)"),
     ("vit-seq-pool", "eval-*/shard", "*", "*"): _SHARD_MHA,
     # the architecture scan's entries
     ("bloom", "in-place-rows", "*", "*"): _BLOOM_TABLE,

@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from rm_patterns import BNActNet, MaskGPT, SeqResNet, SeqViT, channels_last_images, seq_resnet_channels_last
+from rm_patterns import (BNActNet, MaskGPT, SeqResNet, SeqViT, UNet, channels_last_images, seq_resnet_channels_last,
+                         unet_inputs)
 
 try:  # transformers is an optional ([examples]) dependency: its entries are skipped without it
     import transformers
@@ -629,6 +630,7 @@ ENTRIES = [
           sequential_blocks=True),
     Entry("vit-seq-pool", "pattern", SeqViT, image_inputs(16), frontend="auto", sequential_blocks=True),
     Entry("gpt-mask-buffer", "pattern", MaskGPT, lm_inputs, frontend="auto"),
+    Entry("unet-ddpm", "pattern", UNet, unet_inputs(16), frontend="auto", fp16=True),
     # added by the architecture scan
     Entry("gemma2", "decoder", gemma2, lm_inputs, needs="transformers", fp16=True),
     Entry("gemma3", "decoder", gemma3, padded_lm_inputs, needs="transformers"),

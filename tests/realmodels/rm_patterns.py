@@ -5,6 +5,7 @@ stays when a library changes its own.  Sizes and inputs as in ``rm_models``.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -205,3 +206,78 @@ class MaskGPT(nn.Module):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """DDPM's (and Stable Diffusion's) sinusoidal timestep embedding, computed in forward from integer steps."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ResBlock(nn.Module):
+    """A diffusion U-Net's residual block: GroupNorm, SiLU, conv; the timestep's projection added per channel."""
+
+    def __init__(self, cin: int, cout: int, tdim: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.temb = nn.Linear(tdim, cout)
+        self.norm2, self.conv2 = nn.GroupNorm(8, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x, temb):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(F.silu(temb))[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.skip(x) + h
+
+
+class AttnBlock(nn.Module):
+    """Self-attention over the pixels of a feature map, written out (softmax between two batched matmuls)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.GroupNorm(8, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        b, c, hh, ww = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, c, hh * ww).unbind(1)
+        w = torch.softmax(q.transpose(1, 2) @ k / math.sqrt(c), dim=-1)
+        return x + self.proj((v @ w.transpose(1, 2)).reshape(b, c, hh, ww))
+
+
+class UNet(nn.Module):
+    """A small DDPM-style U-Net (issue 37's item: a model nobody here wrote, in the way diffusion code writes it):
+    a timestep embedding made in forward, skips concatenated on the way up, nearest upsampling, an attention
+    block at the lowest resolution; it predicts the noise (same shape as its input)."""
+
+    def __init__(self, c: int = 16, tdim: int = 32):
+        super().__init__()
+        self.c = c
+        self.time = nn.Sequential(nn.Linear(c, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        self.inp = nn.Conv2d(3, c, 3, padding=1)
+        self.down = nn.ModuleList([ResBlock(c, c, tdim), ResBlock(c, 2 * c, tdim)])
+        self.pool = nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1)
+        self.mid = AttnBlock(2 * c)
+        self.up = nn.ModuleList([ResBlock(4 * c, 2 * c, tdim), ResBlock(3 * c, c, tdim)])
+        self.out_norm, self.out = nn.GroupNorm(8, c), nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x, t):
+        temb = self.time(timestep_embedding(t, self.c))
+        h = self.inp(x)
+        skips = []
+        for block in self.down:
+            h = block(h, temb)
+            skips.append(h)
+        h = F.interpolate(self.mid(self.pool(h)), scale_factor=2, mode="nearest")
+        for block in self.up:
+            h = block(torch.cat([h, skips.pop()], dim=1), temb)
+        return self.out(F.silu(self.out_norm(h)))
+
+
+def unet_inputs(size: int) -> Callable:
+    def inputs(seed: int) -> tuple:
+        g = gen(seed)
+        return (torch.randn(B, 3, size, size, generator=g), torch.randint(0, 1000, (B,), generator=g)), {}
+    return inputs
