@@ -540,7 +540,8 @@ _GROUPS = [
      "Tensor.cpu Tensor.cuda aten._to_copy aten.to",
      OpEntry(N, "an explicit cast or move written by the user: respected as written")),
     ("F.embedding F.embedding_bag embedding_bag nn.Embedding nn.EmbeddingBag aten._embedding_bag aten.embedding",
-     OpEntry(C, "embedding lookup is a gather with the table's dtype; when only float32 ops use it (a norm "
+     OpEntry(C, "embedding lookup is a gather with the table's dtype (a bag's sum or mean accumulates in float32 "
+                "inside torch's kernel and rounds once, whatever the bag's size); when only float32 ops use it (a norm "
                 "straight after, as in ModernBERT, or a float32 sum of embeddings) it looks up in float32, so "
                 "O2 keeps that table float32 as autocast does (a low table loses bits no later op gets back)",
              condition="float32_users", fallback=N)),

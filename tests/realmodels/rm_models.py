@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from rm_patterns import (BNActNet, MaskGPT, SeqResNet, SeqViT, UNet, channels_last_images, seq_resnet_channels_last,
-                         unet_inputs)
+from rm_patterns import (DLRM, BNActNet, MaskGPT, SeqResNet, SeqViT, UNet, channels_last_images, dlrm_inputs,
+                         seq_resnet_channels_last, unet_inputs)
 
 try:  # transformers is an optional ([examples]) dependency: its entries are skipped without it
     import transformers
@@ -631,6 +631,7 @@ ENTRIES = [
     Entry("vit-seq-pool", "pattern", SeqViT, image_inputs(16), frontend="auto", sequential_blocks=True),
     Entry("gpt-mask-buffer", "pattern", MaskGPT, lm_inputs, frontend="auto"),
     Entry("unet-ddpm", "pattern", UNet, unet_inputs(16), frontend="auto", fp16=True),
+    Entry("dlrm", "pattern", DLRM, dlrm_inputs, frontend="auto", fp16=True),
     # added by the architecture scan
     Entry("gemma2", "decoder", gemma2, lm_inputs, needs="transformers", fp16=True),
     Entry("gemma3", "decoder", gemma3, padded_lm_inputs, needs="transformers"),

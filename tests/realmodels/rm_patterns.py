@@ -281,3 +281,33 @@ def unet_inputs(size: int) -> Callable:
         g = gen(seed)
         return (torch.randn(B, 3, size, size, generator=g), torch.randint(0, 1000, (B,), generator=g)), {}
     return inputs
+
+
+class DLRM(nn.Module):
+    """A small DLRM (the recommender layout): a bottom MLP over dense features, summed EmbeddingBag lookups of
+    sparse ones (indices and offsets), their pairwise dot products (a batched matmul), a top MLP to one logit."""
+
+    TABLES = (50, 40, 30)
+
+    def __init__(self, dense: int = 8, d: int = 16):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, 32), nn.ReLU(), nn.Linear(32, d), nn.ReLU())
+        self.emb = nn.ModuleList([nn.EmbeddingBag(n, d, mode="sum") for n in self.TABLES])
+        k = len(self.TABLES) + 1
+        self.top = nn.Sequential(nn.Linear(d + k * (k - 1) // 2, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, dense, indices, offsets):
+        x = self.bottom(dense)
+        t = torch.stack([x] + [e(indices[i], offsets[i]) for i, e in enumerate(self.emb)], dim=1)
+        z = torch.bmm(t, t.transpose(1, 2))
+        k = t.shape[1]
+        li, lj = torch.tril_indices(k, k, offset=-1, device=z.device)
+        return self.top(torch.cat([x, z[:, li, lj]], dim=1))
+
+
+def dlrm_inputs(seed: int) -> tuple:
+    g = gen(seed)
+    bag = 4  # lookups per bag, summed
+    indices = torch.randint(0, min(DLRM.TABLES), (len(DLRM.TABLES), B * bag), generator=g)
+    offsets = torch.arange(0, B * bag, bag).expand(len(DLRM.TABLES), B).contiguous()
+    return (torch.randn(B, 8, generator=g), indices, offsets), {}
