@@ -60,7 +60,8 @@ from ..errors import OptimizerStateError
 from ..info import take_loaded, take_origin
 from .loss_scale import scaler_for
 from .optimizer_view import OptimizerView
-from .ownership import mark_master, master_state, originals_held, refuse_unheld_model, refuse_wrapped
+from .ownership import (mark_master, master_state, note_frozen_originals, originals_held, refuse_unheld_model,
+                        refuse_wrapped)
 from .step import Engine, StepResult
 
 if TYPE_CHECKING:
@@ -261,6 +262,8 @@ class MixedPrecisionOptimizer(OptimizerView):
         #: ``model``'s low-precision weights whose float32 originals ``optimizer`` holds (built before conversion):
         #: refused at the first step unless they became masters by then (:meth:`adopt_masters`, ``fxamp.initialize``)
         self._originals = [] if model is None else originals_held(model, optimizer, self._lows)
+        if model is not None:
+            note_frozen_originals(model)
 
     # -- parameters ------------------------------------------------------------------------
     def _bind_group(self, group: Dict[str, Any]) -> None:

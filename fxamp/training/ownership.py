@@ -10,13 +10,16 @@
 * the inner torch optimizer's ``state`` becomes a :class:`MasterState`: the same dict, keyed by the masters, where
   a model's low-precision parameter reads its master's entry (``opt.state[p]["exp_avg"]``), not a new empty one;
 * ``fp32_state_dict(model)`` refuses a model none of whose parameters the optimizer steps, and so does
-  ``MixedPrecisionOptimizer(optimizer, model=model)`` (:func:`refuse_unheld_model`).
+  ``MixedPrecisionOptimizer(optimizer, model=model)`` (:func:`refuse_unheld_model`);
+* a model converted in place whose frozen parameters still hold their float32 originals, a sizable share of its
+  memory (a base model under LoRA), is named once (:func:`note_frozen_originals`): no optimizer will take them.
 
 The marks are plain attributes on tensors the wrapper pairs; nothing global is kept.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any, Iterable, List, Optional, Sequence
@@ -26,9 +29,13 @@ import torch.nn as nn
 
 from ..dtypes import LOW
 from ..errors import OptimizerStateError
-from ..info import MASTERED, origin_of, remember_master
+from ..info import MASTERED, held_origins, origin_of, remember_master
 
-__all__ = ["MasterState", "master_state", "mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model", "originals_held"]
+__all__ = ["MasterState", "master_state", "mark_master", "refuse_wrapped", "refuse_foreign_model", "refuse_unheld_model", "originals_held",
+           "note_frozen_originals"]
+
+#: the share of a model's parameter memory frozen parameters' held float32 originals must reach to be named
+FROZEN_ORIGINALS_SHARE = 0.1
 
 #: set on a float32 master by the wrapper that made or adopted it
 _MASTER = "_fxamp_master"
@@ -142,3 +149,34 @@ def master_state(optimizer: Any, lows: Sequence[torch.Tensor], masters: Sequence
     state = getattr(optimizer, "__dict__", {}).get("state")
     if type(state) is defaultdict and state.default_factory is dict:
         optimizer.state = MasterState(state, lows, masters)
+
+
+def note_frozen_originals(model: nn.Module) -> Optional[str]:
+    """Warn (and return the text) when frozen parameters of ``model`` (``requires_grad=False``, stored low) hold their
+    float32 originals, together at least :data:`FROZEN_ORIGINALS_SHARE` of its parameter memory.
+
+    ``fxamp.convert_`` holds each original until an optimizer takes it as a master, so that ``state_dict()`` gives
+    the user's float32 weights back; a frozen parameter is stepped by no optimizer, so its original stays for the
+    model's life: 6 bytes a parameter where a float32 model takes 4 (a frozen 7B base under LoRA: 28 GB more).
+    Keeping them is right by default (nothing the user had is lost); the user who does not need them is told how
+    to let them go."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    frozen = [p for p in params if not p.requires_grad and p.dtype in LOW and held_origins([p])]
+    held = sum(p.numel() * 4 for p in frozen)
+    stored = sum(p.numel() * p.element_size() for p in params) + sum(
+        p.numel() * 4 for p in params if p.dtype in LOW and held_origins([p]))
+    if not frozen or held < FROZEN_ORIGINALS_SHARE * stored:
+        return None
+    low = frozen[0].dtype
+    text = (f"fxamp.MixedPrecisionOptimizer: {len(frozen)} frozen parameters of the model (requires_grad=False) hold "
+            f"their float32 originals, {_size(held)} beside their {str(low).replace('torch.', '')} storage "
+            f"({held / stored:.0%} of the model's parameter memory), so that state_dict() gives them back exactly and "
+            f"a later add_param_group starts their masters from them. If they stay frozen (a base model under LoRA), "
+            f"fxamp.release_originals(model) frees that memory; state_dict() then gives their "
+            f"{str(low).replace('torch.', '')} values widened")
+    warnings.warn(text, UserWarning, stacklevel=3)
+    return text
+
+
+def _size(n: int) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB"
