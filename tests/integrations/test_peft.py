@@ -1,6 +1,6 @@
 """LoRA fine-tuning with PEFT: a PEFT-wrapped tiny Llama (random weights, nothing downloaded) converted to O2,
-trained through ``MixedPrecisionOptimizer`` over its adapters only. The losses track float32's as closely as
-autocast's do, the frozen base never moves, the frozen originals are named and freed on request, and
+trained through ``MixedPrecisionOptimizer`` over its adapters only. The losses stay within 3x of autocast's
+distance from float32's, the frozen base never moves, the frozen originals are named and freed on request, and
 ``save_pretrained`` writes the adapters' float32 masters, which load into a float32 base as trained."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def references():
 
 
 @pytest.mark.parametrize("path", ["convert_", "convert"])
-def test_lora_o2_trains_the_adapters_as_close_to_float32_as_autocast(path, references, tmp_path):
+def test_lora_o2_trains_the_adapters_about_as_close_to_float32_as_autocast(path, references, tmp_path):
     fp32, auto = references
     model = lora_llama()
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
