@@ -18,12 +18,12 @@ transformers.logging.set_verbosity_error()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-V, STEPS, LR = 96, 6, 1e-2
+V, STEPS, LR = 96, 4, 1e-2
 
 
 def llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(config).eval()
 
