@@ -33,7 +33,7 @@ from ..info import remember_loaded, remember_origin
 __all__ = [
     "keep_loaded_float32",
     "INPUT_DTYPE",
-    "DECISION", "CAST", "ATTR", "MODULE", "Decision", "Float8Choice", "IslandChoice",
+    "DECISION", "CAST", "ATTR", "MODULE", "RECEIVER", "Decision", "Float8Choice", "IslandChoice",
     "region_in_order", "fetch_attr", "attr_target", "module_path_of", "covering", "clean_export_path", "node_arg", "replace_node_arg",
     "canonical_names", "dedupe_get_attrs", "mirror_module_tree", "rename_node", "decision_of", "cast_of",
     "tensor_slots", "replace_tensors", "rebind",
@@ -45,6 +45,9 @@ ATTR = "fxamp_attr"
 #: on a placeholder of a graph captured for one input dtype (a block's, ``blocks.py``): that dtype
 INPUT_DTYPE = "fxamp_input_dtype"
 MODULE = "fxamp_module"
+#: on a method call whose receiver is an object, not a tensor (a KV cache's ``update``, recorded by the capture with
+#: the call's values): the receiver's class name, so the report names ``DynamicCache.update``, not ``Tensor.update``
+RECEIVER = "fxamp_receiver"
 
 
 @dataclass(frozen=True)

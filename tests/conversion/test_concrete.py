@@ -191,3 +191,37 @@ def test_buffers_are_graph_values_and_change_at_the_graphs_calls_not_during_the_
         model.mask.zero_()  # this instance's mask, read at the call
     assert torch.equal(gm(x), torch.full((3, 3), 2.0))
 
+
+
+def test_the_report_names_guards_lengths_and_an_objects_methods_not_unlisted_ops():
+    """fxamp's own guards, ``len`` of a shape and an object's method (a cache's ``update``, not ``Tensor.update``) are
+    decided like the ops around them, each with its reason: nothing the capture added is 'on no list'."""
+    import fxamp
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, cache):
+            kv = cache.update(self.fc(x))
+            if len(kv.shape) == 2 and kv.shape[1] > 2:
+                return kv.sum(1, keepdim=True)
+            return kv.mean(1, keepdim=True)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x, cache):
+            return sum(layer(x, cache) for layer in self.layers)
+
+    model = Net()
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    model(torch.ones(1, 4), Cache())
+    rows = fxamp.report(model).rows
+    assert not [r.op for r in rows if r.category.value == "unlisted"]
+    ops = {r.op: r for r in rows}
+    assert "Cache.update" in ops and "Tensor.update" not in ops and "a method of the Cache" in ops["Cache.update"].reason
+    assert "branch guard fxamp inserted" in next(r.reason for r in rows if r.op.endswith("concrete.guard"))

@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import FxampError, TraceError
+from ..graph import RECEIVER
 from ..op_lists import is_inplace
 from .fx import FxFrontEnd, FxTracer
 from .hooks import hooks_run_by_values_error
@@ -126,6 +127,7 @@ class _ConcreteTracer(FxTracer):
             self.meta_only.add(node)  # cache.is_updated.get(i): a read of an object's state
         elif kind == "call_method" and not isinstance(receiver, (torch.Tensor,) + _SIMPLE):
             self.effects.add(node)  # cache.update(...)
+            node.meta[RECEIVER] = type(receiver).__name__
         elif kind in ("call_method", "call_function") and is_inplace(kind, target) and node.args and \
                 isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder":
             self.effects.add(node)  # x.add_(1) on an input: running it twice would add twice

@@ -18,7 +18,8 @@ import torch.nn as nn
 from ...dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
 from ...errors import ConversionError
 from ...policy import Policy
-from ..graph import ATTR, Decision, module_path_of
+from ..graph import ATTR, RECEIVER, Decision, module_path_of
+from ..capture.concrete import guard
 from ..capture.constants import fit_scalar
 from ..op_lists import (DEFAULT_OP_LISTS, Category, OpEntry, OpLists, Source, as_entry, is_inplace, op_key, op_name,
                         out_of_place)
@@ -262,6 +263,14 @@ def _decide(
         return Decision.of(op_name(fit_scalar), Category.NEUTRAL,
                            "fill value fitted by fxamp: clamped at run time into the range of the dtype its op's "
                            "tensor has then (-3.4e38 does not fit float16)", None, source=Source.GRAPH, module=path)
+    if node.op == "call_function" and node.target is guard:
+        return Decision.of(op_name(guard), Category.NEUTRAL,
+                           "branch guard fxamp inserted: checks at each call that the call takes the branch the "
+                           "capture took (else another capture runs)", None, source=Source.GRAPH, module=path)
+    if node.op == "call_method" and RECEIVER in node.meta:
+        return Decision.of(f"{node.meta[RECEIVER]}.{node.target}", Category.NEUTRAL,
+                           f"a method of the {node.meta[RECEIVER]} the call was given (a KV cache's update): runs as "
+                           f"written at every call, on the dtypes it gets", None, source=Source.GRAPH, module=path)
     if node.op == "output":
         if policy.output is None:
             return Decision.of("output", Category.NEUTRAL, "outputs left in the dtype they were computed in "
