@@ -520,7 +520,7 @@ _GROUPS = [
      "as_strided unfold F.unfold F.fold F.pad pad constant_pad_nd F.pixel_shuffle F.pixel_unshuffle "
      "pixel_shuffle pixel_unshuffle channel_shuffle F.one_hot aten.one_hot size dim numel nelement shape dtype device "
      "is_floating_point is_contiguous stride storage_offset item tolist element_size "
-     "operator.getitem operator.setitem builtins.getattr getattr builtins.len "
+     "operator.getitem operator.setitem builtins.getattr getattr builtins.len aten.len "
      "aten.view aten._unsafe_view aten.reshape aten.permute aten.transpose aten.t aten.expand "
      "aten.squeeze aten.unsqueeze aten.slice aten.select aten.split aten.split_with_sizes aten.chunk "
      "aten.clone aten.alias aten.detach aten.lift_fresh_copy aten.index aten.index_select aten.gather "
