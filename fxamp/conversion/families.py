@@ -33,7 +33,6 @@ import copy
 import itertools
 import logging
 import operator
-import os
 import threading
 import time
 import warnings
@@ -48,7 +47,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from .calls import bound_root, describe_call, flatten_call, leaf_names, rebuild_call, undo_point
 from .capture import capture, capture_with_values
 from .capture.hooks import HOOK_DICTS, global_hooks, submodule_hooks
-from .capture.common import user_frame
+from .capture.common import user_line
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from .capture.modes import MODE_FLAG, ModeFlag
 from .capture.shapes import STATIC_SIZES, dim_ranges, input_name
@@ -379,12 +378,9 @@ _UNREAD = _Unread()
 
 
 def _where(error: TraceError) -> str:
-    """``, at <file>:<line>: `<code>`)``: the line of the model's code the front end failed at, if known."""
-    frame = user_frame(error.original, skip_torch_fx_only=True) if error.original is not None else None
-    if frame is None:
-        return ""
-    code = f": `{frame.line.strip()}`" if frame.line else ""
-    return f", at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
+    """``, at <file>:<line>: `<code>```: the line of the model's code the front end failed at, if known."""
+    line = user_line(error.original, short=True) if error.original is not None else ""
+    return f", at {line}" if line else ""
 
 
 class _AsWritten:

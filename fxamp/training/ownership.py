@@ -161,10 +161,10 @@ def note_frozen_originals(model: nn.Module) -> Optional[str]:
     Keeping them is right by default (nothing the user had is lost); the user who does not need them is told how
     to let them go."""
     params = list({id(p): p for p in model.parameters()}.values())
-    frozen = [p for p in params if not p.requires_grad and p.dtype in LOW and held_origins([p])]
+    holding = [p for p in params if p.dtype in LOW and held_origins([p])]
+    frozen = [p for p in holding if not p.requires_grad]
     held = sum(p.numel() * 4 for p in frozen)
-    stored = sum(p.numel() * p.element_size() for p in params) + sum(
-        p.numel() * 4 for p in params if p.dtype in LOW and held_origins([p]))
+    stored = sum(p.numel() * p.element_size() for p in params) + sum(p.numel() * 4 for p in holding)
     if not frozen or held < FROZEN_ORIGINALS_SHARE * stored:
         return None
     low = frozen[0].dtype

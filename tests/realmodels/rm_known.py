@@ -37,9 +37,16 @@ KNOWN: Dict[Key, str] = {
     ("bn-act", "in-place-rows", "*", "*"): _ROWS_BN,
     ("resnet-seq*", "in-place-rows", "*", "*"): _ROWS_BN,
     ("gpt-mask-buffer", "in-place-rows", "*", "*"): _ROWS_SOFTMAX,
-    ("dlrm", "training", "*", "float16"): ("the check's 4 steps are all float16 loss-scale warm-up: the mean square of 2 logits has gradients that overflow float16 from scale 65536 down to 4096 (torch.amp.GradScaler with autocast skips its first 5 steps too)"),
-    ("dlrm", "layout/fp32", "*", "*"): ("bfloat16 GEMMs over transposed weights sum in another order, and AdamW turns those ulps of near-zero gradients into lr-sized steps: the 2-logit loss moves 0.58% between layouts (tolerance 0.5%); pure bfloat16 eager training without fxamp moves it 0.30%"),
-    ("unet-ddpm", "in-place-rows", "*", "*"): ("in place, a block's SiLU of the timestep embedding runs float32 on the glue time MLP's float32 output; the whole-model graph runs it on that Linear's bfloat16 output (a neutral op follows its input either way)"),
+    ("dlrm", "training", "*", "float16"): ("the check's 4 steps are all float16 loss-scale warm-up: the mean square of 2 "
+                                           "logits has gradients that overflow float16 from scale 65536 down to 4096 "
+                                           "(torch.amp.GradScaler with autocast skips its first 5 steps too)"),
+    ("dlrm", "layout/fp32", "*", "*"): ("bfloat16 GEMMs over transposed weights sum in another order, and AdamW turns "
+                                        "those ulps of near-zero gradients into lr-sized steps: the 2-logit loss moves "
+                                        "0.58% between layouts (tolerance 0.5%); pure bfloat16 eager training without "
+                                        "fxamp moves it 0.30%"),
+    ("unet-ddpm", "in-place-rows", "*", "*"): ("in place, a block's SiLU of the timestep embedding runs float32 on the "
+                                               "glue time MLP's float32 output; the whole-model graph runs it on that "
+                                               "Linear's bfloat16 output (a neutral op follows its input either way)"),
     ("vit-seq-pool", "eval-*/shard", "*", "*"): _SHARD_MHA,
     # the architecture scan's entries
     ("bloom", "in-place-rows", "*", "*"): _BLOOM_TABLE,

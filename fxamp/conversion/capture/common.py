@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ...errors import TraceError
 
-__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "warn"]
+__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn"]
 
 LeafSpec = Union[str, Type[nn.Module]]
 
@@ -76,6 +76,16 @@ def user_frame(e: BaseException, skip_torch_fx_only: bool = False) -> Optional[t
     if skip_torch_fx_only:
         return (outside or frames or [None])[-1]
     return None
+
+
+def user_line(e: BaseException, short: bool = False) -> str:
+    """``<file>:<line>: `<code>``` of :func:`user_frame` (torch.nn's line where no user frame exists), or "".
+    ``short``: the file's name alone (a warning's line; an error names the whole path)."""
+    frame = user_frame(e, skip_torch_fx_only=True)
+    if frame is None:
+        return ""
+    code = f": `{frame.line.strip()}`" if frame.line else ""
+    return f"{os.path.basename(frame.filename) if short else frame.filename}:{frame.lineno}{code}"
 
 
 def warn(message: str) -> None:

@@ -33,7 +33,7 @@ from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, rename_node
 from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
-from .common import LeafSpec, UnsoundCapture, user_frame
+from .common import LeafSpec, UnsoundCapture, user_line
 from .constants import fit_fill_values, fit_scalar
 from .hooks import has_own_hooks, traced_hooks_error
 from .regions import (confirmed, fx_region_error, region_note, region_state, scan,
@@ -298,7 +298,8 @@ def _trace_error(model: nn.Module, tracer: FxTracer, e: Exception) -> TraceError
     stack = list(getattr(tracer, "module_stack", {}).keys())
     path = next((p for p in reversed(stack) if p), "")
     owner = dict(model.named_modules()).get(path, model)
-    where = _user_frame(e)
+    line = user_line(e)
+    where = f", {line}" if line else ""
     msg_first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     short = f"{type(e).__name__}: {msg_first}"
     hint_path = repr(path) if path else "a submodule path such as 'encoder'"
@@ -314,14 +315,6 @@ def _trace_error(model: nn.Module, tracer: FxTracer, e: Exception) -> TraceError
         f"example_inputs=(...) so fxamp captures the model with torch.export instead."
     )
     return TraceError(text, short=short, module_path=path, original=e)
-
-
-def _user_frame(e: BaseException) -> str:
-    frame = user_frame(e, skip_torch_fx_only=True)
-    if frame is None:
-        return ""
-    code = f": `{frame.line.strip()}`" if frame.line else ""
-    return f", {frame.filename}:{frame.lineno}{code}"
 
 
 def _canonicalize_get_attrs(gm: fx.GraphModule, model: nn.Module) -> None:
