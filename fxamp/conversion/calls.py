@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..dtypes import short_name
 
-__all__ = ["SIMPLE", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root", "undo_point"]
+__all__ = ["SIMPLE", "ContainerWritten", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root", "undo_point"]
 
 #: values a call's key holds as constants (baked into its graph); anything else that is not a tensor is opaque
 SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -132,11 +132,19 @@ def bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
         old = [o.__dict__.get(a) for o, a in owners]
         for (owner, attr), v in zip(owners, values):
             owner.__dict__[attr] = v
+        held = _contents((args, kwargs))
         try:
-            return cls.forward(self, *args, **kwargs)
+            out = cls.forward(self, *args, **kwargs)
         finally:
             for (owner, attr), v in zip(owners, old):
                 owner.__dict__[attr] = v
+        changed = next((name for (c, before), name in zip(held, _names(held, tree)) if _changed(c, before)), None)
+        if changed is not None:
+            raise ContainerWritten(
+                f"{cls.__name__}.forward changes the {type(changed[0]).__name__} it is given as {changed[1]} "
+                f"(an item assigned, added or removed): a graph returns values and cannot change its caller's "
+                f"{type(changed[0]).__name__}, so no capture can keep that; make the block return the new values")
+        return out
 
     scope["forward"].__globals__["_call"] = _call
     traced = type(cls.__name__, (cls,), {"forward": scope["forward"], "__module__": cls.__module__})
@@ -148,6 +156,55 @@ def bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
         if table in root.__dict__:
             root.__dict__[table] = type(root.__dict__[table])()
     return root
+
+
+class ContainerWritten(RuntimeError):
+    """A block's forward changed a list or dict of its call (:func:`bound_root`): no capture can keep that."""
+
+    raised_after_forward = True  # (checked once forward returned: no line of the model's to name)
+
+
+def _contents(x: Any, out: Optional[List[Tuple[Any, Any]]] = None) -> List[Tuple[Any, Any]]:
+    """Each list and dict in a rebuilt call, with a shallow copy of what it held."""
+    out = [] if out is None else out
+    if type(x) is list or type(x) is tuple:
+        if type(x) is list:
+            out.append((x, list(x)))
+        for v in x:
+            _contents(v, out)
+    elif type(x) is dict:
+        out.append((x, dict(x)))
+        for v in x.values():
+            _contents(v, out)
+    return out
+
+
+def _changed(container: Any, before: Any) -> bool:
+    if type(container) is list:
+        return len(container) != len(before) or any(a is not b for a, b in zip(container, before))
+    return container.keys() != before.keys() or any(container[k] is not before[k] for k in before)
+
+
+def _names(held: List[Tuple[Any, Any]], tree: Any) -> List[Tuple[Any, str]]:
+    """``(container, the argument it is or sits in)`` for each of :func:`_contents`'s, in its order."""
+    names: List[Tuple[Any, str]] = []
+
+    def walk(node: Any, name: str) -> None:
+        tag = node[0]
+        if tag is list or tag is dict:
+            names.append(name)
+        if tag is dict:
+            for k, v in node[1]:
+                walk(v, f"{name}[{k!r}]")
+        elif tag in (tuple, list):
+            for i, v in enumerate(node[1]):
+                walk(v, f"{name}[{i}]")
+
+    for i, a in enumerate(tree[0]):
+        walk(a, f"argument {i}")
+    for k, v in tree[1]:
+        walk(v, repr(k))
+    return [(c, n) for (c, _), n in zip(held, names)]
 
 
 _CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

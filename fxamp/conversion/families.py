@@ -215,14 +215,14 @@ class Family:
         written = self.as_written.get(base)
         if written is not None:
             if not written.global_hooks or global_hooks():
-                return written.call(block, leaves)
+                return written.call(block, args, kwargs)
             del self.as_written[base]  # the global module hook that refused the capture is gone: capture now
         with self._lock:
             try:
                 graph = self._capture(block, base, key, tree, leaves)
             except TraceError as e:  # no front end can take this call: the block runs as its class wrote it
                 written = self.as_written[base] = _AsWritten(self, tree, leaves, e)
-                return written.call(block, leaves)
+                return written.call(block, args, kwargs)
         try:
             return graph.call(block, leaves)
         except GuardFailed:  # its own early copy of a late guard: a method it ran changed what the branch read
@@ -403,8 +403,8 @@ class _AsWritten:
         warnings.warn(self.note, RuntimeWarning, stacklevel=6)  # (the line that called the block)
         logger.info("%s", error)
 
-    def call(self, block: nn.Module, leaves: List[Any]) -> Any:
-        args, kwargs = rebuild_call(self.tree, leaves)
+    def call(self, block: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The class's forward on the call's own arguments (a list it changes is the caller's)."""
         hook = next((h for h in block._state_dict_hooks.values() if isinstance(h, OriginalDtypes)), None)
         swapped = []
         for name, dtype in (hook.dtypes.items() if hook is not None else ()):

@@ -69,7 +69,9 @@ def user_frame(e: BaseException, skip_torch_fx_only: bool = False) -> Optional[t
     user frame exists (a failure inside torch.nn code is still worth naming).
     """
     frames = traceback.extract_tb(e.__traceback__)
-    outside = [f for f in frames if not f.filename.startswith((os.path.join(_TORCH_DIR, "fx"), _FXAMP_DIR))]
+    # (code fxamp or torch.fx generated and exec'd, "<string>", "<eval_with_key>.3", is nobody's line)
+    outside = [f for f in frames if not f.filename.startswith((os.path.join(_TORCH_DIR, "fx"), _FXAMP_DIR,
+                                                                 "<string>", "<eval_with_key>"))]
     user = [f for f in outside if not f.filename.startswith(_TORCH_DIR)]
     if user:
         return user[-1]
@@ -81,8 +83,8 @@ def user_frame(e: BaseException, skip_torch_fx_only: bool = False) -> Optional[t
 def user_line(e: BaseException, short: bool = False) -> str:
     """``<file>:<line>: `<code>``` of :func:`user_frame` (torch.nn's line where no user frame exists), or "".
     ``short``: the file's name alone (a warning's line; an error names the whole path)."""
-    frame = user_frame(e, skip_torch_fx_only=True)
-    if frame is None:
+    frame = None if getattr(e, "raised_after_forward", False) else user_frame(e, skip_torch_fx_only=True)
+    if frame is None:  # (an error raised after forward returned, fxamp's check of what it did, has no such line)
         return ""
     code = f": `{frame.line.strip()}`" if frame.line else ""
     return f"{os.path.basename(frame.filename) if short else frame.filename}:{frame.lineno}{code}"

@@ -83,8 +83,11 @@ class _ConcreteTracer(FxTracer):
     def __init__(self, leaf_types, leaf_paths, values: Sequence[Any]):
         super().__init__(leaf_types, leaf_paths)
         self.copies: Dict[str, Any] = {}  # buffer path -> the copy the trace's ops read and change
-        # opaque objects are traced on copies: their methods (a cache's update) run during the trace
-        self.values = [v if isinstance(v, (torch.Tensor,) + _SIMPLE) else _copy(v) for v in values]
+        # opaque objects are traced on copies: their methods (a cache's update) run during the trace; tensors
+        # too, since an in-place op on an input (RWKV's ``state[0][:, :, i] = s``) runs here and again in the graph
+        memo: Dict[int, Any] = {}
+        self.values = [v if isinstance(v, _SIMPLE) else _copy(v, memo) if not isinstance(v, torch.Tensor)
+                       else memo.setdefault(id(v), _input_copy(v)) for v in values]
         self.real: dict = {}
         self.meta_only: Set[fx.Node] = set()  # nodes whose values depend on no tensor data
         self.effects: Set[fx.Node] = set()  # method calls on opaque objects
@@ -239,6 +242,13 @@ class _ConcreteProxy(fx.Proxy):
                 not callable(getattr(value, "keys", None)):
             return self.tracer.create_proxy("call_function", builtins.getattr, (self, "keys"), {})
         return fx.Proxy.keys.__get__(self)
+
+
+def _input_copy(t: torch.Tensor) -> torch.Tensor:
+    """A tensor input's copy for the trace to run on (its flags kept: a branch may read ``requires_grad``)."""
+    with torch.no_grad():
+        new = t.detach().clone()
+    return new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
 
 
 def _copy(value: Any, memo: Optional[Dict[int, Any]] = None) -> Any:

@@ -20,6 +20,7 @@ import copy
 import functools
 import inspect
 import itertools
+import re
 import textwrap
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -33,7 +34,7 @@ from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, rename_node
 from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
-from .common import LeafSpec, UnsoundCapture, user_line
+from .common import _FXAMP_DIR, _TORCH_DIR, LeafSpec, UnsoundCapture, user_line
 from .constants import fit_fill_values, fit_scalar
 from .hooks import has_own_hooks, traced_hooks_error
 from .regions import (confirmed, fx_region_error, region_note, region_state, scan,
@@ -125,10 +126,39 @@ class FxTracer(fx.Tracer):
         self._leaf_paths = leaf_paths
         self._region_start = region_state()
         self.region: Optional[Tuple[fx.Node, str]] = None  # the first node made inside a grad/autocast region
+        self._constants: Dict[int, Tuple[torch.Tensor, int]] = {}  # tensors the graph holds as constants
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
-        self._region_start, self.region = region_state(), None
-        return super().trace(root, concrete_args)
+        self._region_start, self.region, self._constants = region_state(), None, {}
+        graph = super().trace(root, concrete_args)
+        self._refuse_written_constants(graph)
+        return graph
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a not in self.tensor_attrs:
+            self._constants.setdefault(id(a), (a, a._version))  # (its version when the graph first read it)
+        return super().create_arg(a)
+
+    def _refuse_written_constants(self, graph: fx.Graph) -> None:
+        """A tensor forward makes without inputs (``state = [torch.zeros(8)]``) is a constant of the graph; an
+        in-place write into it by code that reads no traced value (``state[0].add_(1)``) runs once, now, and is
+        not recorded: every use in the graph, before the write too, would read the written value."""
+        written = [t for t, version in self._constants.values() if t._version != version]
+        if not written:
+            return
+        names = {id(v): k for k, v in vars(self.root).items() if isinstance(v, torch.Tensor)}
+        where = ""
+        for node in graph.find_nodes(op="get_attr"):
+            if names.get(id(written[0])) == node.target and node.users:
+                found = [f for f in _FRAME_LINE.findall(next(iter(node.users)).meta.get("stack_trace") or "")
+                         if not f[0].startswith((_TORCH_DIR, _FXAMP_DIR))]
+                if found:
+                    where = f" (read at {found[-1][0]}:{found[-1][1]}: `{found[-1][2].strip()}`)"
+                break
+        raise WrittenConstant(
+            f"forward writes in place into a tensor it made from constants ({tuple(written[0].shape)}, "
+            f"{written[0].dtype}){where} after the graph read it: torch.fx ran that write once, while tracing, "
+            f"and the graph would read the written value at every call")
 
     def create_node(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                     name: Optional[str] = None, type_expr: Optional[Any] = None) -> fx.Node:
@@ -177,6 +207,17 @@ class FxTracer(fx.Tracer):
                             f"({', '.join(own[:3])}): they would be new at every call, and torch.fx records only "
                             f"modules set as attributes; make it once in __init__")
         return forward(*args, **kwargs)
+
+
+class WrittenConstant(RuntimeError):
+    """A constant of the graph written after the graph read it (:meth:`FxTracer._refuse_written_constants`):
+    raised after the trace, so no frame of it is the user's (the message names the line)."""
+
+    raised_after_forward = True
+
+
+#: a frame of a node's ``stack_trace``: file, line, and the code on the next line
+_FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
 
 
 def identity_test_error(model: nn.Module) -> Optional[TraceError]:

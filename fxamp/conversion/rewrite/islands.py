@@ -97,11 +97,12 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
         if all(_name(m) in _FREE for m in members):
             continue  # views, casts, adds and sums save no float32 tensor: no island to speak of
         claimed.update(members)
-        choice = _choose(graph, members, entries, static, options)
+        islands.append((members, entries, _choose(graph, members, entries, static, options)))
+    islands = _apart(graph, islands)
+    for members, _, choice in islands:
         for m in members:
             if DECISION in m.meta:
                 m.meta[DECISION] = dataclasses.replace(m.meta[DECISION], recompute=choice)
-        islands.append((members, entries, choice))
     chosen = [(m, e, c) for m, e, c in islands if c.chosen]
     for members, entries, choice in chosen:  # all found first: a rewrite changes the graph the search reads
         _rewrite(graph, members, entries, choice.forward_chunked)
@@ -111,6 +112,31 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
     return [f"recomputed float32 islands: {len(chosen)} of {len(islands)} keep their {'/'.join(saved)} inputs for "
             f"backward instead of the float32 tensors their ops save, and recompute in backward (same gradients; "
             f"recompute_islands=False turns this off)"]
+
+
+def _apart(graph: fx.Graph, islands: List[Tuple[List[fx.Node], List[fx.Node], IslandChoice]]
+           ) -> List[Tuple[List[fx.Node], List[fx.Node], IslandChoice]]:
+    """The islands, each chosen one whose ops interleave with an earlier chosen island's declined.
+
+    A rewrite moves what runs between its island's first and last op (:func:`_rewrite`); two chosen islands
+    whose spans overlap (a recurrence written as a Python loop, RWKV's scan: step t's island reaches into step
+    t+1's) would each move the other's ops out of order.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    taken: List[Tuple[int, int, str]] = []
+    out = []
+    for members, entries, choice in islands:
+        if choice.chosen:
+            lo, hi = min(order[m] for m in members), max(order[m] for m in members)
+            other = next((name for a, b, name in taken if a <= hi and lo <= b), None)
+            if other is None:
+                taken.append((lo, hi, choice.island))
+            else:
+                choice = dataclasses.replace(choice, chosen=False, saved=None, chunked=False, forward_chunked=False,
+                                             reason=f"its ops interleave with {other}'s, which is recomputed: "
+                                                    f"one of two overlapping islands can be rewritten")
+        out.append((members, entries, choice))
+    return out
 
 
 def _upcast(node: fx.Node, static: DtypeInference) -> bool:
