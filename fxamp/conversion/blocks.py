@@ -96,7 +96,10 @@ def _repeated(m: nn.Module) -> List[str]:
     if isinstance(m, ParametrizationList):  # a weight's parametrizations are not layers (weight_norm's list of one)
         return []
     if isinstance(m, nn.ModuleList):
-        layered, single = (lambda child: True), len(m) == 1  # a stack of one layer (a small config) still is
+        # a stack of one layer (a small config) still is; a list of lists (PoolFormer's stages of layers) is no
+        # layer, it has no forward to convert: the search goes on into it
+        layered = lambda child: not isinstance(child, (nn.ModuleList, nn.ModuleDict))  # noqa: E731
+        single = len(m) == 1
     elif isinstance(m, nn.Sequential):
         layered, single = (lambda child: bool(child._modules) and any(True for _ in child.parameters())), False
     else:

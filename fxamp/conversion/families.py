@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.graph import _PyTreeCodeGen
 
-from .calls import bound_root, describe_call, flatten_call, leaf_names, rebuild_call, undo_point
+from .calls import bound_root, describe_call, flatten_call, leaf_names, undo_point
 from .capture import capture, capture_with_values
 from .capture.hooks import HOOK_DICTS, global_hooks, submodule_hooks
 from .capture.common import user_line

@@ -629,3 +629,31 @@ def test_one_block_repeated_in_a_module_list_is_found_and_converted_once(policy)
     with torch.no_grad():
         want, got = ref(x), model(x)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05, rtol=0.05)
+
+
+class _Stages(nn.Module):
+    """Stages of layers as a list of lists (PoolFormer's ``encoder.block``): each stage a ModuleList, no forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([nn.ModuleList([_SharedBlock()]), nn.ModuleList([_SharedBlock(), _SharedBlock()])])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, h):
+        for stage in self.stages:
+            for layer in stage:
+                h = layer(h)
+        return self.head(h)
+
+
+def test_a_list_of_lists_of_layers_converts_the_layers():
+    # a ModuleList of ModuleLists was taken as two blocks that nothing calls: their layers ran as written on
+    # bfloat16 weights under O2 ("Input type (float) and bias type (c10::BFloat16) should be the same")
+    model = _Stages()
+    ref = copy.deepcopy(model)
+    assert find_blocks(model) == ["stages.0.0", "stages.1.0", "stages.1.1"]
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want, got = ref(x), model(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05, rtol=0.05)
