@@ -64,7 +64,8 @@ _GLUE: Tuple[type, ...] = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
 
 def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> List[str]:
     """Module paths of the blocks: those matching ``patterns`` (globs such as ``"model.layers.*"``), else
-    the repeated children of every ``nn.ModuleList`` and ``nn.Sequential`` (:func:`_repeated`; outermost only)."""
+    the layers of every ``nn.ModuleList`` and the repeated children of every ``nn.Sequential`` (:func:`_repeated`;
+    outermost only)."""
     paths = [p for p, _ in model.named_modules() if p]
     if patterns is not None:
         if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
@@ -89,17 +90,18 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
 
 
 def _repeated(m: nn.Module) -> List[str]:
-    """Names of the children of ``m`` that are blocks: in an ``nn.ModuleList``, those of a class it holds
-    two or more of (or its one module); in an ``nn.Sequential``, those of a class it holds two or more of
+    """Names of the children of ``m`` that are blocks: in an ``nn.ModuleList``, every one (but a list of lists,
+    searched into); in an ``nn.Sequential``, those of a class it holds two or more of
     that have children and parameters of their own (residual blocks, a ViT's ``blocks``, a ResNet stage's
     blocks; not the Linear and activation layers of an MLP written as a Sequential, which are glue)."""
     if isinstance(m, ParametrizationList):  # a weight's parametrizations are not layers (weight_norm's list of one)
         return []
     if isinstance(m, nn.ModuleList):
-        # a stack of one layer (a small config) still is; a list of lists (PoolFormer's stages of layers) is no
-        # layer, it has no forward to convert: the search goes on into it
+        # every layer of the stack: one layer (a small config), a hybrid's layers of several classes (Jamba's
+        # attention and Mamba layers, one of each in a small config); a list of lists (PoolFormer's stages of
+        # layers) is no layer, it has no forward to convert: the search goes on into it
         layered = lambda child: not isinstance(child, (nn.ModuleList, nn.ModuleDict))  # noqa: E731
-        single = len(m) == 1
+        single = True
     elif isinstance(m, nn.Sequential):
         layered, single = (lambda child: bool(child._modules) and any(True for _ in child.parameters())), False
     else:

@@ -657,3 +657,39 @@ def test_a_list_of_lists_of_layers_converts_the_layers():
     with torch.no_grad():
         want, got = ref(x), model(x)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05, rtol=0.05)
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, h):
+        return h + torch.tanh(self.mix(self.norm(h)))
+
+
+class _Hybrid(nn.Module):
+    """A hybrid stack, one layer of each class in a small config (Jamba's attention and Mamba layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_SharedBlock(), _Mixer()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_a_stack_of_layers_of_several_classes_converts_each():
+    # one of each class: convert_ found "no blocks" (it took only classes a list holds two or more of)
+    model = _Hybrid()
+    ref = copy.deepcopy(model)
+    assert find_blocks(model) == ["layers.0", "layers.1"]
+    fxamp.convert_(model, "O2", dtype=torch.bfloat16)
+    assert [p for p, _ in converted_modules(model)] == ["layers.0", "layers.1", "head"]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want, got = ref(x), model(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=0.05, rtol=0.05)
