@@ -225,6 +225,23 @@ def mamba() -> nn.Module:
     return transformers.MambaForCausalLM(c)
 
 
+@hf
+def jamba() -> nn.Module:
+    # a hybrid stack: one Mamba and one attention layer (a MoE MLP on the second), without custom kernels
+    c = transformers.JambaConfig(**LLAMA_LIKE, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+                                 attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                                 mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False)
+    return transformers.JambaForCausalLM(c)
+
+
+@hf
+def rwkv() -> nn.Module:
+    # the time-mixing recurrence on CPU: a Python loop over time, its state a list of tensors written in place
+    return transformers.RwkvForCausalLM(transformers.RwkvConfig(vocab_size=V, context_length=32, hidden_size=32,
+                                                                num_hidden_layers=2, attention_hidden_size=32,
+                                                                intermediate_size=64))
+
+
 # --------------------------------------------------------------------------- Hugging Face: encoders
 
 def masked_inputs(seed: int, lo: int = 0) -> Inputs:
@@ -235,6 +252,14 @@ def masked_inputs(seed: int, lo: int = 0) -> Inputs:
 
 BERT_LIKE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                  max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@hf
+def funnel() -> nn.Module:
+    # pooled attention between stages; its blocks a ModuleList of ModuleLists
+    return transformers.FunnelForMaskedLM(transformers.FunnelConfig(
+        vocab_size=V, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8, d_inner=64, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=32))
 
 
 @hf
@@ -451,6 +476,15 @@ def mobilevit() -> nn.Module:
 
 
 @hf
+def poolformer() -> nn.Module:
+    # GroupNorm and average pooling as the token mixer; stages of layers in a ModuleList of ModuleLists
+    c = transformers.PoolFormerConfig(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2,
+                                      patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1], drop_path_rate=0.0,
+                                      num_labels=10)
+    return transformers.PoolFormerForImageClassification(c)
+
+
+@hf
 def segformer() -> nn.Module:
     c = transformers.SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
                                      hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
@@ -645,6 +679,9 @@ ENTRIES = [
     Entry("starcoder2", "decoder", starcoder2, lm_inputs, needs="transformers"),
     Entry("gpt_neo", "decoder", gpt_neo, padded_lm_inputs, needs="transformers"),
     Entry("mamba", "decoder-ssm", mamba, lm_inputs, needs="transformers"),
+    Entry("jamba", "decoder-ssm", jamba, lm_inputs, needs="transformers"),
+    Entry("rwkv", "decoder-rnn", rwkv, lm_inputs, needs="transformers"),
+    Entry("funnel", "encoder", funnel, masked_inputs, needs="transformers"),
     Entry("deberta_v2", "encoder", deberta_v2, masked_inputs, needs="transformers"),
     Entry("electra", "encoder", electra, masked_inputs, needs="transformers"),
     Entry("xlm_roberta", "encoder", xlm_roberta, lambda s: masked_inputs(s, lo=2), needs="transformers"),
@@ -656,6 +693,7 @@ ENTRIES = [
     Entry("resnet", "vision", resnet, image_inputs(32), needs="transformers", fp16=True),
     Entry("regnet", "vision", regnet, image_inputs(32), needs="transformers"),
     Entry("mobilevit", "vision", mobilevit, mobilevit_inputs, needs="transformers"),
+    Entry("poolformer", "vision", poolformer, image_inputs(32), needs="transformers"),
     Entry("segformer", "vision", segformer, image_inputs(32), needs="transformers"),
 ]
 
