@@ -452,10 +452,11 @@ _GROUPS = [
                 "follows its producer (low after a linear, float32 after a norm); only apex forced gelu "
                 "to float32",
              condition="follow_producer", fallback=N)),
-    ("nn.MultiheadAttention",
+    ("nn.MultiheadAttention F.multi_head_attention_forward",
      OpEntry(C, "with need_weights=False it is linear projections + scaled_dot_product_attention (safe); "
                 "with the default need_weights=True its explicit softmax also runs in low precision "
-                "(fallback safe; override to 'unsafe' to keep it float32)",
+                "(fallback safe; override to 'unsafe' to keep it float32); the function (WavLM calls it "
+                "with its own weights) is one node of torch.fx's graph: it runs whole, on its cast inputs",
              condition="need_weights", fallback=S)),
     ("add sub rsub operator.add operator.sub operator.iadd operator.isub Tensor.__add__ Tensor.__radd__ "
      "Tensor.__sub__ Tensor.__rsub__ Tensor.__iadd__",

@@ -55,3 +55,38 @@ def test_multi_head_attention_leaf_with_dropout_runs_through_runtime():
     x = torch.randn(2, 3, 8)
     layer.eval()
     torch.testing.assert_close(amp(x), layer(x), rtol=5e-2, atol=5e-2)
+
+
+class FunctionalMHA(nn.Module):
+    """WavLM's attention: ``F.multi_head_attention_forward`` called with its own projections (one torch.fx node)."""
+
+    def __init__(self, d=16, heads=2, need_weights=True):
+        super().__init__()
+        self.heads, self.need_weights = heads, need_weights
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, bias):
+        x = x.transpose(0, 1)  # (seq, batch, d)
+        out, _ = F.multi_head_attention_forward(
+            x, x, x, x.shape[-1], self.heads, torch.empty([0]),
+            torch.cat((self.q.bias, self.k.bias, self.v.bias)), None, None, False, 0.0, self.out.weight,
+            self.out.bias, self.training, None, self.need_weights, bias, use_separate_proj_weight=True,
+            q_proj_weight=self.q.weight, k_proj_weight=self.k.weight, v_proj_weight=self.v.weight)
+        return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_the_multi_head_attention_function_runs_low_as_the_module_does(need_weights):
+    # it was "unlisted": one node on float32 inputs, so a block converted in place ran its attention in float32
+    torch.manual_seed(0)
+    model, x, bias = FunctionalMHA(need_weights=need_weights).eval(), torch.randn(2, 5, 16), torch.randn(4, 5, 5)
+    amp = fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend="fx")
+    (node,) = [n for n in amp.graph.nodes if n.target is F.multi_head_attention_forward]
+    d = decision_of(node)
+    assert d.compute == torch.bfloat16 and "need_weights" in d.reason, d
+    with torch.no_grad():
+        ref, out = model(x, bias), amp(x, bias)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = model(x, bias).float()
+    err, auto_err = (out - ref).norm() / ref.norm(), (auto - ref).norm() / ref.norm()
+    assert out.dtype == torch.float32 and 0 < err < 3 * auto_err + 1e-3, (err, auto_err)

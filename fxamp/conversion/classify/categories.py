@@ -339,7 +339,9 @@ def _resolve_condition(entry: OpEntry, node: fx.Node, done: Mapping[fx.Node, Dec
     if cond == "float32_users":  # decided once every node is: see _widen_for_float32_users
         return entry.fallback, "follows its inputs (torch's type promotion computes in the widest)"
     if cond == "need_weights":
-        if node.kwargs.get("need_weights") is False:
+        # (F.multi_head_attention_forward's 16th positional parameter; the module's a keyword)
+        given = node.args[15] if node.op == "call_function" and len(node.args) > 15 else node.kwargs.get("need_weights")
+        if given is False:
             return Category.SAFE, "need_weights=False: projections + scaled_dot_product_attention"
         return entry.fallback, ("need_weights=True (the default): the attention softmax runs in low precision "
                                 "too; pass need_weights=False or override to 'unsafe'")
