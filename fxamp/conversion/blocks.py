@@ -417,7 +417,7 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
         _families(model, glue_paths, policy, options, glue=True)
     saved: Dict[str, torch.dtype] = {}  # name -> the dtype state_dict gives back (the original's)
     if policy.enabled:
-        storage = predict_storage(model, policy)
+        storage = predict_storage(model, policy, options.module_overrides)
         converted = block_paths + glue_paths
         tensors = dict(itertools.chain(model.named_parameters(remove_duplicate=False),
                                        model.named_buffers(remove_duplicate=False)))

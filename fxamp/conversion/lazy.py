@@ -161,7 +161,7 @@ class LazyConverted(nn.Module):
                        if name in tensors and t.dtype == torch.float32 and tensors[name].dtype != torch.float32}
             replace_tensors(root, lambda name, _t: tensors.get(name))
         else:
-            storage = predict_storage(root, policy) if policy.enabled else {}
+            storage = predict_storage(root, policy, options.module_overrides) if policy.enabled else {}
             watch_for_masters(new for _, new in rebind(root, storage).values())  # (see info.watch_for_masters)
         d = self.__dict__
         # the tables are the root's own dicts: a parameter registered or replaced on either is seen by both

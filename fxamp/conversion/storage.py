@@ -10,7 +10,7 @@ the module tree.  Every capture then runs the forward as written, for float32 te
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,7 @@ from ..dtypes import LOW
 from ..policy import Policy
 from .bytecode import codes_of, feeds_only
 from .graph import rebind, replace_tensors, tensor_slots
+from .op_lists import Category, as_entry, Source
 
 __all__ = ["predict_storage", "is_norm", "lookups_into_norms", "float32_for_capture"]
 
@@ -59,8 +60,13 @@ def lookups_into_norms(model: nn.Module) -> Set[int]:
     return {key for key, ok in lookups.items() if all(ok)}
 
 
-def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
+def predict_storage(model: nn.Module, policy: Policy,
+                    module_overrides: Optional[Mapping[str, Any]] = None) -> Dict[str, torch.dtype]:
     """The dtype each float32 parameter and buffer of ``model`` will be stored in, by name, without a graph.
+
+    ``module_overrides`` (``convert``'s): a module the user made ``"unsafe"`` keeps its tensors float32,
+    one made ``"safe"`` stores its parameters in ``policy.params``, whatever its class (the most specific
+    path decides), as whole-model conversion stores the tensors of ops it overrides.
 
     Layers of :data:`_LOW_LAYERS` (and ``Conv1D``): ``policy.params``; normalisation layers (a norm
     class, or ``Norm`` in the class name): ``policy.norms``; other modules' parameters float32, or
@@ -88,10 +94,19 @@ def predict_storage(model: nn.Module, policy: Policy) -> Dict[str, torch.dtype]:
     names: Dict[int, List[str]] = collections.defaultdict(list)
     others = policy.params if policy.unsafe != torch.float32 else torch.float32
     widened = lookups_into_norms(model) if policy.compute in LOW and policy.unsafe == torch.float32 else set()
+    chosen = {path: as_entry(value, "", Source.MODULE_OVERRIDE).category
+              for path, value in (module_overrides or {}).items()}
     for name, m, attr, t in tensor_slots(model):
         if t.dtype != torch.float32:
             continue
-        if id(m) in widened:
+        path = name.rpartition(".")[0]
+        by_user = max((k for k in chosen if k == "" or path == k or path.startswith(k + ".")), key=len, default=None)
+        category = chosen.get(by_user) if by_user is not None else None
+        if category is Category.UNSAFE:
+            strength, dtype = 4, torch.float32
+        elif category is Category.SAFE:
+            strength, dtype = 4, policy.params if attr in m._parameters else torch.float32
+        elif id(m) in widened:
             strength, dtype = 3, torch.float32
         elif is_norm(m):
             strength, dtype = 2, policy.norms

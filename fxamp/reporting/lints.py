@@ -1,4 +1,5 @@
-"""The dtype-leak lint: float32 values that feed low-precision work, each with what to do about it."""
+"""The dtype-leak lints: float32 values that feed low-precision work, low-precision storage only float32 work
+reads, each with what to do about it."""
 
 from __future__ import annotations
 
@@ -78,6 +79,29 @@ def find_lints(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], view: Any
         else:
             continue  # made in float32 by the model itself (a KV cache, a float32 input): nothing to act on
         yield Lint("cast-down", src.name, f"float32 output is cast to {dtype_name(dtype)} for {users}: {why}; {fix}")
+
+    yield from _stored_low_read_float32(gm, view)
+
+
+def _stored_low_read_float32(gm: fx.GraphModule, view: Any) -> Iterable[Lint]:
+    """``stored-low``: a parameter stored in low precision that every reader casts up to float32 first: rounded
+    for nothing, and cast whole at every call.  Convert and its lazy and in-place paths store a tensor before
+    any graph exists where a model's graphs differ by mode or are captured per block (``storage.predict_storage``):
+    a table only a norm in another module reads (RWKV's) is predicted low there."""
+    upcasts: Dict[fx.Node, List[fx.Node]] = {}
+    for cast in gm.graph.nodes:
+        if CAST in cast.meta and cast.meta[CAST][1] == torch.float32 and attr_target(cast.meta[CAST][0]) is not None:
+            upcasts.setdefault(cast.meta[CAST][0], []).append(cast)
+    for src, casts in upcasts.items():
+        stored = view.dtype(src)
+        if stored not in LOW_NAMES or any(u not in casts for u in _readers(src)):
+            continue
+        name = attr_target(src)
+        module = name.rpartition(".")[0]
+        yield Lint("stored-low", src.name,
+                   f"{name} is stored {stored}, but every op that reads it computes in float32: it was rounded for "
+                   f"nothing and is cast up whole at every call; to store it float32, make its module unsafe "
+                   f"(module_overrides={{{module!r}: 'unsafe'}}, its path in the model)")
 
 
 def _readers(node: fx.Node) -> List[fx.Node]:

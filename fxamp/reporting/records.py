@@ -266,8 +266,9 @@ class Row:
 class Lint:
     """A dtype leak: a float32 value where low precision was meant, the node to look at, and what to do.
 
-    kind: ``param-promotion`` (a float32 parameter or buffer promotes a low-precision branch) or
-          ``cast-down`` (a float32 activation is cast back down for a low-precision op).
+    kind: ``param-promotion`` (a float32 parameter or buffer promotes a low-precision branch),
+          ``cast-down`` (a float32 activation is cast back down for a low-precision op) or ``stored-low``
+          (a parameter stored in low precision that only float32 ops read, each casting it up).
     """
 
     kind: str
