@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from ..dtypes import short_name
 
-__all__ = ["SIMPLE", "ContainerWritten", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root", "undo_point"]
+__all__ = ["SIMPLE", "ContainerWritten", "flatten_call", "rebuild_call", "leaf_names", "describe_call", "bound_root",
+           "undo_point"]
 
 #: values a call's key holds as constants (baked into its graph); anything else that is not a tensor is opaque
 SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -132,7 +133,7 @@ def bound_root(block: nn.Module, cls: type, tree: Any, names: List[str],
         old = [o.__dict__.get(a) for o, a in owners]
         for (owner, attr), v in zip(owners, values):
             owner.__dict__[attr] = v
-        held = _contents((args, kwargs))
+        held = [c for v in (*args, *kwargs.values()) for c in _contents(v)]  # (in the tree's order, as _names)
         try:
             out = cls.forward(self, *args, **kwargs)
         finally:
@@ -165,7 +166,7 @@ class ContainerWritten(RuntimeError):
 
 
 def _contents(x: Any, out: Optional[List[Tuple[Any, Any]]] = None) -> List[Tuple[Any, Any]]:
-    """Each list and dict in a rebuilt call, with a shallow copy of what it held."""
+    """Each list and dict in an argument of a rebuilt call, with a shallow copy of what it held."""
     out = [] if out is None else out
     if type(x) is list or type(x) is tuple:
         if type(x) is list:

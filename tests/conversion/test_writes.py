@@ -77,9 +77,17 @@ def test_torch_fx_refuses_a_write_into_a_constant_it_read(kind):
         fxamp.convert(Model(kind), "O2", dtype="bfloat16", frontend="fx")
 
 
-def test_a_block_that_changes_a_list_it_is_given_runs_as_written_and_says_why():
-    model = Model("list")
+class KeywordModel(Model):
+    def forward(self, x):
+        state = [torch.zeros(8)]
+        for block in self.blocks:
+            x = block(x, state=state)
+        return x, state[0]
+
+
+@pytest.mark.parametrize("model, given", [(Model("list"), "argument 1"), (KeywordModel("list"), "'state'")])
+def test_a_block_that_changes_a_list_it_is_given_runs_as_written_and_says_why(model, given):
     amp = fxamp.convert_(copy.deepcopy(model), "O2", dtype="bfloat16")
-    with pytest.warns(RuntimeWarning, match=r"run\(s\) as written .*changes the list it is given as argument 1"):
+    with pytest.warns(RuntimeWarning, match=rf"run\(s\) as written .*changes the list it is given as {given}"):
         _, state = amp(torch.randn(2, 8))
     assert torch.equal(state, torch.full((8,), 2.0))
