@@ -68,23 +68,8 @@ def rebuild_call(tree: Any, leaves: Sequence[Any]) -> Tuple[Tuple[Any, ...], Dic
 
 def leaf_names(tree: Any, count: int) -> List[str]:
     """Placeholder names: the argument's name, with an index for a leaf inside a container."""
-    names: List[str] = []
-
-    def walk(node: Any, name: str) -> None:
-        tag = node[0]
-        if tag in ("T", "O"):
-            names.append(name)
-        elif tag is dict:
-            for k, v in node[1]:
-                walk(v, f"{name}_{k}")
-        elif tag in (tuple, list):
-            for i, v in enumerate(node[1]):
-                walk(v, f"{name}_{i}")
-
-    for i, a in enumerate(tree[0]):
-        walk(a, f"arg{i}")
-    for k, v in tree[1]:
-        walk(v, k)
+    names = [name for node, name in _named_nodes(tree, "arg{}".format, str, "{}_{}".format, "{}_{}".format)
+             if node[0] in ("T", "O")]
     clean = ["".join(c if c.isalnum() or c == "_" else "_" for c in n) for n in names]
     seen: Dict[str, int] = {}
     out = []
@@ -188,24 +173,31 @@ def _changed(container: Any, before: Any) -> bool:
 
 def _names(held: List[Tuple[Any, Any]], tree: Any) -> List[Tuple[Any, str]]:
     """``(container, the argument it is or sits in)`` for each of :func:`_contents`'s, in its order."""
-    names: List[Tuple[Any, str]] = []
+    names = [name for node, name in _named_nodes(tree, "argument {}".format, repr, "{}[{!r}]".format, "{}[{}]".format)
+             if node[0] is list or node[0] is dict]
+    return [(c, n) for (c, _), n in zip(held, names)]
+
+
+def _named_nodes(tree: Any, arg: Callable[[int], str], keyword: Callable[[str], str], key: Callable[[str, Any], str],
+                 item: Callable[[str, int], str]) -> List[Tuple[Any, str]]:
+    """Every node of a call's tree (:func:`flatten_call`) with a name, in the leaves' order: ``arg(i)`` or
+    ``keyword(k)`` for an argument, ``key(name, k)`` / ``item(name, i)`` for what a dict / tuple or list holds."""
+    out: List[Tuple[Any, str]] = []
 
     def walk(node: Any, name: str) -> None:
-        tag = node[0]
-        if tag is list or tag is dict:
-            names.append(name)
-        if tag is dict:
+        out.append((node, name))
+        if node[0] is dict:
             for k, v in node[1]:
-                walk(v, f"{name}[{k!r}]")
-        elif tag in (tuple, list):
+                walk(v, key(name, k))
+        elif node[0] in (tuple, list):
             for i, v in enumerate(node[1]):
-                walk(v, f"{name}[{i}]")
+                walk(v, item(name, i))
 
     for i, a in enumerate(tree[0]):
-        walk(a, f"argument {i}")
+        walk(a, arg(i))
     for k, v in tree[1]:
-        walk(v, repr(k))
-    return [(c, n) for (c, _), n in zip(held, names)]
+        walk(v, keyword(k))
+    return out
 
 
 _CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
