@@ -615,7 +615,8 @@ def _export_error(model: nn.Module, e: BaseException, why: Optional[str],
         todo = _label_hint(kwargs, where[2] if where else "", at_call) or (
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end; it then "
             f"runs whole, in float32), convert its submodules separately "
-            f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), or write the branch with "
+            f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), convert the model in place "
+            f"(fxamp.convert_(model): each layer is captured at its own call), or write the branch with "
             f"torch.where / torch.cond.")
         text = (
             f"torch.export could not capture {module}: data-dependent control flow at "
@@ -630,7 +631,7 @@ def _export_error(model: nn.Module, e: BaseException, why: Optional[str],
         text = (
             f"{prefix} could not capture {module}{(', ' + at) if at else ''}:\n    {short}\n"
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end), convert "
-            f"its submodules separately, or check that {inputs} are what forward "
-            f"expects."
+            f"its submodules separately, convert the model in place (fxamp.convert_(model): each layer is "
+            f"captured at its own call), or check that {inputs} are what forward expects."
         )
     return TraceError(text, short=short, module_path=path, original=e)
