@@ -91,3 +91,96 @@ def test_a_block_that_changes_a_list_it_is_given_runs_as_written_and_says_why(mo
     with pytest.warns(RuntimeWarning, match=rf"run\(s\) as written .*changes the list it is given as {given}"):
         _, state = amp(torch.randn(2, 8))
     assert torch.equal(state, torch.full((8,), 2.0))
+
+
+class Rescaled(nn.Module):
+    """RWKV's inference trick: the first eval call scales a weight in place and records it in a Python flag;
+    train() scales it back at the next call.  A graph keeps the scaling but not the flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.rescaled = False
+
+    def forward(self, x):
+        if self.training == self.rescaled:
+            with torch.no_grad():
+                self.lin.weight.mul_(2.0 if self.training else 0.5)
+            self.rescaled = not self.training
+        return self.lin(x) * (2.0 if self.rescaled else 1.0)
+
+
+
+class Flagged(Rescaled):
+    """The flag set in a method forward calls (RWKV's ``_rescale_layers``), where the scan of forward cannot see it."""
+
+    def forward(self, x):
+        if self.training == self.rescaled:
+            self.rescale()
+        return self.lin(x) * (2.0 if self.rescaled else 1.0)
+
+    def rescale(self):
+        with torch.no_grad():
+            self.lin.weight.mul_(2.0 if self.training else 0.5)
+        self.rescaled = not self.training
+
+
+class Helper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seen = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.count(x)
+        return self.lin(x)
+
+    def count(self, x):  # (no ``self.seen = `` in forward: the scan of its source cannot see it)
+        self.seen = self.seen + 1
+
+
+@pytest.mark.parametrize("model, frontend", [(Flagged().eval(), "export"), (Helper(), "fx"), (Helper(), "export")])
+def test_a_python_attribute_set_in_code_forward_calls_is_named(model, frontend):
+    # RWKV's eval sets layers_are_rescaled in _rescale_layers: nothing said so, and torch.export put it back silently
+    name, old, new = ("rescaled", False, True) if isinstance(model, Flagged) else ("seen", 0, 1)
+    kw = dict(example_inputs=(torch.randn(2, 8),)) if frontend == "export" else {}
+    with pytest.warns(UserWarning, match=rf"forward sets {name} \({old} -> {new}\) in code it calls: it ran once, "
+                                         rf"at capture .*every call runs as if {name} were still {old}.*convert_"):
+        fxamp.convert(model, "O1", dtype="bfloat16", frontend=frontend, **kw)
+
+
+@pytest.mark.xfail(strict=True, reason="a graph keeps the in-place rescale but not the Python flag that gates it: "
+                                       "every eval call of the captured graph rescales again (named at capture by "
+                                       "the warning above; refusing would refuse every counter too); left, with "
+                                       "RWKV's rescale_every")
+def test_a_one_shot_rescale_gated_by_a_python_flag_runs_once():
+    torch.manual_seed(0)
+    model, x = Rescaled(), torch.randn(2, 8)
+    ref = copy.deepcopy(model)
+    amp = fxamp.convert(model, "O1", dtype="bfloat16", example_inputs=(x,), frontend="export")
+    for mode in ("eval", "eval", "train", "eval"):
+        getattr(ref, mode)()
+        getattr(amp, mode)()
+        with torch.no_grad():
+            torch.testing.assert_close(amp(x), ref(x), atol=0.05, rtol=0.02)
+
+def test_in_place_the_module_that_sets_it_runs_as_written():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+            self.head = Rescaled()
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 8)
+    ref = copy.deepcopy(model)
+    amp = fxamp.convert_(model, "O1", dtype="bfloat16")
+    for mode in ("eval", "eval", "train", "eval"):
+        getattr(ref, mode)()
+        getattr(amp, mode)()
+        with torch.no_grad():
+            torch.testing.assert_close(amp(x), ref(x), atol=0.05, rtol=0.02)

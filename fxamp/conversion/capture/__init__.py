@@ -33,7 +33,7 @@ from .export import ExportFrontEnd
 from .fx import FxFrontEnd, identity_test_error
 from .hooks import copy_root_hooks, root_hooks_note, traced_hooks_error, user_hooks, without_hooks
 from .modes import capture_modes, make_modes_switchable, training_mode
-from .regions import capture_notes
+from .regions import capture_notes, written_notes
 
 __all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error",
            "copy_root_hooks", "root_hooks_note", "user_hooks", "without_hooks"]
@@ -117,6 +117,7 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)
     finish_notes += capture_notes(model, gm, front.name, getattr(front, "opaque", ()))
+    finish_notes += written_notes(getattr(front, "written", ()), finish_notes, front.name)
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode)

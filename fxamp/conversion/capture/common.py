@@ -8,7 +8,7 @@ import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Type, Union
+from typing import Any, Dict, List, Optional, Protocol, Tuple, Type, Union
 
 import torch
 import torch.fx as fx
@@ -96,3 +96,31 @@ def warn(message: str) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FXAMP_DIR):
         level, frame = level + 1, frame.f_back
     warnings.warn(f"fxamp: {message}", stacklevel=level)
+
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+#: a plain attribute forward changed while traced: (module path, name, before, after)
+Written = Tuple[str, str, Any, Any]
+
+
+def plain_attributes(model: nn.Module) -> Dict[Tuple[str, str], Any]:
+    """Each module's own public attributes that hold plain Python values other than None, by (module path, name);
+    ``training`` aside (captures switch it).  A library's private flags (``_hooks_installed``) and scratch values
+    a forward fills in before reading them (None before the first call) are not state a graph drops."""
+    return {(path, k): v for path, m in model.named_modules() for k, v in vars(m).items()
+            if type(v) in _PLAIN and v is not None and k != "training" and not k.startswith("_")}
+
+
+def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> List[Written]:
+    """Those of :func:`plain_attributes` that tracing changed (a helper method's ``self.flag = ...`` too, which the
+    source scan of forward cannot see).  Left as they are: torch.export puts them back itself, and a library may
+    pair one with other state (hooks it installed)."""
+    after = {key: vars(m).get(key[1]) for key, m in ((k, _module(model, k[0])) for k in before)}
+    return [(path, name, old, after[(path, name)]) for (path, name), old in sorted(before.items())
+            if type(after[(path, name)]) is not type(old) or after[(path, name)] != old]
+
+
+def _module(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model

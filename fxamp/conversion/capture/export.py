@@ -79,7 +79,7 @@ import torch.utils._pytree as pytree
 from ...errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
 from ..options import Dynamic, parse_option
-from .common import LeafSpec, user_frame
+from .common import LeafSpec, Written, changed_attributes, plain_attributes, user_frame
 from .constants import fit_fill_values
 from .hooks import traced_hooks_error, without_hooks
 from .regions import region_notes
@@ -133,6 +133,7 @@ class ExportFrontEnd:
         self.asked = asked_dims(self.signature, self.args, self.kwargs, self.dynamic_shapes) \
             if dynamic_shapes is None else {}
         self.dropped: List[str] = []
+        self.written: List[Written] = []  # plain attributes forward set while traced (put back)
         self.subgraphs: List[nn.Module] = []
 
     def _why(self) -> Optional[str]:
@@ -149,7 +150,7 @@ class ExportFrontEnd:
         from torch.export import export  # heavy: imported only when used
 
         # copied per capture: it carries the mode being captured
-        root = _export_root(self.model, self.dropped, self.signature, self.kwargs)
+        root = _export_root(self.model, self.dropped, self.written, self.signature, self.kwargs)
         with _quiet_torch_logs():
             return export(root, self.args, self.kwargs, dynamic_shapes=self.dynamic_shapes).module(check_guards=False)
 
@@ -211,7 +212,8 @@ def _signature(model: nn.Module) -> Optional[inspect.Signature]:
 _RETURNABLE = (torch.Tensor, int, float, bool, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspect.Signature] = None,
+def _export_root(model: nn.Module, dropped: List[str], written: List[Written],
+                 signature: Optional[inspect.Signature] = None,
                  kwargs: Sequence[str] = ()) -> nn.Module:
     """A shallow copy of ``model`` (same submodules and tensors) whose forward drops unreturnable outputs.
 
@@ -244,7 +246,10 @@ def _export_root(model: nn.Module, dropped: List[str], signature: Optional[inspe
             dropped.append(type(leaf).__name__)
             return None
 
-        return pytree.tree_map(keep, forward(*args, **kwargs))
+        before = plain_attributes(model)  # (torch.export puts back what forward sets, silently)
+        out = forward(*args, **kwargs)
+        written.extend(w for w in changed_attributes(model, before) if w not in written)
+        return pytree.tree_map(keep, out)
 
     var_keyword = [p for p in (signature.parameters.values() if signature else ())
                    if p.kind is inspect.Parameter.VAR_KEYWORD]

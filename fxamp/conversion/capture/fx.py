@@ -34,7 +34,8 @@ from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, rename_node
 from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
-from .common import _FXAMP_DIR, _TORCH_DIR, LeafSpec, UnsoundCapture, user_line
+from .common import (_FXAMP_DIR, _TORCH_DIR, LeafSpec, UnsoundCapture, Written, changed_attributes,
+                     plain_attributes, user_line)
 from .constants import fit_fill_values, fit_scalar
 from .hooks import has_own_hooks, traced_hooks_error
 from .regions import (confirmed, fx_region_error, region_note, region_state, scan,
@@ -55,6 +56,7 @@ class FxFrontEnd:
         # forward's inputs traced as None (``labels=None``): torch.fx traces every other input as a value, so
         # ``if labels is not None:`` takes the branch where it is given (a graph per None pattern: lazy.py)
         self.none_inputs = tuple(none_inputs)
+        self.written: List[Written] = []  # plain attributes forward set while traced (put back)
         refused = traced_hooks_error(model, "torch.fx")
         if refused is not None:
             raise refused
@@ -79,10 +81,13 @@ class FxFrontEnd:
         # region then changes the grad mode even when convert() is called under torch.no_grad()
         grad = torch.enable_grad() if self.trace_with_grad else contextlib.nullcontext()
         with _buffer_writes_refused(model), grad:
+            before = plain_attributes(root)  # (the copy's own, and its submodules', which are the model's)
             try:
                 graph = tracer.trace(root, {name: None for name in self.none_inputs} or None)
             except Exception as e:  # anything torch.fx raises while running forward on proxies
                 raise _trace_error(model, tracer, e) from e
+            finally:
+                self.written.extend(w for w in changed_attributes(root, before) if w not in self.written)
         _named_as_forward(graph, self.none_inputs)
         for node in graph.nodes:
             if isinstance(node.type, str):

@@ -36,7 +36,7 @@ import sysconfig
 import textwrap
 import types
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -416,6 +416,24 @@ def python_state_notes(found: Iterable[Tuple[str, nn.Module, Finding]], frontend
         elif f.kind == "print":
             notes.append(f"forward calls print at {region_note(path, f)}: it ran at capture ({frontend}), "
                          f"not at each call of the converted module")
+    for note in notes:
+        warn(note)
+    return notes
+
+
+def written_notes(written: Iterable[Tuple[str, str, Any, Any]], noted: Sequence[str], frontend: str) -> List[str]:
+    """One note (and warning) per plain attribute forward changed while traced that the source scan did not note
+    (set in a method forward calls: RWKV's ``_rescale_layers`` sets ``layers_are_rescaled``): the graph runs as if
+    it still held its old value."""
+    notes = []
+    for path, name, old, new in written:
+        if any(f"forward sets self.{name} at" in n and (not path or path in n) for n in noted):
+            continue  # (the scan named its line)
+        where = f"{path}.{name}" if path else name
+        notes.append(f"forward sets {where} ({old!r} -> {new!r}) in code it calls: it ran once, at capture "
+                     f"({frontend}); the converted module does not run it, so every call runs as "
+                     f"if {where} were still {old!r}. Keep that state outside the model's forward, or convert the "
+                     f"model in place (fxamp.convert_), where the module that sets it runs as written")
     for note in notes:
         warn(note)
     return notes
