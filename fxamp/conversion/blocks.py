@@ -101,9 +101,9 @@ def _repeated(m: nn.Module) -> List[str]:
         # attention and Mamba layers, one of each in a small config); a list of lists (PoolFormer's stages of
         # layers) is no layer, it has no forward to convert: the search goes on into it
         layered = lambda child: not isinstance(child, (nn.ModuleList, nn.ModuleDict))  # noqa: E731
-        single = True
+        any_count = True
     elif isinstance(m, nn.Sequential):
-        layered, single = (lambda child: bool(child._modules) and any(True for _ in child.parameters())), False
+        layered, any_count = (lambda child: bool(child._modules) and any(True for _ in child.parameters())), False
     else:
         return []
     # every entry, the same module repeated included (``nn.ModuleList([block] * 4)``: one block's weights
@@ -114,7 +114,7 @@ def _repeated(m: nn.Module) -> List[str]:
         counts[type(child)] = counts.get(type(child), 0) + 1
     first = {id(child): name for name, child in reversed(children)}  # a shared module: converted once, as named first
     return [name for name, child in children
-            if first[id(child)] == name and (counts[type(child)] > 1 or single) and layered(child)]
+            if first[id(child)] == name and (any_count or counts[type(child)] > 1) and layered(child)]
 
 
 def glue_modules(model: nn.Module, blocks: Sequence[str]) -> List[str]:

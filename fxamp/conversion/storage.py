@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..dtypes import LOW
 from ..policy import Policy
 from .bytecode import codes_of, feeds_only
-from .graph import rebind, replace_tensors, tensor_slots
+from .graph import covering, rebind, replace_tensors, tensor_slots
 from .op_lists import Category, as_entry, Source
 
 __all__ = ["predict_storage", "is_norm", "lookups_into_norms", "float32_for_capture"]
@@ -94,14 +94,12 @@ def predict_storage(model: nn.Module, policy: Policy,
     names: Dict[int, List[str]] = collections.defaultdict(list)
     others = policy.params if policy.unsafe != torch.float32 else torch.float32
     widened = lookups_into_norms(model) if policy.compute in LOW and policy.unsafe == torch.float32 else set()
-    chosen = {path: as_entry(value, "", Source.MODULE_OVERRIDE).category
-              for path, value in (module_overrides or {}).items()}
+    chosen = _categories(module_overrides)
     for name, m, attr, t in tensor_slots(model):
         if t.dtype != torch.float32:
             continue
-        path = name.rpartition(".")[0]
-        by_user = max((k for k in chosen if k == "" or path == k or path.startswith(k + ".")), key=len, default=None)
-        category = chosen.get(by_user) if by_user is not None else None
+        by_user = covering(name.rpartition(".")[0], chosen)
+        category = by_user[1] if by_user is not None else None
         if category is Category.UNSAFE:
             strength, dtype = 4, torch.float32
         elif category is Category.SAFE:
@@ -121,6 +119,17 @@ def predict_storage(model: nn.Module, policy: Policy,
     for key, (_, dtype) in claims.items():
         for name in names[key]:
             out[name] = dtype
+    return out
+
+
+def _categories(module_overrides: Optional[Mapping[str, Any]]) -> Dict[str, Category]:
+    """The category of each module override (``"float8"``/``"no_float8"`` choose a matmul's kind, not storage)."""
+    out: Dict[str, Category] = {}
+    for path, value in (module_overrides or {}).items():
+        try:
+            out[path] = as_entry(value, "", Source.MODULE_OVERRIDE).category
+        except ValueError:
+            continue
     return out
 
 

@@ -53,6 +53,9 @@ def test_predicted_storage_follows_module_overrides():
     assert chosen["blocks.0.fc.weight"] == chosen["blocks.0.ln.weight"] == torch.float32  # (the whole subtree)
     assert chosen["blocks.1.ln.weight"] == torch.bfloat16 and chosen["blocks.1.fc.weight"] == torch.bfloat16
     assert chosen["head.weight"] == torch.bfloat16
+    # a float8 choice is no category: it leaves the storage to the rest (it raised "not a category")
+    float8 = predict_storage(LM(), policy, {"head": "no_float8", "emb": "unsafe"})
+    assert float8["head.weight"] == torch.bfloat16 and float8["emb.weight"] == torch.float32
 
 
 @pytest.mark.parametrize("path", ["lazy", "in-place"])

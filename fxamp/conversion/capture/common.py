@@ -98,7 +98,6 @@ def warn(message: str) -> None:
     warnings.warn(f"fxamp: {message}", stacklevel=level)
 
 
-
 _PLAIN = (bool, int, float, str, type(None))
 
 #: a plain attribute forward changed while traced: (module path, name, before, after)

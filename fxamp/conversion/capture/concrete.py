@@ -87,7 +87,7 @@ class _ConcreteTracer(FxTracer):
         # too, since an in-place op on an input (RWKV's ``state[0][:, :, i] = s``) runs here and again in the graph
         memo: Dict[int, Any] = {}
         self.values = [v if isinstance(v, _SIMPLE) else _copy(v, memo) if not isinstance(v, torch.Tensor)
-                       else memo.setdefault(id(v), _input_copy(v)) for v in values]
+                       else _input_copy(v, memo) for v in values]
         self.real: dict = {}
         self.meta_only: Set[fx.Node] = set()  # nodes whose values depend on no tensor data
         self.effects: Set[fx.Node] = set()  # method calls on opaque objects
@@ -244,11 +244,14 @@ class _ConcreteProxy(fx.Proxy):
         return fx.Proxy.keys.__get__(self)
 
 
-def _input_copy(t: torch.Tensor) -> torch.Tensor:
-    """A tensor input's copy for the trace to run on (its flags kept: a branch may read ``requires_grad``)."""
-    with torch.no_grad():
-        new = t.detach().clone()
-    return new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
+def _input_copy(t: torch.Tensor, memo: Dict[int, Any]) -> torch.Tensor:
+    """A tensor input's copy for the trace to run on, one per tensor (its flags kept: a branch may read
+    ``requires_grad``)."""
+    if id(t) not in memo:
+        with torch.no_grad():
+            new = t.detach().clone()
+        memo[id(t)] = new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
+    return memo[id(t)]
 
 
 def _copy(value: Any, memo: Optional[Dict[int, Any]] = None) -> Any:

@@ -133,7 +133,7 @@ class ExportFrontEnd:
         self.asked = asked_dims(self.signature, self.args, self.kwargs, self.dynamic_shapes) \
             if dynamic_shapes is None else {}
         self.dropped: List[str] = []
-        self.written: List[Written] = []  # plain attributes forward set while traced (put back)
+        self.written: List[Written] = []  # plain attributes forward changed while traced
         self.subgraphs: List[nn.Module] = []
 
     def _why(self) -> Optional[str]:

@@ -56,7 +56,7 @@ class FxFrontEnd:
         # forward's inputs traced as None (``labels=None``): torch.fx traces every other input as a value, so
         # ``if labels is not None:`` takes the branch where it is given (a graph per None pattern: lazy.py)
         self.none_inputs = tuple(none_inputs)
-        self.written: List[Written] = []  # plain attributes forward set while traced (put back)
+        self.written: List[Written] = []  # plain attributes forward changed while traced
         refused = traced_hooks_error(model, "torch.fx")
         if refused is not None:
             raise refused
