@@ -238,8 +238,8 @@ def jamba() -> nn.Module:
 def rwkv() -> nn.Module:
     # the time-mixing recurrence on CPU: a Python loop over time, its state a list of tensors written in place;
     # rescale_every=0: with it, eval's first call rescales the weights in place and sets layers_are_rescaled, a
-    # Python flag no graph keeps: a whole-model graph rescales at every eval call (a strict xfail in
-    # tests/conversion/test_writes.py; in place, RwkvModel runs as written and is right)
+    # Python flag that gates the rescale and no graph keeps: whole-model capture is refused, naming it
+    # (tests/conversion/test_writes.py; in place, RwkvModel runs as written and is right)
     return transformers.RwkvForCausalLM(transformers.RwkvConfig(vocab_size=V, context_length=32, hidden_size=32,
                                                                 num_hidden_layers=2, attention_hidden_size=32,
                                                                 intermediate_size=64, rescale_every=0))

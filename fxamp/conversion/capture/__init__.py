@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union  # noqa: F401
 
+import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
-from .common import Captured, FrontEnd, LeafSpec
+from .common import Captured, FrontEnd, LeafSpec, written_read_error
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd, identity_test_error
@@ -107,8 +108,20 @@ def capture_with_values(model: nn.Module, values: Sequence[Any]) -> Captured:
 
 
 def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Captured:
+    def trace() -> fx.GraphModule:
+        log = getattr(front, "written", [])
+        seen = len(log)
+        gm = front.trace()
+        for written in log[seen:]:
+            error = written_read_error(model, front.trace, gm, written, log)
+            if error is not None:  # (refused: the user's model keeps the values it had)
+                for path, name, old, _ in log[seen:]:
+                    vars(model.get_submodule(path))[name] = old
+                raise error
+        return gm
+
     try:
-        gm, mode, mode_notes, only_mode = capture_modes(model, front.trace, graph_per_mode=graph_per_mode)
+        gm, mode, mode_notes, only_mode = capture_modes(model, trace, graph_per_mode=graph_per_mode)
     except TraceError:
         raise
     except Exception as e:  # torch.export raises many types; all mean "could not capture"

@@ -123,3 +123,43 @@ def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> 
 
 def _module(model: nn.Module, path: str) -> nn.Module:
     return model.get_submodule(path) if path else model
+
+
+def written_read_error(model: nn.Module, trace: Any, gm: fx.GraphModule, written: Written,
+                       log: List[Written]) -> Optional[TraceError]:
+    """A capture that changed a plain attribute, captured again with the attribute at its new value: None when the
+    two graphs are the same (a counter, ``self.calls += 1``: the graph drops the count, which the warning says),
+    else the error refusing the first graph, which would run at every call as the first call did (RWKV's eval
+    rescales its weights in place and sets ``layers_are_rescaled``: the graph rescaled again at every call).
+    ``log`` is the front end's record of changes, which the second capture must not add to."""
+    path, name, old, new = written
+    owner, kept = _module(model, path), len(log)
+    had = vars(owner).get(name)
+    vars(owner)[name] = new
+    try:
+        again: Optional[str] = None if _structure(trace()) == _structure(gm) else ""
+    except Exception as e:  # (TraceError or torch's own: the call at the new value does not even capture)
+        again = f" (at {new!r}, capture fails: {getattr(e, 'short', '') or type(e).__name__})"
+    finally:
+        vars(owner)[name] = had
+        del log[kept:]
+    if again is None:
+        return None
+    where = f"{path}.{name}" if path else name
+    return TraceError(
+        f"{type(model).__name__}'s forward sets {where} ({old!r} -> {new!r}), and its graph depends on that value: "
+        f"the graph captured at {where}={old!r} is not the one at {new!r}{again}, so the converted "
+        f"module would run every call as the first one ran. What to do: convert the model in place "
+        f"(fxamp.convert_), where the module that sets {name} runs as written, or keep that state outside forward",
+        short=f"forward sets {where}, which its graph depends on", module_path=path)
+
+
+def _structure(gm: fx.GraphModule) -> List[Tuple[str, str, str]]:
+    """Each node's op, target and arguments (earlier nodes by position): equal for two captures of the same code."""
+    index: Dict[fx.Node, int] = {}
+    out = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}")  # type: ignore[arg-type,return-value]
+        out.append((node.op, str(node.target), repr(args)))
+    return out
