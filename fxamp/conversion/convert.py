@@ -244,6 +244,10 @@ def _copy_tree(model: nn.Module) -> nn.Module:
     """
     memo: Dict[int, Any] = {id(t): t for _, _, _, t in tensor_slots(model)}
     memo.update((id(hook), hook) for hook in user_hooks(model))  # a counter's hook counts for the user, not a copy
+    # a tensor a hook computes from parameters and sets as a plain attribute (torch.nn.utils.prune's ``weight``,
+    # the legacy weight_norm's): not a leaf, which deepcopy refuses; the hook computes it again at every call
+    memo.update((id(v), v) for m in model.modules() for v in vars(m).values()
+                if isinstance(v, torch.Tensor) and v.grad_fn is not None)
     return copy.deepcopy(model, memo=memo)
 
 

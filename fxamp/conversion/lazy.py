@@ -62,7 +62,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .capture import Captured, LeafSpec, capture, copy_root_hooks, root_hooks_note, without_hooks
+from .capture import Captured, LeafSpec, capture, copy_root_hooks, root_hooks_note, shallow_copy, without_hooks
 from .capture.shapes import STATIC_SIZES, OtherInputSet, OutsideCapturedRange
 from ..info import INFO_ATTR, ConversionInfo, conversion_info, hold_origins, origins_for_copy, watch_for_masters
 from .pipeline import rewrite_captured
@@ -145,8 +145,7 @@ class LazyConverted(nn.Module):
                  optional: Sequence[Tuple[int, str]] = ()):
         super().__init__()
         if not owns_model:  # the original's children are shared (O0/O1), its own attributes are not
-            root = copy.copy(model)
-            root.__dict__ = dict(model.__dict__)
+            root = shallow_copy(model)
             for table in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
                 root.__dict__[table] = copy.copy(model.__dict__[table])
         else:

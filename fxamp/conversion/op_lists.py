@@ -377,8 +377,13 @@ _GROUPS = [
      OpEntry(U, "local response norm sums squares: float32 (autocast, apex)")),
     ("F.normalize F.cosine_similarity F.pairwise_distance F.pdist cdist dist renorm nn.CosineSimilarity "
      "nn.PairwiseDistance aten._cdist_forward aten._pdist_forward aten.cosine_similarity aten.pairwise_distance "
-     "aten.pdist",
-     OpEntry(U, "vector norms and distances square and sum: float32 (autocast, apex)")),
+     "aten.pdist _weight_norm aten._weight_norm_interface norm_except_dim",
+     OpEntry(U, "vector norms (weight norm's too) and distances square and sum: float32 (autocast, apex)")),
+    ("torch.nn.utils.parametrize.ParametrizationList",
+     OpEntry(U, "a parametrization (weight_norm, spectral_norm, orthogonal) making a weight from its original "
+                "tensors, called as a leaf: its norms, power iteration or matrix exponential run in float32 on "
+                "float32 originals, as torch runs them; the op that reads the weight (a linear, a conv) casts it "
+                "as it casts any weight")),
     ("F.interpolate F.upsample F.upsample_nearest F.upsample_bilinear F.grid_sample nn.Upsample "
      "nn.UpsamplingNearest2d nn.UpsamplingBilinear2d aten.upsample_nearest1d aten.upsample_nearest2d "
      "aten.upsample_nearest3d aten.upsample_bilinear2d aten.upsample_linear1d aten.upsample_bicubic2d "
@@ -389,7 +394,8 @@ _GROUPS = [
      OpEntry(U, "exp/sum-heavy or precision-sensitive: float32 (autocast CPU/CUDA)")),
     ("torch.linalg.inv torch.linalg.solve torch.linalg.svd torch.linalg.qr torch.linalg.eigh "
      "torch.linalg.eig torch.linalg.cholesky torch.linalg.det torch.linalg.slogdet torch.linalg.lstsq "
-     "torch.linalg.pinv torch.linalg.matrix_exp inverse det logdet slogdet cholesky svd qr "
+     "torch.linalg.pinv torch.linalg.matrix_exp matrix_exp aten.linalg_matrix_exp inverse det logdet slogdet "
+     "cholesky svd qr "
      "aten.linalg_inv_ex aten.linalg_solve aten._linalg_svd aten.linalg_qr aten._linalg_eigh "
      "aten.linalg_cholesky_ex aten._linalg_det aten._linalg_slogdet aten.linalg_inv aten.linalg_svd aten.linalg_eig "
      "aten.linalg_eigh aten.linalg_cholesky aten.linalg_det aten.linalg_slogdet aten.linalg_lstsq aten.linalg_pinv "

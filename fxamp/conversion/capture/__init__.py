@@ -28,7 +28,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
-from .common import Captured, FrontEnd, LeafSpec, written_read_error
+from .common import Captured, FrontEnd, LeafSpec, shallow_copy, written_read_error
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd, identity_test_error
@@ -37,7 +37,7 @@ from .modes import capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes, written_notes
 
 __all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error",
-           "copy_root_hooks", "root_hooks_note", "user_hooks", "without_hooks"]
+           "copy_root_hooks", "root_hooks_note", "shallow_copy", "user_hooks", "without_hooks"]
 
 FRONTENDS = ("auto", "fx", "export")
 

@@ -121,6 +121,15 @@ def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> 
             if type(after[(path, name)]) is not type(old) or after[(path, name)] != old]
 
 
+def shallow_copy(model: nn.Module) -> nn.Module:
+    """A module of ``model``'s class whose ``__dict__`` is a copy of its own (the same children, tensors and hook
+    tables): ``copy.copy`` without ``__reduce_ex__``, which a parametrized module (``ParametrizedConv2d`` of
+    torch.nn.utils.parametrizations.weight_norm) refuses ("Serialization of parametrized modules...")."""
+    root = type(model).__new__(type(model))
+    root.__dict__ = dict(model.__dict__)
+    return root
+
+
 def _module(model: nn.Module, path: str) -> nn.Module:
     return model.get_submodule(path) if path else model
 

@@ -60,7 +60,6 @@ convert again.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import inspect
@@ -79,7 +78,7 @@ import torch.utils._pytree as pytree
 from ...errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
 from ..options import Dynamic, parse_option
-from .common import LeafSpec, Written, changed_attributes, plain_attributes, user_frame
+from .common import LeafSpec, Written, changed_attributes, plain_attributes, shallow_copy, user_frame
 from .constants import fit_fill_values
 from .hooks import traced_hooks_error, without_hooks
 from .regions import region_notes
@@ -224,8 +223,7 @@ def _export_root(model: nn.Module, dropped: List[str], written: List[Written],
     ``forward``'s ``**kwargs`` become keyword-only parameters of the copy's signature, which torch.export
     reads: its dynamic shapes then name them, as for any other argument.
     """
-    root = copy.copy(model)
-    root.__dict__ = dict(model.__dict__)
+    root = shallow_copy(model)
     without_hooks(root)
     forward = model.forward
 

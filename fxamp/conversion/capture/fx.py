@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import copy
 import functools
 import inspect
 import itertools
@@ -28,13 +27,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from ...errors import TraceError
 from ..op_lists import VIEW_OPS, is_inplace, op_key
 from ..graph import MODULE, canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, rename_node
 from ..runtime.recompute import island_input, island_loss, island_on, island_output, island_upcast
 from ..runtime import attention, call_module_cast, cast, cast_weights, checkpointed, multi_head_attention
-from .common import (_FXAMP_DIR, _TORCH_DIR, LeafSpec, UnsoundCapture, Written, changed_attributes,
+from .common import (_FXAMP_DIR, _TORCH_DIR, LeafSpec, UnsoundCapture, Written, changed_attributes, shallow_copy,
                      plain_attributes, user_line)
 from .constants import fit_fill_values, fit_scalar
 from .hooks import has_own_hooks, traced_hooks_error
@@ -73,8 +73,7 @@ class FxFrontEnd:
         tracer.record_stack_traces = True  # where each node came from: regions and checkpoint calls (regions.py)
         # Trace a shallow copy: the tracer stores tensor constants as attributes of the root, and
         # the user's model must not change.
-        root = copy.copy(model)
-        root.__dict__ = dict(model.__dict__)
+        root = shallow_copy(model)
         if FORWARDS.get(type(model)) is not None:  # a torch.nn transformer at the root
             root.__class__ = traced_class(type(model))
         # grad enabled while tracing (not when the trace runs the call's values: concrete.py): a no_grad
@@ -181,6 +180,10 @@ class FxTracer(fx.Tracer):
         if has_own_hooks(m):  # traced through, its hooks would run once, at capture: called, they run each time
             return True
         if type(m) in FORWARDS:  # torch.nn's transformers: traced into (capture/transformer.py)
+            return False
+        if parametrize.is_parametrized(m):
+            # torch makes ParametrizedLinear in torch.nn's namespace, which torch.fx keeps whole: traced into, its
+            # linear is converted and its weight is made by its ParametrizationList, a leaf (op_lists)
             return False
         return super().is_leaf_module(m, module_qualified_name)
 

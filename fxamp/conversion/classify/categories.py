@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from ...dtypes import CASTABLE, LOW, NOT_FLOAT, dtype_name
 from ...errors import ConversionError
@@ -364,8 +365,8 @@ def float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision]) ->
         if node.op != "call_module" or d.compute != torch.float32 or d.norm:
             continue
         m = gm.get_submodule(str(node.target))
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            continue
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag, parametrize.ParametrizationList)):
+            continue  # (lookups; a parametrization makes a weight, which the op reading it casts)
         share = sum(p.numel() for p in m.parameters()) / total if total else 0.0
         hooked = any(getattr(m, a) for a in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
                                              "_backward_hooks"))  # torch.fx calls it so that its hooks run
