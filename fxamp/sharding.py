@@ -61,7 +61,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-from .conversion.blocks import converted_modules, family_of
+from .conversion.blocks import converted_modules, family_of, read_around
 from .conversion.lazy import LazyConverted
 from .conversion.rewrite.casts import CACHE_NAME
 from .conversion.runtime import WeightCastCache, cast_weights
@@ -274,7 +274,7 @@ def low_gathered(model: nn.Module) -> Dict[str, torch.dtype]:
     policy's compute dtype.  One not captured yet (``shard`` runs before the first call) answers from the
     parameter's owner: the weight and bias of a linear or convolution layer (``Conv1D`` too), whose one op
     the policy runs low.  A parameter tied across modules must qualify in each; one read outside converted
-    modules (the model's own code) never does.  A wrong prediction is caught at the first forward: the
+    modules (the model's own code, around a glue module too: ``blocks.read_around``) never does.  A wrong prediction is caught at the first forward: the
     all-gathered parameter refuses every read but that cast.
     """
     policy = policy_of(model)
@@ -289,6 +289,8 @@ def low_gathered(model: nn.Module) -> Dict[str, torch.dtype]:
                 captured.add(path)
                 for name, dtypes in _reads(graph.gm).items():
                     computes.setdefault(f"{path}.{name}" if path else name, set()).update(dtypes)
+    # (the model's own code reads these directly, not by calling their module: WGAN's weight.clamp_)
+    around = set(read_around(model, [path for path, module in converted if family_of(module).glue]))
     verdicts: Dict[int, List[bool]] = {}
     names: Dict[int, str] = {}
     for owner_path, owner in model.named_modules(remove_duplicate=False):
@@ -298,7 +300,7 @@ def low_gathered(model: nn.Module) -> Dict[str, torch.dtype]:
             name = f"{owner_path}.{attr}" if owner_path else attr
             names.setdefault(id(p), name)
             inside = [c for c, _ in converted if not c or owner_path == c or owner_path.startswith(c + ".")]
-            if not inside:
+            if not inside or name in around:
                 ok = False
             elif max(inside, key=len) in captured:
                 ok = computes.get(name) == {policy.compute}

@@ -606,3 +606,32 @@ def test_the_plan_from_graphs_is_the_prediction_for_nested_layers():
     rows = {line.split(" | ")[0].strip(): line.split(" | ")[3].strip() for line in
             fxamp.sharding.sharding_table(model).splitlines()[2:]}
     assert rows["blocks.1.mlp.2.weight"] == "bfloat16" and rows["blocks.1.ln.weight"] == "float32"
+
+
+class _Clipped(nn.Module):
+    """A WGAN critic's habit: forward clips the head's weight in place, reading it directly, not through the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(D, D), nn.GELU()) for _ in range(2)])
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.head.weight.clamp_(-0.05, 0.05)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("called", [False, True])
+def test_a_weight_the_models_own_code_reads_is_never_predicted_low(called):
+    """Gathered low, the head's weight refused the clamp_ at the first call ('all-gathers head.weight in bfloat16
+    ... but aten.clamp_.default reads it as float32'): before and after the head's first capture."""
+    torch.manual_seed(0)
+    model = fxamp.convert_(_Clipped(), "O1", dtype=torch.bfloat16)
+    if called:
+        model(torch.randn(2, D))
+    low = low_gathered(model)
+    assert "head.weight" not in low
+    assert {f"blocks.{i}.0.{n}" for i in range(2) for n in ("weight", "bias")} <= set(low)
