@@ -311,3 +311,55 @@ def dlrm_inputs(seed: int) -> tuple:
     indices = torch.randint(0, min(DLRM.TABLES), (len(DLRM.TABLES), B * bag), generator=g)
     offsets = torch.arange(0, B * bag, bag).expand(len(DLRM.TABLES), B).contiguous()
     return (torch.randn(B, 8, generator=g), indices, offsets), {}
+
+
+class MRFBlock(nn.Module):
+    """HiFi-GAN's residual block: weight-normed dilated 1-D convolutions (torch.nn.utils.parametrizations)."""
+
+    def __init__(self, c: int, dilation: int):
+        super().__init__()
+        wn = nn.utils.parametrizations.weight_norm
+        self.conv1 = wn(nn.Conv1d(c, c, 3, padding=dilation, dilation=dilation))
+        self.conv2 = wn(nn.Conv1d(c, c, 3, padding=1))
+
+    def forward(self, x):
+        return x + self.conv2(F.leaky_relu(self.conv1(F.leaky_relu(x, 0.1)), 0.1))
+
+
+class WeightNormVocoder(nn.Module):
+    """A vocoder's layout: a weight-normed input convolution, residual blocks, an upsampling transposed convolution
+    and a tanh output; every weight a parametrization computes from ``original0``/``original1``."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        wn = nn.utils.parametrizations.weight_norm
+        self.pre = wn(nn.Conv1d(8, c, 7, padding=3))
+        self.blocks = nn.ModuleList([MRFBlock(c, d) for d in (1, 3)])
+        self.up = wn(nn.ConvTranspose1d(c, c // 2, 4, stride=2, padding=1))
+        self.post = wn(nn.Conv1d(c // 2, 1, 7, padding=3))
+
+    def forward(self, mel):
+        x = self.pre(mel)
+        for block in self.blocks:
+            x = block(x)
+        return torch.tanh(self.post(F.leaky_relu(self.up(x), 0.1)))
+
+
+def mel_inputs(seed: int) -> tuple:
+    return (torch.randn(B, 8, 16, generator=gen(seed)),), {}
+
+
+class SNDiscriminator(nn.Module):
+    """An SN-GAN discriminator: spectral-normed convolutions (a power iteration per training call, its vectors
+    buffers) in a ModuleList, a spectral-normed linear head."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        sn = nn.utils.parametrizations.spectral_norm
+        self.convs = nn.ModuleList([sn(nn.Conv2d(3 if i == 0 else c, c, 3, stride=2, padding=1)) for i in range(3)])
+        self.head = sn(nn.Linear(c, 1))
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = F.leaky_relu(conv(x), 0.2)
+        return self.head(x.sum((2, 3)))
