@@ -48,7 +48,7 @@ HOOK_DICTS = tuple(attr for attr, _ in _KINDS)
 #: those tables and their flags (what :func:`without_hooks` empties)
 HOOK_TABLES = HOOK_DICTS + ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                             "_forward_hooks_always_called")
-_PURE = (WeightNorm, SpectralNorm)  # recompute the weight from its parts: tensor math only
+_PURE = (WeightNorm, SpectralNorm)  # recompute the weight from its parts (torch.export: weight norm's only)
 #: libraries whose hooks belong to the model's own forward: transformers' output-capturing hooks (installed at a
 #: call with output_attentions/output_hidden_states) record into a collector that call's forward returns, and
 #: do nothing outside one; a capture of the model keeps what they record as outputs
@@ -91,12 +91,22 @@ def traced_hooks_error(model: nn.Module, frontend: str, why: Optional[str] = Non
             short="a global module hook is registered")
     if frontend != "torch.export":
         return None
+    lead = f"{why}; " if why else ""
+    legacy = [path for path, m in model.named_modules()
+              if path and any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values())]
+    if legacy:  # (torch.fx and convert_ keep the layer as a call: its hook runs at every call, as written)
+        return TraceError(
+            f"{lead}torch.export cannot keep the legacy torch.nn.utils.spectral_norm on {legacy[0]!r}"
+            f"{f' and {len(legacy) - 1} more' if len(legacy) > 1 else ''}: its hook updates weight_u and weight_v in "
+            f"place at a training call and reads the layer's mode, which the graph drops (an eval call computed "
+            f"another weight, unconverted too). Use its replacement, torch.nn.utils.parametrizations.spectral_norm, "
+            f"or convert with frontend='fx' or in place (fxamp.convert_), which keep the layer as a call",
+            short=f"legacy spectral_norm on {legacy[0]!r}", module_path=legacy[0])
     hooked = submodule_hooks(model)
     if not hooked:
         return None
     listed = ", ".join(f"{path!r} ({', '.join(kinds)})" for path, kinds in hooked[:4])
     more = f" and {len(hooked) - 4} more" if len(hooked) > 4 else ""
-    lead = f"{why}; " if why else ""
     return TraceError(
         f"{lead}torch.export would trace the hooks on {listed}{more} into the graph: their tensor math would stay, "
         f"their Python side effects (a list appended to, a count, a log, a gradient record) would run once, at "

@@ -216,6 +216,7 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
     cache: where no autograd graph is recorded for a tensor (``no_grad``, frozen weights) its copy
     is reused until it changes, as :func:`cast_weights` does for the other weights (an
     ``nn.MultiheadAttention`` in inference then runs PyTorch's fused fast path with no cast at all).
+    A buffer the module writes in place is written back, as a graph's in-place op on a cast tensor is.
     """
     cache, path = (None, "") if _fxamp_cache is None or torch.compiler.is_compiling() else _fxamp_cache
     grad = torch.is_grad_enabled()
@@ -238,7 +239,13 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
 
     args = tuple(once(a) for a in args)
     kwargs = {k: once(v) for k, v in kwargs.items()}
-    return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+    copies = [(b, tensors[name], tensors[name]._version) for name, b in module.named_buffers() if tensors[name] is not b]
+    out = torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+    for buffer, copy, version in copies:  # written in place (the legacy spectral_norm's power iteration): kept
+        if copy._version != version:
+            with torch.no_grad():
+                buffer.copy_(copy)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
