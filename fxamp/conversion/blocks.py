@@ -108,7 +108,7 @@ def _repeated(m: nn.Module) -> List[str]:
         return []
     # every entry, the same module repeated included (``nn.ModuleList([block] * 4)``: one block's weights
     # shared across depth), which children() would list once
-    children = [(name, child) for name, child in m._modules.items() if child is not None]
+    children = [_compiled_module(name, child) for name, child in m._modules.items() if child is not None]
     counts: Dict[type, int] = {}
     for _, child in children:
         counts[type(child)] = counts.get(type(child), 0) + 1
@@ -146,6 +146,24 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
                 out += [f"{path}.{n}" for n in names]
                 break
     return out
+
+
+def _compiled_module(name: str, child: nn.Module) -> Tuple[str, nn.Module]:
+    """A layer ``torch.compile`` wrapped: its module is the block (``_orig_mod``), which the wrapper's call then
+    compiles converted; the wrapper's own forward is not the layer's."""
+    if type(child).__name__ == "OptimizedModule" and isinstance(getattr(child, "_orig_mod", None), nn.Module):
+        return f"{name}._orig_mod", child._orig_mod
+    return name, child
+
+
+def _rebind_compiled(wrapper: nn.Module, path: str) -> None:
+    """Have a ``torch.compile`` wrapper call the converted layer it now holds: it bound the original's ``__call__``
+    when it was made (``OptimizedModule._initialize``), which would run the original forward on converted weights."""
+    initialize = getattr(wrapper, "_initialize", None)
+    if not callable(initialize):  # (a torch whose wrapper binds otherwise: say so rather than run the original)
+        raise FxampError(f"fxamp.convert_: {path.rsplit('.', 1)[0]!r} is a torch.compile wrapper this torch cannot "
+                         f"rebind to the converted layer: convert the model first, then compile it")
+    initialize()
 
 
 def _inside(path: str, block: str) -> bool:
@@ -455,6 +473,9 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
             for parent, name, child in parents:
                 if child is old:
                     parent._modules[name] = new
+    for path in block_paths:
+        if path.endswith("._orig_mod"):  # torch.compile's wrapper bound the layer it held when it was made
+            _rebind_compiled(model.get_submodule(path[:-len("._orig_mod")]), path)
     if saved and _saves_pretrained(model) and not hasattr(type(model), _ROOT_OF):
         # low storage: transformers would write its dtype, not the saved weights', into config.json (torch's
         # fully_shard and parametrize swap in a subclass the same way)

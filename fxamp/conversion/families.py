@@ -217,9 +217,11 @@ class Family:
             if not written.global_hooks or global_hooks():
                 return written.call(block, args, kwargs)
             del self.as_written[base]  # the global module hook that refused the capture is gone: capture now
+        # (under torch.compile the capture, torch.fx tracing and all, runs outside dynamo: a graph break, once)
+        capture = torch.compiler.disable(self._capture) if torch.compiler.is_compiling() else self._capture
         with self._lock:
             try:
-                graph = self._capture(block, base, key, tree, leaves)
+                graph = capture(block, base, key, tree, leaves)
             except TraceError as e:  # no front end can take this call: the block runs as its class wrote it
                 written = self.as_written[base] = _AsWritten(self, tree, leaves, e)
                 return written.call(block, args, kwargs)

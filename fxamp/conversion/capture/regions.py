@@ -582,6 +582,15 @@ def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Seq
     if framework is not None:
         notes.append(framework)
         warn(framework)
+    compiled = [repr(p) if p else "the model" for p, m in model.named_modules()
+                if type(m).__name__ == "OptimizedModule"]
+    if compiled:  # (a speed the user asked for, dropped: say so)
+        note = (f"torch.compile's wrapper on {', '.join(compiled[:3])}{' and more' if len(compiled) > 3 else ''} was "
+                f"traced through ({frontend}): the converted module runs that code uncompiled. Compile the converted "
+                f"module instead (torch.compile(amp)), or convert in place (fxamp.convert_), which keeps a compiled "
+                f"layer compiled")
+        notes.append(note)
+        warn(note)
     return notes
 
 
