@@ -17,12 +17,15 @@ other arguments): the caller then keeps its default.
 from __future__ import annotations
 
 import dis
+import functools
+import sys
 import types
-from typing import Collection, List, Optional
+from typing import Collection, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
-__all__ = ["codes_of", "reads_values", "feeds_only", "METADATA"]
+__all__ = ["codes_of", "reads_values", "feeds_only", "function_calls", "METADATA"]
 
 #: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
 METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
@@ -154,3 +157,33 @@ def _call_end(ins: List[dis.Instruction], k: int) -> Optional[int]:
         if j > k and depth == 1:
             return j if i.opname == "CALL" else None
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def function_calls(cls: type) -> Tuple[Tuple[type, str], ...]:
+    """``(Function, "file:line")`` of each custom ``torch.autograd.Function`` (defined outside torch and fxamp)
+    whose ``apply`` the code ``cls``'s forward may run names by its global name (``STE.apply(x)``), there or in a
+    module-level function that code calls; a branch may skip it (RWKV's CUDA kernel)."""
+    module = sys.modules.get(cls.__module__)
+    todo = [(code, vars(module) if module is not None else {}, 0) for code in codes_of(cls)]
+    seen, out = set(), []
+    while todo:
+        code, names, depth = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        ins = _instructions(code)
+        for k, i in enumerate(ins):
+            if i.opname != "LOAD_GLOBAL":
+                continue
+            value = names.get(i.argval)
+            if (isinstance(value, type) and issubclass(value, torch.autograd.Function) and k + 1 < len(ins)
+                    and ins[k + 1].opname in _LOADS and ins[k + 1].argval == "apply"
+                    and not value.__module__.startswith(("torch.", "fxamp."))):
+                line = i.positions.lineno if i.positions is not None else code.co_firstlineno
+                out.append((value, f"{code.co_filename}:{line}"))
+            elif isinstance(value, types.FunctionType) and depth < 2:
+                todo.append((value.__code__, value.__globals__, depth + 1))
+                todo += [(c, value.__globals__, depth + 1) for c in value.__code__.co_consts
+                         if isinstance(c, types.CodeType)]
+    return tuple(out)

@@ -20,7 +20,7 @@ hooks (``hooks.py``): ``convert`` registers them on the module it returns.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union  # noqa: F401
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union  # noqa: F401
 
 import torch.fx as fx
 import torch.nn as nn
@@ -28,7 +28,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
-from .common import Captured, FrontEnd, LeafSpec, shallow_copy, written_read_error
+from .common import Captured, FrontEnd, LeafSpec, functions_traced, shallow_copy, written_read_error
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd, identity_test_error
@@ -108,10 +108,14 @@ def capture_with_values(model: nn.Module, values: Sequence[Any]) -> Captured:
 
 
 def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Captured:
+    traced_functions: List[str] = []
+
     def trace() -> fx.GraphModule:
         log = getattr(front, "written", [])
         seen = len(log)
-        gm = front.trace()
+        with functions_traced(model) as notes:
+            gm = front.trace()
+        traced_functions.extend(n for n in notes if n not in traced_functions)
         for written in log[seen:]:
             error = written_read_error(model, front.trace, gm, written, log)
             if error is not None:  # (refused: the user's model keeps the values it had)
@@ -130,7 +134,7 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)
     finish_notes += capture_notes(model, gm, front.name, getattr(front, "opaque", ()))
-    finish_notes += written_notes(getattr(front, "written", ()), finish_notes, front.name)
+    finish_notes += written_notes(getattr(front, "written", ()), finish_notes, front.name) + traced_functions
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode)

@@ -3,18 +3,21 @@ finding the user's line in a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import types
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple, Type, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import TraceError
+from ..bytecode import function_calls
 
 __all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn"]
 
@@ -119,6 +122,43 @@ def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> 
     after = {key: vars(m).get(key[1]) for key, m in ((k, _module(model, k[0])) for k in before)}
     return [(path, name, old, after[(path, name)]) for (path, name), old in sorted(before.items())
             if type(after[(path, name)]) is not type(old) or after[(path, name)] != old]
+
+
+@contextlib.contextmanager
+def functions_traced(model: nn.Module) -> Iterator[List[str]]:
+    """Notes on each custom ``torch.autograd.Function`` whose forward ran while ``model`` was traced (its ops are in
+    the graph, its backward is not).  Only a model whose code names one (:func:`function_calls`) is watched: its
+    forwards' code is looked for in the calls the trace makes (``sys.setprofile``, around the trace only)."""
+    # (every class of each module's MRO: a block's capture traces it as a subclass with a forward of its own)
+    classes = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
+    calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
+             if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
+    notes: List[str] = []
+    if not calls:
+        yield notes
+        return
+    ran: Dict[type, str] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in calls:
+            cls, where = calls[frame.f_code]
+            ran.setdefault(cls, where)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield notes
+    finally:
+        sys.setprofile(previous)
+        for cls, where in ran.items():
+            note = (f"the capture traced the forward of the custom autograd Function {cls.__name__} ({cls.__name__}"
+                    f".apply at {where}): the converted module's backward is autograd's of its ops, not "
+                    f"{cls.__name__}.backward, which is right only where that is their derivative (BLOOM's "
+                    f"GeLUFunction) and wrong where it is not (a straight-through estimator's gradient becomes "
+                    f"round's zero). To keep its backward, keep the module that calls it a call: frontend='fx' with "
+                    f"leaf_modules=[that module's path]")
+            notes.append(note)
+            warn(note)
 
 
 def shallow_copy(model: nn.Module) -> nn.Module:

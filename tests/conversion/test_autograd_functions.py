@@ -1,0 +1,116 @@
+"""A custom torch.autograd.Function in forward (a straight-through estimator, a gradient reversal layer).  Traced,
+torch.fx and torch.export record its forward's ops and drop its backward: the estimator's gradient became round's
+zero, silently.  Every capture that runs such a forward now says so, naming the Function and the way to keep its
+backward (the module that calls it kept a call, ``leaf_modules``); a branch that does not run it says nothing."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxamp
+from fxamp.conversion.bytecode import function_calls
+
+
+class STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+def quantize(x):  # (called through a module-level function: found too)
+    return STE.apply(x)
+
+
+class Block(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc, self.how = nn.Linear(16, 16), how
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "ste":
+            return quantize(h)
+        if self.how == "grl":
+            return GradReverse.apply(h)
+        return F.gelu(h)  # (RWKV's CUDA-kernel Function, in a branch a CPU call does not take)
+
+
+class Net(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(how), Block("plain")])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def convert(model, path, **kw):
+    if path == "in-place":
+        return fxamp.convert_(model, "O1", dtype=torch.bfloat16)
+    return fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend=path, example_inputs=(torch.randn(8, 16),), **kw)
+
+
+def _grad_cosine(amp, ref, x):
+    ref(x).sum().backward()
+    amp(x).float().sum().backward()
+    got = dict(amp.named_parameters())["layers.0.fc.weight"].grad
+    return float(F.cosine_similarity(got.flatten().float(), ref.layers[0].fc.weight.grad.flatten(), dim=0))
+
+
+@pytest.mark.parametrize("how, name", [("ste", "STE"), ("grl", "GradReverse")])
+@pytest.mark.parametrize("path", ["fx", "export", "in-place"])
+def test_a_capture_that_runs_a_functions_forward_says_its_backward_is_not_kept(how, name, path):
+    torch.manual_seed(0)
+    model = Net(how)
+    match = (rf"the capture traced the forward of the custom autograd Function {name} \({name}.apply at "
+             rf".*test_autograd_functions.py:\d+\): the converted module's backward is autograd's of its ops, not "
+             rf"{name}.backward.*leaf_modules=")
+    with pytest.warns(UserWarning, match=match):
+        amp = convert(model, path)
+        amp(torch.randn(8, 16))  # (in place: captured at the first call)
+
+
+@pytest.mark.parametrize("how", ["ste", "grl"])
+def test_kept_a_call_the_functions_backward_reaches_the_layers_before_it(how):
+    torch.manual_seed(0)
+    model, x = Net(how), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept a call: nothing traced its forward
+        warnings.filterwarnings("ignore", message=".*runs whole in float32")  # (the leaf: warned as any)
+        amp = convert(model, "fx", leaf_modules=["layers.0"])
+        assert _grad_cosine(amp, ref, x) > 0.99
+    torch.manual_seed(0)
+    traced = convert(Net(how), "fx")  # what the warning is about: the backward of the traced ops
+    assert _grad_cosine(traced, copy.deepcopy(ref), x) < 0.5
+
+
+def test_a_function_in_a_branch_the_call_does_not_take_is_not_named():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(Net("plain"), "fx")(torch.randn(8, 16))
+    assert {cls.__name__ for cls, _ in function_calls(Block)} == {"STE", "GradReverse"}  # (what is watched)
+    assert function_calls(Net) == () and function_calls(nn.Linear) == ()
