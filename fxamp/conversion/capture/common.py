@@ -155,8 +155,9 @@ def functions_traced(model: nn.Module) -> Iterator[List[str]]:
                     f".apply at {where}): the converted module's backward is autograd's of its ops, not "
                     f"{cls.__name__}.backward, which is right only where that is their derivative (BLOOM's "
                     f"GeLUFunction) and wrong where it is not (a straight-through estimator's gradient becomes "
-                    f"round's zero). To keep its backward, keep the module that calls it a call: frontend='fx' with "
-                    f"leaf_modules=[that module's path]")
+                    f"round's zero). To keep its backward, keep the module that calls it out of the capture: "
+                    f"frontend='fx' with leaf_modules=[its path], or, in place, blocks= globs that leave it out (it "
+                    f"then runs as written)")
             notes.append(note)
             warn(note)
 
