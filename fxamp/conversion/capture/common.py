@@ -134,7 +134,7 @@ def functions_traced(model: nn.Module) -> Iterator[List[str]]:
     calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
              if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
     notes: List[str] = []
-    if not calls:
+    if not calls or sys.getprofile() is not None:  # (a profiler of the user's (cProfile) is left alone)
         yield notes
         return
     ran: Dict[type, str] = {}
@@ -144,12 +144,11 @@ def functions_traced(model: nn.Module) -> Iterator[List[str]]:
             cls, where = calls[frame.f_code]
             ran.setdefault(cls, where)
 
-    previous = sys.getprofile()
     sys.setprofile(profile)
     try:
         yield notes
     finally:
-        sys.setprofile(previous)
+        sys.setprofile(None)
         for cls, where in ran.items():
             note = (f"the capture traced the forward of the custom autograd Function {cls.__name__} ({cls.__name__}"
                     f".apply at {where}): the converted module's backward is autograd's of its ops, not "
