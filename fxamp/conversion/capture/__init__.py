@@ -33,7 +33,7 @@ from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd, identity_test_error
 from .hooks import copy_root_hooks, root_hooks_note, traced_hooks_error, user_hooks, without_hooks
-from .modes import capture_modes, make_modes_switchable, training_mode
+from .modes import OTHER_MODE_FAILED, capture_modes, make_modes_switchable, training_mode
 from .regions import capture_notes, written_notes
 
 __all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error",
@@ -92,11 +92,20 @@ def capture(
         refused = identity_test_error(model)
         if refused is not None:
             raise refused
-        return _run(model, FxFrontEnd(model, leaf_modules, none_inputs), graph_per_mode=graph_per_mode)
+        captured = _run(model, FxFrontEnd(model, leaf_modules, none_inputs), graph_per_mode=graph_per_mode)
     except TraceError as e:
         if frontend == "auto" and has_inputs:
             return export(e)
         raise
+    failed = captured.other_mode_error
+    if frontend == "auto" and has_inputs and isinstance(failed, TraceError):
+        # torch.fx takes one mode only (a buffer written in training mode: a VQ-VAE's codebook); its other mode
+        # would be captured by torch.fx again at its first call, and fail again: torch.export may take both
+        try:
+            return export(failed)
+        except TraceError:
+            pass
+    return captured
 
 
 def capture_with_values(model: nn.Module, values: Sequence[Any]) -> Captured:
@@ -130,6 +139,7 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
         raise
     except Exception as e:  # torch.export raises many types; all mean "could not capture"
         raise front.error(e) from e
+    other_mode_error = gm.meta.pop(OTHER_MODE_FAILED, None)  # (not kept in the graph: pickling would carry it)
     front.adopt(gm)
     mode_notes += make_modes_switchable(gm, mode)
     finish_notes = front.finish(gm)
@@ -137,4 +147,5 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     finish_notes += written_notes(getattr(front, "written", ()), finish_notes, front.name) + traced_functions
     gm.graph.lint()
     gm.recompile()
-    return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode)
+    return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode,
+                    other_mode_error=other_mode_error)

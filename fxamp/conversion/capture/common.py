@@ -36,6 +36,7 @@ class Captured:
     notes: List[str] = field(default_factory=list)  # what the front end decided, for the report
     only_mode: Optional[bool] = None  # the training mode the graph is right in when the modes differ; None: both
     fx_error: Optional[TraceError] = None  # torch.fx's error when torch.export ran as its fallback
+    other_mode_error: Optional[BaseException] = None  # the other mode's capture failed with it (only_mode set)
 
 
 class UnsoundCapture(TraceError):

@@ -165,7 +165,10 @@ class ExportFrontEnd:
         dedupe_get_attrs(gm.graph)
         fixed = fixed_dims(gm, self.asked)
         _bind_inputs_as_original(gm, self.signature, self.args, self.kwargs, self.dynamic, fixed)
-        gm.graph.eliminate_dead_code()
+        # a region (no_grad, autocast) whose outputs nothing reads may still write buffers in place (a VQ-VAE's EMA
+        # codebook under torch.no_grad()): torch.fx does not count a higher-order op as a side effect, so say so
+        gm.graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or (
+            node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)))
         notes = [shape_note(gm, self.dynamic, fixed)] + fit_fill_values(gm)
         if relaxed:
             notes.append(f"{relaxed} aten._assert_tensor_metadata check(s) no longer pin a float dtype")

@@ -281,6 +281,10 @@ _LIBRARY_ROOTS = (os.path.dirname(torch.__file__) + os.sep,
                   os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep)  # torch's, fxamp's
 
 
+#: GraphModule.meta key: the error of the other mode's capture, when it failed (a graph for one mode only)
+OTHER_MODE_FAILED = "fxamp_other_mode_failed"
+
+
 def capture_in_both_modes(
     model: nn.Module, capture: Callable[[], fx.GraphModule], *, graph_per_mode: bool = False
 ) -> Tuple[fx.GraphModule, bool, List[str]]:
@@ -301,6 +305,7 @@ def capture_in_both_modes(
     except Exception as e:  # the other mode fails: keep the capture that worked
         if graph_per_mode:  # the caller captures the other mode at its first call, in its own words if it fails
             # again (or with another front end: a block's torch.export), so this graph is for this mode only
+            first.meta[OTHER_MODE_FAILED] = e  # (capture() tries torch.export first, when it has inputs)
             return first, current, [f"captured in {_mode(current)} mode ({_mode(not current)} mode failed: "
                                     f"{type(e).__name__}): a graph per mode, the {_mode(not current)} mode's is "
                                     f"captured at its first call"]

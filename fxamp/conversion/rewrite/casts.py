@@ -249,8 +249,11 @@ class _Casts:
                 batch = self.graph.call_function(cast_weights, (cache, (), dtype, ()))
             self._batches[dtype] = (batch, [], [])
         batch, weights, keys = self._batches[dtype]
-        if value.op == "get_attr":
-            batch.prepend(value)  # a root-level tensor read where first used: move it up (no inputs)
+        if value.op == "get_attr":  # a root-level tensor read where first used: to the top (it has no inputs), above
+            # the batch and any earlier reader (a VQ-VAE's codebook, transposed before its lookup)
+            top = next(n for n in self.graph.nodes if n.op != "placeholder")
+            if top is not value:
+                top.prepend(value)
         weights.append(value)
         keys.append(attr_target(value))
         with self.graph.inserting_before(before):
