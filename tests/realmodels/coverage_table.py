@@ -306,7 +306,7 @@ regenerate this file with `PYTHONPATH=. python -m tests.realmodels.coverage_tabl
 section alone with `--invariants-only`, and `--models` to restrict it).
 
 The same checks run under pytest: `FXAMP_REALMODELS=all python -m pytest tests/realmodels -q` (one process,
-about 55 minutes for the 64 entries) passes them all but the strict xfails; the CI subset (`FXAMP_REALMODELS` unset) runs in
+about 55 minutes for the 65 entries) passes them all but the strict xfails; the CI subset (`FXAMP_REALMODELS` unset) runs in
 about 45 s. The tables below are one `coverage_table` run: the commit, time and counts in their first line.
 
 Statuses: `ok`; `xfail (reason)`: a known bug or difference, marked `xfail(strict=True)` in the tests

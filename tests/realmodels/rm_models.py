@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from rm_patterns import (DLRM, BNActNet, MaskGPT, SeqResNet, SeqViT, SNDiscriminator, UNet, WeightNormVocoder,
+from rm_patterns import (DLRM, VQVAE, BNActNet, MaskGPT, SeqResNet, SeqViT, SNDiscriminator, UNet, WeightNormVocoder,
                          channels_last_images, dlrm_inputs, mel_inputs, seq_resnet_channels_last, unet_inputs)
 
 try:  # transformers is an optional ([examples]) dependency: its entries are skipped without it
@@ -672,6 +672,8 @@ ENTRIES = [
     # weights computed by torch.nn.utils.parametrizations (weight_norm, spectral_norm)
     Entry("vocoder-wn", "pattern", WeightNormVocoder, mel_inputs, frontend="auto"),
     Entry("gan-sn", "pattern", SNDiscriminator, image_inputs(16), frontend="auto"),
+    # buffers a training call writes under torch.no_grad() (an EMA codebook), a straight-through output
+    Entry("vqvae", "pattern", VQVAE, image_inputs(16), frontend="auto"),
     # added by the architecture scan
     Entry("gemma2", "decoder", gemma2, lm_inputs, needs="transformers", fp16=True),
     Entry("gemma3", "decoder", gemma3, padded_lm_inputs, needs="transformers"),

@@ -363,3 +363,58 @@ class SNDiscriminator(nn.Module):
         for conv in self.convs:
             x = F.leaky_relu(conv(x), 0.2)
         return self.head(x.sum((2, 3)))
+
+
+class EMAQuantizer(nn.Module):
+    """A VQ-VAE's quantizer: nearest code by distance, a straight-through output (``z + (q - z).detach()``), and a
+    codebook that is an exponential moving average its training call updates in place under torch.no_grad()."""
+
+    def __init__(self, n: int = 32, d: int = 16, decay: float = 0.9):
+        super().__init__()
+        self.decay = decay
+        self.register_buffer("codebook", torch.randn(n, d, generator=gen(7)))
+        self.register_buffer("cluster_size", torch.ones(n))
+        self.register_buffer("embed_avg", self.codebook.clone())
+
+    def forward(self, z):
+        b, d, h, w = z.shape
+        flat = z.permute(0, 2, 3, 1).reshape(-1, d)
+        dist = flat.pow(2).sum(1, keepdim=True) - 2 * flat @ self.codebook.t() + self.codebook.pow(2).sum(1)
+        onehot = F.one_hot(dist.argmin(1), self.codebook.shape[0]).type(flat.dtype)
+        q = (onehot @ self.codebook).view(b, h, w, d).permute(0, 3, 1, 2)
+        if self.training:
+            with torch.no_grad():
+                self.cluster_size.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+                self.embed_avg.mul_(self.decay).add_(onehot.t() @ flat, alpha=1 - self.decay)
+                self.codebook.copy_(self.embed_avg / self.cluster_size.clamp(min=1e-5).unsqueeze(1))
+        return z + (q - z).detach(), F.mse_loss(z, q.detach())
+
+
+class ConvRes(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return x + self.c2(F.relu(self.c1(F.relu(x))))
+
+
+class VQVAE(nn.Module):
+    """A VQ-VAE returning its loss: reconstruction plus the commitment term."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 16, 4, 2, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+        self.enc_res = nn.ModuleList([ConvRes(16), ConvRes(16)])
+        self.vq = EMAQuantizer()
+        self.dec_res = nn.ModuleList([ConvRes(16), ConvRes(16)])
+        self.dec = nn.ConvTranspose2d(16, 3, 4, 2, 1)
+
+    def forward(self, x):
+        z = self.enc(x)
+        for block in self.enc_res:
+            z = block(z)
+        q, commit = self.vq(z)
+        for block in self.dec_res:
+            q = block(q)
+        return F.mse_loss(self.dec(q), x) + 0.25 * commit
