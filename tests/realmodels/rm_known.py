@@ -46,11 +46,12 @@ KNOWN: Dict[Key, str] = {
                                                "codebook buffer it read, which torch.fx would bake in): the training "
                                                "mode's capture fails at its first call; 'auto' with inputs uses "
                                                "torch.export"),
-    ("vqvae", "eval-after-step/export", "*", "*"): ("whole-model O2 after a step: the eval loss 54.8 dB from float32's, "
-                                                   "autocast's 63.3 (relative 1.8e-3 against 7e-4; in place within "
-                                                   "3 dB): a nearest-code argmin over bfloat16 distances, not yet "
-                                                   "explained"),
-    ("vqvae", "eval-after-step/lazy", "*", "*"): ("as eval-after-step/export: 54.8 dB against autocast's 63.3"),
+    ("vqvae", "eval-after-step/export", "*", "*"): ("the check's reference takes float32's EMA codebook (its own "
+                                                   "train-mode call) and the converted model keeps the one its "
+                                                   "bfloat16 call computed: a nearest-code argmin amplifies that, "
+                                                   "54.8 dB against autocast's 63.3 on float32's codebook; given the "
+                                                   "converted model's buffers, 64.4 dB against autocast's 64.2"),
+    ("vqvae", "eval-after-step/lazy", "*", "*"): "as eval-after-step/export (the EMA codebook each call computed)",
     ("bn-act", "in-place-rows", "*", "*"): _ROWS_BN,
     ("resnet-seq*", "in-place-rows", "*", "*"): _ROWS_BN,
     ("gpt-mask-buffer", "in-place-rows", "*", "*"): _ROWS_SOFTMAX,
