@@ -274,8 +274,8 @@ def low_gathered(model: nn.Module) -> Dict[str, torch.dtype]:
     policy's compute dtype.  One not captured yet (``shard`` runs before the first call) answers from the
     parameter's owner: the weight and bias of a linear or convolution layer (``Conv1D`` too), whose one op
     the policy runs low.  A parameter tied across modules must qualify in each; one read outside converted
-    modules (the model's own code, around a glue module too: ``blocks.read_around``) never does.  A wrong prediction is caught at the first forward: the
-    all-gathered parameter refuses every read but that cast.
+    modules (the model's own code, around a glue module too: ``blocks.read_around``) never does.  A wrong
+    prediction is caught at the first forward: the all-gathered parameter refuses every read but that cast.
     """
     policy = policy_of(model)
     if policy is None or policy.compute not in LOW:

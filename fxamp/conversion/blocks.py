@@ -41,6 +41,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from .bytecode import codes_of, reads_values
 from .calls import SIMPLE
+from .capture.common import compiled_module
 from .capture.hooks import submodule_hooks
 from .capture.modes import MODE_FLAG
 from ..errors import FxampError
@@ -151,9 +152,8 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
 def _compiled_module(name: str, child: nn.Module) -> Tuple[str, nn.Module]:
     """A layer ``torch.compile`` wrapped: its module is the block (``_orig_mod``), which the wrapper's call then
     compiles converted; the wrapper's own forward is not the layer's."""
-    if type(child).__name__ == "OptimizedModule" and isinstance(getattr(child, "_orig_mod", None), nn.Module):
-        return f"{name}._orig_mod", child._orig_mod
-    return name, child
+    inner = compiled_module(child)
+    return (name, child) if inner is None else (f"{name}._orig_mod", inner)
 
 
 def _rebind_compiled(wrapper: nn.Module, path: str) -> None:

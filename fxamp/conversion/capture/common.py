@@ -162,6 +162,13 @@ def functions_traced(model: nn.Module) -> Iterator[List[str]]:
             warn(note)
 
 
+def compiled_module(m: nn.Module) -> Optional[nn.Module]:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds, or None (by name: torch._dynamo is not
+    imported for the check)."""
+    inner = getattr(m, "_orig_mod", None) if type(m).__name__ == "OptimizedModule" else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def shallow_copy(model: nn.Module) -> nn.Module:
     """A module of ``model``'s class whose ``__dict__`` is a copy of its own (the same children, tensors and hook
     tables): ``copy.copy`` without ``__reduce_ex__``, which a parametrized module (``ParametrizedConv2d`` of

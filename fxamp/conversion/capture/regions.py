@@ -43,7 +43,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import TraceError
-from .common import warn
+from .common import compiled_module, warn
 
 __all__ = ["Finding", "CallInfo", "scan", "confirmed", "frames_of", "fx_region_error", "region_note",
            "region_state", "unreadable_region", "traced_region_error",
@@ -582,8 +582,7 @@ def capture_notes(model: nn.Module, gm: fx.GraphModule, frontend: str, skip: Seq
     if framework is not None:
         notes.append(framework)
         warn(framework)
-    compiled = [repr(p) if p else "the model" for p, m in model.named_modules()
-                if type(m).__name__ == "OptimizedModule"]
+    compiled = [repr(p) if p else "the model" for p, m in model.named_modules() if compiled_module(m) is not None]
     if compiled:  # (a speed the user asked for, dropped: say so)
         note = (f"torch.compile's wrapper on {', '.join(compiled[:3])}{' and more' if len(compiled) > 3 else ''} was "
                 f"traced through ({frontend}): the converted module runs that code uncompiled. Compile the converted "

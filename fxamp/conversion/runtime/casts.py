@@ -229,7 +229,8 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
         return cache.get(t, dtype, f"{path}.{name}")
 
     tensors = {name: low(name, t) for name, t in module.named_parameters()}
-    tensors.update({name: low(name, t) for name, t in module.named_buffers()})
+    buffers = dict(module.named_buffers())
+    tensors.update({name: low(name, t) for name, t in buffers.items()})
     done: Dict[int, Any] = {}
 
     def once(value: Any) -> Any:  # one input passed twice (query is key is value) is cast once, and stays one
@@ -239,12 +240,12 @@ def call_module_cast(module: nn.Module, dtype: torch.dtype, *args: Any,
 
     args = tuple(once(a) for a in args)
     kwargs = {k: once(v) for k, v in kwargs.items()}
-    copies = [(b, tensors[name], tensors[name]._version) for name, b in module.named_buffers() if tensors[name] is not b]
+    copies = [(b, tensors[name], tensors[name]._version) for name, b in buffers.items() if tensors[name] is not b]
     out = torch.func.functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
-    for buffer, copy, version in copies:  # written in place (the legacy spectral_norm's power iteration): kept
-        if copy._version != version:
+    for buffer, low_copy, version in copies:  # written in place (the legacy spectral_norm's power iteration): kept
+        if low_copy._version != version:
             with torch.no_grad():
-                buffer.copy_(copy)
+                buffer.copy_(low_copy)
     return out
 
 
