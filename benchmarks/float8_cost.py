@@ -49,7 +49,10 @@ def measure(device: str, tokens: int, k: int, n: int, repeat: int, compiled: boo
     configs = [Float8(r) for r in Float8Recipe]
     fns = [F.linear] + [functools.partial(float8_linear, bias=None, config=c) for c in configs]
     if compiled:
-        fns = [torch.compile(f) for f in fns]
+        # each shape from a clean slate: the variants share one code object (functools.partial's), so without a reset
+        # the third shape reached dynamo's recompile limit (8) and ran eager, and later shapes compiled dynamic
+        torch._dynamo.reset()
+        fns = [torch.compile(f, dynamic=False) for f in fns]
     runs = [lambda f=f: f(x, w) for f in fns]
     now = _timer(device)
     times: List[List[float]] = [[] for _ in runs]

@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--variants", default=None, help="comma-separated substrings: run only the variants naming one")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="after timing, profile one more step of each variant and print its TOP kernels")
     args = parser.parse_args(argv)
     layers, d, heads, vocab, block = SIZES[args.size]
     device = args.device
@@ -132,13 +134,41 @@ def main(argv=None) -> int:
                 times.append(time.perf_counter() - start)
         tokens = args.batch * block
         results.append(Result(label, tokens / statistics.median(times), loss))
+        graphs = _dynamo_graphs() if args.compile else ""
         r = results[-1]  # each row as it is measured: a run cut short by a time limit keeps the rows it has
         if len(results) == 1:
             print(f"\n{'variant':<36} {'tokens/s':>12} {'vs bf16 O2':>11} {'final loss':>11}")
         print(f"{r.name:<36} {r.tokens_per_s:>12.0f} {r.tokens_per_s / results[0].tokens_per_s:>10.2f}x "
-              f"{r.final_loss:>11.4f}", flush=True)
+              f"{r.final_loss:>11.4f}{graphs}", flush=True)
+        if args.profile:
+            _profile(step, batches[-1].to(device), device, args.profile, label)
         del model, step
     return 0
+
+
+def _dynamo_graphs() -> str:
+    """What torch.compile made of the variant just run: its graphs and graph breaks (reasons), then reset: a
+    compiled float8 model cut into a graph per linear runs at the host's pace, not the GPU's."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = dict(counters["graph_break"])
+    counters.clear()
+    return f"  ({graphs} graphs; graph breaks: {breaks or 'none'})"
+
+
+def _profile(step, batch: torch.Tensor, device: str, top: int, label: str) -> None:
+    """One step under ``torch.profiler``: which kernels surround the GEMMs (issue 39 reads it from a GPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step(batch[:, :-1], batch[:, 1:])
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ka = prof.key_averages()
+    print(f"\n## profile of one step: {label}")
+    print(ka.table(sort_by=key, row_limit=top, max_name_column_width=70))
 
 
 if __name__ == "__main__":

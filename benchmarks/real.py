@@ -50,8 +50,11 @@ C_AUTOCAST, C_O2 = "compile(autocast)", "compile(fxamp O2)"
 #: diagnostics for profile_real (not in the suite): O2 with the plain, unsegmented optimizer step
 O2_PLAIN = "fxamp O2 (plain step)"
 O2_COMPILED_STEP = "fxamp O2 (compiled step)"
-#: diagnostics for profile_real: O2 with lean masters and state chosen per tensor (precision="auto")
+#: diagnostics for profile_real: O2 with lean masters and state chosen per tensor (masters="auto", state="auto",
+#: calibrated in the first 2 steps, which profile_real's warm-up steps take), or fixed ones
 O2_LEAN = "fxamp O2 (lean auto)"
+O2_LEAN_MODES = {O2_LEAN: ("auto", "auto"), "fxamp O2 (lean stochastic+int8)": ("stochastic", "int8"),
+                 "fxamp O2 (lean kahan+bf16)": ("kahan", "bf16")}
 VARIANTS = (FP32, AUTOCAST, LIMIT, O1, O2)
 #: the training rows (step time and peak memory) add the compiled master step
 TRAIN_VARIANTS = VARIANTS + (O2_COMPILED_STEP,)
@@ -225,9 +228,11 @@ def train_step(variant: str, base: nn.Module, case: Case, x, y, dtype,
             opt.step()
 
         return step, lambda: opt.zero_grad(set_to_none=True)
-    if variant in (O2, C_O2, O2_PLAIN, O2_COMPILED_STEP, O2_LEAN):
+    if variant in (O2, C_O2, O2_PLAIN, O2_COMPILED_STEP) or variant in O2_LEAN_MODES:
         g = _convert(base, "O2", dtype, case, x).train()
-        lean = {"masters": "auto", "state": "auto"} if variant == O2_LEAN else {}
+        lean = {}
+        if variant in O2_LEAN_MODES:
+            lean = {"precision": fxamp.LeanConfig(*O2_LEAN_MODES[variant], calibration_steps=2)}
         w = fxamp.MixedPrecisionOptimizer(_adamw(g.parameters(), adamw), model=g, release_grad_buffer=variant != O2_PLAIN,
                                           compile_step=variant in (O2_COMPILED_STEP, C_O2), **lean)
         fwd = torch.compile(g) if variant == C_O2 else g
