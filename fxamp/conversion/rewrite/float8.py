@@ -10,7 +10,7 @@ from ...policy import Float8
 from ..classify.float8 import einsum_args, matmul_shape
 from ..graph import DECISION, Decision
 from ..passes import Conversion, Pass, Stage
-from ..runtime.float8 import float8_addmm, float8_einsum, float8_linear, float8_matmul
+from ..runtime.float8 import float8_addmm, float8_einsum, float8_linear, float8_matmul, gemm_options
 
 __all__ = ["rewrite_float8", "FLOAT8"]
 
@@ -24,6 +24,7 @@ def rewrite_float8(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision], co
         einsum = einsum("bi,ij->bj", x, w)   ==>  einsum = float8_einsum("bi,ij->bj", x, w, "tensorwise")
     """
     text = str(config)
+    gemm_options(text)  # (parsed once here: a compiled graph reads the options, see runtime/float8.py)
     made = 0
     for node in gm.graph.nodes:
         d = node.meta.get(DECISION)

@@ -30,7 +30,7 @@ each to the same call without float8, for a float32 reference run.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from ...policy import Float8, Float8Recipe
 
 __all__ = ["E4M3", "E5M2", "EPS", "amax_to_scale", "to_float8", "float8_mm", "float8_linear", "float8_matmul",
-           "float8_einsum", "float8_addmm", "Float8Matmul", "einsum_plan", "sqnr_db", "PLAIN"]
+           "float8_einsum", "float8_addmm", "Float8Matmul", "gemm_options", "GEMM_OPTIONS", "einsum_plan", "sqnr_db",
+           "PLAIN"]
 
 
 E4M3 = torch.float8_e4m3fn
@@ -101,17 +102,22 @@ def _pad_inner(*ts: torch.Tensor) -> Tuple[torch.Tensor, ...]:
 
 
 class Float8Matmul(torch.autograd.Function):
-    """``x @ w_t`` for a 2-D ``x`` (M,K) and ``w_t`` (K,N) in float8, forward and backward, by ``config``'s recipe.
+    """``x @ w_t`` for a 2-D ``x`` (M,K) and ``w_t`` (K,N) in float8, forward and backward, by ``recipe``'s
+    GEMMs (a :class:`Float8Recipe`'s value) with power-of-two scales when ``pow2``.
 
     The output and both gradients come back in ``x``'s (and ``w_t``'s) dtype: float8 lives only inside.
+    Its options are a string and a bool, not a :class:`Float8`: torch.compile traces the Function with
+    constants it needs no rule for (an object built or stored on ``ctx`` in the compiled region can break
+    the graph there, one graph per linear).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_t: torch.Tensor, config: Float8) -> torch.Tensor:  # type: ignore[override]
-        rowwise = config.recipe is not Float8Recipe.TENSORWISE
-        x8, sx = to_float8(x, E4M3, config.power_of_two, dim=-1 if rowwise else None)
-        w8, sw = to_float8(w_t, E4M3, config.power_of_two, dim=0 if rowwise else None)
-        ctx.config = config
+    def forward(ctx, x: torch.Tensor, w_t: torch.Tensor, recipe: str,  # type: ignore[override]
+                pow2: bool) -> torch.Tensor:
+        rowwise = recipe != _TENSORWISE
+        x8, sx = to_float8(x, E4M3, pow2, dim=-1 if rowwise else None)
+        w8, sw = to_float8(w_t, E4M3, pow2, dim=0 if rowwise else None)
+        ctx.recipe, ctx.pow2 = recipe, pow2
         ctx.dtypes = (x.dtype, w_t.dtype)
         if rowwise:
             ctx.save_for_backward(x, w_t)
@@ -121,11 +127,10 @@ class Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        config: Float8 = ctx.config
+        recipe, pow2 = ctx.recipe, ctx.pow2
         x_dtype, w_dtype = ctx.dtypes
-        pow2 = config.power_of_two
         grad_x = grad_w_t = None
-        if config.recipe is Float8Recipe.TENSORWISE:
+        if recipe == _TENSORWISE:
             x8, sx, w8, sw = ctx.saved_tensors
             g8, sg = to_float8(grad, E5M2, pow2)
             if ctx.needs_input_grad[0]:
@@ -133,32 +138,52 @@ class Float8Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 g8_m, x8_m = _pad_inner(g8, x8)
                 grad_w_t = float8_mm(g8_m.t(), sg, x8_m, sx, w_dtype).t()
-            return grad_x, grad_w_t, None
+            return grad_x, grad_w_t, None, None
         x, w_t = ctx.saved_tensors
         g8_rows, sg_rows = to_float8(grad, E4M3, pow2, dim=-1)  # per row of grad: grad_x's first operand
         if ctx.needs_input_grad[0]:
-            if config.recipe is Float8Recipe.ROWWISE:
+            if recipe == _ROWWISE:
                 w8, sw = to_float8(w_t, E4M3, pow2, dim=-1)  # per K: w_t.t()'s columns
                 grad_x = float8_mm(g8_rows, sg_rows, w8.t(), sw.t(), x_dtype)
             else:  # rowwise_with_gw_hp: the weight per tensor
                 w8, sw = to_float8(w_t, E4M3, pow2)
                 grad_x = float8_mm(g8_rows, sg_rows, w8.t(), sw, x_dtype)
         if ctx.needs_input_grad[1]:
-            if config.recipe is Float8Recipe.ROWWISE:
+            if recipe == _ROWWISE:
                 g8_cols, sg_cols = to_float8(grad, E4M3, pow2, dim=0)  # per N: gradᵀ's rows
                 x8, sx = to_float8(x, E4M3, pow2, dim=0)  # per K
                 g8_cols, x8 = _pad_inner(g8_cols, x8)
                 grad_w_t = float8_mm(g8_cols.t(), sg_cols.t(), x8, sx, w_dtype).t()
             else:
                 grad_w_t = (grad.t().to(w_dtype) @ x.to(w_dtype)).t()
-        return grad_x, grad_w_t, None
+        return grad_x, grad_w_t, None, None
+
+
+_TENSORWISE, _ROWWISE = Float8Recipe.TENSORWISE.value, Float8Recipe.ROWWISE.value
+#: a graph's float8 string -> (recipe, pow2), filled where the graph is built or re-traced (:func:`gemm_options`), so
+#: that a compiled graph reads a dict entry instead of tracing the string's parse (which built a :class:`Float8`)
+GEMM_OPTIONS: Dict[str, Tuple[str, bool]] = {}
+
+
+def gemm_options(config: Union[str, Float8]) -> Tuple[str, bool]:
+    """``(recipe value, pow2)`` of ``config`` (a :class:`Float8` or its string): :class:`Float8Matmul`'s options."""
+    if isinstance(config, Float8):
+        return config.recipe.value, config.power_of_two
+    options = GEMM_OPTIONS.get(config)
+    if options is None:
+        parsed = Float8.parse(config)
+        options = GEMM_OPTIONS[config] = (parsed.recipe.value, parsed.power_of_two)
+    return options
 
 
 def _traced(fn: Any, *args: Any) -> Optional[fx.Proxy]:
     """While torch.fx traces a graph's code (unpickling a GraphModule re-traces it), a call of ``fn`` on a
     Proxy stays one call in the graph instead of being traced into."""
     proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
-    return None if proxy is None else proxy.tracer.create_proxy("call_function", fn, args, {})
+    if proxy is None:
+        return None
+    gemm_options(args[-1])  # (the graph's config, parsed now: a compiled call reads it from the table)
+    return proxy.tracer.create_proxy("call_function", fn, args, {})
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -168,8 +193,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     traced = _traced(float8_linear, x, weight, bias, config)
     if traced is not None:
         return traced
-    config = Float8.parse(config)  # graphs hold its string: a few string ops, traced away by torch.compile
-    out = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), config)
+    out = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), *gemm_options(config))
     out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias.to(out.dtype)
 
