@@ -394,6 +394,8 @@ class Segmented:
         finally:
             for group, params in zip(groups, lists):
                 group["params"] = params
+            if keep:
+                segments.release()
         return []
 
     def _offer(self, optimizer: Any, run: Run, multiplier: Multiplier) -> Optional[Run]:
@@ -488,6 +490,16 @@ class Segments:
         self.flats: Dict[torch.device, torch.Tensor] = {}
         self.views: Dict[int, List[torch.Tensor]] = {}  # a run's place in the plan's runs -> its views
 
+    def release(self) -> None:
+        """Give an accelerator's segments' memory back between steps (their views stay, holding none until the
+        next :meth:`views_for`): a segment is 128 MiB of float32 there (``ACCELERATOR_SEGMENT_NUMEL``), ~1 byte
+        a parameter at GPT-2 small that the H200's allocator counted after every step; its caching allocator
+        hands the same block back at the next step.  A CPU's (4 MiB) is kept: malloc would fault its pages in
+        again."""
+        for flat in self.flats.values():
+            if flat.device.type != "cpu":
+                flat.untyped_storage().resize_(0)
+
     def views_for(self, key: Optional[int], masters: Sequence[torch.Tensor], strides: Strides, numel: int
                   ) -> List[torch.Tensor]:
         """Views of a segment for ``masters``' gradients laid out with ``strides``; ``key``: the run's place,
@@ -503,6 +515,10 @@ class Segments:
         if flat is None or flat.numel() < total:  # (a run "auto" calibrated out of a lean chunked step: larger)
             flat = self.flats[device] = torch.empty(max(numel, total), dtype=masters[0].dtype, device=device)
             self.views = {k: v for k, v in self.views.items() if v[0].device != device}  # views of the old one
+        else:
+            storage, nbytes = flat.untyped_storage(), flat.numel() * flat.element_size()
+            if storage.nbytes() < nbytes:  # (released after the last step: the kept views see the new memory)
+                storage.resize_(nbytes)
         views = flat_grads(masters, strides, flat)[1]
         if key is not None:
             self.views[key] = views

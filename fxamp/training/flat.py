@@ -120,7 +120,9 @@ def round_stochastic_(x: torch.Tensor, segments: Sequence[Tuple[int, int, int]])
             delta = torch.zeros(3, m, dtype=torch.int32, device=x.device)
             delta.view(-1).index_put_((_small([r * m + at for r in range(3) for at in starts], torch.int64, x),),
                                       _small([step[r] for r in range(3) for step in steps], torch.int32, x))
-            offset, k0, k1 = delta.cumsum_(1).unbind(0)
+            # a 1-D scan per word: a GPU scans a whole 1-D tensor with one device-wide scan, but a (3, m) one along
+            # dim 1 a row per thread block (3 blocks: 22 ms a slice of 16 M on an H200, 70% of a lean step)
+            offset, k0, k1 = (row.cumsum_(0) for row in delta.unbind(0))
         u, w = (z, tmp) if m == z.numel() else (z.narrow(0, 0, m), tmp.narrow(0, 0, m))
         _mix32_(torch.arange(0, m, out=u).add_(offset).bitwise_xor_(k0), w).bitwise_xor_(k1)
         noise = _mix32_(u, w, last=False).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
