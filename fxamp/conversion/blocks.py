@@ -68,6 +68,12 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
     the layers of every ``nn.ModuleList`` and the repeated children of every ``nn.Sequential`` (:func:`_repeated`;
     outermost only)."""
     paths = [p for p, _ in model.named_modules() if p]
+    # TorchScript modules (torch.jit.script/trace) are no blocks: nothing can capture them (the whole model's
+    # torch.fx capture calls them whole), nor what they hold
+    scripted = [p for p, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    scripted = [p for p in scripted if not any(p != q and _inside(p, q) for q in scripted)]  # the outermost
+    script_help = (f"convert the eager modules before torch.jit.script, or convert the whole model with "
+                   f"fxamp.convert(frontend='fx'), which calls TorchScript modules whole, in float32")
     if patterns is not None:
         if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
             raise TypeError(f"blocks= takes a list of module path globs such as ['model.layers.*'], not {patterns!r}")
@@ -78,12 +84,20 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
                 raise ValueError(f"blocks={list(patterns)!r}: {pattern!r} matches no module of "
                                  f"{type(model).__name__}; some paths it has: {', '.join(paths[:6])}")
             found += [p for p in hits if p not in found]
+        named = [p for p in found if any(_inside(p, q) for q in scripted)]
+        if named:
+            listed = ", ".join(map(repr, named[:4]))
+            raise ValueError(f"blocks={list(patterns)!r} names TorchScript modules ({listed}), which fxamp cannot "
+                             f"capture: {script_help}")
     else:
         found = []
         for path, m in model.named_modules():
-            if any(_inside(path, b) for b in found):
+            if any(_inside(path, b) for b in found) or any(_inside(path, q) for q in scripted):
                 continue
             found += [f"{path}.{name}" if path else name for name in _repeated(m)]
+        if not found and scripted:
+            raise ValueError(f"fxamp.convert_ found no blocks in {type(model).__name__} but TorchScript modules "
+                             f"({', '.join(map(repr, scripted[:4]))}), which fxamp cannot capture: {script_help}")
         if not found:
             raise ValueError(f"fxamp.convert_ found no blocks in {type(model).__name__} (no nn.ModuleList or "
                              f"nn.Sequential holds its layers): name them, e.g. blocks=['encoder.layers.*']")
@@ -114,8 +128,8 @@ def _repeated(m: nn.Module) -> List[str]:
     for _, child in children:
         counts[type(child)] = counts.get(type(child), 0) + 1
     first = {id(child): name for name, child in reversed(children)}  # a shared module: converted once, as named first
-    return [name for name, child in children
-            if first[id(child)] == name and (any_count or counts[type(child)] > 1) and layered(child)]
+    return [name for name, child in children if first[id(child)] == name and (any_count or counts[type(child)] > 1)
+            and layered(child) and not isinstance(child, torch.jit.ScriptModule)]  # (TorchScript: see find_blocks)
 
 
 def glue_modules(model: nn.Module, blocks: Sequence[str]) -> List[str]:

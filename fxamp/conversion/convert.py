@@ -9,7 +9,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 import torch.nn as nn
 
-from .capture import LeafSpec, capture, copy_root_hooks, root_hooks_note, traced_hooks_error, user_hooks
+from .capture import (LeafSpec, capture, copy_root_hooks, root_hooks_note, torchscript_error, traced_hooks_error,
+                      user_hooks)
 from .graph import replace_tensors, tensor_slots
 from ..dtypes import LOW, dtype_name
 from ..errors import TraceError
@@ -248,7 +249,15 @@ def _copy_tree(model: nn.Module) -> nn.Module:
     # the legacy weight_norm's): not a leaf, which deepcopy refuses; the hook computes it again at every call
     memo.update((id(v), v) for m in model.modules() for v in vars(m).values()
                 if isinstance(v, torch.Tensor) and v.grad_fn is not None)
-    return copy.deepcopy(model, memo=memo)
+    copied = copy.deepcopy(model, memo=memo)
+    # a TorchScript module copies itself in C++, past the memo, and clones its tensors with autograd: its
+    # parameters came back non-leaf (CloneBackward), which no optimizer takes; they are detached here (the
+    # clone's memory is the copy's own already)
+    for _, owner, attr, t in list(tensor_slots(copied)):
+        if isinstance(owner, torch.jit.ScriptModule) and t.grad_fn is not None:
+            detached = t.detach()
+            setattr(owner, attr, nn.Parameter(detached, t.requires_grad) if attr in owner._parameters else detached)
+    return copied
 
 
 def _own_storage(module: nn.Module, original: nn.Module) -> nn.Module:
@@ -274,8 +283,9 @@ _PER_MODE_NOTE_FX = ("training and eval mode capture different graphs, so fxamp 
 
 
 def _refuse_traced_hooks(model: nn.Module, why: Optional[str] = None) -> None:
-    """Refuse now, not at the first call, a model whose hooks the lazy torch.export capture would trace in."""
-    refused = traced_hooks_error(model, "torch.export", why)
+    """Refuse now, not at the first call, a model whose hooks the lazy torch.export capture would trace in, or that
+    holds TorchScript modules, which it cannot capture."""
+    refused = traced_hooks_error(model, "torch.export", why) or torchscript_error(model, why)
     if refused is not None:
         raise refused
 

@@ -49,7 +49,9 @@ def lookups_into_norms(model: nn.Module) -> Set[int]:
     lookups: Dict[int, List[bool]] = collections.defaultdict(list)
     modules = dict(model.named_modules(remove_duplicate=False))
     for path, m in modules.items():
-        if not path or type(m).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
+        # (isinstance first: a TorchScript module's class answers .forward only on an instance)
+        if not path or not isinstance(m, (nn.Embedding, nn.EmbeddingBag)) or type(m).forward not in (
+                nn.Embedding.forward, nn.EmbeddingBag.forward):
             continue
         parent, _, name = path.rpartition(".")
         norms = [n for n, c in modules[parent]._modules.items() if isinstance(c, _NORMS)]

@@ -28,7 +28,8 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
-from .common import Captured, FrontEnd, LeafSpec, functions_traced, shallow_copy, written_read_error
+from .common import (Captured, FrontEnd, LeafSpec, functions_traced, shallow_copy, torchscript_error,
+                     written_read_error)
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
 from .fx import FxFrontEnd, identity_test_error
@@ -37,7 +38,7 @@ from .modes import OTHER_MODE_FAILED, capture_modes, make_modes_switchable, trai
 from .regions import capture_notes, written_notes
 
 __all__ = ["Captured", "LeafSpec", "capture", "capture_with_values", "training_mode", "traced_hooks_error",
-           "copy_root_hooks", "root_hooks_note", "shallow_copy", "user_hooks", "without_hooks"]
+           "torchscript_error", "copy_root_hooks", "root_hooks_note", "shallow_copy", "user_hooks", "without_hooks"]
 
 FRONTENDS = ("auto", "fx", "export")
 

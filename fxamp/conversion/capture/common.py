@@ -19,7 +19,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ..bytecode import function_calls
 
-__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn"]
+__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn", "torchscript_error"]
 
 LeafSpec = Union[str, Type[nn.Module]]
 
@@ -220,3 +220,19 @@ def _structure(gm: fx.GraphModule) -> List[Tuple[str, str, str]]:
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}")  # type: ignore[arg-type,return-value]
         out.append((node.op, str(node.target), repr(args)))
     return out
+
+
+def torchscript_error(model: nn.Module, why: Optional[str]) -> Optional[TraceError]:
+    """The refusal of a model holding TorchScript modules (``torch.jit.script``): torch.export cannot capture them
+    (it fails on their parameters, which TorchScript holds as plain tensors), torch.fx calls them whole."""
+    scripted = [path for path, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    scripted = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted if q)]  # the outermost ones
+    if not scripted:
+        return None
+    lead = f"{why}; " if why else ""
+    where = ", ".join(repr(p) if p else "the model itself" for p in scripted[:4])
+    return TraceError(
+        f"{lead}torch.export cannot capture TorchScript modules ({where}{' and more' if len(scripted) > 4 else ''}). "
+        f"Convert the eager module before torch.jit.script, or convert with frontend='fx', which calls a "
+        f"TorchScript submodule whole, in float32 (module_overrides={{{scripted[0]!r}: 'safe'}} runs it in the "
+        f"low dtype)", short=f"TorchScript module {scripted[0] or 'at the root'}", module_path=scripted[0])

@@ -78,7 +78,8 @@ import torch.utils._pytree as pytree
 from ...errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
 from ..options import Dynamic, parse_option
-from .common import LeafSpec, Written, changed_attributes, plain_attributes, shallow_copy, user_frame
+from .common import (LeafSpec, Written, changed_attributes, plain_attributes, shallow_copy, torchscript_error,
+                     user_frame)
 from .constants import fit_fill_values
 from .hooks import traced_hooks_error, without_hooks
 from .regions import region_notes
@@ -115,7 +116,7 @@ class ExportFrontEnd:
         self.args, self.kwargs = _check_inputs(example_inputs, example_kwargs)
         if leaf_modules:
             raise _leaf_modules_error(leaf_modules, self._why())
-        refused = traced_hooks_error(model, "torch.export", self._why())
+        refused = traced_hooks_error(model, "torch.export", self._why()) or torchscript_error(model, self._why())
         if refused is not None:
             raise refused
         dynamic = parse_option(Dynamic, dynamic, what="dynamic")

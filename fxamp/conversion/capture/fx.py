@@ -179,6 +179,8 @@ class FxTracer(fx.Tracer):
             return True
         if has_own_hooks(m):  # traced through, its hooks would run once, at capture: called, they run each time
             return True
+        if isinstance(m, torch.jit.ScriptModule):  # compiled: torch.fx records its C++ object's forward, a call
+            return True                            # classified as a tensor method; called, it is an opaque leaf
         if type(m) in FORWARDS:  # torch.nn's transformers: traced into (capture/transformer.py)
             return False
         if parametrize.is_parametrized(m):
