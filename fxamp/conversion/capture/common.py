@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import TraceError
-from ..bytecode import function_calls
+from ..bytecode import codes_of, function_calls
 
 __all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn", "torchscript_error"]
 
@@ -126,24 +126,36 @@ def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> 
 
 
 @contextlib.contextmanager
-def functions_traced(model: nn.Module) -> Iterator[List[str]]:
+def functions_traced(model: nn.Module, keeps_calls: bool = True) -> Iterator[List[str]]:
     """Notes on each custom ``torch.autograd.Function`` whose forward ran while ``model`` was traced (its ops are in
     the graph, its backward is not).  Only a model whose code names one (:func:`function_calls`) is watched: its
-    forwards' code is looked for in the calls the trace makes (``sys.setprofile``, around the trace only)."""
+    forwards' code is looked for in the calls the trace makes (``sys.setprofile``, around the trace only).
+
+    ``keeps_calls=False`` (torch.export, which runs forward on stand-in tensors and records their ops only): a tensor
+    hook the model's code registers (``h.register_hook(fn)``) runs on a stand-in, so the graph has none, and the
+    converted model's gradients would silently differ: the capture is refused.  (torch.fx fails on the call: a
+    function is no graph argument; the in-place capture keeps it.)"""
     # (every class of each module's MRO: a block's capture traces it as a subclass with a forward of its own)
     classes = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
     calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
              if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
+    hooking = set() if keeps_calls else {code for c in classes for code in codes_of(c)
+                                         if "register_hook" in code.co_names}
     notes: List[str] = []
-    if not calls or sys.getprofile() is not None:  # (a profiler of the user's (cProfile) is left alone)
+    if (not calls and not hooking) or sys.getprofile() is not None:  # (a user's profiler (cProfile) is left alone)
         yield notes
         return
     ran: Dict[type, str] = {}
+    hooks: List[str] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code in calls:
+        if event != "call":
+            return
+        if frame.f_code in calls:
             cls, where = calls[frame.f_code]
             ran.setdefault(cls, where)
+        elif frame.f_code is _REGISTER_HOOK and frame.f_back is not None and frame.f_back.f_code in hooking:
+            hooks.append(f"{frame.f_back.f_code.co_filename}:{frame.f_back.f_lineno}")
 
     sys.setprofile(profile)
     try:
@@ -160,6 +172,17 @@ def functions_traced(model: nn.Module) -> Iterator[List[str]]:
                     f"then runs as written)")
             notes.append(note)
             warn(note)
+    if hooks:
+        raise TraceError(
+            f"forward registers a tensor hook ({hooks[0]}: `.register_hook(...)`), which torch.export cannot keep: "
+            f"it records the ops of forward, not the hook, so the converted model's gradients would differ from "
+            f"the model's (torch.fx cannot record a hook function either). Convert in place with fxamp.convert_ "
+            f"(the block that registers it keeps the hook), or register the hook outside forward",
+            short=f"a tensor hook registered at {hooks[0]}")
+
+
+#: the code torch runs for ``Tensor.register_hook`` (a Python method: a profiler sees its calls)
+_REGISTER_HOOK = torch.Tensor.register_hook.__code__
 
 
 def compiled_module(m: nn.Module) -> Optional[nn.Module]:

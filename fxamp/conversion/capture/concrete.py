@@ -89,6 +89,9 @@ class _ConcreteTracer(FxTracer):
         self.values = [v if isinstance(v, _SIMPLE) else _copy(v, memo) if not isinstance(v, torch.Tensor)
                        else _input_copy(v, memo) for v in values]
         self.real: dict = {}
+        # the call's grad mode, kept for the values the trace computes: a branch may read an intermediate's
+        # requires_grad (a hook registered only when gradients flow), which no_grad would make False
+        self.grad_enabled = torch.is_grad_enabled()
         self.meta_only: Set[fx.Node] = set()  # nodes whose values depend on no tensor data
         self.effects: Set[fx.Node] = set()  # method calls on opaque objects
         self.stateful: Set[fx.Node] = set()  # meta-only nodes that read an opaque object's state
@@ -111,7 +114,7 @@ class _ConcreteTracer(FxTracer):
             return proxy
         a = fx.node.map_arg(node.args, self._real)
         k = fx.node.map_arg(node.kwargs, self._real)
-        with torch.no_grad(), _unpatched():
+        with torch.set_grad_enabled(self.grad_enabled), _unpatched():
             if kind == "get_attr":
                 value = self._attr(target)
             elif kind == "call_module":
@@ -250,7 +253,11 @@ def _input_copy(t: torch.Tensor, memo: Dict[int, Any]) -> torch.Tensor:
     if id(t) not in memo:
         with torch.no_grad():
             new = t.detach().clone()
-        memo[id(t)] = new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
+        if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            # not a leaf, as a block's input is at a call (an activation): the trace's values keep the call's grad
+            # mode, in which an in-place op on a leaf that requires grad would raise
+            new = new.requires_grad_(True).clone()
+        memo[id(t)] = new
     return memo[id(t)]
 
 
