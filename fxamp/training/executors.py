@@ -269,7 +269,7 @@ def unscale_pairs(bucket: Bucket, grads: List[Optional[torch.Tensor]], flags: Fo
 
 
 def unscale_own(params: List[torch.Tensor], flags: FoundInf) -> int:
-    """Unscale, in place, the gradients of float32 parameters stepped directly (one device and dtype).
+    """Unscale, in place, the gradients of float32 (or complex) parameters stepped directly (one device and dtype).
 
     Sparse and missing gradients are looked for first, not caught as in unscale_masters: the
     kernel unscales in place, so failing part way would leave some gradients unscaled.
@@ -277,6 +277,8 @@ def unscale_own(params: List[torch.Tensor], flags: FoundInf) -> int:
     grads = [p.grad for p in params]
     if not all(g is not None and not g.is_sparse for g in grads):  # (values of sparse gradients: views)
         grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
+    # (complex parameters, a spectral layer's (FNO): their real and imaginary parts, as a real view)
+    grads = [torch.view_as_real(g) if g.is_complex() else g for g in grads]
     if grads:
         flags.unscale_and_check_(grads)
     return len(grads)

@@ -237,7 +237,7 @@ def check_params(optimizer: Any, config: LeanConfig, groups: Optional[Sequence[D
     low = 0
     for i, group in enumerate(optimizer.param_groups if groups is None else groups):
         for j, p in enumerate(group["params"]):
-            if not p.is_floating_point():
+            if not (p.is_floating_point() or p.is_complex()):
                 raise TypeError(f"the optimizer's group {i}, param {j} is {p.dtype}: MixedPrecisionOptimizer steps "
                                 f"floating-point parameters only; leave it out of the optimizer")
             if p.dtype in (torch.float16, torch.bfloat16):
