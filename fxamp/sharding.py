@@ -342,6 +342,11 @@ def _check_model(model: nn.Module) -> None:
     policy = policy_of(model)
     if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
         raise ValueError(f"fxamp.shard: this {type(model).__name__} is already sharded (fully_shard ran on it)")
+    complex_ = sorted({n for n, p in model.named_parameters() if p.is_complex()})
+    if complex_:  # (never cast: no policy makes them float32)
+        raise ValueError(f"fxamp.shard: {type(model).__name__} has complex parameters ({', '.join(complex_[:3])}"
+                         f"{' ...' if len(complex_) > 3 else ''}) beside float32 ones, and fully_shard needs one dtype "
+                         f"per group; fxamp.shard does not shard them yet: train such a model with DDP")
     low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.dtype != torch.float32})
     if low:
         raise ValueError(f"fxamp.shard: policy {policy} stores parameters in {', '.join(low)} beside float32 "

@@ -92,3 +92,23 @@ def test_an_overflow_in_a_complex_gradient_skips_the_step_and_changes_nothing():
     assert not opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, run.parameters()))
     assert all(torch.equal(v, opt.optimizer.state[run.spectral.weight][k]) for k, v in state.items())
+
+
+class Stacked(nn.Module):
+    """FNO1d's layer as blocks, for the in-place conversion fxamp.shard takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([FNO1d(), FNO1d()])
+
+    def forward(self, x):
+        return self.layers[1](torch.cat([self.layers[0](x), x[..., :1]], -1))
+
+
+def test_shard_refuses_complex_parameters_with_what_to_do():
+    """FSDP2 all-gathers one dtype per group; the complex parameters are named, and DDP is the way (the message
+    used to say 'convert with O1', which the model already was)."""
+    amp = fxamp.convert_(Stacked(), "O1", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"complex parameters \(layers.0.spectral.weight, layers.1.spectral.weight\).*"
+                                         r"train such a model with DDP"):
+        fxamp.shard(amp)
