@@ -89,9 +89,6 @@ class _ConcreteTracer(FxTracer):
         self.values = [v if isinstance(v, _SIMPLE) else _copy(v, memo) if not isinstance(v, torch.Tensor)
                        else _input_copy(v, memo) for v in values]
         self.real: dict = {}
-        # the call's grad mode, kept for the values the trace computes: a branch may read an intermediate's
-        # requires_grad (a hook registered only when gradients flow), which no_grad would make False
-        self.grad_enabled = torch.is_grad_enabled()
         self.meta_only: Set[fx.Node] = set()  # nodes whose values depend on no tensor data
         self.effects: Set[fx.Node] = set()  # method calls on opaque objects
         self.stateful: Set[fx.Node] = set()  # meta-only nodes that read an opaque object's state
@@ -114,7 +111,10 @@ class _ConcreteTracer(FxTracer):
             return proxy
         a = fx.node.map_arg(node.args, self._real)
         k = fx.node.map_arg(node.kwargs, self._real)
-        with torch.set_grad_enabled(self.grad_enabled), _unpatched():
+        # in the grad mode the code runs in (the call's, and the regions of forward): a branch may read an
+        # intermediate's requires_grad (a hook registered only when gradients flow), which no_grad made False; its
+        # saved tensors kept as they are (the capture may run inside the user's checkpoint, whose hooks count them)
+        with _unpatched(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
             if kind == "get_attr":
                 value = self._attr(target)
             elif kind == "call_module":
@@ -245,6 +245,10 @@ class _ConcreteProxy(fx.Proxy):
                 not callable(getattr(value, "keys", None)):
             return self.tracer.create_proxy("call_function", builtins.getattr, (self, "keys"), {})
         return fx.Proxy.keys.__get__(self)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _input_copy(t: torch.Tensor, memo: Dict[int, Any]) -> torch.Tensor:
