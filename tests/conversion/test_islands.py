@@ -633,3 +633,37 @@ def test_islands_that_overlap_are_rewritten_one_at_a_time(frontend):
     for (name, a), b in zip(amp.named_parameters(), off.parameters()):
         # (time_first is read at every step: its gradient's terms may be summed in another order)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _ForceField(nn.Module):
+    """An energy model whose forward returns forces, -dE/dpos, with create_graph=True (SchNet, NequIP, MACE)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(3, 64), nn.SiLU(), nn.Linear(64, 1))
+
+    def forward(self, pos):
+        pos = pos.detach().requires_grad_(True)
+        energy = self.mlp(pos).sum()
+        return -torch.autograd.grad(energy, pos, create_graph=True)[0]
+
+
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_a_forward_that_calls_autograd_gets_no_island_and_trains_through_its_forces(policy):
+    """The energy's float32 sum was an island: run without a graph, torch.autograd.grad in forward then found
+    nothing to differentiate ("element 0 of tensors does not require grad").  A graph calling autograd gets no
+    island (noted); the forces and the double backward of a loss on them match float32's."""
+    torch.manual_seed(0)
+    model = _ForceField()
+    pos = torch.randn(2, 16, 3, generator=torch.Generator().manual_seed(1))
+    forces = model(pos)
+    forces.pow(2).sum().backward()
+    ref = model.mlp[0].weight.grad.clone()
+    model.zero_grad()  # (O1 shares the model's parameters)
+    amp = fxamp.convert(model, policy, dtype=torch.bfloat16)
+    assert any("forward calls autograd (grad)" in n for n in fxamp.conversion_info(amp).notes)
+    ours = amp(pos)
+    assert float((ours.float() - forces).norm() / forces.norm()) < 2e-2
+    ours.float().pow(2).sum().backward()
+    g = amp.mlp[0].weight.grad.float()
+    assert float((g - ref).norm() / ref.norm()) < 5e-2

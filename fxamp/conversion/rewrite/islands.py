@@ -75,6 +75,9 @@ _LOSSES = frozenset({"cross_entropy", "nll_loss", "cross_entropy_loss", "nll_los
 _LITERALS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout,
              type(Ellipsis))
 _FXAMP_OK = (cast, cast_dense)
+#: autograd called in forward (a force field's forces, -dE/dx with create_graph=True): an island runs its forward
+#: without a graph and its backward is no differentiable op, so a graph calling one gets no island
+_AUTOGRAD = (torch.autograd.grad, torch.autograd.backward)
 
 
 def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
@@ -85,6 +88,11 @@ def recompute_islands(gm: fx.GraphModule, options: ConvertOptions) -> List[str]:
     if not options.recompute_islands:
         return []
     graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target in _AUTOGRAD
+             or n.op == "call_method" and n.target == "backward"]
+    if calls:
+        return [f"no float32 island is recomputed: forward calls autograd ({_name(calls[0])}), which needs the "
+                f"graph an island's forward does not build"]
     decisions = {n: n.meta[DECISION] for n in graph.nodes if DECISION in n.meta}
     static = DtypeInference(gm, dict(gm.named_modules()), decisions)
     _check_overrides(gm, options)
