@@ -176,14 +176,16 @@ def test_memory_script_loss_inside_with_and_without_recompute():
     assert "loss inside forward" in proc.stdout and "| O2 no-recompute |" in proc.stdout
 
 
-def test_float8_benchmarks_run_tiny_on_cpu():
+def test_float8_benchmarks_run_tiny_on_cpu(capsys):
     """benchmarks/float8_cost.py and float8_gpt.py (prepared for a GPU) run end to end at CPU sizes."""
     from benchmarks import float8_cost, float8_gpt
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny float8 GEMMs: two threads on a busy machine are far slower
     try:
         assert float8_cost.main(["--shapes", "32x32", "--tokens", "16", "--repeat", "1"]) == 0
-        assert float8_gpt.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--batch", "2"]) == 0
+        assert float8_gpt.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--batch", "2", "--profile", "3"]) == 0
+        out = capsys.readouterr().out
+        assert "## profile of one step: bf16 O2" in out and "## profile of one step: fxamp float8 tensorwise" in out
     finally:
         torch.set_num_threads(threads)
 
