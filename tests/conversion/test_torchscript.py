@@ -83,6 +83,7 @@ def test_a_torchscript_submodule_is_called_whole_in_float32(policy, traced):
         amp = fxamp.convert(model, policy, dtype=BF16)
     said = [str(w.message) for w in caught if "'mid'" in str(w.message)]
     assert said and "before torch.jit.script" in said[0], said  # 40% of the parameters: named, with what to do
+    assert "module_overrides={'mid': 'safe'}" in said[0]  # (by path: every scripted module is one class)
     assert amp.mid.fc1.weight.dtype == torch.float32 and amp.head.weight.dtype == (BF16 if policy == "O2" else
                                                                                    torch.float32)
     assert [n.op for n in amp.graph.nodes if "mid" in str(n.target)] == ["call_module"]

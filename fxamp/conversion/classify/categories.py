@@ -374,13 +374,14 @@ def float32_leaves(gm: fx.GraphModule, decisions: Mapping[fx.Node, Decision]) ->
                  "before converting, or register them on the converted root)" if hooked else
                  "let torch.fx trace into it (drop it from leaf_modules)")
         export = "" if hooked else ", or use frontend='export'"  # (which refuses hooks on submodules)
-        if isinstance(m, torch.jit.ScriptModule):  # compiled TorchScript: nothing traces into it
+        override = f"overrides={{{type(m).__name__}: 'safe'}}"
+        if isinstance(m, torch.jit.ScriptModule):  # compiled TorchScript: nothing traces into it, one class for all
             trace, export = "convert the eager module (before torch.jit.script) so that its ops are converted", ""
+            override = f"module_overrides={{{str(node.target)!r}: 'safe'}}"
         if share > FLOAT32_LEAF_SHARE:
             notes.append(f"leaf module {node.target!r} ({type(m).__name__}) runs whole in float32 and holds "
                          f"{share:.0%} of the parameters, so about that share of the work gets no speed-up: "
-                         f"{trace}, override its category "
-                         f"(overrides={{{type(m).__name__}: 'safe'}} if its math is safe in low precision)"
+                         f"{trace}, override its category ({override} if its math is safe in low precision)"
                          f"{export}")
     return notes
 
