@@ -19,7 +19,8 @@ import torch.nn as nn
 from ...errors import TraceError
 from ..bytecode import codes_of, function_calls
 
-__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn", "torchscript_error"]
+__all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn",
+           "torchscript_error", "distributions_hint"]
 
 LeafSpec = Union[str, Type[nn.Module]]
 
@@ -259,3 +260,18 @@ def torchscript_error(model: nn.Module, why: Optional[str]) -> Optional[TraceErr
         f"Convert the eager module before torch.jit.script, or convert with frontend='fx', which calls a "
         f"TorchScript submodule whole, in float32 (module_overrides={{{scripted[0]!r}: 'safe'}} runs it in the "
         f"low dtype)", short=f"TorchScript module {scripted[0] or 'at the root'}", module_path=scripted[0])
+
+
+def distributions_hint(e: BaseException) -> str:
+    """The fix when the data-dependent branch is torch.distributions' argument validation (a policy's
+    ``Categorical(logits=...)``, a mixture's ``Normal(mu, sigma)``: a check of the values against the
+    distribution's support), or ''."""
+    tb = e.__traceback__
+    while tb is not None:
+        if "torch/distributions/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return ("What to do: the branch is torch.distributions' check of its arguments' values "
+                    "(validate_args), which no graph can hold: build the distribution with validate_args=False in "
+                    "forward, or call torch.distributions.Distribution.set_default_validate_args(False) before "
+                    "converting (the checks are off for every distribution then).")
+        tb = tb.tb_next
+    return ""

@@ -78,8 +78,8 @@ import torch.utils._pytree as pytree
 from ...errors import TraceError
 from ..graph import canonical_names, dedupe_get_attrs, fetch_attr, mirror_module_tree, node_arg, replace_node_arg
 from ..options import Dynamic, parse_option
-from .common import (LeafSpec, Written, changed_attributes, plain_attributes, shallow_copy, torchscript_error,
-                     user_frame)
+from .common import (LeafSpec, Written, changed_attributes, distributions_hint, plain_attributes,
+                     shallow_copy, torchscript_error, user_frame)
 from .constants import fit_fill_values
 from .hooks import traced_hooks_error, without_hooks
 from .regions import region_notes
@@ -583,21 +583,6 @@ def _is_data_dependent(e: BaseException) -> bool:
     return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in text or "data dependent" in text
 
 
-def _distributions_hint(e: BaseException) -> str:
-    """The fix when the data-dependent branch is torch.distributions' argument validation (a policy's
-    ``Categorical(logits=...)``, a mixture's ``Normal(mu, sigma)``: a check of the values against the
-    distribution's support), or ''."""
-    tb = e.__traceback__
-    while tb is not None:
-        if "torch/distributions/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
-            return ("What to do: the branch is torch.distributions' check of its arguments' values "
-                    "(validate_args), which no graph can hold: build the distribution with validate_args=False in "
-                    "forward, or call torch.distributions.Distribution.set_default_validate_args(False) before "
-                    "converting (the checks are off for every distribution then).")
-        tb = tb.tb_next
-    return ""
-
-
 _LABEL_LIKE = re.compile(r"label|target|^y$|^y_|answer|positions$", re.IGNORECASE)
 
 
@@ -634,7 +619,7 @@ def _export_error(model: nn.Module, e: BaseException, why: Optional[str],
     if _is_data_dependent(e):
         # export's failure is the one to fix: torch.fx's (tried first) often fails elsewhere, for a
         # reason export does not share (HF's "cannot specify both input_ids and inputs_embeds")
-        todo = _label_hint(kwargs, where[2] if where else "", at_call) or _distributions_hint(e) or (
+        todo = _label_hint(kwargs, where[2] if where else "", at_call) or distributions_hint(e) or (
             f"What to do: keep that module opaque with leaf_modules=[{hint_path}] (fx front end; it then "
             f"runs whole, in float32), convert its submodules separately "
             f"(fxamp.convert(model.{path or '<submodule>'}.<child>, ...)), convert the model in place "
