@@ -123,7 +123,7 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     def trace() -> fx.GraphModule:
         log = getattr(front, "written", [])
         seen = len(log)
-        with functions_traced(model, keeps_calls=front.name != "export") as notes:
+        with functions_traced(model, keeps_calls=front.name != "export", bakes_reads=front.name == "fx") as notes:
             gm = front.trace()
         traced_functions.extend(n for n in notes if n not in traced_functions)
         for written in log[seen:]:

@@ -127,7 +127,8 @@ def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> 
 
 
 @contextlib.contextmanager
-def functions_traced(model: nn.Module, keeps_calls: bool = True) -> Iterator[List[str]]:
+def functions_traced(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool = False
+                     ) -> Iterator[List[str]]:
     """Notes on each custom ``torch.autograd.Function`` whose forward ran while ``model`` was traced (its ops are in
     the graph, its backward is not).  Only a model whose code names one (:func:`function_calls`) is watched: its
     forwards' code is looked for in the calls the trace makes (``sys.setprofile``, around the trace only).
@@ -135,21 +136,34 @@ def functions_traced(model: nn.Module, keeps_calls: bool = True) -> Iterator[Lis
     ``keeps_calls=False`` (torch.export, which runs forward on stand-in tensors and records their ops only): a tensor
     hook the model's code registers (``h.register_hook(fn)``) runs on a stand-in, so the graph has none, and the
     converted model's gradients would silently differ: the capture is refused.  (torch.fx fails on the call: a
-    function is no graph argument; the in-place capture keeps it.)"""
+    function is no graph argument; the in-place capture keeps it.)
+
+    ``bakes_reads=True`` (torch.fx, which proxies parameters, not buffers): a buffer's value read in forward
+    (``self.temperature.item()``, ``.tolist()``) runs at capture and the graph holds that number, so a later change
+    of the buffer would silently not be seen: the capture is refused (the default front end then captures with
+    torch.export, which keeps the read)."""
     # (every class of each module's MRO: a block's capture traces it as a subclass with a forward of its own)
     classes = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
     calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
              if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
     hooking = set() if keeps_calls else {code for c in classes for code in codes_of(c)
                                          if "register_hook" in code.co_names}
+    reading = {code for c in classes for code in codes_of(c) if {"item", "tolist"} & set(code.co_names)
+               } if bakes_reads else set()
     notes: List[str] = []
-    if (not calls and not hooking) or sys.getprofile() is not None:  # (a user's profiler (cProfile) is left alone)
+    if (not calls and not hooking and not reading) or sys.getprofile() is not None:  # (a user's profiler is left be)
         yield notes
         return
+    tensors = {id(t): name for name, t in model.named_buffers()} if reading else {}
     ran: Dict[type, str] = {}
     hooks: List[str] = []
+    reads: List[str] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and frame.f_code in reading and getattr(arg, "__name__", None) in ("item", "tolist"):
+            name = tensors.get(id(getattr(arg, "__self__", None)))
+            if name is not None:
+                reads.append(f"{name} (.{arg.__name__}() at {frame.f_code.co_filename}:{frame.f_lineno})")
         if event != "call":
             return
         if frame.f_code in calls:
@@ -173,6 +187,12 @@ def functions_traced(model: nn.Module, keeps_calls: bool = True) -> Iterator[Lis
                     f"then runs as written)")
             notes.append(note)
             warn(note)
+    if reads:
+        raise UnsoundCapture(
+            f"forward reads the value of buffer {reads[0]}: torch.fx runs the read once, while tracing, and the "
+            f"graph would hold that number, so a later change of the buffer would not be seen. Capture it with "
+            f"torch.export, which keeps the read: pass example_inputs=(...), or leave frontend= at 'auto' (fxamp "
+            f"then captures it at its first call)", short=f"forward reads the value of buffer {reads[0].split()[0]}")
     if hooks:
         raise TraceError(
             f"forward registers a tensor hook ({hooks[0]}: `.register_hook(...)`), which torch.export cannot keep: "
