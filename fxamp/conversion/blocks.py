@@ -41,7 +41,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from .bytecode import codes_of, reads_values
 from .calls import SIMPLE
-from .capture.common import compiled_module
+from .capture.common import compiled_module, scripted_paths
 from .capture.hooks import submodule_hooks
 from .capture.modes import MODE_FLAG
 from ..errors import FxampError
@@ -70,8 +70,7 @@ def find_blocks(model: nn.Module, patterns: Optional[Sequence[str]] = None) -> L
     paths = [p for p, _ in model.named_modules() if p]
     # TorchScript modules (torch.jit.script/trace) are no blocks: nothing can capture them (the whole model's
     # torch.fx capture calls them whole), nor what they hold
-    scripted = [p for p, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
-    scripted = [p for p in scripted if not any(p != q and _inside(p, q) for q in scripted)]  # the outermost
+    scripted = scripted_paths(model)
     script_help = (f"convert the eager modules before torch.jit.script, or convert the whole model with "
                    f"fxamp.convert(frontend='fx'), which calls TorchScript modules whole, in float32")
     if patterns is not None:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
-from .common import (Captured, FrontEnd, LeafSpec, functions_traced, shallow_copy, torchscript_error,
+from .common import (Captured, FrontEnd, LeafSpec, shallow_copy, torchscript_error, watched_trace,
                      written_read_error)
 from .concrete import ConcreteFxFrontEnd
 from .export import ExportFrontEnd
@@ -123,7 +123,7 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     def trace() -> fx.GraphModule:
         log = getattr(front, "written", [])
         seen = len(log)
-        with functions_traced(model, keeps_calls=front.name != "export", bakes_reads=front.name == "fx") as notes:
+        with watched_trace(model, keeps_calls=front.name != "export", bakes_reads=front.name == "fx") as notes:
             gm = front.trace()
         traced_functions.extend(n for n in notes if n not in traced_functions)
         for written in log[seen:]:

@@ -20,7 +20,7 @@ from ...errors import TraceError
 from ..bytecode import codes_of, function_calls
 
 __all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn",
-           "torchscript_error", "distributions_hint"]
+           "torchscript_error", "scripted_paths", "distributions_hint", "watched_trace"]
 
 LeafSpec = Union[str, Type[nn.Module]]
 
@@ -127,11 +127,11 @@ def changed_attributes(model: nn.Module, before: Dict[Tuple[str, str], Any]) -> 
 
 
 @contextlib.contextmanager
-def functions_traced(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool = False
-                     ) -> Iterator[List[str]]:
-    """Notes on each custom ``torch.autograd.Function`` whose forward ran while ``model`` was traced (its ops are in
-    the graph, its backward is not).  Only a model whose code names one (:func:`function_calls`) is watched: its
-    forwards' code is looked for in the calls the trace makes (``sys.setprofile``, around the trace only).
+def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool = False) -> Iterator[List[str]]:
+    """Around a trace of ``model``, what the graph cannot hold, found in the calls the trace makes
+    (``sys.setprofile``, only for a model whose code names such a call): notes on each custom
+    ``torch.autograd.Function`` whose forward ran (its ops are in the graph, its backward is not;
+    :func:`function_calls`), and the refusals below.
 
     ``keeps_calls=False`` (torch.export, which runs forward on stand-in tensors and records their ops only): a tensor
     hook the model's code registers (``h.register_hook(fn)``) runs on a stand-in, so the graph has none, and the
@@ -146,10 +146,9 @@ def functions_traced(model: nn.Module, keeps_calls: bool = True, bakes_reads: bo
     classes = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
     calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
              if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
-    hooking = set() if keeps_calls else {code for c in classes for code in codes_of(c)
-                                         if "register_hook" in code.co_names}
-    reading = {code for c in classes for code in codes_of(c) if {"item", "tolist"} & set(code.co_names)
-               } if bakes_reads else set()
+    codes = {code for c in classes for code in codes_of(c)} if not keeps_calls or bakes_reads else set()
+    hooking = set() if keeps_calls else {code for code in codes if "register_hook" in code.co_names}
+    reading = {code for code in codes if {"item", "tolist"} & set(code.co_names)} if bakes_reads else set()
     notes: List[str] = []
     if (not calls and not hooking and not reading) or sys.getprofile() is not None:  # (a user's profiler is left be)
         yield notes
@@ -266,11 +265,16 @@ def _structure(gm: fx.GraphModule) -> List[Tuple[str, str, str]]:
     return out
 
 
+def scripted_paths(model: nn.Module) -> List[str]:
+    """Paths of the outermost TorchScript modules (``torch.jit.script``/``trace``) in ``model`` (``""``: the root)."""
+    scripted = [path for path, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    return [p for p in scripted if not any(q != p and (not q or p.startswith(q + ".")) for q in scripted)]
+
+
 def torchscript_error(model: nn.Module, why: Optional[str]) -> Optional[TraceError]:
     """The refusal of a model holding TorchScript modules (``torch.jit.script``): torch.export cannot capture them
     (it fails on their parameters, which TorchScript holds as plain tensors), torch.fx calls them whole."""
-    scripted = [path for path, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
-    scripted = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted if q)]  # the outermost ones
+    scripted = scripted_paths(model)
     if not scripted:
         return None
     lead = f"{why}; " if why else ""
