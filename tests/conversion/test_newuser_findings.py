@@ -398,6 +398,7 @@ class _Pair(nn.Module):
 def test_ops_that_take_one_dtype_get_one(policy):
     # issue 37 probe: nn.Bilinear, dot, tensordot... were "neutral, torch promotes", but they refuse a bfloat16
     # and a float32 input ("All tensors must have the same dtype"), as CUDA autocast's widest-type list knows
+    torch.manual_seed(1)  # (unseeded, a draw whose 3x4 tensordot cancels fell under 30 dB: 2 seeds in 40)
     model = _Pair()
     x = torch.randn(3, 4)
     with torch.no_grad():
