@@ -21,8 +21,6 @@ _ROWS_BN = ("in place, a glue BatchNorm after a glue conv runs in float32 on a f
             "graph runs it on the conv's bfloat16 output (both are float32 norms; the rows differ)")
 _ROWS_SOFTMAX = ("in place, the attention softmax of a block whose mask is a lifted graph input runs float32; the "
                  "whole-model graph keeps it bfloat16 between the two low-precision matmuls")
-_SHARD_MHA = ("fxamp.shard predicts a bfloat16 all-gather for out_proj.weight, which nn.MultiheadAttention reads "
-              "directly as float32 in place; it refuses in one line (gather_float32=[...] or a call before shard)")
 _BLOOM_TABLE = ("convert_ stores BLOOM's glue embedding table low where whole-model convert keeps it float32 (only its "
                 "layer norm computes with the lookup): BloomModel.forward also passes the lookup to create_causal_mask "
                 "by keyword, which the bytecode rule (storage.lookups_into_norms) cannot follow, so it keeps the default "
@@ -34,7 +32,7 @@ _FLOAT64_MODEL = ("the float64 original is not a float64 computation: Bloom's gi
                   "attention casts to float32 (fxamp equals autocast bitwise), Mamba returns logits .float(), RWKV "
                   "makes its recurrent state float32")
 _SHARD_READ = ("fxamp.shard predicts a bfloat16 all-gather for a weight the block's code reads directly as float32 "
-               "(FalconLinear's weight.T, Mamba's dt_proj.bias.float(), MobileBERT's torch.cat of head weights, Jamba's "
+               "(FalconLinear's weight.T, Mamba's dt_proj.bias.float(), Jamba's "
                "Mamba layer, which runs as written); it refuses in one line (gather_float32=[...] or a call before shard)")
 _RWKV_TABLE = ("O2 stores RWKV's embedding table bfloat16: its graphs differ by mode (eval rescales layers), so storage is "
                "predicted from the module tree before any graph, and the lookup goes to block 0's pre_ln, in another module "
@@ -65,7 +63,6 @@ KNOWN: Dict[Key, str] = {
     ("unet-ddpm", "in-place-rows", "*", "*"): ("in place, a block's SiLU of the timestep embedding runs float32 on the "
                                                "glue time MLP's float32 output; the whole-model graph runs it on that "
                                                "Linear's bfloat16 output (a neutral op follows its input either way)"),
-    ("vit-seq-pool", "eval-*/shard", "*", "*"): _SHARD_MHA,
     # the architecture scan's entries
     ("bloom", "in-place-rows", "*", "*"): _BLOOM_TABLE,
     ("marian", "numerics", "O2", "bfloat16"): _MARIAN_POSITIONS,
@@ -93,7 +90,6 @@ KNOWN: Dict[Key, str] = {
     ("mamba", "float64", "*", "*"): _FLOAT64_MODEL,
     ("falcon", "eval-*/shard", "*", "*"): _SHARD_READ,
     ("mamba", "eval-*/shard", "*", "*"): _SHARD_READ,
-    ("mobilebert", "eval-*/shard", "*", "*"): _SHARD_READ,
     ("mobilevit", "layout/fp32", "*", "*"): ("train-mode BatchNorm over 4 images amplifies a channels_last bfloat16 conv's "
                                              "summation order: 0.011-0.019 of the loss, autocast 0.0097 (eager float32 7e-6)"),
 }
