@@ -356,11 +356,18 @@ def _structure(m: nn.Module) -> Any:
             tuple(path for path, _ in submodule_hooks(m)))
 
 
+#: nn.Module's own attributes (its tables, hooks and flag): no instance's values to compare
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
 def _attrs(m: nn.Module) -> Dict[Tuple[str, str], Any]:
+    """The attributes of ``m``'s modules that instances of a family may differ in: a private one only when a plain
+    value (``self._scale``: forward may read it; a private object is no value a graph holds)."""
     out = {}
     for path, sub in m.named_modules():
         for name, value in sub.__dict__.items():
-            if name.startswith("_") or name == "training":
+            if name in _MODULE_OWN or name.startswith("_fxamp") or (name.startswith("_") and
+                                                                     not isinstance(value, SIMPLE)):
                 continue
             out[(path, name)] = value
     return out

@@ -38,13 +38,16 @@ _NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_
                "POP_JUMP_BACKWARD_IF_NOT_NONE", "POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE")
 
 
-def codes_of(cls: type) -> List[types.CodeType]:
+def codes_of(cls: type, unwrap: bool = False) -> List[types.CodeType]:
     """The code ``cls``'s forward may run: ``forward``, the methods of ``cls`` it names (and those they name),
-    and the functions nested in them; nn.Module's and torch.nn containers' own methods left out."""
-    methods = {k: v.__code__ for c in reversed(cls.__mro__) if c not in (nn.Module, object)
-               and c.__module__ != nn.Sequential.__module__
-               for k, v in vars(c).items() if isinstance(getattr(v, "__code__", None), types.CodeType)}
-    found = [methods["forward"]] if "forward" in methods else []
+    and the functions nested in them; nn.Module's and torch.nn containers' own methods left out.
+
+    unwrap: also the functions a method's decorators wrap (``__wrapped__``: Hugging Face decorates forward), and
+    properties' getters; without it a decorated method is its wrapper's code (which the pattern readers here
+    answer "no" for)."""
+    methods = {k: _method_codes(v, unwrap) for c in reversed(cls.__mro__) if c not in (nn.Module, object)
+               and c.__module__ != nn.Sequential.__module__ for k, v in vars(c).items()}
+    found = list(methods.get("forward", ()))
     out: List[types.CodeType] = []
     while found:
         code = found.pop()
@@ -52,7 +55,22 @@ def codes_of(cls: type) -> List[types.CodeType]:
             continue
         out.append(code)
         found += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        found += [methods[n] for n in code.co_names if n in methods]
+        found += [c for n in code.co_names for c in methods.get(n, ())]
+    return out
+
+
+def _method_codes(value: object, unwrap: bool) -> List[types.CodeType]:
+    if not unwrap:
+        code = getattr(value, "__code__", None)
+        return [code] if isinstance(code, types.CodeType) else []
+    out = []
+    for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None)):
+        depth = 0
+        while f is not None and depth < 8:  # (a decorator's wrapper, then what it wraps)
+            code = getattr(f, "__code__", None)
+            if isinstance(code, types.CodeType):
+                out.append(code)
+            f, depth = getattr(f, "__wrapped__", None), depth + 1
     return out
 
 

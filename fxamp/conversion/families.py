@@ -59,6 +59,7 @@ from .storage import float32_for_capture
 from .options import ConvertOptions
 from .pipeline import rewrite_captured
 from ..policy import Policy
+from .runtime.held_values import BOUND, HELD, Held, bind, values_now
 
 __all__ = ["Family", "FAMILY", "LIFTED", "HOOKS", "PRIVATE", "OriginalDtypes", "follow_the_mode", "hook_watch"]
 
@@ -71,7 +72,7 @@ LIFTED = "_fxamp_lifted"
 #: a converted block's attribute holding what each call checks for hooks on its submodules (:func:`hook_watch`)
 HOOKS = "_fxamp_hooks"
 #: a converted block's own attributes, which the module torch.fx traces must not have
-PRIVATE = (FAMILY, LIFTED, HOOKS, INFO_ATTR)
+PRIVATE = (FAMILY, LIFTED, HOOKS, INFO_ATTR, BOUND)
 
 
 def hook_watch(block: nn.Module, path: str) -> Tuple[Tuple[Any, ...], Tuple[Any, ...], Tuple[int, ...], str]:
@@ -122,6 +123,8 @@ class Family:
         self.captures = 0
         self.capture_seconds = 0.0
         self.as_written: Dict[Any, "_AsWritten"] = {}  # signature -> a call no front end could capture
+        # the plain values its graphs hold (not the lifted ones, which they take as inputs): checked at each call
+        self.held: Held = ()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -134,12 +137,14 @@ class Family:
         state["captures"] = 0
         state["as_written"] = {}
         state["capture_seconds"] = 0.0
+        state["held"] = ()
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("hooked", ())
         self.__dict__.setdefault("kin", {self.hooked: self})
+        self.__dict__.setdefault("held", ())
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Family":
@@ -186,11 +191,16 @@ class Family:
         watch = block.__dict__.get(HOOKS)  # a hook added to or removed from a submodule since the last call?
         if watch is None or any(watch[0]) or tuple(map(len, watch[1])) != watch[2]:
             self = self.rehome(block)  # (not a call of its run: warnings name the block's caller)
+        changed = self._held_now(block) if self.held else None
+        if self.lifted:
+            _refresh_lifted(block, self.lifted)
         base, leaves, tree = flatten_call(args, kwargs)
         static = self.static.get(base)  # an export capture kept some dims static: their sizes are part of the key
         key = base if static is None else (base, tuple(static(tuple(leaves), {})))
         if base in self.ranged:  # (a few integer compares, for signatures export captured only)
             key = (key, _range_class(leaves))
+        if changed is not None:  # a plain value the graphs hold was set to another: graphs for the values now
+            key = (key, changed)
         mode = block.training
         graphs = self.graphs
         keys = [(key, None), (key, mode)]
@@ -299,12 +309,23 @@ class Family:
                               notes=[f"{what}, shared by {len(self.paths)} instance(s), captured with "
                                      f"{captured.frontend} for a call with {described}"])
         constants = _lift_constants(gm, block)
+        lifted_pairs = set(self.lifted)
+        self.held = _merged(self.held, tuple((p, tuple((n, v) for n, v in items if (p, n) not in lifted_pairs))
+                                             for p, items in gm.__dict__.get(HELD, ())))
         graph = _Graph(gm, _forward_of(gm), described, captured.frontend, lifted, constants, ranges)
         self.graphs.setdefault((key, captured.only_mode), []).insert(0, graph)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
         logger.info("fxamp: captured %s with %s for a call with %s", what, captured.frontend, described)
         return graph
+
+    def _held_now(self, block: nn.Module) -> Optional[Tuple[Any, ...]]:
+        """None while the plain values this family's first graphs hold are ``block``'s (the graphs computed with
+        them), else ``block``'s values of them now, a part of the key of the graphs captured for those."""
+        bound = block.__dict__.get(BOUND)
+        if bound is None or bound[0] is not self.held:  # (a graph captured since, or the block's first call)
+            bound = block.__dict__[BOUND] = (self.held, bind(block, self.held))
+        return values_now(block, bound[1])
 
     def _export(self, block: nn.Module, tree: Any, names: List[str], leaves: List[Any], values: Tuple[Any, ...],
                 fx_error: TraceError) -> Any:
@@ -315,6 +336,26 @@ class Family:
                                dynamic=self.options.dynamic, fx_error=fx_error, graph_per_mode=True, at_call=True)
             restore.also(captured.graph_module)
         return captured
+
+
+def _merged(a: Held, b: Held) -> Held:
+    """The held values of ``a`` and ``b``, each (path, attribute) once, with its value in ``a`` if it has one (a graph
+    captured for other values holds those)."""
+    out = {p: dict(items) for p, items in a}
+    for p, items in b:
+        for name, value in items:
+            out.setdefault(p, {}).setdefault(name, value)
+    return tuple((p, tuple(items.items())) for p, items in out.items() if items)
+
+
+def _refresh_lifted(block: nn.Module, lifted: Tuple[Tuple[str, str], ...]) -> None:
+    """The block's lifted attributes as they are now (a graph takes them as inputs, or is keyed by them): a value
+    set since conversion is the one its next call computes with."""
+    values = block.__dict__[LIFTED]
+    now = tuple((block if not p else block.get_submodule(p)).__dict__.get(a, v)
+                for (p, a), v in zip(lifted, values))
+    if now != values:
+        block.__dict__[LIFTED] = now
 
 
 def _range_class(leaves: List[Any]) -> Tuple[Any, ...]:

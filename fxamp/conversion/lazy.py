@@ -72,7 +72,7 @@ from .graph import keep_loaded_float32, rebind, replace_tensors, tensor_slots
 from .options import ConvertOptions
 from ..policy import Policy
 from .rewrite.casts import CACHE_NAME
-from .runtime import NodeErrors, refuse_dtype_change
+from .runtime import NodeErrors, check_values, refuse_dtype_change, root_values
 from .runtime.graph_module import indexing_message, none_pattern, optional_inputs
 from .storage import float32_for_capture, predict_storage
 
@@ -275,6 +275,7 @@ class LazyConverted(nn.Module):
         entry = self._entry(key, args, kwargs)
         self.__dict__["_fxamp_last"] = entry
         gm = entry.gm
+        check_values(self, root_values(gm))  # (the root's attributes: a user sets them on this module)
         gm.training = self.training
         for m in entry.own_modules:
             m.training = self.training

@@ -28,6 +28,8 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...info import conversion_info
 from ..options import Dynamic
+from ..runtime.held_values import hold
+from .plain_reads import held_values
 from .common import (Captured, FrontEnd, LeafSpec, shallow_copy, torchscript_error, watched_trace,
                      written_read_error)
 from .concrete import ConcreteFxFrontEnd
@@ -146,6 +148,8 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     finish_notes = front.finish(gm)
     finish_notes += capture_notes(model, gm, front.name, getattr(front, "opaque", ()))
     finish_notes += written_notes(getattr(front, "written", ()), finish_notes, front.name) + traced_functions
+    # the numbers and flags forward read, now constants of the graph: each call checks they still hold
+    hold(gm, held_values(model, live=[str(n.target) for n in gm.graph.find_nodes(op="call_module")]))
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode,

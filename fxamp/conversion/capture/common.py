@@ -146,7 +146,7 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
     classes = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
     calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
              if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
-    codes = {code for c in classes for code in codes_of(c)} if not keeps_calls or bakes_reads else set()
+    codes = {code for c in classes for code in codes_of(c, unwrap=True)} if not keeps_calls or bakes_reads else set()
     hooking = set() if keeps_calls else {code for code in codes if "register_hook" in code.co_names}
     reading = {code for code in codes if {"item", "tolist"} & set(code.co_names)} if bakes_reads else set()
     notes: List[str] = []

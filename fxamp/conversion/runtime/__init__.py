@@ -13,8 +13,9 @@ from .casts import (STORAGE_CHECK_NAME, StorageCheck, WeightCastCache, call_modu
                     check_storage, checkpointed, refuse_dtype_change)
 from .graph_module import ConvertedGraphModule, NodeErrors, as_converted, name_failing_nodes
 from .graph_module import _unpickle_converted  # noqa: F401  (a module pickled before the split names it here)
+from .held_values import check_values, root_values
 from .sdpa import attention, multi_head_attention
 
 __all__ = ["cast", "cast_dense", "cast_weights", "call_module_cast", "checkpointed", "WeightCastCache", "StorageCheck",
            "STORAGE_CHECK_NAME", "check_storage", "refuse_dtype_change", "attention", "multi_head_attention",
-           "NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted"]
+           "NodeErrors", "name_failing_nodes", "ConvertedGraphModule", "as_converted", "check_values", "root_values"]

@@ -13,6 +13,7 @@ import torch.fx as fx
 from ...errors import FxampError
 from ...info import INFO_ATTR, hold_origins, origins_for_copy, watch_for_masters
 from ..graph import MODULE, decision_of, keep_loaded_float32
+from .held_values import BOUND, HELD, bind, check_values
 
 __all__ = ["NodeErrors", "name_failing_nodes", "optional_inputs_given_none", "optional_inputs", "none_pattern", "hooked_inline_module", "indexing_message", "ConvertedGraphModule", "as_converted"]
 
@@ -31,6 +32,7 @@ class NodeErrors:
         hooked = hooked_inline_module(gm)
         if hooked is not None:
             raise FxampError(_hook_message(*hooked))
+        check_values(gm, gm.__dict__.get(BOUND, ()))  # a plain value the graph holds, set to another since?
         try:
             # the class's __call__ resolved at each call (torch.fx's tracer patches nn.Module.__call__)
             return super(type(gm), gm).__call__(*args, **kwargs)
@@ -154,6 +156,8 @@ def name_failing_nodes(gm: fx.GraphModule) -> None:
     gm._wrapped_call = call if isinstance(call, NodeErrors) else NodeErrors()
     gm.meta.setdefault("_user_preserved_attributes", {})["_wrapped_call"] = gm._wrapped_call
     hooked_inline_module(gm)  # counts the hooks there now, the capture's: one registered later is refused
+    # the plain values the capture read, on this module's own submodules (a copy's: its own): a change is refused
+    gm.__dict__[BOUND] = bind(gm, gm.__dict__.get(HELD, ()))
 
 
 def _rearm(gm: fx.GraphModule) -> None:
