@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from .bytecode import codes_of, reads_values
+from .bytecode import codes_of, passes_on, reads_values
 from .calls import SIMPLE
 from .capture.common import compiled_module, scripted_paths
 from .capture.hooks import submodule_hooks
@@ -142,7 +142,8 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
     ``nn.MultiheadAttention`` passes ``self.out_proj.weight`` to its kernel, a head may compute
     ``x @ self.wte.weight.T``.  That code runs as written, on the dtype it finds: such a tensor keeps its
     float32 storage (the glue module's own graph casts it where it runs low).  Found in the bytecode of the
-    methods of every module around the glue module (``<its name>.<tensor name>`` read in a row)."""
+    methods of every module around the glue module (``<its name>.<tensor name>`` read in a row), as are the glue
+    modules that code hands on as objects (Perceiver's decoder gets its embeddings: ``bytecode.passes_on``)."""
     modules = dict(model.named_modules())
     codes: Dict[type, List[types.CodeType]] = {}
     out: List[str] = []
@@ -153,10 +154,11 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
         for i in range(len(parts)):
             around = type(modules[".".join(parts[:i])])
             if around not in codes:
-                codes[around] = codes_of(around)
+                codes[around] = codes_of(around, unwrap=True)
             # (self.pool.out_proj.weight; ``self.dense.weight`` further up is that module's own ``dense``)
             owner = i == len(parts) - 1
-            if any(reads_values(code, parts[-1], n, owner) for code in codes[around] for n in names):
+            if any(reads_values(code, parts[-1], n, owner) for code in codes[around] for n in names) or any(
+                    passes_on(code, parts[-1], owner) for code in codes[around]):
                 out += [f"{path}.{n}" for n in names]
                 break
     return out

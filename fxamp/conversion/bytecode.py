@@ -25,7 +25,7 @@ from typing import Collection, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["codes_of", "reads_values", "feeds_only", "function_calls", "METADATA"]
+__all__ = ["codes_of", "reads_values", "passes_on", "feeds_only", "function_calls", "METADATA"]
 
 #: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
 METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
@@ -92,6 +92,27 @@ def reads_values(code: types.CodeType, attr: str, name: str, owner: bool = True)
                and not (c.opname in _LOADS and c.argval in METADATA)
                and (owner or not (k >= 1 and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me))
                for k, (a, b, c) in enumerate(zip(ins, ins[1:], ins[2:] + [ins[-1]])))
+
+
+def passes_on(code: types.CodeType, attr: str, owner: bool = True) -> bool:
+    """Whether ``code`` hands the module ``<something>.<attr>`` itself on (an argument, a local, a return value:
+    ``decoder(h, embedding_layer=self.embeddings)``, Perceiver's, whose callee multiplies by its ``weight``), rather
+    than calling it, reading one of its attributes or testing it against None: whoever gets it may read its
+    tensors' values.  ``owner`` as for :func:`reads_values`."""
+    if attr not in code.co_names:
+        return False
+    ins = [i for i in _instructions(code) if i.opname != "PRECALL"]
+    me = code.co_varnames[0] if code.co_argcount else None
+    for k, a in enumerate(ins):
+        if a.opname != "LOAD_ATTR" or a.argval != attr or k + 1 >= len(ins):
+            continue
+        if not owner and k >= 1 and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me:
+            continue  # (self.<attr> of a module further up: its own child of that name)
+        b = ins[k + 1]
+        if b.opname in _LOADS or b.opname in _NONE_TESTS or (b.opname == "LOAD_CONST" and b.argval is None):
+            continue
+        return True
+    return False
 
 
 def feeds_only(code: types.CodeType, child: str, into: Collection[str]) -> Optional[bool]:
