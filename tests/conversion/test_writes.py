@@ -243,3 +243,26 @@ def test_a_no_grad_region_that_writes_buffers_is_kept(frontend, policy):
         for name, expected in ref.named_buffers():
             torch.testing.assert_close(got[name].float(), expected, atol=0.05, rtol=0.02)
     assert not torch.equal(ref.codebook, first)  # (it moved: the comparison above can fail)
+
+
+def test_a_capture_with_torch_export_leaves_the_users_model_its_values():
+    """forward stores its batch size on the root (``self.last_rows = x.shape[0]``): torch.export puts back what the
+    module it traces sets, but fxamp traced a copy whose forward was bound to the user's model, which kept a SymInt
+    of the finished trace (``s77``) in place of its int."""
+    class Rows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.last_rows = 0
+
+        def forward(self, x):
+            self.last_rows = x.shape[0]
+            return self.lin(x)
+
+    x = torch.randn(4, 8)
+    model = Rows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(model, "O1", example_inputs=(x,), frontend="export")
+    assert type(model.last_rows) is int and model.last_rows == 0
+    assert torch.allclose(amp(x), model(x), atol=0.05)

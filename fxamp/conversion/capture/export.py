@@ -229,7 +229,9 @@ def _export_root(model: nn.Module, dropped: List[str], written: List[Written],
     """
     root = shallow_copy(model)
     without_hooks(root)
-    forward = model.forward
+    # the copy's own forward: what it sets on itself torch.export puts back, and the user's model keeps its values
+    # (bound to the model, a batch size forward stored came back to it a SymInt of a finished trace)
+    forward = model.__dict__["forward"] if "forward" in model.__dict__ else type(model).forward.__get__(root)
 
     @functools.wraps(forward)
     def forward_returning_pytree(*args: Any, **kwargs: Any) -> Any:
@@ -248,9 +250,9 @@ def _export_root(model: nn.Module, dropped: List[str], written: List[Written],
             dropped.append(type(leaf).__name__)
             return None
 
-        before = plain_attributes(model)  # (torch.export puts back what forward sets, silently)
+        before = plain_attributes(root)  # (torch.export puts back what forward sets, silently)
         out = forward(*args, **kwargs)
-        written.extend(w for w in changed_attributes(model, before) if w not in written)
+        written.extend(w for w in changed_attributes(root, before) if w not in written)
         return pytree.tree_map(keep, out)
 
     var_keyword = [p for p in (signature.parameters.values() if signature else ())
