@@ -33,13 +33,14 @@ import fnmatch
 import inspect
 import itertools
 import types
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from .bytecode import codes_of, passes_on, reads_values
+from .bytecode import calls_outside_forward, codes_of, passes_on, reads_values
 from .calls import SIMPLE
 from .capture.common import compiled_module, scripted_paths
 from .capture.hooks import submodule_hooks
@@ -162,6 +163,22 @@ def read_around(model: nn.Module, glue: Sequence[str]) -> List[str]:
                 out += [f"{path}.{n}" for n in names]
                 break
     return out
+
+
+def _called_outside(families: List[Tuple[Family, List[str]]], modules: Dict[str, nn.Module],
+                    saved: Dict[str, torch.dtype]) -> Tuple[str, ...]:
+    """Warned notes on each block class with a method outside forward that calls a child whose tensors conversion
+    stored low (:func:`bytecode.calls_outside_forward`): that call runs the child as written, on those tensors."""
+    out: List[str] = []
+    for cls, path in dict((f.cls, members[0]) for f, members in families if not f.glue).items():
+        low = [name for name in modules[path]._modules if any(n.startswith(f"{path}.{name}.") for n in saved)]
+        for method, child in calls_outside_forward(cls, low)[:1]:
+            out.append(f"{cls.__name__}.{method} calls self.{child}(...) outside forward (a reversible layer's "
+                       f"backward pass, say): that call runs {child!r} as written, on the low-precision tensors "
+                       f"this policy stored, and where its input is float32 torch fails in it ('expected both "
+                       f"... same dtype'). Convert with O1 (float32 weights), or leave {cls.__name__} out of blocks=")
+            warnings.warn(f"fxamp.convert_: {out[-1]}", RuntimeWarning, stacklevel=5)
+    return tuple(out)
 
 
 def _compiled_module(name: str, child: nn.Module) -> Tuple[str, nn.Module]:
@@ -475,6 +492,7 @@ def convert_blocks(model: nn.Module, policy: Policy, options: ConvertOptions,
         saved = {name: old.dtype for name, (old, _) in changed.items()}
         watch_for_masters(new for _, new in changed.values())
     modules = dict(model.named_modules())
+    notes = tuple(notes) + _called_outside(families, modules, saved)
     parents = [(m, name, child) for _, m in model.named_modules(remove_duplicate=False)
                for name, child in m._modules.items()]
     for family, members in families:

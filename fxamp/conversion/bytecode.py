@@ -25,7 +25,7 @@ from typing import Collection, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["codes_of", "reads_values", "passes_on", "feeds_only", "function_calls", "METADATA"]
+__all__ = ["codes_of", "reads_values", "passes_on", "calls_outside_forward", "feeds_only", "function_calls", "METADATA"]
 
 #: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
 METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
@@ -113,6 +113,31 @@ def passes_on(code: types.CodeType, attr: str, owner: bool = True) -> bool:
             continue
         return True
     return False
+
+
+def calls_outside_forward(cls: type, children: Collection[str]) -> List[Tuple[str, str]]:
+    """``(method, child)`` for each method of ``cls`` that forward does not run (:func:`codes_of`) and that calls one
+    of its ``children`` itself (``self.feed_forward(h)``: Reformer's ``backward_pass``, which its reversible autograd
+    Function's backward calls): that call runs the child as written, outside any converted graph."""
+    reached = set(codes_of(cls, unwrap=True))
+    out: List[Tuple[str, str]] = []
+    for c in cls.__mro__:
+        if c in (nn.Module, object) or c.__module__.startswith("torch."):
+            continue
+        for name, value in vars(c).items():
+            code = getattr(value, "__code__", None)
+            if (name.startswith("__") or name == "forward" or not isinstance(code, types.CodeType) or code in reached
+                    or not code.co_argcount or next(k for k in cls.__mro__ if name in vars(k)) is not c):
+                continue  # (a method a subclass overrides is not the instance's)
+            ins = _instructions(code)
+            me = code.co_varnames[0]
+            for k in range(1, len(ins)):
+                a, b = ins[k - 1], ins[k]
+                if (a.opname in _LOCAL_LOADS and a.argval == me and b.opname in _LOADS and b.argval in children
+                        and (b.opname == "LOAD_METHOD" or _call_end(ins, k) is not None)):
+                    out.append((name, b.argval))
+                    break
+    return list(dict.fromkeys(out))
 
 
 def feeds_only(code: types.CodeType, child: str, into: Collection[str]) -> Optional[bool]:

@@ -202,3 +202,67 @@ def test_in_place_a_block_captures_again_for_a_value_set_after_converting():
     assert _close(model(X), ref(X))
     model(X)
     assert family.captures == 2  # back to the first graph
+
+
+# -- a block method outside forward that calls a child (reversible layers) -----------------------------------------
+
+class Reversible(nn.Module):
+    """Reformer's shape: a reversible layer whose autograd Function's backward recomputes ``self.ff`` through a
+    method forward never runs (``backward_pass``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.ff(x)
+
+    def backward_pass(self, y):
+        return y - self.ff(y)
+
+
+class Helper(Reversible):
+    def forward(self, x):
+        return self.backward_pass(x)  # (reached from forward: converted with it)
+
+
+@pytest.mark.parametrize("cls", [Reversible, Helper])
+@pytest.mark.parametrize("policy", ["O1", "O2"])
+def test_convert_in_place_warns_of_a_child_called_outside_forward_on_low_weights(policy, cls):
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(), cls())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fxamp.convert_(model, policy, dtype=torch.bfloat16)
+    said = [str(w.message) for w in seen if "outside forward" in str(w.message)]
+    if policy == "O2" and cls is Reversible:  # its ff holds bfloat16 weights: backward_pass(float32) fails in torch
+        assert len(said) == 1 and "Reversible.backward_pass calls self.ff(...)" in said[0] and "O1" in said[0]
+        with pytest.raises(RuntimeError, match="dtype"):
+            model[0].backward_pass(X)
+    else:  # O1 keeps float32 weights (the call runs float32); a helper forward runs is converted with it
+        assert not said
+        if policy == "O1":
+            model[0].backward_pass(X)
+
+
+class Recording(Inner):
+    def forward(self, x):
+        self.seen = True  # written by forward (noted at capture): not a value the graph holds
+        return self.lin(x) / self.tau
+
+
+def test_a_value_forward_writes_is_not_held():
+    """RWKV's forward flips ``layers_are_rescaled`` itself: the graph read it before and after the write, so it has
+    no one captured value to compare; the capture notes the write, and a later change is not refused."""
+    torch.manual_seed(0)
+    m = Recording()
+    m.seen = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(m, "O1", frontend="fx")
+    amp(X)
+    amp.seen = not amp.__dict__.get("seen", m.seen)  # (the user resets the flag, say)
+    amp(X)
+    amp.tau = 1.0
+    with pytest.raises(FxampError, match="tau is 1.0"):
+        amp(X)

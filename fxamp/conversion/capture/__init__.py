@@ -148,8 +148,10 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     finish_notes = front.finish(gm)
     finish_notes += capture_notes(model, gm, front.name, getattr(front, "opaque", ()))
     finish_notes += written_notes(getattr(front, "written", ()), finish_notes, front.name) + traced_functions
-    # the numbers and flags forward read, now constants of the graph: each call checks they still hold
-    hold(gm, held_values(model, live=[str(n.target) for n in gm.graph.find_nodes(op="call_module")]))
+    # the numbers and flags forward read, now constants of the graph: each call checks they still hold (not those
+    # forward wrote: the graph read them before and after the write, and the written notes say so)
+    hold(gm, held_values(model, live=[str(n.target) for n in gm.graph.find_nodes(op="call_module")],
+                         leave_out=frozenset((w[0], w[1]) for w in getattr(front, "written", ()))))
     gm.graph.lint()
     gm.recompile()
     return Captured(gm, front.name, front.lead_notes() + finish_notes + mode_notes, only_mode=only_mode,
