@@ -168,7 +168,9 @@ def _check_loss(loss: Any) -> None:
     if not loss.requires_grad:
         raise ValueError(
             "the loss does not require grad: it was computed under torch.no_grad()/inference_mode, "
-            "detached, or from parameters with requires_grad=False"
+            "detached, or from parameters with requires_grad=False; or a converted model traced a custom autograd "
+            "Function whose forward runs under no_grad (Reformer's reversible layers: the conversion warned, naming "
+            "it), whose backward a graph cannot keep: convert in place (fxamp.convert_) or keep its module out"
         )
 
 

@@ -114,3 +114,41 @@ def test_a_function_in_a_branch_the_call_does_not_take_is_not_named():
         convert(Net("plain"), "fx")(torch.randn(8, 16))
     assert {cls.__name__ for cls, _ in function_calls(Block)} == {"STE", "GradReverse"}  # (what is watched)
     assert function_calls(Net) == () and function_calls(nn.Linear) == ()
+
+
+class _Reversible(torch.autograd.Function):
+    """Reformer's pattern: forward runs the layers under no_grad (backward recomputes them)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        with torch.no_grad():
+            return x + layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _RevNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(_Reversible.apply(x, self.layer))
+
+
+def test_a_loss_without_grad_from_a_traced_no_grad_function_says_so():
+    """The graph keeps the Function's no_grad region and not its backward: nothing before the head has a gradient;
+    when the whole loss has none, the optimizer's refusal names this cause next to the usual ones."""
+    torch.manual_seed(0)
+    model = _RevNet()
+    model.head.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = fxamp.convert(model, "O2", dtype=torch.bfloat16, example_inputs=(torch.randn(2, 8),))
+    opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(amp.layer.parameters(), lr=0.1), model=amp)
+    with pytest.raises(ValueError, match="does not require grad.*custom autograd Function whose forward runs under"):
+        opt.backward(amp(torch.randn(2, 8)).float().sum())
