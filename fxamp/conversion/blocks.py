@@ -175,8 +175,8 @@ def _called_outside(families: List[Tuple[Family, List[str]]], modules: Dict[str,
         for method, child in calls_outside_forward(cls, low)[:1]:
             out.append(f"{cls.__name__}.{method} calls self.{child}(...) outside forward (a reversible layer's "
                        f"backward pass, say): that call runs {child!r} as written, on the low-precision tensors "
-                       f"this policy stored, and where its input is float32 torch fails in it ('expected both "
-                       f"... same dtype'). Convert with O1 (float32 weights), or leave {cls.__name__} out of blocks=")
+                       f"this policy stored, and where its input is float32 torch fails in it ('... must have the "
+                       f"same dtype'). Convert with O1 (float32 weights), or leave {cls.__name__} out of blocks=")
             warnings.warn(f"fxamp.convert_: {out[-1]}", RuntimeWarning, stacklevel=5)
     return tuple(out)
 

@@ -11,22 +11,19 @@ from __future__ import annotations
 import enum
 from typing import Any, FrozenSet, Iterable, Set, Tuple
 
-import torch
 import torch.nn as nn
 
 from ..bytecode import codes_of
+from ..calls import SIMPLE
 from ..runtime.held_values import Held
 
 __all__ = ["held_values"]
-
-_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
-
 
 def _plain(value: Any, depth: int = 0) -> bool:
     """A value a graph holds as a constant when forward reads it: a number, flag, string, dtype, enum member,
     or a short tuple of them (``kernel_size``); not a tensor, module, list or object (those are read, or mutated,
     in other ways)."""
-    if isinstance(value, _SCALARS) or isinstance(value, enum.Enum):
+    if isinstance(value, (*SIMPLE, enum.Enum)):
         return True
     return type(value) is tuple and depth < 2 and len(value) <= 16 and all(_plain(v, depth + 1) for v in value)
 
@@ -50,8 +47,8 @@ def held_values(model: nn.Module, live: Iterable[str] = (), leave_out: FrozenSet
     ``__dict__`` of each module whose code the capture traced through, that the code of those modules names.
 
     live: paths of the modules the graph calls whole (torch.fx's ``call_module`` nodes): they read their attributes
-    at run time, as do their children.  leave_out: ``(path, attribute)`` pairs the graph takes as inputs (a converted
-    block's lifted attributes)."""
+    at run time, as do their children.  leave_out: ``(path, attribute)`` pairs forward wrote while captured (the graph
+    read them before and after the write: no one value it holds)."""
     live = tuple(live)
     traced = [(p, m) for p, m in model.named_modules()
               if not any(p == x or p.startswith(x + ".") for x in live if x)]

@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from ...errors import FxampError
 
-__all__ = ["HELD", "BOUND", "Held", "hold", "bind", "changed_value", "values_now", "check_values", "root_values", "held_message"]
+__all__ = ["HELD", "BOUND", "Held", "hold", "bind", "changed_value", "values_now", "check_values", "root_values",
+           "held_message"]
 
 #: a captured ``GraphModule``'s ``__dict__`` key: its :data:`Held` values (pickled and copied with it)
 HELD = "_fxamp_held_values"
@@ -33,6 +34,7 @@ Held = Tuple[Tuple[str, Tuple[Tuple[str, Any], ...]], ...]
 
 #: (path, module or None for the root the check is given, ((attribute, value), ...)): :data:`Held` bound to modules
 Bound = Tuple[Tuple[str, Optional[nn.Module], Tuple[Tuple[str, Any], ...]], ...]
+
 
 def hold(gm: fx.GraphModule, held: Held) -> None:
     """Keep ``held`` on ``gm``, through deepcopy (GraphModule's keeps the attributes its meta lists) and pickling."""
@@ -94,7 +96,7 @@ def held_message(where: str, path: str, name: str, was: Any, now: Any) -> str:
     keep = (f"; for a number you change during training (a temperature, a rate on a schedule) keep it in a buffer "
             f"(self.register_buffer({name!r}, torch.tensor({was!r}))), which the graph reads at each call"
             if type(was) in (int, float) and not isinstance(was, bool) else "")
-    return (f"{where}'s {'.'.join(p for p in (path, name) if p)} is {now!r}, but the converted module was captured when it was {was!r}: torch.fx and "
-            f"torch.export run forward's Python once, so the graph holds that value (an operand, or the branch it "
-            f"took) and would silently compute with {was!r}. Set it back, or convert the model again after "
-            f"changing it{keep}")
+    return (f"{where}'s {'.'.join(p for p in (path, name) if p)} is {now!r}, but the converted module was captured "
+            f"when it was {was!r}: torch.fx and torch.export run forward's Python once, so the graph holds that "
+            f"value (an operand, or the branch it took) and would silently compute with {was!r}. Set it back, or "
+            f"convert the model again after changing it{keep}")
