@@ -68,6 +68,31 @@ def test_a_branch_on_a_shape_keeps_the_calls_branch_and_guards_it():
     assert guards(small) == [(False, True)] and torch.equal(small(torch.ones(2, 2)), torch.zeros(2, 2))
 
 
+class PadToBlocks(nn.Module):
+    """LongT5's ``_pad_to_multiple``: a list built from the rank, changed, then read."""
+
+    def forward(self, x):
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (0, -x.shape[1] % 3)
+        pad = sum(pad[::-1], ())
+        x = nn.functional.pad(x, pad)
+        return x.reshape(x.shape[0], x.shape[1] // 3, 3, x.shape[2])
+
+
+def test_a_list_the_code_changes_is_read_after_the_change():
+    """The reads of a list after a write to it stay after the write (the shape arithmetic guards read moves up):
+    the read ``pad[::-1]`` moved above ``pad[1] = ...`` padded nothing (LongT5 in place failed at its first
+    call).  The write is no side effect: the guards after it stay early."""
+    x = torch.randn(2, 8, 4)
+    gm = trace(PadToBlocks(), x)
+    for n in (8, 7, 9, 3):
+        y = torch.randn(2, n, 4)
+        assert torch.equal(gm(y), PadToBlocks()(y))
+    assert all(early for _, early in guards(gm))
+    code = gm.code
+    assert code.index("] = (0, ") < code.index("[slice(None, None, -1)]")
+
+
 class Lengths(nn.Module):
     def forward(self, x):
         n = len(x)  # a tensor's first dim

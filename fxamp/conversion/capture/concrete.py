@@ -44,6 +44,9 @@ _META_METHODS = ("size", "dim", "numel", "is_floating_point", "get_device", "is_
 _CONTAINERS = (dict, list, tuple, set)
 _READERS = ("get", "keys", "values", "items", "index", "count", "__getitem__", "__contains__", "__len__")
 _WRITERS = (operator.setitem, operator.delitem, builtins.setattr, builtins.delattr)
+#: methods that change the list, dict or set they are called on
+_MUTATORS = ("append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem", "sort",
+             "reverse", "add", "discard", "__setitem__", "__delitem__")
 #: arguments that do not make a function call a side effect (a module: attention interfaces take ``self``)
 _VALUES = (torch.Tensor, nn.Module, slice, type(Ellipsis)) + _SIMPLE
 
@@ -93,6 +96,7 @@ class _ConcreteTracer(FxTracer):
         self.effects: Set[fx.Node] = set()  # method calls on opaque objects
         self.stateful: Set[fx.Node] = set()  # meta-only nodes that read an opaque object's state
         self.opaque: Set[fx.Node] = set()  # placeholders holding opaque objects
+        self.written: Set[fx.Node] = set()  # lists and dicts the traced code made and then changed
         self._placeholders = 0
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
@@ -129,7 +133,9 @@ class _ConcreteTracer(FxTracer):
         inputs = node.all_input_nodes
         receiver = a[0] if a else None
         all_meta = all(i in self.meta_only for i in inputs)
-        if kind == "call_method" and isinstance(receiver, _CONTAINERS) and target in _READERS and all_meta:
+        if self._local_write(kind, target, node):
+            self.written.add(node.args[0])  # pad[dim] = (0, n) on pad = [(0, 0)] * x.ndim: stays where it was
+        elif kind == "call_method" and isinstance(receiver, _CONTAINERS) and target in _READERS and all_meta:
             self.meta_only.add(node)  # cache.is_updated.get(i): a read of an object's state
         elif kind == "call_method" and not isinstance(receiver, (torch.Tensor,) + _SIMPLE):
             self.effects.add(node)  # cache.update(...)
@@ -150,10 +156,23 @@ class _ConcreteTracer(FxTracer):
             self.meta_only.add(node)
         elif kind == "call_function" and any(not isinstance(v, _VALUES) for v in _leaves((a, k))):
             self.effects.add(node)  # a function given an object may change it
-        if node in self.meta_only and any(i in self.stateful or (i.op == "placeholder" and i in self.opaque)
-                                          for i in inputs):
-            self.stateful.add(node)  # reads an object's state, which an effect may change
+        if node in self.meta_only and any(i in self.stateful or i in self.written or
+                                          (i.op == "placeholder" and i in self.opaque) for i in inputs):
+            # reads an object's state, which an effect may change, or a list the code changed: a read after the
+            # write must stay after it (_place moves the other shape arithmetic up)
+            self.stateful.add(node)
         return proxy
+
+    def _local_write(self, kind: str, target: Any, node: fx.Node) -> bool:
+        """A write to a list or dict the traced code built from shapes (``[(0, 0)] * x.ndim``): no effect on
+        anything outside the call (no later guard becomes late), but the reads after it must stay after it."""
+        mutates = (kind == "call_function" and target in (operator.setitem, operator.delitem)) or (
+            kind == "call_method" and target in _MUTATORS)
+        if not mutates or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        container = node.args[0]
+        return (container in self.meta_only and container not in self.stateful and container.op != "placeholder"
+                and isinstance(self.real.get(container), (list, dict, set)))
 
     def _real(self, node: fx.Node) -> Any:
         if node not in self.real and node.op == "get_attr":  # a tensor constant create_arg stored on the root
