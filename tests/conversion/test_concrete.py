@@ -93,6 +93,22 @@ def test_a_list_the_code_changes_is_read_after_the_change():
     assert code.index("] = (0, ") < code.index("[slice(None, None, -1)]")
 
 
+class Unsqueezed(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y.unsqueeze_(1)  # an in-place method that changes the shape: the reads after it see the new one
+        return y.reshape(y.shape[0], y.shape[1], -1)
+
+
+def test_a_shape_read_after_an_in_place_reshape_reads_the_new_shape():
+    """A shape read stays after an in-place method that changes the tensor's shape (unsqueeze_, transpose_, t_,
+    ...): moved above it, the graph read (3, 4) and returned a (3, 4, 1) tensor for eager's (3, 1, 4), silently."""
+    x = torch.randn(3, 4)
+    gm = trace(Unsqueezed(), x)
+    for y in (x, torch.randn(5, 2)):
+        assert gm(y).shape == Unsqueezed()(y).shape and torch.equal(gm(y), Unsqueezed()(y))
+
+
 class Lengths(nn.Module):
     def forward(self, x):
         n = len(x)  # a tensor's first dim

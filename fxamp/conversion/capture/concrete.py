@@ -47,6 +47,9 @@ _WRITERS = (operator.setitem, operator.delitem, builtins.setattr, builtins.delat
 #: methods that change the list, dict or set they are called on
 _MUTATORS = ("append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem", "sort",
              "reverse", "add", "discard", "__setitem__", "__delitem__")
+#: in-place tensor methods that change the tensor's shape or strides (``y.unsqueeze_(1)``)
+_RESHAPERS = ("unsqueeze_", "squeeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "resize_", "resize_as_",
+              "as_strided_", "set_")
 #: arguments that do not make a function call a side effect (a module: attention interfaces take ``self``)
 _VALUES = (torch.Tensor, nn.Module, slice, type(Ellipsis)) + _SIMPLE
 
@@ -96,7 +99,8 @@ class _ConcreteTracer(FxTracer):
         self.effects: Set[fx.Node] = set()  # method calls on opaque objects
         self.stateful: Set[fx.Node] = set()  # meta-only nodes that read an opaque object's state
         self.opaque: Set[fx.Node] = set()  # placeholders holding opaque objects
-        self.written: Set[fx.Node] = set()  # lists and dicts the traced code made and then changed
+        # lists and dicts the traced code made and then changed; tensors an in-place method reshaped
+        self.written: Set[fx.Node] = set()
         self._placeholders = 0
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
@@ -133,6 +137,8 @@ class _ConcreteTracer(FxTracer):
         inputs = node.all_input_nodes
         receiver = a[0] if a else None
         all_meta = all(i in self.meta_only for i in inputs)
+        if kind == "call_method" and target in _RESHAPERS and isinstance(receiver, torch.Tensor):
+            self.written.add(node.args[0])  # its shape read after this call is its shape after it
         if self._local_write(kind, target, node):
             self.written.add(node.args[0])  # pad[dim] = (0, n) on pad = [(0, 0)] * x.ndim: stays where it was
         elif kind == "call_method" and isinstance(receiver, _CONTAINERS) and target in _READERS and all_meta:
