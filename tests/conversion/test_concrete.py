@@ -109,6 +109,19 @@ def test_a_shape_read_after_an_in_place_reshape_reads_the_new_shape():
         assert gm(y).shape == Unsqueezed()(y).shape and torch.equal(gm(y), Unsqueezed()(y))
 
 
+class Flagged(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y.requires_grad_()
+        return y + 1 if y.requires_grad else y - 1
+
+
+def test_a_flag_read_after_an_in_place_method_that_sets_it_reads_the_new_flag():
+    x = torch.randn(3, 4)
+    gm = trace(Flagged(), x)
+    assert guards(gm) == [(True, True)] and torch.equal(gm(x), x * 2 + 1)
+
+
 class Lengths(nn.Module):
     def forward(self, x):
         n = len(x)  # a tensor's first dim

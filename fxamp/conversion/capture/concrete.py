@@ -47,9 +47,10 @@ _WRITERS = (operator.setitem, operator.delitem, builtins.setattr, builtins.delat
 #: methods that change the list, dict or set they are called on
 _MUTATORS = ("append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem", "sort",
              "reverse", "add", "discard", "__setitem__", "__delitem__")
-#: in-place tensor methods that change the tensor's shape or strides (``y.unsqueeze_(1)``)
-_RESHAPERS = ("unsqueeze_", "squeeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "resize_", "resize_as_",
-              "as_strided_", "set_")
+#: in-place tensor methods that change what a shape read or a branch reads (``y.unsqueeze_(1)``,
+#: ``h.requires_grad_()``)
+_META_WRITERS = ("unsqueeze_", "squeeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "resize_", "resize_as_",
+                 "as_strided_", "set_", "requires_grad_", "detach_")
 #: arguments that do not make a function call a side effect (a module: attention interfaces take ``self``)
 _VALUES = (torch.Tensor, nn.Module, slice, type(Ellipsis)) + _SIMPLE
 
@@ -137,8 +138,9 @@ class _ConcreteTracer(FxTracer):
         inputs = node.all_input_nodes
         receiver = a[0] if a else None
         all_meta = all(i in self.meta_only for i in inputs)
-        if kind == "call_method" and target in _RESHAPERS and isinstance(receiver, torch.Tensor):
-            self.written.add(node.args[0])  # its shape read after this call is its shape after it
+        if isinstance(receiver, torch.Tensor) and ((kind == "call_method" and target in _META_WRITERS) or (
+                kind == "call_function" and target is builtins.setattr)):
+            self.written.add(node.args[0])  # its shape read after this call is its shape after it (x.data = ...)
         if self._local_write(kind, target, node):
             self.written.add(node.args[0])  # pad[dim] = (0, n) on pad = [(0, 0)] * x.ndim: stays where it was
         elif kind == "call_method" and isinstance(receiver, _CONTAINERS) and target in _READERS and all_meta:
