@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ...errors import TraceError
 from ..bytecode import codes_of, function_calls
+from .carried_state import StateWatch, stored_names
 
 __all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn",
            "torchscript_error", "scripted_paths", "distributions_hint", "watched_trace"]
@@ -146,12 +147,14 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
     classes = {c for m in model.modules() for c in type(m).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
     calls = {cls.forward.__code__: (cls, where) for c in classes for cls, where in function_calls(c)
              if isinstance(getattr(cls.forward, "__code__", None), types.CodeType)}
-    codes = {code for c in classes for code in codes_of(c, unwrap=True)} if not keeps_calls or bakes_reads else set()
+    codes = {code for c in classes for code in codes_of(c, unwrap=True)}
     hooking = set() if keeps_calls else {code for code in codes if "register_hook" in code.co_names}
     reading = {code for code in codes if {"item", "tolist"} & set(code.co_names)} if bakes_reads else set()
+    stored = stored_names(codes)
+    watch = StateWatch(stored, codes) if stored else None  # (tensors forward keeps in attributes: carried_state.py)
     notes: List[str] = []
-    if (not calls and not hooking and not reading) or sys.getprofile() is not None:  # (a user's profiler is left be)
-        yield notes
+    if (not calls and not hooking and not reading and watch is None) or sys.getprofile() is not None:
+        yield notes  # (nothing to watch, or a user's profiler, which is left be)
         return
     tensors = {id(t): name for name, t in model.named_buffers()} if reading else {}
     ran: Dict[type, str] = {}
@@ -165,6 +168,8 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
                 reads.append(f"{name} (.{arg.__name__}() at {frame.f_code.co_filename}:{frame.f_lineno})")
         if event != "call":
             return
+        if watch is not None:
+            watch.see(frame)
         if frame.f_code in calls:
             cls, where = calls[frame.f_code]
             ran.setdefault(cls, where)
@@ -176,6 +181,8 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
         yield notes
     finally:
         sys.setprofile(None)
+        if watch is not None:
+            watch.restore()
         for cls, where in ran.items():
             note = (f"the capture traced the forward of the custom autograd Function {cls.__name__} ({cls.__name__}"
                     f".apply at {where}): the converted module's backward is autograd's of its ops, not "
@@ -192,6 +199,9 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
             f"graph would hold that number, so a later change of the buffer would not be seen. Capture it with "
             f"torch.export, which keeps the read: pass example_inputs=(...), or leave frontend= at 'auto' (fxamp "
             f"then captures it at its first call)", short=f"forward reads the value of buffer {reads[0].split()[0]}")
+    carried = watch.error() if watch is not None else None
+    if carried is not None:
+        raise carried
     if hooks:
         raise TraceError(
             f"forward registers a tensor hook ({hooks[0]}: `.register_hook(...)`), which torch.export cannot keep: "

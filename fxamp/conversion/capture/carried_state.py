@@ -1,0 +1,107 @@
+"""Tensors a forward keeps in plain attributes from one call to the next (``if self.state is not None: x = x +
+self.state`` ... ``self.state = y.detach()``; RecurrentGemma's ``conv1d_state`` and ``recurrent_states``).
+
+A graph runs every call as the captured call ran: it read the attribute once, at capture, and never writes it,
+so a converted module would drop the state the model carries, silently.  Such a capture is refused.  While
+tracing, each ``nn.Module.__setattr__`` of a tensor (a proxy, a fake tensor) under a name the traced code
+stores is seen (``sys.setprofile``, only for models whose code stores an attribute), and the write counts as
+carried state when a frame of the model's code on the stack read that name before it (an earlier instruction of
+the same function): the value of the call before.  A cache a helper fills and forward reads after it (a rotary
+table) is no such read.  Every write seen is undone after the trace: a torch.fx proxy left in the user's module
+would reach the next call.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import types
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ...errors import TraceError
+
+__all__ = ["StateWatch", "stored_names"]
+
+_SETATTR = nn.Module.__setattr__.__code__
+_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+_STORE_ATTR = dis.opmap["STORE_ATTR"]
+_MISSING = object()
+
+
+def stored_names(codes: Iterable[types.CodeType]) -> FrozenSet[str]:
+    """The attribute names the code stores (``self.x = ...``): the only ones whose writes are watched (most
+    models: none, and the trace is not watched)."""
+    return frozenset(name for code in codes for name in _stores(code))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stores(code: types.CodeType) -> FrozenSet[str]:
+    """The attribute names one function stores (every capture of a model asks again)."""
+    if _STORE_ATTR not in code.co_code[::2]:  # (most code: no disassembly)
+        return frozenset()
+    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
+
+
+def _read_before(code: types.CodeType, name: str, offset: int) -> bool:
+    return any(ins.opname in _LOADS and ins.argval == name and ins.offset < offset
+               for ins in dis.get_instructions(code))
+
+
+class StateWatch:
+    """What a profiler sees of the model's attribute writes during one trace (``see`` each call event)."""
+
+    def __init__(self, names: FrozenSet[str], codes: Iterable[types.CodeType]) -> None:
+        self.names = names
+        self.codes = frozenset(codes)
+        self.undo: Dict[Tuple[int, str], Tuple[nn.Module, str, Any]] = {}
+        self.carried: List[Tuple[nn.Module, str, str]] = []  # (module, name, where it was read)
+
+    def see(self, frame: Any) -> None:
+        """A ``call`` event's frame: note a tensor written to a plain attribute the code reads."""
+        if frame.f_code is not _SETATTR:
+            return
+        local = frame.f_locals
+        module, name, value = local.get("self"), local.get("name"), local.get("value")
+        if name not in self.names or not isinstance(value, (torch.Tensor, fx.Proxy)) or \
+                not isinstance(module, nn.Module) or name in module._parameters or name in module._buffers:
+            return
+        key = (id(module), name)
+        if key not in self.undo:
+            self.undo[key] = (module, name, module.__dict__.get(name, _MISSING))
+            where = self._reader(frame.f_back, name)
+            if where is not None:
+                self.carried.append((module, name, where))
+
+    def _reader(self, frame: Any, name: str) -> Optional[str]:
+        """Where a frame of the model's code on the stack read ``name`` before its current instruction."""
+        while frame is not None:
+            if frame.f_code in self.codes and _read_before(frame.f_code, name, frame.f_lasti):
+                return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            frame = frame.f_back
+        return None
+
+    def restore(self) -> None:
+        """Every attribute the trace wrote back to its value before (torch.export puts them back itself)."""
+        for module, name, old in self.undo.values():
+            if old is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = old
+
+    def error(self) -> Optional[TraceError]:
+        """The refusal of a capture whose model carries a tensor from one call to the next, or None."""
+        if not self.carried:
+            return None
+        module, name, where = self.carried[0]
+        cls = type(module).__name__
+        return TraceError(
+            f"{cls}'s forward keeps a tensor in self.{name} from one call to the next (set at {where}, after the "
+            f"code read the value the call before left there): a graph runs every call as the captured call ran "
+            f"and writes no attribute, so the converted module would drop that state. What to do: convert in place "
+            f"(fxamp.convert_), where the block that holds it runs as written, or keep the state in a buffer "
+            f"(register_buffer) updated in place (self.{name}.copy_(...)), which a graph records",
+            short=f"{cls} keeps a tensor in self.{name} between calls")
