@@ -9,6 +9,8 @@ dropout, ``state_dict`` keys, ``ModelOutput`` structure and float32 outputs and 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -168,3 +170,24 @@ def test_llama_without_attention_dropout_is_captured_once():
         train_out = amp.train()(x).logits
         eval_out = amp.eval()(x).logits
     assert torch.equal(train_out, eval_out)  # no dropout in either mode
+
+
+def test_recurrent_gemma_generates_in_place_with_its_states_kept_by_its_layers():
+    """RecurrentGemma keeps its convolution and recurrence states in plain attributes between calls: the capture of
+    its layers is refused (they run as written) and leaves no torch.fx proxy there (generate failed on one)."""
+    torch.manual_seed(0)
+    config = transformers.RecurrentGemmaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                               lru_width=32, attention_window_size=8,
+                                               block_types=["recurrent", "attention"])
+    model = transformers.RecurrentGemmaForCausalLM(config).eval()
+    amp = fxamp.convert_(copy.deepcopy(model), "O2", dtype=torch.bfloat16)
+    prompt = ids(2, 5)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="keeps a tensor in self.conv1d_state between calls"):
+        out = amp.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 9)
+    states = [v for m in amp.modules() for k, v in vars(m).items() if k in ("conv1d_state", "recurrent_states")]
+    assert states and all(v is None or type(v) is torch.Tensor for v in states)
+    with torch.no_grad():
+        want, got = model(out).logits, amp(out).logits
+    assert float((got - want).norm() / want.norm()) < 0.02
