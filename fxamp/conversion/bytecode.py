@@ -25,7 +25,7 @@ from typing import Collection, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["codes_of", "reads_values", "passes_on", "calls_outside_forward", "feeds_only", "function_calls", "METADATA"]
+__all__ = ["codes_of", "reads_values", "passes_on", "calls_outside_forward", "feeds_only", "function_calls", "METADATA", "NONE_TESTS"]
 
 #: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
 METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
@@ -34,7 +34,7 @@ _LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 #: a local's plain load (3.12 adds the checked form, 3.14 the borrowed one)
 _LOCAL_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")
 #: a test of a local against None (``if inputs_embeds is None:``): no use of its values
-_NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
+NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
                "POP_JUMP_BACKWARD_IF_NOT_NONE", "POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE")
 
 
@@ -109,7 +109,7 @@ def passes_on(code: types.CodeType, attr: str, owner: bool = True) -> bool:
         if not owner and k >= 1 and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me:
             continue  # (self.<attr> of a module further up: its own child of that name)
         b = ins[k + 1]
-        if b.opname in _LOADS or b.opname in _NONE_TESTS or (b.opname == "LOAD_CONST" and b.argval is None):
+        if b.opname in _LOADS or b.opname in NONE_TESTS or (b.opname == "LOAD_CONST" and b.argval is None):
             continue
         return True
     return False
@@ -184,7 +184,7 @@ def _harmless(ins: List[dis.Instruction], j: int, me: str, into: Collection[str]
     if ins[j].opname not in _LOCAL_LOADS:
         return False
     n = _next(ins, j)
-    if n is not None and (ins[n].opname in _NONE_TESTS or (ins[n].opname in _LOADS and ins[n].argval in METADATA)):
+    if n is not None and (ins[n].opname in NONE_TESTS or (ins[n].opname in _LOADS and ins[n].argval in METADATA)):
         return True
     if n is not None and n + 1 < len(ins) and ins[n].opname == "LOAD_CONST" and ins[n].argval is None \
             and ins[n + 1].opname == "IS_OP":  # (``(input_ids is None) ^ (inputs_embeds is not None)``)

@@ -301,6 +301,20 @@ class Rotary(nn.Module):
         return self.lin(x + self.table[:x.shape[1]])
 
 
+class Grown(nn.Module):
+    """A table grown when a longer sequence comes: forward reads its size, not its values, before the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = torch.zeros(2, 8)
+
+    def forward(self, x):
+        if self.table.shape[0] < x.shape[1]:
+            self.table = torch.arange(x.shape[1], dtype=torch.float32)[:, None].expand(-1, 8) / 8
+        return self.lin(x + self.table[:x.shape[1]])
+
+
 class Stash(nn.Module):
     """The last attention kept for a look after the call, never read by forward."""
 
@@ -345,8 +359,8 @@ def test_in_place_a_block_that_keeps_a_tensor_between_calls_runs_as_written():
     assert all(type(m.state) is torch.Tensor for m in amp)
 
 
-@pytest.mark.parametrize("path", ["fx", "export", "in-place"])
-@pytest.mark.parametrize("make", [Rotary, Stash])
+@pytest.mark.parametrize("make,path", [(m, p) for m in (Rotary, Grown, Stash) for p in ("fx", "export", "in-place")
+                                       if (m, p) != (Grown, "fx")])  # (torch.fx cannot branch on a shape)
 def test_a_table_filled_before_its_read_or_a_stash_is_not_refused_and_leaves_no_proxy(make, path):
     """Neither reads a value an earlier call left. The trace's writes are undone: under torch.fx they were proxies,
     left in the user's module (a child: the whole-model capture traces a shallow copy of the root only)."""

@@ -5,8 +5,8 @@ A graph runs every call as the captured call ran: it read the attribute once, at
 so a converted module would drop the state the model carries, silently.  Such a capture is refused.  While
 tracing, each ``nn.Module.__setattr__`` of a tensor (a proxy, a fake tensor) under a name the traced code
 stores is seen (``sys.setprofile``, only for models whose code stores an attribute), and the write counts as
-carried state when a frame of the model's code on the stack read that name before it (an earlier instruction of
-the same function): the value of the call before.  A cache a helper fills and forward reads after it (a rotary
+carried state when a frame of the model's code on the stack read that name's value before it (an earlier
+instruction of the same function; not its shape, nor a test against None): the value of the call before.  A cache a helper fills and forward reads after it (a rotary
 table) is no such read.  Every write seen is undone after the trace: a torch.fx proxy left in the user's module
 would reach the next call.
 """
@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import TraceError
+from ..bytecode import METADATA, NONE_TESTS
 
 __all__ = ["StateWatch", "stored_names"]
 
@@ -47,8 +48,23 @@ def _stores(code: types.CodeType) -> FrozenSet[str]:
 
 
 def _read_before(code: types.CodeType, name: str, offset: int) -> bool:
-    return any(ins.opname in _LOADS and ins.argval == name and ins.offset < offset
-               for ins in dis.get_instructions(code))
+    """Whether ``code`` reads the value of ``<x>.<name>`` before ``offset``: not its shape, dtype or device, nor a
+    test against None (``if self.weights.size(0) < n:`` before a table grows is no state read)."""
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PRECALL", "EXTENDED_ARG")]
+    for k, i in enumerate(ins):
+        if i.offset >= offset:
+            return False
+        if i.opname in _LOADS and i.argval == name and not _meta_use(ins[k + 1:k + 3]):
+            return True
+    return False
+
+
+def _meta_use(after: List[dis.Instruction]) -> bool:
+    if not after:
+        return False
+    first = after[0]
+    return (first.opname in _LOADS and first.argval in METADATA) or first.opname in NONE_TESTS or (
+        first.opname == "LOAD_CONST" and first.argval is None and len(after) > 1 and after[1].opname == "IS_OP")
 
 
 class StateWatch:
