@@ -48,6 +48,7 @@ from .calls import bound_root, describe_call, flatten_call, leaf_names, undo_poi
 from .capture import capture, capture_with_values
 from .capture.hooks import HOOK_DICTS, global_hooks, submodule_hooks
 from .capture.common import user_line
+from .capture.carried_state import CarriedState
 from .capture.concrete import LATE_BRANCH, GuardFailed, LateGuardFailed, guard
 from .capture.modes import MODE_FLAG, ModeFlag
 from .capture.shapes import STATIC_SIZES, dim_ranges, input_name
@@ -269,6 +270,9 @@ class Family:
                 logger.info("fxamp: %s: torch.fx with the call's values failed too: %s", what, e.short)
         if captured is None:
             e = fx_error or concrete_error
+            carried = next((x for x in (fx_error, concrete_error) if isinstance(x, CarriedState)), None)
+            if carried is not None:  # (torch.export would refuse it too)
+                raise carried
             opaque = [type(v).__name__ for v in leaves if not isinstance(v, torch.Tensor)]
             if opaque:
                 raise TraceError(
@@ -426,6 +430,15 @@ def _where(error: TraceError) -> str:
     return f", at {line}" if line else ""
 
 
+def _what_to_do(error: TraceError, family: "Family") -> str:
+    if isinstance(error, CarriedState):  # (whole, it is refused too)
+        held = ("the block itself" if isinstance(error.module, family.cls) else
+                f"the {type(error.module).__name__} holding the state")
+        return (f"to convert the rest of it, give convert_ finer blocks (blocks=[...] globs under "
+                f"{family.paths[0]!r}) that leave out {held}")
+    return "to convert it, make its forward traceable there, or convert the model whole with fxamp.convert"
+
+
 class _AsWritten:
     """A call signature of a family that no front end could capture: the block's class's own forward runs,
     unconverted, in float32.  Tensors conversion stored low (O2/O3) are read as float32 values cast from
@@ -441,8 +454,8 @@ class _AsWritten:
         what = f"{'glue module' if family.glue else 'block'} {family.paths[0]!r} ({family.cls.__name__})"
         shared = f" and the {len(family.paths) - 1} other(s) of its family" if len(family.paths) > 1 else ""
         self.note = (f"fxamp.convert_: {what}{shared} run(s) as written (unconverted, float32) for calls with "
-                     f"{self.description}: it could not be captured ({error.short}{_where(error)}); to convert it, "
-                     f"make its forward traceable there, or convert the model whole with fxamp.convert")
+                     f"{self.description}: it could not be captured ({error.short}{_where(error)}); "
+                     f"{_what_to_do(error, family)}")
         warnings.warn(self.note, RuntimeWarning, stacklevel=6)  # (the line that called the block)
         logger.info("%s", error)
 

@@ -25,12 +25,20 @@ import torch.nn as nn
 from ...errors import TraceError
 from ..bytecode import METADATA, NONE_TESTS
 
-__all__ = ["StateWatch", "stored_names"]
+__all__ = ["CarriedState", "StateWatch", "stored_names"]
 
 _SETATTR = nn.Module.__setattr__.__code__
 _LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 _STORE_ATTR = dis.opmap["STORE_ATTR"]
 _MISSING = object()
+
+
+class CarriedState(TraceError):
+    """A capture refused because the model keeps a tensor in a plain attribute from one call to the next."""
+
+    def __init__(self, message: str, short: str, module: nn.Module) -> None:
+        super().__init__(message, short=short)
+        self.module = module
 
 
 def stored_names(codes: Iterable[types.CodeType]) -> FrozenSet[str]:
@@ -108,16 +116,16 @@ class StateWatch:
             else:
                 module.__dict__[name] = old
 
-    def error(self) -> Optional[TraceError]:
+    def error(self) -> Optional[CarriedState]:
         """The refusal of a capture whose model carries a tensor from one call to the next, or None."""
         if not self.carried:
             return None
         module, name, where = self.carried[0]
         cls = type(module).__name__
-        return TraceError(
+        return CarriedState(
             f"{cls}'s forward keeps a tensor in self.{name} from one call to the next (set at {where}, after the "
             f"code read the value the call before left there): a graph runs every call as the captured call ran "
             f"and writes no attribute, so the converted module would drop that state. What to do: convert in place "
             f"(fxamp.convert_), where the block that holds it runs as written, or keep the state in a buffer "
             f"(register_buffer) updated in place (self.{name}.copy_(...)), which a graph records",
-            short=f"{cls} keeps a tensor in self.{name} between calls")
+            short=f"{cls} keeps a tensor in self.{name} between calls", module=module)
