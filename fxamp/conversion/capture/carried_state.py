@@ -2,13 +2,14 @@
 self.state`` ... ``self.state = y.detach()``; RecurrentGemma's ``conv1d_state`` and ``recurrent_states``).
 
 A graph runs every call as the captured call ran: it read the attribute once, at capture, and never writes it,
-so a converted module would drop the state the model carries, silently.  Such a capture is refused.  While
-tracing, each ``nn.Module.__setattr__`` of a tensor (a proxy, a fake tensor) under a name the traced code
-stores is seen (``sys.setprofile``, only for models whose code stores an attribute), and the write counts as
-carried state when a frame of the model's code on the stack read that name's value before it (an earlier
-instruction of the same function; not its shape, nor a test against None): the value of the call before.  A cache a helper fills and forward reads after it (a rotary
-table) is no such read.  Every write seen is undone after the trace: a torch.fx proxy left in the user's module
-would reach the next call.
+so a converted module would drop the state the model carries, silently.  Such a capture is refused.  Only code
+with a function that stores ``self.<name>`` after reading that attribute's value (not its shape, nor a test
+against None) is watched while traced (``sys.setprofile``): each ``nn.Module.__setattr__`` of a tensor (a proxy, a
+fake tensor) under such a name counts as carried state when a frame of the model's code on the stack read the
+name's value before it, the value of the call before.  A cache a helper fills and forward reads after it (a
+rotary table), a table grown for a longer sequence and a stash for a look after the call are not refused.  After
+every trace, an attribute it set to a torch.fx proxy or a fake tensor is put back (:func:`undo_proxies`): a proxy
+left in the user's module would reach the next call.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import functools
 import types
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
+import contextlib
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 from ...errors import TraceError
-from ..bytecode import METADATA, NONE_TESTS
+from ..bytecode import LOCAL_LOADS, METADATA, NONE_TESTS
 
-__all__ = ["CarriedState", "StateWatch", "stored_names"]
+__all__ = ["CarriedState", "StateWatch", "carried_candidates", "undo_proxies"]
 
 _SETATTR = nn.Module.__setattr__.__code__
 _LOADS = ("LOAD_ATTR", "LOAD_METHOD")
@@ -41,18 +45,25 @@ class CarriedState(TraceError):
         self.module = module
 
 
-def stored_names(codes: Iterable[types.CodeType]) -> FrozenSet[str]:
-    """The attribute names the code stores (``self.x = ...``): the only ones whose writes are watched (most
-    models: none, and the trace is not watched)."""
-    return frozenset(name for code in codes for name in _stores(code))
+def carried_candidates(codes: Iterable[types.CodeType]) -> FrozenSet[str]:
+    """The attribute names some function of the code stores on its ``self`` after reading that attribute's value:
+    the only ones whose writes are watched (most models: none, and the trace is not watched)."""
+    return frozenset(name for code in codes for name in _candidates(code))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stores(code: types.CodeType) -> FrozenSet[str]:
-    """The attribute names one function stores (every capture of a model asks again)."""
-    if _STORE_ATTR not in code.co_code[::2]:  # (most code: no disassembly)
+def _candidates(code: types.CodeType) -> FrozenSet[str]:
+    """One function's names stored on its first argument after a read of their value (asked at every capture)."""
+    if _STORE_ATTR not in code.co_code[::2] or not code.co_argcount:  # (most code: no disassembly)
         return frozenset()
-    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
+    me = code.co_varnames[0]
+    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PRECALL", "EXTENDED_ARG")]
+    out = set()
+    for k, i in enumerate(ins):
+        if i.opname == "STORE_ATTR" and k and ins[k - 1].opname in LOCAL_LOADS and ins[k - 1].argval == me and \
+                _read_before(code, i.argval, i.offset):
+            out.add(i.argval)
+    return frozenset(out)
 
 
 def _read_before(code: types.CodeType, name: str, offset: int) -> bool:
@@ -129,3 +140,20 @@ class StateWatch:
             f"(fxamp.convert_), where the block that holds it runs as written, or keep the state in a buffer "
             f"(register_buffer) updated in place (self.{name}.copy_(...)), which a graph records",
             short=f"{cls} keeps a tensor in self.{name} between calls", module=module)
+
+
+@contextlib.contextmanager
+def undo_proxies(model: nn.Module) -> Any:
+    """Around a trace: an attribute of the model's modules that the trace set to a torch.fx proxy or a fake tensor
+    is put back (a proxy left there reaches the next call: RecurrentGemma's ``generate`` failed on one)."""
+    before = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, old in before:
+            for name, value in list(m.__dict__.items()):
+                if isinstance(value, (fx.Proxy, FakeTensor)) and old.get(name, _MISSING) is not value:
+                    if name in old:
+                        m.__dict__[name] = old[name]
+                    else:
+                        del m.__dict__[name]

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ...errors import TraceError
 from ..bytecode import codes_of, function_calls
-from .carried_state import StateWatch, stored_names
+from .carried_state import StateWatch, carried_candidates, undo_proxies
 
 __all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn",
            "torchscript_error", "scripted_paths", "distributions_hint", "watched_trace"]
@@ -150,11 +150,12 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
     codes = {code for c in classes for code in codes_of(c, unwrap=True)}
     hooking = set() if keeps_calls else {code for code in codes if "register_hook" in code.co_names}
     reading = {code for code in codes if {"item", "tolist"} & set(code.co_names)} if bakes_reads else set()
-    stored = stored_names(codes)
+    stored = carried_candidates(codes)
     watch = StateWatch(stored, codes) if stored else None  # (tensors forward keeps in attributes: carried_state.py)
     notes: List[str] = []
     if (not calls and not hooking and not reading and watch is None) or sys.getprofile() is not None:
-        yield notes  # (nothing to watch, or a user's profiler, which is left be)
+        with undo_proxies(model):
+            yield notes  # (nothing to watch, or a user's profiler, which is left be)
         return
     tensors = {id(t): name for name, t in model.named_buffers()} if reading else {}
     ran: Dict[type, str] = {}
@@ -178,7 +179,8 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
 
     sys.setprofile(profile)
     try:
-        yield notes
+        with undo_proxies(model):
+            yield notes
     finally:
         sys.setprofile(None)
         if watch is not None:
