@@ -25,16 +25,17 @@ from typing import Collection, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["codes_of", "reads_values", "passes_on", "calls_outside_forward", "feeds_only", "function_calls", "METADATA", "NONE_TESTS", "LOCAL_LOADS"]
+__all__ = ["codes_of", "reads_values", "passes_on", "calls_outside_forward", "feeds_only", "function_calls", "METADATA",
+           "stores_after_read", "reads_value_before"]
 
 #: what a read of a tensor's metadata goes on to: no use of its values, whatever its dtype
 METADATA = ("shape", "size", "dtype", "device", "ndim", "dim", "numel", "nelement", "is_cuda", "requires_grad")
 
 _LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 #: a local's plain load (3.12 adds the checked form, 3.14 the borrowed one)
-LOCAL_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")
+_LOCAL_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW")
 #: a test of a local against None (``if inputs_embeds is None:``): no use of its values
-NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
+_NONE_TESTS = ("POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
                "POP_JUMP_BACKWARD_IF_NOT_NONE", "POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE")
 
 
@@ -90,7 +91,7 @@ def reads_values(code: types.CodeType, attr: str, name: str, owner: bool = True)
     me = code.co_varnames[0] if code.co_argcount else None
     return any(a.opname == "LOAD_ATTR" and a.argval == attr and b.opname in _LOADS and b.argval == name
                and not (c.opname in _LOADS and c.argval in METADATA)
-               and (owner or not (k >= 1 and ins[k - 1].opname in LOCAL_LOADS and ins[k - 1].argval == me))
+               and (owner or not (k >= 1 and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me))
                for k, (a, b, c) in enumerate(zip(ins, ins[1:], ins[2:] + [ins[-1]])))
 
 
@@ -106,13 +107,47 @@ def passes_on(code: types.CodeType, attr: str, owner: bool = True) -> bool:
     for k, a in enumerate(ins):
         if a.opname != "LOAD_ATTR" or a.argval != attr or k + 1 >= len(ins):
             continue
-        if not owner and k >= 1 and ins[k - 1].opname in LOCAL_LOADS and ins[k - 1].argval == me:
+        if not owner and k >= 1 and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me:
             continue  # (self.<attr> of a module further up: its own child of that name)
         b = ins[k + 1]
-        if b.opname in _LOADS or b.opname in NONE_TESTS or (b.opname == "LOAD_CONST" and b.argval is None):
+        if b.opname in _LOADS or b.opname in _NONE_TESTS or (b.opname == "LOAD_CONST" and b.argval is None):
             continue
         return True
     return False
+
+
+@functools.lru_cache(maxsize=4096)
+def stores_after_read(code: types.CodeType) -> Tuple[str, ...]:
+    """The names ``code`` stores on its first argument (``self.<name> = ...``) after reading that attribute's value
+    earlier in the function (:func:`reads_value_before`): state a call leaves for the next one."""
+    if not code.co_argcount or "STORE_ATTR" not in {dis.opname[op] for op in code.co_code[::2]}:
+        return ()
+    me = code.co_varnames[0]
+    ins = _instructions(code)
+    return tuple(dict.fromkeys(
+        b.argval for a, b in zip(ins, ins[1:]) if b.opname == "STORE_ATTR" and a.opname in _LOCAL_LOADS
+        and a.argval == me and reads_value_before(code, b.argval, b.offset)))
+
+
+def reads_value_before(code: types.CodeType, name: str, offset: int) -> bool:
+    """Whether ``code`` reads the value of ``<something>.<name>`` at an instruction before ``offset``: not its
+    shape, dtype or device, nor a test against None (``if self.table.size(0) < n:`` before a table grows)."""
+    ins = [i for i in _instructions(code) if i.opname != "PRECALL"]
+    for k, a in enumerate(ins):
+        if a.offset >= offset:
+            return False
+        if a.opname in _LOADS and a.argval == name and not _no_value_use(ins, k + 1):
+            return True
+    return False
+
+
+def _no_value_use(ins: List[dis.Instruction], n: int) -> bool:
+    """What ``ins[n]`` does with the value just loaded reads no tensor data: a metadata read or a None test."""
+    if n >= len(ins):
+        return False
+    b = ins[n]
+    return (b.opname in _LOADS and b.argval in METADATA) or b.opname in _NONE_TESTS or (
+        b.opname == "LOAD_CONST" and b.argval is None and n + 1 < len(ins) and ins[n + 1].opname == "IS_OP")
 
 
 def calls_outside_forward(cls: type, children: Collection[str]) -> List[Tuple[str, str]]:
@@ -133,7 +168,7 @@ def calls_outside_forward(cls: type, children: Collection[str]) -> List[Tuple[st
             me = code.co_varnames[0]
             for k in range(1, len(ins)):
                 a, b = ins[k - 1], ins[k]
-                if (a.opname in LOCAL_LOADS and a.argval == me and b.opname in _LOADS and b.argval in children
+                if (a.opname in _LOCAL_LOADS and a.argval == me and b.opname in _LOADS and b.argval in children
                         and (b.opname == "LOAD_METHOD" or _call_end(ins, k) is not None)):
                     out.append((name, b.argval))
                     break
@@ -157,7 +192,7 @@ def feeds_only(code: types.CodeType, child: str, into: Collection[str]) -> Optio
 def _self_load(ins: List[dis.Instruction], k: int, me: str, names: Collection[str]) -> bool:
     """``ins[k]`` loads ``<me>.<one of names>`` straight from the local ``me``."""
     return (k >= 1 and ins[k].opname in _LOADS and ins[k].argval in names
-            and ins[k - 1].opname in LOCAL_LOADS and ins[k - 1].argval == me)
+            and ins[k - 1].opname in _LOCAL_LOADS and ins[k - 1].argval == me)
 
 
 def _result_feeds(ins: List[dis.Instruction], k: int, me: str, into: Collection[str]) -> bool:
@@ -181,10 +216,10 @@ def _harmless(ins: List[dis.Instruction], j: int, me: str, into: Collection[str]
     hand it to ``into``; anything else (a closure's cell, a superinstruction of two locals) is not followed."""
     if ins[j].opname in ("STORE_FAST", "DELETE_FAST"):
         return True
-    if ins[j].opname not in LOCAL_LOADS:
+    if ins[j].opname not in _LOCAL_LOADS:
         return False
     n = _next(ins, j)
-    if n is not None and (ins[n].opname in NONE_TESTS or (ins[n].opname in _LOADS and ins[n].argval in METADATA)):
+    if n is not None and (ins[n].opname in _NONE_TESTS or (ins[n].opname in _LOADS and ins[n].argval in METADATA)):
         return True
     if n is not None and n + 1 < len(ins) and ins[n].opname == "LOAD_CONST" and ins[n].argval is None \
             and ins[n + 1].opname == "IS_OP":  # (``(input_ids is None) ^ (inputs_embeds is not None)``)

@@ -30,6 +30,7 @@ from ...info import conversion_info
 from ..options import Dynamic
 from ..runtime.held_values import hold
 from .plain_reads import held_values
+from .carried_state import undo_proxies
 from .common import (Captured, FrontEnd, LeafSpec, shallow_copy, torchscript_error, watched_trace,
                      written_read_error)
 from .concrete import ConcreteFxFrontEnd
@@ -125,7 +126,9 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     def trace() -> fx.GraphModule:
         log = getattr(front, "written", [])
         seen = len(log)
-        with watched_trace(model, keeps_calls=front.name != "export", bakes_reads=front.name == "fx") as notes:
+        # (undo_proxies: a proxy or fake tensor the trace left in an attribute is put back, refused or not)
+        with undo_proxies(model), watched_trace(model, keeps_calls=front.name != "export",
+                                                bakes_reads=front.name == "fx") as notes:
             gm = front.trace()
         traced_functions.extend(n for n in notes if n not in traced_functions)
         for written in log[seen:]:

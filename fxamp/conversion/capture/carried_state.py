@@ -14,12 +14,9 @@ left in the user's module would reach the next call.
 
 from __future__ import annotations
 
-import dis
-import functools
-import types
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
-
 import contextlib
+import types
+from typing import Any, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -27,13 +24,11 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor  # (imported by torch itself)
 
 from ...errors import TraceError
-from ..bytecode import LOCAL_LOADS, METADATA, NONE_TESTS
+from ..bytecode import reads_value_before, stores_after_read
 
 __all__ = ["CarriedState", "StateWatch", "carried_candidates", "undo_proxies"]
 
 _SETATTR = nn.Module.__setattr__.__code__
-_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
-_STORE_ATTR = dis.opmap["STORE_ATTR"]
 _MISSING = object()
 
 
@@ -46,44 +41,10 @@ class CarriedState(TraceError):
 
 
 def carried_candidates(codes: Iterable[types.CodeType]) -> FrozenSet[str]:
-    """The attribute names some function of the code stores on its ``self`` after reading that attribute's value:
-    the only ones whose writes are watched (most models: none, and the trace is not watched)."""
-    return frozenset(name for code in codes for name in _candidates(code))
-
-
-@functools.lru_cache(maxsize=4096)
-def _candidates(code: types.CodeType) -> FrozenSet[str]:
-    """One function's names stored on its first argument after a read of their value (asked at every capture)."""
-    if _STORE_ATTR not in code.co_code[::2] or not code.co_argcount:  # (most code: no disassembly)
-        return frozenset()
-    me = code.co_varnames[0]
-    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PRECALL", "EXTENDED_ARG")]
-    out = set()
-    for k, i in enumerate(ins):
-        if i.opname == "STORE_ATTR" and k and ins[k - 1].opname in LOCAL_LOADS and ins[k - 1].argval == me and \
-                _read_before(code, i.argval, i.offset):
-            out.add(i.argval)
-    return frozenset(out)
-
-
-def _read_before(code: types.CodeType, name: str, offset: int) -> bool:
-    """Whether ``code`` reads the value of ``<x>.<name>`` before ``offset``: not its shape, dtype or device, nor a
-    test against None (``if self.weights.size(0) < n:`` before a table grows is no state read)."""
-    ins = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PRECALL", "EXTENDED_ARG")]
-    for k, i in enumerate(ins):
-        if i.offset >= offset:
-            return False
-        if i.opname in _LOADS and i.argval == name and not _meta_use(ins[k + 1:k + 3]):
-            return True
-    return False
-
-
-def _meta_use(after: List[dis.Instruction]) -> bool:
-    if not after:
-        return False
-    first = after[0]
-    return (first.opname in _LOADS and first.argval in METADATA) or first.opname in NONE_TESTS or (
-        first.opname == "LOAD_CONST" and first.argval is None and len(after) > 1 and after[1].opname == "IS_OP")
+    """The attribute names some function of the code stores on its ``self`` after reading that attribute's value
+    (``bytecode.stores_after_read``): the only ones whose writes are watched (most models: none, and the trace is
+    not watched)."""
+    return frozenset(name for code in codes for name in stores_after_read(code))
 
 
 class StateWatch:
@@ -92,8 +53,8 @@ class StateWatch:
     def __init__(self, names: FrozenSet[str], codes: Iterable[types.CodeType]) -> None:
         self.names = names
         self.codes = frozenset(codes)
-        self.undo: Dict[Tuple[int, str], Tuple[nn.Module, str, Any]] = {}
-        self.carried: List[Tuple[nn.Module, str, str]] = []  # (module, name, where it was read)
+        self.seen: Set[Tuple[int, str]] = set()  # (module id, name): its first write is the one that tells
+        self.carried: List[Tuple[nn.Module, str, str]] = []  # (module, name, where it was set)
 
     def see(self, frame: Any) -> None:
         """A ``call`` event's frame: note a tensor written to a plain attribute the code reads."""
@@ -104,28 +65,19 @@ class StateWatch:
         if name not in self.names or not isinstance(value, (torch.Tensor, fx.Proxy)) or \
                 not isinstance(module, nn.Module) or name in module._parameters or name in module._buffers:
             return
-        key = (id(module), name)
-        if key not in self.undo:
-            self.undo[key] = (module, name, module.__dict__.get(name, _MISSING))
+        if (id(module), name) not in self.seen:
+            self.seen.add((id(module), name))
             where = self._reader(frame.f_back, name)
             if where is not None:
                 self.carried.append((module, name, where))
 
     def _reader(self, frame: Any, name: str) -> Optional[str]:
-        """Where a frame of the model's code on the stack read ``name`` before its current instruction."""
+        """Where a frame of the model's code on the stack read ``name``'s value before its current instruction."""
         while frame is not None:
-            if frame.f_code in self.codes and _read_before(frame.f_code, name, frame.f_lasti):
+            if frame.f_code in self.codes and reads_value_before(frame.f_code, name, frame.f_lasti):
                 return f"{frame.f_code.co_filename}:{frame.f_lineno}"
             frame = frame.f_back
         return None
-
-    def restore(self) -> None:
-        """Every attribute the trace wrote back to its value before (torch.export puts them back itself)."""
-        for module, name, old in self.undo.values():
-            if old is _MISSING:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = old
 
     def error(self) -> Optional[CarriedState]:
         """The refusal of a capture whose model carries a tensor from one call to the next, or None."""

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ...errors import TraceError
 from ..bytecode import codes_of, function_calls
-from .carried_state import StateWatch, carried_candidates, undo_proxies
+from .carried_state import StateWatch, carried_candidates
 
 __all__ = ["Captured", "FrontEnd", "LeafSpec", "UnsoundCapture", "user_frame", "user_line", "warn",
            "torchscript_error", "scripted_paths", "distributions_hint", "watched_trace"]
@@ -154,8 +154,7 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
     watch = StateWatch(stored, codes) if stored else None  # (tensors forward keeps in attributes: carried_state.py)
     notes: List[str] = []
     if (not calls and not hooking and not reading and watch is None) or sys.getprofile() is not None:
-        with undo_proxies(model):
-            yield notes  # (nothing to watch, or a user's profiler, which is left be)
+        yield notes  # (nothing to watch, or a user's profiler, which is left be)
         return
     tensors = {id(t): name for name, t in model.named_buffers()} if reading else {}
     ran: Dict[type, str] = {}
@@ -179,12 +178,9 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
 
     sys.setprofile(profile)
     try:
-        with undo_proxies(model):
-            yield notes
+        yield notes
     finally:
         sys.setprofile(None)
-        if watch is not None:
-            watch.restore()
         for cls, where in ran.items():
             note = (f"the capture traced the forward of the custom autograd Function {cls.__name__} ({cls.__name__}"
                     f".apply at {where}): the converted module's backward is autograd's of its ops, not "
