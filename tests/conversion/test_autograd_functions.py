@@ -152,3 +152,32 @@ def test_a_loss_without_grad_from_a_traced_no_grad_function_says_so():
     opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(amp.layer.parameters(), lr=0.1), model=amp)
     with pytest.raises(ValueError, match="does not require grad.*custom autograd Function whose forward runs under"):
         opt.backward(amp(torch.randn(2, 8)).float().sum())
+
+
+class _CarriedSTE(nn.Module):
+    """RecurrentGemma's shape: a custom Function in a block that also keeps a tensor between calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.state = None
+
+    def forward(self, x):
+        if self.state is not None:
+            x = x + self.state
+        y = quantize(self.fc(x))
+        self.state = y.detach()
+        return y
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_a_capture_refused_after_its_trace_ran_a_function_says_only_why_it_was_refused(path):
+    """The Function's note is about a converted module's backward: a capture refused (here for the tensor kept in
+    self.state) converts nothing, so the user sees the refusal alone."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(fxamp.TraceError, match="keeps a tensor in self.state"):
+            convert(nn.Sequential(_CarriedSTE()), path)
+    assert not [w for w in caught if "custom autograd Function" in str(w.message)], [str(w.message) for w in caught]
+    with pytest.warns(UserWarning, match="custom autograd Function STE"):  # (the same Function, a capture that stands)
+        convert(nn.Sequential(Block("ste")), path)

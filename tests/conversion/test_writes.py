@@ -381,3 +381,27 @@ def test_a_table_filled_before_its_read_or_a_stash_is_not_refused_and_leaves_no_
 
 def rel_err(a, b):
     return float((a.float() - b).norm() / b.norm())
+
+
+class CountedStash(Stash):
+    """A counter (a plain attribute forward sets, so the capture is taken again at its new value) and a stash."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_the_second_trace_of_a_written_attribute_leaves_no_proxy_either(path):
+    """The counter's check traces forward again at calls=1, which writes the stash again: a torch.fx proxy (export: a
+    fake tensor) left there reached the user's next call."""
+    model, x = CountedStash(), torch.randn(2, 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the counter and the stash are noted)
+        amp = _convert(nn.Sequential(model), path, x)
+    assert "last" not in vars(model) or type(model.last) is torch.Tensor, type(model.last)
+    assert rel_err(amp(x), model(x)) < 1e-2

@@ -126,17 +126,18 @@ def _run(model: nn.Module, front: FrontEnd, graph_per_mode: bool = False) -> Cap
     def trace() -> fx.GraphModule:
         log = getattr(front, "written", [])
         seen = len(log)
-        # (undo_proxies: a proxy or fake tensor the trace left in an attribute is put back, refused or not)
-        with undo_proxies(model), watched_trace(model, keeps_calls=front.name != "export",
-                                                bakes_reads=front.name == "fx") as notes:
-            gm = front.trace()
-        traced_functions.extend(n for n in notes if n not in traced_functions)
-        for written in log[seen:]:
-            error = written_read_error(model, front.trace, gm, written, log)
-            if error is not None:  # (refused: the user's model keeps the values it had)
-                for path, name, old, _ in log[seen:]:
-                    vars(model.get_submodule(path))[name] = old
-                raise error
+        # (undo_proxies: a proxy or fake tensor the trace left in an attribute is put back, refused or not; around
+        # written_read_error's second trace too, which writes the same attributes)
+        with undo_proxies(model):
+            with watched_trace(model, keeps_calls=front.name != "export", bakes_reads=front.name == "fx") as notes:
+                gm = front.trace()
+            traced_functions.extend(n for n in notes if n not in traced_functions)
+            for written in log[seen:]:
+                error = written_read_error(model, front.trace, gm, written, log)
+                if error is not None:  # (refused: the user's model keeps the values it had)
+                    for path, name, old, _ in log[seen:]:
+                        vars(model.get_submodule(path))[name] = old
+                    raise error
         return gm
 
     try:

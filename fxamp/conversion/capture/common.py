@@ -97,9 +97,11 @@ def user_line(e: BaseException, short: bool = False) -> str:
 
 
 def warn(message: str) -> None:
-    """``warnings.warn`` pointing at the user's call (the first frame outside fxamp), prefixed ``fxamp:``."""
+    """``warnings.warn`` pointing at the user's call (the first frame outside fxamp and contextlib, through which
+    a ``with`` of fxamp's warns as it ends), prefixed ``fxamp:``."""
     level, frame = 2, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FXAMP_DIR):
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(_FXAMP_DIR)
+                                 or frame.f_code.co_filename == contextlib.__file__):
         level, frame = level + 1, frame.f_back
     warnings.warn(f"fxamp: {message}", stacklevel=level)
 
@@ -181,16 +183,6 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
         yield notes
     finally:
         sys.setprofile(None)
-        for cls, where in ran.items():
-            note = (f"the capture traced the forward of the custom autograd Function {cls.__name__} ({cls.__name__}"
-                    f".apply at {where}): the converted module's backward is autograd's of its ops, not "
-                    f"{cls.__name__}.backward, which is right only where that is their derivative (BLOOM's "
-                    f"GeLUFunction) and wrong where it is not (a straight-through estimator's gradient becomes "
-                    f"round's zero). To keep its backward, keep the module that calls it out of the capture: "
-                    f"frontend='fx' with leaf_modules=[its path], or, in place, blocks= globs that leave it out (it "
-                    f"then runs as written)")
-            notes.append(note)
-            warn(note)
     if reads:
         raise UnsoundCapture(
             f"forward reads the value of buffer {reads[0]}: torch.fx runs the read once, while tracing, and the "
@@ -207,6 +199,17 @@ def watched_trace(model: nn.Module, keeps_calls: bool = True, bakes_reads: bool 
             f"the model's (torch.fx cannot record a hook function either). Convert in place with fxamp.convert_ "
             f"(the block that registers it keeps the hook), or register the hook outside forward",
             short=f"a tensor hook registered at {hooks[0]}")
+    # (only for a capture that stands: one refused above, or failed, is no converted module to warn about)
+    for cls, where in ran.items():
+        note = (f"the capture traced the forward of the custom autograd Function {cls.__name__} ({cls.__name__}"
+                f".apply at {where}): the converted module's backward is autograd's of its ops, not "
+                f"{cls.__name__}.backward, which is right only where that is their derivative (BLOOM's "
+                f"GeLUFunction) and wrong where it is not (a straight-through estimator's gradient becomes "
+                f"round's zero). To keep its backward, keep the module that calls it out of the capture: "
+                f"frontend='fx' with leaf_modules=[its path], or, in place, blocks= globs that leave it out (it "
+                f"then runs as written)")
+        notes.append(note)
+        warn(note)
 
 
 #: the code torch runs for ``Tensor.register_hook`` (a Python method: a profiler sees its calls)
