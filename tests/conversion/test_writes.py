@@ -405,3 +405,65 @@ def test_the_second_trace_of_a_written_attribute_leaves_no_proxy_either(path):
         amp = _convert(nn.Sequential(model), path, x)
     assert "last" not in vars(model) or type(model.last) is torch.Tensor, type(model.last)
     assert rel_err(amp(x), model(x)) < 1e-2
+
+
+class BiasCache(nn.Module):
+    """LeViT's attention (Hugging Face's and timm's): an eval call caches the attention biases, gathered from a
+    parameter, in a dict keyed by device; ``train()`` empties it."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.biases = nn.Parameter(torch.randn(2, 7) * 0.5)
+        self.register_buffer("idxs", torch.randint(0, 7, (4, 4)), persistent=False)
+        self.cache = {}
+
+    @torch.no_grad()
+    def train(self, mode=True):
+        super().train(mode)
+        if mode and self.cache:
+            self.cache = {}
+        return self
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        if self.training:
+            bias = self.biases[:, self.idxs]
+        else:
+            key = str(x.device)
+            if key not in self.cache:
+                self.cache[key] = self.biases[:, self.idxs]
+            bias = self.cache[key]
+        return ((q @ k.transpose(-2, -1) * 0.5 + bias).softmax(-1) @ v).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("path", ["fx", "export", "in-place"])
+def test_a_cache_an_eval_call_fills_holds_no_proxy_and_eval_after_a_step_reads_the_stepped_parameter(path):
+    """The trace's write into the dict is undone (torch.fx left a proxy there, keyed by a proxy; in place, the first
+    mode's capture left one that the eval capture read: a node of another graph), and the eval graph gathers the
+    biases from the parameter at every call: after a step that moves only them, eval follows (not the first call's)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(BiasCache(), nn.Linear(8, 8), BiasCache()), torch.randn(2, 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = (fxamp.convert_(model, "O1", dtype=torch.bfloat16) if path == "in-place" else
+               fxamp.convert(model, "O1", dtype=torch.bfloat16, frontend=path, example_inputs=(x,)))
+        amp.train()
+        biases = [p for name, p in amp.named_parameters() if name.endswith("biases")]
+        opt = fxamp.MixedPrecisionOptimizer(torch.optim.SGD(biases, lr=5.0), model=amp)
+        opt.backward(amp(x).float().pow(2).sum())  # (in place: the training mode's capture)
+        opt.step()
+        amp.eval()
+        with torch.no_grad():
+            got = amp(x).float()  # (in place: the eval mode's capture)
+    assert all(type(v) is torch.Tensor for m in model[::2] for v in list(m.cache.values()) + list(m.cache)
+               if not isinstance(v, str)), [m.cache for m in model[::2]]
+    torch.manual_seed(0)
+    first = nn.Sequential(BiasCache(), nn.Linear(8, 8), BiasCache()).eval()  # (the weights before the step)
+    stepped = copy.deepcopy(first)
+    stepped.load_state_dict(opt.fp32_state_dict())
+    with torch.no_grad():
+        want, stale = stepped(x), first(x)
+    assert rel_err(want, stale) > 0.05  # (the step moved the output: a graph holding the first biases is seen)
+    assert rel_err(got, want) < 1e-2, (rel_err(got, want), rel_err(got, stale))
