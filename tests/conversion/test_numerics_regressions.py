@@ -97,3 +97,40 @@ def test_convnextv2_grn_within_a_db_of_autocast(policy, dtype):
     rows = [r for r in fxamp.report(amp).rows if r.op.endswith("vector_norm")]
     assert rows and all(r.compute == "float32" for r in rows)
     assert _sqnr(ref, out) >= _sqnr(ref, auto.float()) - 1.0
+
+
+class _Rotary(torch.nn.Module):
+    """Llama's rotary embedding as Hugging Face writes it: a float32 ``inv_freq`` buffer read ``.float()`` into a
+    float32 product with the positions, under autocast(enabled=False)."""
+
+    def __init__(self, dim: int = 128):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), persistent=True)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, positions):
+        inv_freq = self.inv_freq[None, :, None].float().expand(positions.shape[0], -1, 1)
+        with torch.autocast("cpu", enabled=False):
+            angles = (inv_freq.float() @ positions[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat([angles, angles], dim=-1)
+        return self.proj(x * emb.cos() + x * emb.sin())
+
+
+def test_o2_keeps_a_buffer_float32_a_rotary_table_at_position_2000_as_autocast():
+    """A buffer has no float32 master: O2 stored Llama's inv_freq bfloat16 (its one user, .float(), follows its
+    input), a rounding no optimizer undoes and every checkpoint keeps. At position 2000 the rotary angles were off by
+    up to 2.4 radians (head dim 128): 8 dB against autocast's 51 dB. Buffers stay float32 under O2, and the
+    user's buffer comes back bitwise from a save."""
+    torch.manual_seed(0)
+    model = _Rotary().eval()
+    g = torch.Generator().manual_seed(1)
+    x, positions = torch.randn(1, 64, 128, generator=g), torch.arange(1984, 2048)[None]
+    with torch.no_grad():
+        ref = model(x, positions)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = model(x, positions).float()
+        amp = fxamp.convert(model, "O2", dtype=torch.bfloat16, example_inputs=(x, positions))
+        out = amp(x, positions).float()
+    assert dict(amp.named_buffers())["inv_freq"].dtype == torch.float32
+    assert torch.equal(amp.state_dict()["inv_freq"], model.inv_freq)
+    assert _sqnr(ref, out) >= _sqnr(ref, auto) - 3, (_sqnr(ref, out), _sqnr(ref, auto))

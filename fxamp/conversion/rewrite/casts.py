@@ -72,7 +72,8 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     tensor that enters the activations through an op that follows its inputs (a class token
     concatenated, a position embedding or a layer scale added or multiplied in) is stored in
     ``Policy.unsafe``: float32 under O2, as under autocast, where it keeps the residual stream in
-    float32; low under O3.  Lookups (an embedding table indexed by integer ids) are not such a mix.
+    float32; low under O3; so is every buffer, which has no float32 master to undo a rounding.  Lookups (an
+    embedding table indexed by integer ids) are not such a mix.
     Consumers are found through views (``w.t()``, ``w.view(...)``, ``w[0]``, splits): a transpose
     follows its input, but the op the transposed weight reaches decides.  Tied parameters stay
     tied.  Returns ``{name: new dtype}`` for the tensors that changed.
@@ -98,6 +99,11 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = fetch_attr(gm, node.target)
+            if not isinstance(value, nn.Parameter):
+                # a buffer has no float32 master: stored low, its rounding would be permanent and saved (Llama's
+                # rotary inv_freq, which forward reads .float() into float32 math: at position 2000 its angles were
+                # off by up to 2 radians); float32 unless unsafe ops run low too (O3), as predict_storage keeps them
+                want(value, policy.unsafe)
             for user in _consumers(node):
                 want(value, _wanted_storage(user, decisions, policy, infer))
         elif node.op == "call_module":
