@@ -579,3 +579,61 @@ def test_a_module_made_as_forward_runs_is_traced_through_by_torch_fx_and_in_plac
 def test_a_module_with_weights_made_as_forward_runs_is_refused_in_one_line():
     with pytest.raises(fxamp.TraceError, match=r"makes a Linear as it runs, with tensors of its own \(weight, bias\)"):
         fxamp.convert(MadeWithWeights(), "O1", dtype=torch.bfloat16, frontend="fx")
+
+
+# ---------------------------------------------------------------------------------------------
+# Each node's stack trace, as torch.fx records it
+# ---------------------------------------------------------------------------------------------
+
+
+class _Helper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = x * 2
+        return _helper_function(self.fc(y))
+
+
+def _helper_function(h):
+    return F.gelu(h) + h.sum(-1, keepdim=True)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Helper()
+        self.ln = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.ln(self.inner(x)).softmax(-1)
+
+
+def _frames(trace: str):
+    """Frames of a stack trace outside torch.fx's tracer and fxamp's (where each records it, one call apart)."""
+    import re
+
+    frames = re.findall(r'File "([^"]+)", line (\d+), in ([^\n]*)\n([^\n]*)', trace)
+    return [f for f in frames if "/torch/fx/" not in f[0] and "/fxamp/" not in f[0]]
+
+
+def test_the_stack_traces_fxamp_records_are_torch_fxs():
+    """fxamp records each node's stack trace from the live frames (torch.fx's recording symbolized and formatted the
+    whole stack at every node: half of an in-place capture's time); the regions, the checkpoint calls and the
+    messages read these traces, so they must hold what torch.fx's hold: the same frames and lines."""
+    from fxamp.conversion.capture.fx import FxTracer
+
+    ours = FxTracer()
+    ours.stack_traces = True
+    theirs = FxTracer()
+    theirs.record_stack_traces = True
+    graphs = [tracer.trace(_Outer()) for tracer in (ours, theirs)]
+    pairs = list(zip(graphs[0].nodes, graphs[1].nodes))
+    assert len(pairs) > 8 and all(a.name == b.name for a, b in pairs)
+    for a, b in pairs:
+        assert _frames(a.stack_trace or "") == _frames(b.stack_trace or ""), a.name
+    names = [f[2] for a, _ in pairs for f in _frames(a.stack_trace or "")]
+    assert "_helper_function" in names and any(f[3].strip() == "y = x * 2" for a, _ in pairs
+                                                for f in _frames(a.stack_trace or ""))
