@@ -4,7 +4,7 @@ the leaves that become graph inputs (tensors and opaque objects) and a tree to r
 call's opaque objects held, so a graph whose late guard fails can be undone::
 
     block(h, mask=None, cache=c, use_cache=True)
-      key    ((("T", float32, 3),), (("cache", ("O", DynamicCache)), ("mask", ("C", NoneType, None)),
+      key    ((("T", float32, 3, "cpu"),), (("cache", ("O", DynamicCache)), ("mask", ("C", NoneType, None)),
                                      ("use_cache", ("C", bool, True))))
       leaves [h, c]                  -> forward(self, arg0, cache, <lifted attributes>)
 """
@@ -33,7 +33,7 @@ def flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, Li
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             leaves.append(x)
-            return ("T", x.dtype, x.dim())
+            return ("T", x.dtype, x.dim(), x.device.type)  # (a graph may hold the device type: concrete.py)
         kind = type(x)
         if kind in (tuple, list):
             return (kind, tuple(walk(v) for v in x))

@@ -30,9 +30,9 @@ def test_tensors_and_opaque_objects_are_leaves_and_everything_else_is_a_constant
     key, leaves, tree = flatten_call((h, None, torch.Size([2, 3])), dict(use_cache=True, cache=c, masks=[m, 0.5]))
     assert leaves[0] is h and leaves[1] is c and leaves[2] is m  # arguments, then keywords in sorted order
     assert len(leaves) == 3 and key == tree
-    assert key[0] == (("T", torch.float32, 2), ("C", type(None), None), ("C", torch.Size, torch.Size([2, 3])))
+    assert key[0] == (("T", torch.float32, 2, "cpu"), ("C", type(None), None), ("C", torch.Size, torch.Size([2, 3])))
     assert key[1] == (("cache", ("O", Cache)),
-                      ("masks", (list, (("T", torch.bool, 1), ("C", float, 0.5)))),
+                      ("masks", (list, (("T", torch.bool, 1, "cpu"), ("C", float, 0.5)))),
                       ("use_cache", ("C", bool, True)))
     hash(key)  # a dict key: the graphs of a family are found by it
 

@@ -279,3 +279,47 @@ def test_the_report_names_guards_lengths_and_an_objects_methods_not_unlisted_ops
     ops = {r.op: r for r in rows}
     assert "Cache.update" in ops and "Tensor.update" not in ops and "a method of the Cache" in ops["Cache.update"].reason
     assert "branch guard fxamp inserted" in next(r.reason for r in rows if r.op.endswith("concrete.guard"))
+
+
+def _maybe_autocast(device_type, enabled=False):
+    """Hugging Face's ``maybe_autocast``, as Nemotron's norm calls it in every block: a region only where autocast
+    is on or asked for; it asks ``torch.is_autocast_enabled`` with the device type, a string."""
+    import contextlib
+
+    if torch.is_autocast_enabled(device_type) or enabled:
+        return torch.autocast(device_type, enabled=enabled)
+    return contextlib.nullcontext()
+
+
+class NormedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        b, n, _ = x.shape  # (plain torch.fx cannot unpack it: the capture with the call's values runs)
+        with _maybe_autocast(device_type=x.device.type, enabled=False):
+            h = self.norm(x.float())
+        return self.lin(h).view(b, n, 2, 4)
+
+
+def test_a_device_type_read_is_its_value_and_the_signature_holds_it():
+    """``x.device.type`` was a proxy, which torch.is_autocast_enabled refused ("unpackString"): every block of
+    Nemotron ran as written, in float32. The device type is the call's, and the call's key holds each tensor's."""
+    import warnings
+
+    import fxamp
+    from fxamp.conversion.calls import flatten_call
+
+    x = torch.randn(2, 4, 8)
+    gm = trace(NormedBlock(), x)
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is getattr and n.args[1] == "type"]
+    torch.manual_seed(0)
+    model = nn.Sequential(NormedBlock(), nn.Flatten(2), NormedBlock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no block runs as written
+        amp = fxamp.convert_(nn.Sequential(*[m for m in model]), "O1", dtype=torch.bfloat16)
+        out = amp[0](x)
+    want = model[0](x)
+    assert not torch.equal(out, want) and torch.allclose(out, want, atol=0.05)  # (converted: bfloat16 matmuls)
+    assert flatten_call((x,), {})[0] == ((("T", torch.float32, 3, "cpu"),), ())

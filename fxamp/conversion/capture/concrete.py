@@ -250,6 +250,10 @@ class _ConcreteProxy(fx.Proxy):
                 return value.dtype
             if name not in _META_ATTRS:
                 return super().__getattr__(name)  # a method: torch.fx's call_method node when called
+        elif isinstance(value, torch.device) and name == "type":
+            # fixed by the signature, which holds each tensor's device type: Hugging Face's maybe_autocast passes
+            # x.device.type to torch.is_autocast_enabled, which takes a string (Nemotron's norm, in every block)
+            return value.type
         elif value is None or isinstance(value, _SIMPLE) or callable(getattr(value, name, None)):
             return super().__getattr__(name)
         # a shape, or an object's data attribute (cache.is_updated): a node now, a proxy of this class
