@@ -72,9 +72,6 @@ KNOWN: Dict[Key, str] = {
     ("regnet", "in-place-rows", "*", "*"): _ROWS_BN,
     ("mobilevit", "in-place-rows", "*", "*"): _ROWS_BN,
     ("segformer", "in-place-rows", "*", "*"): _ROWS_BN + "; and a Linear on a transposed input is mm + add in place, addmm whole",
-    ("deberta_v2", "in-place-rows", "*", "*"): ("whole-model O2 stores DeBERTa's torch.tensor(head size) constant bfloat16 (only "
-                                                 "neutral ops read it) and runs its sqrt low; in place constants are float32 "
-                                                 "graph inputs (same values: the model casts the scale to bfloat16)"),
     ("mamba", "in-place-rows", "*", "*"): ("convert_ cannot capture MambaBlock (its scan calls torch.zeros with traced sizes, which "
                                            "torch.fx cannot record; torch.export cannot take the DynamicCache): it runs "
                                            "float32, warned with the line"),
