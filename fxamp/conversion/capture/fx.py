@@ -140,8 +140,9 @@ def stack_trace() -> str:
         code = f.f_code
         if code.co_filename in boring:
             continue
-        lines.append(f'  File "{code.co_filename}", line {f.f_lineno}, in {code.co_name}\n')
-        text = linecache.getline(code.co_filename, f.f_lineno).strip()
+        lineno = f.f_lineno or 0  # (None while a frame has no line: Python 3.12's instrumentation)
+        lines.append(f'  File "{code.co_filename}", line {lineno}, in {code.co_name}\n')
+        text = linecache.getline(code.co_filename, lineno).strip()
         if text:
             lines.append(f"    {text}\n")
     return "".join(lines).strip()
