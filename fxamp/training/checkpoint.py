@@ -23,7 +23,8 @@ parameter that can have one: those without state yet get zeros, made by the inne
 learning rate 0 on zero gradients (as torch's ``get_state_dict`` does) and taken out of it again, so the
 optimizer itself does not change; ``stateful`` says which entries are real, and :func:`load` keeps only
 those (gradients still pending are set aside for that step).  Where no such entry can be made (lean state, an
-optimizer other than torch's own Adam, AdamW, SGD...), :func:`load` refuses a checkpoint whose state did not arrive, in one line.
+optimizer other than torch's own Adam, AdamW, SGD...), :func:`load` refuses a checkpoint whose state did not
+arrive, in one line.
 """
 
 from __future__ import annotations

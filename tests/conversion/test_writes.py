@@ -467,3 +467,29 @@ def test_a_cache_an_eval_call_fills_holds_no_proxy_and_eval_after_a_step_reads_t
         want, stale = stepped(x), first(x)
     assert rel_err(want, stale) > 0.05  # (the step moved the output: a graph holding the first biases is seen)
     assert rel_err(got, want) < 1e-2, (rel_err(got, want), rel_err(got, stale))
+
+
+class DictStash(nn.Module):
+    """The last output kept for a look after the call, in a dict made anew at each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.last = {}
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.last = {"out": y.detach()}
+        return y
+
+
+@pytest.mark.parametrize("path", ["fx", "export"])
+def test_a_new_dict_a_trace_sets_holding_a_proxy_is_put_back(path):
+    """Not the dict the module had, filled (LeViT's cache, above), but a new one set in its place: the trace's
+    proxy (export: fake tensor) in it reached the user's next look at the stash."""
+    model, x = DictStash(), torch.randn(2, 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the stash is noted)
+        amp = _convert(nn.Sequential(model), path, x)
+    assert model.last == {}, model.last
+    assert rel_err(amp(x), model(x)) < 1e-2 and type(model.last["out"]) is torch.Tensor

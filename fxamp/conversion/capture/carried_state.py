@@ -102,12 +102,20 @@ def _traced(value: Any) -> bool:
     return isinstance(value, (fx.Proxy, FakeTensor))
 
 
+def _holds_traced(value: Any) -> bool:
+    """A proxy or fake tensor, or a dict or list holding one (at its first level)."""
+    if type(value) is dict:
+        return any(_traced(v) for v in value.values())
+    return any(_traced(v) for v in value) if type(value) is list else _traced(value)
+
+
 @contextlib.contextmanager
 def undo_proxies(model: nn.Module) -> Any:
     """Around a trace: an attribute of the model's modules that the trace set to a torch.fx proxy or a fake tensor
     is put back (a proxy left there reaches the next call: RecurrentGemma's ``generate`` failed on one); so are the
     contents of a dict or list attribute the trace put one into (LeViT's ``attention_bias_cache``, filled at an eval
-    call: the next capture read the last one's proxy, from another graph, and a fake tensor would reach a call)."""
+    call: the next capture read the last one's proxy, from another graph, and a fake tensor would reach a call), and an
+    attribute set to a new dict or list holding one."""
     before = [(m, dict(m.__dict__)) for m in model.modules()]
     held = [(c, dict(c) if isinstance(c, dict) else list(c)) for _, old in before
             for name, c in old.items() if name not in _MODULE_OWN and type(c) in (dict, list)]
@@ -116,13 +124,13 @@ def undo_proxies(model: nn.Module) -> Any:
     finally:
         for m, old in before:
             for name, value in list(m.__dict__.items()):
-                if _traced(value) and old.get(name, _MISSING) is not value:
+                if old.get(name, _MISSING) is not value and _holds_traced(value):
                     if name in old:
                         m.__dict__[name] = old[name]
                     else:
                         del m.__dict__[name]
         for container, contents in held:
-            if any(_traced(v) for v in (container.values() if isinstance(container, dict) else container)):
+            if _holds_traced(container):
                 if isinstance(container, dict):
                     container.clear()
                     container.update(contents)

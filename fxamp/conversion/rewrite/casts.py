@@ -102,7 +102,7 @@ def store_params(gm: fx.GraphModule, decisions: Dict[fx.Node, Decision], policy:
             if not isinstance(value, nn.Parameter):
                 # a buffer has no float32 master: stored low, its rounding would be permanent and saved (Llama's
                 # rotary inv_freq, which forward reads .float() into float32 math: at position 2000 its angles were
-                # off by up to 2 radians); float32 unless unsafe ops run low too (O3), as predict_storage keeps them
+                # off by up to 2.4 radians); float32 unless unsafe ops run low too (O3), as predict_storage keeps them
                 want(value, policy.unsafe)
             for user in _consumers(node):
                 want(value, _wanted_storage(user, decisions, policy, infer))
